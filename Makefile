@@ -1,0 +1,32 @@
+# The newcomer's two commands:
+#   make demo   set up, then run the main job (checkpoint, kill, restore a live process)
+#   make test   set up, then run the test suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.smr-installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP) .tools/.installed-v1
+
+.tools/.installed-v1: scripts/install-tools.sh
+	./scripts/install-tools.sh
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/smr demo
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -ra
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .tools

@@ -1,0 +1,171 @@
+"""Settings: environment variables under ``SMR_``, optionally a TOML file.
+
+Every setting is listed once in ``SETTINGS`` with its default and meaning;
+``smr config`` prints them. Precedence: environment, then the file named by
+``SMR_CONFIG`` (keys are the names without the prefix, lower-case), then the
+default. Invalid values fail at start with the setting's name and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smr.errors import ConfigError
+
+PREFIX = "SMR_"
+REPO_TOOLS = Path(__file__).resolve().parent.parent / ".tools" / "bin"
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _pos_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise ValueError("expected an integer >= 1")
+    return n
+
+
+def _pos_float(v: str) -> float:
+    x = float(v)
+    if x <= 0:
+        raise ValueError("expected a number > 0")
+    return x
+
+
+def _choice(*opts: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        if v not in opts:
+            raise ValueError(f"expected one of {', '.join(opts)}")
+        return v
+
+    return parse
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "smr")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("NATS_URL", "", str, "NATS server URL; empty: `smr up` starts an embedded nats-server"),
+    Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
+    Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
+    Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
+    Setting("STORAGE_PATH", "", str, "local backend's directory; default: DATA_DIR/checkpoints"),
+    Setting("S3_BUCKET", "", str, "S3 bucket (backend s3)"),
+    Setting("S3_PREFIX", "smr", str, "key prefix inside the bucket"),
+    Setting("S3_ENDPOINT", "", str, "S3-compatible endpoint URL; empty: AWS"),
+    Setting("S3_PATH_STYLE", False, _bool, "path-style S3 addressing (most non-AWS servers)"),
+    Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
+    Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
+    Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),
+    Setting("MAX_DELIVER", 5, _pos_int, "deliveries of one request before it is dead-lettered"),
+    Setting("ACK_WAIT", 30.0, _pos_float, "seconds before an un-acked request is redelivered"),
+    Setting("DEDUPE_WINDOW", 3600.0, _pos_float, "seconds JetStream remembers a request_id"),
+)
+
+
+def _find_binary(explicit: str, name: str, setting: str) -> str:
+    if explicit:
+        return explicit
+    local = REPO_TOOLS / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise ConfigError(
+        f"{name} not found", code="binary-missing",
+        hint=f"run `make setup`, or set {PREFIX}{setting} to the {name} binary",
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, item: str) -> Any:
+        try:
+            return self.values[item.upper()]
+        except KeyError:
+            raise AttributeError(item) from None
+
+    @property
+    def node(self) -> str:
+        return self.values["NODE_NAME"] or socket.gethostname().split(".")[0]
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.values["DATA_DIR"] or _default_data_dir())
+
+    @property
+    def storage_root(self) -> Path:
+        return Path(self.values["STORAGE_PATH"] or self.data_path / "checkpoints")
+
+    def criu_binary(self) -> str:
+        return _find_binary(self.values["CRIU"], "criu", "CRIU")
+
+    def nats_server_binary(self) -> str:
+        return _find_binary(self.values["NATS_SERVER"], "nats-server", "NATS_SERVER")
+
+    def replace(self, **kw: Any) -> Settings:
+        return Settings({**self.values, **{k.upper(): v for k, v in kw.items()}})
+
+
+def load(env: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    from_file: dict[str, Any] = {}
+    if path := env.get(PREFIX + "CONFIG"):
+        try:
+            from_file = {k.upper(): v for k, v in tomllib.loads(Path(path).read_text()).items()}
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(
+                f"cannot read {PREFIX}CONFIG={path}: {e}", hint="point it at a readable TOML file"
+            ) from None
+        unknown = set(from_file) - {s.name for s in SETTINGS}
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) in {path}: {', '.join(sorted(unknown)).lower()}",
+                hint="`smr config` lists the settings",
+            )
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw = env.get(PREFIX + s.name)
+        src = f"{PREFIX}{s.name}"
+        if raw is None and s.name in from_file:
+            raw, src = str(from_file[s.name]), f"{s.name.lower()} in {env.get(PREFIX + 'CONFIG')}"
+        if raw is None:
+            values[s.name] = s.default
+            continue
+        try:
+            values[s.name] = s.parse(raw)
+        except ValueError as e:
+            raise ConfigError(
+                f"invalid {src}={raw!r}: {e}", hint=f"{PREFIX}{s.name} is the {s.doc}"
+            ) from None
+    if values["STORAGE"] == "s3" and not values["S3_BUCKET"]:
+        raise ConfigError(
+            f"{PREFIX}STORAGE=s3 needs a bucket", hint=f"set {PREFIX}S3_BUCKET"
+        )
+    return Settings(values)

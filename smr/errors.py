@@ -1,0 +1,64 @@
+"""Errors of smr.
+
+    SmrError
+    ├── ConfigError          a setting is missing or invalid (names the setting)
+    ├── ContractError        a message does not match its schema
+    └── StepError            a checkpoint/restore step failed
+        ├── TemporaryError   worth retrying later (nak with delay)
+        └── PermanentError   retrying cannot help (the request ends as failed)
+
+Every error carries a stable ``code`` and a ``hint`` saying what to do; the
+step errors become the ``error`` object of ckpt.done / restore.done.
+"""
+
+from __future__ import annotations
+
+
+class SmrError(Exception):
+    code = "smr-error"
+
+    def __init__(
+        self, message: str, *, code: str | None = None, hint: str = "", detail: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code:
+            self.code = code
+        self.hint = hint
+        self.detail = detail
+
+    def as_dict(self) -> dict[str, str]:
+        out = {"code": self.code, "message": self.message}
+        if self.hint:
+            out["hint"] = self.hint
+        if self.detail:
+            out["detail"] = self.detail
+        return out
+
+    def __str__(self) -> str:
+        s = self.message
+        if self.detail:
+            s += f"\n  {self.detail}"
+        if self.hint:
+            s += f"\n  hint: {self.hint}"
+        return s
+
+
+class ConfigError(SmrError):
+    code = "config-invalid"
+
+
+class ContractError(SmrError):
+    code = "schema-invalid"
+
+
+class StepError(SmrError):
+    code = "step-failed"
+
+
+class TemporaryError(StepError):
+    code = "temporary"
+
+
+class PermanentError(StepError):
+    code = "permanent"

@@ -1,0 +1,72 @@
+"""A nats-server child process with JetStream, for the embedded mode and tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from smr.errors import SmrError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    def __init__(self, binary: str, store_dir: Path, port: int | None = None,
+                 log_file: Path | None = None) -> None:
+        self.binary = binary
+        self.store_dir = Path(store_dir)
+        self.port = port or free_port()
+        self.log_file = log_file or self.store_dir / "nats-server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1",
+                 "-p", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches smr, which stops the server in order
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SmrError(
+                    f"nats-server exited at start with code {self.proc.returncode}",
+                    code="nats-start-failed", detail=_tail(self.log_file),
+                    hint=f"is port {self.port} free? see {self.log_file}",
+                )
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise SmrError(f"nats-server did not listen on {self.port} within {timeout}s",
+                       code="nats-start-failed", detail=_tail(self.log_file))
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""

@@ -1,0 +1,84 @@
+"""Shared fixtures: a real nats-server per test session (free port, temporary
+store), a connected Bus per test with its own node name, CRIU detection."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from smr import config
+from smr.bus import Bus, BusConfig
+from smr.natsserver import NatsServer
+
+
+@pytest.fixture(scope="session")
+def settings() -> config.Settings:
+    return config.load({})
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory,
+                settings: config.Settings) -> Iterator[NatsServer]:
+    srv = NatsServer(settings.nats_server_binary(), tmp_path_factory.mktemp("nats"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def node() -> str:
+    """A fresh node name per test, so consumers and subjects never mix."""
+    return f"node-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def bus_config() -> BusConfig:
+    return BusConfig(max_deliver=4, ack_wait=2.0, nak_base_delay=0.2, nak_max_delay=1.0)
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer, bus_config: BusConfig) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_server.url, name="test", config=bus_config)
+    yield b
+    await b.close()
+
+
+def _criu_works(binary: str) -> str | None:
+    if os.geteuid() != 0:
+        return "CRIU needs root"
+    try:
+        r = subprocess.run([binary, "check"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        return f"cannot run {binary}: {e}"
+    if "Looks good" not in r.stdout + r.stderr:
+        return f"`criu check` failed: {(r.stdout + r.stderr).strip().splitlines()[-1:]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def criu_binary(settings: config.Settings) -> str:
+    binary = settings.criu_binary()
+    why = _criu_works(binary)
+    if why:
+        # CI installs CRIU through `make setup`; there a missing CRIU is a failure.
+        if os.environ.get("CI"):
+            pytest.fail(f"CRIU unusable in CI: {why}")
+        pytest.skip(why)
+    return binary
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
+
+
+def which(name: str) -> str | None:
+    return shutil.which(name)

@@ -1,0 +1,46 @@
+"""A worker process for the crash test: its step writes a marker file per
+execution, then sleeps, so the test can SIGKILL it mid-step.
+
+    python -m tests.helpers.slow_worker NATS_URL NODE MARKER_DIR SLEEP_S
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from smr.bus import Bus, BusConfig, Progress, Worker
+from smr.messages import CkptDone, CkptRequested
+
+
+class SlowStep:
+    kind = "ckpt.requested"
+
+    def __init__(self, marker_dir: Path, sleep: float) -> None:
+        self.marker_dir = marker_dir
+        self.sleep = sleep
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        n = len(list(self.marker_dir.glob(f"{req.request_id}.*")))
+        (self.marker_dir / f"{req.request_id}.{n}").write_text("executed")
+        progress.update("sleeping")
+        await asyncio.sleep(self.sleep)
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        # This step's side effect is not safe to repeat: report the interruption.
+        return CkptDone.for_request(req, status="failed", error={
+            "code": "interrupted", "message": f"attempt by {state['owner']} was interrupted"})
+
+
+async def main() -> None:
+    url, node, marker_dir, sleep = sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
+    bus = await Bus.connect(url, config=BusConfig(max_deliver=4, ack_wait=1.0))
+    print("ready", flush=True)
+    await Worker(bus, SlowStep(marker_dir, sleep), node, service="slow").run()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,258 @@
+"""The bus against a real nats-server: topology, routing, dedupe, crash
+recovery, dead letters, raw JSON as a user publishes it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from smr.bus import (
+    KV_STEPS,
+    STREAM_DLQ,
+    STREAM_REQUESTS,
+    Bus,
+    Progress,
+    Worker,
+    subject,
+)
+from smr.messages import CkptDone, CkptRequested, DeadLetter, Target
+from smr.natsserver import NatsServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class CountingStep:
+    """Records each request it executes."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.seen.append(req.request_id)
+        return CkptDone.for_request(req, status="succeeded", generation=len(self.seen))
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+def request(node: str, rid: str = "r-1", **kw: Any) -> CkptRequested:
+    return CkptRequested(
+        request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node, **kw
+    )
+
+
+async def run_worker(bus: Bus, step: Any, node: str) -> tuple[Worker, asyncio.Task[None]]:
+    w = Worker(bus, step, node, service="test")
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(w.idle.wait(), 10)
+    return w, task
+
+
+async def stop(w: Worker, task: asyncio.Task[None]) -> None:
+    w.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def dlq_messages(bus: Bus, subj: str) -> list[DeadLetter]:
+    out = []
+    sub = await bus.js.subscribe(f"dlq.{subj}", stream=STREAM_DLQ, ordered_consumer=True)
+    try:
+        while True:
+            try:
+                m = await sub.next_msg(timeout=1)
+            except TimeoutError:
+                break
+            out.append(DeadLetter.from_payload(m.data))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def test_topology_is_idempotent(bus: Bus, node: str) -> None:
+    await bus.ensure()
+    await bus.ensure()
+    a = await bus.ensure_consumer("ckpt.requested", node)
+    b = await bus.ensure_consumer("ckpt.requested", node)
+    assert a == b
+    info = await bus.js.consumer_info(STREAM_REQUESTS, a)
+    assert info.config.filter_subject == subject("ckpt.requested", node)
+    assert info.config.max_deliver == bus.config.max_deliver
+
+
+async def test_request_reaches_only_its_nodes_consumer(bus: Bus) -> None:
+    a_step, b_step = CountingStep(), CountingStep()
+    wa, ta = await run_worker(bus, a_step, "node-a1")
+    wb, tb = await run_worker(bus, b_step, "node-b1")
+    try:
+        await bus.publish(request("node-a1", "for-a"))
+        await bus.publish(request("node-b1", "for-b"))
+        ra = await bus.wait_result("for-a", "ckpt.requested", timeout=10)
+        rb = await bus.wait_result("for-b", "ckpt.requested", timeout=10)
+    finally:
+        await stop(wa, ta)
+        await stop(wb, tb)
+    assert (a_step.seen, b_step.seen) == (["for-a"], ["for-b"])
+    assert ra.status == rb.status == "succeeded"
+
+
+async def test_duplicate_publish_is_dropped(bus: Bus, node: str) -> None:
+    first = await bus.publish(request(node, "dup-1"))
+    second = await bus.publish(request(node, "dup-1"))
+    assert not first.duplicate and second.duplicate
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.wait_result("dup-1", "ckpt.requested", timeout=10)
+        # A third publish after completion is answered from the step state, not run.
+        await bus.publish_raw(subject("ckpt.requested", node), request(node, "dup-1").to_payload())
+        await asyncio.sleep(1.0)
+        await asyncio.wait_for(w.idle.wait(), 5)
+    finally:
+        await stop(w, t)
+    assert step.seen == ["dup-1"]
+
+
+async def test_sigkilled_worker_redelivers_without_second_execution(
+    nats_server: NatsServer, bus: Bus, node: str, tmp_path: Path
+) -> None:
+    def spawn() -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.slow_worker", nats_server.url, node,
+             str(tmp_path), "30"], cwd=REPO, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert p.stdout and p.stdout.readline().strip() == "ready"
+        return p
+
+    first = spawn()
+    await bus.publish(request(node, "crash-1"))
+    for _ in range(100):  # wait until the step has started executing
+        if list(tmp_path.glob("crash-1.*")):
+            break
+        await asyncio.sleep(0.1)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    state, _ = await bus.step_state("crash-1")
+    assert state and state["state"] == "running"
+
+    second = spawn()
+    try:
+        result = await bus.wait_result("crash-1", "ckpt.requested", timeout=30)
+    finally:
+        second.kill()
+        second.wait()
+    assert [p.name for p in tmp_path.glob("crash-1.*")] == ["crash-1.0"]  # ran once
+    assert result.status == "failed" and result.error and result.error["code"] == "interrupted"
+
+
+async def test_invalid_message_is_dead_lettered_and_worker_continues(bus: Bus, node: str) -> None:
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    subj = subject("ckpt.requested", node)
+    try:
+        bad = request(node, "bad-1").to_dict()
+        bad["reason"] = "whim"
+        await bus.publish_raw(subj, orjson.dumps(bad))
+        await bus.publish_raw(subj, b"{not json")
+        await bus.publish(request(node, "good-after-bad"))
+        good = await bus.wait_result("good-after-bad", "ckpt.requested", timeout=10)
+    finally:
+        await stop(w, t)
+    assert good.status == "succeeded" and step.seen == ["good-after-bad"]
+    letters = await dlq_messages(bus, subj)
+    assert [letter.error["code"] for letter in letters] == ["schema-invalid", "json-invalid"]
+    assert "reason" in letters[0].error["message"] and letters[0].request_id == "bad-1"
+    assert letters[1].payload == "{not json"
+
+
+async def test_raw_json_as_a_user_publishes_it(bus: Bus, node: str) -> None:
+    """What `nats pub ckpt.requested.<node> '{...}'` sends: no headers at all."""
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    raw = (b'{"schema_version": 1, "request_id": "by-hand-1", "checkpoint_id": "train",'
+           b' "target": {"kind": "job", "job_id": "train"}, "node": "' + node.encode()
+           + b'", "reason": "api"}')
+    try:
+        await bus.nc.publish(subject("ckpt.requested", node), raw)
+        await bus.nc.publish(subject("ckpt.requested", node), raw.replace(b'"job_id"', b'"jobid"'))
+        result = await bus.wait_result("by-hand-1", "ckpt.requested", timeout=10)
+        await asyncio.sleep(0.5)
+    finally:
+        await stop(w, t)
+    assert result.status == "succeeded" and step.seen == ["by-hand-1"]
+    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    assert len(letters) == 1 and "target" in letters[0].error["message"]
+
+
+async def test_request_for_another_node_is_refused(bus: Bus, node: str) -> None:
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request("elsewhere", "misrouted"), subject("ckpt.requested", node))
+        await asyncio.sleep(1.0)
+    finally:
+        await stop(w, t)
+    assert step.seen == []
+    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    assert letters and letters[0].error["code"] == "wrong-node"
+
+
+class FlakyStep(CountingStep):
+    """Fails for now twice, then succeeds."""
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        from smr.errors import TemporaryError
+
+        self.seen.append(req.request_id)
+        if len(self.seen) < 3:
+            raise TemporaryError("storage unreachable")
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+
+async def test_temporary_failure_is_retried_with_backoff(bus: Bus, node: str) -> None:
+    step = FlakyStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, "flaky-1"))
+        result = await bus.wait_result("flaky-1", "ckpt.requested", timeout=20)
+    finally:
+        await stop(w, t)
+    assert result.status == "succeeded" and len(step.seen) == 3
+
+
+class AlwaysDown(CountingStep):
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        from smr.errors import TemporaryError
+
+        self.seen.append(req.request_id)
+        raise TemporaryError("storage unreachable", hint="check the S3 endpoint")
+
+
+async def test_exhausted_deliveries_fail_and_dead_letter(bus: Bus, node: str) -> None:
+    step = AlwaysDown()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, "down-1"))
+        result = await bus.wait_result("down-1", "ckpt.requested", timeout=30)
+    finally:
+        await stop(w, t)
+    assert len(step.seen) == bus.config.max_deliver
+    assert result.status == "failed" and "storage unreachable" in result.error["message"]
+    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    assert letters[-1].error["code"] == "deliveries-exhausted"
+    state, _ = await bus.step_state("down-1")
+    assert state and state["state"] == "failed"
+
+
+async def test_step_state_bucket_exists(bus: Bus) -> None:
+    st = await bus.kv(KV_STEPS).status()
+    assert st.bucket == KV_STEPS
