@@ -24,6 +24,7 @@ SCHEMA_NAMES = (
     "restore.requested",
     "restore.done",
     "error",
+    "manifest",
 )
 
 

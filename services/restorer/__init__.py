@@ -1,0 +1,2 @@
+"""The restorer: consumes restore.requested.<node>, fetches and verifies a
+generation, restores it with CRIU, answers with restore.done."""

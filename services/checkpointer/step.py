@@ -1,0 +1,139 @@
+"""The checkpoint step for local jobs (the embedded mode)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from services.storage.layout import LOCAL_NAMESPACE
+from services.storage.store import CheckpointStore, Generation
+from smr import __version__
+from smr.bus import Progress
+from smr.criu import Criu, CriuError, dump_finished
+from smr.errors import PermanentError
+from smr.jobs import Job, JobLock, JobRegistry, wait_exit
+from smr.messages import CkptDone, CkptRequested, now
+
+
+class CheckpointStep:
+    kind = "ckpt.requested"
+
+    def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
+                 work_dir: Path, node: str) -> None:
+        self.criu = criu
+        self.store = store
+        self.jobs = jobs
+        self.lock = lock
+        self.work_dir = work_dir
+        self.node = node
+
+    def _work(self, req: CkptRequested) -> Path:
+        return self.work_dir / req.request_id
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        started = now()
+        t0 = time.monotonic()
+        job_id = _job_id(req)
+        await self.lock.acquire(job_id, req.request_id)
+        try:
+            job, _ = await self.jobs.get(job_id)  # read under the lock: no lost update
+            if not job.alive():
+                raise PermanentError(
+                    f"job {job_id} is not running (state {job.observed_state()})",
+                    code="job-not-running",
+                    hint=f"restore it first (`smr restore {job_id}`), or check its log {job.log}",
+                )
+            work = self._work(req)
+            shutil.rmtree(work, ignore_errors=True)
+            durations: dict[str, float] = {}
+            parent = None
+            if req.pre_dump:
+                progress.update("pre-dump")
+                run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
+                durations["pre_dump"] = run.seconds
+                parent = work / "pre"
+            progress.update("dump")
+            run = await self._criu(job, self.criu.dump(
+                job.pid, work / "images", leave_running=req.leave_running, parent=parent))
+            durations["dump"] = run.seconds
+            if not req.leave_running:
+                await wait_exit(job.pid, job.start_ticks)
+            gen, upload_s = await self._commit(req, job, progress)
+            durations["upload"] = upload_s
+            job.state = "running" if req.leave_running else "checkpointed"
+            job.generation = gen.number
+            await self.jobs.put(job)
+            shutil.rmtree(work, ignore_errors=True)
+        finally:
+            await self.lock.release(job_id, req.request_id)
+        durations["total"] = time.monotonic() - t0
+        return self._result(req, gen, durations=durations, started_at=started)
+
+    async def _criu(self, job: Job, call: Any) -> Any:
+        try:
+            return await call
+        except CriuError as e:
+            if not job.alive():
+                raise PermanentError(
+                    f"job {job.id} exited during its checkpoint; nothing was stored",
+                    code="job-exited", detail=e.detail, hint=f"see its log {job.log}",
+                ) from None
+            e.message = f"{e.message}; job {job.id} keeps running"
+            raise
+
+    async def _commit(self, req: CkptRequested, job: Job, progress: Progress
+                      ) -> tuple[Generation, float]:
+        t = time.monotonic()
+        progress.update("upload", done_bytes=0)
+        meta = {
+            "request_id": req.request_id, "node": self.node, "reason": req.reason,
+            "target": req.target.to_dict(), "leave_running": req.leave_running,
+            "pre_dump": req.pre_dump,
+            "versions": {"criu": await self.criu.version(), "smr": __version__},
+            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log},
+        }
+        gen = await self.store.commit(
+            LOCAL_NAMESPACE, req.checkpoint_id, self._work(req), meta,
+            on_bytes=lambda n: progress.update(done_bytes=n))
+        return gen, time.monotonic() - t
+
+    def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
+        return CkptDone.for_request(req, status="succeeded", generation=gen.number,
+                                    location=gen.location, size_bytes=gen.size_bytes, **kw)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        """A worker died mid-checkpoint. Committed → that result. Dump complete
+        but not committed → commit it now. Job still running → dump again."""
+        for gen in reversed(await self.store.generations(LOCAL_NAMESPACE, req.checkpoint_id)):
+            if gen.manifest["request_id"] == req.request_id:
+                return self._result(req, gen)
+        job_id = _job_id(req)
+        job = await self.jobs.find(job_id)
+        if job is None:
+            return None  # run() reports the missing job
+        if dump_finished(self._work(req) / "images"):
+            gen, _ = await self._commit(req, job, Progress())
+            job.state = "running" if req.leave_running else "checkpointed"
+            job.generation = gen.number
+            await self.jobs.put(job)
+            await self.lock.release(job_id, req.request_id)
+            shutil.rmtree(self._work(req), ignore_errors=True)
+            return self._result(req, gen)
+        if job.alive():
+            return None  # CRIU thaws a tree whose dump did not finish: safe to redo
+        await self.lock.release(job_id, req.request_id)
+        return CkptDone.for_request(req, status="failed", error={
+            "code": "interrupted",
+            "message": f"the checkpoint of job {job_id} was interrupted and the job is gone",
+            "hint": f"restore its latest checkpoint: smr restore {job_id}"})
+
+
+def _job_id(req: CkptRequested) -> str:
+    if req.target.kind != "job" or not req.target.job_id:
+        raise PermanentError(
+            f"this checkpointer handles local jobs; {req.target} needs the node agent",
+            code="target-unsupported", hint="run the node agent on Kubernetes nodes",
+        )
+    return req.target.job_id

@@ -1,0 +1,133 @@
+"""The restore step for local jobs (the embedded mode)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from services.storage.layout import LOCAL_NAMESPACE
+from services.storage.store import CheckpointNotFound, CheckpointStore, Generation
+from smr.bus import Progress
+from smr.criu import Criu
+from smr.errors import PermanentError
+from smr.jobs import Job, JobLock, JobRegistry, describe
+from smr.messages import RestoreDone, RestoreRequested, now
+
+
+class RestoreStep:
+    kind = "restore.requested"
+
+    def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
+                 work_dir: Path, node: str) -> None:
+        self.criu = criu
+        self.store = store
+        self.jobs = jobs
+        self.lock = lock
+        self.work_dir = work_dir
+        self.node = node
+
+    async def run(self, req: RestoreRequested, progress: Progress) -> RestoreDone:
+        started = now()
+        t0 = time.monotonic()
+        job_id = _job_id(req)
+        await self.lock.acquire(job_id, req.request_id)
+        try:
+            existing = await self.jobs.find(job_id)
+            if existing and existing.alive():
+                raise PermanentError(
+                    f"job {job_id} is still running (pid {existing.pid}); a restore would "
+                    "run it twice", code="job-running",
+                    hint=f"stop it first (`smr kill {job_id}`), or restore beside it under "
+                         f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
+                )
+            gen = await self._generation(req)
+            progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
+            work = self.work_dir / req.request_id
+            t = time.monotonic()
+            await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n))
+            durations = {"download": time.monotonic() - t}
+            progress.update("restore")
+            job = await self._restore(req, gen, work, existing, durations)
+            shutil.rmtree(work, ignore_errors=True)
+        finally:
+            await self.lock.release(job_id, req.request_id)
+        durations["total"] = time.monotonic() - t0
+        return RestoreDone.for_request(
+            req, status="succeeded", generation=gen.number, location=gen.location,
+            size_bytes=gen.size_bytes, pid=job.pid, durations=durations, started_at=started)
+
+    async def _generation(self, req: RestoreRequested) -> Generation:
+        if req.generation is not None:
+            return await self.store.get(LOCAL_NAMESPACE, req.checkpoint_id, req.generation)
+        gen = await self.store.latest(LOCAL_NAMESPACE, req.checkpoint_id)
+        if gen is None:
+            raise CheckpointNotFound(
+                f"checkpoint {req.checkpoint_id} has no stored generation",
+                hint=f"take one first: smr checkpoint {req.checkpoint_id}")
+        return gen
+
+    async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
+                       existing: Job | None, durations: dict[str, float]) -> Job:
+        spec = gen.manifest.get("job") or {}
+        log = spec.get("log", "")
+        inherit, fds = {}, []
+        if log:
+            # The job's log has grown since the dump; hand CRIU an open descriptor
+            # instead of letting it reopen the file and refuse the new size.
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fds.append(fd)
+            inherit[log] = fd
+        pidfile = work / "restored.pid"
+        try:
+            run = await self.criu.restore(work / "images", pidfile=pidfile, inherit=inherit)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        durations["restore"] = run.seconds
+        live = describe(int(pidfile.read_text()))
+        job = existing or Job(id=_job_id(req), cmd=spec.get("cmd", []), cwd=spec.get("cwd", ""),
+                              log=log, node=self.node, checkpoint_id=req.checkpoint_id)
+        job.pid, job.start_ticks, job.state = live.pid, live.start_ticks, "running"
+        job.node, job.restored_by, job.generation = self.node, req.request_id, gen.number
+        await self.jobs.put(job)
+        return job
+
+    async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
+        """A worker died mid-restore. If the process it restored is running,
+        record it and answer; a restore never runs twice."""
+        job_id = _job_id(req)
+        job = await self.jobs.find(job_id)
+        if job and job.restored_by == req.request_id and job.alive():
+            await self.lock.release(job_id, req.request_id)
+            return RestoreDone.for_request(req, status="succeeded", generation=job.generation,
+                                           pid=job.pid)
+        pidfile = self.work_dir / req.request_id / "restored.pid"
+        if pidfile.exists():
+            try:
+                live = describe(int(pidfile.read_text()))
+            except (PermanentError, ValueError):
+                live = None
+            if live:
+                gen = await self._generation(req)
+                job = job or Job(id=job_id, cmd=[], cwd="", log="", node=self.node,
+                                 checkpoint_id=req.checkpoint_id)
+                job.pid, job.start_ticks, job.state = live.pid, live.start_ticks, "running"
+                job.restored_by, job.generation = req.request_id, gen.number
+                await self.jobs.put(job)
+                await self.lock.release(job_id, req.request_id)
+                return RestoreDone.for_request(req, status="succeeded", generation=gen.number,
+                                               pid=live.pid)
+        return None  # nothing was restored: safe to run
+
+
+def _job_id(req: RestoreRequested) -> str:
+    if req.target.kind != "job" or not req.target.job_id:
+        raise PermanentError(
+            f"this restorer handles local jobs; {req.target} needs the node agent",
+            code="target-unsupported", hint="run the node agent on Kubernetes nodes",
+        )
+    return req.target.job_id

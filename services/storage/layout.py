@@ -1,0 +1,46 @@
+"""Storage layout; every key is built here.
+
+    <namespace>/<checkpoint_id>/latest                   {"generation": N}
+    <namespace>/<checkpoint_id>/<generation>/claim       who is writing it
+    <namespace>/<checkpoint_id>/<generation>/files/...   the images
+    <namespace>/<checkpoint_id>/<generation>/manifest.json
+
+A generation exists for readers only once its manifest is committed.
+``namespace`` is the pod's namespace, or ``local`` for jobs of the embedded mode.
+"""
+
+from __future__ import annotations
+
+LOCAL_NAMESPACE = "local"
+GEN_WIDTH = 8  # zero-padded so lexical order is numeric order
+
+
+def checkpoint_prefix(namespace: str, checkpoint_id: str) -> str:
+    return f"{namespace}/{checkpoint_id}/"
+
+
+def generation_prefix(namespace: str, checkpoint_id: str, generation: int) -> str:
+    return f"{checkpoint_prefix(namespace, checkpoint_id)}{generation:0{GEN_WIDTH}d}/"
+
+
+def file_key(namespace: str, checkpoint_id: str, generation: int, rel: str) -> str:
+    return f"{generation_prefix(namespace, checkpoint_id, generation)}files/{rel}"
+
+
+def manifest_key(namespace: str, checkpoint_id: str, generation: int) -> str:
+    return f"{generation_prefix(namespace, checkpoint_id, generation)}manifest.json"
+
+
+def claim_key(namespace: str, checkpoint_id: str, generation: int) -> str:
+    return f"{generation_prefix(namespace, checkpoint_id, generation)}claim"
+
+
+def latest_key(namespace: str, checkpoint_id: str) -> str:
+    return f"{checkpoint_prefix(namespace, checkpoint_id)}latest"
+
+
+def generation_of(key: str, namespace: str, checkpoint_id: str) -> int | None:
+    """The generation number in a key under the checkpoint, if it has one."""
+    rest = key[len(checkpoint_prefix(namespace, checkpoint_id)):]
+    head = rest.split("/", 1)[0]
+    return int(head) if head.isdigit() else None

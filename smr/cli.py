@@ -1,0 +1,261 @@
+"""The `smr` command line. Every command that changes something publishes a
+message; the services do the work; the command shows progress and the result."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from smr import config, embedded
+from smr.bus import KV_JOBS, Bus
+from smr.errors import SmrError
+from smr.jobs import JobRegistry, launch
+from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _progress_printer() -> Any:
+    start = time.monotonic()
+    tty = sys.stderr.isatty()
+    last = [""]
+
+    def show(st: dict[str, Any]) -> None:
+        done, total = st.get("done_bytes") or 0, st.get("total_bytes")
+        amount = _fmt_bytes(done) + (f" / {_fmt_bytes(total)}" if total else "")
+        line = f"  {st.get('phase', '...')}: {amount} ({time.monotonic() - start:.1f}s)"
+        if tty:
+            print("\r" + line.ljust(60), end="", file=sys.stderr, flush=True)
+        elif st.get("phase") != last[0]:
+            print(line, file=sys.stderr, flush=True)
+        last[0] = st.get("phase", "")
+
+    return show
+
+
+def _report(result: CkptDone | RestoreDone, what: str) -> int:
+    if sys.stderr.isatty():
+        print("\r".ljust(62), end="\r", file=sys.stderr)
+    if result.status == "succeeded":
+        took = result.durations.get("total")
+        extra = f", pid {result.pid}" if isinstance(result, RestoreDone) else ""
+        print(f"{what} {result.checkpoint_id}: generation {result.generation}, "
+              f"{_fmt_bytes(result.size_bytes)}"
+              + (f" in {took:.2f}s" if took else "") + extra)
+        if result.location:
+            print(f"  stored at {result.location}")
+        return 0
+    err = result.error or {}
+    print(f"{what} {result.checkpoint_id} failed: {err.get('message', '?')}", file=sys.stderr)
+    if err.get("detail"):
+        print(f"  {err['detail']}", file=sys.stderr)
+    if err.get("hint"):
+        print(f"  hint: {err['hint']}", file=sys.stderr)
+    return 1
+
+
+async def _wait(bus: Bus, rid: str, kind: str, what: str, timeout: float) -> int:
+    result = await bus.wait_result(rid, kind, timeout=timeout, on_progress=_progress_printer())
+    return _report(result, what)
+
+
+# -- commands -------------------------------------------------------------------------
+
+async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with embedded.EmbeddedNode(s) as node:
+        print(f"smr up: node {s.node}, NATS {node.url}, data {s.data_path}", flush=True)
+        print(f"  checkpoints in {s.storage_root}; Ctrl-C stops", flush=True)
+        await stop.wait()
+        print("smr: stopping", flush=True)
+    return 0
+
+
+async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
+    if not a.cmd:
+        raise SmrError("no command given", hint="smr exec -i ID -- CMD [ARGS...]")
+    bus = await embedded.connect(s)
+    try:
+        jobs = JobRegistry(bus.kv(KV_JOBS))
+        if (old := await jobs.find(a.id)) and old.alive():
+            raise SmrError(f"job {a.id} is already running (pid {old.pid})", code="job-exists",
+                           hint="choose another id")
+        log = Path(a.log) if a.log else s.data_path / "logs" / f"{a.id}.log"
+        job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node)
+        await jobs.put(job)
+        print(f"job {a.id} started: pid {job.pid}, log {job.log}")
+        return 0
+    finally:
+        await bus.close()
+
+
+async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
+    bus = await embedded.connect(s)
+    try:
+        jobs = await JobRegistry(bus.kv(KV_JOBS)).all()
+    finally:
+        await bus.close()
+    print(f"{'ID':<20} {'STATE':<13} {'PID':>8} {'GEN':>4}  COMMAND")
+    for j in jobs:
+        print(f"{j.id:<20} {j.observed_state():<13} {j.pid:>8} {j.generation or '-':>4}  "
+              f"{shlex.join(j.cmd)[:60]}")
+    return 0
+
+
+async def cmd_checkpoint(s: config.Settings, a: argparse.Namespace) -> int:
+    bus = await embedded.connect(s)
+    try:
+        req = CkptRequested(
+            request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
+            target=Target.job(a.id), node=s.node, reason="api",
+            leave_running=a.leave_running, pre_dump=a.pre_dump)
+        ack = await bus.publish(req)
+        print(f"checkpoint of {a.id} requested ({req.request_id}"
+              + (", a repeat" if ack.duplicate else "") + ")", file=sys.stderr)
+        if not a.wait:
+            return 0
+        return await _wait(bus, req.request_id, req.SCHEMA, "checkpoint", a.timeout)
+    finally:
+        await bus.close()
+
+
+async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
+    bus = await embedded.connect(s)
+    try:
+        req = RestoreRequested(
+            request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
+            target=Target.job(a.as_id or a.id), node=s.node, reason="api",
+            generation=a.generation)
+        await bus.publish(req)
+        print(f"restore of {a.id} requested ({req.request_id})", file=sys.stderr)
+        if not a.wait:
+            return 0
+        return await _wait(bus, req.request_id, req.SCHEMA, "restore", a.timeout)
+    finally:
+        await bus.close()
+
+
+async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
+    from services.storage.layout import LOCAL_NAMESPACE
+
+    gens = await embedded.make_store(s).generations(LOCAL_NAMESPACE, a.id)
+    if not gens:
+        print(f"no checkpoints of {a.id}", file=sys.stderr)
+        return 1
+    print(f"{'GEN':>4} {'SIZE':>10}  {'TAKEN':<20} {'REASON':<12} LOCATION")
+    for g in gens:
+        m = g.manifest
+        taken = datetime.fromisoformat(m["created_at"].replace("Z", "+00:00"))
+        print(f"{g.number:>4} {_fmt_bytes(g.size_bytes):>10}  "
+              f"{taken:%Y-%m-%d %H:%M:%S}  {m.get('reason', '-'):<12} {g.location}")
+    return 0
+
+
+async def cmd_kill(s: config.Settings, a: argparse.Namespace) -> int:
+    bus = await embedded.connect(s)
+    try:
+        job, _ = await JobRegistry(bus.kv(KV_JOBS)).get(a.id)
+    finally:
+        await bus.close()
+    if not job.alive():
+        print(f"job {a.id} is not running")
+        return 0
+    # The job is its PID namespace's init: killing it ends every process inside.
+    os.kill(job.pid, signal.SIGKILL)
+    print(f"job {a.id} (pid {job.pid}) killed")
+    return 0
+
+
+async def cmd_demo(s: config.Settings, a: argparse.Namespace) -> int:
+    from smr.demo import run_demo
+
+    return await run_demo(s, mib=a.mib)
+
+
+def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
+    for st in config.SETTINGS:
+        print(f"{config.PREFIX}{st.name}={s.values[st.name]!s:<24} # {st.doc}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="smr", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="run NATS, checkpointer, restorer and storage on this machine")
+    e = sub.add_parser("exec", help="start a managed job")
+    e.add_argument("-i", "--id", required=True)
+    e.add_argument("--log", help="output file (default: DATA_DIR/logs/ID.log)")
+    e.add_argument("cmd", nargs=argparse.REMAINDER)
+    sub.add_parser("ps", help="list jobs")
+    c = sub.add_parser("checkpoint", help="checkpoint a job")
+    c.add_argument("id")
+    c.add_argument("--leave-running", action="store_true", help="keep it running afterwards")
+    c.add_argument("--pre-dump", action="store_true", help="pre-copy memory: shorter freeze")
+    r = sub.add_parser("restore", help="restore a job from its checkpoint")
+    r.add_argument("id", help="the checkpoint id (the job id it was taken from)")
+    r.add_argument("--generation", type=int, help="default: the latest")
+    r.add_argument("--as", dest="as_id", help="run the restored job under this id")
+    for q in (c, r):
+        q.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
+                       help="wait for the result, showing progress (default)")
+        q.add_argument("--timeout", type=float, default=900.0)
+        q.add_argument("--request-id", help="idempotency key (default: random)")
+    ls = sub.add_parser("checkpoints", help="list stored generations of a checkpoint")
+    ls.add_argument("id")
+    k = sub.add_parser("kill", help="kill a job")
+    k.add_argument("id")
+    d = sub.add_parser("demo", help="checkpoint, kill and restore a sample stateful job")
+    d.add_argument("--mib", type=int, default=256, help="memory the sample job holds")
+    sub.add_parser("config", help="print the settings in force")
+    return p
+
+
+COMMANDS = {
+    "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
+    "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill, "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.command == "exec" and a.cmd[:1] == ["--"]:
+        a.cmd = a.cmd[1:]
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("nats").setLevel(logging.WARNING)
+    try:
+        s = config.load()
+        if a.command == "config":
+            return cmd_config(s, a)
+        return asyncio.run(COMMANDS[a.command](s, a))
+    except SmrError as e:
+        print(f"smr {a.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The CRIU engine: dump, pre-dump and restore of a process tree.
+
+Every CRIU option smr uses is set here and nowhere else. Each run writes its
+log beside the images; a failure raises CriuError quoting CRIU's own first
+failing line, so the error event says what CRIU said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from smr.errors import PermanentError, TemporaryError
+
+# CRIU prints this on every run here (an unprivileged rlimit call in a VM); it
+# is harmless and must not be quoted as the reason for a failure.
+_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+
+
+class CriuError(PermanentError):
+    code = "criu-failed"
+
+
+@dataclass(frozen=True)
+class CriuRun:
+    seconds: float
+    log: Path
+
+
+class Criu:
+    def __init__(self, binary: str, timeout: float = 600.0) -> None:
+        self.binary = binary
+        self.timeout = timeout
+
+    async def version(self) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            self.binary, "--version", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await proc.communicate()
+        m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
+        return m.group(1) if m else "unknown"
+
+    async def pre_dump(self, pid: int, images: Path, *, parent: Path | None = None) -> CriuRun:
+        """Copy memory while the tree runs; a later dump writes only what changed."""
+        args = ["pre-dump", "-t", str(pid), "--track-mem"]
+        if parent:
+            args += ["--prev-images-dir", os.path.relpath(parent, images)]
+        return await self._run(args, images, "pre-dump.log", code="criu-pre-dump-failed")
+
+    async def dump(self, pid: int, images: Path, *, leave_running: bool = False,
+                   parent: Path | None = None) -> CriuRun:
+        """Freeze and dump the tree rooted at ``pid``; CRIU kills it unless
+        ``leave_running``. On failure CRIU thaws the tree: it keeps running."""
+        args = ["dump", "-t", str(pid), "--file-locks"]
+        if leave_running:
+            args.append("--leave-running")
+        if parent:
+            # Incremental: pages already in the pre-dump are referenced, not copied.
+            args += ["--track-mem", "--prev-images-dir", os.path.relpath(parent, images)]
+        return await self._run(args, images, "dump.log", code="criu-dump-failed")
+
+    async def restore(self, images: Path, *, pidfile: Path,
+                      inherit: dict[str, int] | None = None) -> CriuRun:
+        """Restore detached (the tree outlives this call).
+
+        ``inherit`` maps a file path as CRIU recorded it to an open descriptor
+        of ours: the restored tree gets that descriptor instead of reopening the
+        file, so a log that grew since the dump is still accepted.
+        """
+        args = ["restore", "-d", "--file-locks", "--pidfile", str(pidfile)]
+        fds = []
+        for path, fd in (inherit or {}).items():
+            args.append(f"--inherit-fd=fd[{fd}]:{path.lstrip('/')}")
+            fds.append(fd)
+        return await self._run(args, images, "restore.log", code="criu-restore-failed",
+                               pass_fds=tuple(fds))
+
+    async def _run(self, args: list[str], images: Path, log_name: str, *, code: str,
+                   pass_fds: tuple[int, ...] = ()) -> CriuRun:
+        images.mkdir(parents=True, exist_ok=True)
+        log = images / log_name
+        cmd = [self.binary, *args, "-D", str(images), "-o", log_name, "-v4"]
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, pass_fds=pass_fds, start_new_session=True,
+        )
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise TemporaryError(
+                f"criu {args[0]} did not finish within {self.timeout:.0f}s",
+                code=f"{code}-timeout", detail=failing_line(log),
+                hint="raise SMR_CRIU_TIMEOUT for large processes",
+            ) from None
+        seconds = time.monotonic() - start
+        if proc.returncode != 0:
+            raise CriuError(
+                f"criu {args[0]} failed (exit {proc.returncode})", code=code,
+                detail=failing_line(log) or err.decode(errors="replace").strip()[-500:],
+                hint=f"full log: {log}",
+            )
+        return CriuRun(seconds, log)
+
+
+def failing_line(log: Path) -> str:
+    """CRIU's first real error line: the one that says why it failed."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if "Error (" in line and not _NOISE.search(line):
+            return line.strip()
+    return ""
+
+
+def dump_finished(images: Path) -> bool:
+    """Did a dump into ``images`` complete? (used when recovering a crash)."""
+    try:
+        return "Dumping finished successfully" in (images / "dump.log").read_text(errors="replace")
+    except OSError:
+        return False

@@ -1,0 +1,114 @@
+"""The embedded mode (`smr up`): nats-server, checkpointer, restorer and
+storage for this machine in one process, talking through the same subjects
+and storage layout as in a cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from services.checkpointer.step import CheckpointStep
+from services.restorer.step import RestoreStep
+from services.storage.local import LocalBackend
+from services.storage.store import CheckpointStore
+from smr import tracing
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
+from smr.config import Settings
+from smr.criu import Criu
+from smr.errors import SmrError
+from smr.jobs import JobLock, JobRegistry
+from smr.natsserver import NatsServer
+
+log = logging.getLogger("smr.embedded")
+
+
+def url_file(settings: Settings) -> Path:
+    return settings.data_path / "nats.url"
+
+
+def make_store(settings: Settings) -> CheckpointStore:
+    return CheckpointStore(LocalBackend(settings.storage_root))
+
+
+class EmbeddedNode:
+    """Everything a node runs, started and stopped in order."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.server: NatsServer | None = None
+        self.bus: Bus | None = None
+        self.workers: list[Worker] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def url(self) -> str:
+        if self.server:
+            return self.server.url
+        return self.settings.nats_url
+
+    async def start(self) -> EmbeddedNode:
+        s = self.settings
+        s.data_path.mkdir(parents=True, exist_ok=True)
+        criu = Criu(s.criu_binary(), s.criu_timeout)
+        if not s.nats_url:
+            self.server = NatsServer(s.nats_server_binary(), s.data_path / "nats")
+            await asyncio.to_thread(self.server.start)
+            url_file(s).write_text(self.server.url)
+        tracing.setup("node")
+        self.bus = await Bus.connect(self.url, name=f"smr-node-{s.node}",
+                                     config=BusConfig.from_settings(s))
+        jobs = JobRegistry(self.bus.kv(KV_JOBS))
+        lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
+        store = make_store(s)
+        common = dict(criu=criu, store=store, jobs=jobs, lock=lock,
+                      work_dir=s.data_path / "work", node=s.node)
+        self.workers = [
+            Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer"),
+            Worker(self.bus, RestoreStep(**common), s.node, service="restorer"),
+        ]
+        self.tasks = [asyncio.create_task(w.run()) for w in self.workers]
+        await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
+        return self
+
+    async def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        for t in self.tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(t, 30)
+        if self.bus:
+            await self.bus.close()
+        if self.server:
+            await asyncio.to_thread(self.server.stop)
+            url_file(self.settings).unlink(missing_ok=True)
+
+    async def __aenter__(self) -> EmbeddedNode:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def connect(settings: Settings) -> Bus:
+    """The bus of the running `smr up` (or SMR_NATS_URL) for CLI commands."""
+    url = settings.nats_url
+    if not url:
+        try:
+            url = url_file(settings).read_text().strip()
+        except OSError:
+            url = ""
+    if not url:
+        raise SmrError("smr is not running on this machine", code="not-running",
+                       hint="start it with `smr up` (or set SMR_NATS_URL)")
+    try:
+        return await asyncio.wait_for(Bus.connect(url, name="smr-cli",
+                                                  config=BusConfig.from_settings(settings)), 10)
+    except (TimeoutError, OSError) as e:
+        raise SmrError(f"cannot reach smr's NATS at {url}: {e}", code="not-running",
+                       hint="start it with `smr up` (or fix SMR_NATS_URL)") from None

@@ -1,0 +1,230 @@
+"""Local jobs: launching them in their own PID namespace, and their registry.
+
+A job runs as the init of a new PID namespace (``unshare --pid --fork``) and
+leads its own session, which is what CRIU needs to dump the tree and to restore
+it beside a still-running original: inside the namespace the PIDs are the same,
+outside they never collide. No mount namespace: CRIU would then need the whole
+mount table described.
+
+The registry is the JetStream KV bucket ``smr-jobs`` (job id → record), written
+with compare-and-set so two writers never lose each other's update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from smr.errors import PermanentError, SmrError, TemporaryError
+
+
+@dataclass
+class Job:
+    id: str
+    cmd: list[str]
+    cwd: str
+    log: str
+    node: str
+    pid: int = 0
+    start_ticks: int = 0  # /proc/<pid>/stat starttime: tells a reused PID apart
+    state: str = "running"  # running, checkpointed, exited
+    checkpoint_id: str = ""
+    generation: int | None = None  # latest checkpoint generation
+    restored_by: str | None = None  # request_id of the restore that started this pid
+    created_at: float = field(default_factory=time.time)
+
+    def alive(self) -> bool:
+        return self.pid > 0 and proc_start_ticks(self.pid) == self.start_ticks
+
+    def observed_state(self) -> str:
+        if self.state == "running" and not self.alive():
+            return "exited"
+        return self.state
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks, or None if there is no such live process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):  # zombie or dead: not running
+        return None
+    return int(fields[19])
+
+
+def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
+    """The host PID of the namespace's init: the child that unshare forked."""
+    deadline = time.monotonic() + timeout
+    path = Path(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children")
+    while time.monotonic() < deadline:
+        try:
+            kids = path.read_text().split()
+        except OSError:
+            kids = []
+        if kids:
+            return int(kids[0])
+        time.sleep(0.01)
+    raise SmrError(f"the job did not start within {timeout}s", code="job-start-failed")
+
+
+def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
+           env: dict[str, str] | None = None) -> Job:
+    """Start ``cmd`` as a managed job; its output is appended to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out, open(os.devnull, "rb") as devnull:
+        wrapper = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "setsid", *cmd],
+            stdin=devnull, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+            env=env, start_new_session=True,
+        )
+    pid = ns_init_pid(wrapper.pid)
+    ticks = proc_start_ticks(pid)
+    if ticks is None:
+        raise SmrError(f"job {job_id} exited at once; see {log}", code="job-start-failed")
+    return Job(id=job_id, cmd=cmd, cwd=str(cwd), log=str(log), node=node, pid=pid,
+               start_ticks=ticks, checkpoint_id=job_id)
+
+
+def describe(pid: int) -> Job:
+    """A Job record for a process that was just restored (pid from CRIU's pidfile)."""
+    ticks = proc_start_ticks(pid)
+    if ticks is None:
+        raise PermanentError(f"restored process {pid} is not running", code="restore-died")
+    return Job(id="", cmd=[], cwd="", log="", node="", pid=pid, start_ticks=ticks)
+
+
+class JobRegistry:
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def get(self, job_id: str) -> tuple[Job, int]:
+        try:
+            e = await self.kv.get(job_id)
+        except KeyNotFoundError:
+            e = None
+        if e is None or not e.value:
+            raise PermanentError(
+                f"no job named {job_id!r}", code="job-not-found",
+                hint="`smr ps` lists the jobs; start one with `smr exec -i ID -- CMD`",
+            )
+        return Job(**orjson.loads(e.value)), e.revision or 0
+
+    async def find(self, job_id: str) -> Job | None:
+        try:
+            return (await self.get(job_id))[0]
+        except PermanentError:
+            return None
+
+    async def create(self, job: Job) -> None:
+        try:
+            await self.kv.create(job.id, orjson.dumps(asdict(job)))
+        except KeyWrongLastSequenceError:
+            raise SmrError(
+                f"a job named {job.id!r} already exists", code="job-exists",
+                hint="choose another id, or `smr rm` the old one",
+            ) from None
+
+    async def put(self, job: Job, revision: int | None = None) -> None:
+        """Write ``job``; with ``revision``, only if nobody wrote it since."""
+        try:
+            if revision is None:
+                await self.kv.put(job.id, orjson.dumps(asdict(job)))
+            else:
+                await self.kv.update(job.id, orjson.dumps(asdict(job)), last=revision)
+        except KeyWrongLastSequenceError:
+            raise TemporaryError(f"job {job.id} changed while being updated; retrying",
+                                 code="job-conflict") from None
+
+    async def delete(self, job_id: str) -> None:
+        await self.kv.delete(job_id)
+
+    async def all(self) -> list[Job]:
+        try:
+            keys = await self.kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+        jobs = []
+        for k in sorted(keys):
+            if j := await self.find(k):
+                jobs.append(j)
+        return jobs
+
+
+class JobLock:
+    """Serialises checkpoint and restore steps on one job (KV bucket smr-locks).
+
+    A lock records the request that holds it. Another request may take it over
+    only when the holder's step is over (answered, or never started), so a
+    crashed worker cannot leave a job locked for good.
+    """
+
+    def __init__(self, kv: KeyValue, steps: KeyValue) -> None:
+        self.kv = kv
+        self.steps = steps
+
+    async def acquire(self, job_id: str, request_id: str) -> None:
+        value = orjson.dumps({"request_id": request_id, "at": time.time()})
+        try:
+            await self.kv.create(job_id, value)
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        e = await self.kv.get(job_id)
+        holder = orjson.loads(e.value).get("request_id") if e.value else None
+        if holder != request_id and await self._holder_active(holder):
+            raise TemporaryError(
+                f"job {job_id} is busy with request {holder}", code="job-busy",
+                hint="it is retried once that step ends",
+            )
+        try:
+            await self.kv.update(job_id, value, last=e.revision)
+        except KeyWrongLastSequenceError:
+            raise TemporaryError(f"job {job_id} was locked meanwhile", code="job-busy") from None
+
+    async def _holder_active(self, holder: Any) -> bool:
+        if not holder:
+            return False
+        try:
+            e = await self.steps.get(holder)
+        except KeyNotFoundError:
+            return False
+        return bool(e.value) and orjson.loads(e.value).get("state") == "running"
+
+    async def release(self, job_id: str, request_id: str) -> None:
+        try:
+            e = await self.kv.get(job_id)
+        except KeyNotFoundError:
+            return
+        if e.value and orjson.loads(e.value).get("request_id") == request_id:
+            try:
+                await self.kv.delete(job_id, last=e.revision)
+            except KeyWrongLastSequenceError:
+                pass
+
+    async def holder(self, job_id: str) -> str | None:
+        try:
+            e = await self.kv.get(job_id)
+        except KeyNotFoundError:
+            return None
+        return orjson.loads(e.value).get("request_id") if e.value else None
+
+
+async def wait_exit(pid: int, ticks: int, timeout: float = 10.0) -> bool:
+    """Wait until the process is gone (CRIU kills the tree after a dump)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc_start_ticks(pid) != ticks:
+            return True
+        await asyncio.sleep(0.02)
+    return False
