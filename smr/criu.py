@@ -35,6 +35,7 @@ class Criu:
     def __init__(self, binary: str, timeout: float = 600.0) -> None:
         self.binary = binary
         self.timeout = timeout
+        self._tracks_memory: bool | None = None
 
     async def version(self) -> str:
         proc = await asyncio.create_subprocess_exec(
@@ -44,6 +45,17 @@ class Criu:
         out, _ = await proc.communicate()
         m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
         return m.group(1) if m else "unknown"
+
+    async def tracks_memory(self) -> bool:
+        """Can this kernel track dirty pages (CONFIG_MEM_SOFT_DIRTY)? Pre-dump needs it."""
+        if self._tracks_memory is None:
+            proc = await asyncio.create_subprocess_exec(
+                self.binary, "check", "--feature", "mem_dirty_track",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
+            out, _ = await proc.communicate()
+            self._tracks_memory = proc.returncode == 0 and b"OFF" not in out
+        return self._tracks_memory
 
     async def pre_dump(self, pid: int, images: Path, *, parent: Path | None = None) -> CriuRun:
         """Copy memory while the tree runs; a later dump writes only what changed."""

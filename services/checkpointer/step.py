@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from smr.criu import Criu, CriuError, dump_finished
 from smr.errors import PermanentError
 from smr.jobs import Job, JobLock, JobRegistry, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
+
+log = logging.getLogger("smr.checkpointer")
 
 
 class CheckpointStep:
@@ -49,7 +52,8 @@ class CheckpointStep:
             shutil.rmtree(work, ignore_errors=True)
             durations: dict[str, float] = {}
             parent = None
-            if req.pre_dump:
+            pre_dump = req.pre_dump and await self._can_pre_dump(job_id)
+            if pre_dump:
                 progress.update("pre-dump")
                 run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
                 durations["pre_dump"] = run.seconds
@@ -71,6 +75,14 @@ class CheckpointStep:
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
 
+    async def _can_pre_dump(self, job_id: str) -> bool:
+        if await self.criu.tracks_memory():
+            return True
+        # A checkpoint matters more than a shorter freeze: dump in full.
+        log.warning("pre-dump of %s skipped: this kernel cannot track dirty memory "
+                    "(CONFIG_MEM_SOFT_DIRTY is off); doing a full dump", job_id)
+        return False
+
     async def _criu(self, job: Job, call: Any) -> Any:
         try:
             return await call
@@ -90,7 +102,7 @@ class CheckpointStep:
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
-            "pre_dump": req.pre_dump,
+            "pre_dump": (self._work(req) / "pre").is_dir(),
             "versions": {"criu": await self.criu.version(), "smr": __version__},
             "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log},
         }

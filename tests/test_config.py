@@ -1,0 +1,59 @@
+"""Settings: environment, file, defaults, and errors that name the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from smr import config
+from smr.errors import ConfigError
+
+
+def test_defaults() -> None:
+    s = config.load({})
+    assert s.nats_url == "" and s.max_deliver == 5 and s.storage == "local"
+    assert s.storage_root == s.data_path / "checkpoints"
+
+
+def test_environment_wins_over_file(tmp_path: Path) -> None:
+    f = tmp_path / "smr.toml"
+    f.write_text('max_deliver = 9\nnode_name = "from-file"\n')
+    s = config.load({"SMR_CONFIG": str(f), "SMR_NODE_NAME": "from-env"})
+    assert s.max_deliver == 9 and s.node == "from-env"
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"SMR_MAX_DELIVER": "zero"}, "SMR_MAX_DELIVER"),
+    ({"SMR_MAX_DELIVER": "0"}, "SMR_MAX_DELIVER"),
+    ({"SMR_ACK_WAIT": "-1"}, "SMR_ACK_WAIT"),
+    ({"SMR_STORAGE": "floppy"}, "SMR_STORAGE"),
+])
+def test_invalid_values_name_the_setting(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config.load(env)
+    assert named in str(e.value) and e.value.hint
+
+
+def test_unknown_key_in_file(tmp_path: Path) -> None:
+    f = tmp_path / "smr.toml"
+    f.write_text("max_delivr = 3\n")
+    with pytest.raises(ConfigError) as e:
+        config.load({"SMR_CONFIG": str(f)})
+    assert "max_delivr" in str(e.value)
+
+
+def test_missing_binary_says_how_to_install() -> None:
+    s = config.load({"SMR_CRIU": ""}).replace(criu="")
+    original = config.REPO_TOOLS
+    try:
+        config.REPO_TOOLS = Path("/nonexistent")
+        import shutil
+
+        if shutil.which("criu"):
+            pytest.skip("a criu is on PATH")
+        with pytest.raises(ConfigError) as e:
+            s.criu_binary()
+    finally:
+        config.REPO_TOOLS = original
+    assert "make setup" in e.value.hint

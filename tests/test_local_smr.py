@@ -1,0 +1,329 @@
+"""Save, migrate and resume on one machine with real CRIU, driven through NATS.
+
+Each test runs an embedded node (checkpointer + restorer + local storage) on
+the session's real nats-server, launches real processes, and judges the result
+by what the processes print: the step they continue from and the digest of
+their memory, recomputed independently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.storage.layout import LOCAL_NAMESPACE
+from smr import config
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
+from smr.criu import Criu
+from smr.embedded import EmbeddedNode
+from smr.jobs import Job, JobLock, JobRegistry, launch, proc_start_ticks
+from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+from smr.natsserver import NatsServer
+from smr.workloads import counter
+
+pytestmark = pytest.mark.criu
+
+
+class Harness:
+    def __init__(self, node: EmbeddedNode, settings: config.Settings, tmp: Path) -> None:
+        assert node.bus is not None
+        self.node = node
+        self.bus: Bus = node.bus
+        self.settings = settings
+        self.tmp = tmp
+        self.jobs = JobRegistry(self.bus.kv(KV_JOBS))
+        self.lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
+        self.pids: list[int] = []
+
+    async def start(self, mib: int, *extra: str, job_id: str | None = None) -> Job:
+        job_id = job_id or f"job-{uuid.uuid4().hex[:6]}"
+        cmd = [sys.executable, "-m", "smr.workloads.counter", "--mib", str(mib),
+               "--interval", "0.05", *extra]
+        job = launch(job_id, cmd, log=self.tmp / f"{job_id}.log", cwd=self.tmp,
+                     node=self.settings.node)
+        self.pids.append(job.pid)
+        await self.jobs.put(job)
+        await self.wait_step(job, 3)
+        return job
+
+    def lines(self, job: Job) -> list[dict[str, str]]:
+        text = Path(job.log).read_text()
+        return [counter.parse_line(ln) for ln in text.splitlines() if ln.startswith("step=")]
+
+    async def wait_step(self, job: Job, at_least: int, count: int = 1,
+                        timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sum(int(ln["step"]) >= at_least for ln in self.lines(job)) >= count:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{job.id} never reached step {at_least}: {self.lines(job)[-3:]}")
+
+    async def checkpoint(self, job_id: str, **kw: Any) -> CkptDone:
+        req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=job_id,
+                            target=Target.job(job_id), node=self.settings.node, **kw)
+        await self.bus.publish(req)
+        result = await self.bus.wait_result(req.request_id, req.SCHEMA, timeout=120)
+        assert isinstance(result, CkptDone)
+        return result
+
+    async def restore(self, ckpt_id: str, as_id: str | None = None, **kw: Any) -> RestoreDone:
+        req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt_id,
+                               target=Target.job(as_id or ckpt_id), node=self.settings.node,
+                               **kw)
+        await self.bus.publish(req)
+        result = await self.bus.wait_result(req.request_id, req.SCHEMA, timeout=120)
+        assert isinstance(result, RestoreDone)
+        if result.pid:
+            self.pids.append(result.pid)
+        return result
+
+    def cleanup(self) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+            ) -> AsyncIterator[Harness]:
+    s = config.load({}).replace(
+        nats_url=nats_server.url, node_name=node, data_dir=str(tmp_path / "data"),
+        criu=criu_binary, ack_wait=5.0)
+    async with EmbeddedNode(s) as n:
+        harness = Harness(n, s, tmp_path)
+        try:
+            yield harness
+        finally:
+            harness.cleanup()
+
+
+def assert_continues(lines: list[dict[str, str]], frozen: int, mib: int) -> None:
+    """After the checkpoint the job's next line is step frozen+1, and its memory
+    digest is the one recomputed from scratch for that step."""
+    after = [ln for ln in lines if int(ln["step"]) > frozen]
+    assert after, "no output after the restore"
+    first = after[0]
+    assert int(first["step"]) == frozen + 1, f"restarted instead of resuming: {first}"
+    for ln in after[:2]:
+        assert ln["digest"] == counter.expected_digest(mib, int(ln["step"])), ln
+
+
+async def test_checkpoint_kill_restore_resumes_with_memory_intact(h: Harness) -> None:
+    job = await h.start(256)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    assert done.generation == 1 and done.size_bytes and done.size_bytes > 256 << 20
+    assert proc_start_ticks(job.pid) is None, "the original must be gone after a dump"
+    frozen = int(h.lines(job)[-1]["step"])
+
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    assert restored.pid != job.pid
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 256)
+    record, _ = await h.jobs.get(job.id)
+    assert record.alive() and record.pid == restored.pid and record.generation == 1
+
+
+async def test_leave_running_then_restore_beside_original(h: Harness) -> None:
+    job = await h.start(64)
+    done = await h.checkpoint(job.id, leave_running=True)
+    assert done.status == "succeeded", done.error
+    assert proc_start_ticks(job.pid) == job.start_ticks, "the original must keep running"
+    frozen_gen_lines = len(h.lines(job))
+
+    # Same id while the original runs: refused, it would run the job twice.
+    twice = await h.restore(job.id)
+    assert twice.status == "failed" and twice.error and twice.error["code"] == "job-running"
+
+    copy = await h.restore(job.id, as_id=f"{job.id}-copy")
+    assert copy.status == "succeeded", copy.error
+    original, _ = await h.jobs.get(job.id)
+    clone, _ = await h.jobs.get(f"{job.id}-copy")
+    assert original.alive() and clone.alive() and original.pid != clone.pid
+    # The copy continues from the checkpoint's step while the original goes on:
+    # the step after the checkpoint appears twice, each with the right memory.
+    lines = h.lines(job)
+    ckpt_step = max(int(ln["step"]) for ln in lines[:frozen_gen_lines])
+    await h.wait_step(job, ckpt_step + 30, count=2)
+    lines = h.lines(job)
+    resumed = [ln for ln in lines[frozen_gen_lines:] if int(ln["step"]) <= ckpt_step + 1]
+    assert resumed, "the restored copy printed nothing"
+    for ln in resumed:
+        assert ln["digest"] == counter.expected_digest(64, int(ln["step"])), ln
+
+
+async def test_job_with_open_file_and_child_process(h: Harness) -> None:
+    state = h.tmp / "state.txt"
+    job = await h.start(32, "--state-file", str(state), "--child")
+    child = int(h.lines(job)[-1]["child"])  # its PID inside the job's namespace
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    frozen = int(h.lines(job)[-1]["step"])
+    # Frozen between writing the file and printing the line, or after both.
+    assert frozen <= int(state.read_text()) <= frozen + 1
+
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await h.wait_step(job, frozen + 3)
+    assert_continues(h.lines(job), frozen, 32)
+    assert int(state.read_text()) > frozen, "the open file is written again after restore"
+    last = h.lines(job)[-1]
+    assert int(last["child"]) == child  # same child, same namespace PID
+    assert restored.pid
+    kids = Path(f"/proc/{restored.pid}/task/{restored.pid}/children").read_text().split()
+    assert len(kids) == 1, "the child process was restored with its parent"
+
+
+async def test_pre_dump_then_dump_writes_less_and_restores(h: Harness, criu_binary: str) -> None:
+    crit = Criu(criu_binary)
+    if not await crit.tracks_memory():
+        pytest.skip("this kernel has no dirty-page tracking (CONFIG_MEM_SOFT_DIRTY is off): "
+                    "CRIU cannot pre-dump here")
+    job = await h.start(256)
+    work = h.tmp / "engine"
+    await crit.pre_dump(job.pid, work / "pre")
+    await crit.dump(job.pid, work / "images", leave_running=True, parent=work / "pre")
+    pre = sum(p.stat().st_size for p in (work / "pre").glob("pages-*.img"))
+    final = sum(p.stat().st_size for p in (work / "images").glob("pages-*.img"))
+    assert pre > 256 << 20
+    assert final < pre / 10, f"incremental dump {final} B vs pre-dump {pre} B"
+
+    # Through the services: pre-dump + dump stored as one generation, restorable.
+    done = await h.checkpoint(job.id, pre_dump=True)
+    assert done.status == "succeeded", done.error
+    assert "pre_dump" in done.durations
+    frozen = int(h.lines(job)[-1]["step"])
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 256)
+
+
+async def test_pre_dump_request_without_dirty_tracking_still_checkpoints(
+    h: Harness, criu_binary: str
+) -> None:
+    if await Criu(criu_binary).tracks_memory():
+        pytest.skip("this kernel tracks dirty memory: the pre-dump path runs instead")
+    job = await h.start(64)
+    done = await h.checkpoint(job.id, pre_dump=True)
+    assert done.status == "succeeded", done.error
+    assert "pre_dump" not in done.durations  # fell back to one full dump
+    frozen = int(h.lines(job)[-1]["step"])
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 64)
+
+
+async def test_duplicate_request_runs_once(h: Harness) -> None:
+    job = await h.start(16)
+    req = CkptRequested(request_id=f"dup-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node, leave_running=True)
+    await h.bus.publish(req)
+    first = await h.bus.wait_result(req.request_id, req.SCHEMA, timeout=60)
+    # The same request again, bypassing the publish dedupe: answered from state.
+    await h.bus.publish_raw(f"ckpt.requested.{h.settings.node}", req.to_payload())
+    await asyncio.sleep(1.5)
+    gens = await h.node.workers[0].step.store.generations(  # type: ignore[attr-defined]
+        LOCAL_NAMESPACE, job.id)
+    assert first.status == "succeeded" and [g.number for g in gens] == [1]
+
+
+# -- bad input ------------------------------------------------------------------------
+
+async def assert_unlocked(h: Harness, job_id: str) -> None:
+    assert await h.lock.holder(job_id) is None, "a failed step left its job locked"
+
+
+async def test_checkpoint_of_unknown_job(h: Harness) -> None:
+    bystander = await h.start(16)
+    done = await h.checkpoint("no-such-job")
+    assert done.status == "failed" and done.error and done.error["code"] == "job-not-found"
+    assert "smr ps" in done.error["hint"]
+    await assert_unlocked(h, "no-such-job")
+    assert (await h.checkpoint(bystander.id, leave_running=True)).status == "succeeded"
+
+
+async def test_restore_of_missing_checkpoint(h: Harness) -> None:
+    done = await h.restore("never-checkpointed")
+    assert done.status == "failed" and done.error
+    assert done.error["code"] == "checkpoint-not-found"
+    assert "smr checkpoint" in done.error["hint"]
+    await assert_unlocked(h, "never-checkpointed")
+    job = await h.start(16)
+    await h.checkpoint(job.id, leave_running=True)
+    missing_gen = await h.restore(job.id, as_id="other", generation=7)
+    assert missing_gen.status == "failed" and missing_gen.error
+    assert missing_gen.error["code"] == "checkpoint-not-found"
+
+
+def criu_dumping(pid: int) -> bool:
+    """Is a `criu dump -t pid` process running?"""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dump" in args and str(pid).encode() in args and any(b"criu" in a for a in args):
+            return True
+    return False
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+async def test_job_exiting_during_its_checkpoint(h: Harness) -> None:
+    job = await h.start(768)
+    task = asyncio.create_task(h.checkpoint(job.id))
+    # Kill the job as soon as CRIU has started dumping it.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if criu_dumping(job.pid):
+            break
+        await asyncio.sleep(0.005)
+    os.kill(job.pid, signal.SIGKILL)
+    done = await task
+    assert done.status == "failed" and done.error, "a dump of a dying job must not succeed"
+    assert done.error["code"] == "job-exited", done.error
+    assert "nothing was stored" in done.error["message"]
+    assert await h.node.workers[0].step.store.latest(  # type: ignore[attr-defined]
+        LOCAL_NAMESPACE, job.id) is None
+    await assert_unlocked(h, job.id)
+
+
+async def test_corrupted_checkpoint_is_refused(h: Harness) -> None:
+    job = await h.start(32)
+    other = await h.start(16)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    gen_dir = h.settings.storage_root / LOCAL_NAMESPACE / job.id / f"{done.generation:08d}"
+    pages = max((gen_dir / "files" / "images").glob("pages-*.img"),
+                key=lambda p: p.stat().st_size)
+    flip_byte(pages, pages.stat().st_size // 2)
+
+    restored = await h.restore(job.id)
+    assert restored.status == "failed" and restored.error
+    assert restored.error["code"] == "checkpoint-corrupt"
+    assert pages.name in restored.error["message"]
+    assert restored.pid is None
+    record, _ = await h.jobs.get(job.id)
+    assert not record.alive()
+    await assert_unlocked(h, job.id)
+    # The other job is untouched and still checkpointable.
+    assert proc_start_ticks(other.pid) == other.start_ticks
+    assert (await h.checkpoint(other.id, leave_running=True)).status == "succeeded"
