@@ -7,6 +7,7 @@ Subjects (``<node>`` is ``node_token(node)``)::
     ckpt.done.<node>           restore.done.<node>          stream SMR_EVENTS
     node.draining.<node>                                    stream SMR_EVENTS
     dlq.<original subject>                                  stream SMR_DLQ
+    $JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.SMR_REQUESTS.* stream SMR_EXHAUSTED
 
 Requests are published with ``Nats-Msg-Id = request_id``, so JetStream drops a
 duplicate within the dedupe window. Each node has one durable pull consumer per
@@ -15,6 +16,11 @@ run at most once: a redelivered request whose state is ``done`` republishes the
 stored result; one whose state is ``running`` with a stale heartbeat (its worker
 died) is handed to the step's ``recover``, which decides from the world whether
 the step finished, failed, or can safely run again.
+
+A request whose worker died on its last delivery would vanish: JetStream only
+announces it with a core-NATS advisory. Those advisories are kept in a stream
+of their own, and each worker answers its consumer's with a failed result and a
+dead letter, even when it starts after the fact.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ log = logging.getLogger("smr.bus")
 STREAM_REQUESTS = "SMR_REQUESTS"
 STREAM_EVENTS = "SMR_EVENTS"
 STREAM_DLQ = "SMR_DLQ"
+STREAM_EXHAUSTED = "SMR_EXHAUSTED"
+EXHAUSTED_PREFIX = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}"
 KV_STEPS = "smr-steps"
 KV_JOBS = "smr-jobs"
 KV_LOCKS = "smr-locks"
@@ -114,7 +122,10 @@ class BusConfig:
 
     @property
     def stale_after(self) -> float:
-        return 3 * self.keepalive + 2.0
+        """A running state whose heartbeat is older than this has lost its worker.
+        Heartbeats go out with in_progress, so a redelivery (ack wait expired)
+        finds one at least ack_wait old; a live worker's is under 2 keepalives."""
+        return max(2 * self.keepalive, 0.8 * self.ack_wait)
 
 
 class Bus:
@@ -162,6 +173,10 @@ class Bus:
                 name=STREAM_DLQ, subjects=["dlq.>"], max_age=30 * DAY,
                 storage=js_api.StorageType.FILE,
             ),
+            js_api.StreamConfig(
+                name=STREAM_EXHAUSTED, subjects=[f"{EXHAUSTED_PREFIX}.*"], max_age=7 * DAY,
+                storage=js_api.StorageType.FILE,
+            ),
         )
         for cfg in streams:
             await self._ensure_stream(cfg)
@@ -195,6 +210,19 @@ class Bus:
                 ack_wait=self.config.ack_wait, max_deliver=self.config.max_deliver,
                 # One step at a time per node and kind: a node is not dumped twice at once.
                 max_ack_pending=1,
+            ),
+        )
+        return name
+
+    async def ensure_exhausted_consumer(self, consumer: str) -> str:
+        """A durable consumer of the max-deliveries advisories of ``consumer``."""
+        name = f"exhausted-{consumer}"
+        await self.js.add_consumer(
+            STREAM_EXHAUSTED,
+            js_api.ConsumerConfig(
+                name=name, durable_name=name, filter_subject=f"{EXHAUSTED_PREFIX}.{consumer}",
+                ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
+                ack_wait=self.config.ack_wait, max_deliver=-1,
             ),
         )
         return name
@@ -335,9 +363,12 @@ class Worker:
     async def run(self) -> None:
         durable = await self.bus.ensure_consumer(self.step.kind, self.node)
         psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
+        exhausted = await self.bus.js.pull_subscribe_bind(
+            await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
         log.info("%s consuming %s", self.service, subject(self.step.kind, self.node))
         try:
             while not self._stop.is_set():
+                await self._answer_exhausted(exhausted)
                 self.idle.set()
                 try:
                     msgs = await psub.fetch(1, timeout=0.5)
@@ -353,6 +384,36 @@ class Worker:
                         await _quietly(m.nak(delay=self.bus.config.nak_base_delay))
         finally:
             await _quietly(psub.unsubscribe())
+            await _quietly(exhausted.unsubscribe())
+
+    async def _answer_exhausted(self, sub: Any) -> None:
+        """Requests JetStream gave up on (worker died on the last delivery)."""
+        try:
+            advisories = await sub.fetch(8, timeout=0.05)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return
+        for adv in advisories:
+            info = orjson.loads(adv.data)
+            try:
+                raw = await self.bus.js.get_msg(STREAM_REQUESTS, info["stream_seq"])
+                req = SUBJECT_TYPES[self.step.kind].from_payload(raw.data or b"")
+            except (NotFoundError, ContractError):
+                await adv.ack()  # gone (aged out) or never valid (already dead-lettered)
+                continue
+            rid = req.request_id  # type: ignore[attr-defined]
+            state, _ = await self.bus.step_state(rid)
+            if not state or state["state"] == "running":
+                err = SmrError(
+                    f"request {rid} was delivered {info.get('deliveries')} times without an "
+                    "answer: its worker died or stalled each time; it was not completed",
+                    code="deliveries-exhausted",
+                    hint=f"see the {self.service} log on node {self.node}; to try again, "
+                         "publish the request with a new request_id")
+                await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
+                                           service=self.service,
+                                           deliveries=info.get("deliveries"), request_id=rid)
+                await self._record(self._failed(req, err))
+            await adv.ack()
 
     async def handle(self, m: Msg) -> None:
         ctx = tracing.extract(m.headers)
@@ -401,7 +462,7 @@ class Worker:
             with tracing.tracer.start_as_current_span("recover " + self.step.kind):
                 result = await self.step.recover(req, state)
             if result is not None:
-                await self._finish(m, result, rev)
+                await self._finish(m, result)
                 return
 
         claim = {"state": "running", "owner": self.owner, "heartbeat": time.time(),
@@ -454,19 +515,22 @@ class Worker:
         finally:
             keepalive.cancel()
             await _quietly(keepalive)
-        await self._finish(m, result, None)
+        await self._finish(m, result)
 
     def _failed(self, req: Any, e: SmrError) -> Any:
         return RESULT_OF[self.step.kind].for_request(req, status="failed", error=e.as_dict())
 
-    async def _finish(self, m: Msg, result: CkptDone | RestoreDone, rev: int | None) -> None:
+    async def _finish(self, m: Msg, result: CkptDone | RestoreDone) -> None:
         # Order matters: state first (a crash after it republishes the stored
         # result on redelivery), then the event, then the ack.
+        await self._record(result)
+        await m.ack()
+
+    async def _record(self, result: CkptDone | RestoreDone) -> None:
         state = {"state": "done" if result.status == "succeeded" else "failed",
                  "result": result.to_dict(), "finished": time.time()}
         await self.bus.kv(KV_STEPS).put(result.request_id, orjson.dumps(state))
         await self.bus.publish(result)
-        await m.ack()
 
     async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], p: Progress) -> None:
         while True:

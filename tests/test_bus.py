@@ -121,17 +121,29 @@ async def test_duplicate_publish_is_dropped(bus: Bus, node: str) -> None:
     assert step.seen == ["dup-1"]
 
 
+def spawn_slow_worker(url: str, node: str, markers: Path, *extra: str) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.slow_worker", url, node, str(markers), "30",
+         *extra], cwd=REPO, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert p.stdout and p.stdout.readline().strip() == "ready"
+    return p
+
+
+async def wait_for_marker(markers: Path, name: str) -> None:
+    for _ in range(200):
+        if (markers / name).exists():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the step never started ({name})")
+
+
 async def test_sigkilled_worker_redelivers_without_second_execution(
     nats_server: NatsServer, bus: Bus, node: str, tmp_path: Path
 ) -> None:
     def spawn() -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.slow_worker", nats_server.url, node,
-             str(tmp_path), "30"], cwd=REPO, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        assert p.stdout and p.stdout.readline().strip() == "ready"
-        return p
+        return spawn_slow_worker(nats_server.url, node, tmp_path)
 
     first = spawn()
     await bus.publish(request(node, "crash-1"))
@@ -152,6 +164,33 @@ async def test_sigkilled_worker_redelivers_without_second_execution(
         second.wait()
     assert [p.name for p in tmp_path.glob("crash-1.*")] == ["crash-1.0"]  # ran once
     assert result.status == "failed" and result.error and result.error["code"] == "interrupted"
+
+
+async def test_worker_dying_on_every_delivery_ends_in_a_dead_letter(
+    nats_server: NatsServer, bus: Bus, node: str, tmp_path: Path
+) -> None:
+    """Killed on its last delivery, a request must not vanish: the next worker
+    on the node answers it as failed and dead-letters it, without running it."""
+    for attempt in range(2):  # max_deliver = 2, each attempt SIGKILLed mid-step
+        p = spawn_slow_worker(nats_server.url, node, tmp_path, "2", "rerun")
+        if attempt == 0:
+            await bus.publish(request(node, "doomed-1"))
+        await wait_for_marker(tmp_path, f"doomed-1.{attempt}")
+        p.kill()
+        p.wait()
+    await asyncio.sleep(2.5)  # the last delivery's ack wait runs out: JetStream gives up
+    step = CountingStep()
+    bus.config.max_deliver = 2
+    w, t = await run_worker(bus, step, node)
+    try:
+        result = await bus.wait_result("doomed-1", "ckpt.requested", timeout=15)
+    finally:
+        await stop(w, t)
+    assert step.seen == [], "an exhausted request must not run again"
+    assert result.status == "failed" and result.error
+    assert result.error["code"] == "deliveries-exhausted"
+    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    assert [x.request_id for x in letters] == ["doomed-1"]
 
 
 async def test_invalid_message_is_dead_lettered_and_worker_continues(bus: Bus, node: str) -> None:

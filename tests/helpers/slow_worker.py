@@ -1,7 +1,9 @@
 """A worker process for the crash test: its step writes a marker file per
 execution, then sleeps, so the test can SIGKILL it mid-step.
 
-    python -m tests.helpers.slow_worker NATS_URL NODE MARKER_DIR SLEEP_S
+    python -m tests.helpers.slow_worker NATS_URL NODE MARKER_DIR SLEEP_S [MAX_DELIVER [rerun]]
+
+With ``rerun`` its recover() says the step is safe to run again.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from smr.messages import CkptDone, CkptRequested
 class SlowStep:
     kind = "ckpt.requested"
 
-    def __init__(self, marker_dir: Path, sleep: float) -> None:
+    def __init__(self, marker_dir: Path, sleep: float, rerun: bool) -> None:
         self.marker_dir = marker_dir
         self.sleep = sleep
+        self.rerun = rerun
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         n = len(list(self.marker_dir.glob(f"{req.request_id}.*")))
@@ -30,6 +33,8 @@ class SlowStep:
         return CkptDone.for_request(req, status="succeeded", generation=1)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        if self.rerun:
+            return None
         # This step's side effect is not safe to repeat: report the interruption.
         return CkptDone.for_request(req, status="failed", error={
             "code": "interrupted", "message": f"attempt by {state['owner']} was interrupted"})
@@ -37,9 +42,11 @@ class SlowStep:
 
 async def main() -> None:
     url, node, marker_dir, sleep = sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
-    bus = await Bus.connect(url, config=BusConfig(max_deliver=4, ack_wait=1.0))
+    max_deliver = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    rerun = sys.argv[6:7] == ["rerun"]
+    bus = await Bus.connect(url, config=BusConfig(max_deliver=max_deliver, ack_wait=1.0))
     print("ready", flush=True)
-    await Worker(bus, SlowStep(marker_dir, sleep), node, service="slow").run()
+    await Worker(bus, SlowStep(marker_dir, sleep, rerun), node, service="slow").run()
 
 
 if __name__ == "__main__":
