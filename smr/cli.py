@@ -190,7 +190,7 @@ async def cmd_kill(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_demo(s: config.Settings, a: argparse.Namespace) -> int:
     from smr.demo import run_demo
 
-    return await run_demo(s, mib=a.mib)
+    return await run_demo(s, mib=a.mib, keep=a.keep)
 
 
 def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
@@ -228,6 +228,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("id")
     d = sub.add_parser("demo", help="checkpoint, kill and restore a sample stateful job")
     d.add_argument("--mib", type=int, default=256, help="memory the sample job holds")
+    d.add_argument("--keep", action="store_true", help="keep its checkpoint, log and job")
     sub.add_parser("config", help="print the settings in force")
     return p
 

@@ -71,9 +71,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("NATS_URL", "", str, "NATS server URL; empty: `smr up` starts an embedded nats-server"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
-    # The S3 backend and its settings arrive with the storage work (issue 4).
-    Setting("STORAGE", "local", _choice("local"), "checkpoint storage backend"),
+    Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
     Setting("STORAGE_PATH", "", str, "local backend's directory; default: DATA_DIR/checkpoints"),
+    Setting("S3_BUCKET", "", str, "S3 bucket (SMR_STORAGE=s3); credentials: the AWS chain"),
+    Setting("S3_PREFIX", "smr", str, "key prefix inside the bucket"),
+    Setting("S3_ENDPOINT", "", str, "S3-compatible endpoint URL; empty: AWS"),
+    Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
+    Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
     Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),
@@ -161,4 +165,6 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError(
                 f"invalid {src}={raw!r}: {e}", hint=f"{PREFIX}{s.name} is the {s.doc}"
             ) from None
+    if values["STORAGE"] == "s3" and not values["S3_BUCKET"]:
+        raise ConfigError(f"{PREFIX}STORAGE=s3 needs a bucket", hint=f"set {PREFIX}S3_BUCKET")
     return Settings(values)

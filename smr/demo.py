@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from services.storage.layout import LOCAL_NAMESPACE
 from smr import embedded
 from smr.bus import KV_JOBS, Bus
 from smr.config import Settings
@@ -47,7 +48,7 @@ async def wait_steps(log: Path, at_least: int, pid: int, timeout: float = 60) ->
     raise SmrError(f"the sample job did not reach step {at_least} in {timeout}s; see {log}")
 
 
-async def run_demo(s: Settings, *, mib: int = 256) -> int:
+async def run_demo(s: Settings, *, mib: int = 256, keep: bool = False) -> int:
     node = None
     try:
         bus = await embedded.connect(s)
@@ -57,7 +58,7 @@ async def run_demo(s: Settings, *, mib: int = 256) -> int:
         bus = node.bus
         assert bus is not None
     try:
-        return await _demo(s, bus, mib)
+        return await _demo(s, bus, mib, keep)
     finally:
         if node:
             await node.stop()
@@ -65,7 +66,7 @@ async def run_demo(s: Settings, *, mib: int = 256) -> int:
             await bus.close()
 
 
-async def _demo(s: Settings, bus: Bus, mib: int) -> int:
+async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
     jobs = JobRegistry(bus.kv(KV_JOBS))
     job_id = f"demo-{uuid.uuid4().hex[:6]}"
     log = (s.data_path / "logs" / f"{job_id}.log").resolve()
@@ -110,6 +111,13 @@ async def _demo(s: Settings, bus: Bus, mib: int) -> int:
         f"recomputed {want}; now at step {after['step']}")
     with contextlib.suppress(ProcessLookupError):
         os.kill(rdone.pid or 0, signal.SIGKILL)
+    if keep:
+        say(f"   kept: `smr checkpoints {job_id}` lists its checkpoint, `smr ps` its job")
+    else:
+        await embedded.make_store(s).delete_checkpoint(LOCAL_NAMESPACE, job_id)
+        await jobs.delete(job_id)
+        log.unlink(missing_ok=True)
+        say("   cleaned up its checkpoint, log and job record (--keep keeps them)")
     say("demo " + ("passed: the process resumed where it stopped, state intact"
                    if ok else "FAILED: the restored process did not continue its state"))
     return 0 if ok else 1

@@ -29,6 +29,13 @@ def url_file(settings: Settings) -> Path:
 
 
 def make_store(settings: Settings) -> CheckpointStore:
+    if settings.storage == "s3":
+        from services.storage.s3 import S3Backend
+
+        return CheckpointStore(S3Backend(
+            settings.s3_bucket, prefix=settings.s3_prefix,
+            endpoint_url=settings.s3_endpoint or None, path_style=settings.s3_path_style,
+            region=settings.s3_region or None))
     return CheckpointStore(LocalBackend(settings.storage_root))
 
 

@@ -93,8 +93,16 @@ class LocalBackend:
         return sorted(k for k in out if k.startswith(prefix))
 
     async def delete(self, keys: list[str]) -> None:
+        dirs = set()
         for k in keys:
-            self._path(k).unlink(missing_ok=True)
+            path = self._path(k)
+            path.unlink(missing_ok=True)
+            dirs.update(p for p in path.parents if self.root.resolve() in p.parents)
+        # Directories left holding nothing but a lock file go too, deepest first.
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            if d.is_dir() and {c.name for c in d.iterdir()} <= {".lock"}:
+                (d / ".lock").unlink(missing_ok=True)
+                d.rmdir()
 
     @contextmanager
     def _locked(self, directory: Path) -> Iterator[None]:

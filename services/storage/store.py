@@ -153,6 +153,12 @@ class CheckpointStore:
         return Generation(manifest, self.backend.url(
             layout.generation_prefix(namespace, checkpoint_id, generation)))
 
+    async def delete_checkpoint(self, namespace: str, checkpoint_id: str) -> int:
+        """Remove every generation of ``checkpoint_id``; returns the objects removed."""
+        keys = await self.backend.list(layout.checkpoint_prefix(namespace, checkpoint_id))
+        await self.backend.delete(keys)
+        return len(keys)
+
     async def fetch(self, gen: Generation, dst: Path, *, on_bytes: Any = None) -> None:
         """Download a generation into ``dst``, every file checked against its
         sha256 before it gets its final name: CRIU never reads an unverified byte."""
