@@ -8,29 +8,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import CheckpointStore, Generation
+from services.storage.store import Generation
 from smr import __version__
 from smr.bus import Progress
-from smr.criu import Criu, CriuError, dump_finished
+from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError
-from smr.jobs import Job, JobLock, JobRegistry, wait_exit
+from smr.jobs import Job, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 
 log = logging.getLogger("smr.checkpointer")
 
 
-class CheckpointStep:
+class CheckpointStep(LocalJobStep):
     kind = "ckpt.requested"
-
-    def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
-                 work_dir: Path, node: str) -> None:
-        self.criu = criu
-        self.store = store
-        self.jobs = jobs
-        self.lock = lock
-        self.work_dir = work_dir
-        self.node = node
 
     def _work(self, req: CkptRequested) -> Path:
         return self.work_dir / req.request_id
@@ -38,7 +30,7 @@ class CheckpointStep:
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started = now()
         t0 = time.monotonic()
-        job_id = _job_id(req)
+        job_id = self.job_id(req.target)
         await self.lock.acquire(job_id, req.request_id)
         try:
             job, _ = await self.jobs.get(job_id)  # read under the lock: no lost update
@@ -121,7 +113,7 @@ class CheckpointStep:
         for gen in reversed(await self.store.generations(LOCAL_NAMESPACE, req.checkpoint_id)):
             if gen.manifest["request_id"] == req.request_id:
                 return self._result(req, gen)
-        job_id = _job_id(req)
+        job_id = self.job_id(req.target)
         job = await self.jobs.find(job_id)
         if job is None:
             return None  # run() reports the missing job
@@ -140,12 +132,3 @@ class CheckpointStep:
             "code": "interrupted",
             "message": f"the checkpoint of job {job_id} was interrupted and the job is gone",
             "hint": f"restore its latest checkpoint: smr restore {job_id}"})
-
-
-def _job_id(req: CkptRequested) -> str:
-    if req.target.kind != "job" or not req.target.job_id:
-        raise PermanentError(
-            f"this checkpointer handles local jobs; {req.target} needs the node agent",
-            code="target-unsupported", hint="run the node agent on Kubernetes nodes",
-        )
-    return req.target.job_id

@@ -8,31 +8,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import CheckpointNotFound, CheckpointStore, Generation
+from services.storage.store import CheckpointNotFound, Generation
 from smr.bus import Progress
-from smr.criu import Criu
 from smr.errors import PermanentError
-from smr.jobs import Job, JobLock, JobRegistry, describe
+from smr.jobs import Job, describe
 from smr.messages import RestoreDone, RestoreRequested, now
 
 
-class RestoreStep:
+class RestoreStep(LocalJobStep):
     kind = "restore.requested"
-
-    def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
-                 work_dir: Path, node: str) -> None:
-        self.criu = criu
-        self.store = store
-        self.jobs = jobs
-        self.lock = lock
-        self.work_dir = work_dir
-        self.node = node
 
     async def run(self, req: RestoreRequested, progress: Progress) -> RestoreDone:
         started = now()
         t0 = time.monotonic()
-        job_id = _job_id(req)
+        job_id = self.job_id(req.target)
         await self.lock.acquire(job_id, req.request_id)
         try:
             existing = await self.jobs.find(job_id)
@@ -89,8 +80,9 @@ class RestoreStep:
                 os.close(fd)
         durations["restore"] = run.seconds
         live = describe(int(pidfile.read_text()))
-        job = existing or Job(id=_job_id(req), cmd=spec.get("cmd", []), cwd=spec.get("cwd", ""),
-                              log=log, node=self.node, checkpoint_id=req.checkpoint_id)
+        job = existing or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
+                              cwd=spec.get("cwd", ""), log=log, node=self.node,
+                              checkpoint_id=req.checkpoint_id)
         job.pid, job.start_ticks, job.state = live.pid, live.start_ticks, "running"
         job.node, job.restored_by, job.generation = self.node, req.request_id, gen.number
         await self.jobs.put(job)
@@ -99,7 +91,7 @@ class RestoreStep:
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
         """A worker died mid-restore. If the process it restored is running,
         record it and answer; a restore never runs twice."""
-        job_id = _job_id(req)
+        job_id = self.job_id(req.target)
         job = await self.jobs.find(job_id)
         if job and job.restored_by == req.request_id and job.alive():
             await self.lock.release(job_id, req.request_id)
@@ -122,12 +114,3 @@ class RestoreStep:
                 return RestoreDone.for_request(req, status="succeeded", generation=gen.number,
                                                pid=live.pid)
         return None  # nothing was restored: safe to run
-
-
-def _job_id(req: RestoreRequested) -> str:
-    if req.target.kind != "job" or not req.target.job_id:
-        raise PermanentError(
-            f"this restorer handles local jobs; {req.target} needs the node agent",
-            code="target-unsupported", hint="run the node agent on Kubernetes nodes",
-        )
-    return req.target.job_id

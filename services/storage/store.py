@@ -8,7 +8,6 @@ conditional write. Readers only see generations that have a manifest.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -188,11 +187,3 @@ class CheckpointStore:
                 on_bytes(done)
         for link in m.get("symlinks", []):
             (dst / link["path"]).symlink_to(link["target"])
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

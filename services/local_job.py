@@ -1,0 +1,32 @@
+"""What the checkpointer and restorer share for local jobs (the embedded
+mode): their collaborators, and which targets they accept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.storage.store import CheckpointStore
+from smr.criu import Criu
+from smr.errors import PermanentError
+from smr.jobs import JobLock, JobRegistry
+from smr.messages import Target
+
+
+class LocalJobStep:
+    def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
+                 work_dir: Path, node: str) -> None:
+        self.criu = criu
+        self.store = store
+        self.jobs = jobs
+        self.lock = lock
+        self.work_dir = work_dir
+        self.node = node
+
+    @staticmethod
+    def job_id(target: Target) -> str:
+        if target.kind != "job" or not target.job_id:
+            raise PermanentError(
+                f"this node handles local jobs; {target} needs the node agent",
+                code="target-unsupported", hint="run the node agent on Kubernetes nodes",
+            )
+        return target.job_id
