@@ -13,6 +13,9 @@ setup: $(STAMP) .tools/.installed-v1
 	./scripts/install-tools.sh
 
 $(STAMP): pyproject.toml
+	@# A bare Debian 12 lacks ensurepip until python3-venv is installed.
+	python3 -c 'import ensurepip' 2>/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq python3-venv)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
