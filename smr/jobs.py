@@ -175,22 +175,28 @@ class JobLock:
 
     async def acquire(self, job_id: str, request_id: str) -> None:
         value = orjson.dumps({"request_id": request_id, "at": time.time()})
-        try:
-            await self.kv.create(job_id, value)
-            return
-        except KeyWrongLastSequenceError:
-            pass
-        e = await self.kv.get(job_id)
-        holder = orjson.loads(e.value).get("request_id") if e.value else None
-        if holder != request_id and await self._holder_active(holder):
-            raise TemporaryError(
-                f"job {job_id} is busy with request {holder}", code="job-busy",
-                hint="it is retried once that step ends",
-            )
-        try:
-            await self.kv.update(job_id, value, last=e.revision)
-        except KeyWrongLastSequenceError:
-            raise TemporaryError(f"job {job_id} was locked meanwhile", code="job-busy") from None
+        for _ in range(3):  # the holder may release between our create and get
+            try:
+                await self.kv.create(job_id, value)
+                return
+            except KeyWrongLastSequenceError:
+                pass
+            try:
+                e = await self.kv.get(job_id)
+            except KeyNotFoundError:
+                continue
+            holder = orjson.loads(e.value).get("request_id") if e.value else None
+            if holder != request_id and await self._holder_active(holder):
+                raise TemporaryError(
+                    f"job {job_id} is busy with request {holder}", code="job-busy",
+                    hint="it is retried once that step ends",
+                )
+            try:
+                await self.kv.update(job_id, value, last=e.revision)
+                return
+            except KeyWrongLastSequenceError:
+                continue
+        raise TemporaryError(f"job {job_id} was locked meanwhile", code="job-busy")
 
     async def _holder_active(self, holder: Any) -> bool:
         if not holder:

@@ -1,0 +1,39 @@
+"""The per-job lock: one step at a time, never stuck after a crash."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from smr.bus import KV_LOCKS, KV_STEPS, Bus
+from smr.errors import TemporaryError
+from smr.jobs import JobLock
+
+
+@pytest.fixture
+def lock(bus: Bus) -> JobLock:
+    return JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS))
+
+
+async def test_second_request_waits_while_the_first_runs(bus: Bus, lock: JobLock, node: str
+                                                         ) -> None:
+    job = f"j-{node}"
+    await bus.kv(KV_STEPS).put(f"a-{node}", orjson.dumps({"state": "running"}))
+    await lock.acquire(job, f"a-{node}")
+    with pytest.raises(TemporaryError) as e:
+        await lock.acquire(job, f"b-{node}")
+    assert e.value.code == "job-busy"
+    await lock.acquire(job, f"a-{node}")  # the holder's own retry takes it again
+    await lock.release(job, f"a-{node}")
+    await lock.acquire(job, f"b-{node}")
+    assert await lock.holder(job) == f"b-{node}"
+
+
+async def test_lock_of_a_dead_step_is_taken_over(bus: Bus, lock: JobLock, node: str) -> None:
+    job = f"j-{node}"
+    await bus.kv(KV_STEPS).put(f"dead-{node}", orjson.dumps({"state": "failed"}))
+    await lock.acquire(job, f"dead-{node}")  # its worker died without releasing
+    await lock.acquire(job, f"next-{node}")
+    assert await lock.holder(job) == f"next-{node}"
+    await lock.release(job, f"dead-{node}")  # a late release by the old holder is a no-op
+    assert await lock.holder(job) == f"next-{node}"
