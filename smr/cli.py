@@ -123,37 +123,33 @@ async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_checkpoint(s: config.Settings, a: argparse.Namespace) -> int:
+async def _request(s: config.Settings, a: argparse.Namespace,
+                   req: CkptRequested | RestoreRequested, what: str) -> int:
+    """Publish a request; with --wait, show its progress and result."""
     bus = await embedded.connect(s)
     try:
-        req = CkptRequested(
-            request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
-            target=Target.job(a.id), node=s.node, reason="api",
-            leave_running=a.leave_running, pre_dump=a.pre_dump)
         ack = await bus.publish(req)
-        print(f"checkpoint of {a.id} requested ({req.request_id}"
+        print(f"{what} of {a.id} requested ({req.request_id}"
               + (", a repeat" if ack.duplicate else "") + ")", file=sys.stderr)
         if not a.wait:
             return 0
-        return await _wait(bus, req.request_id, req.SCHEMA, "checkpoint", a.timeout)
+        return await _wait(bus, req.request_id, req.SCHEMA, what, a.timeout)
     finally:
         await bus.close()
+
+
+async def cmd_checkpoint(s: config.Settings, a: argparse.Namespace) -> int:
+    return await _request(s, a, CkptRequested(
+        request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
+        target=Target.job(a.id), node=s.node, reason="api",
+        leave_running=a.leave_running, pre_dump=a.pre_dump), "checkpoint")
 
 
 async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
-    bus = await embedded.connect(s)
-    try:
-        req = RestoreRequested(
-            request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
-            target=Target.job(a.as_id or a.id), node=s.node, reason="api",
-            generation=a.generation)
-        await bus.publish(req)
-        print(f"restore of {a.id} requested ({req.request_id})", file=sys.stderr)
-        if not a.wait:
-            return 0
-        return await _wait(bus, req.request_id, req.SCHEMA, "restore", a.timeout)
-    finally:
-        await bus.close()
+    return await _request(s, a, RestoreRequested(
+        request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
+        target=Target.job(a.as_id or a.id), node=s.node, reason="api",
+        generation=a.generation), "restore")
 
 
 async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
