@@ -279,6 +279,12 @@ class Bus:
             return None, e.revision or 0
         return orjson.loads(e.value), e.revision or 0
 
+    async def request(self, req: CkptRequested | RestoreRequested, *,
+                      timeout: float | None = None) -> CkptDone | RestoreDone:
+        """Publish a request and wait for its result."""
+        await self.publish(req)
+        return await self.wait_result(req.request_id, req.SCHEMA, timeout=timeout)
+
     async def wait_result(
         self, request_id: str, kind: str, *, timeout: float | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
@@ -366,9 +372,9 @@ class Worker:
         exhausted = await self.bus.js.pull_subscribe_bind(
             await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
         log.info("%s consuming %s", self.service, subject(self.step.kind, self.node))
+        answering = asyncio.create_task(self._answer_exhausted(exhausted))
         try:
             while not self._stop.is_set():
-                await self._answer_exhausted(exhausted)
                 self.idle.set()
                 try:
                     msgs = await psub.fetch(1, timeout=0.5)
@@ -383,37 +389,47 @@ class Worker:
                         log.exception("%s: unexpected error on %s", self.service, m.subject)
                         await _quietly(m.nak(delay=self.bus.config.nak_base_delay))
         finally:
+            answering.cancel()
+            await _quietly(answering)
             await _quietly(psub.unsubscribe())
             await _quietly(exhausted.unsubscribe())
 
     async def _answer_exhausted(self, sub: Any) -> None:
-        """Requests JetStream gave up on (worker died on the last delivery)."""
-        try:
-            advisories = await sub.fetch(8, timeout=0.05)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return
-        for adv in advisories:
-            info = orjson.loads(adv.data)
+        """Answer the requests JetStream gave up on (worker died on the last delivery)."""
+        while True:
             try:
-                raw = await self.bus.js.get_msg(STREAM_REQUESTS, info["stream_seq"])
-                req = SUBJECT_TYPES[self.step.kind].from_payload(raw.data or b"")
-            except (NotFoundError, ContractError):
-                await adv.ack()  # gone (aged out) or never valid (already dead-lettered)
+                advisories = await sub.fetch(8, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
-            rid = req.request_id  # type: ignore[attr-defined]
-            state, _ = await self.bus.step_state(rid)
-            if not state or state["state"] == "running":
-                err = SmrError(
-                    f"request {rid} was delivered {info.get('deliveries')} times without an "
-                    "answer: its worker died or stalled each time; it was not completed",
-                    code="deliveries-exhausted",
-                    hint=f"see the {self.service} log on node {self.node}; to try again, "
-                         "publish the request with a new request_id")
-                await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
-                                           service=self.service,
-                                           deliveries=info.get("deliveries"), request_id=rid)
-                await self._record(self._failed(req, err))
-            await adv.ack()
+            for adv in advisories:
+                try:
+                    await self._answer_one_exhausted(adv)
+                except Exception:
+                    log.exception("%s: cannot answer an exhausted request", self.service)
+
+    async def _answer_one_exhausted(self, adv: Msg) -> None:
+        """Fail and dead-letter one request, unless it was answered after all."""
+        info = orjson.loads(adv.data)
+        try:
+            raw = await self.bus.js.get_msg(STREAM_REQUESTS, info["stream_seq"])
+            req = SUBJECT_TYPES[self.step.kind].from_payload(raw.data or b"")
+        except (NotFoundError, ContractError):
+            await adv.ack()  # gone (aged out) or never valid (already dead-lettered)
+            return
+        rid = req.request_id  # type: ignore[attr-defined]
+        state, _ = await self.bus.step_state(rid)
+        if not state or state["state"] == "running":
+            err = SmrError(
+                f"request {rid} was delivered {info.get('deliveries')} times without an "
+                "answer: its worker died or stalled each time; it was not completed",
+                code="deliveries-exhausted",
+                hint=f"see the {self.service} log on node {self.node}; to try again, "
+                     "publish the request with a new request_id")
+            await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
+                                       service=self.service,
+                                       deliveries=info.get("deliveries"), request_id=rid)
+            await self._record(self._failed(req, err))
+        await adv.ack()
 
     async def handle(self, m: Msg) -> None:
         ctx = tracing.extract(m.headers)

@@ -36,15 +36,19 @@ class Criu:
         self.binary = binary
         self.timeout = timeout
         self._tracks_memory: bool | None = None
+        self._version: str | None = None
 
     async def version(self) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            self.binary, "--version", stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        out, _ = await proc.communicate()
-        m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
-        return m.group(1) if m else "unknown"
+        """CRIU's version (asked once: it goes into every manifest)."""
+        if self._version is None:
+            proc = await asyncio.create_subprocess_exec(
+                self.binary, "--version", stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            out, _ = await proc.communicate()
+            m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
+            self._version = m.group(1) if m else "unknown"
+        return self._version
 
     async def tracks_memory(self) -> bool:
         """Can this kernel track dirty pages (CONFIG_MEM_SOFT_DIRTY)? Pre-dump needs it."""

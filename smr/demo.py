@@ -23,7 +23,7 @@ from smr.bus import KV_JOBS, Bus
 from smr.config import Settings
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch, proc_start_ticks
-from smr.messages import CkptRequested, RestoreRequested, Target
+from smr.messages import CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.workloads import counter
 
 
@@ -80,8 +80,7 @@ async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
     say("2. checkpoint (ckpt.requested → checkpointer → CRIU dump → storage → ckpt.done)")
     req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=job_id,
                         target=Target.job(job_id), node=s.node)
-    await bus.publish(req)
-    done = await bus.wait_result(req.request_id, req.SCHEMA, timeout=600)
+    done = await bus.request(req, timeout=600)
     if done.status != "succeeded":
         raise SmrError(f"checkpoint failed: {(done.error or {}).get('message')}")
     frozen = last_step(log)
@@ -95,8 +94,8 @@ async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
     say("3. restore (restore.requested → restorer → verify sha256 → CRIU restore)")
     rreq = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job_id,
                             target=Target.job(job_id), node=s.node)
-    await bus.publish(rreq)
-    rdone = await bus.wait_result(rreq.request_id, rreq.SCHEMA, timeout=600)
+    rdone = await bus.request(rreq, timeout=600)
+    assert isinstance(rdone, RestoreDone)
     if rdone.status != "succeeded":
         raise SmrError(f"restore failed: {(rdone.error or {}).get('message')}")
     say(f"   restored as pid {rdone.pid} in {rdone.durations.get('total', 0):.2f}s")

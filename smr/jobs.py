@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from smr.errors import PermanentError, SmrError, TemporaryError
@@ -49,6 +49,18 @@ class Job:
         if self.state == "running" and not self.alive():
             return "exited"
         return self.state
+
+    def checkpointed(self, generation: int, *, leave_running: bool) -> None:
+        self.generation = generation
+        self.state = "running" if leave_running else "checkpointed"
+
+    def restored(self, pid: int, *, request_id: str, generation: int | None, node: str) -> None:
+        """Now the process CRIU restored for ``request_id``."""
+        ticks = proc_start_ticks(pid)
+        if ticks is None:
+            raise PermanentError(f"restored process {pid} is not running", code="restore-died")
+        self.pid, self.start_ticks, self.state = pid, ticks, "running"
+        self.restored_by, self.generation, self.node = request_id, generation, node
 
 
 def proc_start_ticks(pid: int) -> int | None:
@@ -94,14 +106,6 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
         raise SmrError(f"job {job_id} exited at once; see {log}", code="job-start-failed")
     return Job(id=job_id, cmd=cmd, cwd=str(cwd), log=str(log), node=node, pid=pid,
                start_ticks=ticks, checkpoint_id=job_id)
-
-
-def describe(pid: int) -> Job:
-    """A Job record for a process that was just restored (pid from CRIU's pidfile)."""
-    ticks = proc_start_ticks(pid)
-    if ticks is None:
-        raise PermanentError(f"restored process {pid} is not running", code="restore-died")
-    return Job(id="", cmd=[], cwd="", log="", node="", pid=pid, start_ticks=ticks)
 
 
 class JobRegistry:
@@ -152,7 +156,7 @@ class JobRegistry:
     async def all(self) -> list[Job]:
         try:
             keys = await self.kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
+        except NoKeysError:  # an empty bucket
             return []
         jobs = []
         for k in sorted(keys):

@@ -14,6 +14,8 @@ from typing import Any
 import orjson
 
 from smr.bus import (
+    KV_JOBS,
+    KV_LOCKS,
     KV_STEPS,
     STREAM_DLQ,
     STREAM_REQUESTS,
@@ -86,6 +88,8 @@ async def test_topology_is_idempotent(bus: Bus, node: str) -> None:
     info = await bus.js.consumer_info(STREAM_REQUESTS, a)
     assert info.config.filter_subject == subject("ckpt.requested", node)
     assert info.config.max_deliver == bus.config.max_deliver
+    for bucket in (KV_STEPS, KV_JOBS, KV_LOCKS):
+        assert (await bus.kv(bucket).status()).bucket == bucket
 
 
 async def test_request_reaches_only_its_nodes_consumer(bus: Bus) -> None:
@@ -291,7 +295,3 @@ async def test_exhausted_deliveries_fail_and_dead_letter(bus: Bus, node: str) ->
     state, _ = await bus.step_state("down-1")
     assert state and state["state"] == "failed"
 
-
-async def test_step_state_bucket_exists(bus: Bus) -> None:
-    st = await bus.kv(KV_STEPS).status()
-    assert st.bucket == KV_STEPS

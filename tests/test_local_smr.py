@@ -72,8 +72,7 @@ class Harness:
     async def checkpoint(self, job_id: str, **kw: Any) -> CkptDone:
         req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=job_id,
                             target=Target.job(job_id), node=self.settings.node, **kw)
-        await self.bus.publish(req)
-        result = await self.bus.wait_result(req.request_id, req.SCHEMA, timeout=120)
+        result = await self.bus.request(req, timeout=120)
         assert isinstance(result, CkptDone)
         return result
 
@@ -81,8 +80,7 @@ class Harness:
         req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt_id,
                                target=Target.job(as_id or ckpt_id), node=self.settings.node,
                                **kw)
-        await self.bus.publish(req)
-        result = await self.bus.wait_result(req.request_id, req.SCHEMA, timeout=120)
+        result = await self.bus.request(req, timeout=120)
         assert isinstance(result, RestoreDone)
         if result.pid:
             self.pids.append(result.pid)
@@ -327,3 +325,56 @@ async def test_corrupted_checkpoint_is_refused(h: Harness) -> None:
     # The other job is untouched and still checkpointable.
     assert proc_start_ticks(other.pid) == other.start_ticks
     assert (await h.checkpoint(other.id, leave_running=True)).status == "succeeded"
+
+
+# -- crash recovery: the states a worker killed mid-step leaves behind ----------------
+
+async def test_checkpoint_recovery_commits_a_finished_dump(h: Harness) -> None:
+    """Killed after CRIU finished but before the upload: recovery commits the
+    images instead of losing the only copy of the (now stopped) job."""
+    from services.checkpointer.step import CheckpointStep
+
+    step = h.node.workers[0].step
+    assert isinstance(step, CheckpointStep)
+    job = await h.start(32)
+    req = CkptRequested(request_id=f"crashed-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node)
+    await step.criu.dump(job.pid, step.work_dir / req.request_id / "images")
+    frozen = int(h.lines(job)[-1]["step"])
+
+    result = await step.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded" and result.generation == 1
+    record, _ = await h.jobs.get(job.id)
+    assert record.state == "checkpointed" and record.generation == 1
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 32)
+
+
+async def test_restore_recovery_records_the_restored_process_once(h: Harness) -> None:
+    """Killed after CRIU restored the job but before it was recorded: recovery
+    finds the live process from the pidfile and does not restore a second one."""
+    from services.restorer.step import RestoreStep
+
+    step = h.node.workers[1].step
+    assert isinstance(step, RestoreStep)
+    job = await h.start(32)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    stopped, _ = await h.jobs.get(job.id)
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded" and restored.pid
+    # Rewind to the moment between CRIU's restore and the registry write.
+    await h.jobs.put(stopped)
+    pidfile = step.work_dir / restored.request_id / "restored.pid"
+    pidfile.parent.mkdir(parents=True)
+    pidfile.write_text(str(restored.pid))
+    req = RestoreRequested(request_id=restored.request_id, checkpoint_id=job.id,
+                           target=Target.job(job.id), node=h.settings.node)
+
+    result = await step.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded"
+    assert result.pid == restored.pid  # the one process CRIU made, not a new one
+    record, _ = await h.jobs.get(job.id)
+    assert record.alive() and record.pid == restored.pid
+    assert record.restored_by == restored.request_id

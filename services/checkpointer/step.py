@@ -58,10 +58,6 @@ class CheckpointStep(LocalJobStep):
                 await wait_exit(job.pid, job.start_ticks)
             gen, upload_s = await self._commit(req, job, progress)
             durations["upload"] = upload_s
-            job.state = "running" if req.leave_running else "checkpointed"
-            job.generation = gen.number
-            await self.jobs.put(job)
-            shutil.rmtree(work, ignore_errors=True)
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
@@ -89,6 +85,7 @@ class CheckpointStep(LocalJobStep):
 
     async def _commit(self, req: CkptRequested, job: Job, progress: Progress
                       ) -> tuple[Generation, float]:
+        """Store the dumped images, record them on the job, drop the work dir."""
         t = time.monotonic()
         progress.update("upload", done_bytes=0)
         meta = {
@@ -101,7 +98,11 @@ class CheckpointStep(LocalJobStep):
         gen = await self.store.commit(
             LOCAL_NAMESPACE, req.checkpoint_id, self._work(req), meta,
             on_bytes=lambda n: progress.update(done_bytes=n))
-        return gen, time.monotonic() - t
+        seconds = time.monotonic() - t
+        job.checkpointed(gen.number, leave_running=req.leave_running)
+        await self.jobs.put(job)
+        shutil.rmtree(self._work(req), ignore_errors=True)
+        return gen, seconds
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
@@ -119,11 +120,7 @@ class CheckpointStep(LocalJobStep):
             return None  # run() reports the missing job
         if dump_finished(self._work(req) / "images"):
             gen, _ = await self._commit(req, job, Progress())
-            job.state = "running" if req.leave_running else "checkpointed"
-            job.generation = gen.number
-            await self.jobs.put(job)
             await self.lock.release(job_id, req.request_id)
-            shutil.rmtree(self._work(req), ignore_errors=True)
             return self._result(req, gen)
         if job.alive():
             return None  # CRIU thaws a tree whose dump did not finish: safe to redo

@@ -13,7 +13,7 @@ from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import CheckpointNotFound, Generation
 from smr.bus import Progress
 from smr.errors import PermanentError
-from smr.jobs import Job, describe
+from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
 
 
@@ -79,12 +79,16 @@ class RestoreStep(LocalJobStep):
             for fd in fds:
                 os.close(fd)
         durations["restore"] = run.seconds
-        live = describe(int(pidfile.read_text()))
-        job = existing or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
-                              cwd=spec.get("cwd", ""), log=log, node=self.node,
-                              checkpoint_id=req.checkpoint_id)
-        job.pid, job.start_ticks, job.state = live.pid, live.start_ticks, "running"
-        job.node, job.restored_by, job.generation = self.node, req.request_id, gen.number
+        return await self._record(req, gen, existing, int(pidfile.read_text()))
+
+    async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
+                      pid: int) -> Job:
+        """Register the restored process under the target's job id."""
+        spec = gen.manifest.get("job") or {}
+        job = job or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
+                         cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
+                         checkpoint_id=req.checkpoint_id)
+        job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
         await self.jobs.put(job)
         return job
 
@@ -98,19 +102,11 @@ class RestoreStep(LocalJobStep):
             return RestoreDone.for_request(req, status="succeeded", generation=job.generation,
                                            pid=job.pid)
         pidfile = self.work_dir / req.request_id / "restored.pid"
-        if pidfile.exists():
-            try:
-                live = describe(int(pidfile.read_text()))
-            except (PermanentError, ValueError):
-                live = None
-            if live:
-                gen = await self._generation(req)
-                job = job or Job(id=job_id, cmd=[], cwd="", log="", node=self.node,
-                                 checkpoint_id=req.checkpoint_id)
-                job.pid, job.start_ticks, job.state = live.pid, live.start_ticks, "running"
-                job.restored_by, job.generation = req.request_id, gen.number
-                await self.jobs.put(job)
-                await self.lock.release(job_id, req.request_id)
-                return RestoreDone.for_request(req, status="succeeded", generation=gen.number,
-                                               pid=live.pid)
-        return None  # nothing was restored: safe to run
+        try:
+            pid = int(pidfile.read_text())
+            gen = await self._generation(req)
+            job = await self._record(req, gen, job, pid)
+        except (OSError, ValueError, PermanentError):
+            return None  # nothing was restored, or it died: safe to run
+        await self.lock.release(job_id, req.request_id)
+        return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
