@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.smr-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean bench-storage
 
 setup: $(STAMP) .tools/.installed-v1
 
@@ -27,6 +27,10 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
+
+bench-storage: setup
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) bench/storage.py
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

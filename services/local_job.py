@@ -7,6 +7,7 @@ from pathlib import Path
 
 from services.storage.store import CheckpointStore
 from smr.criu import Criu
+from smr.cuda_checkpoint import CudaCheckpoint
 from smr.errors import PermanentError
 from smr.jobs import JobLock, JobRegistry
 from smr.messages import Target
@@ -14,13 +15,14 @@ from smr.messages import Target
 
 class LocalJobStep:
     def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
-                 work_dir: Path, node: str) -> None:
+                 work_dir: Path, node: str, cuda: CudaCheckpoint | None = None) -> None:
         self.criu = criu
         self.store = store
         self.jobs = jobs
         self.lock = lock
         self.work_dir = work_dir
         self.node = node
+        self.cuda = cuda  # None on a node without the NVIDIA driver
 
     @staticmethod
     def job_id(target: Target) -> str:

@@ -57,6 +57,8 @@ from smr.messages import (
     NodeDraining,
     RestoreDone,
     RestoreRequested,
+    StorageQuery,
+    StorageReply,
 )
 from smr.retry import retry_nats
 
@@ -67,6 +69,8 @@ STREAM_EVENTS = "SMR_EVENTS"
 STREAM_DLQ = "SMR_DLQ"
 STREAM_EXHAUSTED = "SMR_EXHAUSTED"
 EXHAUSTED_PREFIX = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}"
+QUERY_LATEST = "storage.latest"  # core NATS request/reply, see schemas/storage.query.json
+QUERY_GENERATIONS = "storage.generations"
 KV_STEPS = "smr-steps"
 KV_JOBS = "smr-jobs"
 KV_LOCKS = "smr-locks"
@@ -226,6 +230,30 @@ class Bus:
             ),
         )
         return name
+
+    async def ensure_event_consumer(self, name: str, kind: str) -> str:
+        """A durable consumer of ``kind`` events of every node, shared by a
+        service's replicas (each event goes to one of them)."""
+        await self.js.add_consumer(
+            STREAM_EVENTS,
+            js_api.ConsumerConfig(
+                name=name, durable_name=name, filter_subject=f"{kind}.*",
+                ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
+                ack_wait=self.config.ack_wait, max_deliver=self.config.max_deliver,
+            ),
+        )
+        return name
+
+    async def query(self, what: str, query: StorageQuery, *, timeout: float = 10.0
+                    ) -> StorageReply:
+        """Ask the storage service (``QUERY_LATEST`` or ``QUERY_GENERATIONS``)."""
+        hdrs = tracing.inject({})
+        try:
+            r = await self.nc.request(what, query.to_payload(), timeout=timeout, headers=hdrs)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            raise TemporaryError(f"no storage service answered {what}", code="storage-down",
+                                 hint="start the storage service (`smr up` runs one)") from None
+        return StorageReply.from_payload(r.data)
 
     def kv(self, bucket: str) -> KeyValue:
         return self._kv[bucket]

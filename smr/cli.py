@@ -102,7 +102,8 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
             raise SmrError(f"job {a.id} is already running (pid {old.pid})", code="job-exists",
                            hint="choose another id")
         log = Path(a.log) if a.log else s.data_path / "logs" / f"{a.id}.log"
-        job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node)
+        job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node,
+                     own_pid_namespace=not a.gpu)
         await jobs.put(job)
         print(f"job {a.id} started: pid {job.pid}, log {job.log}")
         return 0
@@ -203,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("exec", help="start a managed job")
     e.add_argument("-i", "--id", required=True)
     e.add_argument("--log", help="output file (default: DATA_DIR/logs/ID.log)")
+    e.add_argument("--gpu", action="store_true",
+                   help="a CUDA job: runs without its own PID namespace (CUDA fails in one)")
     e.add_argument("cmd", nargs=argparse.REMAINDER)
     sub.add_parser("ps", help="list jobs")
     c = sub.add_parser("checkpoint", help="checkpoint a job")

@@ -38,6 +38,27 @@ def _pos_int(v: str) -> int:
     return n
 
 
+def _count(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise ValueError("expected an integer >= 0")
+    return n
+
+
+def _seconds(v: str) -> float:
+    x = float(v)
+    if x < 0:
+        raise ValueError("expected a number of seconds >= 0")
+    return x
+
+
+def _zstd_level(v: str) -> int:
+    n = int(v)
+    if not 0 <= n <= 22:
+        raise ValueError("expected 0 (no compression) to 22")
+    return n
+
+
 def _pos_float(v: str) -> float:
     x = float(v)
     if x <= 0:
@@ -78,6 +99,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_ENDPOINT", "", str, "S3-compatible endpoint URL; empty: AWS"),
     Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
+    Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
+    Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear"),
+    Setting("ENCRYPTION_KEY_FILE", "", str, "file holding that key (a mounted Secret)"),
+    Setting("KEEP_GENERATIONS", 5, _count, "generations kept per checkpoint_id; 0: all"),
+    Setting("MAX_AGE", 0.0, _seconds, "seconds a generation is kept (latest always); 0: forever"),
+    Setting("GC_GRACE", 3600.0, _seconds, "age after which an unfinished upload is garbage"),
+    Setting("GC_INTERVAL", 600.0, _pos_float, "seconds between garbage collections"),
+    Setting("GPU", "auto", _choice("auto", "off"), "checkpoint GPU state through the CUDA "
+            "driver; auto: where the driver has the checkpoint API"),
+    Setting("CUDA_LOCK_TIMEOUT", 10.0, _pos_float, "seconds to wait for a job's GPU work to "
+            "reach a lockable point"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
     Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),

@@ -25,6 +25,8 @@ SCHEMA_NAMES = (
     "restore.done",
     "error",
     "manifest",
+    "storage.query",
+    "storage.reply",
 )
 
 

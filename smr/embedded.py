@@ -11,9 +11,11 @@ from pathlib import Path
 
 from services.checkpointer.step import CheckpointStep
 from services.restorer.step import RestoreStep
+from services.storage.codec import Codec, load_key
 from services.storage.local import LocalBackend
+from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
-from smr import tracing
+from smr import cuda_checkpoint, gpuinfo, tracing
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
 from smr.config import Settings
 from smr.criu import Criu
@@ -29,14 +31,21 @@ def url_file(settings: Settings) -> Path:
 
 
 def make_store(settings: Settings) -> CheckpointStore:
+    codec = Codec(level=settings.zstd_level,
+                  key=load_key(settings.encryption_key, settings.encryption_key_file))
     if settings.storage == "s3":
         from services.storage.s3 import S3Backend
 
         return CheckpointStore(S3Backend(
             settings.s3_bucket, prefix=settings.s3_prefix,
             endpoint_url=settings.s3_endpoint or None, path_style=settings.s3_path_style,
-            region=settings.s3_region or None))
-    return CheckpointStore(LocalBackend(settings.storage_root))
+            region=settings.s3_region or None), codec)
+    return CheckpointStore(LocalBackend(settings.storage_root), codec)
+
+
+def make_storage_service(bus: Bus, store: CheckpointStore, s: Settings) -> StorageService:
+    return StorageService(bus, store, keep=s.keep_generations, max_age_s=s.max_age,
+                          gc_grace_s=s.gc_grace, gc_interval_s=s.gc_interval)
 
 
 class EmbeddedNode:
@@ -47,6 +56,8 @@ class EmbeddedNode:
         self.server: NatsServer | None = None
         self.bus: Bus | None = None
         self.workers: list[Worker] = []
+        self.storage: StorageService | None = None
+        self.store: CheckpointStore | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -68,23 +79,34 @@ class EmbeddedNode:
                                      config=BusConfig.from_settings(s))
         jobs = JobRegistry(self.bus.kv(KV_JOBS))
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
-        store = make_store(s)
+        store = self.store = make_store(s)
+        self.storage = make_storage_service(self.bus, store, s)
+        cuda = None
+        if s.gpu == "auto" and cuda_checkpoint.available():
+            cuda = cuda_checkpoint.CudaCheckpoint(lock_timeout_s=s.cuda_lock_timeout)
+            log.info("GPU jobs: CUDA checkpoint API available (THP %s)", gpuinfo.thp_mode())
         common = dict(criu=criu, store=store, jobs=jobs, lock=lock,
-                      work_dir=s.data_path / "work", node=s.node)
+                      work_dir=s.data_path / "work", node=s.node, cuda=cuda)
         self.workers = [
             Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer"),
             Worker(self.bus, RestoreStep(**common), s.node, service="restorer"),
         ]
         self.tasks = [asyncio.create_task(w.run()) for w in self.workers]
-        await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
+        self.tasks.append(asyncio.create_task(self.storage.run()))
+        await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers),
+                                              self.storage.ready.wait()), 30)
         return self
 
     async def stop(self) -> None:
         for w in self.workers:
             w.stop()
+        if self.storage:
+            self.storage.stop()
         for t in self.tasks:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t, 30)
+        if self.store:
+            await self.store.close()
         if self.bus:
             await self.bus.close()
         if self.server:

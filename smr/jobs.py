@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,16 +92,27 @@ def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
 
 
 def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
-           env: dict[str, str] | None = None) -> Job:
-    """Start ``cmd`` as a managed job; its output is appended to ``log``."""
+           env: dict[str, str] | None = None, own_pid_namespace: bool = True) -> Job:
+    """Start ``cmd`` as a managed job; its output is appended to ``log``.
+
+    ``own_pid_namespace``: the job is the init of a new PID namespace, so its
+    restore never collides with live PIDs. GPU jobs go without: the CUDA
+    driver fails to initialise in a PID namespace that keeps the host's /proc
+    (cudaGetDeviceCount: error 304, measured on the H100 machine), and a
+    private /proc makes CRIU's dump fail. Their restore needs the dumped PIDs
+    free, which they are once the checkpointed original is gone."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    prefix = ["unshare", "--pid", "--fork", "setsid"] if own_pid_namespace else []
     with open(log, "ab") as out, open(os.devnull, "rb") as devnull:
         wrapper = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "setsid", *cmd],
+            [*prefix, *cmd],
             stdin=devnull, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
             env=env, start_new_session=True,
         )
-    pid = ns_init_pid(wrapper.pid)
+    # Reap it when it ends, wherever this process lives on: a zombie would
+    # keep its PID taken, and a restore needs that PID.
+    threading.Thread(target=wrapper.wait, daemon=True).start()
+    pid = ns_init_pid(wrapper.pid) if own_pid_namespace else wrapper.pid
     ticks = proc_start_ticks(pid)
     if ticks is None:
         raise SmrError(f"job {job_id} exited at once; see {log}", code="job-start-failed")

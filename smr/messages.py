@@ -158,3 +158,19 @@ class DeadLetter(Message):
     request_id: str | None = None
     deliveries: int | None = None
     received_at: str = field(default_factory=now)
+
+
+@dataclass(slots=True, kw_only=True)
+class StorageQuery(Message):
+    SCHEMA: ClassVar[str] = "storage.query"
+    checkpoint_id: str
+    namespace: str = "local"
+
+
+@dataclass(slots=True, kw_only=True)
+class StorageReply(Message):
+    SCHEMA: ClassVar[str] = "storage.reply"
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_id: str | None = None
+    namespace: str | None = None
+    error: dict[str, str] | None = None

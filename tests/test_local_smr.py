@@ -45,12 +45,13 @@ class Harness:
         self.lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
         self.pids: list[int] = []
 
-    async def start(self, mib: int, *extra: str, job_id: str | None = None) -> Job:
+    async def start(self, mib: int, *extra: str, job_id: str | None = None,
+                    own_pid_namespace: bool = True) -> Job:
         job_id = job_id or f"job-{uuid.uuid4().hex[:6]}"
         cmd = [sys.executable, "-m", "smr.workloads.counter", "--mib", str(mib),
                "--interval", "0.05", *extra]
         job = launch(job_id, cmd, log=self.tmp / f"{job_id}.log", cwd=self.tmp,
-                     node=self.settings.node)
+                     node=self.settings.node, own_pid_namespace=own_pid_namespace)
         self.pids.append(job.pid)
         await self.jobs.put(job)
         await self.wait_step(job, 3)
@@ -132,6 +133,19 @@ async def test_checkpoint_kill_restore_resumes_with_memory_intact(h: Harness) ->
     assert_continues(h.lines(job), frozen, 256)
     record, _ = await h.jobs.get(job.id)
     assert record.alive() and record.pid == restored.pid and record.generation == 1
+
+
+async def test_job_without_its_own_pid_namespace_is_restored_with_its_pid(h: Harness) -> None:
+    """How GPU jobs run (`smr exec --gpu`): the restore takes the dumped PID back."""
+    job = await h.start(64, own_pid_namespace=False)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    frozen = int(h.lines(job)[-1]["step"])
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    assert restored.pid == job.pid
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 64)
 
 
 async def test_leave_running_then_restore_beside_original(h: Harness) -> None:

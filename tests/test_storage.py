@@ -1,4 +1,5 @@
-"""Checkpoint storage: commit, visibility, conditional writes, integrity.
+"""Checkpoint storage: commit, streaming, visibility, conditional writes,
+integrity, encryption, retention, garbage collection.
 
 One suite, run against both backends: a local directory, and S3 through
 aioboto3 against moto's S3 server (a separate process, real HTTP)."""
@@ -6,7 +7,9 @@ aioboto3 against moto's S3 server (a separate process, real HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,8 +22,9 @@ import pytest
 
 from services.storage import layout
 from services.storage.backend import Backend, Conflict
+from services.storage.codec import FRAME_SIZE, Codec, WrongKey
 from services.storage.local import LocalBackend
-from services.storage.s3 import PART_SIZE, S3Backend
+from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointCorrupt, CheckpointNotFound, CheckpointStore
 from smr.messages import Target
 from smr.natsserver import free_port
@@ -60,11 +64,17 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     async with b._client() as c:
         await c.create_bucket(Bucket=bucket)
     yield b
+    await b.close()
 
 
-@pytest.fixture
-def store(backend: Backend) -> CheckpointStore:
-    return CheckpointStore(backend)
+KEY_A = os.urandom(32)
+KEY_B = os.urandom(32)
+CODECS = {"plain": Codec(level=0), "zstd": Codec(level=3), "zstd+aes": Codec(level=3, key=KEY_A)}
+
+
+@pytest.fixture(params=list(CODECS))
+def store(request: pytest.FixtureRequest, backend: Backend) -> CheckpointStore:
+    return CheckpointStore(backend, CODECS[request.param])
 
 
 def images(tmp_path: Path, name: str = "img", size: int = 3 << 20) -> Path:
@@ -125,8 +135,7 @@ async def test_uncommitted_generation_is_invisible(
     await store.commit(NS, "ck", images(tmp_path, size=1024), meta("r1"))
     # A writer that died after uploading files but before its manifest:
     await backend.put_bytes(layout.claim_key(NS, "ck", 2), b"{}", if_none_match=True)
-    await backend.put_file(layout.file_key(NS, "ck", 2, "images/pages-1.img"),
-                           tmp_path / "img" / "images" / "pages-1.img")
+    await backend.put_bytes(layout.file_key(NS, "ck", 2, "images/pages-1.img"), b"x" * 1024)
     assert [g.number for g in await store.generations(NS, "ck")] == [1]
     latest = await store.latest(NS, "ck")
     assert latest and latest.number == 1
@@ -138,7 +147,7 @@ async def test_uncommitted_generation_is_invisible(
 
 
 async def test_large_file_round_trip_in_parts(store: CheckpointStore, tmp_path: Path) -> None:
-    src = images(tmp_path, size=(2 * PART_SIZE) + 12345)  # three multipart parts on S3
+    src = images(tmp_path, size=(2 * FRAME_SIZE) + 12345)  # three frames, parts on S3
     gen = await store.commit(NS, "big", src, meta("r1"))
     dst = tmp_path / "out"
     await store.fetch(gen, dst)
@@ -173,3 +182,147 @@ async def test_delete_checkpoint_removes_every_generation(
     assert [g.number for g in await store.generations(NS, "kept")] == [1]
     if isinstance(backend, LocalBackend):
         assert not (backend.root / NS / "gone").exists()
+
+
+def compressible(size: int) -> bytes:
+    """Memory-like bytes: numbers and words, far from random."""
+    line = b"step=000123 loss=0.0421 weights=[0.5, 0.25, 0.125] ok\n"
+    return (line * (size // len(line) + 1))[:size]
+
+
+async def test_compressible_images_are_stored_smaller(
+    backend: Backend, tmp_path: Path
+) -> None:
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    (src / "images" / "pages-1.img").write_bytes(compressible(3 * FRAME_SIZE))
+    (src / "images" / "pages-2.img").write_bytes(os.urandom(FRAME_SIZE + 1))
+    store = CheckpointStore(backend, Codec(level=3))
+    gen = await store.commit(NS, "z", src, meta("r1"))
+    files = {f["path"]: f for f in gen.manifest["files"]}
+    assert files["images/pages-1.img"]["compression"] == "zstd"
+    assert files["images/pages-1.img"]["stored_size"] < files["images/pages-1.img"]["size"] / 20
+    # zstd cannot shrink random memory: it is stored as it is, not larger.
+    assert files["images/pages-2.img"]["stored_size"] == FRAME_SIZE + 1
+    dst = tmp_path / "out"
+    await store.fetch(gen, dst)
+    for rel in files:
+        assert (dst / rel).read_bytes() == (src / rel).read_bytes()
+
+
+async def test_upload_streams_while_the_writer_is_still_writing(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    """Pages go up while the dump runs; the tail and the other files after it."""
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    pages = src / "images" / "pages-1.img"
+    chunks = [os.urandom(FRAME_SIZE) for _ in range(3)] + [os.urandom(4321)]
+    uploaded_while_writing: list[int] = []
+    done_bytes = [0]
+
+    async def dump() -> None:  # stands for CRIU appending to its page image
+        with open(pages, "ab") as f:
+            for c in chunks:
+                f.write(c)
+                f.flush()
+                await asyncio.sleep(0.3)
+        uploaded_while_writing.append(done_bytes[0])
+        (src / "images" / "core-1.img").write_bytes(b"core")
+
+    def on_bytes(n: int) -> None:
+        done_bytes[0] = n
+
+    writer = asyncio.create_task(dump())
+    gen = await store.commit(NS, "s", src, meta("r1"), writer=writer, on_bytes=on_bytes)
+    assert uploaded_while_writing[0] >= FRAME_SIZE, "nothing went up before the dump ended"
+    dst = tmp_path / "out"
+    await store.fetch(gen, dst)
+    assert (dst / "images" / "pages-1.img").read_bytes() == b"".join(chunks)
+    assert (dst / "images" / "core-1.img").read_bytes() == b"core"
+
+
+async def test_failed_dump_aborts_the_upload_and_leaves_nothing_visible(
+    store: CheckpointStore, backend: Backend, tmp_path: Path
+) -> None:
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+
+    async def failing_dump() -> None:
+        (src / "images" / "pages-1.img").write_bytes(os.urandom(2 * FRAME_SIZE))
+        await asyncio.sleep(0.5)
+        raise RuntimeError("criu: dump failed")
+
+    with pytest.raises(RuntimeError, match="dump failed"):
+        await store.commit(NS, "f", src, meta("r1"), writer=asyncio.create_task(failing_dump()))
+    assert await store.latest(NS, "f") is None
+    assert await backend.pending_uploads("") == [], "the multipart upload was not aborted"
+    await store.gc(grace_s=0)
+    assert await backend.list("") == []
+
+
+async def test_crash_mid_upload_is_invisible_and_gc_removes_its_parts(
+    backend: Backend, tmp_path: Path
+) -> None:
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    (src / "images" / "pages-1.img").write_bytes(os.urandom(3 * FRAME_SIZE))
+    if isinstance(backend, LocalBackend):
+        args = ["local", str(backend.root), str(src)]
+    else:
+        assert isinstance(backend, S3Backend)
+        args = ["s3", str(backend.endpoint_url), backend.bucket, str(src)]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.helpers.crash_upload", *args,
+        stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).parent.parent)
+    assert proc.stdout
+    assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"uploading\n"
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+
+    store = CheckpointStore(backend)
+    assert await store.latest(NS, "ck") is None
+    assert await store.generations(NS, "ck") == []
+    assert await backend.pending_uploads(""), "the dead writer left no upload to collect"
+    report = await store.gc(grace_s=3600)  # a writer may still be at work: keep
+    assert report.uploads_aborted == 0 and report.generations_removed == []
+    report = await store.gc(grace_s=0)
+    assert report.uploads_aborted >= 1 and report.generations_removed == ["local/ck/1"]
+    assert await backend.pending_uploads("") == []
+    assert await backend.list("") == []
+
+
+async def test_wrong_or_missing_key_is_refused_before_any_byte(
+    backend: Backend, tmp_path: Path
+) -> None:
+    gen = await CheckpointStore(backend, Codec(key=KEY_A)).commit(
+        NS, "enc", images(tmp_path), meta("r1"))
+    for codec in (Codec(key=KEY_B), Codec()):
+        dst = tmp_path / "out"
+        with pytest.raises(WrongKey) as e:
+            await CheckpointStore(backend, codec).fetch(gen, dst)
+        assert gen.manifest["files"][0]["encryption"]["key_id"] in str(e.value)
+        assert not (dst / "images").exists()
+    raw = (await backend.get_bytes(layout.file_key(NS, "enc", 1, "images/pages-1.img")))[0]
+    assert (tmp_path / "img" / "images" / "pages-1.img").read_bytes()[:4096] not in raw
+    assert base64.b64encode(KEY_A).decode() not in str(gen.manifest)
+
+
+async def test_retention_keeps_the_newest_n_and_drops_old_ones(
+    backend: Backend, tmp_path: Path
+) -> None:
+    store = CheckpointStore(backend)
+    src = images(tmp_path, size=1024)
+    for i in range(5):
+        await store.commit(NS, "r", src, meta(f"r{i}"))
+    assert await store.prune(NS, "r", keep=2) == [1, 2, 3]
+    assert [g.number for g in await store.generations(NS, "r")] == [4, 5]
+    assert await backend.list(layout.generation_prefix(NS, "r", 1)) == []
+    assert await store.prune(NS, "r", keep=2) == []
+    # By age: everything but what `latest` names, however old.
+    assert await store.prune(NS, "r", max_age_s=60, at=time.time() + 3600) == [4]
+    latest = await store.latest(NS, "r")
+    assert latest and latest.number == 5
+    dst = tmp_path / "out"
+    await store.fetch(latest, dst)
+    assert (dst / "images" / "inventory.img").read_bytes() == b"inventory"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import time
@@ -11,7 +12,7 @@ from typing import Any
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__
+from smr import __version__, gpuinfo
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError
@@ -50,18 +51,59 @@ class CheckpointStep(LocalJobStep):
                 run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
                 durations["pre_dump"] = run.seconds
                 parent = work / "pre"
-            progress.update("dump")
-            run = await self._criu(job, self.criu.dump(
-                job.pid, work / "images", leave_running=req.leave_running, parent=parent))
-            durations["dump"] = run.seconds
+            gpu = await self._gpu(job, work)
+            cuda_pids = gpu["pids"] if gpu else []
+            frozen_at = time.monotonic()
+            if cuda_pids:
+                progress.update("cuda-checkpoint")
+                assert self.cuda
+                durations.update(await self.cuda.suspend_all(cuda_pids))
+            try:
+                progress.update("dump")
+                # The images go up while CRIU writes them (see services/storage/upload).
+                dump = asyncio.create_task(self._criu(job, self.criu.dump(
+                    job.pid, work / "images", leave_running=req.leave_running, parent=parent)))
+                resumed = None
+                if cuda_pids and req.leave_running:
+                    # A heartbeat: the job runs again as soon as its image is
+                    # written; the upload goes on behind it.
+                    resumed = asyncio.create_task(
+                        self._resume_after(dump, cuda_pids, durations, frozen_at))
+                gen, durable_s = await self._commit(req, job, progress, writer=dump, gpu=gpu)
+                if resumed:
+                    await resumed
+            except BaseException:
+                if cuda_pids and job.alive():
+                    await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
+                raise
+            durations["dump"] = dump.result().seconds
+            durations["durable"] = durable_s  # from the dump's start to the manifest
             if not req.leave_running:
                 await wait_exit(job.pid, job.start_ticks)
-            gen, upload_s = await self._commit(req, job, progress)
-            durations["upload"] = upload_s
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
+
+    async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
+        """The job's GPU use (None without one), checked against the room here."""
+        if self.cuda is None:
+            return None
+        pids = [p for p in gpuinfo.process_tree(job.pid) if await self.cuda.state(p) is not None]
+        if not pids:
+            return None
+        gpu = gpuinfo.job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
+        gpuinfo.check_room_for_checkpoint(gpu, work)
+        return {**gpu, "pids": pids}
+
+    async def _resume_after(self, dump: asyncio.Task[Any], pids: list[int],
+                            durations: dict[str, float], frozen_at: float) -> None:
+        await asyncio.wait([dump])
+        if dump.exception() is None:  # on failure the caller resumes
+            assert self.cuda
+            durations.update(await self.cuda.resume_all(pids))
+            # Wall clock from the lock to the unlock: what the job lost.
+            durations["downtime"] = time.monotonic() - frozen_at
 
     async def _can_pre_dump(self, job_id: str) -> bool:
         if await self.criu.tracks_memory():
@@ -83,21 +125,32 @@ class CheckpointStep(LocalJobStep):
             e.message = f"{e.message}; job {job.id} keeps running"
             raise
 
-    async def _commit(self, req: CkptRequested, job: Job, progress: Progress
-                      ) -> tuple[Generation, float]:
-        """Store the dumped images, record them on the job, drop the work dir."""
+    async def _commit(self, req: CkptRequested, job: Job, progress: Progress,
+                      writer: asyncio.Task[Any] | None = None,
+                      gpu: dict[str, Any] | None = None) -> tuple[Generation, float]:
+        """Store the dumped images (while ``writer``, the dump, still writes
+        them), record them on the job, drop the work dir."""
         t = time.monotonic()
-        progress.update("upload", done_bytes=0)
+        progress.update(done_bytes=0)
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
             "pre_dump": (self._work(req) / "pre").is_dir(),
-            "versions": {"criu": await self.criu.version(), "smr": __version__},
+            "versions": {"criu": await self.criu.version(), "smr": __version__,
+                         **(gpuinfo.versions() if gpu else {})},
+            "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
             "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log},
         }
-        gen = await self.store.commit(
-            LOCAL_NAMESPACE, req.checkpoint_id, self._work(req), meta,
-            on_bytes=lambda n: progress.update(done_bytes=n))
+        try:
+            gen = await self.store.commit(
+                LOCAL_NAMESPACE, req.checkpoint_id, self._work(req), meta, writer=writer,
+                on_bytes=lambda n: progress.update(done_bytes=n))
+        except BaseException:
+            if writer and not writer.done():
+                # An upload failed while CRIU dumps: let the dump end (the job
+                # must not stay frozen) before the error travels on.
+                await asyncio.wait([writer])
+            raise
         seconds = time.monotonic() - t
         job.checkpointed(gen.number, leave_running=req.leave_running)
         await self.jobs.put(job)

@@ -11,6 +11,7 @@ from typing import Any
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import CheckpointNotFound, Generation
+from smr import gpuinfo
 from smr.bus import Progress
 from smr.errors import PermanentError
 from smr.jobs import Job
@@ -35,6 +36,7 @@ class RestoreStep(LocalJobStep):
                          f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
                 )
             gen = await self._generation(req)
+            gpuinfo.check_fits(gen.manifest.get("gpu"))  # before any byte moves
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             work = self.work_dir / req.request_id
             t = time.monotonic()
@@ -79,7 +81,12 @@ class RestoreStep(LocalJobStep):
             for fd in fds:
                 os.close(fd)
         durations["restore"] = run.seconds
-        return await self._record(req, gen, existing, int(pidfile.read_text()))
+        pid = int(pidfile.read_text())
+        if gen.manifest.get("gpu") and self.cuda:
+            # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
+            pids = [p for p in gpuinfo.process_tree(pid) if await self.cuda.state(p) is not None]
+            durations.update(await self.cuda.resume_all(pids))
+        return await self._record(req, gen, existing, pid)
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
                       pid: int) -> Job:

@@ -1,8 +1,13 @@
 """Checkpoint storage: one layout, one backend contract, backends as peers.
 
-    layout   where every object of a checkpoint lives (the only place keys are built)
-    backend  the contract a backend implements, and its errors
-    local    the local-directory backend (the embedded default)
-    store    generations: commit (files, then manifest, then the latest pointer),
-             list, fetch with sha256 verified before any byte reaches CRIU
+    layout    where every object of a checkpoint lives (the only place keys are built)
+    backend   the contract a backend implements, and its errors
+    local     the local-directory backend (the embedded default)
+    s3        the S3 backend (aioboto3)
+    codec     how a frame is stored: zstd, then AES-256-GCM
+    upload    files cut into frames and sent while CRIU still writes them
+    download  parallel ranged GETs, verified before a file gets its name
+    store     generations: commit (files, then manifest, then the latest pointer),
+              list, fetch, retention, garbage collection
+    service   the storage service on NATS: queries, retention on ckpt.done, GC
 """

@@ -11,7 +11,7 @@ exceptions are translated to these at the backend's edge.
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Protocol
 
 from smr.errors import SmrError
@@ -29,15 +29,35 @@ class Conflict(StorageError):
     code = "conflict"
 
 
+@dataclass(frozen=True)
+class PendingUpload:
+    """An upload begun and neither completed nor aborted (a writer died)."""
+
+    key: str
+    upload_id: str
+    started: float  # epoch seconds
+
+
+class Upload(Protocol):
+    """One object written in parts. Parts may be sent concurrently; each
+    knows its byte offset in the object, so parts can land out of order."""
+
+    async def put_part(self, number: int, offset: int, data: bytes) -> None: ...
+
+    async def complete(self) -> None:
+        """Make the object visible as the concatenation of its parts."""
+        ...
+
+    async def abort(self) -> None: ...
+
+
 class Backend(Protocol):
     def url(self, key: str) -> str: ...
 
-    async def put_file(self, key: str, src: Path) -> tuple[int, str]:
-        """Store a file; returns (size, sha256 hex) of what was stored."""
-        ...
+    def start_upload(self, key: str) -> Upload: ...
 
-    async def get_file(self, key: str, dst: Path) -> tuple[int, str]:
-        """Fetch into ``dst``; returns (size, sha256 hex) of what was read."""
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from ``start``; NotFound if absent."""
         ...
 
     async def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
@@ -54,4 +74,13 @@ class Backend(Protocol):
         ...
 
     async def delete(self, keys: list[str]) -> None:
+        ...
+
+    async def pending_uploads(self, prefix: str) -> list[PendingUpload]:
+        ...
+
+    async def abort_upload(self, upload: PendingUpload) -> None:
+        ...
+
+    async def close(self) -> None:
         ...

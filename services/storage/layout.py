@@ -11,8 +11,14 @@ A generation exists for readers only once its manifest is committed.
 
 from __future__ import annotations
 
+from smr.messages import Target
+
 LOCAL_NAMESPACE = "local"
 GEN_WIDTH = 8  # zero-padded so lexical order is numeric order
+
+
+def namespace_of(target: Target) -> str:
+    return target.namespace or LOCAL_NAMESPACE if target.kind == "pod" else LOCAL_NAMESPACE
 
 
 def checkpoint_prefix(namespace: str, checkpoint_id: str) -> str:
@@ -44,3 +50,14 @@ def generation_of(key: str, namespace: str, checkpoint_id: str) -> int | None:
     rest = key[len(checkpoint_prefix(namespace, checkpoint_id)):]
     head = rest.split("/", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def parse(key: str) -> tuple[str, str, int | None, str] | None:
+    """(namespace, checkpoint_id, generation or None, rest) of a key."""
+    parts = key.split("/", 3)
+    if len(parts) < 3:
+        return None
+    ns, ckpt, head = parts[0], parts[1], parts[2]
+    if head.isdigit():
+        return ns, ckpt, int(head), parts[3] if len(parts) > 3 else ""
+    return ns, ckpt, None, "/".join(parts[2:])

@@ -8,16 +8,18 @@ directory, so two writers in different processes are serialised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.storage.backend import Conflict, NotFound, StorageError
+from services.storage.backend import Conflict, NotFound, PendingUpload, StorageError
 
-CHUNK = 1 << 20
+UPLOAD_MARK = ".upload-"
 
 
 class LocalBackend:
@@ -33,27 +35,15 @@ class LocalBackend:
             raise StorageError(f"key {key!r} escapes the storage root")
         return p
 
-    async def put_file(self, key: str, src: Path) -> tuple[int, str]:
-        return await asyncio.to_thread(self._copy, src, self._path(key))
+    def start_upload(self, key: str) -> LocalUpload:
+        return LocalUpload(self._path(key))
 
-    async def get_file(self, key: str, dst: Path) -> tuple[int, str]:
-        src = self._path(key)
-        if not src.is_file():
-            raise NotFound(f"no object {key} in {self.root}")
-        return await asyncio.to_thread(self._copy, src, dst)
-
-    @staticmethod
-    def _copy(src: Path, dst: Path) -> tuple[int, str]:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.part")
-        h, size = hashlib.sha256(), 0
-        with open(src, "rb") as i, open(tmp, "wb") as o:
-            while chunk := i.read(CHUNK):
-                h.update(chunk)
-                o.write(chunk)
-                size += len(chunk)
-        os.replace(tmp, dst)
-        return size, h.hexdigest()
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return await asyncio.to_thread(os.pread, f.fileno(), length, start)
+        except FileNotFoundError:
+            raise NotFound(f"no object {key} in {self.root}") from None
 
     async def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
                         if_match: str | None = None) -> str:
@@ -87,8 +77,8 @@ class LocalBackend:
         out = []
         for dirpath, _, files in os.walk(base):
             for f in files:
-                if f.startswith(".") and (f.endswith(".part") or f == ".lock"):
-                    continue
+                if f.startswith("."):
+                    continue  # temporary names, uploads in progress, locks
                 out.append(str(Path(dirpath, f).relative_to(self.root)))
         return sorted(k for k in out if k.startswith(prefix))
 
@@ -104,6 +94,25 @@ class LocalBackend:
                 (d / ".lock").unlink(missing_ok=True)
                 d.rmdir()
 
+    async def pending_uploads(self, prefix: str) -> list[PendingUpload]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        out = []
+        for dirpath, _, files in os.walk(base):
+            for f in files:
+                if f.startswith(".") and UPLOAD_MARK in f:
+                    p = Path(dirpath, f)
+                    name, uid = f[1:].rsplit(UPLOAD_MARK, 1)
+                    key = str(p.with_name(name).relative_to(self.root))
+                    with contextlib.suppress(FileNotFoundError):
+                        out.append(PendingUpload(key, uid, p.stat().st_mtime))
+        return out
+
+    async def abort_upload(self, upload: PendingUpload) -> None:
+        LocalUpload(self._path(upload.key), upload.upload_id).path.unlink(missing_ok=True)
+
+    async def close(self) -> None:
+        pass
+
     @contextmanager
     def _locked(self, directory: Path) -> Iterator[None]:
         directory.mkdir(parents=True, exist_ok=True)
@@ -113,6 +122,34 @@ class LocalBackend:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class LocalUpload:
+    """Parts are written at their offsets into a hidden file, renamed into
+    place on completion: readers see the whole object or none of it."""
+
+    def __init__(self, final: Path, upload_id: str | None = None) -> None:
+        self.final = final
+        self.path = final.with_name(f".{final.name}{UPLOAD_MARK}{upload_id or uuid.uuid4().hex}")
+
+    async def put_part(self, number: int, offset: int, data: bytes) -> None:
+        await asyncio.to_thread(self._write, offset, data)
+
+    def _write(self, offset: int, data: bytes) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+
+    async def complete(self) -> None:
+        if not self.path.exists():
+            self._write(0, b"")  # an empty object
+        os.replace(self.path, self.final)
+
+    async def abort(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _etag(data: bytes) -> str:

@@ -1,34 +1,34 @@
 """The S3 backend (aioboto3): any S3-compatible endpoint.
 
 Credentials come from the standard AWS chain (environment, profile, instance
-role). Large files go up as multipart uploads with a bounded number of parts in
-flight; conditional writes use S3's If-None-Match / If-Match (HTTP 412 →
-Conflict). botocore's errors are translated here and nowhere else.
+role). Large files go up as multipart uploads (the pipeline bounds how many
+parts are in flight); reads are ranged GETs; conditional writes use S3's
+If-None-Match / If-Match (HTTP 412 → Conflict). botocore's errors are
+translated here and nowhere else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aioboto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from services.storage.backend import Conflict, NotFound, StorageError
+from services.storage.backend import Conflict, NotFound, PendingUpload, StorageError
 from smr.retry import retry_s3
 
-PART_SIZE = 16 << 20
-PARTS_IN_FLIGHT = 4  # memory bound of one upload: PART_SIZE * PARTS_IN_FLIGHT
+MIN_PART = 5 << 20  # S3's smallest part but the last
 
 
 class S3Backend:
     def __init__(self, bucket: str, *, prefix: str = "", endpoint_url: str | None = None,
-                 path_style: bool = False, region: str | None = None) -> None:
+                 path_style: bool = False, region: str | None = None,
+                 connections: int = 16) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url or None
@@ -36,18 +36,36 @@ class S3Backend:
         self.config = Config(
             s3={"addressing_style": "path" if path_style else "auto"},
             retries={"max_attempts": 5, "mode": "standard"},
-            max_pool_connections=PARTS_IN_FLIGHT * 2,
+            max_pool_connections=connections,
+            # Every file carries our own sha256; botocore's extra CRC32 would
+            # cost CPU that compression needs on a small node.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
         )
         self.session = aioboto3.Session()
+        self._stack: AsyncExitStack | None = None
+        self._client_obj: Any = None
+        self._opening = asyncio.Lock()
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
 
     @asynccontextmanager
     async def _client(self) -> AsyncIterator[Any]:
-        async with self.session.client("s3", endpoint_url=self.endpoint_url,
-                                       region_name=self.region, config=self.config) as c:
-            yield c
+        """One client (and connection pool) for the backend's life."""
+        async with self._opening:
+            if self._client_obj is None:
+                stack = AsyncExitStack()
+                self._client_obj = await stack.enter_async_context(self.session.client(
+                    "s3", endpoint_url=self.endpoint_url, region_name=self.region,
+                    config=self.config))
+                self._stack = stack
+        yield self._client_obj
+
+    async def close(self) -> None:
+        if self._stack:
+            await self._stack.aclose()
+        self._stack = self._client_obj = None
 
     @asynccontextmanager
     async def _errors(self, key: str) -> AsyncIterator[None]:
@@ -67,68 +85,19 @@ class S3Backend:
             raise StorageError(f"S3 unreachable for {self.url(key)}: {e}",
                                hint="check SMR_S3_ENDPOINT and the network") from None
 
-    async def put_file(self, key: str, src: Path) -> tuple[int, str]:
-        size = src.stat().st_size
-        k = self.prefix + key
+    def start_upload(self, key: str) -> S3Upload:
+        return S3Upload(self, key)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length == 0:
+            return b""
         async with self._client() as c, self._errors(key):
-            if size <= PART_SIZE:
-                data = src.read_bytes()
-                async for attempt in retry_s3():
-                    with attempt:
-                        await c.put_object(Bucket=self.bucket, Key=k, Body=data)
-                return size, hashlib.sha256(data).hexdigest()
-            return await self._multipart(c, k, src)
-
-    async def _multipart(self, c: Any, k: str, src: Path) -> tuple[int, str]:
-        up = await c.create_multipart_upload(Bucket=self.bucket, Key=k)
-        uid = up["UploadId"]
-        h, size, parts = hashlib.sha256(), 0, []
-        slots = asyncio.Semaphore(PARTS_IN_FLIGHT)
-
-        async def send(n: int, data: bytes) -> dict[str, Any]:
-            try:
-                async for attempt in retry_s3():
-                    with attempt:
-                        r = await c.upload_part(Bucket=self.bucket, Key=k, UploadId=uid,
-                                                PartNumber=n, Body=data)
-                return {"PartNumber": n, "ETag": r["ETag"]}
-            finally:
-                slots.release()
-
-        try:
-            with open(src, "rb") as f:
-                n = 0
-                while True:
-                    await slots.acquire()  # bounded memory: wait for a free slot
-                    data = await asyncio.to_thread(f.read, PART_SIZE)
-                    if not data:
-                        slots.release()
-                        break
-                    n += 1
-                    h.update(data)
-                    size += len(data)
-                    parts.append(asyncio.create_task(send(n, data)))
-            done = await asyncio.gather(*parts)
-            await c.complete_multipart_upload(Bucket=self.bucket, Key=k, UploadId=uid,
-                                              MultipartUpload={"Parts": list(done)})
-        except BaseException:
-            for t in parts:
-                t.cancel()
-            await c.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=uid)
-            raise
-        return size, h.hexdigest()
-
-    async def get_file(self, key: str, dst: Path) -> tuple[int, str]:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        h, size = hashlib.sha256(), 0
-        async with self._client() as c, self._errors(key):
-            r = await c.get_object(Bucket=self.bucket, Key=self.prefix + key)
-            with open(dst, "wb") as out:
-                async for chunk in r["Body"].iter_chunks(1 << 20):
-                    h.update(chunk)
-                    size += len(chunk)
-                    out.write(chunk)
-        return size, h.hexdigest()
+            async for attempt in retry_s3():
+                with attempt:
+                    r = await c.get_object(Bucket=self.bucket, Key=self.prefix + key,
+                                           Range=f"bytes={start}-{start + length - 1}")
+                    data: bytes = await r["Body"].read()
+        return data
 
     async def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
                         if_match: str | None = None) -> str:
@@ -156,6 +125,23 @@ class S3Backend:
                 out.extend(o["Key"][len(self.prefix):] for o in page.get("Contents", []))
         return sorted(out)
 
+    async def pending_uploads(self, prefix: str) -> list[PendingUpload]:
+        out = []
+        async with self._client() as c, self._errors(prefix):
+            pages = c.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + prefix)
+            async for page in pages:
+                out.extend(PendingUpload(u["Key"][len(self.prefix):], u["UploadId"],
+                                         u["Initiated"].timestamp())
+                           for u in page.get("Uploads", []))
+        return out
+
+    async def abort_upload(self, upload: PendingUpload) -> None:
+        async with self._client() as c, self._errors(upload.key):
+            with contextlib.suppress(NotFound):
+                await c.abort_multipart_upload(Bucket=self.bucket, Key=self.prefix + upload.key,
+                                               UploadId=upload.upload_id)
+
     async def delete(self, keys: list[str]) -> None:
         async with self._client() as c:
             for i in range(0, len(keys), 1000):
@@ -163,3 +149,50 @@ class S3Backend:
                 async with self._errors(batch[0]):
                     await c.delete_objects(Bucket=self.bucket, Delete={
                         "Objects": [{"Key": self.prefix + k} for k in batch], "Quiet": True})
+
+
+class S3Upload:
+    """A multipart upload, begun at the first part. S3 wants every part but
+    the last to be at least 5 MiB; the pipeline sends parts that size."""
+
+    def __init__(self, backend: S3Backend, key: str) -> None:
+        self.b = backend
+        self.key = key
+        self.k = backend.prefix + key
+        self.upload_id: str | None = None
+        self.etags: dict[int, str] = {}
+        self._starting = asyncio.Lock()
+
+    async def _begin(self, c: Any) -> str:
+        async with self._starting:
+            if self.upload_id is None:
+                r = await c.create_multipart_upload(Bucket=self.b.bucket, Key=self.k)
+                self.upload_id = r["UploadId"]
+        return self.upload_id
+
+    async def put_part(self, number: int, offset: int, data: bytes) -> None:
+        async with self.b._client() as c, self.b._errors(self.key):
+            uid = await self._begin(c)
+            async for attempt in retry_s3():
+                with attempt:
+                    r = await c.upload_part(Bucket=self.b.bucket, Key=self.k, UploadId=uid,
+                                            PartNumber=number, Body=data)
+            self.etags[number] = r["ETag"]
+
+    async def complete(self) -> None:
+        async with self.b._client() as c, self.b._errors(self.key):
+            if self.upload_id is None:
+                await c.put_object(Bucket=self.b.bucket, Key=self.k, Body=b"")
+                return
+            parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(self.etags.items())]
+            await c.complete_multipart_upload(Bucket=self.b.bucket, Key=self.k,
+                                              UploadId=self.upload_id,
+                                              MultipartUpload={"Parts": parts})
+
+    async def abort(self) -> None:
+        if self.upload_id is None:
+            return
+        async with self.b._client() as c, self.b._errors(self.key):
+            with contextlib.suppress(NotFound):
+                await c.abort_multipart_upload(Bucket=self.b.bucket, Key=self.k,
+                                               UploadId=self.upload_id)

@@ -1,16 +1,26 @@
 """Checkpoint generations on top of a backend.
 
 Commit order, so that a crash at any point leaves nothing half-visible:
-claim the generation number (conditional create), upload the files, write the
-manifest (conditional create), then move the latest pointer forward with a
-conditional write. Readers only see generations that have a manifest.
+claim the generation number (conditional create), upload the files (streamed
+while CRIU writes them, see ``upload``), write the manifest (conditional
+create), then move the latest pointer forward with a conditional write.
+Readers only see generations that have a manifest.
+
+Retention removes a generation manifest first, so it disappears at once;
+garbage collection removes what crashed writers left: uploads never
+completed and generations that never got a manifest, after a grace period.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +28,17 @@ import orjson
 
 from services.storage import layout
 from services.storage.backend import Backend, Conflict, NotFound
+from services.storage.codec import Codec, DecodeError
+from services.storage.download import fetch_file
+from services.storage.upload import Uploader
 from smr import contract
 from smr.errors import PermanentError
 from smr.messages import SCHEMA_VERSION, now
 
+log = logging.getLogger("smr.storage")
+
 MAX_CLAIM_TRIES = 16
+FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
 
 
 class CheckpointNotFound(PermanentError):
@@ -47,32 +63,36 @@ class Generation:
         return int(self.manifest["size_bytes"])
 
 
+@dataclass
+class GcReport:
+    uploads_aborted: int = 0
+    generations_removed: list[str] = field(default_factory=list)
+
+
 class CheckpointStore:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, codec: Codec | None = None) -> None:
         self.backend = backend
+        self.codec = codec or Codec()
+
+    async def close(self) -> None:
+        await self.backend.close()
 
     async def commit(self, namespace: str, checkpoint_id: str, src: Path,
-                     meta: dict[str, Any], *, on_bytes: Any = None) -> Generation:
-        """Store every file under ``src`` as the next generation of ``checkpoint_id``."""
+                     meta: dict[str, Any], *, writer: asyncio.Future[Any] | None = None,
+                     on_bytes: Callable[[int], None] | None = None) -> Generation:
+        """Store every file under ``src`` as the next generation of
+        ``checkpoint_id``. ``writer``: the task (a CRIU dump) still writing
+        into ``src``; its images are uploaded as they are written."""
         gen = await self._claim(namespace, checkpoint_id, meta["request_id"])
-        files, links, total = [], [], 0
-        for path in sorted(src.rglob("*")):
-            rel = path.relative_to(src).as_posix()
-            if path.is_symlink():
-                links.append({"path": rel, "target": os.readlink(path)})
-                continue
-            if not path.is_file():
-                continue
-            size, digest = await self.backend.put_file(
-                layout.file_key(namespace, checkpoint_id, gen, rel), path)
-            files.append({"path": rel, "size": size, "sha256": digest, "compression": "none"})
-            total += size
-            if on_bytes:
-                on_bytes(total)
+        links = [{"path": p.relative_to(src).as_posix(), "target": os.readlink(p)}
+                 for p in sorted(src.rglob("*")) if p.is_symlink()]
+        files = await Uploader(self.backend, self.codec, on_bytes=on_bytes).upload_dir(
+            src, lambda rel: layout.file_key(namespace, checkpoint_id, gen, rel), writer)
         manifest = {
             "schema_version": SCHEMA_VERSION, "namespace": namespace,
             "checkpoint_id": checkpoint_id, "generation": gen, "created_at": now(),
-            "files": files, "symlinks": links, "size_bytes": total, **meta,
+            "files": files, "symlinks": links, "size_bytes": sum(f["size"] for f in files),
+            "stored_bytes": sum(f["stored_size"] for f in files), **meta,
         }
         contract.validate("manifest", manifest)
         mkey = layout.manifest_key(namespace, checkpoint_id, gen)
@@ -86,9 +106,10 @@ class CheckpointStore:
         gen = max(await self._numbers(namespace, checkpoint_id), default=0) + 1
         for _ in range(MAX_CLAIM_TRIES):
             try:
-                await self.backend.put_bytes(layout.claim_key(namespace, checkpoint_id, gen),
-                                             orjson.dumps({"request_id": request_id}),
-                                             if_none_match=True)
+                await self.backend.put_bytes(
+                    layout.claim_key(namespace, checkpoint_id, gen),
+                    orjson.dumps({"request_id": request_id, "claimed_at": time.time()}),
+                    if_none_match=True)
                 return gen
             except Conflict:
                 gen += 1  # another writer took it: the next one
@@ -158,32 +179,121 @@ class CheckpointStore:
         await self.backend.delete(keys)
         return len(keys)
 
-    async def fetch(self, gen: Generation, dst: Path, *, on_bytes: Any = None) -> None:
+    async def fetch(self, gen: Generation, dst: Path, *,
+                    on_bytes: Callable[[int], None] | None = None) -> None:
         """Download a generation into ``dst``, every file checked against its
         sha256 before it gets its final name: CRIU never reads an unverified byte."""
         m = gen.manifest
+        for f in m["files"]:
+            if f.get("encryption"):
+                self.codec.check_key(f["encryption"])  # before any byte is fetched
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
         done = 0
-        for f in m["files"]:
-            final = dst / f["path"]
-            part = final.with_name(final.name + ".unverified")
-            key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
-            try:
-                size, digest = await self.backend.get_file(key, part)
-            except NotFound:
-                raise CheckpointCorrupt(
-                    f"generation {m['generation']} of {m['checkpoint_id']} lacks {f['path']}",
-                    hint="restore another generation (--generation N)") from None
-            if digest != f["sha256"] or size != f["size"]:
-                part.unlink(missing_ok=True)
-                raise CheckpointCorrupt(
-                    f"{f['path']} of {m['checkpoint_id']} generation {m['generation']} is "
-                    f"corrupt: sha256 {digest[:16]}… expected {f['sha256'][:16]}…",
-                    hint="restore another generation (--generation N); this one is unusable")
-            part.rename(final)
-            done += size
+        slots = asyncio.Semaphore(FILES_AT_ONCE)
+
+        def count(n: int) -> None:
+            nonlocal done
+            done += n
             if on_bytes:
                 on_bytes(done)
+
+        async def one(f: dict[str, Any]) -> None:
+            async with slots:
+                await self._fetch_file(m, f, dst, count)
+
+        tasks = [asyncio.create_task(one(f)) for f in m["files"]]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         for link in m.get("symlinks", []):
             (dst / link["path"]).symlink_to(link["target"])
+
+    async def _fetch_file(self, m: dict[str, Any], f: dict[str, Any], dst: Path,
+                          count: Callable[[int], None]) -> None:
+        final = dst / f["path"]
+        part = final.with_name(final.name + ".unverified")
+        key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
+        where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
+        try:
+            size, digest = await fetch_file(self.backend, self.codec, key, f, part, count)
+        except NotFound:
+            raise CheckpointCorrupt(f"{where} is missing from storage",
+                                    hint="restore another generation (--generation N)") from None
+        except DecodeError as e:
+            part.unlink(missing_ok=True)
+            raise CheckpointCorrupt(f"{where} is corrupt: {e.message}", hint=e.hint) from None
+        if digest != f["sha256"] or size != f["size"]:
+            part.unlink(missing_ok=True)
+            raise CheckpointCorrupt(
+                f"{where} is corrupt: sha256 {digest[:16]}… expected {f['sha256'][:16]}…",
+                hint="restore another generation (--generation N); this one is unusable")
+        part.rename(final)
+
+    async def prune(self, namespace: str, checkpoint_id: str, *, keep: int = 0,
+                    max_age_s: float = 0, at: float | None = None) -> list[int]:
+        """Retention: remove generations beyond the newest ``keep`` or older
+        than ``max_age_s`` (0: no limit). The generation ``latest`` names is
+        always kept. Returns the numbers removed."""
+        at = time.time() if at is None else at
+        latest = await self.latest(namespace, checkpoint_id)
+        removed = []
+        for rank, g in enumerate(reversed(await self.generations(namespace, checkpoint_id))):
+            if latest and g.number == latest.number:
+                continue
+            age = at - _epoch(g.manifest["created_at"])
+            if (keep and rank >= keep) or (max_age_s and age > max_age_s):
+                await self._remove_generation(namespace, checkpoint_id, g.number)
+                removed.append(g.number)
+        return sorted(removed)
+
+    async def _remove_generation(self, namespace: str, checkpoint_id: str, gen: int) -> None:
+        # The manifest first: the generation vanishes for readers in one step.
+        await self.backend.delete([layout.manifest_key(namespace, checkpoint_id, gen)])
+        keys = await self.backend.list(layout.generation_prefix(namespace, checkpoint_id, gen))
+        await self.backend.delete(keys)
+
+    async def gc(self, *, grace_s: float, at: float | None = None) -> GcReport:
+        """Remove what crashed writers left behind, once older than ``grace_s``:
+        uploads never completed, and generations that never got a manifest."""
+        at = time.time() if at is None else at
+        report = GcReport()
+        for up in await self.backend.pending_uploads(""):
+            old = at - up.started > grace_s
+            where = layout.parse(up.key)
+            if old and where and where[2] is not None:
+                # The claim dates the writer too (some S3 servers misreport Initiated).
+                old = at - await self._claimed_at(where[0], where[1], where[2]) > grace_s
+            if old:
+                await self.backend.abort_upload(up)
+                report.uploads_aborted += 1
+        gens: dict[tuple[str, str, int], set[str]] = {}
+        for key in await self.backend.list(""):
+            if (where := layout.parse(key)) and where[2] is not None:
+                gens.setdefault((where[0], where[1], where[2]), set()).add(where[3])
+        for (ns, ckpt, gen), names in sorted(gens.items()):
+            if "manifest.json" in names:
+                continue
+            if "claim" in names and at - await self._claimed_at(ns, ckpt, gen) <= grace_s:
+                continue  # a writer may still be at work
+            await self._remove_generation(ns, ckpt, gen)
+            report.generations_removed.append(f"{ns}/{ckpt}/{gen}")
+        if report.uploads_aborted or report.generations_removed:
+            log.info("gc: aborted %d uploads, removed generations %s",
+                     report.uploads_aborted, report.generations_removed)
+        return report
+
+    async def _claimed_at(self, ns: str, ckpt: str, gen: int) -> float:
+        try:
+            data, _ = await self.backend.get_bytes(layout.claim_key(ns, ckpt, gen))
+            return float(orjson.loads(data).get("claimed_at", 0))
+        except (NotFound, orjson.JSONDecodeError, ValueError):
+            return 0.0
+
+
+def _epoch(ts: str) -> float:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()

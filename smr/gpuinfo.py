@@ -1,0 +1,140 @@
+"""What NVML (pynvml) says about GPUs: which a job's processes hold and how
+much memory, the model and driver recorded in a manifest, and whether a
+node can take a checkpoint or a restore. Everything here is read-only.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from smr.errors import PermanentError
+
+HEADROOM = 1.10  # the driver's copy of GPU memory plus what CRIU and the page cache need
+
+
+class GpuMismatch(PermanentError):
+    code = "gpu-mismatch"
+
+
+class NoRoom(PermanentError):
+    code = "node-lacks-room"
+
+
+def _nvml() -> Any | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # no library, no driver, no GPU: all mean "no GPU here"
+        return None
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, from /proc's children lists."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                pass
+    return sorted(set(out))
+
+
+def devices() -> list[dict[str, Any]]:
+    nv = _nvml()
+    if not nv:
+        return []
+    out = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        out.append({"index": i, "uuid": nv.nvmlDeviceGetUUID(h), "model": nv.nvmlDeviceGetName(h),
+                    "memory_total": int(mem.total), "memory_free": int(mem.free),
+                    "processes": {p.pid: int(p.usedGpuMemory or 0)
+                                  for p in nv.nvmlDeviceGetComputeRunningProcesses(h)}})
+    return out
+
+
+def versions() -> dict[str, str]:
+    nv = _nvml()
+    if not nv:
+        return {}
+    cuda = nv.nvmlSystemGetCudaDriverVersion_v2()
+    return {"nvidia_driver": str(nv.nvmlSystemGetDriverVersion()),
+            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}
+
+
+def job_gpus(pids: list[int]) -> dict[str, Any] | None:
+    """The GPUs the processes hold, for the manifest; None if they hold none."""
+    held = []
+    for d in devices():
+        used = sum(b for p, b in d["processes"].items() if p in pids)
+        if any(p in pids for p in d["processes"]):
+            held.append({"uuid": d["uuid"], "model": d["model"],
+                         "memory_total": d["memory_total"], "used_bytes": used})
+    if not held:
+        return None
+    return {"model": held[0]["model"], "count": len(held),
+            "used_bytes": sum(h["used_bytes"] for h in held), "devices": held}
+
+
+def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path) -> None:
+    """Refuse early: the driver copies GPU memory into the job's host memory,
+    then CRIU writes it to ``work_dir``."""
+    need = int(gpu["used_bytes"] * HEADROOM)
+    avail = _mem_available()
+    if avail is not None and avail < need:
+        raise NoRoom(f"checkpointing needs about {need >> 20} MiB of free host memory for the "
+                     f"job's {gpu['used_bytes'] >> 20} MiB of GPU memory; {avail >> 20} MiB free",
+                     hint="free host memory on this node, or give the agent a node with more RAM")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work_dir).free
+    if free < need:
+        raise NoRoom(f"{work_dir} has {free >> 20} MiB free; the GPU images alone need about "
+                     f"{need >> 20} MiB", hint="point SMR_DATA_DIR at a larger disk or tmpfs")
+
+
+def check_fits(gpu: dict[str, Any] | None) -> None:
+    """Refuse a restore onto a node whose GPUs differ or lack memory."""
+    if not gpu:
+        return
+    here = devices()
+    if not here:
+        raise GpuMismatch(f"the checkpoint holds GPU state ({gpu['model']}) and this node "
+                          "has no usable GPU", hint="restore on a node with that GPU model")
+    for want in gpu.get("devices", [gpu]):
+        fits = [d for d in here if d["model"] == want["model"]
+                and d["memory_free"] >= want["used_bytes"]]
+        if not fits:
+            have = ", ".join(f"{d['model']} ({d['memory_free'] >> 20} MiB free)" for d in here)
+            raise GpuMismatch(
+                f"the checkpoint needs a {want['model']} with {want['used_bytes'] >> 20} MiB "
+                f"free; this node has {have}",
+                hint="restore on a node with that GPU model and enough free memory")
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def thp_mode() -> str:
+    """Transparent huge pages; `always` made the driver's checkpoint 1.8x
+    faster on the H100 (docs/gpu.md)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        return text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        return "unknown"
+

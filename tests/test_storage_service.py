@@ -1,0 +1,104 @@
+"""The storage service over a real nats-server: queries by request/reply,
+retention applied on ckpt.done, garbage collection on its timer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.storage import layout
+from services.storage.local import LocalBackend
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
+from smr.bus import QUERY_GENERATIONS, QUERY_LATEST, Bus
+from smr.messages import CkptDone, StorageQuery, Target
+from tests.test_bus import dlq_messages
+
+NS = layout.LOCAL_NAMESPACE
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(LocalBackend(tmp_path / "store"))
+
+
+@pytest.fixture
+async def service(bus: Bus, store: CheckpointStore) -> AsyncIterator[StorageService]:
+    svc = StorageService(bus, store, keep=2, gc_grace_s=0, gc_interval_s=0.3,
+                         durable=f"retention-{uuid.uuid4().hex[:8]}")
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 10)
+    yield svc
+    svc.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def commit(store: CheckpointStore, tmp_path: Path, ckpt: str, n: int) -> None:
+    src = tmp_path / f"src-{ckpt}"
+    (src / "images").mkdir(parents=True, exist_ok=True)
+    (src / "images" / "pages-1.img").write_bytes(os.urandom(2048))
+    for i in range(n):
+        await store.commit(NS, ckpt, src, {
+            "request_id": f"{ckpt}-{i}", "node": "n1", "reason": "api",
+            "target": Target.job(ckpt).to_dict(), "versions": {"criu": "4.1.1"}})
+
+
+async def test_latest_and_generations_queries(
+    bus: Bus, service: StorageService, store: CheckpointStore, tmp_path: Path
+) -> None:
+    ckpt = f"q-{uuid.uuid4().hex[:6]}"
+    empty = await bus.query(QUERY_LATEST, StorageQuery(checkpoint_id=ckpt))
+    assert empty.generations == [] and empty.error is None
+    await commit(store, tmp_path, ckpt, 3)
+    latest = await bus.query(QUERY_LATEST, StorageQuery(checkpoint_id=ckpt))
+    assert [g["generation"] for g in latest.generations] == [3]
+    assert latest.generations[0]["request_id"] == f"{ckpt}-2"
+    assert latest.generations[0]["size_bytes"] == 2048
+    every = await bus.query(QUERY_GENERATIONS, StorageQuery(checkpoint_id=ckpt))
+    assert [g["generation"] for g in every.generations] == [1, 2, 3]
+
+
+async def test_malformed_query_gets_an_error_and_a_dead_letter(
+    bus: Bus, service: StorageService
+) -> None:
+    r = await bus.nc.request(QUERY_LATEST, b'{"checkpoint_id": "../etc"}', timeout=5)
+    assert b'"error"' in r.data and b"schema_version" in r.data
+    letters = await dlq_messages(bus, QUERY_LATEST)
+    assert letters and letters[-1].service == "storage"
+    # ... and the service still answers.
+    ok = await bus.query(QUERY_LATEST, StorageQuery(checkpoint_id="still-here"))
+    assert ok.error is None
+
+
+async def test_retention_runs_on_ckpt_done(
+    bus: Bus, service: StorageService, store: CheckpointStore, tmp_path: Path, node: str
+) -> None:
+    ckpt = f"r-{uuid.uuid4().hex[:6]}"
+    await commit(store, tmp_path, ckpt, 4)
+    await bus.publish(CkptDone(request_id=f"{ckpt}-3", checkpoint_id=ckpt,
+                               target=Target.job(ckpt), node=node, status="succeeded",
+                               generation=4))
+    for _ in range(100):
+        if [g.number for g in await store.generations(NS, ckpt)] == [3, 4]:
+            break
+        await asyncio.sleep(0.1)
+    assert [g.number for g in await store.generations(NS, ckpt)] == [3, 4]
+
+
+async def test_gc_timer_removes_what_a_dead_writer_left(
+    service: StorageService, store: CheckpointStore
+) -> None:
+    await store.backend.put_bytes(layout.claim_key(NS, "dead", 1), b"{}")
+    up = store.backend.start_upload(layout.file_key(NS, "dead", 1, "images/pages-1.img"))
+    await up.put_part(1, 0, b"half a dump")
+    for _ in range(50):
+        if not await store.backend.list("") and not await store.backend.pending_uploads(""):
+            break
+        await asyncio.sleep(0.1)
+    assert await store.backend.list("") == []
+    assert await store.backend.pending_uploads("") == []
