@@ -1,5 +1,5 @@
-"""Downloads: parallel ranged GETs, decoded in worker threads, written and
-hashed in order, so a file's sha256 is checked before it gets its name.
+"""Downloads: parallel ranged GETs, decoded and hashed in worker threads,
+written in order; a file's sha256 is checked before it gets its name.
 
 Consecutive frames are grouped into ranges of about ``RANGE_TARGET`` stored
 bytes (compressed frames can be tiny); up to ``RANGES_AHEAD`` ranges of a
@@ -17,18 +17,12 @@ from typing import Any
 
 from services.storage.backend import Backend
 from services.storage.codec import Codec, DecodeError
-from services.storage.upload import frame_aad
+from services.storage.upload import file_digest, frame_aad
 
 RANGE_TARGET = 8 << 20
 RANGES_AHEAD = 8
 
 Frame = tuple[int, int, int, int]  # index, stored size, raw size, compressed
-
-
-def frames_of(entry: dict[str, Any]) -> list[list[int]]:
-    if "frames" in entry:
-        return list(entry["frames"])
-    return [[entry["size"], entry["size"], 0]] if entry["size"] else []
 
 
 def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
@@ -53,32 +47,34 @@ async def fetch_file(backend: Backend, codec: Codec, key: str, entry: dict[str, 
     """Write the object's decoded bytes to ``dst``; returns (size, sha256)."""
     enc = entry.get("encryption")
 
-    async def get(start: int, length: int, group: list[Frame]) -> bytes:
+    async def get(start: int, length: int, group: list[Frame]) -> tuple[bytes, list[bytes]]:
         data = await backend.get_range(key, start, length)
         if len(data) != length:
             raise DecodeError(f"object {key} is shorter than its manifest says",
                               hint="restore another generation (--generation N)")
         return await asyncio.to_thread(decode, data, group)
 
-    def decode(data: bytes, group: list[Frame]) -> bytes:
-        out, pos = [], 0
+    def decode(data: bytes, group: list[Frame]) -> tuple[bytes, list[bytes]]:
+        out, digests, pos = [], [], 0
         for i, stored, raw, z in group:
-            out.append(codec.decode(data[pos:pos + stored], raw, bool(z),
-                                    frame_aad(key, i), enc))
+            frame = codec.decode(data[pos:pos + stored], raw, bool(z), frame_aad(key, i), enc)
+            out.append(frame)
+            digests.append(hashlib.sha256(frame).digest())
             pos += stored
-        return b"".join(out)
+        return b"".join(out), digests
 
-    h, size = hashlib.sha256(), 0
-    todo = deque(ranges(frames_of(entry)))
-    ahead: deque[asyncio.Task[bytes]] = deque()
+    size, digests = 0, []
+    todo = deque(ranges(entry["frames"]))
+    ahead: deque[asyncio.Task[tuple[bytes, list[bytes]]]] = deque()
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(dst, "wb") as out:
             while todo or ahead:
                 while todo and len(ahead) < RANGES_AHEAD:
                     ahead.append(asyncio.create_task(get(*todo.popleft())))
-                data = await ahead.popleft()
-                await asyncio.to_thread(_write_hashed, out, data, h)
+                data, ds = await ahead.popleft()
+                digests.extend(ds)
+                await asyncio.to_thread(out.write, data)
                 size += len(data)
                 if on_bytes:
                     on_bytes(len(data))
@@ -87,9 +83,4 @@ async def fetch_file(backend: Backend, codec: Codec, key: str, entry: dict[str, 
             t.cancel()
         await asyncio.gather(*ahead, return_exceptions=True)
         raise
-    return size, h.hexdigest()
-
-
-def _write_hashed(out: Any, data: bytes, h: Any) -> None:
-    h.update(data)
-    out.write(data)
+    return size, file_digest(digests)
