@@ -80,7 +80,7 @@ async def one_size(gib: float, criu: Criu, cuda: CudaCheckpoint) -> dict[str, fl
     plain = CheckpointStore(LocalBackend(DISK / "store"), Codec(level=0))
     work = DISK / "work-base"
     t0 = time.monotonic()
-    d = await cuda.suspend(pid)
+    await cuda.suspend(pid)
     t1 = time.monotonic()
     dump = await criu.dump(pid, work / "images", leave_running=True)
     t2 = time.monotonic()

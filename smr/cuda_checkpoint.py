@@ -4,9 +4,9 @@
     RUNNING <-unlock- LOCKED <--restore----- CHECKPOINTED    host memory, GPU free)
 
 Between ``checkpoint`` and ``restore`` the process holds no GPU resources and
-CRIU can dump it like any other. ``suspended`` is the only way the steps use
-this: whatever fails after the lock, the job is brought back to RUNNING before
-the error travels on, so a job is never left locked or checkpointed (the
+CRIU can dump it like any other. ``suspend`` brings the process back to
+RUNNING if anything fails after the lock, and the steps call ``resume_all``
+on any error of theirs, so a job is never left locked or checkpointed (the
 failure other tools are known for). Calls go through ctypes on libcuda; each
 blocking call runs in a worker thread.
 """
@@ -21,12 +21,11 @@ import time
 from functools import cache
 
 from smr.errors import PermanentError, TemporaryError
+from smr.gpuinfo import process_tree
 
 log = logging.getLogger("smr.cuda")
 
-CUDA_ERROR_NOT_FOUND = 500
 CUDA_ERROR_TIMEOUT = 909
-CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 class CudaState(enum.IntEnum):
@@ -131,6 +130,10 @@ class CudaCheckpoint:
 
     async def state(self, pid: int) -> CudaState | None:
         return await asyncio.to_thread(self.drv.state, pid)
+
+    async def processes(self, root: int) -> list[int]:
+        """The processes of the tree under ``root`` that hold a CUDA context."""
+        return [p for p in process_tree(root) if await self.state(p) is not None]
 
     async def suspend(self, pid: int) -> dict[str, float]:
         """RUNNING → CHECKPOINTED; on failure the process is left RUNNING."""

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from smr import config, cuda_checkpoint
-from smr.embedded import EmbeddedNode
+from smr import cuda_checkpoint
 from smr.jobs import Job, launch, proc_start_ticks, wait_exit
 from smr.natsserver import NatsServer
 from smr.workloads import counter
-from tests.test_local_smr import Harness
+from tests.test_local_smr import Harness, running
 
 GIB = float(os.environ.get("SMR_TEST_GPU_GIB", "8"))
 
@@ -55,15 +54,9 @@ class GpuHarness(Harness):
 @pytest.fixture
 async def g(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
             ) -> AsyncIterator[GpuHarness]:
-    s = config.load({}).replace(
-        nats_url=nats_server.url, node_name=node, data_dir=str(tmp_path / "data"),
-        criu=criu_binary, ack_wait=30.0)
-    async with EmbeddedNode(s) as n:
-        harness = GpuHarness(n, s, tmp_path)
-        try:
-            yield harness
-        finally:
-            harness.cleanup()
+    # A long ack wait: dumping 8 GiB takes longer than the CPU tests' 5 s.
+    async with running(GpuHarness, criu_binary, nats_server, tmp_path, node, 30.0) as harness:
+        yield harness
 
 
 def lines(job: Job) -> list[dict[str, str]]:

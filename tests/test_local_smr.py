@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -32,6 +32,8 @@ from smr.natsserver import NatsServer
 from smr.workloads import counter
 
 pytestmark = pytest.mark.criu
+
+H = TypeVar("H", bound="Harness")
 
 
 class Harness:
@@ -93,18 +95,26 @@ class Harness:
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
+@contextlib.asynccontextmanager
+async def running(cls: type[H], criu_binary: str, nats_server: NatsServer, tmp_path: Path,
+                  node: str, ack_wait: float) -> AsyncIterator[H]:
+    """An embedded node on the session's nats-server, and a harness on it."""
     s = config.load({}).replace(
         nats_url=nats_server.url, node_name=node, data_dir=str(tmp_path / "data"),
-        criu=criu_binary, ack_wait=5.0)
+        criu=criu_binary, ack_wait=ack_wait)
     async with EmbeddedNode(s) as n:
-        harness = Harness(n, s, tmp_path)
+        harness = cls(n, s, tmp_path)
         try:
             yield harness
         finally:
             harness.cleanup()
+
+
+@pytest.fixture
+async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+            ) -> AsyncIterator[Harness]:
+    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+        yield harness
 
 
 def assert_continues(lines: list[dict[str, str]], frozen: int, mib: int) -> None:

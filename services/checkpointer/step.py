@@ -89,7 +89,7 @@ class CheckpointStep(LocalJobStep):
         """The job's GPU use (None without one), checked against the room here."""
         if self.cuda is None:
             return None
-        pids = [p for p in gpuinfo.process_tree(job.pid) if await self.cuda.state(p) is not None]
+        pids = await self.cuda.processes(job.pid)
         if not pids:
             return None
         gpu = gpuinfo.job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}

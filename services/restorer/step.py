@@ -84,8 +84,7 @@ class RestoreStep(LocalJobStep):
         pid = int(pidfile.read_text())
         if gen.manifest.get("gpu") and self.cuda:
             # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
-            pids = [p for p in gpuinfo.process_tree(pid) if await self.cuda.state(p) is not None]
-            durations.update(await self.cuda.resume_all(pids))
+            durations.update(await self.cuda.resume_all(await self.cuda.processes(pid)))
         return await self._record(req, gen, existing, pid)
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,

@@ -18,7 +18,7 @@ GEN_WIDTH = 8  # zero-padded so lexical order is numeric order
 
 
 def namespace_of(target: Target) -> str:
-    return target.namespace or LOCAL_NAMESPACE if target.kind == "pod" else LOCAL_NAMESPACE
+    return (target.namespace if target.kind == "pod" else None) or LOCAL_NAMESPACE
 
 
 def checkpoint_prefix(namespace: str, checkpoint_id: str) -> str:

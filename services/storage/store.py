@@ -262,12 +262,19 @@ class CheckpointStore:
         uploads never completed, and generations that never got a manifest."""
         at = time.time() if at is None else at
         report = GcReport()
+        claims: dict[tuple[str, str, int], float] = {}
+
+        async def claimed_at(ns: str, ckpt: str, gen: int) -> float:
+            if (ns, ckpt, gen) not in claims:
+                claims[ns, ckpt, gen] = await self._claimed_at(ns, ckpt, gen)
+            return claims[ns, ckpt, gen]
+
         for up in await self.backend.pending_uploads(""):
             old = at - up.started > grace_s
             where = layout.parse(up.key)
             if old and where and where[2] is not None:
                 # The claim dates the writer too (some S3 servers misreport Initiated).
-                old = at - await self._claimed_at(where[0], where[1], where[2]) > grace_s
+                old = at - await claimed_at(where[0], where[1], where[2]) > grace_s
             if old:
                 await self.backend.abort_upload(up)
                 report.uploads_aborted += 1
@@ -278,7 +285,7 @@ class CheckpointStore:
         for (ns, ckpt, gen), names in sorted(gens.items()):
             if "manifest.json" in names:
                 continue
-            if "claim" in names and at - await self._claimed_at(ns, ckpt, gen) <= grace_s:
+            if "claim" in names and at - await claimed_at(ns, ckpt, gen) <= grace_s:
                 continue  # a writer may still be at work
             await self._remove_generation(ns, ckpt, gen)
             report.generations_removed.append(f"{ns}/{ckpt}/{gen}")
