@@ -25,7 +25,12 @@ from smr.gpuinfo import process_tree
 
 log = logging.getLogger("smr.cuda")
 
+CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_TIMEOUT = 909
+# What cuCheckpointProcessLock returns when its timeout passes. Driver 580 on
+# the H100 answers NOT_READY (measured with a kernel spinning past the
+# timeout), not the TIMEOUT its documentation suggests: both mean "try later".
+LOCK_TIMED_OUT = (CUDA_ERROR_NOT_READY, CUDA_ERROR_TIMEOUT)
 
 
 class CudaState(enum.IntEnum):
@@ -84,11 +89,12 @@ class Driver:
     def lock(self, pid: int, timeout_s: float) -> None:
         args = _LockArgs(timeoutMs=max(1, int(timeout_s * 1000)))
         rc = self.cu.cuCheckpointProcessLock(pid, ctypes.byref(args))
-        if rc == CUDA_ERROR_TIMEOUT:
+        if rc in LOCK_TIMED_OUT:
             raise CudaLockTimeout(
                 f"process {pid} did not reach a point where its GPU work could be locked "
-                f"within {timeout_s:g}s", hint="the job keeps running; try again, or raise "
-                "SMR_CUDA_LOCK_TIMEOUT if its kernels run long")
+                f"within {timeout_s:g}s ({self._name(rc)})",
+                hint="the job keeps running; try again, or raise SMR_CUDA_LOCK_TIMEOUT if "
+                     "its kernels run long")
         if rc != 0:
             raise CudaError(f"cuCheckpointProcessLock({pid}) failed: {self._name(rc)} ({rc})")
 

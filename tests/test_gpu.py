@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import sys
 import uuid
@@ -18,11 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from smr import cuda_checkpoint
+from services.storage.layout import LOCAL_NAMESPACE
+from smr import cuda_checkpoint, gpuinfo
+from smr.cuda_checkpoint import CudaState
 from smr.jobs import Job, launch, proc_start_ticks, wait_exit
+from smr.messages import CkptRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
-from tests.test_local_smr import Harness, running
+from tests.test_local_smr import Harness, assert_unlocked, flip_byte, running
 
 GIB = float(os.environ.get("SMR_TEST_GPU_GIB", "8"))
 
@@ -35,9 +39,9 @@ pytestmark = [
 
 
 class GpuHarness(Harness):
-    async def start_gpu(self) -> Job:
+    async def start_gpu(self, gib: float = GIB, *extra: str) -> Job:
         job_id = f"gpu-{uuid.uuid4().hex[:6]}"
-        cmd = [sys.executable, "-m", "smr.workloads.gpu_counter", "--gib", str(GIB)]
+        cmd = [sys.executable, "-m", "smr.workloads.gpu_counter", "--gib", str(gib), *extra]
         job = launch(job_id, cmd, log=self.tmp / f"{job_id}.log", cwd=self.tmp,
                      node=self.settings.node, own_pid_namespace=False)
         self.pids.append(job.pid)
@@ -105,4 +109,136 @@ async def test_gpu_heartbeat_leaves_the_job_running_and_restores(g: GpuHarness) 
     await g.wait_step(job, 1, count=n + 2, timeout=120)
     after = lines(job)[n:]
     assert 3 <= int(after[0]["step"]) <= last_original, f"did not resume the beat: {after[0]}"
+    assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]
+
+
+# -- failure paths: the job is left running, or cleanly failed; never stuck ----------
+
+SMALL = 2.0  # GiB: enough to take real time in the driver, quick to dump
+
+
+def holds_gpu(pid: int) -> bool:
+    return any(pid in d["processes"] for d in gpuinfo.devices())
+
+
+async def test_gpu_lock_timeout_leaves_the_job_running(
+        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+    """A job whose kernels run longer than the lock timeout: every attempt
+    times out, the request fails with that reason, and the job never stops."""
+    async with running(GpuHarness, criu_binary, nats_server, tmp_path, node, 30.0,
+                       cuda_lock_timeout=0.5, max_deliver=2) as g:
+        job = await g.start_gpu(1.0, "--busy-s", "4", "--interval", "0")
+        done = await g.checkpoint(job.id)
+        print("lock-timeout result", done.status, done.error)
+        assert done.status == "failed" and done.error
+        assert done.error["code"] == "cuda-lock-timeout", done.error
+        assert "SMR_CUDA_LOCK_TIMEOUT" in done.error["hint"]
+        assert cuda_checkpoint.driver().state(job.pid) is CudaState.RUNNING
+        last = int(lines(job)[-1]["step"])
+        await g.wait_step(job, last + 2, timeout=60)
+        assert all(ln["ok"] == "True" for ln in lines(job)), "GPU state broke"
+        assert await g.node.store.latest(LOCAL_NAMESPACE, job.id) is None  # type: ignore[union-attr]
+        await assert_unlocked(g, job.id)
+
+
+async def test_gpu_job_exiting_mid_checkpoint_fails_cleanly(g: GpuHarness) -> None:
+    job = await g.start_gpu(SMALL)
+    task = asyncio.create_task(g.checkpoint(job.id))
+    drv = cuda_checkpoint.driver()
+    for _ in range(3000):  # kill it inside the driver's checkpoint
+        if drv.state(job.pid) in (CudaState.LOCKED, CudaState.CHECKPOINTED):
+            break
+        await asyncio.sleep(0.002)
+    seen = drv.state(job.pid)
+    os.kill(job.pid, 9)
+    done = await task
+    print("killed in CUDA state", seen, "->", done.status, done.error)
+    assert seen in (CudaState.LOCKED, CudaState.CHECKPOINTED)
+    assert done.status == "failed" and done.error
+    assert done.error["code"] in ("job-exited", "cuda-checkpoint-failed"), done.error
+    assert await g.node.store.latest(LOCAL_NAMESPACE, job.id) is None  # type: ignore[union-attr]
+    await assert_unlocked(g, job.id)
+    assert await wait_exit(job.pid, job.start_ticks, timeout=30)
+    for _ in range(100):
+        if not holds_gpu(job.pid):
+            break
+        await asyncio.sleep(0.1)
+    assert not holds_gpu(job.pid), "the dead job still holds GPU memory"
+    again = await g.checkpoint(job.id)
+    assert again.status == "failed" and again.error and again.error["code"] == "job-not-running"
+
+
+async def test_gpu_tampered_and_corrupted_images_fail_cleanly_then_restore(
+        g: GpuHarness) -> None:
+    """Another GPU model in the manifest, then a flipped byte in the images:
+    each restore fails with its reason and leaves nothing behind; with the
+    image put right, the same checkpoint restores with its tensors intact."""
+    job = await g.start_gpu(SMALL)
+    fp0 = lines(job)[0]["fp"]
+    done = await g.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    frozen = int(lines(job)[-1]["step"])
+    gen_dir = g.settings.storage_root / LOCAL_NAMESPACE / job.id / f"{done.generation:08d}"
+
+    manifest = gen_dir / "manifest.json"
+    original = manifest.read_text()
+    doc = json.loads(original)
+    for d in [doc["gpu"], *doc["gpu"].get("devices", [])]:
+        d["model"] = "NVIDIA A100-SXM4-40GB"
+    manifest.write_text(json.dumps(doc))
+    refused = await g.restore(job.id)
+    print("other model:", refused.error)
+    assert refused.status == "failed" and refused.error
+    assert refused.error["code"] == "gpu-mismatch" and "A100" in refused.error["message"]
+    manifest.write_text(original)
+
+    pages = max((gen_dir / "files" / "images").glob("pages-*.img"),
+                key=lambda p: p.stat().st_size)
+    flip_byte(pages, pages.stat().st_size // 3)
+    corrupt = await g.restore(job.id)
+    print("corrupted:", corrupt.error)
+    assert corrupt.status == "failed" and corrupt.error
+    assert corrupt.error["code"] == "checkpoint-corrupt", corrupt.error
+    assert corrupt.pid is None
+    record, _ = await g.jobs.get(job.id)
+    assert not record.alive()
+    await assert_unlocked(g, job.id)
+
+    flip_byte(pages, pages.stat().st_size // 3)
+    restored = await g.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await g.wait_step(job, frozen + 2, timeout=120)
+    after = [ln for ln in lines(job) if int(ln["step"]) > frozen]
+    assert int(after[0]["step"]) == frozen + 1
+    assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]
+
+
+async def test_gpu_checkpoint_recovery_records_the_gpu(g: GpuHarness) -> None:
+    """The worker died after the driver checkpoint and the dump, before the
+    commit: recovery commits the images with the job's GPU facts, and the
+    restore brings the GPU state back."""
+    from services.checkpointer.step import CheckpointStep
+
+    step = g.node.workers[0].step
+    assert isinstance(step, CheckpointStep) and step.cuda
+    job = await g.start_gpu(SMALL)
+    fp0 = lines(job)[0]["fp"]
+    req = CkptRequested(request_id=f"crashed-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=g.settings.node)
+    work = step.work_dir / req.request_id
+    gpu = await step._gpu(job, work, step._gpu_file(req))
+    assert gpu
+    await step.cuda.suspend_all(gpu["pids"])
+    await step.criu.dump(job.pid, work / "images")
+    frozen = int(lines(job)[-1]["step"])
+
+    result = await step.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded", result
+    gen = await g.node.store.get(LOCAL_NAMESPACE, job.id, result.generation)  # type: ignore[union-attr]
+    assert gen.manifest["gpu"]["used_bytes"] >= SMALL * 2**30 * 0.9
+    restored = await g.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await g.wait_step(job, frozen + 2, timeout=120)
+    after = [ln for ln in lines(job) if int(ln["step"]) > frozen]
+    assert int(after[0]["step"]) == frozen + 1
     assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]

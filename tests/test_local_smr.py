@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -97,11 +98,11 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def running(cls: type[H], criu_binary: str, nats_server: NatsServer, tmp_path: Path,
-                  node: str, ack_wait: float) -> AsyncIterator[H]:
+                  node: str, ack_wait: float, **settings: Any) -> AsyncIterator[H]:
     """An embedded node on the session's nats-server, and a harness on it."""
     s = config.load({}).replace(
         nats_url=nats_server.url, node_name=node, data_dir=str(tmp_path / "data"),
-        criu=criu_binary, ack_wait=ack_wait)
+        criu=criu_binary, ack_wait=ack_wait, **settings)
     async with EmbeddedNode(s) as n:
         harness = cls(n, s, tmp_path)
         try:
@@ -402,3 +403,27 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     record, _ = await h.jobs.get(job.id)
     assert record.alive() and record.pid == restored.pid
     assert record.restored_by == restored.request_id
+
+
+async def test_gpu_checkpoint_is_refused_where_it_cannot_be_restored(h: Harness) -> None:
+    """A generation holding GPU state for a GPU this node lacks (here: no
+    checkpoint API, or another model) is refused before any download, and the
+    refusal leaves nothing running and nothing locked."""
+    job = await h.start(16)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    manifest = (h.settings.storage_root / LOCAL_NAMESPACE / job.id
+                / f"{done.generation:08d}" / "manifest.json")
+    doc = json.loads(manifest.read_text())
+    doc["gpu"] = {"model": "NVIDIA A100-SXM4-40GB", "count": 1, "used_bytes": 8 << 30}
+    manifest.write_text(json.dumps(doc))
+
+    restored = await h.restore(job.id)
+    assert restored.status == "failed" and restored.error, restored
+    assert restored.error["code"] == "gpu-mismatch", restored.error
+    assert "A100" in restored.error["message"] + restored.error.get("hint", "")
+    work_dir: Path = h.node.workers[1].step.work_dir  # type: ignore[attr-defined]
+    assert not (work_dir / restored.request_id).exists(), "refused only after a download"
+    record, _ = await h.jobs.get(job.id)
+    assert not record.alive()
+    await assert_unlocked(h, job.id)

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
@@ -22,11 +24,16 @@ from smr.messages import CkptDone, CkptRequested, now
 log = logging.getLogger("smr.checkpointer")
 
 
+
 class CheckpointStep(LocalJobStep):
     kind = "ckpt.requested"
 
     def _work(self, req: CkptRequested) -> Path:
         return self.work_dir / req.request_id
+
+    def _gpu_file(self, req: CkptRequested) -> Path:
+        # Beside the work dir, not in it (its whole content is uploaded).
+        return self.work_dir / f"{req.request_id}.gpu.json"
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started = now()
@@ -51,7 +58,7 @@ class CheckpointStep(LocalJobStep):
                 run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
                 durations["pre_dump"] = run.seconds
                 parent = work / "pre"
-            gpu = await self._gpu(job, work)
+            gpu = await self._gpu(job, work, self._gpu_file(req))
             cuda_pids = gpu["pids"] if gpu else []
             frozen_at = time.monotonic()
             if cuda_pids:
@@ -73,6 +80,7 @@ class CheckpointStep(LocalJobStep):
                 if resumed:
                     await resumed
             except BaseException:
+                self._gpu_file(req).unlink(missing_ok=True)
                 if cuda_pids and job.alive():
                     await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
                 raise
@@ -85,7 +93,7 @@ class CheckpointStep(LocalJobStep):
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
 
-    async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
+    async def _gpu(self, job: Job, work: Path, record: Path) -> dict[str, Any] | None:
         """The job's GPU use (None without one), checked against the room here."""
         if self.cuda is None:
             return None
@@ -94,6 +102,9 @@ class CheckpointStep(LocalJobStep):
             return None
         gpu = gpuinfo.job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
         gpuinfo.check_room_for_checkpoint(gpu, work)
+        # Kept beside the images: a recovered commit (the worker died after
+        # the dump) must record the same GPU facts in the manifest.
+        record.write_bytes(orjson.dumps(gpu))
         return {**gpu, "pids": pids}
 
     async def _resume_after(self, dump: asyncio.Task[Any], pids: list[int],
@@ -132,6 +143,8 @@ class CheckpointStep(LocalJobStep):
         them), record them on the job, drop the work dir."""
         t = time.monotonic()
         progress.update(done_bytes=0)
+        if gpu is None and (saved := self._gpu_file(req)).is_file():
+            gpu = orjson.loads(saved.read_bytes())
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
@@ -155,6 +168,7 @@ class CheckpointStep(LocalJobStep):
         job.checkpointed(gen.number, leave_running=req.leave_running)
         await self.jobs.put(job)
         shutil.rmtree(self._work(req), ignore_errors=True)
+        self._gpu_file(req).unlink(missing_ok=True)
         return gen, seconds
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:

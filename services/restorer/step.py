@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from services.storage.store import CheckpointNotFound, Generation
 from smr import gpuinfo
 from smr.bus import Progress
 from smr.errors import PermanentError
+from smr.gpuinfo import GpuMismatch
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
 
@@ -36,7 +39,7 @@ class RestoreStep(LocalJobStep):
                          f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
                 )
             gen = await self._generation(req)
-            gpuinfo.check_fits(gen.manifest.get("gpu"))  # before any byte moves
+            self._check_gpu(gen)  # before any byte moves
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             work = self.work_dir / req.request_id
             t = time.monotonic()
@@ -84,8 +87,26 @@ class RestoreStep(LocalJobStep):
         pid = int(pidfile.read_text())
         if gen.manifest.get("gpu") and self.cuda:
             # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
-            durations.update(await self.cuda.resume_all(await self.cuda.processes(pid)))
+            try:
+                durations.update(await self.cuda.resume_all(await self.cuda.processes(pid)))
+            except BaseException:
+                # A process whose GPU state did not come back must not linger
+                # half-restored (holding the job id, never running again).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise
         return await self._record(req, gen, existing, pid)
+
+    def _check_gpu(self, gen: Generation) -> None:
+        gpu = gen.manifest.get("gpu")
+        if gpu and self.cuda is None:
+            raise GpuMismatch(
+                f"generation {gen.number} of {gen.manifest['checkpoint_id']} holds GPU state "
+                f"({gpu.get('model')}) "
+                "and this node cannot restore it (no NVIDIA driver with the checkpoint API, "
+                "or SMR_GPU=off)",
+                hint="restore on a GPU node with driver 560 or newer and SMR_GPU=auto")
+        gpuinfo.check_fits(gpu)
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
                       pid: int) -> Job:
