@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.smr-installed
 
-.PHONY: setup demo test lint clean bench-storage
+.PHONY: setup demo test lint clean bench-storage bench-watcher
 
 setup: $(STAMP) .tools/.installed-v1
 
@@ -31,6 +31,9 @@ test: setup
 bench-storage: setup
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/storage.py
+
+bench-watcher: setup
+	$(PY) bench/watcher.py
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

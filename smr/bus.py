@@ -74,6 +74,8 @@ QUERY_GENERATIONS = "storage.generations"
 KV_STEPS = "smr-steps"
 KV_JOBS = "smr-jobs"
 KV_LOCKS = "smr-locks"
+KV_EPISODES = "smr-episodes"  # watcher: node drain episodes (node → episode id)
+KV_BEATS = "smr-beats"  # watcher: the heartbeat schedule (pod uid → next beat)
 
 # The message class of each subject's first two tokens.
 SUBJECT_TYPES: dict[str, type[Message]] = {
@@ -184,7 +186,8 @@ class Bus:
         )
         for cfg in streams:
             await self._ensure_stream(cfg)
-        for bucket, history in ((KV_STEPS, 1), (KV_JOBS, 5), (KV_LOCKS, 1)):
+        for bucket, history in ((KV_STEPS, 1), (KV_JOBS, 5), (KV_LOCKS, 1), (KV_EPISODES, 1),
+                                (KV_BEATS, 1)):
             if bucket not in self._kv:
                 self._kv[bucket] = await self.js.create_key_value(
                     js_api.KeyValueConfig(bucket=bucket, history=history,
@@ -243,6 +246,46 @@ class Bus:
             ),
         )
         return name
+
+    async def consume_events(self, durable: str, kind: str,
+                             handle: Callable[[Any], Awaitable[None]], *, service: str,
+                             stop: asyncio.Event, retry_s: float = 5.0) -> None:
+        """Hand each ``kind`` event (validated) to ``handle`` until ``stop``.
+
+        A malformed event is dead-lettered and dropped; one whose handler
+        raises is redelivered after ``retry_s``. Replicas sharing ``durable``
+        share the work."""
+        name = await self.ensure_event_consumer(durable, kind)
+        sub = await self.js.pull_subscribe_bind(name, STREAM_EVENTS)
+        cls = SUBJECT_TYPES[kind]
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(16, timeout=0.5)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                for m in msgs:
+                    with tracing.tracer.start_as_current_span(
+                        f"consume {kind}", context=tracing.extract(m.headers),
+                        kind=SpanKind.CONSUMER, attributes={"smr.service": service},
+                    ) as span:
+                        try:
+                            event = cls.from_payload(m.data)
+                        except ContractError as e:
+                            await self.dead_letter(m.subject, m.data, e, service=service)
+                            await m.term()
+                            continue
+                        try:
+                            await handle(event)
+                        except Exception as e:
+                            span.set_status(Status(StatusCode.ERROR, str(e)))
+                            log.warning("%s: handling %s failed, will retry: %s", service,
+                                        m.subject, e)
+                            await _quietly(m.nak(delay=retry_s))
+                            continue
+                        await m.ack()
+        finally:
+            await _quietly(sub.unsubscribe())
 
     async def query(self, what: str, query: StorageQuery, *, timeout: float = 10.0
                     ) -> StorageReply:

@@ -190,6 +190,13 @@ async def cmd_demo(s: config.Settings, a: argparse.Namespace) -> int:
     return await run_demo(s, mib=a.mib, keep=a.keep)
 
 
+async def cmd_watcher(s: config.Settings, a: argparse.Namespace) -> int:
+    from services.watcher.__main__ import serve
+
+    await serve(s)
+    return 0
+
+
 def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
     for st in config.SETTINGS:
         print(f"{config.PREFIX}{st.name}={s.values[st.name]!s:<24} # {st.doc}")
@@ -229,12 +236,15 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--mib", type=int, default=256, help="memory the sample job holds")
     d.add_argument("--keep", action="store_true", help="keep its checkpoint, log and job")
     sub.add_parser("config", help="print the settings in force")
+    sub.add_parser("watcher", help="watch Kubernetes and publish checkpoint and restore "
+                   "requests (needs SMR_NATS_URL)")
     return p
 
 
 COMMANDS = {
     "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
     "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill, "demo": cmd_demo,
+    "watcher": cmd_watcher,
 }
 
 

@@ -9,6 +9,7 @@ default. Invalid values fail at start with the setting's name and the fix.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import tomllib
@@ -66,6 +67,16 @@ def _pos_float(v: str) -> float:
     return x
 
 
+def _label_prefix(v: str) -> str:
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", v):
+        raise ValueError("expected a DNS subdomain such as smr.dev")
+    return v
+
+
+def _names(v: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in v.split(",") if x.strip())
+
+
 def _choice(*opts: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         if v not in opts:
@@ -110,6 +121,22 @@ SETTINGS: tuple[Setting, ...] = (
             "driver; auto: where the driver has the checkpoint API"),
     Setting("CUDA_LOCK_TIMEOUT", 10.0, _pos_float, "seconds to wait for a job's GPU work to "
             "reach a lockable point"),
+    Setting("KUBE_API", "", str, "Kubernetes API URL (watcher); empty: in-cluster, else "
+            "~/.kube/config"),
+    Setting("LABEL_PREFIX", "smr.dev", _label_prefix, "prefix of the opt-in pod labels "
+            "(<prefix>/node-restore, <prefix>/heartbeat-checkpoint); cedana.ai/ also works"),
+    Setting("PREEMPTION_TAINTS", (), _names, "extra taint keys (comma-separated) that mean "
+            "a node is about to be taken away"),
+    Setting("HEARTBEAT_MIN", 30.0, _pos_float, "shortest heartbeat-checkpoint interval "
+            "accepted, seconds"),
+    Setting("HEARTBEAT_MAX", 604800.0, _pos_float, "longest heartbeat-checkpoint interval "
+            "accepted, seconds"),
+    Setting("LEASE_NAMESPACE", "smr-system", str, "namespace of the watcher's leader Lease"),
+    Setting("LEASE_NAME", "smr-watcher", str, "name of the watcher's leader Lease"),
+    Setting("LEASE_DURATION", 15.0, _pos_float, "seconds a leader Lease is valid unrenewed"),
+    Setting("LEASE_RENEW_DEADLINE", 10.0, _pos_float, "seconds a leader keeps trying to renew"),
+    Setting("LEASE_RETRY", 2.0, _pos_float, "seconds between Lease attempts (at least 1)"),
+    Setting("PUBLISH_CONCURRENCY", 64, _pos_int, "requests the watcher publishes at once"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
     Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),

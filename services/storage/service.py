@@ -19,14 +19,14 @@ import contextlib
 import logging
 from typing import Any
 
-import nats
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.storage.layout import namespace_of
 from services.storage.store import CheckpointStore, Generation
 from smr import tracing
-from smr.bus import QUERY_GENERATIONS, QUERY_LATEST, STREAM_EVENTS, Bus
+from smr.bus import QUERY_GENERATIONS, QUERY_LATEST, Bus
 from smr.errors import ContractError, SmrError
 from smr.messages import CkptDone, StorageQuery, StorageReply
 
@@ -62,23 +62,17 @@ class StorageService:
     async def run(self) -> None:
         subs = [await self.bus.nc.subscribe(s, queue="smr-storage", cb=self._answer)
                 for s in (QUERY_LATEST, QUERY_GENERATIONS)]
-        durable = await self.bus.ensure_event_consumer(self.durable, "ckpt.done")
-        events = await self.bus.js.pull_subscribe_bind(durable, STREAM_EVENTS)
+        await self.bus.ensure_event_consumer(self.durable, "ckpt.done")
         gc = asyncio.create_task(self._gc_loop())
         self.ready.set()
         try:
-            while not self._stop.is_set():
-                try:
-                    msgs = await events.fetch(8, timeout=0.5)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    continue
-                for m in msgs:
-                    await self._retain(m)
+            await self.bus.consume_events(self.durable, "ckpt.done", self._retain,
+                                          service="storage", stop=self._stop)
         finally:
             gc.cancel()
             with contextlib.suppress(BaseException):
                 await gc
-            for sub in [*subs, events]:
+            for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
@@ -106,33 +100,17 @@ class StorageService:
             if m.reply:
                 await m.respond(reply.to_payload())
 
-    async def _retain(self, m: Msg) -> None:
-        with tracing.tracer.start_as_current_span(
-            "retention", context=tracing.extract(m.headers), kind=SpanKind.CONSUMER,
-        ) as span:
-            try:
-                done = CkptDone.from_payload(m.data)
-            except ContractError as e:
-                await self.bus.dead_letter(m.subject, m.data, e, service="storage")
-                await m.term()
-                return
-            if done.status != "succeeded" or not (self.keep or self.max_age_s):
-                await m.ack()
-                return
-            ns = namespace_of(done.target)
-            try:
-                removed = await self.store.prune(ns, done.checkpoint_id, keep=self.keep,
-                                                 max_age_s=self.max_age_s)
-            except SmrError as e:
-                span.set_status(Status(StatusCode.ERROR, e.message))
-                log.warning("retention of %s failed, will retry: %s", done.checkpoint_id, e)
-                await m.nak(delay=5)
-                return
-            if removed:
-                log.info("retention: removed generations %s of %s/%s", removed, ns,
-                         done.checkpoint_id)
-            span.set_attribute("smr.removed", len(removed))
-            await m.ack()
+    async def _retain(self, done: CkptDone) -> None:
+        """Retention after a checkpoint; raising makes the event come again."""
+        if done.status != "succeeded" or not (self.keep or self.max_age_s):
+            return
+        ns = namespace_of(done.target)
+        removed = await self.store.prune(ns, done.checkpoint_id, keep=self.keep,
+                                         max_age_s=self.max_age_s)
+        if removed:
+            log.info("retention: removed generations %s of %s/%s", removed, ns,
+                     done.checkpoint_id)
+        trace.get_current_span().set_attribute("smr.removed", len(removed))
 
     async def _gc_loop(self) -> None:
         while True:

@@ -1,0 +1,2 @@
+"""The watcher: Kubernetes events in, checkpoint and restore requests out
+(see ``service``)."""

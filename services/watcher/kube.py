@@ -1,0 +1,182 @@
+"""The Kubernetes API as the watcher uses it: a client from the settings, and
+informers (list, then watch from the list's resourceVersion) over raw JSON.
+
+An informer keeps a cache of the objects and calls its handler with every
+change, in order. It survives what API servers do:
+
+- a watch that ends (``timeoutSeconds``) or breaks (a cut connection, a half
+  line) is resumed from the last resourceVersion seen, so nothing is missed
+  and nothing is replayed;
+- bookmarks move that resourceVersion on while nothing changes;
+- 410 Gone (the version was compacted away) means a new list; the list is
+  compared with the cache and only real differences reach the handler;
+- other failures are retried with capped exponential backoff.
+
+Objects stay dicts (no model deserialisation): it is the JSON the server sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from smr.errors import ConfigError
+
+log = logging.getLogger("smr.watcher.kube")
+
+Handler = Callable[[str, dict[str, Any], dict[str, Any] | None], Awaitable[None]]
+
+
+async def api_client(url: str = "") -> client.ApiClient:
+    """``url`` (tests, ``kubectl proxy``); else in-cluster; else ~/.kube/config."""
+    cfg = client.Configuration()
+    if url:
+        cfg.host = url
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        try:
+            await config.load_kube_config(client_configuration=cfg)
+        except Exception as e:
+            raise ConfigError(f"no Kubernetes API to talk to: {e}",
+                              hint="run in a cluster, provide ~/.kube/config, or set "
+                                   "SMR_KUBE_API") from None
+    return client.ApiClient(configuration=cfg)
+
+
+def key_of(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    ns = meta.get("namespace")
+    return f"{ns}/{meta['name']}" if ns else meta["name"]
+
+
+def rv_of(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion", ""))
+
+
+class _RawWatch(watch.Watch):
+    def get_return_type(self, func: object) -> str:
+        return ""  # keep the objects as the JSON dicts the server sent
+
+
+class BrokenStream(Exception):
+    """The watch connection ended in the middle of an event."""
+
+
+class Informer:
+    def __init__(self, name: str, list_fn: Callable[..., Awaitable[Any]], handler: Handler,
+                 *, watch_timeout_s: int = 300, max_backoff_s: float = 10.0,
+                 **list_kw: Any) -> None:
+        self.name = name
+        self.list_fn = list_fn
+        self.list_kw = list_kw
+        self.handler = handler
+        self.watch_timeout_s = watch_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.cache: dict[str, dict[str, Any]] = {}
+        self.rv: str | None = None
+        self.synced = asyncio.Event()
+        self.stats = {"lists": 0, "watches": 0, "expired": 0, "broken": 0, "bookmarks": 0,
+                      "events": 0}
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                if self.rv is None:
+                    await self._list()
+                await self._watch()
+                failures = 0
+            except ApiException as e:
+                if e.status == 410:
+                    log.info("%s: resourceVersion %s expired; listing again", self.name, self.rv)
+                    self.stats["expired"] += 1
+                    self.rv = None
+                    continue
+                failures += 1
+                log.warning("%s: API error %s %s; retrying", self.name, e.status, e.reason)
+                await self._backoff(failures)
+            except (aiohttp.ClientError, TimeoutError, BrokenStream, ConnectionError) as e:
+                failures += 1
+                self.stats["broken"] += 1
+                log.info("%s: watch broke (%s); resuming from %s", self.name,
+                         type(e).__name__, self.rv)
+                await self._backoff(failures)
+            except Exception:
+                # Whatever else the server or client does, the informer goes on.
+                failures += 1
+                log.exception("%s: unexpected error; listing again", self.name)
+                self.rv = None
+                await self._backoff(failures)
+
+    async def _backoff(self, failures: int) -> None:
+        delay = min(self.max_backoff_s, 0.1 * 2 ** min(failures, 10))
+        await asyncio.sleep(delay * (0.5 + random.random() / 2))
+
+    async def _list(self) -> None:
+        resp = await self.list_fn(_preload_content=False, **self.list_kw)
+        try:
+            doc = orjson.loads(await resp.read())
+        finally:
+            resp.release()
+        self.stats["lists"] += 1
+        fresh = {key_of(o): o for o in doc.get("items") or []}
+        # Only differences reach the handler: a re-list after 410 replays nothing.
+        for k, old in list(self.cache.items()):
+            if k not in fresh:
+                del self.cache[k]
+                await self._emit("DELETED", old, old)
+        for k, obj in fresh.items():
+            old = self.cache.get(k)
+            if old is not None and rv_of(old) == rv_of(obj):
+                continue
+            self.cache[k] = obj
+            await self._emit("MODIFIED" if old else "ADDED", obj, old)
+        self.rv = doc["metadata"]["resourceVersion"]
+        self.synced.set()
+
+    async def _watch(self) -> None:
+        self.stats["watches"] += 1
+        async with _RawWatch() as w:
+            stream = w.stream(self.list_fn, resource_version=self.rv,
+                              allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s,
+                              _request_timeout=(10, self.watch_timeout_s + 30), **self.list_kw)
+            while True:
+                # A watchdog over the client's own timeouts: a connection that
+                # went quiet without closing must not hold the informer forever.
+                try:
+                    ev = await asyncio.wait_for(anext(stream), self.watch_timeout_s + 30)
+                except StopAsyncIteration:
+                    return
+                if not isinstance(ev, dict):  # a half line: the connection broke mid-event
+                    raise BrokenStream(str(ev)[:80])
+                kind, obj = ev["type"], ev["raw_object"]
+                if kind == "BOOKMARK":
+                    self.stats["bookmarks"] += 1
+                    self.rv = rv_of(obj)
+                    continue
+                k = key_of(obj)
+                old = self.cache.get(k)
+                if kind == "DELETED":
+                    self.cache.pop(k, None)
+                else:
+                    self.cache[k] = obj
+                self.rv = rv_of(obj)
+                await self._emit(kind, obj, old)
+
+    async def _emit(self, kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        self.stats["events"] += 1
+        try:
+            await self.handler(kind, obj, old)
+        except Exception:
+            # One bad object must not stop the informer.
+            log.exception("%s: handling %s %s failed", self.name, kind, key_of(obj))

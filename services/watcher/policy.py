@@ -1,0 +1,112 @@
+"""Which pods smr acts on, read from their labels and container env.
+
+    <prefix>/node-restore: "true"            checkpoint on node events; the pod
+                                             resumes from its latest checkpoint
+    <prefix>/heartbeat-checkpoint: "<s>"     a checkpoint every <s> seconds
+    env SMR_CHECKPOINT=<checkpoint id>       that container resumes from the id's
+                                             latest checkpoint at every start (Jobs)
+
+``<prefix>`` is SMR_LABEL_PREFIX (``smr.dev``). The seed product's names
+(``cedana.ai/...``, ``CEDANA_CHECKPOINT``) are read as aliases, so manifests
+written for it work unchanged. A malformed value is reported as a problem
+(the watcher turns it into a Kubernetes Event) and ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+ALIAS_PREFIX = "cedana.ai"
+NODE_RESTORE = "node-restore"
+HEARTBEAT = "heartbeat-checkpoint"
+CHECKPOINT_ENV = ("SMR_CHECKPOINT", "CEDANA_CHECKPOINT")
+_CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class ContainerPolicy:
+    name: str
+    checkpoint_id: str
+    from_env: bool  # named by the env var: resumes at every start
+
+
+@dataclass(frozen=True)
+class PodPolicy:
+    node_restore: bool = False
+    heartbeat_s: int | None = None
+    containers: tuple[ContainerPolicy, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def opted_in(self) -> bool:
+        """Checkpointed when its node goes away."""
+        return bool(self.containers)
+
+    def restorable(self) -> tuple[ContainerPolicy, ...]:
+        """The containers that resume from their latest checkpoint when they start."""
+        return tuple(c for c in self.containers if self.node_restore or c.from_env)
+
+
+def default_checkpoint_id(pod: str, container: str) -> str:
+    """``<pod>.<container>``; long names are shortened with a hash (stable)."""
+    cid = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{pod}.{container}")
+    if len(cid) > 128:
+        cid = cid[:111] + "-" + hashlib.sha256(cid.encode()).hexdigest()[:16]
+    return cid
+
+
+def _label(labels: dict[str, str], prefix: str, name: str) -> tuple[str, str] | None:
+    for p in (prefix, ALIAS_PREFIX):
+        if f"{p}/{name}" in labels:
+            return f"{p}/{name}", str(labels[f"{p}/{name}"])
+    return None
+
+
+def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
+               heartbeat_max: float) -> PodPolicy:
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    problems: list[str] = []
+
+    node_restore = False
+    if found := _label(labels, prefix, NODE_RESTORE):
+        key, value = found
+        if value.lower() == "true":
+            node_restore = True
+        elif value.lower() != "false":
+            problems.append(f'label {key}="{value}" is not "true" or "false"; ignored')
+
+    heartbeat = None
+    if found := _label(labels, prefix, HEARTBEAT):
+        key, value = found
+        try:
+            seconds = int(value)
+        except ValueError:
+            problems.append(f'label {key}="{value}" is not a whole number of seconds; '
+                            "no heartbeat checkpoints")
+        else:
+            if not heartbeat_min <= seconds <= heartbeat_max:
+                problems.append(f'label {key}="{value}" is outside {heartbeat_min:g} to '
+                                f"{heartbeat_max:g} seconds; no heartbeat checkpoints")
+            else:
+                heartbeat = seconds
+
+    containers = []
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        env = {e.get("name"): e.get("value") for e in c.get("env") or []}
+        named = next((env[k] for k in CHECKPOINT_ENV if env.get(k)), None)
+        if named is not None and not _CHECKPOINT_ID.match(named):
+            problems.append(f'container {c["name"]}: checkpoint id "{named}" must be 1-128 '
+                            "letters, digits, '.', '_' or '-', starting with a letter or "
+                            "digit; ignored")
+            named = None
+        if named is not None:
+            containers.append(ContainerPolicy(c["name"], named, from_env=True))
+        elif node_restore or heartbeat:
+            containers.append(ContainerPolicy(
+                c["name"], default_checkpoint_id(meta.get("name", ""), c["name"]),
+                from_env=False))
+    return PodPolicy(node_restore, heartbeat, tuple(containers), tuple(problems))

@@ -1,0 +1,426 @@
+"""The watcher: turns what happens in the cluster into checkpoint and restore
+requests, exactly once in effect, whatever the API server or its own
+replicas do.
+
+    Node cordoned / preemption taint / deleted ──▶ node.draining.<node>
+                                                  ckpt.requested.<node> per opted-in container
+    opted-in pod terminating on such a node   ──▶ ckpt.requested.<node>  (reason drain)
+    heartbeat label (leader only, KV schedule) ──▶ ckpt.requested.<node>  (leave running)
+    opted-in pod starts, checkpoint stored    ──▶ restore.requested.<node>
+    bare node-restore pod gone from such node ──▶ the pod is created again (the
+                                                  scheduler places it elsewhere)
+    ckpt.done / restore.done of a pod          ──▶ a Kubernetes Event on the pod
+
+Exactly once in effect: a node going away opens a drain *episode* (its id is
+created once, by compare-and-set in KV, and shared by every replica); every
+request_id is derived from the episode or the pod's uid, so a repeated event,
+a re-list after 410, a restarted watcher or a second replica produce only
+duplicates, and JetStream drops those (``Nats-Msg-Id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections import Counter, OrderedDict
+from datetime import datetime
+from typing import Any, get_args
+
+import orjson
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from services.watcher.events import EventRecorder
+from services.watcher.heartbeats import HeartbeatSchedule
+from services.watcher.kube import Informer, key_of
+from services.watcher.leader import Leadership
+from services.watcher.policy import PodPolicy, pod_policy
+from services.watcher.triggers import node_reasons
+from smr import tracing
+from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
+from smr.config import Settings
+from smr.errors import SmrError
+from smr.messages import (
+    CkptRequested,
+    Message,
+    NodeDraining,
+    Reason,
+    RestoreRequested,
+    StorageQuery,
+    Target,
+    derive_request_id,
+)
+
+log = logging.getLogger("smr.watcher")
+
+MEMO_SIZE = 200_000
+RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
+
+
+class Watcher:
+    def __init__(self, bus: Bus, api: client.ApiClient, settings: Settings, *,
+                 identity: str | None = None, durable_prefix: str = "watcher") -> None:
+        self.bus = bus
+        self.durable_prefix = durable_prefix
+        self.api = api
+        self.s = settings
+        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.core = client.CoreV1Api(api)
+        self.nodes = Informer("nodes", self.core.list_node, self._on_node)
+        self.pods = Informer("pods", self.core.list_pod_for_all_namespaces, self._on_pod)
+        self.schedule = HeartbeatSchedule(bus.kv(KV_BEATS), self._publish_all)
+        self.leadership = Leadership(
+            api, namespace=settings.lease_namespace, name=settings.lease_name,
+            identity=self.identity, lease_s=settings.lease_duration,
+            renew_s=settings.lease_renew_deadline, retry_s=settings.lease_retry,
+            lead=self._lead)
+        self.events = EventRecorder(api)
+        self.stats: Counter[str] = Counter()
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._sem = asyncio.Semaphore(settings.publish_concurrency)
+        self._episodes: dict[str, str] = {}  # node → open episode id
+        self._clean: set[str] = set()  # nodes known to have no open episode
+        self._gone: set[str] = set()  # nodes deleted while this process watched
+        self._published: OrderedDict[str, None] = OrderedDict()  # request ids sent
+        self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
+        self._reported: set[str] = set()  # policy problems already posted
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        durable_prefix = self.durable_prefix
+        loops = [self.pods.run(), self.nodes.run(), self.leadership.run(),
+                 self.bus.consume_events(f"{durable_prefix}-ckpt-done", "ckpt.done",
+                                         self.events.outcome, service="watcher",
+                                         stop=self._stop),
+                 self.bus.consume_events(f"{durable_prefix}-restore-done", "restore.done",
+                                         self.events.outcome, service="watcher",
+                                         stop=self._stop)]
+        tasks = [asyncio.create_task(c) for c in loops]
+        try:
+            await self.pods.synced.wait()
+            await self.nodes.synced.wait()
+            self.ready.set()
+            log.info("watcher %s: %d nodes, %d pods", self.identity, len(self.nodes.cache),
+                     len(self.pods.cache))
+            stopped = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopped and t.exception():
+                    raise t.exception()  # type: ignore[misc]
+            stopped.cancel()
+        finally:
+            for t in [*tasks, *self._tasks]:
+                t.cancel()
+            for t in [*tasks, *self._tasks]:
+                with contextlib.suppress(BaseException):
+                    await t
+            await self.leadership.release()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("watcher task failed", exc_info=task.exception())
+
+    # -- publishing ----------------------------------------------------------------------
+
+    async def _publish_all(self, msgs: list[Message]) -> None:
+        """Publish what this process has not yet sent, up to
+        SMR_PUBLISH_CONCURRENCY at once."""
+        async def one(m: Message) -> None:
+            rid = m.request_id  # type: ignore[attr-defined]
+            async with self._sem:
+                ack = await self.bus.publish(m)
+            self.stats["duplicates" if ack.duplicate else "published"] += 1
+            self.stats[f"published.{m.SCHEMA}"] += not ack.duplicate
+            self._published[rid] = None
+            while len(self._published) > MEMO_SIZE:
+                self._published.popitem(last=False)
+
+        todo = [m for m in msgs if m.request_id not in self._published]  # type: ignore[attr-defined]
+        if todo:
+            await asyncio.gather(*(one(m) for m in todo))
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    async def _on_node(self, kind: str, node: dict[str, Any], old: dict[str, Any] | None
+                       ) -> None:
+        await self.pods.synced.wait()  # the pods on it must be known
+        name = node["metadata"]["name"]
+        if kind == "DELETED":
+            self._gone.add(name)
+            reasons = {"node-deleted": "the Node was deleted"}
+        else:
+            self._gone.discard(name)
+            reasons = node_reasons(node, self.s.preemption_taints)
+        if not reasons:
+            if name in self._episodes or name not in self._clean:
+                await self._close_episode(name)
+            return
+        with tracing.tracer.start_as_current_span(
+                "node going away", attributes={"k8s.node.name": name,
+                                               "smr.reasons": ",".join(reasons)}):
+            episode = await self._open_episode(name, node["metadata"].get("uid", ""))
+            for reason, detail in reasons.items():
+                drain = NodeDraining(request_id=derive_request_id("draining", episode, reason),
+                                     node=name, reason=reason, detail=detail)  # type: ignore[arg-type]
+                if drain.request_id in self._published:
+                    continue  # already handled; later pods come through _on_pod
+                log.info("node %s: %s (%s); checkpointing its opted-in pods", name, reason,
+                         detail)
+                reqs = [r for p in self._pods_on(name)
+                        for r in self._drain_requests(p, episode, reason)]
+                await self._publish_all(reqs)
+                await self._publish_all([drain])
+
+    async def _open_episode(self, node: str, node_uid: str) -> str:
+        """The node's open drain episode, created once for all replicas."""
+        key = f"node.{node_token(node)}"
+        kv = self.bus.kv(KV_EPISODES)
+        while True:
+            try:
+                e = await kv.get(key)
+            except KeyNotFoundError:
+                e = None
+            doc = orjson.loads(e.value) if e and e.value else None
+            if doc and doc.get("node_uid") == node_uid:
+                break
+            new = {"episode": uuid.uuid4().hex, "node_uid": node_uid}
+            try:
+                if e is None:
+                    await kv.create(key, orjson.dumps(new))
+                else:  # deleted, or a new Node of the same name
+                    await kv.update(key, orjson.dumps(new), last=e.revision)
+            except KeyWrongLastSequenceError:
+                continue  # another replica opened it first: use theirs
+            doc = new
+            break
+        self._episodes[node] = doc["episode"]
+        self._clean.discard(node)
+        return str(doc["episode"])
+
+    async def _close_episode(self, node: str) -> None:
+        self._episodes.pop(node, None)
+        with contextlib.suppress(KeyNotFoundError):
+            await self.bus.kv(KV_EPISODES).delete(f"node.{node_token(node)}")
+        self._clean.add(node)
+
+    def _pods_on(self, node: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods.cache.values()
+                if (p.get("spec") or {}).get("nodeName") == node
+                and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+
+    def _drain_requests(self, pod: dict[str, Any], episode: str, reason: str
+                        ) -> list[CkptRequested]:
+        policy = self._policy(pod)
+        meta, node = pod["metadata"], pod["spec"]["nodeName"]
+        out = []
+        for c in policy.containers:
+            rid = derive_request_id("ckpt", episode, reason, meta["uid"], c.name)
+            out.append(CkptRequested(
+                request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
+                reason=reason,  # type: ignore[arg-type]
+                # A cordon may be undone: the pod keeps running. The other
+                # reasons take the node away: freeze the final state.
+                leave_running=reason == "cordon",
+                target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
+                              container=c.name)))
+            requests = self._pod_requests.setdefault(meta["uid"], [])
+            if rid not in requests:
+                requests.append(rid)
+        return out
+
+    # -- pods ----------------------------------------------------------------------------
+
+    def _policy(self, pod: dict[str, Any]) -> PodPolicy:
+        policy = pod_policy(pod, prefix=self.s.label_prefix, heartbeat_min=self.s.heartbeat_min,
+                            heartbeat_max=self.s.heartbeat_max)
+        meta = pod["metadata"]
+        for problem in policy.problems:
+            memo = f"{meta.get('uid')}:{problem}"
+            if memo not in self._reported:
+                self._reported.add(memo)
+                log.warning("pod %s/%s: %s", meta.get("namespace"), meta.get("name"), problem)
+                self._spawn(self._post(meta, "InvalidSmrPolicy", problem, memo, warning=True))
+        return policy
+
+    async def _post(self, meta: dict[str, Any], reason: str, message: str, key: str,
+                    warning: bool = False) -> None:
+        try:
+            await self.events.pod_event(meta["namespace"], meta["name"], reason=reason,
+                                        message=message, key=key, warning=warning,
+                                        uid=meta.get("uid"))
+        except ApiException as e:
+            log.warning("cannot post Event %s on pod %s/%s: %s", reason, meta["namespace"],
+                        meta["name"], e.reason)
+
+    async def _on_pod(self, kind: str, pod: dict[str, Any], old: dict[str, Any] | None
+                      ) -> None:
+        meta, spec = pod["metadata"], pod.get("spec") or {}
+        uid, node = meta.get("uid", ""), spec.get("nodeName")
+        policy = self._policy(pod)
+        finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+        if kind == "DELETED" or finished:
+            if self.leadership.leading.is_set():
+                await self.schedule.remove(uid)
+            if kind == "DELETED":
+                self._recreate_later(pod, policy)
+                self._pod_requests.pop(uid, None)
+            return
+        if self.leadership.leading.is_set():
+            await self._keep_beat(pod, policy)
+        if not node or not policy.opted_in:
+            return
+        terminating = bool(meta.get("deletionTimestamp"))
+        episode = self._episodes.get(node)
+        if episode is not None:
+            # On a node going away: the node's reasons, and a drain if it terminates.
+            n = self.nodes.cache.get(node)
+            reasons = list(node_reasons(n, self.s.preemption_taints)) if n else ["node-deleted"]
+            if terminating:
+                reasons.append("drain")
+            await self._publish_all([r for reason in reasons
+                                     for r in self._drain_requests(pod, episode, reason)])
+        elif not terminating and (pod.get("status") or {}).get("phase") in (
+                "Pending", "Running", None) and policy.restorable():
+            # Off the informer's path: a slow storage answer must not hold
+            # up the events behind it.
+            self._spawn(self._restore_if_stored(pod, policy))
+
+    async def _keep_beat(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName")
+        if policy.heartbeat_s and node:
+            await self.schedule.upsert(
+                meta["uid"], meta["namespace"], meta["name"], node, policy.heartbeat_s,
+                [[c.name, c.checkpoint_id] for c in policy.containers])
+        elif meta.get("uid") in self.schedule.entries:
+            await self.schedule.remove(meta["uid"])
+
+    async def _lead(self) -> None:
+        """Run the heartbeat schedule while this replica leads."""
+        await self.pods.synced.wait()
+        await self.schedule.load()
+        live = {p["metadata"]["uid"] for p in self.pods.cache.values()}
+        for uid in [u for u in self.schedule.entries if u not in live]:
+            await self.schedule.remove(uid)
+        for pod in list(self.pods.cache.values()):
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                await self._keep_beat(pod, self._policy(pod))
+        log.info("heartbeat schedule: %d pods", len(self.schedule.entries))
+        await self.schedule.run()
+
+    # -- restore triggers ----------------------------------------------------------------
+
+    async def _restore_if_stored(self, pod: dict[str, Any], policy: PodPolicy,
+                                 attempt: int = 0) -> None:
+        meta, node = pod["metadata"], pod["spec"]["nodeName"]
+        statuses = {s.get("name"): s for s in
+                    (pod.get("status") or {}).get("containerStatuses") or []}
+        for c in policy.restorable():
+            st = statuses.get(c.name) or {}
+            state = st.get("state") or {}
+            if "terminated" in state:
+                continue
+            # One request per start of the container.
+            rid = derive_request_id("restore", meta["uid"], c.name,
+                                    str(st.get("restartCount", 0)))
+            if rid in self._published:
+                continue
+            try:
+                reply = await self.bus.query(QUERY_LATEST, StorageQuery(
+                    checkpoint_id=c.checkpoint_id, namespace=meta["namespace"]), timeout=5)
+            except SmrError as e:
+                if attempt < 5:
+                    log.warning("pod %s/%s: cannot ask storage (%s); asking again shortly",
+                                meta["namespace"], meta["name"], e.message)
+                    self._spawn(self._retry_restore(key_of(pod), 2.0 * 2 ** attempt, attempt))
+                return
+            if reply.error or not reply.generations:
+                self._published[rid] = None  # nothing to restore at this start
+                continue
+            gen = reply.generations[0]
+            started = (state.get("running") or {}).get("startedAt")
+            if started and _instant(started) <= _instant(gen.get("created_at", "")):
+                # This start came before that checkpoint (a heartbeat of the
+                # running container): it is not a start to resume.
+                self._published[rid] = None
+                continue
+            reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"
+            log.info("pod %s/%s container %s starts: restoring %s generation %s", meta[
+                "namespace"], meta["name"], c.name, c.checkpoint_id, gen.get("generation"))
+            await self._publish_all([RestoreRequested(
+                request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
+                reason=reason, generation=gen.get("generation"),  # type: ignore[arg-type]
+                target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
+                              container=c.name))])
+
+    async def _retry_restore(self, key: str, delay: float, attempt: int) -> None:
+        await asyncio.sleep(delay)
+        pod = self.pods.cache.get(key)
+        if pod and (pod.get("spec") or {}).get("nodeName"):
+            await self._restore_if_stored(pod, self._policy(pod), attempt + 1)
+
+    # -- bare pods -----------------------------------------------------------------------
+
+    def _recreate_later(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        """A bare node-restore pod gone from a node going away comes back (a
+        controller's pod is recreated by its controller)."""
+        meta = pod["metadata"]
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not policy.node_restore or meta.get("ownerReferences") or not node:
+            return
+        if node not in self._episodes and node not in self._gone:
+            return
+        self._spawn(self._recreate(pod, self._pod_requests.get(meta["uid"], [])))
+
+    async def _recreate(self, pod: dict[str, Any], requests: list[str]) -> None:
+        meta = pod["metadata"]
+        for rid in requests[-1:]:  # the pod's last checkpoint must finish first
+            try:
+                await self.bus.wait_result(rid, "ckpt.requested", timeout=RESULT_WAIT_S)
+            except TimeoutError:
+                log.warning("pod %s/%s: no checkpoint result within %.0fs; recreating it "
+                            "anyway", meta["namespace"], meta["name"], RESULT_WAIT_S)
+        ann = dict(meta.get("annotations") or {})
+        ann[f"{self.s.label_prefix}/recreated-from-node"] = pod["spec"]["nodeName"]
+        spec = {k: v for k, v in pod["spec"].items() if k != "nodeName"}
+        body = {"apiVersion": "v1", "kind": "Pod", "spec": spec, "metadata": {
+            "name": meta["name"], "namespace": meta["namespace"],
+            "labels": meta.get("labels") or {}, "annotations": ann}}
+        try:
+            new = await self.core.create_namespaced_pod(meta["namespace"], body,
+                                                        _preload_content=False)
+            created = orjson.loads(await new.read())
+        except ApiException as e:
+            if e.status != 409:  # 409: another replica recreated it
+                log.warning("pod %s/%s could not be recreated: %s", meta["namespace"],
+                            meta["name"], e.reason)
+            return
+        self.stats["recreated"] += 1
+        log.info("pod %s/%s recreated away from node %s", meta["namespace"], meta["name"],
+                 pod["spec"]["nodeName"])
+        await self._post(created["metadata"], "Recreated",
+                         f"recreated by smr after node {pod['spec']['nodeName']} went away; it "
+                         "resumes from its latest checkpoint", key=created["metadata"]["uid"])
+
+
+def _instant(ts: str) -> float:
+    try:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0

@@ -1,0 +1,617 @@
+"""FAKE Kubernetes API server — a protocol-faithful stand-in for kube-apiserver.
+
+No kube-apiserver binary can be installed on these machines, so the watcher's
+tests run the real kubernetes-asyncio client against this server over HTTP.
+It implements the part of the API smr uses, with the semantics clients rely on:
+
+- one cluster-wide resourceVersion counter; every write bumps it;
+- list (``metadata.resourceVersion`` of the list) and watch from a
+  resourceVersion: every change after it, in order, as JSON lines; a version
+  older than the retained history gets an ``ERROR`` event with a 410 Status,
+  as the real server sends it; ``allowWatchBookmarks`` bookmarks;
+  ``timeoutSeconds``; label selectors (``=``, ``!=``, ``in``, ``notin``,
+  exists, ``!``) and field selectors (``metadata.name``,
+  ``metadata.namespace``, ``spec.nodeName``);
+- get, create (409 AlreadyExists), replace (409 Conflict on a stale
+  resourceVersion), patch (JSON merge, strategic merge with the merge keys
+  of node taints, conditions and pod containers, JSON patch), delete;
+- pod eviction (the pod gets a deletionTimestamp, then goes), the pod
+  garbage collector (pods bound to a deleted node are deleted);
+- Events (core/v1) and Leases (coordination.k8s.io/v1).
+
+Test controls (``cut_watches``, ``compact``, ``pause_watches``) break the
+connection the way networks and etcd compaction do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+# plural -> (kind, namespaced, api prefix)
+RESOURCES: dict[str, tuple[str, bool, str]] = {
+    "nodes": ("Node", False, "/api/v1"),
+    "pods": ("Pod", True, "/api/v1"),
+    "events": ("Event", True, "/api/v1"),
+    "leases": ("Lease", True, "/apis/coordination.k8s.io/v1"),
+}
+API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1"}
+MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
+              "ownerReferences": "uid"}
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _truthy(v: str | None) -> bool:
+    """Go's strconv.ParseBool, as the API server parses query flags."""
+    return v in ("1", "t", "T", "TRUE", "true", "True")
+
+
+def status(code: int, reason: str, message: str) -> web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+    return web.Response(status=code, body=orjson.dumps(body), content_type="application/json")
+
+
+@dataclass
+class Change:
+    rv: int
+    plural: str
+    type: str  # ADDED MODIFIED DELETED
+    obj: dict[str, Any]
+
+
+@dataclass
+class Watch:
+    plural: str
+    namespace: str | None
+    labels: str
+    fields: str
+    queue: asyncio.Queue[Change | None] = field(default_factory=asyncio.Queue)
+    response: web.StreamResponse | None = None
+
+
+# -- selectors ------------------------------------------------------------------------
+
+_SET = re.compile(r"^\s*([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+
+
+def _split_selector(sel: str) -> Iterator[str]:
+    depth, cur = 0, ""
+    for ch in sel:
+        if ch == "," and depth == 0:
+            yield cur
+            cur = ""
+            continue
+        depth += ch == "("
+        depth -= ch == ")"
+        cur += ch
+    if cur.strip():
+        yield cur
+
+
+def label_match(sel: str, labels: dict[str, str]) -> bool:
+    for term in _split_selector(sel or ""):
+        term = term.strip()
+        if m := _SET.match(term):
+            key, op, vals = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
+            if (op == "in") != (labels.get(key) in vals):
+                return False
+        elif "!=" in term:
+            k, v = (s.strip() for s in term.split("!=", 1))
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = term.split("=", 1)
+            if labels.get(k.strip()) != v.lstrip("=").strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term and term not in labels:
+            return False
+    return True
+
+
+def field_match(sel: str, obj: dict[str, Any]) -> bool:
+    for term in _split_selector(sel or ""):
+        neg = "!=" in term
+        k, v = term.split("!=" if neg else "=", 1)
+        k, v = k.strip().rstrip("="), v.strip().lstrip("=")
+        cur: Any = obj
+        for part in k.split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        if (str(cur or "") == v) == neg:
+            return False
+    return True
+
+
+# -- patches ---------------------------------------------------------------------------
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+def strategic_merge_patch(target: Any, patch: Any, key: str | None = None) -> Any:
+    """Merge patch, except that lists with a merge key merge by it (and honour
+    ``$patch: delete`` entries), as the API server does for built-in types."""
+    if isinstance(patch, list) and key in MERGE_KEYS and isinstance(target, list):
+        mk = MERGE_KEYS[key]  # type: ignore[index]
+        out = [copy.deepcopy(x) for x in target]
+        for item in patch:
+            idx = next((i for i, x in enumerate(out) if x.get(mk) == item.get(mk)), None)
+            if item.get("$patch") == "delete":
+                if idx is not None:
+                    out.pop(idx)
+            elif idx is None:
+                out.append(copy.deepcopy(item))
+            else:
+                out[idx] = strategic_merge_patch(out[idx], item)
+        return out
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = strategic_merge_patch(out.get(k), v, k)
+    return out
+
+
+def json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
+    """RFC 6902: add, remove, replace, test."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent = doc
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
+        last = parts[-1]
+        kind = op["op"]
+        if isinstance(parent, list):
+            i = len(parent) if last == "-" else int(last)
+            if kind == "add":
+                parent.insert(i, op["value"])
+            elif kind == "remove":
+                parent.pop(i)
+            elif kind == "replace":
+                parent[i] = op["value"]
+            elif kind == "test" and parent[i] != op["value"]:
+                raise ValueError(f"test failed at {op['path']}")
+        else:
+            if kind in ("add", "replace"):
+                if kind == "replace" and last not in parent:
+                    raise KeyError(op["path"])
+                parent[last] = op["value"]
+            elif kind == "remove":
+                del parent[last]
+            elif kind == "test" and parent.get(last) != op["value"]:
+                raise ValueError(f"test failed at {op['path']}")
+    return doc
+
+
+# -- the server -----------------------------------------------------------------------
+
+class FakeApiServer:
+    """Start with ``await FakeApiServer().start()``; ``url`` is its address."""
+
+    def __init__(self, *, history: int = 10_000, bookmark_interval: float = 1.0,
+                 eviction_delay: float = 0.3, podgc_delay: float = 1.0) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.rv = 0
+        self.history: list[Change] = []
+        self.max_history = history
+        self.oldest_rv = 0  # a watch from a version below this gets 410
+        self.bookmark_interval = bookmark_interval
+        self.eviction_delay = eviction_delay
+        self.podgc_delay = podgc_delay
+        self.watches: list[Watch] = []
+        self.requests: list[tuple[str, str]] = []  # (method, path) log, for assertions
+        self._paused = asyncio.Event()
+        self._paused.set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> FakeApiServer:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        for w in list(self.watches):
+            w.queue.put_nowait(None)
+        for t in list(self._tasks):
+            t.cancel()
+        if self._runner:
+            await self._runner.cleanup()
+
+    # -- test controls ---------------------------------------------------------------
+
+    def cut_watches(self, *, mid_line: bool = True) -> int:
+        """Drop every open watch connection, as a network fault would: with
+        ``mid_line`` half of a JSON line is sent first. Returns how many."""
+        n = 0
+        for w in list(self.watches):
+            if w.response is not None and w.response._payload_writer is not None:
+                transport = w.response._payload_writer.transport
+                if transport is not None:
+                    if mid_line:  # one HTTP chunk holding half an event
+                        half = b'{"type":"MODIFIED","object":{"kind":'
+                        transport.write(b"%x\r\n%s\r\n" % (len(half), half))
+                    # A hard close (no orderly shutdown), as a dropped connection.
+                    sock = transport.get_extra_info("socket")
+                    if sock is not None:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                    transport.abort()
+                    n += 1
+            w.queue.put_nowait(None)
+        return n
+
+    def compact(self) -> None:
+        """Forget the change history, as etcd compaction does: a watch from
+        any earlier resourceVersion now gets 410 Gone."""
+        self.history.clear()
+        self.oldest_rv = self.rv
+
+    def pause_watches(self) -> None:
+        """New watch requests hang until ``resume_watches`` (an unreachable server)."""
+        self._paused.clear()
+
+    def resume_watches(self) -> None:
+        self._paused.set()
+
+    async def watching(self, n: int, timeout: float = 10) -> None:
+        """Wait until ``n`` watch connections are open."""
+        deadline = time.monotonic() + timeout
+        while len([w for w in self.watches if w.response is not None]) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.watches)} of {n} watches open")
+            await asyncio.sleep(0.02)
+
+    # -- direct access (what a controller or kubectl would do) -----------------------
+
+    def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create or replace an object without HTTP."""
+        ns = obj["metadata"].get("namespace", "") if RESOURCES[plural][1] else ""
+        key = (plural, ns, obj["metadata"]["name"])
+        return self._write(plural, key, copy.deepcopy(obj), "MODIFIED" if key in self.objects
+                           else "ADDED")
+
+    def get(self, plural: str, name: str, namespace: str = "") -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((plural, namespace, name)))
+
+    def list(self, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o) for (p, ns, _), o in self.objects.items()
+                if p == plural and (namespace is None or ns == namespace)]
+
+    def remove(self, plural: str, name: str, namespace: str = "") -> None:
+        key = (plural, namespace, name)
+        if key in self.objects:
+            self._delete(key)
+
+    # -- storage ---------------------------------------------------------------------
+
+    def _write(self, plural: str, key: tuple[str, str, str], obj: dict[str, Any],
+               type_: str) -> dict[str, Any]:
+        self.rv += 1
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(self.rv)
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        if RESOURCES[plural][1]:
+            meta["namespace"] = key[1]
+        kind, _, prefix = RESOURCES[plural]
+        obj["kind"], obj["apiVersion"] = kind, API_VERSION[prefix]
+        self.objects[key] = obj
+        self._record(Change(self.rv, plural, type_, copy.deepcopy(obj)))
+        return copy.deepcopy(obj)
+
+    def _delete(self, key: tuple[str, str, str]) -> dict[str, Any]:
+        obj = self.objects.pop(key)
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        self._record(Change(self.rv, key[0], "DELETED", copy.deepcopy(obj)))
+        if key[0] == "nodes":
+            self._later(self.podgc_delay, self._collect_pods(key[2]))
+        return obj
+
+    def _later(self, delay: float, work: Any) -> None:
+        async def run() -> None:
+            await asyncio.sleep(delay)
+            work()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _collect_pods(self, node_name: str) -> Any:
+        """The pod garbage collector: pods bound to a node that is gone."""
+        def collect() -> None:
+            if ("nodes", "", node_name) in self.objects:
+                return  # it came back
+            for k, o in list(self.objects.items()):
+                if k[0] == "pods" and o.get("spec", {}).get("nodeName") == node_name:
+                    self._delete(k)
+        return collect
+
+    def _record(self, ch: Change) -> None:
+        self.history.append(ch)
+        if len(self.history) > self.max_history:
+            drop = len(self.history) - self.max_history
+            self.oldest_rv = self.history[drop - 1].rv
+            del self.history[:drop]
+        for w in self.watches:
+            if self._matches(w, ch.plural, ch.obj):
+                w.queue.put_nowait(ch)
+
+    @staticmethod
+    def _matches(w: Watch, plural: str, obj: dict[str, Any]) -> bool:
+        meta = obj["metadata"]
+        return (plural == w.plural
+                and (w.namespace is None or meta.get("namespace") == w.namespace)
+                and label_match(w.labels, meta.get("labels") or {})
+                and field_match(w.fields, obj))
+
+    # -- HTTP --------------------------------------------------------------------------
+
+    def _route(self, path: str) -> tuple[str, str | None, str | None, str | None] | None:
+        """(plural, namespace, name, subresource) of an API path."""
+        for prefix in API_VERSION:
+            if not path.startswith(prefix + "/"):
+                continue
+            parts = path[len(prefix) + 1:].strip("/").split("/")
+            ns = None
+            if parts[0] == "namespaces" and len(parts) >= 3:
+                ns, parts = parts[1], parts[2:]
+            plural = parts[0]
+            if plural not in RESOURCES or RESOURCES[plural][2] != prefix:
+                return None
+            name = parts[1] if len(parts) > 1 else None
+            sub = parts[2] if len(parts) > 2 else None
+            return plural, ns, name, sub
+        return None
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.method, request.path))
+        route = self._route(request.path)
+        if route is None:
+            return status(404, "NotFound", f"the server could not find {request.path}")
+        plural, ns, name, sub = route
+        namespaced = RESOURCES[plural][1]
+        if namespaced and name is not None and ns is None:
+            return status(404, "NotFound", f"{plural} are namespaced")
+        key = (plural, ns or "", name or "")
+        m = request.method
+        if name is None:
+            if m == "GET":
+                if _truthy(request.query.get("watch")):
+                    return await self._watch(request, plural, ns)
+                return self._list(request, plural, ns)
+            if m == "POST":
+                return await self._create(request, plural, ns or "")
+        elif sub == "eviction" and plural == "pods" and m == "POST":
+            return self._evict(key)
+        elif sub is None:
+            if m == "GET":
+                obj = self.objects.get(key)
+                if obj is None:
+                    return status(404, "NotFound", f'{plural} "{name}" not found')
+                return web.json_response(obj, dumps=lambda o: orjson.dumps(o).decode())
+            if m == "PUT":
+                return await self._replace(request, key)
+            if m == "PATCH":
+                return await self._patch(request, key)
+            if m == "DELETE":
+                return await self._delete_http(request, key)
+        return status(405, "MethodNotAllowed", f"{m} {request.path} is not supported")
+
+    @staticmethod
+    def _json(obj: dict[str, Any], code: int = 200) -> web.Response:
+        return web.Response(status=code, body=orjson.dumps(obj), content_type="application/json")
+
+    def _list(self, request: web.Request, plural: str, ns: str | None) -> web.Response:
+        labels = request.query.get("labelSelector", "")
+        fields = request.query.get("fieldSelector", "")
+        items = [o for (p, _, _), o in self.objects.items()
+                 if p == plural and self._matches(Watch(plural, ns, labels, fields), plural, o)]
+        kind, _, prefix = RESOURCES[plural]
+        return self._json({"kind": f"{kind}List", "apiVersion": API_VERSION[prefix],
+                           "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+
+    async def _watch(self, request: web.Request, plural: str,
+                     ns: str | None) -> web.StreamResponse:
+        await self._paused.wait()
+        q = request.query
+        w = Watch(plural, ns, q.get("labelSelector", ""), q.get("fieldSelector", ""))
+        timeout = float(q.get("timeoutSeconds") or 0) or None
+        bookmarks = _truthy(q.get("allowWatchBookmarks"))
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        w.response = resp
+        since = q.get("resourceVersion", "")
+        self.watches.append(w)
+        try:
+            if since in ("", "0"):
+                for (p, _, _), o in list(self.objects.items()):
+                    if p == plural and self._matches(w, plural, o):
+                        w.queue.put_nowait(Change(self.rv, plural, "ADDED", copy.deepcopy(o)))
+            elif int(since) < self.oldest_rv:
+                err = {"type": "ERROR", "object": {
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                    "message": f"too old resource version: {since} ({self.oldest_rv})",
+                    "reason": "Expired", "code": 410}}
+                await resp.write(orjson.dumps(err) + b"\n")
+                return resp
+            else:
+                for ch in self.history:
+                    if ch.rv > int(since) and self._matches(w, ch.plural, ch.obj):
+                        w.queue.put_nowait(ch)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            kind = RESOURCES[plural][0]
+            while True:
+                wait = self.bookmark_interval if bookmarks else None
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    wait = left if wait is None else min(wait, left)
+                try:
+                    ch = await asyncio.wait_for(w.queue.get(), wait)
+                except TimeoutError:
+                    if bookmarks:
+                        bm = {"type": "BOOKMARK", "object": {
+                            "kind": kind, "apiVersion": API_VERSION[RESOURCES[plural][2]],
+                            "metadata": {"resourceVersion": str(self.rv)}}}
+                        await resp.write(orjson.dumps(bm) + b"\n")
+                    continue
+                if ch is None:
+                    break
+                await resp.write(orjson.dumps({"type": ch.type, "object": ch.obj}) + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self.watches.remove(w)
+        return resp
+
+    async def _create(self, request: web.Request, plural: str, ns: str) -> web.Response:
+        obj = await request.json()
+        name = obj.get("metadata", {}).get("name")
+        if not name and obj.get("metadata", {}).get("generateName"):
+            name = obj["metadata"]["generateName"] + uuid.uuid4().hex[:5]
+            obj["metadata"]["name"] = name
+        if not name:
+            return status(422, "Invalid", "metadata.name: Required value")
+        key = (plural, ns, name)
+        if key in self.objects:
+            return status(409, "AlreadyExists", f'{plural} "{name}" already exists')
+        obj["metadata"].pop("resourceVersion", None)
+        obj["metadata"].pop("uid", None)
+        return self._json(self._write(plural, key, obj, "ADDED"), 201)
+
+    async def _replace(self, request: web.Request, key: tuple[str, str, str]) -> web.Response:
+        cur = self.objects.get(key)
+        if cur is None:
+            return status(404, "NotFound", f'{key[0]} "{key[2]}" not found')
+        obj = await request.json()
+        want = obj.get("metadata", {}).get("resourceVersion")
+        if want and want != cur["metadata"]["resourceVersion"]:
+            return status(409, "Conflict", f'Operation cannot be fulfilled on {key[0]} '
+                          f'"{key[2]}": the object has been modified; please apply your '
+                          "changes to the latest version and try again")
+        obj["metadata"]["uid"] = cur["metadata"]["uid"]
+        obj["metadata"]["creationTimestamp"] = cur["metadata"]["creationTimestamp"]
+        return self._json(self._write(key[0], key, obj, "MODIFIED"))
+
+    async def _patch(self, request: web.Request, key: tuple[str, str, str]) -> web.Response:
+        cur = self.objects.get(key)
+        if cur is None:
+            return status(404, "NotFound", f'{key[0]} "{key[2]}" not found')
+        body = orjson.loads(await request.read())
+        ctype = request.content_type
+        try:
+            if ctype == "application/json-patch+json":
+                new = json_patch(cur, body)
+            elif ctype == "application/merge-patch+json":
+                new = merge_patch(cur, body)
+            elif ctype == "application/strategic-merge-patch+json":
+                new = strategic_merge_patch(cur, body)
+            else:
+                return status(415, "UnsupportedMediaType", f"patch type {ctype} not supported")
+        except (KeyError, ValueError, IndexError) as e:
+            return status(422, "Invalid", f"the patch could not be applied: {e}")
+        want = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) \
+            else None
+        if want and want != cur["metadata"]["resourceVersion"]:
+            return status(409, "Conflict", "the object has been modified")
+        new["metadata"]["uid"] = cur["metadata"]["uid"]
+        return self._json(self._write(key[0], key, new, "MODIFIED"))
+
+    async def _delete_http(self, request: web.Request,
+                           key: tuple[str, str, str]) -> web.Response:
+        if key not in self.objects:
+            return status(404, "NotFound", f'{key[0]} "{key[2]}" not found')
+        return self._json(self._delete(key))
+
+    def _evict(self, key: tuple[str, str, str]) -> web.Response:
+        pod = self.objects.get(key)
+        if pod is None:
+            return status(404, "NotFound", f'pods "{key[2]}" not found')
+        if not pod["metadata"].get("deletionTimestamp"):
+            pod = copy.deepcopy(pod)
+            pod["metadata"]["deletionTimestamp"] = _now()
+            pod["metadata"]["deletionGracePeriodSeconds"] = 30
+            self._write("pods", key, pod, "MODIFIED")
+            # The kubelet stops the containers, then the pod goes.
+            self._later(self.eviction_delay,
+                        lambda: self._delete(key) if key in self.objects else None)
+        return self._json({"kind": "Status", "apiVersion": "v1", "status": "Success",
+                           "code": 201}, 201)
+
+
+# -- object builders for tests ---------------------------------------------------------
+
+def node(name: str, *, unschedulable: bool = False, taints: list[dict[str, Any]] | None = None,
+         labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": labels or {}},
+            "spec": {"unschedulable": unschedulable, "taints": taints or []},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def pod(name: str, node_name: str | None, *, namespace: str = "default",
+        labels: dict[str, str] | None = None, env: dict[str, str] | None = None,
+        containers: tuple[str, ...] = ("main",), owner: str | None = None,
+        phase: str = "Running", annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    # ``env`` goes to the first container only.
+    spec: dict[str, Any] = {"containers": [
+        {"name": c, "image": "busybox", "env": [{"name": k, "value": v}
+                                                for k, v in (env or {}).items()] if i == 0
+         else []}
+        for i, c in enumerate(containers)]}
+    if node_name:
+        spec["nodeName"] = node_name
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels or {},
+                            "annotations": annotations or {}}
+    if owner:
+        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": owner,
+                                    "uid": str(uuid.uuid5(uuid.NAMESPACE_DNS, owner)),
+                                    "controller": True}]
+    return {"metadata": meta, "spec": spec, "status": {
+        "phase": phase, "containerStatuses": [
+            {"name": c, "restartCount": 0, "ready": phase == "Running",
+             "state": {"running": {"startedAt": _now()}} if phase == "Running"
+             else {"waiting": {"reason": "ContainerCreating"}}}
+            for c in containers]}}

@@ -1,0 +1,600 @@
+"""The watcher against the FAKE Kubernetes API server (tests/fake_apiserver.py,
+driven by the real kubernetes-asyncio client over HTTP) and a real nats-server.
+
+Requests are judged by what lands in JetStream: after its dedupe, exactly
+the requests a user expects, never one twice, none for pods that did not opt in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from kubernetes_asyncio import client
+
+from services.storage.local import LocalBackend
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
+from services.watcher.kube import api_client
+from services.watcher.service import Watcher
+from smr import config
+from smr.bus import KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
+from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone, RestoreRequested
+from tests.fake_apiserver import FakeApiServer, pod
+from tests.fake_apiserver import node as a_node
+from tests.test_bus import dlq_messages
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeApiServer]:
+    srv = await FakeApiServer(bookmark_interval=0.5).start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def api(kube: FakeApiServer) -> AsyncIterator[client.ApiClient]:
+    a = await api_client(kube.url)
+    yield a
+    await a.close()
+
+
+@pytest.fixture
+def watch_settings() -> config.Settings:
+    return config.load({}).replace(
+        heartbeat_min=1, lease_duration=3, lease_renew_deadline=2, lease_retry=1,
+        lease_name=f"smr-watcher-{uuid.uuid4().hex[:6]}", lease_namespace="smr-system")
+
+
+class Watchers:
+    """Starts watcher replicas and stops them at the end of the test."""
+
+    def __init__(self, bus: Bus, api: client.ApiClient, settings: config.Settings) -> None:
+        self.bus, self.api, self.settings = bus, api, settings
+        self.prefix = f"w-{uuid.uuid4().hex[:6]}"
+        self.running: list[tuple[Watcher, asyncio.Task[None]]] = []
+
+    async def start(self, **overrides: Any) -> Watcher:
+        w = Watcher(self.bus, self.api, self.settings.replace(**overrides),
+                    durable_prefix=self.prefix)
+        task = asyncio.create_task(w.run())
+        await asyncio.wait_for(w.ready.wait(), 20)
+        self.running.append((w, task))
+        return w
+
+    async def stop(self, w: Watcher) -> None:
+        for i, (x, task) in enumerate(self.running):
+            if x is w:
+                w.stop()
+                await asyncio.wait_for(task, 20)
+                del self.running[i]
+                return
+
+    async def stop_all(self) -> None:
+        for w, _ in list(self.running):
+            await self.stop(w)
+
+
+@pytest.fixture
+async def watchers(bus: Bus, api: client.ApiClient, watch_settings: config.Settings
+                   ) -> AsyncIterator[Watchers]:
+    ws = Watchers(bus, api, watch_settings)
+    yield ws
+    await ws.stop_all()
+
+
+class Collector:
+    """Every message on a subject, from the stream (after JetStream's dedupe)."""
+
+    def __init__(self, bus: Bus, subject: str, stream: str, parse: Callable[[bytes], Any]):
+        self.bus, self.subject, self.stream, self.parse = bus, subject, stream, parse
+        self.items: list[Any] = []
+        self.arrived: list[float] = []
+
+    async def __aenter__(self) -> Collector:
+        async def got(m: Any) -> None:
+            self.items.append(self.parse(m.data))
+            self.arrived.append(time.monotonic())
+
+        self.sub = await self.bus.js.subscribe(self.subject, stream=self.stream,
+                                               ordered_consumer=True, cb=got)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.sub.unsubscribe()
+
+    async def wait(self, n: int, timeout: float = 15, settle: float = 1.0) -> list[Any]:
+        """At least ``n`` arrive, then nothing more for ``settle`` seconds."""
+        deadline = time.monotonic() + timeout
+        while len(self.items) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(self.items)} of {n} on {self.subject}: "
+                                     f"{self.items}")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(settle)
+        return self.items
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def ckpts(bus: Bus, node_name: str) -> Collector:
+    return Collector(bus, f"ckpt.requested.{node_token(node_name)}", STREAM_REQUESTS,
+                     CkptRequested.from_payload)
+
+
+def drains(bus: Bus, node_name: str) -> Collector:
+    return Collector(bus, f"node.draining.{node_token(node_name)}", STREAM_EVENTS,
+                     NodeDraining.from_payload)
+
+
+def restores(bus: Bus, node_name: str) -> Collector:
+    return Collector(bus, f"restore.requested.{node_token(node_name)}", STREAM_REQUESTS,
+                     RestoreRequested.from_payload)
+
+
+def cordon(kube: FakeApiServer, name: str) -> None:
+    """What `kubectl cordon` does: a patch of spec.unschedulable."""
+    n = kube.get("nodes", name)
+    assert n is not None
+    n["spec"]["unschedulable"] = True
+    kube.put("nodes", n)
+
+
+def targets(reqs: list[CkptRequested]) -> list[tuple[str, str]]:
+    return sorted((r.target.pod or "", r.target.container or "") for r in reqs)
+
+
+def a_cluster(kube: FakeApiServer, n1: str, n2: str) -> None:
+    """Two nodes; on n1 pods opted in every supported way, and some that are not."""
+    kube.put("nodes", a_node(n1))
+    kube.put("nodes", a_node(n2))
+    kube.put("pods", pod("restore-me", n1, labels={"smr.dev/node-restore": "true"},
+                         containers=("main", "sidecar")))
+    kube.put("pods", pod("alias-label", n1, labels={"cedana.ai/node-restore": "true"}))
+    kube.put("pods", pod("job-pod", n1, env={"CEDANA_CHECKPOINT": "job-ckpt-1"},
+                         owner="train", containers=("trainer", "logger")))
+    kube.put("pods", pod("smr-env", n1, env={"SMR_CHECKPOINT": "smr-ckpt-1"}))
+    kube.put("pods", pod("plain", n1))
+    kube.put("pods", pod("opted-out", n1, labels={"smr.dev/node-restore": "false"}))
+    kube.put("pods", pod("elsewhere", n2, labels={"smr.dev/node-restore": "true"}))
+    kube.put("pods", pod("done-already", n1, labels={"smr.dev/node-restore": "true"},
+                         phase="Succeeded"))
+
+
+EXPECTED_ON_N1 = [("alias-label", "main"), ("job-pod", "trainer"), ("restore-me", "main"),
+                  ("restore-me", "sidecar"), ("smr-env", "main")]
+
+
+async def test_cordon_checkpoints_each_opted_in_container_once(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    w = await watchers.start()
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d, ckpts(bus, n2) as other:
+        cordon(kube, n1)
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        assert targets(reqs) == EXPECTED_ON_N1
+        assert all(r.reason == "cordon" and r.leave_running and r.node == n1 for r in reqs)
+        ids = {(r.target.pod, r.target.container): r.checkpoint_id for r in reqs}
+        assert ids[("job-pod", "trainer")] == "job-ckpt-1"
+        assert ids[("smr-env", "main")] == "smr-ckpt-1"
+        assert ids[("restore-me", "sidecar")] == "restore-me.sidecar"
+        assert len({r.request_id for r in reqs}) == len(reqs)
+        assert [x.reason for x in await d.wait(1, settle=0)] == ["cordon"]
+        # The node's status keeps changing while it is cordoned: nothing new.
+        for i in range(3):
+            n = kube.get("nodes", n1)
+            assert n is not None
+            n["status"]["conditions"].append({"type": f"Probe{i}", "status": "False"})
+            kube.put("nodes", n)
+        await asyncio.sleep(1.0)
+        assert len(c.items) == len(EXPECTED_ON_N1) and len(d.items) == 1
+        assert other.items == []
+    assert w.stats["duplicates"] == 0
+
+
+async def test_second_replica_and_restart_only_make_duplicates(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    a = await watchers.start()
+    b = await watchers.start()
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        cordon(kube, n1)
+        await c.wait(len(EXPECTED_ON_N1), settle=1.5)
+        await watchers.stop(a)
+        await watchers.start()  # lists the cordoned node afresh
+        await asyncio.sleep(1.5)
+        assert targets(c.items) == EXPECTED_ON_N1
+        assert len(d.items) == 1
+    # Both replicas published; JetStream kept one copy of each request.
+    assert a.stats["published"] + b.stats["published"] >= len(EXPECTED_ON_N1) + 1
+
+
+async def test_cut_watch_streams_miss_nothing_and_repeat_nothing(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    w = await watchers.start()
+    await kube.watching(2)
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        kube.pause_watches()
+        assert kube.cut_watches(mid_line=True) == 2
+        # While the watcher reconnects: a new opted-in pod, then the cordon.
+        kube.put("pods", pod("late-arrival", n1, labels={"smr.dev/node-restore": "true"}))
+        cordon(kube, n1)
+        kube.resume_watches()
+        reqs = await c.wait(len(EXPECTED_ON_N1) + 1)
+        assert targets(reqs) == sorted([*EXPECTED_ON_N1, ("late-arrival", "main")])
+        assert len(d.items) == 1
+    assert w.nodes.stats["broken"] >= 1 and w.pods.stats["broken"] >= 1
+    assert w.stats["duplicates"] == 0, "a resumed watch must not replay events"
+    assert w.nodes.stats["lists"] == 1, "a broken stream resumes; it does not re-list"
+
+
+async def test_410_gone_relists_and_publishes_only_what_changed(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    w = await watchers.start()
+    await kube.watching(2)
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        kube.pause_watches()
+        assert kube.cut_watches(mid_line=False) == 2
+        kube.put("pods", pod("late-arrival", n1, labels={"smr.dev/node-restore": "true"}))
+        kube.remove("pods", "plain", "default")
+        cordon(kube, n1)
+        kube.compact()  # the versions the watcher holds are gone: 410
+        kube.resume_watches()
+        reqs = await c.wait(len(EXPECTED_ON_N1) + 1)
+        assert targets(reqs) == sorted([*EXPECTED_ON_N1, ("late-arrival", "main")])
+        assert len(d.items) == 1
+    assert w.nodes.stats["expired"] >= 1 and w.pods.stats["expired"] >= 1
+    assert w.nodes.stats["lists"] == 2 and w.pods.stats["lists"] == 2
+    assert "default/plain" not in w.pods.cache, "the re-list must drop what was deleted"
+    assert w.stats["duplicates"] == 0, "a re-list must not replay what was handled"
+
+
+@pytest.mark.parametrize("reason,change", [
+    ("preemption", lambda n: n["spec"]["taints"].append(
+        {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"})),
+    ("preemption", lambda n: n["spec"]["taints"].append(
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1700000000",
+         "effect": "NoSchedule"})),
+    ("preemption", lambda n: n["status"]["conditions"].append(
+        {"type": "PreemptScheduled", "status": "True"})),
+])
+async def test_preemption_signals_checkpoint_and_stop_the_pods(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str, reason: str,
+        change: Callable[[dict[str, Any]], None]) -> None:
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        n = kube.get("nodes", n1)
+        assert n is not None
+        change(n)
+        kube.put("nodes", n)
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        assert targets(reqs) == EXPECTED_ON_N1
+        assert all(r.reason == reason and not r.leave_running for r in reqs)
+        [drain] = await d.wait(1, settle=0)
+        assert drain.reason == reason and drain.detail
+
+
+async def test_node_deletion_checkpoints_its_pods(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        kube.remove("nodes", n1)  # the pod GC then deletes its pods
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        assert targets(reqs) == EXPECTED_ON_N1
+        assert {r.reason for r in reqs} == {"node-deleted"}
+        assert [x.reason for x in await d.wait(1, settle=0)] == ["node-deleted"]
+
+
+async def test_drain_evictions_and_uncordon(
+        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        node: str) -> None:
+    """kubectl drain: cordon (the pods keep running) then evictions (a final
+    checkpoint of each opted-in pod as it terminates). An uncordon ends the
+    episode: a later cordon checkpoints again."""
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    core = client.CoreV1Api(api)
+    async with ckpts(bus, n1) as c:
+        await core.patch_node(n1, {"spec": {"unschedulable": True}})
+        await c.wait(len(EXPECTED_ON_N1), settle=0.2)
+        await core.create_namespaced_pod_eviction(
+            "job-pod", "default", {"metadata": {"name": "job-pod", "namespace": "default"}})
+        await core.create_namespaced_pod_eviction(
+            "plain", "default", {"metadata": {"name": "plain", "namespace": "default"}})
+        reqs = await c.wait(len(EXPECTED_ON_N1) + 1)
+        final = [r for r in reqs if r.reason == "drain"]
+        assert targets(final) == [("job-pod", "trainer")]
+        assert not final[0].leave_running
+
+        await core.patch_node(n1, {"spec": {"unschedulable": False}},
+                              _content_type="application/merge-patch+json")
+        await asyncio.sleep(0.5)
+        await core.patch_node(n1, {"spec": {"unschedulable": True}})
+        again = await c.wait(len(reqs) + 4)  # the 4 opted-in containers still there
+        assert len({r.request_id for r in again}) == len(again)
+
+
+async def test_policy_values_and_aliases(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    n1 = node
+    kube.put("nodes", a_node(n1))
+    kube.put("pods", pod("beat-abc", n1, labels={"smr.dev/heartbeat-checkpoint": "abc"}))
+    kube.put("pods", pod("beat-neg", n1, labels={"cedana.ai/heartbeat-checkpoint": "-5"}))
+    kube.put("pods", pod("beat-huge", n1,
+                         labels={"smr.dev/heartbeat-checkpoint": "99999999999"}))
+    kube.put("pods", pod("restore-maybe", n1, labels={"smr.dev/node-restore": "yes"}))
+    kube.put("pods", pod("bad-id", n1, env={"SMR_CHECKPOINT": "../etc/passwd"}))
+    w = await watchers.start()
+    await asyncio.sleep(1.0)
+    events = {e["involvedObject"]["name"]: e for e in kube.list("events", "default")
+              if e["reason"] == "InvalidSmrPolicy"}
+    assert set(events) == {"beat-abc", "beat-neg", "beat-huge", "restore-maybe", "bad-id"}
+    assert all(e["type"] == "Warning" for e in events.values())
+    assert "not a whole number of seconds" in events["beat-abc"]["message"]
+    assert "cedana.ai/heartbeat-checkpoint" in events["beat-neg"]["message"]
+    assert "outside" in events["beat-huge"]["message"]
+    assert '"true" or "false"' in events["restore-maybe"]["message"]
+    assert "checkpoint id" in events["bad-id"]["message"]
+    assert w.schedule.entries == {}  # none of them got a heartbeat
+    # Updates of the same pods do not repeat the Events; the watcher still works.
+    p = kube.get("pods", "beat-abc", "default")
+    assert p is not None
+    p["metadata"]["annotations"]["touched"] = "1"
+    kube.put("pods", p)
+    async with ckpts(bus, n1) as c:
+        cordon(kube, n1)
+        await asyncio.sleep(1.0)
+        assert c.items == []  # nothing there opted in validly
+    assert len([e for e in kube.list("events", "default")
+                if e["reason"] == "InvalidSmrPolicy"]) == 5
+
+
+async def test_outcome_events_on_pods_once(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    await watchers.start()
+    from smr.messages import Target
+
+    t = Target(kind="pod", namespace="ml", pod="trainer-0", container="main")
+    ok = CkptDone(request_id="r-ok-" + node, checkpoint_id="trainer-0.main", target=t,
+                  node=node, reason="heartbeat", status="succeeded", generation=3,
+                  size_bytes=64 << 20, durations={"total": 2.5})
+    bad = RestoreDone(request_id="r-bad-" + node, checkpoint_id="trainer-0.main", target=t,
+                      node=node, reason="cordon", status="failed",
+                      error={"code": "checkpoint-corrupt", "message": "pages-1.img is corrupt",
+                             "hint": "restore another generation"})
+    await bus.publish(ok)
+    await bus.publish_raw(f"ckpt.done.{node_token(node)}", ok.to_payload(),
+                          msg_id="another-copy")  # the same result, delivered twice
+    await bus.publish(bad)
+    await bus.publish_raw(f"ckpt.done.{node_token(node)}", b'{"status": "maybe"}')
+    await until(lambda: len(kube.list("events", "ml")) >= 2)
+    await asyncio.sleep(0.5)
+    events = sorted(kube.list("events", "ml"), key=lambda e: e["reason"])
+    assert [(e["reason"], e["type"]) for e in events] == [
+        ("Checkpointed", "Normal"), ("RestoreFailed", "Warning")]
+    assert "generation 3" in events[0]["message"] and "64 MiB" in events[0]["message"]
+    assert "pages-1.img is corrupt" in events[1]["message"]
+    assert events[0]["involvedObject"]["name"] == "trainer-0"
+    letters = await dlq_messages(bus, f"ckpt.done.{node_token(node)}")
+    assert any(lt.service == "watcher" for lt in letters)
+
+
+# -- heartbeats ----------------------------------------------------------------------
+
+def beat_slots(reqs: list[CkptRequested], pod_name: str) -> list[float]:
+    from datetime import datetime
+
+    return sorted(datetime.fromisoformat(r.requested_at.replace("Z", "+00:00")).timestamp()
+                  for r in reqs if r.target.pod == pod_name and r.reason == "heartbeat")
+
+
+def assert_every_slot_once(slots: list[float], interval: float) -> None:
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(slots)]
+    assert all(g == interval for g in gaps), f"missed or doubled beats: gaps {gaps}"
+
+
+async def test_heartbeats_fire_once_with_two_replicas(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    kube.put("nodes", a_node(node))
+    kube.put("pods", pod("beat-1", node, labels={"smr.dev/heartbeat-checkpoint": "1"}))
+    kube.put("pods", pod("beat-2", node, labels={"cedana.ai/heartbeat-checkpoint": "2"},
+                         containers=("a", "b")))
+    async with ckpts(bus, node) as c:
+        a = await watchers.start()
+        b = await watchers.start()
+        await asyncio.sleep(7)
+        reqs = list(c.items)
+    leaders = [w for w in (a, b) if w.leadership.leading.is_set()]
+    assert len(leaders) == 1
+    follower = b if leaders[0] is a else a
+    assert follower.schedule.fired == 0 and follower.stats["published"] == 0
+    s1 = beat_slots(reqs, "beat-1")
+    assert len(s1) >= 4
+    assert_every_slot_once(s1, 1.0)
+    s2a = beat_slots([r for r in reqs if r.target.container == "a"], "beat-2")
+    assert len(s2a) >= 2
+    assert_every_slot_once(s2a, 2.0)
+    assert all(r.leave_running for r in reqs)
+    assert len({r.request_id for r in reqs}) == len(reqs)
+
+
+async def test_heartbeat_schedule_survives_restart_and_stops_with_the_pod(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    kube.put("nodes", a_node(node))
+    kube.put("pods", pod("beat", node, labels={"smr.dev/heartbeat-checkpoint": "2"}))
+    async with ckpts(bus, node) as c:
+        first = await watchers.start()
+        await asyncio.sleep(4.5)
+        await watchers.stop(first)  # hands the Lease back
+        second = await watchers.start()
+        await asyncio.sleep(5)
+        slots = beat_slots(c.items, "beat")
+        assert first.schedule.fired >= 1 and second.schedule.fired >= 1
+        assert len(slots) >= 4
+        assert_every_slot_once(slots, 2.0)
+        kube.remove("pods", "beat", "default")
+        await asyncio.sleep(0.5)
+        n = len(c.items)
+        await asyncio.sleep(3)
+        assert len(c.items) == n, "beats went on for a deleted pod"
+    assert second.schedule.entries == {}
+
+
+# -- restores ------------------------------------------------------------------------
+
+@pytest.fixture
+async def storage(bus: Bus, tmp_path: Path) -> AsyncIterator[CheckpointStore]:
+    store = CheckpointStore(LocalBackend(tmp_path / "store"))
+    svc = StorageService(bus, store, durable=f"retention-{uuid.uuid4().hex[:6]}")
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 10)
+    yield store
+    svc.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def stored(store: CheckpointStore, tmp_path: Path, namespace: str, ckpt_id: str,
+                 reason: str = "cordon") -> int:
+    src = tmp_path / f"img-{uuid.uuid4().hex[:6]}"
+    (src / "images").mkdir(parents=True)
+    (src / "images" / "pages-1.img").write_bytes(b"state" * 100)
+    gen = await store.commit(namespace, ckpt_id, src, {
+        "request_id": uuid.uuid4().hex, "node": "old-node", "reason": reason,
+        "versions": {"smr": "test"},
+        "target": {"kind": "pod", "namespace": namespace, "pod": "p", "container": "c"}})
+    return gen.number
+
+
+async def test_job_pod_starting_restores_its_checkpoint_each_start(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        tmp_path: Path, node: str) -> None:
+    gen = await stored(storage, tmp_path, "default", "job-ckpt-7")
+    kube.put("nodes", a_node(node))
+    await watchers.start()
+    async with restores(bus, node) as r:
+        kube.put("pods", pod("train-x1", None, env={"CEDANA_CHECKPOINT": "job-ckpt-7"},
+                             owner="train", phase="Pending"))
+        kube.put("pods", pod("fresh-job", node, env={"SMR_CHECKPOINT": "never-saved"},
+                             owner="fresh", phase="Pending"))
+        p = kube.get("pods", "train-x1", "default")
+        assert p is not None
+        p["spec"]["nodeName"] = node  # the scheduler binds it
+        kube.put("pods", p)
+        [req] = await r.wait(1)
+        assert req.checkpoint_id == "job-ckpt-7" and req.generation == gen
+        assert req.target.pod == "train-x1" and req.target.container == "main"
+        assert req.node == node
+        # The container crashes and starts again: it resumes again.
+        p = kube.get("pods", "train-x1", "default")
+        assert p is not None
+        p["status"]["containerStatuses"][0]["restartCount"] = 1
+        kube.put("pods", p)
+        await r.wait(2)
+        assert len({x.request_id for x in r.items}) == 2
+
+
+async def test_running_pod_is_not_restored_from_its_own_heartbeat(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        tmp_path: Path, node: str) -> None:
+    kube.put("nodes", a_node(node))
+    kube.put("pods", pod("long-runner", node, labels={"smr.dev/node-restore": "true"}))
+    await asyncio.sleep(1.1)  # checkpoint times are in ms, start times in seconds
+    await stored(storage, tmp_path, "default", "long-runner.main", reason="heartbeat")
+    async with restores(bus, node) as r:
+        await watchers.start()
+        await asyncio.sleep(1.5)
+        assert r.items == []
+
+
+async def test_bare_node_restore_pod_is_recreated_and_restored(
+        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        storage: CheckpointStore, tmp_path: Path, node: str) -> None:
+    n1, n2 = node, f"{node}-b"
+    kube.put("nodes", a_node(n1))
+    kube.put("nodes", a_node(n2))
+    kube.put("pods", pod("bare", n1, labels={"smr.dev/node-restore": "true"}))
+    kube.put("pods", pod("job-owned", n1, labels={"smr.dev/node-restore": "true"},
+                         owner="some-job"))
+    old_uid = kube.get("pods", "bare", "default")["metadata"]["uid"]  # type: ignore[index]
+    await watchers.start()
+    core = client.CoreV1Api(api)
+    async with ckpts(bus, n1) as c, restores(bus, n2) as r:
+        await core.patch_node(n1, {"spec": {"unschedulable": True}})
+        async def agent_answers(reqs: list[CkptRequested]) -> None:
+            """The node agent's part, played here as its Worker records a
+            result: images stored, step state done, then the ckpt.done event."""
+            for req in reqs:
+                gen = await stored(storage, tmp_path, "default", req.checkpoint_id)
+                done = CkptDone.for_request(req, status="succeeded", generation=gen)
+                await bus.kv(KV_STEPS).put(req.request_id, orjson.dumps(
+                    {"state": "done", "result": done.to_dict()}))
+                await bus.publish(done)
+
+        await agent_answers(await c.wait(2, settle=0.2))
+        for name in ("bare", "job-owned"):
+            await core.create_namespaced_pod_eviction(
+                name, "default", {"metadata": {"name": name, "namespace": "default"}})
+        final = (await c.wait(4, settle=0.2))[2:]
+        assert {r.reason for r in final} == {"drain"}
+        await asyncio.sleep(0.5)
+        assert kube.get("pods", "bare", "default") is None, "recreated before its checkpoint"
+        await agent_answers(final)
+        deadline = time.monotonic() + 10
+        new = None
+        while time.monotonic() < deadline:
+            new = kube.get("pods", "bare", "default")
+            if new and new["metadata"]["uid"] != old_uid:
+                break
+            await asyncio.sleep(0.1)
+        assert new and new["metadata"]["uid"] != old_uid, "the bare pod was not recreated"
+        assert "nodeName" not in new["spec"], "placing it is the scheduler's job"
+        assert new["metadata"]["annotations"]["smr.dev/recreated-from-node"] == n1
+        assert kube.get("pods", "job-owned", "default") is None, "its Job recreates that one"
+        new["spec"]["nodeName"] = n2  # the scheduler binds it
+        new["status"] = pod("x", n2, phase="Pending")["status"]
+        kube.put("pods", new)
+        [req] = await r.wait(1)
+        assert req.checkpoint_id == "bare.main" and req.target.pod == "bare"
+    recreated = [e for e in kube.list("events", "default") if e["reason"] == "Recreated"]
+    assert len(recreated) == 1
+
+
+async def test_leader_lease_moves_when_the_leader_stops(
+        kube: FakeApiServer, watchers: Watchers, watch_settings: config.Settings) -> None:
+    a = await watchers.start()
+    b = await watchers.start()
+    await asyncio.sleep(2.5)
+    first = a if a.leadership.leading.is_set() else b
+    other = b if first is a else a
+    assert first.leadership.leading.is_set() and not other.leadership.leading.is_set()
+    await watchers.stop(first)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(other.leadership.leading.wait(), 6)
+    assert other.leadership.leading.is_set()
+    lease = kube.get("leases", watch_settings.lease_name, "smr-system")
+    assert lease and lease["spec"]["holderIdentity"] == other.identity
