@@ -598,3 +598,57 @@ async def test_leader_lease_moves_when_the_leader_stops(
     assert other.leadership.leading.is_set()
     lease = kube.get("leases", watch_settings.lease_name, "smr-system")
     assert lease and lease["spec"]["holderIdentity"] == other.identity
+
+
+async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
+        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        node: str) -> None:
+    """Karpenter and cluster-autoscaler add their taint with a patch; a
+    strategic merge keeps the node's other taints (merged by key)."""
+    kube.put("nodes", a_node(node, taints=[{"key": "gpu", "value": "true",
+                                            "effect": "NoSchedule"}]))
+    kube.put("pods", pod("trainer", node, labels={"smr.dev/node-restore": "true"}))
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        await client.CoreV1Api(api).patch_node(node, {"spec": {"taints": [
+            {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]}})
+        [req] = await c.wait(1)
+        assert req.reason == "preemption" and not req.leave_running
+    n = kube.get("nodes", node)
+    assert n is not None
+    assert [t["key"] for t in n["spec"]["taints"]] == ["gpu", "karpenter.sh/disrupted"]
+
+
+def test_heartbeat_jitter_spreads_a_thousand_pods() -> None:
+    from services.watcher.heartbeats import jitter
+
+    phases = [jitter(str(uuid.uuid4())) for _ in range(1000)]
+    assert all(0 <= p < 1 for p in phases)
+    buckets = [0] * 10  # each tenth of the interval holds about 100 pods
+    for p in phases:
+        buckets[int(p * 10)] += 1
+    assert max(buckets) < 160 and min(buckets) > 50, buckets
+    assert jitter("same-uid") == jitter("same-uid"), "a pod's phase must survive restarts"
+
+
+async def test_a_stale_view_of_a_node_does_not_end_its_drain_episode(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """Replica B lists the node a moment before replica A sees it cordoned:
+    B's healthy view must not close A's episode, or every pod would be
+    checkpointed again under new ids."""
+    kube.put("nodes", a_node(node))
+    healthy = kube.get("nodes", node)
+    kube.put("pods", pod("trainer", node, labels={"smr.dev/node-restore": "true"}))
+    a = await watchers.start()
+    b = await watchers.start()
+    async with ckpts(bus, node) as c:
+        cordon(kube, node)
+        await c.wait(1)
+        assert healthy is not None
+        await b._close_episode(node, healthy)  # the stale view arrives late
+        cordoned = kube.get("nodes", node)
+        assert cordoned is not None
+        await b._on_node("MODIFIED", cordoned, healthy)
+        await a._on_node("MODIFIED", cordoned, healthy)
+        await asyncio.sleep(1.0)
+        assert len(c.items) == 1

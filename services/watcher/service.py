@@ -37,7 +37,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
-from services.watcher.kube import Informer, key_of
+from services.watcher.kube import Informer, key_of, rv_of
 from services.watcher.leader import Leadership
 from services.watcher.policy import PodPolicy, pod_policy
 from services.watcher.triggers import node_reasons
@@ -170,12 +170,12 @@ class Watcher:
             reasons = node_reasons(node, self.s.preemption_taints)
         if not reasons:
             if name in self._episodes or name not in self._clean:
-                await self._close_episode(name)
+                await self._close_episode(name, node)
             return
         with tracing.tracer.start_as_current_span(
                 "node going away", attributes={"k8s.node.name": name,
                                                "smr.reasons": ",".join(reasons)}):
-            episode = await self._open_episode(name, node["metadata"].get("uid", ""))
+            episode = await self._open_episode(name, node)
             for reason, detail in reasons.items():
                 drain = NodeDraining(request_id=derive_request_id("draining", episode, reason),
                                      node=name, reason=reason, detail=detail)  # type: ignore[arg-type]
@@ -188,9 +188,10 @@ class Watcher:
                 await self._publish_all(reqs)
                 await self._publish_all([drain])
 
-    async def _open_episode(self, node: str, node_uid: str) -> str:
+    async def _open_episode(self, node: str, obj: dict[str, Any]) -> str:
         """The node's open drain episode, created once for all replicas."""
         key = f"node.{node_token(node)}"
+        node_uid = obj["metadata"].get("uid", "")
         kv = self.bus.kv(KV_EPISODES)
         while True:
             try:
@@ -200,7 +201,8 @@ class Watcher:
             doc = orjson.loads(e.value) if e and e.value else None
             if doc and doc.get("node_uid") == node_uid:
                 break
-            new = {"episode": uuid.uuid4().hex, "node_uid": node_uid}
+            new = {"episode": uuid.uuid4().hex, "node_uid": node_uid,
+                   "node_rv": rv_of(obj)}
             try:
                 if e is None:
                     await kv.create(key, orjson.dumps(new))
@@ -214,10 +216,21 @@ class Watcher:
         self._clean.discard(node)
         return str(doc["episode"])
 
-    async def _close_episode(self, node: str) -> None:
+    async def _close_episode(self, node: str, obj: dict[str, Any]) -> None:
+        """The node is back to normal (uncordoned): a later cordon is a new episode.
+
+        Only a view of the Node newer than the one that opened the episode
+        closes it: a replica whose list is a moment behind another's must not
+        end the episode that one just opened (its requests would be sent
+        again under new ids)."""
         self._episodes.pop(node, None)
-        with contextlib.suppress(KeyNotFoundError):
-            await self.bus.kv(KV_EPISODES).delete(f"node.{node_token(node)}")
+        key = f"node.{node_token(node)}"
+        kv = self.bus.kv(KV_EPISODES)
+        with contextlib.suppress(KeyNotFoundError, KeyWrongLastSequenceError):
+            e = await kv.get(key)
+            doc = orjson.loads(e.value) if e.value else None
+            if doc and _newer(rv_of(obj), doc.get("node_rv", "")):
+                await kv.delete(key, last=e.revision)
         self._clean.add(node)
 
     def _pods_on(self, node: str) -> list[dict[str, Any]]:
@@ -424,3 +437,11 @@ def _instant(ts: str) -> float:
         return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return 0.0
+
+
+def _newer(rv: str, than: str) -> bool:
+    """resourceVersions of one object are etcd revisions: integers that grow."""
+    try:
+        return int(rv) > int(than)
+    except ValueError:
+        return True
