@@ -142,24 +142,14 @@ def field_match(sel: str, obj: dict[str, Any]) -> bool:
 
 # -- patches ---------------------------------------------------------------------------
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
-
-
-def strategic_merge_patch(target: Any, patch: Any, key: str | None = None) -> Any:
-    """Merge patch, except that lists with a merge key merge by it (and honour
+def merge_patch(target: Any, patch: Any, merge_keys: dict[str, str] | None = None,
+                key: str | None = None) -> Any:
+    """RFC 7386 merge patch. With ``merge_keys`` (field → key), a strategic
+    merge patch: those lists merge item by item on the key (and honour
     ``$patch: delete`` entries), as the API server does for built-in types."""
-    if isinstance(patch, list) and key in MERGE_KEYS and isinstance(target, list):
-        mk = MERGE_KEYS[key]  # type: ignore[index]
+    if merge_keys and key in merge_keys and isinstance(patch, list) \
+            and isinstance(target, list):
+        mk = merge_keys[key]
         out = [copy.deepcopy(x) for x in target]
         for item in patch:
             idx = next((i for i, x in enumerate(out) if x.get(mk) == item.get(mk)), None)
@@ -169,7 +159,7 @@ def strategic_merge_patch(target: Any, patch: Any, key: str | None = None) -> An
             elif idx is None:
                 out.append(copy.deepcopy(item))
             else:
-                out[idx] = strategic_merge_patch(out[idx], item)
+                out[idx] = merge_patch(out[idx], item, merge_keys)
         return out
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
@@ -178,7 +168,7 @@ def strategic_merge_patch(target: Any, patch: Any, key: str | None = None) -> An
         if v is None:
             out.pop(k, None)
         else:
-            out[k] = strategic_merge_patch(out.get(k), v, k)
+            out[k] = merge_patch(out.get(k), v, merge_keys, k)
     return out
 
 
@@ -548,7 +538,7 @@ class FakeApiServer:
             elif ctype == "application/merge-patch+json":
                 new = merge_patch(cur, body)
             elif ctype == "application/strategic-merge-patch+json":
-                new = strategic_merge_patch(cur, body)
+                new = merge_patch(cur, body, MERGE_KEYS)
             else:
                 return status(415, "UnsupportedMediaType", f"patch type {ctype} not supported")
         except (KeyError, ValueError, IndexError) as e:

@@ -68,6 +68,15 @@ def lines(job: Job) -> list[dict[str, str]]:
             if ln.startswith("step=")]
 
 
+async def assert_resumes(g: GpuHarness, job: Job, frozen: int, fp0: str) -> None:
+    """The restored job goes on from step frozen+1, its counter tensor right
+    (ok) and its random tensor unchanged (the first line's fingerprint)."""
+    await g.wait_step(job, frozen + 2, timeout=120)
+    after = [ln for ln in lines(job) if int(ln["step"]) > frozen]
+    assert int(after[0]["step"]) == frozen + 1, f"restarted instead of resuming: {after[0]}"
+    assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]
+
+
 async def test_gpu_job_checkpoint_kill_restore_keeps_its_tensors(g: GpuHarness) -> None:
     job = await g.start_gpu()
     fp0 = lines(job)[0]["fp"]
@@ -83,10 +92,7 @@ async def test_gpu_job_checkpoint_kill_restore_keeps_its_tensors(g: GpuHarness) 
     restored = await g.restore(job.id)
     assert restored.status == "succeeded", restored.error
     print("restore durations", restored.durations)
-    await g.wait_step(job, frozen + 2, timeout=120)
-    after = [ln for ln in lines(job) if int(ln["step"]) > frozen]
-    assert int(after[0]["step"]) == frozen + 1, f"restarted instead of resuming: {after[0]}"
-    assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]
+    await assert_resumes(g, job, frozen, fp0)
 
 
 async def test_gpu_heartbeat_leaves_the_job_running_and_restores(g: GpuHarness) -> None:
@@ -207,10 +213,7 @@ async def test_gpu_tampered_and_corrupted_images_fail_cleanly_then_restore(
     flip_byte(pages, pages.stat().st_size // 3)
     restored = await g.restore(job.id)
     assert restored.status == "succeeded", restored.error
-    await g.wait_step(job, frozen + 2, timeout=120)
-    after = [ln for ln in lines(job) if int(ln["step"]) > frozen]
-    assert int(after[0]["step"]) == frozen + 1
-    assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]
+    await assert_resumes(g, job, frozen, fp0)
 
 
 async def test_gpu_checkpoint_recovery_records_the_gpu(g: GpuHarness) -> None:
@@ -238,7 +241,4 @@ async def test_gpu_checkpoint_recovery_records_the_gpu(g: GpuHarness) -> None:
     assert gen.manifest["gpu"]["used_bytes"] >= SMALL * 2**30 * 0.9
     restored = await g.restore(job.id)
     assert restored.status == "succeeded", restored.error
-    await g.wait_step(job, frozen + 2, timeout=120)
-    after = [ln for ln in lines(job) if int(ln["step"]) > frozen]
-    assert int(after[0]["step"]) == frozen + 1
-    assert all(ln["ok"] == "True" and ln["fp"] == fp0 for ln in after), after[:3]
+    await assert_resumes(g, job, frozen, fp0)

@@ -169,7 +169,9 @@ class HeartbeatSchedule:
             self._retry_at[beat.uid] = now + 1.0
             return
         self._retry_at.pop(beat.uid, None)
-        rev = self.entries.get(beat.uid, (beat, 0))[1]
+        if beat.uid not in self.entries:
+            return  # the pod went away while its beat was being sent
+        rev = self.entries[beat.uid][1]
         moved = Beat(**{**asdict(beat), "next_due": slot + beat.interval})
         if await self._write(moved, rev):
             self.fired += 1

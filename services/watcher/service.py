@@ -90,6 +90,7 @@ class Watcher:
         self._published: OrderedDict[str, None] = OrderedDict()  # request ids sent
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
+        self._restore_checks: set[str] = set()  # starts (_start_of) being checked
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -147,7 +148,6 @@ class Watcher:
             async with self._sem:
                 ack = await self.bus.publish(m)
             self.stats["duplicates" if ack.duplicate else "published"] += 1
-            self.stats[f"published.{m.SCHEMA}"] += not ack.duplicate
             self._published[rid] = None
             while len(self._published) > MEMO_SIZE:
                 self._published.popitem(last=False)
@@ -310,10 +310,11 @@ class Watcher:
             await self._publish_all([r for reason in reasons
                                      for r in self._drain_requests(pod, episode, reason)])
         elif not terminating and (pod.get("status") or {}).get("phase") in (
-                "Pending", "Running", None) and policy.restorable():
+                "Pending", "Running", None) and policy.restorable() \
+                and _start_of(pod) not in self._restore_checks:
             # Off the informer's path: a slow storage answer must not hold
-            # up the events behind it.
-            self._spawn(self._restore_if_stored(pod, policy))
+            # up the events behind it. One check per start at a time.
+            self._spawn(self._restore_check(pod, policy))
 
     async def _keep_beat(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName")
@@ -338,6 +339,15 @@ class Watcher:
         await self.schedule.run()
 
     # -- restore triggers ----------------------------------------------------------------
+
+    async def _restore_check(self, pod: dict[str, Any], policy: PodPolicy,
+                             attempt: int = 0) -> None:
+        key = _start_of(pod)
+        self._restore_checks.add(key)
+        try:
+            await self._restore_if_stored(pod, policy, attempt)
+        finally:
+            self._restore_checks.discard(key)
 
     async def _restore_if_stored(self, pod: dict[str, Any], policy: PodPolicy,
                                  attempt: int = 0) -> None:
@@ -386,7 +396,7 @@ class Watcher:
         await asyncio.sleep(delay)
         pod = self.pods.cache.get(key)
         if pod and (pod.get("spec") or {}).get("nodeName"):
-            await self._restore_if_stored(pod, self._policy(pod), attempt + 1)
+            await self._restore_check(pod, self._policy(pod), attempt + 1)
 
     # -- bare pods -----------------------------------------------------------------------
 
@@ -403,9 +413,10 @@ class Watcher:
 
     async def _recreate(self, pod: dict[str, Any], requests: list[str]) -> None:
         meta = pod["metadata"]
-        for rid in requests[-1:]:  # the pod's last checkpoint must finish first
+        if requests:  # the pod's last checkpoint must finish first
             try:
-                await self.bus.wait_result(rid, "ckpt.requested", timeout=RESULT_WAIT_S)
+                await self.bus.wait_result(requests[-1], "ckpt.requested",
+                                           timeout=RESULT_WAIT_S)
             except TimeoutError:
                 log.warning("pod %s/%s: no checkpoint result within %.0fs; recreating it "
                             "anyway", meta["namespace"], meta["name"], RESULT_WAIT_S)
@@ -445,3 +456,10 @@ def _newer(rv: str, than: str) -> bool:
         return int(rv) > int(than)
     except ValueError:
         return True
+
+
+def _start_of(pod: dict[str, Any]) -> str:
+    """Which start of a pod's containers this is: its uid, node and restart counts."""
+    counts = [str(st.get("restartCount", 0)) for st in
+              (pod.get("status") or {}).get("containerStatuses") or []]
+    return "/".join([pod["metadata"]["uid"], pod["spec"].get("nodeName", ""), *counts])
