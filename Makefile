@@ -7,10 +7,14 @@ STAMP  := $(VENV)/.smr-installed
 
 .PHONY: setup demo test lint clean bench-storage bench-watcher
 
-setup: $(STAMP) .tools/.installed-v1
+setup: $(STAMP) .tools/.installed-v1 .tools/bin/smr-init
 
 .tools/.installed-v1: scripts/install-tools.sh
 	./scripts/install-tools.sh
+
+# The pod containers' PID 1 (services/agent/init): static, so it runs in any image.
+.tools/bin/smr-init: services/agent/init/smr-init.c .tools/.installed-v1
+	gcc -static -Os -Wall -Wextra -o $@ $<
 
 $(STAMP): pyproject.toml
 	@# A bare Debian 12 lacks ensurepip until python3-venv is installed.

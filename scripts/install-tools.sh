@@ -17,7 +17,22 @@ libhogweed6t64 libgmp10 libjansson4 libmnl0 libnftnl11 libxtables12 libedit2 lib
 libzstd1 libbrotli1 zlib1g libmd0 libcap2 libgcc-s1 libtinfo6 libbz2-1.0 liblzma5
 libxxhash0 libgpg-error0 libgcrypt20 libelf1t64 nats-server"
 
+# From the system's own (bookworm) sources: containerd and runc for the node
+# agent's container tests, iptables-restore for CRIU's network lock, busybox
+# for test images, gcc to build smr-init.
+NEED=""
+for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
+            gcc:gcc nsenter:util-linux; do
+  command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"
+done
+[[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || NEED="$NEED libc6-dev"
+if [[ -n $NEED ]]; then
+  echo "smr: installing$NEED from the system's apt sources"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $NEED >/dev/null
+fi
+
 if [[ -f $STAMP && -x $PREFIX/bin/criu && -x $PREFIX/bin/nats-server ]]; then
+  touch "$STAMP"
   exit 0
 fi
 

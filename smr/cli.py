@@ -197,6 +197,13 @@ async def cmd_watcher(s: config.Settings, a: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_agent(s: config.Settings, a: argparse.Namespace) -> int:
+    from services.agent.__main__ import serve
+
+    await serve(s)
+    return 0
+
+
 def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
     for st in config.SETTINGS:
         print(f"{config.PREFIX}{st.name}={s.values[st.name]!s:<24} # {st.doc}")
@@ -238,13 +245,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("config", help="print the settings in force")
     sub.add_parser("watcher", help="watch Kubernetes and publish checkpoint and restore "
                    "requests (needs SMR_NATS_URL)")
+    sub.add_parser("agent", help="the node agent: checkpoint and restore this node's pod "
+                   "containers (needs SMR_NATS_URL, SMR_NODE, host PID namespace)")
     return p
 
 
 COMMANDS = {
     "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
     "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill, "demo": cmd_demo,
-    "watcher": cmd_watcher,
+    "watcher": cmd_watcher, "agent": cmd_agent,
 }
 
 

@@ -138,6 +138,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("LEASE_RETRY", 2.0, _pos_float, "seconds between Lease attempts (at least 1)"),
     Setting("PUBLISH_CONCURRENCY", 64, _pos_int, "requests the watcher publishes at once"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
+    Setting("CRIU_ROOT", "", str, "node agent: the prefix CRIU is installed in, copied into "
+            "pods (its usr/sbin/criu, usr/lib/x86_64-linux-gnu); default: `make setup`'s, else /"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
     Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),
     Setting("MAX_DELIVER", 5, _pos_int, "deliveries of one request before it is dead-lettered"),
@@ -185,6 +187,12 @@ class Settings:
 
     def criu_binary(self) -> str:
         return _find_binary(self.values["CRIU"], "criu", "CRIU")
+
+    def criu_root(self) -> Path:
+        if self.values["CRIU_ROOT"]:
+            return Path(self.values["CRIU_ROOT"])
+        local = REPO_TOOLS.parent / "root"
+        return local if (local / "usr/sbin/criu").is_file() else Path("/")
 
     def nats_server_binary(self) -> str:
         return _find_binary(self.values["NATS_SERVER"], "nats-server", "NATS_SERVER")

@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +33,17 @@ class CriuRun:
 
 
 class Criu:
-    def __init__(self, binary: str, timeout: float = 600.0) -> None:
+    """``prefix`` runs CRIU through another command (the node agent enters a
+    container's namespaces with nsenter); ``view`` turns a host path into the
+    path CRIU sees there; ``options`` go into every dump and restore."""
+
+    def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
+                 view: Callable[[Path], str] = str, options: Sequence[str] = ()) -> None:
         self.binary = binary
         self.timeout = timeout
+        self.prefix = list(prefix)
+        self.view = view
+        self.options = list(options)
         self._tracks_memory: bool | None = None
         self._version: str | None = None
 
@@ -88,7 +97,7 @@ class Criu:
         of ours: the restored tree gets that descriptor instead of reopening the
         file, so a log that grew since the dump is still accepted.
         """
-        args = ["restore", "-d", "--file-locks", "--pidfile", str(pidfile)]
+        args = ["restore", "-d", "--file-locks", "--pidfile", self.view(pidfile)]
         fds = []
         for path, fd in (inherit or {}).items():
             args.append(f"--inherit-fd=fd[{fd}]:{path.lstrip('/')}")
@@ -100,7 +109,8 @@ class Criu:
                    pass_fds: tuple[int, ...] = ()) -> CriuRun:
         images.mkdir(parents=True, exist_ok=True)
         log = images / log_name
-        cmd = [self.binary, *args, "-D", str(images), "-o", log_name, "-v4"]
+        cmd = [*self.prefix, self.binary, *args, *self.options, "-D", self.view(images),
+               "-o", log_name, "-v4"]
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ import pytest
 
 from smr import config
 from smr.bus import Bus, BusConfig
-from smr.natsserver import NatsServer
+from smr.natsserver import NatsServer, free_port
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +35,28 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory,
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server: a separate process, real HTTP."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
 
 
 @pytest.fixture

@@ -10,12 +10,10 @@ import asyncio
 import base64
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -27,30 +25,8 @@ from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointCorrupt, CheckpointNotFound, CheckpointStore
 from smr.messages import Target
-from smr.natsserver import free_port
 
 NS = layout.LOCAL_NAMESPACE
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(params=["local", "s3"])

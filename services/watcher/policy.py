@@ -5,6 +5,8 @@
     <prefix>/heartbeat-checkpoint: "<s>"     a checkpoint every <s> seconds
     env SMR_CHECKPOINT=<checkpoint id>       that container resumes from the id's
                                              latest checkpoint at every start (Jobs)
+    <prefix>/restore-failure: fresh|fail     when a restore is refused or fails, the
+                                             container starts over (default) or fails
 
 ``<prefix>`` is SMR_LABEL_PREFIX (``smr.dev``). The seed product's names
 (``cedana.ai/...``, ``CEDANA_CHECKPOINT``) are read as aliases, so manifests
@@ -22,6 +24,7 @@ from typing import Any
 ALIAS_PREFIX = "cedana.ai"
 NODE_RESTORE = "node-restore"
 HEARTBEAT = "heartbeat-checkpoint"
+RESTORE_FAILURE = "restore-failure"
 CHECKPOINT_ENV = ("SMR_CHECKPOINT", "CEDANA_CHECKPOINT")
 _CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -39,6 +42,7 @@ class PodPolicy:
     heartbeat_s: int | None = None
     containers: tuple[ContainerPolicy, ...] = ()
     problems: tuple[str, ...] = ()
+    restore_failure: str = "fresh"  # or "fail"
 
     @property
     def opted_in(self) -> bool:
@@ -94,6 +98,15 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
             else:
                 heartbeat = seconds
 
+    restore_failure = "fresh"
+    if found := _label(labels, prefix, RESTORE_FAILURE):
+        key, value = found
+        if value in ("fresh", "fail"):
+            restore_failure = value
+        else:
+            problems.append(f'label {key}="{value}" is not "fresh" or "fail"; a failed '
+                            "restore starts the container fresh")
+
     containers = []
     for c in (pod.get("spec") or {}).get("containers") or []:
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}
@@ -109,4 +122,5 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
             containers.append(ContainerPolicy(
                 c["name"], default_checkpoint_id(meta.get("name", ""), c["name"]),
                 from_env=False))
-    return PodPolicy(node_restore, heartbeat, tuple(containers), tuple(problems))
+    return PodPolicy(node_restore, heartbeat, tuple(containers), tuple(problems),
+                     restore_failure)

@@ -6,10 +6,12 @@ replicas do.
                                                   ckpt.requested.<node> per opted-in container
     opted-in pod terminating on such a node   ──▶ ckpt.requested.<node>  (reason drain)
     heartbeat label (leader only, KV schedule) ──▶ ckpt.requested.<node>  (leave running)
-    opted-in pod starts, checkpoint stored    ──▶ restore.requested.<node>
     bare node-restore pod gone from such node ──▶ the pod is created again (the
                                                   scheduler places it elsewhere)
     ckpt.done / restore.done of a pod          ──▶ a Kubernetes Event on the pod
+
+Restores as a container starts are the node agent's (services/agent/starts):
+it sees the container's smr-init waiting, which the cluster's view cannot.
 
 Exactly once in effect: a node going away opens a drain *episode* (its id is
 created once, by compare-and-set in KV, and shared by every replica); every
@@ -27,8 +29,7 @@ import os
 import socket
 import uuid
 from collections import Counter, OrderedDict
-from datetime import datetime
-from typing import Any, get_args
+from typing import Any
 
 import orjson
 from kubernetes_asyncio import client
@@ -37,21 +38,17 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
-from services.watcher.kube import Informer, key_of, rv_of
+from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
 from services.watcher.policy import PodPolicy, pod_policy
 from services.watcher.triggers import node_reasons
 from smr import tracing
-from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
+from smr.bus import KV_BEATS, KV_EPISODES, Bus, node_token
 from smr.config import Settings
-from smr.errors import SmrError
 from smr.messages import (
     CkptRequested,
     Message,
     NodeDraining,
-    Reason,
-    RestoreRequested,
-    StorageQuery,
     Target,
     derive_request_id,
 )
@@ -90,7 +87,6 @@ class Watcher:
         self._published: OrderedDict[str, None] = OrderedDict()  # request ids sent
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
-        self._restore_checks: set[str] = set()  # starts (_start_of) being checked
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -309,12 +305,6 @@ class Watcher:
                 reasons.append("drain")
             await self._publish_all([r for reason in reasons
                                      for r in self._drain_requests(pod, episode, reason)])
-        elif not terminating and (pod.get("status") or {}).get("phase") in (
-                "Pending", "Running", None) and policy.restorable() \
-                and _start_of(pod) not in self._restore_checks:
-            # Off the informer's path: a slow storage answer must not hold
-            # up the events behind it. One check per start at a time.
-            self._spawn(self._restore_check(pod, policy))
 
     async def _keep_beat(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName")
@@ -337,66 +327,6 @@ class Watcher:
                 await self._keep_beat(pod, self._policy(pod))
         log.info("heartbeat schedule: %d pods", len(self.schedule.entries))
         await self.schedule.run()
-
-    # -- restore triggers ----------------------------------------------------------------
-
-    async def _restore_check(self, pod: dict[str, Any], policy: PodPolicy,
-                             attempt: int = 0) -> None:
-        key = _start_of(pod)
-        self._restore_checks.add(key)
-        try:
-            await self._restore_if_stored(pod, policy, attempt)
-        finally:
-            self._restore_checks.discard(key)
-
-    async def _restore_if_stored(self, pod: dict[str, Any], policy: PodPolicy,
-                                 attempt: int = 0) -> None:
-        meta, node = pod["metadata"], pod["spec"]["nodeName"]
-        statuses = {s.get("name"): s for s in
-                    (pod.get("status") or {}).get("containerStatuses") or []}
-        for c in policy.restorable():
-            st = statuses.get(c.name) or {}
-            state = st.get("state") or {}
-            if "terminated" in state:
-                continue
-            # One request per start of the container.
-            rid = derive_request_id("restore", meta["uid"], c.name,
-                                    str(st.get("restartCount", 0)))
-            if rid in self._published:
-                continue
-            try:
-                reply = await self.bus.query(QUERY_LATEST, StorageQuery(
-                    checkpoint_id=c.checkpoint_id, namespace=meta["namespace"]), timeout=5)
-            except SmrError as e:
-                if attempt < 5:
-                    log.warning("pod %s/%s: cannot ask storage (%s); asking again shortly",
-                                meta["namespace"], meta["name"], e.message)
-                    self._spawn(self._retry_restore(key_of(pod), 2.0 * 2 ** attempt, attempt))
-                return
-            if reply.error or not reply.generations:
-                self._published[rid] = None  # nothing to restore at this start
-                continue
-            gen = reply.generations[0]
-            started = (state.get("running") or {}).get("startedAt")
-            if started and _instant(started) <= _instant(gen.get("created_at", "")):
-                # This start came before that checkpoint (a heartbeat of the
-                # running container): it is not a start to resume.
-                self._published[rid] = None
-                continue
-            reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"
-            log.info("pod %s/%s container %s starts: restoring %s generation %s", meta[
-                "namespace"], meta["name"], c.name, c.checkpoint_id, gen.get("generation"))
-            await self._publish_all([RestoreRequested(
-                request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
-                reason=reason, generation=gen.get("generation"),  # type: ignore[arg-type]
-                target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
-                              container=c.name))])
-
-    async def _retry_restore(self, key: str, delay: float, attempt: int) -> None:
-        await asyncio.sleep(delay)
-        pod = self.pods.cache.get(key)
-        if pod and (pod.get("spec") or {}).get("nodeName"):
-            await self._restore_check(pod, self._policy(pod), attempt + 1)
 
     # -- bare pods -----------------------------------------------------------------------
 
@@ -443,23 +373,9 @@ class Watcher:
                          "resumes from its latest checkpoint", key=created["metadata"]["uid"])
 
 
-def _instant(ts: str) -> float:
-    try:
-        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
-
-
 def _newer(rv: str, than: str) -> bool:
     """resourceVersions of one object are etcd revisions: integers that grow."""
     try:
         return int(rv) > int(than)
     except ValueError:
         return True
-
-
-def _start_of(pod: dict[str, Any]) -> str:
-    """Which start of a pod's containers this is: its uid, node and restart counts."""
-    counts = [str(st.get("restartCount", 0)) for st in
-              (pod.get("status") or {}).get("containerStatuses") or []]
-    return "/".join([pod["metadata"]["uid"], pod["spec"].get("nodeName", ""), *counts])

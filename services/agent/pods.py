@@ -1,0 +1,133 @@
+"""The pod containers of this node, as the Kubernetes API and /proc see them,
+and what the node agent's checkpoint and restore steps share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from services.agent import host
+from services.agent.host import Shim
+from services.agent.incontainer import CriuBundle
+from services.storage.store import CheckpointStore
+from smr.criu import Criu
+from smr.errors import PermanentError, TemporaryError
+from smr.jobs import JobLock
+from smr.messages import Target
+
+
+def runtime_id(container_id: str) -> str:
+    """``containerd://abc`` → ``abc``."""
+    return container_id.split("://", 1)[-1]
+
+
+@dataclass
+class PodContainer:
+    pod: dict[str, Any]
+    name: str
+    status: dict[str, Any]  # its entry in status.containerStatuses
+
+    @property
+    def namespace(self) -> str:
+        return str(self.pod["metadata"]["namespace"])
+
+    @property
+    def container_id(self) -> str:
+        return runtime_id(self.status.get("containerID") or "")
+
+    @property
+    def image_id(self) -> str:
+        return str(self.status.get("imageID") or "")
+
+    @property
+    def image(self) -> str:
+        return str(self.status.get("image") or "")
+
+    def target(self) -> Target:
+        m = self.pod["metadata"]
+        return Target(kind="pod", namespace=m["namespace"], pod=m["name"], container=self.name)
+
+    def lock_key(self) -> str:
+        m = self.pod["metadata"]
+        return f"pod.{m['uid']}.{self.name}"
+
+
+class Pods:
+    def __init__(self, api: client.ApiClient, node: str) -> None:
+        self.core = client.CoreV1Api(api)
+        self.node = node
+
+    async def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise TemporaryError(f"cannot read pod {namespace}/{name}: {e.reason}",
+                                 code="kube-api") from None
+        return orjson.loads(await resp.read())  # type: ignore[no-any-return]
+
+    async def on_node(self) -> list[dict[str, Any]]:
+        try:
+            resp = await self.core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={self.node}", _preload_content=False)
+        except ApiException as e:
+            raise TemporaryError(f"cannot list the pods of node {self.node}: {e.reason}",
+                                 code="kube-api") from None
+        return orjson.loads(await resp.read())["items"]  # type: ignore[no-any-return]
+
+    async def container(self, target: Target) -> PodContainer:
+        """The target's container, which must run on this node."""
+        if target.kind != "pod" or not (target.namespace and target.pod and target.container):
+            raise PermanentError(f"the node agent handles pod containers; {target} is not one",
+                                 code="target-unsupported",
+                                 hint="local jobs are handled by `smr up`")
+        pod = await self._read(target.namespace, target.pod)
+        if pod is None:
+            raise PermanentError(f"{target}: no such pod", code="pod-not-found")
+        on = (pod.get("spec") or {}).get("nodeName")
+        if on != self.node:
+            raise PermanentError(f"{target} runs on node {on}, not on {self.node}",
+                                 code="wrong-node", hint=f"send the request to node {on}")
+        for st in (pod.get("status") or {}).get("containerStatuses") or []:
+            if st.get("name") == target.container and st.get("containerID"):
+                return PodContainer(pod, target.container, st)
+        raise TemporaryError(f"{target} has not started yet (no container ID in its status)",
+                             code="container-not-started")
+
+
+class PodStep:
+    """What the pod checkpoint and restore steps share."""
+
+    def __init__(self, *, bundle: CriuBundle, criu: Criu, store: CheckpointStore,
+                 lock: JobLock, pods: Pods, node: str, criu_timeout: float,
+                 label_prefix: str) -> None:
+        self.bundle = bundle
+        self.criu = criu  # the host's: its version goes into manifests
+        self.store = store
+        self.lock = lock
+        self.pods = pods
+        self.node = node
+        self.criu_timeout = criu_timeout
+        self.label_prefix = label_prefix
+
+    @staticmethod
+    def shim_of(c: PodContainer) -> Shim:
+        shim = host.find_shim(c.container_id)
+        if shim is None:
+            raise PermanentError(
+                f"{c.target()} does not run smr-init as its first process, so smr cannot "
+                "checkpoint or restore it", code="no-smr-init",
+                hint="label the pod for the smr webhook, or start the container's command "
+                     "through /smr/smr-init (docs/node-agent.md)")
+        return shim
+
+    @staticmethod
+    def work(shim: Shim, request_id: str) -> Path:
+        """A request's directory in the pod's smr volume (host path)."""
+        return shim.host(f"{shim.dir}/work/{request_id}")

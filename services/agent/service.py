@@ -1,0 +1,62 @@
+"""The node agent: one per Kubernetes node (a privileged DaemonSet pod with
+the host's PID namespace). It checkpoints and restores the containers of the
+pods on its node:
+
+    ckpt.requested.<node>    (pod target) ──▶ PodCheckpointStep
+    restore.requested.<node> (pod target) ──▶ PodRestoreStep
+    a container's smr-init waiting         ──▶ StartRestores (restore or fresh)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kubernetes_asyncio import client
+
+from services.agent.incontainer import CriuBundle
+from services.agent.pods import Pods
+from services.agent.starts import StartRestores
+from services.checkpointer.pod import PodCheckpointStep
+from services.restorer.pod import PodRestoreStep
+from services.storage.store import CheckpointStore
+from smr.bus import KV_LOCKS, KV_STEPS, Bus, Worker
+from smr.config import Settings
+from smr.criu import Criu
+from smr.jobs import JobLock
+
+
+class NodeAgent:
+    def __init__(self, bus: Bus, api: client.ApiClient, store: CheckpointStore,
+                 settings: Settings) -> None:
+        s = settings
+        self.pods = Pods(api, s.node)
+        common = dict(
+            bundle=CriuBundle(s.criu_root()), criu=Criu(s.criu_binary(), s.criu_timeout),
+            store=store, lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS)), pods=self.pods,
+            node=s.node, criu_timeout=s.criu_timeout, label_prefix=s.label_prefix)
+        self.workers = [
+            Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),
+            Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer"),
+        ]
+        self.starts = StartRestores(bus, self.pods, s)
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for w in self.workers:
+            w.stop()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(w.run()) for w in self.workers]
+        tasks.append(asyncio.create_task(self.starts.run(self._stop)))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
+            self.ready.set()
+            await self._stop.wait()
+        finally:
+            self.stop()
+            for t in tasks:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(t, 30)

@@ -1,0 +1,151 @@
+"""Container starts on this node: every smr-init that waits gets its answer.
+
+    smr-init waits (PID 1, nothing else running)
+    → its container in the pod's status (container ID) → the pod's policy
+    → not opted in, or no checkpoint stored: "fresh"
+    → otherwise "restoring", and a restore.requested for this node whose
+      request_id comes from the container ID: one restore per container start,
+      whatever is repeated. The restore step answers "restored <pid>"; a
+      refused or failed restore answers "fresh", or "fail" when the pod's
+      policy (label <prefix>/restore-failure: fail) forbids starting over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, get_args
+
+from services.agent import host
+from services.agent.host import Shim
+from services.agent.pods import Pods, runtime_id
+from services.watcher.policy import pod_policy
+from smr import tracing
+from smr.bus import QUERY_LATEST, Bus
+from smr.config import Settings
+from smr.errors import SmrError
+from smr.jobs import proc_start_ticks
+from smr.messages import Reason, RestoreRequested, StorageQuery, Target, derive_request_id
+
+log = logging.getLogger("smr.agent")
+
+SCAN_S = 0.25
+UNKNOWN_FOR_S = 20.0  # a shim no pod of this node claims (another node's, on a shared host)
+RESTORE_WAIT_S = 3600.0
+
+
+class StartRestores:
+    def __init__(self, bus: Bus, pods: Pods, settings: Settings) -> None:
+        self.bus = bus
+        self.pods = pods
+        self.s = settings
+        self.node = settings.node
+        self._seen: dict[tuple[int, int], float] = {}  # shim (pid, start) → first seen
+        self._busy: set[tuple[int, int]] = set()
+        self._done: set[tuple[int, int]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                await self.scan()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), SCAN_S)
+        finally:
+            for t in self._tasks:
+                t.cancel()
+
+    async def scan(self) -> None:
+        waiting = []
+        for shim in await asyncio.to_thread(host.shims):
+            key = (shim.pid, proc_start_ticks(shim.pid) or 0)
+            if key in self._done or key in self._busy:
+                continue
+            st = shim.status()
+            if not st or st[0] != "waiting":
+                continue
+            self._seen.setdefault(key, time.monotonic())
+            waiting.append((key, shim))
+        if not waiting:
+            return
+        try:
+            pods = await self.pods.on_node()
+        except SmrError as e:
+            log.warning("cannot list this node's pods: %s", e.message)
+            return
+        for key, shim in waiting:
+            found = _claim(pods, host.container_id_of(shim.pid) or "")
+            if found is None:
+                if time.monotonic() - self._seen[key] > UNKNOWN_FOR_S:
+                    self._done.add(key)  # not a container of this node
+                continue
+            self._busy.add(key)
+            task = asyncio.create_task(self._answer(key, shim, *found))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, key: tuple[int, int], shim: Shim, pod: dict[str, Any],
+                      status: dict[str, Any]) -> None:
+        meta, name = pod["metadata"], status["name"]
+        try:
+            with tracing.tracer.start_as_current_span(
+                    "container start", attributes={"k8s.pod.name": meta["name"],
+                                                   "k8s.container.name": name}):
+                shim.decide(await self._decision(pod, status, shim))
+            self._done.add(key)
+        except SmrError as e:
+            log.warning("pod %s/%s container %s: %s; asked again shortly", meta["namespace"],
+                        meta["name"], name, e.message)
+        except Exception:
+            log.exception("pod %s/%s container %s: answering smr-init failed",
+                          meta["namespace"], meta["name"], name)
+        finally:
+            self._busy.discard(key)
+
+    async def _decision(self, pod: dict[str, Any], status: dict[str, Any], shim: Shim) -> str:
+        meta, name = pod["metadata"], status["name"]
+        policy = pod_policy(pod, prefix=self.s.label_prefix, heartbeat_min=self.s.heartbeat_min,
+                            heartbeat_max=self.s.heartbeat_max)
+        mine = next((c for c in policy.restorable() if c.name == name), None)
+        if mine is None:
+            return "fresh"
+        reply = await self.bus.query(QUERY_LATEST, StorageQuery(
+            checkpoint_id=mine.checkpoint_id, namespace=meta["namespace"]), timeout=10)
+        if reply.error or not reply.generations:
+            return "fresh"
+        gen = reply.generations[0]
+        reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"
+        req = RestoreRequested(
+            request_id=derive_request_id("restore", meta["uid"], name,
+                                         runtime_id(status["containerID"])),
+            checkpoint_id=mine.checkpoint_id, node=self.node, generation=gen.get("generation"),
+            reason=reason,  # type: ignore[arg-type]
+            target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
+                          container=name))
+        log.info("pod %s/%s container %s starts: restoring %s generation %s",
+                 meta["namespace"], meta["name"], name, mine.checkpoint_id, req.generation)
+        # smr-init waits without its start timeout from here on.
+        shim.decide("restoring")
+        result = await self.bus.request(req, timeout=RESTORE_WAIT_S)
+        if result.status == "succeeded":
+            return f"restored {result.pid}"
+        error = result.error or {}
+        message = f"{error.get('code', 'failed')}: {error.get('message', '')}"
+        if policy.restore_failure == "fail":
+            return f"fail restore of {mine.checkpoint_id} failed ({message}); the pod's " \
+                   f"policy {self.s.label_prefix}/restore-failure=fail forbids a fresh start"
+        log.warning("pod %s/%s container %s starts fresh: restore failed (%s)",
+                    meta["namespace"], meta["name"], name, message)
+        return "fresh"
+
+
+def _claim(pods: list[dict[str, Any]], container_id: str
+           ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The pod and container status whose container ID is ``container_id``."""
+    for pod in pods:
+        for st in (pod.get("status") or {}).get("containerStatuses") or []:
+            if st.get("containerID") and runtime_id(st["containerID"]) == container_id:
+                return pod, st
+    return None

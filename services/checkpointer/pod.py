@@ -1,0 +1,137 @@
+"""The checkpoint step for pod containers (the node agent).
+
+    find the container (pod status → container ID → its smr-init in /proc)
+    → CRIU, run inside the container's namespaces, dumps the workload's tree
+      into the pod's smr volume, uploaded while it is written
+    → the container's writable layer is added as rootfs.tar
+    → the manifest records the image, so a restore can refuse another one
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from typing import Any
+
+import orjson
+
+from services.agent import host, rootfs
+from services.agent.host import Shim
+from services.agent.pods import PodContainer, PodStep
+from services.storage.store import Generation
+from smr import __version__
+from smr.bus import Progress
+from smr.criu import CriuError, dump_finished
+from smr.errors import PermanentError
+from smr.jobs import proc_start_ticks, wait_exit
+from smr.messages import CkptDone, CkptRequested, now
+
+CONTAINER_FILE = "container.json"
+
+
+class PodCheckpointStep(PodStep):
+    kind = "ckpt.requested"
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        started, t0 = now(), time.monotonic()
+        c = await self.pods.container(req.target)
+        shim = self.shim_of(c)
+        running = shim.workload()
+        if running is None:
+            raise PermanentError(f"{req.target} is not running its workload (smr-init "
+                                 f"status: {' '.join(shim.status()) or 'unknown'})",
+                                 code="job-not-running")
+        pid, inner = running
+        ticks = proc_start_ticks(pid)
+        await self.lock.acquire(c.lock_key(), req.request_id)
+        work = self.work(shim, req.request_id)
+        try:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            work.mkdir(parents=True)
+            criu = await self.bundle.inside(shim, self.criu_timeout)
+            upper = host.upperdir(pid)
+            # Kept in the volume: a recovered commit records the same facts.
+            (work / CONTAINER_FILE).write_bytes(orjson.dumps({
+                "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
+                "stdio": host.stdio(pid)}))
+            shim.hold(True)
+            try:
+                progress.update("dump")
+                dump = asyncio.create_task(self._dump(c, shim, criu, inner, work, upper,
+                                                      req.leave_running))
+                try:
+                    gen, durable = await self._commit(req, c, shim, progress, dump)
+                except BaseException:
+                    if not dump.done():
+                        await asyncio.wait([dump])  # the workload must not stay frozen
+                    raise
+                durations = dump.result()
+                durations["durable"] = durable
+                if not req.leave_running and ticks is not None:
+                    await wait_exit(pid, ticks)
+            finally:
+                shim.hold(False)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            await self.lock.release(c.lock_key(), req.request_id)
+        durations["total"] = time.monotonic() - t0
+        return self._result(req, gen, durations=durations, started_at=started)
+
+    async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
+                    upper: Any, leave_running: bool) -> dict[str, float]:
+        try:
+            run = await criu.dump(inner, work / "images", leave_running=leave_running)
+        except CriuError as e:
+            if shim.workload() is None:
+                raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
+                                     "was stored", code="job-exited", detail=e.detail) from None
+            e.message = f"{e.message}; {c.target()} keeps running"
+            raise
+        t = time.monotonic()
+        # The layer is read once the dump is complete: for a final checkpoint
+        # the workload is gone and the layer is exactly what it left.
+        if upper is not None:
+            await rootfs.capture(upper, work / rootfs.TAR)
+        return {"dump": run.seconds, "rootfs": time.monotonic() - t}
+
+    async def _commit(self, req: CkptRequested, c: PodContainer, shim: Shim,
+                      progress: Progress, writer: asyncio.Task[Any] | None
+                      ) -> tuple[Generation, float]:
+        t = time.monotonic()
+        work = self.work(shim, req.request_id)
+        meta = {
+            "request_id": req.request_id, "node": self.node, "reason": req.reason,
+            "target": req.target.to_dict(), "leave_running": req.leave_running,
+            "pre_dump": False,
+            "versions": {"criu": await self.criu.version(), "smr": __version__},
+            "container": orjson.loads((work / CONTAINER_FILE).read_bytes()),
+        }
+        gen = await self.store.commit(
+            c.namespace, req.checkpoint_id, work, meta,
+            writer=writer, on_bytes=lambda n: progress.update(done_bytes=n))
+        return gen, time.monotonic() - t
+
+    def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
+        return CkptDone.for_request(req, status="succeeded", generation=gen.number,
+                                    location=gen.location, size_bytes=gen.size_bytes, **kw)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        """A worker died mid-checkpoint: committed → that result; a finished
+        dump still in the volume → commit it; otherwise run again."""
+        ns = req.target.namespace or ""
+        for gen in reversed(await self.store.generations(ns, req.checkpoint_id)):
+            if gen.manifest["request_id"] == req.request_id:
+                return self._result(req, gen)
+        try:
+            c = await self.pods.container(req.target)
+            shim = self.shim_of(c)
+        except PermanentError:
+            return None  # run() reports it
+        work = self.work(shim, req.request_id)
+        if dump_finished(work / "images"):
+            gen, _ = await self._commit(req, c, shim, Progress(), None)
+            await self.lock.release(c.lock_key(), req.request_id)
+            return self._result(req, gen)
+        await self.lock.release(c.lock_key(), req.request_id)
+        return None

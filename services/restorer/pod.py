@@ -1,0 +1,167 @@
+"""The restore step for pod containers (the node agent).
+
+The container was started by the kubelet as usual; its smr-init waits as
+PID 1 of an otherwise empty PID namespace. Then:
+
+    check the fit: same image digest as at the checkpoint, the GPU (if any)
+    → download and verify the images into the pod's smr volume
+    → put the writable layer back (rootfs.tar), through the container's root
+    → CRIU, inside the container's namespaces, restores the tree; smr-init
+      adopts it (the kernel reparents it to the namespace's init)
+    → the tree joins the container's cgroups; smr-init is told its PID
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from services.agent import host, rootfs
+from services.agent.host import Shim
+from services.agent.incontainer import set_last_pid
+from services.agent.pods import PodContainer, PodStep
+from services.storage.store import CheckpointNotFound, Generation
+from smr import gpuinfo
+from smr.bus import Progress
+from smr.errors import PermanentError
+from smr.messages import RestoreDone, RestoreRequested, now
+
+
+class ImageMismatch(PermanentError):
+    code = "image-mismatch"
+
+
+class PodRestoreStep(PodStep):
+    kind = "restore.requested"
+
+    async def run(self, req: RestoreRequested, progress: Progress) -> RestoreDone:
+        started, t0 = now(), time.monotonic()
+        c = await self.pods.container(req.target)
+        shim = self.shim_of(c)
+        await self.lock.acquire(c.lock_key(), req.request_id)
+        work = self.work(shim, req.request_id)
+        try:
+            st = shim.status()
+            if not st or st[0] != "waiting":
+                raise PermanentError(
+                    f"{req.target} has already started its command (smr-init status: "
+                    f"{' '.join(st) or 'unknown'}); a restore would run it twice",
+                    code="container-started",
+                    hint="a container is restored only as it starts; delete the pod to "
+                         "start it again from its latest checkpoint")
+            gen = await self._generation(req)
+            self.check_fits(gen, c)  # before any byte moves
+            progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
+            t = time.monotonic()
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n))
+            durations = {"download": time.monotonic() - t}
+            progress.update("restore")
+            t = time.monotonic()
+            await rootfs.apply(work / rootfs.TAR, shim.root)
+            durations["rootfs"] = time.monotonic() - t
+            pid = await self._restore(gen, shim, work, durations)
+            shim.decide(f"restored {pid}")
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            await self.lock.release(c.lock_key(), req.request_id)
+        durations["total"] = time.monotonic() - t0
+        return RestoreDone.for_request(
+            req, status="succeeded", generation=gen.number, location=gen.location,
+            size_bytes=gen.size_bytes, pid=pid, durations=durations, started_at=started)
+
+    async def _generation(self, req: RestoreRequested) -> Generation:
+        ns = req.target.namespace or ""
+        if req.generation is not None:
+            return await self.store.get(ns, req.checkpoint_id, req.generation)
+        gen = await self.store.latest(ns, req.checkpoint_id)
+        if gen is None:
+            raise CheckpointNotFound(f"checkpoint {req.checkpoint_id} has no stored generation")
+        return gen
+
+    @staticmethod
+    def check_fits(gen: Generation, c: PodContainer) -> None:
+        saved = (gen.manifest.get("container") or {}).get("image_id", "")
+        if saved and c.image_id and saved != c.image_id:
+            was = (gen.manifest.get("container") or {}).get("image", "")
+            raise ImageMismatch(
+                f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number} was "
+                f"taken from image {was} ({saved}); container {c.name} of pod "
+                f"{c.namespace}/{c.pod['metadata']['name']} runs {c.image} ({c.image_id})",
+                hint="a process only resumes on the image it was frozen with: run that image, "
+                     "or use another checkpoint id for the new one")
+        if gen.manifest.get("gpu"):
+            gpuinfo.check_fits(gen.manifest["gpu"])
+
+    async def _restore(self, gen: Generation, shim: Shim, work: Path,
+                       durations: dict[str, float]) -> int:
+        criu = await self.bundle.inside(shim, self.criu_timeout)
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        await set_last_pid(shim, pid_max - 1000)
+        # The dumped stdout/stderr pipes become the new container's.
+        inherit, fds = {}, []
+        for fd, pipe in ((gen.manifest.get("container") or {}).get("stdio") or {}).items():
+            with contextlib.suppress(OSError):
+                mode = os.O_RDONLY if fd == "0" else os.O_WRONLY
+                new = os.open(f"/proc/{shim.pid}/fd/{fd}", mode)
+                fds.append(new)
+                inherit[pipe] = new
+        pidfile = work / "restored.pid"
+        try:
+            run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        durations["restore"] = run.seconds
+        inner = int(pidfile.read_text())
+        root = _find_ns_pid(shim, inner)
+        if root is None:
+            raise PermanentError(f"the restored process {inner} is not running",
+                                 code="restore-died")
+        try:
+            for p in host.tree(root):
+                host.move_to_cgroups_of(p, shim.pid)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(root, signal.SIGKILL)
+            raise
+        return inner
+
+    async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
+        """A worker died mid-restore: if the container already runs the
+        restored tree, answer; a restore never runs twice."""
+        try:
+            c = await self.pods.container(req.target)
+            shim = self.shim_of(c)
+        except PermanentError:
+            return None
+        st = shim.status()
+        pidfile = self.work(shim, req.request_id) / "restored.pid"
+        if st and st[0] == "waiting" and pidfile.is_file():
+            with contextlib.suppress(OSError, ValueError):
+                inner = int(pidfile.read_text())
+                if _find_ns_pid(shim, inner):
+                    shim.decide(f"restored {inner}")
+                    await self.lock.release(c.lock_key(), req.request_id)
+                    return RestoreDone.for_request(req, status="succeeded", pid=inner)
+        await self.lock.release(c.lock_key(), req.request_id)
+        return None
+
+
+def _find_ns_pid(shim: Shim, inner: int) -> int | None:
+    """The host pid of the process ``inner`` of the shim's PID namespace."""
+    try:
+        ns = os.readlink(f"/proc/{shim.pid}/ns/pid")
+    except OSError:
+        return None
+    for p in host.all_pids():
+        with contextlib.suppress(OSError):
+            if host.ns_pid(p) == inner and os.readlink(f"/proc/{p}/ns/pid") == ns:
+                return p
+    return None

@@ -1,0 +1,77 @@
+"""Builds small OCI image tarballs locally (no registry can be reached here),
+for `ctr images import`: one layer with static busybox and the files given."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+import time
+from pathlib import Path
+
+BUSYBOX_APPLETS = ["sh", "sleep", "cat", "echo", "ls", "seq", "true", "mkdir", "rm", "test"]
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), mode, 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _dir(tar: tarfile.TarFile, name: str) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode = tarfile.DIRTYPE, 0o755
+    tar.addfile(info)
+
+
+def _blob(blobs: dict[str, bytes], data: bytes, media: str) -> dict[str, object]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    blobs[digest] = data
+    return {"mediaType": media, "digest": digest, "size": len(data)}
+
+
+def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
+          label: str = "") -> Path:
+    """Write an OCI image tarball named ``ref`` to ``out``; ``label`` makes a
+    different image (digest) with the same content."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise RuntimeError("busybox is needed to build test images: apt-get install "
+                           "busybox-static (make setup does)")
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for d in ("bin", "data", "tmp", "proc", "sys", "dev", "etc", "smr"):
+            _dir(tar, d)
+        _add(tar, "bin/busybox", Path(busybox).read_bytes(), 0o755)
+        for applet in BUSYBOX_APPLETS:
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+        for name, data in (files or {}).items():
+            _add(tar, name.lstrip("/"), data, 0o755)
+    layer_bytes = layer.getvalue()
+    blobs: dict[str, bytes] = {}
+    diff_id = "sha256:" + hashlib.sha256(layer_bytes).hexdigest()
+    layer_desc = _blob(blobs, layer_bytes, "application/vnd.oci.image.layer.v1.tar")
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"],
+                         "Labels": {"smr.test": label}},
+              "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(0))}
+    config_desc = _blob(blobs, json.dumps(config).encode(),
+                        "application/vnd.oci.image.config.v1+json")
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": config_desc, "layers": [layer_desc]}
+    manifest_desc = _blob(blobs, json.dumps(manifest).encode(),
+                          "application/vnd.oci.image.manifest.v1+json")
+    manifest_desc["annotations"] = {"org.opencontainers.image.ref.name": ref,
+                                    "io.containerd.image.name": ref}
+    index = {"schemaVersion": 2, "manifests": [manifest_desc]}
+    with tarfile.open(out, "w") as tar:
+        _add(tar, "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
+        _add(tar, "index.json", json.dumps(index).encode())
+        for digest, data in blobs.items():
+            _add(tar, f"blobs/sha256/{digest.split(':')[1]}", data)
+    return out
