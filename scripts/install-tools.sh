@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Installs the native tools smr needs into a project-local prefix, without
-# touching the system's apt sources: CRIU 4.1 and nats-server 2.10 from Debian
-# trixie (bookworm's criu 3.17 fails on kernels >= 6.x with a vvar_vclock
+# touching the system's apt sources: CRIU 4.1, nats-server 2.10 and kustomize 5.6
+# from Debian trixie (bookworm's criu 3.17 fails on kernels >= 6.x with a vvar_vclock
 # mapping, see shared/NOTES.md). Idempotent: a finished install is a no-op.
 set -euo pipefail
 
 PREFIX=${SMR_TOOLS:-$(cd "$(dirname "$0")/.." && pwd)/.tools}
 MIRROR=${SMR_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 ROOT=$PREFIX/root
-STAMP=$PREFIX/.installed-v1
+STAMP=$PREFIX/.installed-v2
 
 # The libraries criu 4.1 links against on trixie (measured: see NOTES.md).
 PKGS="criu libcompel1 libc6 libbsd0 libgnutls30t64 libnet1 libnftables1 libnl-3-200
 libprotobuf-c1 libuuid1 libunistring5 libidn2-0 libp11-kit0 libtasn1-6 libnettle8t64
 libhogweed6t64 libgmp10 libjansson4 libmnl0 libnftnl11 libxtables12 libedit2 libffi8
 libzstd1 libbrotli1 zlib1g libmd0 libcap2 libgcc-s1 libtinfo6 libbz2-1.0 liblzma5
-libxxhash0 libgpg-error0 libgcrypt20 libelf1t64 nats-server"
+libxxhash0 libgpg-error0 libgcrypt20 libelf1t64 nats-server kustomize"
 
 # From the system's own (bookworm) sources: containerd and runc for the node
 # agent's container tests, iptables-restore for CRIU's network lock, busybox
@@ -28,10 +28,10 @@ done
 [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || NEED="$NEED libc6-dev"
 if [[ -n $NEED ]]; then
   echo "smr: installing$NEED from the system's apt sources"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $NEED >/dev/null
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $NEED >/dev/null
 fi
 
-if [[ -f $STAMP && -x $PREFIX/bin/criu && -x $PREFIX/bin/nats-server ]]; then
+if [[ -f $STAMP && -x $PREFIX/bin/criu && -x $PREFIX/bin/nats-server && -x $PREFIX/bin/kustomize ]]; then
   touch "$STAMP"
   exit 0
 fi
@@ -63,7 +63,10 @@ W
 chmod +x "$PREFIX/bin/criu"
 # nats-server is a static Go binary.
 ln -sf "$ROOT/usr/sbin/nats-server" "$PREFIX/bin/nats-server"
+# kustomize 5.6 (static Go) renders deploy/kustomize in the tests.
+ln -sf "$ROOT/usr/bin/kustomize" "$PREFIX/bin/kustomize"
 
 "$PREFIX/bin/criu" --version
 "$PREFIX/bin/nats-server" --version
+"$PREFIX/bin/kustomize" version
 touch "$STAMP"

@@ -116,10 +116,12 @@ class BusConfig:
     dedupe_window: float = 3600.0
     nak_base_delay: float = 1.0
     nak_max_delay: float = 30.0
+    credentials: str = ""  # a NATS .creds file (JWT + nkey)
 
     @classmethod
     def from_settings(cls, s: Settings) -> BusConfig:
-        return cls(max_deliver=s.max_deliver, ack_wait=s.ack_wait, dedupe_window=s.dedupe_window)
+        return cls(max_deliver=s.max_deliver, ack_wait=s.ack_wait, dedupe_window=s.dedupe_window,
+                   credentials=s.nats_creds)
 
     @property
     def keepalive(self) -> float:
@@ -145,13 +147,15 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "smr", config: BusConfig | None = None) -> Bus:
+        config = config or BusConfig()
         async for attempt in retry_nats():
             with attempt:
                 nc = await nats.connect(
                     url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, allow_reconnect=True,
+                    user_credentials=config.credentials or None,
                 )
-        bus = cls(nc, nc.jetstream(timeout=10), config or BusConfig())
+        bus = cls(nc, nc.jetstream(timeout=10), config)
         await bus.ensure()
         return bus
 

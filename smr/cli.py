@@ -190,17 +190,14 @@ async def cmd_demo(s: config.Settings, a: argparse.Namespace) -> int:
     return await run_demo(s, mib=a.mib, keep=a.keep)
 
 
-async def cmd_watcher(s: config.Settings, a: argparse.Namespace) -> int:
-    from services.watcher.__main__ import serve
+async def cmd_service(s: config.Settings, a: argparse.Namespace) -> int:
+    """``smr watcher|agent|storage``: one cluster service (deploy/kustomize)."""
+    import importlib
 
-    await serve(s)
-    return 0
+    from smr import serve
 
-
-async def cmd_agent(s: config.Settings, a: argparse.Namespace) -> int:
-    from services.agent.__main__ import serve
-
-    await serve(s)
+    module = importlib.import_module(f"services.{a.command}.__main__")
+    await serve.serve(a.command, s, module.make)
     return 0
 
 
@@ -246,14 +243,16 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("watcher", help="watch Kubernetes and publish checkpoint and restore "
                    "requests (needs SMR_NATS_URL)")
     sub.add_parser("agent", help="the node agent: checkpoint and restore this node's pod "
-                   "containers (needs SMR_NATS_URL, SMR_NODE, host PID namespace)")
+                   "containers (needs SMR_NATS_URL, SMR_NODE_NAME, host PID namespace)")
+    sub.add_parser("storage", help="the storage service: answers storage queries, applies "
+                   "retention (needs SMR_NATS_URL)")
     return p
 
 
 COMMANDS = {
     "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
     "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill, "demo": cmd_demo,
-    "watcher": cmd_watcher, "agent": cmd_agent,
+    "watcher": cmd_service, "agent": cmd_service, "storage": cmd_service,
 }
 
 

@@ -101,6 +101,8 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("NATS_URL", "", str, "NATS server URL; empty: `smr up` starts an embedded nats-server"),
+    Setting("NATS_CREDS", "", str, "a NATS credentials file (.creds) for a NATS that "
+            "requires one; empty: none"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
     Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
@@ -138,6 +140,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("LEASE_RETRY", 2.0, _pos_float, "seconds between Lease attempts (at least 1)"),
     Setting("PUBLISH_CONCURRENCY", 64, _pos_int, "requests the watcher publishes at once"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
+    Setting("HEALTH_PORT", 8080, _count, "cluster services: port of /livez and /readyz for "
+            "the probes (0: none)"),
     Setting("CRIU_ROOT", "", str, "node agent: the prefix CRIU is installed in, copied into "
             "pods (its usr/sbin/criu, usr/lib/x86_64-linux-gnu); default: `make setup`'s, else /"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),

@@ -34,8 +34,9 @@ def _now() -> str:
 
 
 class Containerd:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, criu_dir: str) -> None:
         self.root = root
+        self.criu_dir = criu_dir  # runc, under containerd, finds CRIU on PATH
         self.sock = root / "containerd.sock"
         self.proc: subprocess.Popen[bytes] | None = None
         self.namespaces: set[str] = set()
@@ -50,8 +51,9 @@ class Containerd:
             f'[grpc]\n  address = "{self.sock}"\n'
             f'[ttrpc]\n  address = "{self.sock}.ttrpc"\n')
         log = open(self.root / "containerd.log", "ab")
+        env = {**os.environ, "PATH": f"{self.criu_dir}:{os.environ['PATH']}"}
         self.proc = subprocess.Popen(["containerd", "--config", str(cfg)], stdout=log,
-                                     stderr=log, start_new_session=True)
+                                     stderr=log, start_new_session=True, env=env)
         deadline = time.monotonic() + 20
         while subprocess.run(self._ctr("default", "version"), capture_output=True).returncode:
             if time.monotonic() > deadline:
@@ -139,10 +141,14 @@ class FakeKubelet:
         return self
 
     async def stop(self) -> None:
+        """Stop syncing and kill this node's containers (the node goes away)."""
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for st in self.pods.values():
+            await self._kill_pod(st)
+        self.pods.clear()
 
     async def _loop(self) -> None:
         while True:

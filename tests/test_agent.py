@@ -81,9 +81,8 @@ def containerd(tmp_path_factory: pytest.TempPathFactory, criu_binary: str
         if os.environ.get("CI"):
             pytest.fail(f"containers unusable in CI: {why}")
         pytest.skip(why)
-    # runc finds CRIU on PATH: the one `make setup` installed.
-    os.environ["PATH"] = f"{Path(criu_binary).parent}:{os.environ['PATH']}"
-    ctd = Containerd(Path(f"/tmp/smr-ctd-{uuid.uuid4().hex[:6]}")).start()
+    ctd = Containerd(Path(f"/tmp/smr-ctd-{uuid.uuid4().hex[:6]}"),
+                     str(Path(criu_binary).parent)).start()
     yield ctd
     ctd.stop()
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from smr.gpuinfo import process_tree as tree
+
 PROC = Path("/proc")
 SHIM_NAME = "smr-init"
 DEFAULT_INIT_DIR = "/smr"
@@ -57,16 +59,6 @@ def children(pid: int) -> list[int]:
         for task in (PROC / str(pid) / "task").iterdir():
             with contextlib.suppress(OSError):
                 out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children(p)
     return out
 
 
@@ -117,6 +109,17 @@ def stdio(pid: int) -> dict[str, str]:
             if target.startswith("pipe:["):
                 out[fd] = target
     return out
+
+
+def holds_gpu(pid: int) -> bool:
+    """Does any process of ``pid``'s tree have an NVIDIA device open?"""
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            for fd in (PROC / str(p) / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd).startswith("/dev/nvidia"):
+                        return True
+    return False
 
 
 def move_to_cgroups_of(pid: int, like: int) -> None:

@@ -43,6 +43,12 @@ class PodCheckpointStep(PodStep):
                                  f"status: {' '.join(shim.status()) or 'unknown'})",
                                  code="job-not-running")
         pid, inner = running
+        if host.holds_gpu(pid):
+            # The CUDA checkpoint path (smr/cuda_checkpoint) serves local jobs;
+            # CRIU alone cannot save GPU memory, so nothing half-done is stored.
+            raise PermanentError(f"{req.target} holds an NVIDIA GPU; the node agent does not "
+                                 "checkpoint GPU containers yet", code="gpu-unsupported",
+                                 hint="run the job with `smr exec --gpu` on the node meanwhile")
         ticks = proc_start_ticks(pid)
         await self.lock.acquire(c.lock_key(), req.request_id)
         work = self.work(shim, req.request_id)

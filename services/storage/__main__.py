@@ -1,0 +1,16 @@
+"""``python -m services.storage`` (``smr storage``): the storage Deployment's entry point."""
+
+from __future__ import annotations
+
+from smr import config, serve
+from smr.bus import Bus
+from smr.embedded import make_storage_service, make_store
+
+
+async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
+    store = make_store(settings)
+    return make_storage_service(bus, store, settings), [store.close]
+
+
+if __name__ == "__main__":
+    serve.main("storage", make)

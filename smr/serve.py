@@ -1,0 +1,88 @@
+"""Running one cluster service (the watcher, the node agent, the storage
+service) as a Kubernetes pod: its NATS connection, SIGTERM, and the health
+endpoint its probes ask (``SMR_HEALTH_PORT``: ``/livez`` while its loop
+answers, ``/readyz`` once it has started serving)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from aiohttp import web
+
+from smr import config, tracing
+from smr.bus import Bus, BusConfig
+from smr.errors import SmrError
+
+log = logging.getLogger("smr.serve")
+
+
+class Service(Protocol):
+    ready: asyncio.Event
+
+    async def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+Cleanup = Callable[[], Awaitable[object]]
+Factory = Callable[[Bus, config.Settings], Awaitable[tuple[Service, list[Cleanup]]]]
+
+
+async def health_server(service: Service, port: int) -> web.AppRunner:
+    async def livez(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        if service.ready.is_set():
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="starting\n")
+
+    app = web.Application()
+    app.router.add_get("/livez", livez)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+async def serve(name: str, settings: config.Settings, make: Factory) -> None:
+    if not settings.nats_url:
+        raise SmrError(f"the {name} needs a NATS server", code="config-invalid",
+                       hint="set SMR_NATS_URL (deploy/kustomize sets it)")
+    tracing.setup(name)
+    bus = await Bus.connect(settings.nats_url, name=f"smr-{name}-{settings.node}",
+                            config=BusConfig.from_settings(settings))
+    cleanups: list[Cleanup] = [bus.close]
+    runner = None
+    try:
+        service, more = await make(bus, settings)
+        cleanups[:0] = more
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop)
+        if settings.health_port:
+            runner = await health_server(service, settings.health_port)
+        await service.run()
+    finally:
+        if runner:
+            await runner.cleanup()
+        for c in cleanups:
+            with contextlib.suppress(Exception):
+                await c()
+
+
+def main(name: str, make: Factory) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("nats").setLevel(logging.WARNING)
+    try:
+        asyncio.run(serve(name, config.load(), make))
+    except SmrError as e:
+        print(f"smr {name}: {e}", file=sys.stderr)
+        sys.exit(2)
