@@ -142,6 +142,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
     Setting("HEALTH_PORT", 8080, _count, "cluster services: port of /livez and /readyz for "
             "the probes (0: none)"),
+    Setting("INIT", "", str, "node agent: its own smr-init binary; default: `make setup`'s, "
+            "else PATH (/usr/local/bin in the image)"),
     Setting("CRIU_ROOT", "", str, "node agent: the prefix CRIU is installed in, copied into "
             "pods (its usr/sbin/criu, usr/lib/x86_64-linux-gnu); default: `make setup`'s, else /"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
@@ -191,6 +193,9 @@ class Settings:
 
     def criu_binary(self) -> str:
         return _find_binary(self.values["CRIU"], "criu", "CRIU")
+
+    def init_binary(self) -> str:
+        return _find_binary(self.values["INIT"], "smr-init", "INIT")
 
     def criu_root(self) -> Path:
         if self.values["CRIU_ROOT"]:

@@ -35,15 +35,18 @@ class CriuRun:
 class Criu:
     """``prefix`` runs CRIU through another command (the node agent enters a
     container's namespaces with nsenter); ``view`` turns a host path into the
-    path CRIU sees there; ``options`` go into every dump and restore."""
+    path CRIU sees there; ``options`` go into every dump and restore; ``fds``
+    stay open in every run."""
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
-                 view: Callable[[Path], str] = str, options: Sequence[str] = ()) -> None:
+                 view: Callable[[Path], str] = str, options: Sequence[str] = (),
+                 fds: Sequence[int] = ()) -> None:
         self.binary = binary
         self.timeout = timeout
         self.prefix = list(prefix)
         self.view = view
         self.options = list(options)
+        self.fds = tuple(fds)  # kept open in every run (the node agent's CRIU files)
         self._tracks_memory: bool | None = None
         self._version: str | None = None
 
@@ -114,7 +117,8 @@ class Criu:
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, pass_fds=pass_fds, start_new_session=True,
+            stderr=asyncio.subprocess.PIPE, pass_fds=(*pass_fds, *self.fds),
+            start_new_session=True,
         )
         try:
             _, err = await asyncio.wait_for(proc.communicate(), self.timeout)

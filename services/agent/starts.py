@@ -58,9 +58,10 @@ class StartRestores:
                 t.cancel()
 
     async def scan(self) -> None:
-        waiting = []
+        waiting, alive = [], set()
         for shim in await asyncio.to_thread(host.shims):
             key = (shim.pid, proc_start_ticks(shim.pid) or 0)
+            alive.add(key)
             if key in self._done or key in self._busy:
                 continue
             st = shim.status()
@@ -68,6 +69,9 @@ class StartRestores:
                 continue
             self._seen.setdefault(key, time.monotonic())
             waiting.append((key, shim))
+        # Forget containers that are gone (their keys never come back).
+        self._done &= alive
+        self._seen = {k: v for k, v in self._seen.items() if k in alive}
         if not waiting:
             return
         try:

@@ -55,7 +55,7 @@ class PodCheckpointStep(PodStep):
         try:
             await asyncio.to_thread(shutil.rmtree, work, True)
             work.mkdir(parents=True)
-            criu = await self.bundle.inside(shim, self.criu_timeout)
+            criu = self.bundle.inside(shim, self.criu_timeout)
             upper = host.upperdir(pid)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({

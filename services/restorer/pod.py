@@ -101,9 +101,9 @@ class PodRestoreStep(PodStep):
 
     async def _restore(self, gen: Generation, shim: Shim, work: Path,
                        durations: dict[str, float]) -> int:
-        criu = await self.bundle.inside(shim, self.criu_timeout)
+        criu = self.bundle.inside(shim, self.criu_timeout)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-        await set_last_pid(shim, pid_max - 1000)
+        await set_last_pid(shim, pid_max - 1000, self.init_binary)
         # The dumped stdout/stderr pipes become the new container's.
         inherit, fds = {}, []
         for fd, pipe in ((gen.manifest.get("container") or {}).get("stdio") or {}).items():
