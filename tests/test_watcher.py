@@ -529,8 +529,13 @@ async def test_bare_node_restore_pod_is_recreated_after_its_checkpoint(
         assert "nodeName" not in new["spec"], "placing it is the scheduler's job"
         assert new["metadata"]["annotations"]["smr.dev/recreated-from-node"] == n1
         assert kube.get("pods", "job-owned", "default") is None, "its Job recreates that one"
-    recreated = [e for e in kube.list("events", "default") if e["reason"] == "Recreated"]
-    assert len(recreated) == 1
+
+    def recreated() -> list[dict[str, Any]]:
+        return [e for e in kube.list("events", "default") if e["reason"] == "Recreated"]
+
+    await until(lambda: bool(recreated()))  # posted just after the pod is created
+    await asyncio.sleep(0.5)
+    assert len(recreated()) == 1
 
 
 async def test_leader_lease_moves_when_the_leader_stops(
