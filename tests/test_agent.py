@@ -74,8 +74,7 @@ def smr_init() -> Path:
 
 
 @pytest.fixture(scope="session")
-def containerd(tmp_path_factory: pytest.TempPathFactory, criu_binary: str
-               ) -> Iterator[Containerd]:
+def containerd(criu_binary: str) -> Iterator[Containerd]:
     why = containerd_missing()
     if why:
         if os.environ.get("CI"):

@@ -106,7 +106,7 @@ class PodStep:
 
     def __init__(self, *, bundle: CriuBundle, criu: Criu, store: CheckpointStore,
                  lock: JobLock, pods: Pods, node: str, criu_timeout: float,
-                 label_prefix: str, init_binary: str) -> None:
+                 init_binary: str) -> None:
         self.bundle = bundle
         self.criu = criu  # the host's: its version goes into manifests
         self.store = store
@@ -114,7 +114,6 @@ class PodStep:
         self.pods = pods
         self.node = node
         self.criu_timeout = criu_timeout
-        self.label_prefix = label_prefix
         self.init_binary = init_binary  # the agent's own smr-init
 
     @staticmethod

@@ -23,8 +23,7 @@ TAR = "rootfs.tar"
 _SKIP = {"smr", "etc/hosts", "etc/hostname", "etc/resolv.conf", "dev", "proc", "sys"}
 
 
-def _capture(upper: Path, out: Path) -> int:
-    count = 0
+def _capture(upper: Path, out: Path) -> None:
     with tarfile.open(out, "w") as tar:
         for dirpath, dirnames, filenames in os.walk(upper):
             rel_dir = os.path.relpath(dirpath, upper)
@@ -41,20 +40,18 @@ def _capture(upper: Path, out: Path) -> int:
                 elif stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) \
                         or stat.S_ISLNK(st.st_mode):
                     tar.add(path, arcname=rel, recursive=False)
-                count += 1
             dirnames[:] = [d for d in dirnames if os.path.normpath(
                 os.path.join(rel_dir, d)).split("/", 1)[0] not in _SKIP]
-    return count
 
 
-async def capture(upper: Path, out: Path) -> int:
+async def capture(upper: Path, out: Path) -> None:
     """Tar ``upper`` (the container's writable layer) into ``out``."""
     if not upper.is_dir():
         raise PermanentError(f"the container's writable layer {upper} is not readable",
                              code="rootfs-unreadable",
                              hint="the agent needs the container runtime's state directory "
                                   "(/var/lib/containerd) mounted")
-    return await asyncio.to_thread(_capture, upper, out)
+    await asyncio.to_thread(_capture, upper, out)
 
 
 # Runs in a child chrooted into the container: deletions first, then the files.

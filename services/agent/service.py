@@ -34,7 +34,7 @@ class NodeAgent:
         common = dict(
             bundle=CriuBundle(s.criu_root()), criu=Criu(s.criu_binary(), s.criu_timeout),
             store=store, lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS)), pods=self.pods,
-            node=s.node, criu_timeout=s.criu_timeout, label_prefix=s.label_prefix,
+            node=s.node, criu_timeout=s.criu_timeout,
             init_binary=s.init_binary())
         self.workers = [
             Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),

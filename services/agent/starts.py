@@ -21,7 +21,7 @@ from typing import Any, get_args
 from services.agent import host
 from services.agent.host import Shim
 from services.agent.pods import Pods, runtime_id
-from services.watcher.policy import pod_policy
+from services.watcher.policy import policy_for
 from smr import tracing
 from smr.bus import QUERY_LATEST, Bus
 from smr.config import Settings
@@ -110,8 +110,7 @@ class StartRestores:
 
     async def _decision(self, pod: dict[str, Any], status: dict[str, Any], shim: Shim) -> str:
         meta, name = pod["metadata"], status["name"]
-        policy = pod_policy(pod, prefix=self.s.label_prefix, heartbeat_min=self.s.heartbeat_min,
-                            heartbeat_max=self.s.heartbeat_max)
+        policy = policy_for(pod, self.s)
         mine = next((c for c in policy.restorable() if c.name == name), None)
         if mine is None:
             return "fresh"

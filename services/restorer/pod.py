@@ -26,7 +26,7 @@ from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.incontainer import set_last_pid
 from services.agent.pods import PodContainer, PodStep
-from services.storage.store import CheckpointNotFound, Generation
+from services.storage.store import Generation
 from smr import gpuinfo
 from smr.bus import Progress
 from smr.errors import PermanentError
@@ -55,7 +55,7 @@ class PodRestoreStep(PodStep):
                     code="container-started",
                     hint="a container is restored only as it starts; delete the pod to "
                          "start it again from its latest checkpoint")
-            gen = await self._generation(req)
+            gen = await self.store.pick(c.namespace, req.checkpoint_id, req.generation)
             self.check_fits(gen, c)  # before any byte moves
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             t = time.monotonic()
@@ -75,15 +75,6 @@ class PodRestoreStep(PodStep):
         return RestoreDone.for_request(
             req, status="succeeded", generation=gen.number, location=gen.location,
             size_bytes=gen.size_bytes, pid=pid, durations=durations, started_at=started)
-
-    async def _generation(self, req: RestoreRequested) -> Generation:
-        ns = req.target.namespace or ""
-        if req.generation is not None:
-            return await self.store.get(ns, req.checkpoint_id, req.generation)
-        gen = await self.store.latest(ns, req.checkpoint_id)
-        if gen is None:
-            raise CheckpointNotFound(f"checkpoint {req.checkpoint_id} has no stored generation")
-        return gen
 
     @staticmethod
     def check_fits(gen: Generation, c: PodContainer) -> None:

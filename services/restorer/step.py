@@ -12,7 +12,7 @@ from typing import Any
 
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import CheckpointNotFound, Generation
+from services.storage.store import Generation
 from smr import gpuinfo
 from smr.bus import Progress
 from smr.errors import PermanentError
@@ -56,14 +56,8 @@ class RestoreStep(LocalJobStep):
             size_bytes=gen.size_bytes, pid=job.pid, durations=durations, started_at=started)
 
     async def _generation(self, req: RestoreRequested) -> Generation:
-        if req.generation is not None:
-            return await self.store.get(LOCAL_NAMESPACE, req.checkpoint_id, req.generation)
-        gen = await self.store.latest(LOCAL_NAMESPACE, req.checkpoint_id)
-        if gen is None:
-            raise CheckpointNotFound(
-                f"checkpoint {req.checkpoint_id} has no stored generation",
-                hint=f"take one first: smr checkpoint {req.checkpoint_id}")
-        return gen
+        return await self.store.pick(LOCAL_NAMESPACE, req.checkpoint_id, req.generation,
+                                     hint=f"take one first: smr checkpoint {req.checkpoint_id}")
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
                        existing: Job | None, durations: dict[str, float]) -> Job:

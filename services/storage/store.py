@@ -159,6 +159,17 @@ class CheckpointStore:
             return None
         return await self.get(namespace, checkpoint_id, orjson.loads(data)["generation"])
 
+    async def pick(self, namespace: str, checkpoint_id: str, generation: int | None,
+                   *, hint: str = "") -> Generation:
+        """``generation`` of ``checkpoint_id``, or its latest when None (a restore's choice)."""
+        if generation is not None:
+            return await self.get(namespace, checkpoint_id, generation)
+        gen = await self.latest(namespace, checkpoint_id)
+        if gen is None:
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id} has no stored generation",
+                                     hint=hint)
+        return gen
+
     async def get(self, namespace: str, checkpoint_id: str, generation: int) -> Generation:
         try:
             data, _ = await self.backend.get_bytes(

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from smr.config import Settings
+
 ALIAS_PREFIX = "cedana.ai"
 NODE_RESTORE = "node-restore"
 HEARTBEAT = "heartbeat-checkpoint"
@@ -67,6 +69,12 @@ def _label(labels: dict[str, str], prefix: str, name: str) -> tuple[str, str] | 
         if f"{p}/{name}" in labels:
             return f"{p}/{name}", str(labels[f"{p}/{name}"])
     return None
+
+
+def policy_for(pod: dict[str, Any], s: Settings) -> PodPolicy:
+    """The pod's policy under this installation's settings (label prefix, heartbeat bounds)."""
+    return pod_policy(pod, prefix=s.label_prefix, heartbeat_min=s.heartbeat_min,
+                      heartbeat_max=s.heartbeat_max)
 
 
 def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,

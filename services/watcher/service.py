@@ -40,7 +40,7 @@ from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
-from services.watcher.policy import PodPolicy, pod_policy
+from services.watcher.policy import PodPolicy, policy_for
 from services.watcher.triggers import node_reasons
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, Bus, node_token
@@ -257,8 +257,7 @@ class Watcher:
     # -- pods ----------------------------------------------------------------------------
 
     def _policy(self, pod: dict[str, Any]) -> PodPolicy:
-        policy = pod_policy(pod, prefix=self.s.label_prefix, heartbeat_min=self.s.heartbeat_min,
-                            heartbeat_max=self.s.heartbeat_max)
+        policy = policy_for(pod, self.s)
         meta = pod["metadata"]
         for problem in policy.problems:
             memo = f"{meta.get('uid')}:{problem}"
