@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any, get_args
@@ -23,6 +22,7 @@ from services.agent.host import Shim
 from services.agent.pods import Pods, runtime_id
 from services.watcher.policy import policy_for
 from smr import tracing
+from smr.aio import wait_event
 from smr.bus import QUERY_LATEST, Bus
 from smr.config import Settings
 from smr.errors import SmrError
@@ -51,8 +51,7 @@ class StartRestores:
         try:
             while not stop.is_set():
                 await self.scan()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), SCAN_S)
+                await wait_event(stop, SCAN_S)
         finally:
             for t in self._tasks:
                 t.cancel()

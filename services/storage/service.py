@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.storage.layout import namespace_of
 from services.storage.store import CheckpointStore, Generation
 from smr import tracing
+from smr.aio import wait_event
 from smr.bus import QUERY_GENERATIONS, QUERY_LATEST, Bus
 from smr.errors import ContractError, SmrError
 from smr.messages import CkptDone, StorageQuery, StorageReply
@@ -119,6 +120,5 @@ class StorageService:
                     await self.store.gc(grace_s=self.gc_grace_s)
                 except SmrError as e:
                     log.warning("garbage collection failed, will retry: %s", e)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.gc_interval_s)
+            if await wait_event(self._stop, self.gc_interval_s):
                 return

@@ -30,6 +30,7 @@ import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
+from smr.aio import cancelling, wait_event
 from smr.messages import CkptRequested, Target, derive_request_id
 
 log = logging.getLogger("smr.watcher.heartbeats")
@@ -143,14 +144,15 @@ class HeartbeatSchedule:
     async def run(self) -> None:
         """Fire beats as they fall due, until cancelled."""
         while True:
+            if cancelling():  # a cancellation a publish turned into an error (see smr.aio)
+                raise asyncio.CancelledError
             now = self.clock()
             for beat in [b for b, _ in self.entries.values() if self._when(b) <= now]:
                 await self._fire(beat, now)
             upcoming = min((self._when(b) for b, _ in self.entries.values()),
                            default=now + 60)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, upcoming - self.clock()))
+            await wait_event(self._wake, max(0.0, upcoming - self.clock()))
 
     def _when(self, beat: Beat) -> float:
         return max(beat.next_due, self._retry_at.get(beat.uid, 0.0))

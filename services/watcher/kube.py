@@ -29,6 +29,7 @@ import orjson
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from smr.aio import cancelling
 from smr.errors import ConfigError
 
 log = logging.getLogger("smr.watcher.kube")
@@ -68,6 +69,14 @@ class _RawWatch(watch.Watch):
         return ""  # keep the objects as the JSON dicts the server sent
 
 
+def _still_running() -> None:
+    """Raise CancelledError if this task is being cancelled: nats-py and aiohttp
+    can turn a cancellation into a TimeoutError, which the informer's loops
+    would otherwise take for a broken watch or a failed handler, and go on."""
+    if cancelling():
+        raise asyncio.CancelledError
+
+
 class BrokenStream(Exception):
     """The watch connection ended in the middle of an event."""
 
@@ -91,6 +100,7 @@ class Informer:
     async def run(self) -> None:
         failures = 0
         while True:
+            _still_running()
             try:
                 if self.rv is None:
                     await self._list()
@@ -151,6 +161,7 @@ class Informer:
                               allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s,
                               _request_timeout=(10, self.watch_timeout_s + 30), **self.list_kw)
             while True:
+                _still_running()
                 # A watchdog over the client's own timeouts: a connection that
                 # went quiet without closing must not hold the informer forever.
                 try:
@@ -178,5 +189,6 @@ class Informer:
         try:
             await self.handler(kind, obj, old)
         except Exception:
+            _still_running()
             # One bad object must not stop the informer.
             log.exception("%s: handling %s %s failed", self.name, kind, key_of(obj))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import socket
@@ -57,6 +58,7 @@ log = logging.getLogger("smr.watcher")
 
 MEMO_SIZE = 200_000
 RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
+STOP_WAIT_S = 10.0  # how long a stopping watcher waits for its tasks
 
 
 class Watcher:
@@ -114,11 +116,16 @@ class Watcher:
                     raise t.exception()  # type: ignore[misc]
             stopped.cancel()
         finally:
-            for t in [*tasks, *self._tasks]:
+            pending = [*tasks, *self._tasks]
+            for t in pending:
                 t.cancel()
-            for t in [*tasks, *self._tasks]:
-                with contextlib.suppress(BaseException):
-                    await t
+            # Bounded: a task that ignores its cancellation must not hang the shutdown.
+            _, stuck = await asyncio.wait(pending, timeout=STOP_WAIT_S)
+            for t in stuck:
+                where = io.StringIO()
+                t.print_stack(file=where)
+                log.error("watcher: a task did not stop within %.0fs:\n%s", STOP_WAIT_S,
+                          where.getvalue())
             await self.leadership.release()
 
     def stop(self) -> None:

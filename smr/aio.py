@@ -1,0 +1,31 @@
+"""asyncio helpers that service loops share."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for ``event`` up to ``timeout`` seconds; True if it is set.
+
+    The loops of smr's services sleep with this, not with ``wait_for`` inside
+    ``suppress(TimeoutError)``: on Python 3.11 a cancellation that arrives as
+    the timeout fires can come out of ``wait_for`` as TimeoutError, and such a
+    loop then never ends (a watcher's shutdown hung on it)."""
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+def cancelling() -> bool:
+    """Is the current task being cancelled? A loop that runs until cancelled
+    and catches broad errors checks this: nats-py (nats-io/nats.py#373) and
+    aiohttp can hand a cancellation back as a TimeoutError, and the loop would
+    take it for an ordinary failure and go on forever."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
