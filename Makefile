@@ -7,13 +7,13 @@ STAMP  := $(VENV)/.smr-installed
 
 .PHONY: setup demo test lint clean bench-storage bench-watcher
 
-setup: $(STAMP) .tools/.installed-v2 .tools/bin/smr-init
+setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init
 
-.tools/.installed-v2: scripts/install-tools.sh
+.tools/.installed-v3: scripts/install-tools.sh
 	./scripts/install-tools.sh
 
 # The pod containers' PID 1 (services/agent/init): static, so it runs in any image.
-.tools/bin/smr-init: services/agent/init/smr-init.c .tools/.installed-v2
+.tools/bin/smr-init: services/agent/init/smr-init.c .tools/.installed-v3
 	gcc -static -Os -Wall -Wextra -o $@ $<
 
 $(STAMP): pyproject.toml

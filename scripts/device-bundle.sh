@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what the GPU machine lacks (it reaches no registry) into the two
 # git-ignored folders that `device` carries: .whl/ (wheels for its Python
-# 3.12) and .device/tools.tar.xz (CRIU 4.1 with its libraries, nats-server,
+# 3.12) and .device/tools.tar.xz (CRIU 4.2 with its libraries, nats-server,
 # from `make setup`'s .tools). scripts/device-gpu.sh unpacks them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

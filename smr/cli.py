@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from smr import config, embedded
+from smr import config, embedded, sockets
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
@@ -62,6 +62,8 @@ def _report(result: CkptDone | RestoreDone, what: str) -> int:
               + (f" in {took:.2f}s" if took else "") + extra)
         if result.location:
             print(f"  stored at {result.location}")
+        if held := sockets.summary(result.sockets, restored=isinstance(result, RestoreDone)):
+            print(f"  sockets: {held}")
         return 0
     err = result.error or {}
     print(f"{what} {result.checkpoint_id} failed: {err.get('message', '?')}", file=sys.stderr)
@@ -86,6 +88,8 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with embedded.EmbeddedNode(s) as node:
         print(f"smr up: node {s.node}, NATS {node.url}, data {s.data_path}", flush=True)
+        if node.criu_problem:
+            print(f"  WARNING: {node.criu_problem}", flush=True)
         print(f"  checkpoints in {s.storage_root}; Ctrl-C stops", flush=True)
         await stop.wait()
         print("smr: stopping", flush=True)
@@ -104,6 +108,7 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         log = Path(a.log) if a.log else s.data_path / "logs" / f"{a.id}.log"
         job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node,
                      own_pid_namespace=not a.gpu)
+        job.tcp = a.tcp
         await jobs.put(job)
         print(f"job {a.id} started: pid {job.pid}, log {job.log}")
         return 0
@@ -143,7 +148,8 @@ async def cmd_checkpoint(s: config.Settings, a: argparse.Namespace) -> int:
     return await _request(s, a, CkptRequested(
         request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
         target=Target.job(a.id), node=s.node, reason="api",
-        leave_running=a.leave_running, pre_dump=a.pre_dump), "checkpoint")
+        leave_running=a.leave_running, pre_dump=a.pre_dump,
+        tcp="close" if a.close_connections else None), "checkpoint")
 
 
 async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
@@ -217,12 +223,18 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--log", help="output file (default: DATA_DIR/logs/ID.log)")
     e.add_argument("--gpu", action="store_true",
                    help="a CUDA job: runs without its own PID namespace (CUDA fails in one)")
+    e.add_argument("--tcp", choices=sockets.POLICIES, default="auto",
+                   help="its established TCP connections at a checkpoint: auto (kept where "
+                   "they can go on, closed on a migration) or close (always closed)")
     e.add_argument("cmd", nargs=argparse.REMAINDER)
     sub.add_parser("ps", help="list jobs")
     c = sub.add_parser("checkpoint", help="checkpoint a job")
     c.add_argument("id")
     c.add_argument("--leave-running", action="store_true", help="keep it running afterwards")
     c.add_argument("--pre-dump", action="store_true", help="pre-copy memory: shorter freeze")
+    c.add_argument("--close-connections", action="store_true",
+                   help="close its TCP connections instead of keeping them (it will resume "
+                   "on another machine: peers see a reset now and reconnect)")
     r = sub.add_parser("restore", help="restore a job from its checkpoint")
     r.add_argument("id", help="the checkpoint id (the job id it was taken from)")
     r.add_argument("--generation", type=int, help="default: the latest")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -16,10 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smr.errors import PermanentError, TemporaryError
+from smr.sockets import Tcp
 
 # CRIU prints this on every run here (an unprivileged rlimit call in a VM); it
 # is harmless and must not be quoted as the reason for a failure.
 _NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+
+# Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets, which CRIU before
+# 4.2 asks for on every socket it dumps (criu#2705, fixed in 4.2).
+SOCKETS_KERNEL = (6, 16)
+SOCKETS_CRIU = (4, 2)
 
 
 class CriuError(PermanentError):
@@ -40,8 +47,11 @@ class Criu:
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
-                 fds: Sequence[int] = ()) -> None:
+                 fds: Sequence[int] = (), network_lock: str = "nftables") -> None:
         self.binary = binary
+        # nftables: CRIU locks connections through its own libnftables, so no
+        # iptables binary is needed where it runs (inside a container too).
+        self.network_lock = network_lock
         self.timeout = timeout
         self.prefix = list(prefix)
         self.view = view
@@ -62,6 +72,17 @@ class Criu:
             self._version = m.group(1) if m else "unknown"
         return self._version
 
+    async def problem(self) -> str | None:
+        """Why this CRIU cannot checkpoint what people run on this kernel, or None."""
+        version = await self.version()
+        kernel = release_tuple(platform.release())
+        if kernel >= SOCKETS_KERNEL and release_tuple(version) < SOCKETS_CRIU:
+            return (f"CRIU {version} cannot checkpoint a process holding a TCP or UDP socket on "
+                    f"Linux {platform.release()} (6.16 and later refuse the socket options it "
+                    "reads; fixed in CRIU 4.2). Install CRIU 4.2 or newer: `make setup` does, "
+                    "and the smr image has it; or point SMR_CRIU / SMR_CRIU_ROOT at one")
+        return None
+
     async def tracks_memory(self) -> bool:
         """Can this kernel track dirty pages (CONFIG_MEM_SOFT_DIRTY)? Pre-dump needs it."""
         if self._tracks_memory is None:
@@ -80,11 +101,23 @@ class Criu:
             args += ["--prev-images-dir", os.path.relpath(parent, images)]
         return await self._run(args, images, "pre-dump.log", code="criu-pre-dump-failed")
 
+    def _tcp(self, tcp: Tcp) -> list[str]:
+        if tcp == "keep":
+            # The connections are saved with their sequence numbers; the
+            # network is locked for them while the tree is frozen.
+            return ["--tcp-established", "--network-lock", self.network_lock]
+        return ["--tcp-close"]
+
     async def dump(self, pid: int, images: Path, *, leave_running: bool = False,
-                   parent: Path | None = None) -> CriuRun:
+                   parent: Path | None = None, tcp: Tcp = "close") -> CriuRun:
         """Freeze and dump the tree rooted at ``pid``; CRIU kills it unless
-        ``leave_running``. On failure CRIU thaws the tree: it keeps running."""
-        args = ["dump", "-t", str(pid), "--file-locks"]
+        ``leave_running``. On failure CRIU thaws the tree: it keeps running.
+
+        ``tcp`` (smr.sockets): keep the established connections, or close
+        them (not saved; peers see the close once the tree is gone)."""
+        # --skip-in-flight: a server under load has half-open connections that
+        # no process has accepted yet; their peers retry the handshake.
+        args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight", *self._tcp(tcp)]
         if leave_running:
             args.append("--leave-running")
         if parent:
@@ -93,14 +126,17 @@ class Criu:
         return await self._run(args, images, "dump.log", code="criu-dump-failed")
 
     async def restore(self, images: Path, *, pidfile: Path,
-                      inherit: dict[str, int] | None = None) -> CriuRun:
+                      inherit: dict[str, int] | None = None, tcp: Tcp = "close") -> CriuRun:
         """Restore detached (the tree outlives this call).
 
         ``inherit`` maps a file path as CRIU recorded it to an open descriptor
         of ours: the restored tree gets that descriptor instead of reopening the
-        file, so a log that grew since the dump is still accepted.
+        file, so a log that grew since the dump is still accepted. ``tcp``:
+        bring saved connections back, or restore them closed (the process
+        sees a reset on its next read or write).
         """
-        args = ["restore", "-d", "--file-locks", "--pidfile", self.view(pidfile)]
+        args = ["restore", "-d", "--file-locks", "--pidfile", self.view(pidfile),
+                *self._tcp(tcp)]
         fds = []
         for path, fd in (inherit or {}).items():
             args.append(f"--inherit-fd=fd[{fd}]:{path.lstrip('/')}")
@@ -132,12 +168,48 @@ class Criu:
             ) from None
         seconds = time.monotonic() - start
         if proc.returncode != 0:
-            raise CriuError(
-                f"criu {args[0]} failed (exit {proc.returncode})", code=code,
-                detail=failing_line(log) or err.decode(errors="replace").strip()[-500:],
-                hint=f"full log: {log}",
-            )
+            detail = failing_line(log) or err.decode(errors="replace").strip()[-500:]
+            known = explain(log)
+            if known:
+                what, code, hint = known
+                raise CriuError(f"criu {args[0]} failed: {what}", code=code, detail=detail,
+                                hint=f"{hint}; full log: {log}")
+            hint = f"full log: {log}"
+            if why := await self.problem():
+                hint = f"{why}; {hint}"
+            raise CriuError(f"criu {args[0]} failed (exit {proc.returncode})", code=code,
+                            detail=detail, hint=hint)
         return CriuRun(seconds, log)
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """(6, 18) for "6.18.44-fc-v657", (4, 2) for "4.2.1"; () when unreadable."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else ()
+
+
+# CRIU failures a user can act on: what went wrong in their words, a code, a hint.
+_RUNAWAY = re.compile(r"Runaway socket: ino (\d+) peer_ino (\d+).*?name (.*)$", re.M)
+
+
+def explain(log: Path) -> tuple[str, str, str] | None:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    if "External socket is used" in text:
+        socks = [f"{name.strip() or '(unnamed)'} (inode {ino}, peer inode {peer})"
+                 for ino, peer, name in _RUNAWAY.findall(text)] or ["(not named in the log)"]
+        return (f"the process holds a unix socket connected to a process outside it: "
+                f"{', '.join(dict.fromkeys(socks))}; the other end cannot be saved",
+                "external-unix-socket",
+                "close that connection before the checkpoint, or run its peer inside the same "
+                "process tree (for a pod: the same container, not a sidecar)")
+    if re.search(r"Can't get \d+:\d+ opt", text):
+        return ("this CRIU cannot read the options of a socket the process holds (CRIU older "
+                "than 4.2 on Linux 6.16+)", "criu-too-old",
+                "install CRIU 4.2 or newer (`make setup`, or the smr image)")
+    return None
 
 
 def failing_line(log: Path) -> str:

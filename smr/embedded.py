@@ -59,6 +59,7 @@ class EmbeddedNode:
         self.storage: StorageService | None = None
         self.store: CheckpointStore | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.criu_problem: str | None = None
 
     @property
     def url(self) -> str:
@@ -70,6 +71,9 @@ class EmbeddedNode:
         s = self.settings
         s.data_path.mkdir(parents=True, exist_ok=True)
         criu = Criu(s.criu_binary(), s.criu_timeout)
+        self.criu_problem = await criu.problem()
+        if self.criu_problem:
+            log.error("%s", self.criu_problem)
         if not s.nats_url:
             self.server = NatsServer(s.nats_server_binary(), s.data_path / "nats")
             await asyncio.to_thread(self.server.start)

@@ -41,6 +41,7 @@ class Job:
     checkpoint_id: str = ""
     generation: int | None = None  # latest checkpoint generation
     restored_by: str | None = None  # request_id of the restore that started this pid
+    tcp: str = "auto"  # TCP connection policy (smr.sockets.POLICIES)
     created_at: float = field(default_factory=time.time)
 
     def alive(self) -> bool:

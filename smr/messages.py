@@ -110,6 +110,7 @@ class CkptRequested(_Request):
     SCHEMA: ClassVar[str] = "ckpt.requested"
     leave_running: bool = False
     pre_dump: bool = False
+    tcp: Literal["keep", "close"] | None = None  # None: the workload's policy decides
 
 
 @dataclass(slots=True, kw_only=True)
@@ -128,6 +129,7 @@ class _Result(_Request):
     started_at: str | None = None
     finished_at: str = field(default_factory=now)
     error: dict[str, str] | None = None
+    sockets: dict[str, Any] | None = None  # what the tree held; what happened to connections
 
     @classmethod
     def for_request(cls, req: _Request, **kw: Any) -> Self:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import shutil
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -32,6 +34,14 @@ def _blob(blobs: dict[str, bytes], data: bytes, media: str) -> dict[str, object]
     return {"mediaType": media, "digest": digest, "size": len(data)}
 
 
+def host_program(path: str) -> dict[str, bytes]:
+    """A dynamically linked program of this machine with every library ``ldd``
+    names, at the same paths: the files of an image that runs it."""
+    out = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
+    libs = re.findall(r"(?:=> )?(/\S+) \(0x", out)
+    return {p: Path(p).resolve().read_bytes() for p in [path, *libs]}
+
+
 def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
           label: str = "") -> Path:
     """Write an OCI image tarball named ``ref`` to ``out``; ``label`` makes a
@@ -49,7 +59,13 @@ def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
+        made = {"bin", "data", "tmp", "proc", "sys", "dev", "etc", "smr"}
         for name, data in (files or {}).items():
+            parts = name.strip("/").split("/")
+            for i in range(1, len(parts)):
+                if (d := "/".join(parts[:i])) not in made:
+                    made.add(d)
+                    _dir(tar, d)
             _add(tar, name.lstrip("/"), data, 0o755)
     layer_bytes = layer.getvalue()
     blobs: dict[str, bytes] = {}

@@ -229,10 +229,10 @@ async def test_gpu_checkpoint_recovery_records_the_gpu(g: GpuHarness) -> None:
     req = CkptRequested(request_id=f"crashed-{job.id}", checkpoint_id=job.id,
                         target=Target.job(job.id), node=g.settings.node)
     work = step.work_dir / req.request_id
-    gpu = await step._gpu(job, work, step._gpu_file(req))
+    gpu, tcp = await step._prepare(req, job, work)
     assert gpu
     await step.cuda.suspend_all(gpu["pids"])
-    await step.criu.dump(job.pid, work / "images")
+    await step.criu.dump(job.pid, work / "images", tcp=tcp)
     frozen = int(lines(job)[-1]["step"])
 
     result = await step.recover(req, {"state": "running"})

@@ -106,7 +106,7 @@ class PodStep:
 
     def __init__(self, *, bundle: CriuBundle, criu: Criu, store: CheckpointStore,
                  lock: JobLock, pods: Pods, node: str, criu_timeout: float,
-                 init_binary: str) -> None:
+                 init_binary: str, label_prefix: str) -> None:
         self.bundle = bundle
         self.criu = criu  # the host's: its version goes into manifests
         self.store = store
@@ -115,6 +115,7 @@ class PodStep:
         self.node = node
         self.criu_timeout = criu_timeout
         self.init_binary = init_binary  # the agent's own smr-init
+        self.label_prefix = label_prefix  # for the pod's labels (services/watcher/policy)
 
     @staticmethod
     def shim_of(c: PodContainer) -> Shim:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from kubernetes_asyncio import client
 
@@ -25,17 +26,20 @@ from smr.config import Settings
 from smr.criu import Criu
 from smr.jobs import JobLock
 
+log = logging.getLogger("smr.agent")
+
 
 class NodeAgent:
     def __init__(self, bus: Bus, api: client.ApiClient, store: CheckpointStore,
                  settings: Settings) -> None:
         s = settings
         self.pods = Pods(api, s.node)
+        self.criu = Criu(s.criu_binary(), s.criu_timeout)
         common = dict(
-            bundle=CriuBundle(s.criu_root()), criu=Criu(s.criu_binary(), s.criu_timeout),
+            bundle=CriuBundle(s.criu_root()), criu=self.criu,
             store=store, lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS)), pods=self.pods,
             node=s.node, criu_timeout=s.criu_timeout,
-            init_binary=s.init_binary())
+            init_binary=s.init_binary(), label_prefix=s.label_prefix)
         self.workers = [
             Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),
             Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer"),
@@ -50,6 +54,8 @@ class NodeAgent:
             w.stop()
 
     async def run(self) -> None:
+        if problem := await self.criu.problem():
+            log.error("%s", problem)
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
         try:

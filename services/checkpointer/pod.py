@@ -20,7 +20,8 @@ from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.pods import PodContainer, PodStep
 from services.storage.store import Generation
-from smr import __version__
+from services.watcher.policy import tcp_policy
+from smr import __version__, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError
@@ -57,15 +58,21 @@ class PodCheckpointStep(PodStep):
             work.mkdir(parents=True)
             criu = self.bundle.inside(shim, self.criu_timeout)
             upper = host.upperdir(pid)
+            # A restore always lands in a new container, with a new network
+            # namespace: kept connections could not come back there.
+            tcp = sockets.dump_mode(policy=tcp_policy(c.pod, self.label_prefix)[0],
+                                    leave_running=req.leave_running, reason=req.reason,
+                                    requested=req.tcp, same_netns_possible=False)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
-                "stdio": host.stdio(pid)}))
+                "stdio": host.stdio(pid),
+                "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}}))
             shim.hold(True)
             try:
                 progress.update("dump")
                 dump = asyncio.create_task(self._dump(c, shim, criu, inner, work, upper,
-                                                      req.leave_running))
+                                                      req.leave_running, tcp))
                 try:
                     gen, durable = await self._commit(req, c, shim, progress, dump)
                 except BaseException:
@@ -85,9 +92,9 @@ class PodCheckpointStep(PodStep):
         return self._result(req, gen, durations=durations, started_at=started)
 
     async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
-                    upper: Any, leave_running: bool) -> dict[str, float]:
+                    upper: Any, leave_running: bool, tcp: sockets.Tcp) -> dict[str, float]:
         try:
-            run = await criu.dump(inner, work / "images", leave_running=leave_running)
+            run = await criu.dump(inner, work / "images", leave_running=leave_running, tcp=tcp)
         except CriuError as e:
             if shim.workload() is None:
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
@@ -106,21 +113,27 @@ class PodCheckpointStep(PodStep):
                       ) -> tuple[Generation, float]:
         t = time.monotonic()
         work = self.work(shim, req.request_id)
+        container = orjson.loads((work / CONTAINER_FILE).read_bytes())
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
             "pre_dump": False,
             "versions": {"criu": await self.criu.version(), "smr": __version__},
-            "container": orjson.loads((work / CONTAINER_FILE).read_bytes()),
+            "container": container,
         }
+        if held := container.pop("sockets", None):
+            meta["sockets"] = held
         gen = await self.store.commit(
             c.namespace, req.checkpoint_id, work, meta,
             writer=writer, on_bytes=lambda n: progress.update(done_bytes=n))
         return gen, time.monotonic() - t
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
+        held = gen.manifest.get("sockets")
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
-                                    location=gen.location, size_bytes=gen.size_bytes, **kw)
+                                    location=gen.location, size_bytes=gen.size_bytes,
+                                    sockets=held and sockets.outcome(gen.manifest, held["tcp"]),
+                                    **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint: committed → that result; a finished

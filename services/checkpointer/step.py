@@ -14,7 +14,7 @@ import orjson
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, gpuinfo
+from smr import __version__, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError
@@ -31,9 +31,12 @@ class CheckpointStep(LocalJobStep):
     def _work(self, req: CkptRequested) -> Path:
         return self.work_dir / req.request_id
 
-    def _gpu_file(self, req: CkptRequested) -> Path:
-        # Beside the work dir, not in it (its whole content is uploaded).
-        return self.work_dir / f"{req.request_id}.gpu.json"
+    def _facts_file(self, req: CkptRequested) -> Path:
+        # What the manifest records of the job beyond its images (GPU use,
+        # sockets), kept so that a recovered commit (the worker died after the
+        # dump) records the same. Beside the work dir, not in it (its whole
+        # content is uploaded).
+        return self.work_dir / f"{req.request_id}.facts.json"
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started = now()
@@ -58,7 +61,7 @@ class CheckpointStep(LocalJobStep):
                 run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
                 durations["pre_dump"] = run.seconds
                 parent = work / "pre"
-            gpu = await self._gpu(job, work, self._gpu_file(req))
+            gpu, tcp = await self._prepare(req, job, work)
             cuda_pids = gpu["pids"] if gpu else []
             frozen_at = time.monotonic()
             if cuda_pids:
@@ -69,18 +72,19 @@ class CheckpointStep(LocalJobStep):
                 progress.update("dump")
                 # The images go up while CRIU writes them (see services/storage/upload).
                 dump = asyncio.create_task(self._criu(job, self.criu.dump(
-                    job.pid, work / "images", leave_running=req.leave_running, parent=parent)))
+                    job.pid, work / "images", leave_running=req.leave_running, parent=parent,
+                    tcp=tcp)))
                 resumed = None
                 if cuda_pids and req.leave_running:
                     # A heartbeat: the job runs again as soon as its image is
                     # written; the upload goes on behind it.
                     resumed = asyncio.create_task(
                         self._resume_after(dump, cuda_pids, durations, frozen_at))
-                gen, durable_s = await self._commit(req, job, progress, writer=dump, gpu=gpu)
+                gen, durable_s = await self._commit(req, job, progress, writer=dump)
                 if resumed:
                     await resumed
             except BaseException:
-                self._gpu_file(req).unlink(missing_ok=True)
+                self._facts_file(req).unlink(missing_ok=True)
                 if cuda_pids and job.alive():
                     await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
                 raise
@@ -93,7 +97,21 @@ class CheckpointStep(LocalJobStep):
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
 
-    async def _gpu(self, job: Job, work: Path, record: Path) -> dict[str, Any] | None:
+    async def _prepare(self, req: CkptRequested, job: Job, work: Path
+                       ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
+        """The job's GPU use and what its TCP connections get, recorded for
+        the manifest (and for a recovered commit)."""
+        gpu = await self._gpu(job, work)
+        tcp = sockets.dump_mode(policy=job.tcp, leave_running=req.leave_running,
+                                reason=req.reason, requested=req.tcp)
+        held = {**sockets.inventory(gpuinfo.process_tree(job.pid)), "tcp": tcp}
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._facts_file(req).write_bytes(orjson.dumps({
+            "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
+            "sockets": held}))
+        return gpu, tcp
+
+    async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
         """The job's GPU use (None without one), checked against the room here."""
         if self.cuda is None:
             return None
@@ -102,9 +120,6 @@ class CheckpointStep(LocalJobStep):
             return None
         gpu = gpuinfo.job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
         gpuinfo.check_room_for_checkpoint(gpu, work)
-        # Kept beside the images: a recovered commit (the worker died after
-        # the dump) must record the same GPU facts in the manifest.
-        record.write_bytes(orjson.dumps(gpu))
         return {**gpu, "pids": pids}
 
     async def _resume_after(self, dump: asyncio.Task[Any], pids: list[int],
@@ -137,23 +152,25 @@ class CheckpointStep(LocalJobStep):
             raise
 
     async def _commit(self, req: CkptRequested, job: Job, progress: Progress,
-                      writer: asyncio.Task[Any] | None = None,
-                      gpu: dict[str, Any] | None = None) -> tuple[Generation, float]:
+                      writer: asyncio.Task[Any] | None = None) -> tuple[Generation, float]:
         """Store the dumped images (while ``writer``, the dump, still writes
         them), record them on the job, drop the work dir."""
         t = time.monotonic()
         progress.update(done_bytes=0)
-        if gpu is None and (saved := self._gpu_file(req)).is_file():
-            gpu = orjson.loads(saved.read_bytes())
+        saved = self._facts_file(req)
+        facts = orjson.loads(saved.read_bytes()) if saved.is_file() else {}
+        gpu = facts.get("gpu")
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
             "pre_dump": (self._work(req) / "pre").is_dir(),
             "versions": {"criu": await self.criu.version(), "smr": __version__,
                          **(gpuinfo.versions() if gpu else {})},
-            "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
-            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log},
+            "gpu": gpu,
+            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log, "tcp": job.tcp},
         }
+        if facts.get("sockets"):
+            meta["sockets"] = facts["sockets"]
         try:
             gen = await self.store.commit(
                 LOCAL_NAMESPACE, req.checkpoint_id, self._work(req), meta, writer=writer,
@@ -168,12 +185,15 @@ class CheckpointStep(LocalJobStep):
         job.checkpointed(gen.number, leave_running=req.leave_running)
         await self.jobs.put(job)
         shutil.rmtree(self._work(req), ignore_errors=True)
-        self._gpu_file(req).unlink(missing_ok=True)
+        self._facts_file(req).unlink(missing_ok=True)
         return gen, seconds
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
+        held = gen.manifest.get("sockets")
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
-                                    location=gen.location, size_bytes=gen.size_bytes, **kw)
+                                    location=gen.location, size_bytes=gen.size_bytes,
+                                    sockets=held and sockets.outcome(gen.manifest, held["tcp"]),
+                                    **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint. Committed → that result. Dump complete

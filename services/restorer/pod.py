@@ -27,7 +27,7 @@ from services.agent.host import Shim
 from services.agent.incontainer import set_last_pid
 from services.agent.pods import PodContainer, PodStep
 from services.storage.store import Generation
-from smr import gpuinfo
+from smr import gpuinfo, sockets
 from smr.bus import Progress
 from smr.errors import PermanentError
 from smr.messages import RestoreDone, RestoreRequested, now
@@ -74,7 +74,8 @@ class PodRestoreStep(PodStep):
         durations["total"] = time.monotonic() - t0
         return RestoreDone.for_request(
             req, status="succeeded", generation=gen.number, location=gen.location,
-            size_bytes=gen.size_bytes, pid=pid, durations=durations, started_at=started)
+            size_bytes=gen.size_bytes, pid=pid, durations=durations, started_at=started,
+            sockets=sockets.outcome(gen.manifest, "close"))
 
     @staticmethod
     def check_fits(gen: Generation, c: PodContainer) -> None:
@@ -105,7 +106,9 @@ class PodRestoreStep(PodStep):
                 inherit[pipe] = new
         pidfile = work / "restored.pid"
         try:
-            run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit)
+            # A new container has a new network namespace: connections come back closed.
+            run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
+                                     tcp=sockets.restore_mode(gen.manifest, same_place=False))
         finally:
             for fd in fds:
                 os.close(fd)

@@ -13,7 +13,7 @@ from typing import Any
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import gpuinfo
+from smr import gpuinfo, sockets
 from smr.bus import Progress
 from smr.errors import PermanentError
 from smr.gpuinfo import GpuMismatch
@@ -46,21 +46,26 @@ class RestoreStep(LocalJobStep):
             await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n))
             durations = {"download": time.monotonic() - t}
             progress.update("restore")
-            job = await self._restore(req, gen, work, existing, durations)
+            # A local job runs in its node's network namespace: its kept
+            # connections can come back on the node that took them.
+            tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
+            job = await self._restore(req, gen, work, existing, durations, tcp)
             shutil.rmtree(work, ignore_errors=True)
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
         return RestoreDone.for_request(
             req, status="succeeded", generation=gen.number, location=gen.location,
-            size_bytes=gen.size_bytes, pid=job.pid, durations=durations, started_at=started)
+            size_bytes=gen.size_bytes, pid=job.pid, durations=durations, started_at=started,
+            sockets=sockets.outcome(gen.manifest, tcp))
 
     async def _generation(self, req: RestoreRequested) -> Generation:
         return await self.store.pick(LOCAL_NAMESPACE, req.checkpoint_id, req.generation,
                                      hint=f"take one first: smr checkpoint {req.checkpoint_id}")
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
-                       existing: Job | None, durations: dict[str, float]) -> Job:
+                       existing: Job | None, durations: dict[str, float],
+                       tcp: sockets.Tcp) -> Job:
         spec = gen.manifest.get("job") or {}
         log = spec.get("log", "")
         inherit, fds = {}, []
@@ -73,7 +78,8 @@ class RestoreStep(LocalJobStep):
             inherit[log] = fd
         pidfile = work / "restored.pid"
         try:
-            run = await self.criu.restore(work / "images", pidfile=pidfile, inherit=inherit)
+            run = await self.criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
+                                          tcp=tcp)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -108,7 +114,7 @@ class RestoreStep(LocalJobStep):
         spec = gen.manifest.get("job") or {}
         job = job or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
                          cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
-                         checkpoint_id=req.checkpoint_id)
+                         checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
         job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
         await self.jobs.put(job)
         return job

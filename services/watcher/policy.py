@@ -7,6 +7,9 @@
                                              latest checkpoint at every start (Jobs)
     <prefix>/restore-failure: fresh|fail     when a restore is refused or fails, the
                                              container starts over (default) or fails
+    <prefix>/tcp-connections: auto|close     established TCP connections at a
+                                             checkpoint (smr/sockets.py): kept where
+                                             they can go on (default), or always closed
 
 ``<prefix>`` is SMR_LABEL_PREFIX (``smr.dev``). The seed product's names
 (``cedana.ai/...``, ``CEDANA_CHECKPOINT``) are read as aliases, so manifests
@@ -22,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from smr.config import Settings
+from smr.sockets import POLICIES as TCP_POLICIES
 
 ALIAS_PREFIX = "cedana.ai"
 NODE_RESTORE = "node-restore"
 HEARTBEAT = "heartbeat-checkpoint"
 RESTORE_FAILURE = "restore-failure"
+TCP_CONNECTIONS = "tcp-connections"
 CHECKPOINT_ENV = ("SMR_CHECKPOINT", "CEDANA_CHECKPOINT")
 _CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -45,6 +50,7 @@ class PodPolicy:
     containers: tuple[ContainerPolicy, ...] = ()
     problems: tuple[str, ...] = ()
     restore_failure: str = "fresh"  # or "fail"
+    tcp: str = "auto"  # or "close" (smr.sockets.POLICIES)
 
     @property
     def opted_in(self) -> bool:
@@ -69,6 +75,18 @@ def _label(labels: dict[str, str], prefix: str, name: str) -> tuple[str, str] | 
         if f"{p}/{name}" in labels:
             return f"{p}/{name}", str(labels[f"{p}/{name}"])
     return None
+
+
+def tcp_policy(pod: dict[str, Any], prefix: str) -> tuple[str, str | None]:
+    """The pod's TCP connection policy, and a problem if its label is malformed."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if found := _label(labels, prefix, TCP_CONNECTIONS):
+        key, value = found
+        if value in TCP_POLICIES:
+            return value, None
+        return "auto", (f'label {key}="{value}" is not "auto" or "close"; TCP connections '
+                        "are kept where they can go on and closed on a migration")
+    return "auto", None
 
 
 def policy_for(pod: dict[str, Any], s: Settings) -> PodPolicy:
@@ -115,6 +133,10 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
             problems.append(f'label {key}="{value}" is not "fresh" or "fail"; a failed '
                             "restore starts the container fresh")
 
+    tcp, problem = tcp_policy(pod, prefix)
+    if problem:
+        problems.append(problem)
+
     containers = []
     for c in (pod.get("spec") or {}).get("containers") or []:
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}
@@ -131,4 +153,4 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
                 c["name"], default_checkpoint_id(meta.get("name", ""), c["name"]),
                 from_env=False))
     return PodPolicy(node_restore, heartbeat, tuple(containers), tuple(problems),
-                     restore_failure)
+                     restore_failure, tcp)
