@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.smr-installed
 
 .PHONY: setup demo test lint clean bench-storage bench-watcher
 
-setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init
+setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime
 
 .tools/.installed-v3: scripts/install-tools.sh
 	./scripts/install-tools.sh
@@ -15,6 +15,11 @@ setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init
 # The pod containers' PID 1 (services/agent/init): static, so it runs in any image.
 .tools/bin/smr-init: services/agent/init/smr-init.c .tools/.installed-v3
 	gcc -static -Os -Wall -Wextra -o $@ $<
+
+# The OCI runtime wrapper that puts smr-init in front of opted-in containers;
+# static, it runs on the host. cJSON's source comes with the tools.
+.tools/bin/smr-runtime: services/agent/init/smr-runtime.c .tools/.installed-v3
+	gcc -static -Os -Wall -Wextra -I.tools/src/cjson -o $@ $< .tools/src/cjson/cJSON.c
 
 $(STAMP): pyproject.toml
 	@# A bare Debian 12 lacks ensurepip until python3-venv is installed.

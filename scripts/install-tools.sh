@@ -22,7 +22,7 @@ CRIU_MIN=4.2
 # here wrote, that the socket tests checkpoint.
 NEED=""
 for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
-            gcc:gcc nsenter:util-linux redis-server:redis-server; do
+            gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev; do
   command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"
 done
 [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || NEED="$NEED libc6-dev"
@@ -35,6 +35,23 @@ if [[ -n $NEED ]]; then
   fi
 fi
 
+# cJSON's source (Debian's package, with its patches) for smr-runtime, a static
+# binary that edits OCI bundles on the host (services/agent/init/smr-runtime.c).
+CJSON=$PREFIX/src/cjson
+if [[ ! -f $CJSON/cJSON.c ]]; then
+  S=$PREFIX/src/apt
+  mkdir -p "$S/lists/partial" "$S/cache/archives/partial" "$S/get"
+  printf 'Types: deb-src\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: %s\n' \
+    "$MIRROR" /usr/share/keyrings/debian-archive-keyring.gpg > "$S/bookworm-src.sources"
+  SO=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$S" -o "Dir::State::Lists=$S/lists"
+      -o "Dir::Cache=$S/cache" -o APT::Sandbox::User=root)
+  apt-get "${SO[@]}" -qq update
+  (cd "$S/get" && apt-get "${SO[@]}" -qq source --download-only cjson \
+     && dpkg-source --no-check -x ./*.dsc "$S/get/tree" >/dev/null)
+  mkdir -p "$CJSON" && cp "$S/get/tree/cJSON.c" "$S/get/tree/cJSON.h" "$S/get/tree/LICENSE" "$CJSON/"
+  rm -rf "$S"
+fi
+
 if [[ -f $STAMP && -x $PREFIX/bin/criu && -x $PREFIX/bin/nats-server && -x $PREFIX/bin/kustomize ]]; then
   touch "$STAMP"
   exit 0
@@ -42,7 +59,7 @@ fi
 
 echo "smr: installing CRIU $CRIU_MIN+ (Debian forky), nats-server 2.10 and kustomize 5.6 (trixie) into $PREFIX"
 # A stale prefix (an older CRIU) is replaced whole: its libraries must not mix in.
-rm -rf "$ROOT" "$PREFIX/debs" "$PREFIX/apt" "$PREFIX"/.installed-v*
+rm -rf "$ROOT" "$PREFIX/debs" "$PREFIX/apt" "$PREFIX"/.installed-v[0-9]*
 mkdir -p "$PREFIX/apt/lists/partial" "$PREFIX/apt/cache/archives/partial" "$PREFIX/debs" "$ROOT" "$PREFIX/bin"
 for suite in trixie forky; do
   cat > "$PREFIX/apt/$suite.sources" <<SRC

@@ -203,7 +203,7 @@ async def cmd_service(s: config.Settings, a: argparse.Namespace) -> int:
     from smr import serve
 
     module = importlib.import_module(f"services.{a.command}.__main__")
-    await serve.serve(a.command, s, module.make)
+    await serve.serve(a.command, s, module.make, needs_bus=getattr(module, "NEEDS_BUS", True))
     return 0
 
 
@@ -258,6 +258,8 @@ def parser() -> argparse.ArgumentParser:
                    "containers (needs SMR_NATS_URL, SMR_NODE_NAME, host PID namespace)")
     sub.add_parser("storage", help="the storage service: answers storage queries, applies "
                    "retention (needs SMR_NATS_URL)")
+    sub.add_parser("webhook", help="the mutating admission webhook: opted-in pods get the "
+                   "smr RuntimeClass (HTTPS on SMR_WEBHOOK_PORT)")
     return p
 
 
@@ -265,6 +267,7 @@ COMMANDS = {
     "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
     "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill, "demo": cmd_demo,
     "watcher": cmd_service, "agent": cmd_service, "storage": cmd_service,
+    "webhook": cmd_service,
 }
 
 

@@ -77,6 +77,17 @@ def _names(v: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in v.split(",") if x.strip())
 
 
+def _pairs(v: str) -> dict[str, str]:
+    """``a=b,c=d`` → {"a": "b", "c": "d"}."""
+    out = {}
+    for item in _names(v):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{item!r} is not NAME=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def _choice(*opts: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         if v not in opts:
@@ -147,6 +158,27 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CRIU_ROOT", "", str, "node agent: the prefix CRIU is installed in, copied into "
             "pods (its usr/sbin/criu, usr/lib/x86_64-linux-gnu); default: `make setup`'s, else /"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
+    Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart"), "node agent: "
+            "install smr-runtime and containerd's smr runtime handlers on the node at start "
+            "(files), and restart containerd if they changed (restart)"),
+    Setting("HOST_ROOT", "/proc/1/root", str, "node agent: the node's root file system "
+            "(it shares the host's PID namespace)"),
+    Setting("RUNTIME_BINARY", "", str, "node agent: its own smr-runtime; default: `make "
+            "setup`'s, else PATH (/usr/local/bin in the image)"),
+    Setting("RUNTIME_CLASS", "smr", str, "webhook: the RuntimeClass given to opted-in pods "
+            "(its handler runs smr-runtime in front of runc)"),
+    Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, _pairs, "webhook: a pod's own "
+            "RuntimeClass → the smr class that wraps the same runtime (NAME=SMR_NAME,...)"),
+    Setting("WEBHOOK_PORT", 8443, _count, "webhook: HTTPS port (0: any free one)"),
+    Setting("WEBHOOK_SERVICE", "smr-webhook", str, "webhook: its Service (the names its "
+            "certificate is for)"),
+    Setting("WEBHOOK_NAMESPACE", "smr-system", str, "webhook: its namespace and its Secret's"),
+    Setting("WEBHOOK_SECRET", "smr-webhook-tls", str, "webhook: the Secret holding its CA, "
+            "certificate and key (created and renewed by the webhook)"),
+    Setting("WEBHOOK_CONFIG", "smr-webhook", str, "webhook: the "
+            "MutatingWebhookConfiguration whose caBundle it keeps current"),
+    Setting("WEBHOOK_CERT_DIR", "", str, "webhook: read tls.crt/tls.key from here (cert-manager) "
+            "instead of managing the Secret; empty: self-managed"),
     Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),
     Setting("MAX_DELIVER", 5, _pos_int, "deliveries of one request before it is dead-lettered"),
     Setting("ACK_WAIT", 30.0, _pos_float, "seconds before an un-acked request is redelivered"),
@@ -196,6 +228,9 @@ class Settings:
 
     def init_binary(self) -> str:
         return _find_binary(self.values["INIT"], "smr-init", "INIT")
+
+    def runtime_binary(self) -> str:
+        return _find_binary(self.values["RUNTIME_BINARY"], "smr-runtime", "RUNTIME_BINARY")
 
     def criu_root(self) -> Path:
         if self.values["CRIU_ROOT"]:

@@ -1,5 +1,5 @@
 """Running one cluster service (the watcher, the node agent, the storage
-service) as a Kubernetes pod: its NATS connection, SIGTERM, and the health
+service, the webhook) as a Kubernetes pod: its NATS connection, SIGTERM, and the health
 endpoint its probes ask (``SMR_HEALTH_PORT``: ``/livez`` while its loop
 answers, ``/readyz`` once it has started serving)."""
 
@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -31,7 +31,8 @@ class Service(Protocol):
 
 
 Cleanup = Callable[[], Awaitable[object]]
-Factory = Callable[[Bus, config.Settings], Awaitable[tuple[Service, list[Cleanup]]]]
+# make(bus, settings): bus is a Bus, or None for a service that needs none.
+Factory = Callable[[Any, config.Settings], Awaitable[tuple[Service, list[Cleanup]]]]
 
 
 async def health_server(service: Service, port: int) -> web.AppRunner:
@@ -52,14 +53,19 @@ async def health_server(service: Service, port: int) -> web.AppRunner:
     return runner
 
 
-async def serve(name: str, settings: config.Settings, make: Factory) -> None:
-    if not settings.nats_url:
+async def serve(name: str, settings: config.Settings, make: Factory, *,
+                needs_bus: bool = True) -> None:
+    """``needs_bus``: False for a service that talks to no NATS (the webhook)."""
+    if needs_bus and not settings.nats_url:
         raise SmrError(f"the {name} needs a NATS server", code="config-invalid",
                        hint="set SMR_NATS_URL (deploy/kustomize sets it)")
     tracing.setup(name)
-    bus = await Bus.connect(settings.nats_url, name=f"smr-{name}-{settings.node}",
-                            config=BusConfig.from_settings(settings))
-    cleanups: list[Cleanup] = [bus.close]
+    bus = None
+    cleanups: list[Cleanup] = []
+    if needs_bus:
+        bus = await Bus.connect(settings.nats_url, name=f"smr-{name}-{settings.node}",
+                                config=BusConfig.from_settings(settings))
+        cleanups.append(bus.close)
     runner = None
     try:
         service, more = await make(bus, settings)
@@ -78,11 +84,11 @@ async def serve(name: str, settings: config.Settings, make: Factory) -> None:
                 await c()
 
 
-def main(name: str, make: Factory) -> None:
+def main(name: str, make: Factory, *, needs_bus: bool = True) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
     try:
-        asyncio.run(serve(name, config.load(), make))
+        asyncio.run(serve(name, config.load(), make, needs_bus=needs_bus))
     except SmrError as e:
         print(f"smr {name}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -26,10 +26,12 @@ connection the way networks and etcd compaction do.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import re
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -46,8 +49,14 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "pods": ("Pod", True, "/api/v1"),
     "events": ("Event", True, "/api/v1"),
     "leases": ("Lease", True, "/apis/coordination.k8s.io/v1"),
+    "secrets": ("Secret", True, "/api/v1"),
+    "mutatingwebhookconfigurations": ("MutatingWebhookConfiguration", False,
+                                      "/apis/admissionregistration.k8s.io/v1"),
+    "runtimeclasses": ("RuntimeClass", False, "/apis/node.k8s.io/v1"),
 }
-API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1"}
+API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
+               "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
+               "/apis/node.k8s.io/v1": "node.k8s.io/v1"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
               "ownerReferences": "uid"}
 
@@ -221,6 +230,9 @@ class FakeApiServer:
         self.podgc_delay = podgc_delay
         self.watches: list[Watch] = []
         self.requests: list[tuple[str, str]] = []  # (method, path) log, for assertions
+        # What cluster DNS would resolve: (namespace, service) → (host, port).
+        self.services: dict[tuple[str, str], tuple[str, int]] = {}
+        self.admission_log: list[str] = []  # what each webhook call came to
         self._paused = asyncio.Event()
         self._paused.set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -499,6 +511,11 @@ class FakeApiServer:
 
     async def _create(self, request: web.Request, plural: str, ns: str) -> web.Response:
         obj = await request.json()
+        if plural == "pods":
+            admitted = await self._admit(obj, ns)
+            if isinstance(admitted, web.Response):
+                return admitted
+            obj = admitted
         name = obj.get("metadata", {}).get("name")
         if not name and obj.get("metadata", {}).get("generateName"):
             name = obj["metadata"]["generateName"] + uuid.uuid4().hex[:5]
@@ -511,6 +528,79 @@ class FakeApiServer:
         obj["metadata"].pop("resourceVersion", None)
         obj["metadata"].pop("uid", None)
         return self._json(self._write(plural, key, obj, "ADDED"), 201)
+
+    # -- admission: mutating webhooks, called as kube-apiserver calls them -----------
+
+    async def _admit(self, pod: dict[str, Any], ns: str) -> dict[str, Any] | web.Response:
+        """Run every matching mutating webhook on a pod being created: an
+        AdmissionReview v1 over HTTPS (verified with ``caBundle`` against the
+        Service's DNS name), its JSONPatch applied; a failed call is ignored or
+        refuses the pod, by the webhook's failurePolicy."""
+        for cfg in self.list("mutatingwebhookconfigurations"):
+            for hook in cfg.get("webhooks") or []:
+                if not self._hook_matches(hook, pod, ns):
+                    continue
+                try:
+                    pod = await self._call(hook, pod, ns)
+                except Exception as e:
+                    self.admission_log.append(f"{hook['name']}: failed: {e!r}")
+                    if hook.get("failurePolicy", "Fail") == "Fail":
+                        return status(500, "InternalError", f'failed calling webhook '
+                                      f'"{hook["name"]}": {e}')
+        return pod
+
+    @staticmethod
+    def _selects(sel: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+        if not sel:
+            return True
+        if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
+            return False
+        for e in sel.get("matchExpressions") or []:
+            has, value = e["key"] in labels, labels.get(e["key"])
+            ok = {"In": has and value in e.get("values", []),
+                  "NotIn": not has or value not in e.get("values", []),
+                  "Exists": has, "DoesNotExist": not has}[e["operator"]]
+            if not ok:
+                return False
+        return True
+
+    def _hook_matches(self, hook: dict[str, Any], pod: dict[str, Any], ns: str) -> bool:
+        rules = hook.get("rules") or []
+        if not any(("CREATE" in r.get("operations", []) or "*" in r.get("operations", []))
+                   and "pods" in r.get("resources", []) for r in rules):
+            return False
+        return (self._selects(hook.get("namespaceSelector"), {"kubernetes.io/metadata.name": ns})
+                and self._selects(hook.get("objectSelector"),
+                                  (pod.get("metadata") or {}).get("labels") or {}))
+
+    async def _call(self, hook: dict[str, Any], pod: dict[str, Any], ns: str) -> dict[str, Any]:
+        cc = hook["clientConfig"]
+        svc = cc["service"]
+        host, port = self.services[(svc["namespace"], svc["name"])]
+        ctx = ssl.create_default_context(
+            cadata=base64.b64decode(cc.get("caBundle") or "").decode() or None)
+        uid = str(uuid.uuid4())
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "namespace": ns, "operation": "CREATE", "object": pod, "dryRun": False,
+            "userInfo": {"username": "test"}}}
+        timeout = aiohttp.ClientTimeout(total=hook.get("timeoutSeconds", 10))
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                f"https://{host}:{port}{svc.get('path', '/')}", json=review, ssl=ctx,
+                server_hostname=f"{svc['name']}.{svc['namespace']}.svc") as resp:
+            answer = await resp.json()
+        r = answer["response"]
+        if r.get("uid") != uid:
+            raise ValueError("the webhook answered for another request")
+        if not r.get("allowed", False):
+            raise PermissionError(r.get("status", {}).get("message", "denied"))
+        if r.get("patch"):
+            pod = json_patch(pod, orjson.loads(base64.b64decode(r["patch"])))
+        self.admission_log.append(f"{hook['name']}: {len(r.get('patch') or '')} patch bytes, "
+                                  f"warnings {r.get('warnings') or []}")
+        return pod
 
     async def _replace(self, request: web.Request, key: tuple[str, str, str]) -> web.Response:
         cur = self.objects.get(key)

@@ -6,15 +6,20 @@ directory. Each simulated node is one containerd namespace. `FakeKubelet`
 starts the containers of the pods bound to its node (reading the FAKE API
 server's objects directly), restarts them by their restartPolicy, kills them
 when their pod goes, and reports containerStatuses (containerID, imageID,
-state, restartCount) the way the kubelet does. The pod's `smr` volume is an
-emptyDir: a directory per pod that outlives container restarts; smr-init is
-copied into it as the pod's initContainer would.
+state, restartCount) the way the kubelet does. A pod's volume named `smr`
+(the hand-written manifest of docs/node-agent.md) is an emptyDir: a directory
+per pod that outlives container restarts; smr-init is copied into it as the
+pod's initContainer would. A pod's `runtimeClassName` selects the runtime
+binary the way containerd's handler `BinaryName` does (`ctr --runc-binary`),
+and a container's args are resolved as the kubelet does: `command` replaces
+the image's ENTRYPOINT, `args` its CMD.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -86,6 +91,12 @@ class Containerd:
                 return parts[2]
         raise KeyError(ref)
 
+    async def image_config(self, ns: str, ref: str) -> dict[str, Any]:
+        """The image's config (Entrypoint, Cmd, Env, …), read from the content store."""
+        _, manifest = await self.ctr(ns, "content", "get", await self.digest(ns, ref))
+        _, config = await self.ctr(ns, "content", "get", json.loads(manifest)["config"]["digest"])
+        return json.loads(config).get("config") or {}
+
     def stop(self) -> None:
         for ns in self.namespaces:
             tasks = subprocess.run(self._ctr(ns, "tasks", "ls", "-q"), capture_output=True,
@@ -127,8 +138,9 @@ class PodState:
 
 class FakeKubelet:
     def __init__(self, kube: FakeApiServer, containerd: Containerd, node: str, workdir: Path,
-                 smr_init: Path) -> None:
+                 smr_init: Path, runtime_classes: dict[str, str] | None = None) -> None:
         self.kube, self.ctd, self.node = kube, containerd, node
+        self.runtime_classes = runtime_classes or {}  # RuntimeClass name → runtime binary
         self.ns = node
         self.dir = workdir / node
         self.smr_init = smr_init
@@ -194,8 +206,9 @@ class FakeKubelet:
             st = self.pods.get(uid)
             if st is None:
                 st = self.pods[uid] = PodState(uid, self.dir / "pods" / uid / "smr")
-                st.volume.mkdir(parents=True)
-                shutil.copy2(self.smr_init, st.volume / "smr-init")  # the initContainer
+                if any(v.get("name") == "smr" for v in pod["spec"].get("volumes") or []):
+                    st.volume.mkdir(parents=True)
+                    shutil.copy2(self.smr_init, st.volume / "smr-init")  # the initContainer
             changed = False
             for c in pod["spec"]["containers"]:
                 run = st.containers.get(c["name"])
@@ -228,13 +241,22 @@ class FakeKubelet:
         log = self.dir / "logs" / f"{pod['metadata']['name']}_{c['name']}_{restarts}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = [f"{e['name']}={e['value']}" for e in c.get("env") or []]
-        env.append(f"SMR_CONTAINER={c['name']}")  # what the webhook adds
-        args = ["run", "-d", "--log-uri", f"file://{log}",
-                "--mount", f"type=bind,src={st.volume},dst=/smr,options=rbind:rw"]
+        args = ["run", "-d", "--log-uri", f"file://{log}"]
+        if st.volume.is_dir():
+            args += ["--mount", f"type=bind,src={st.volume},dst=/smr,options=rbind:rw"]
+        if rc := pod["spec"].get("runtimeClassName"):
+            if rc not in self.runtime_classes:
+                raise RuntimeError(f"RuntimeClass {rc} not found on node {self.node}")
+            args += ["--runc-binary", self.runtime_classes[rc]]
         for e in env:
             args += ["--env", e]
-        await self.ctd.ctr(self.ns, *args, c["image"], cid,
-                           *(c.get("command") or []), *(c.get("args") or []))
+        process: list[str] = []  # empty: the image's ENTRYPOINT and CMD, as ctr reads them
+        if c.get("command"):
+            process = [*c["command"], *(c.get("args") or [])]
+        elif c.get("args"):
+            entry = (await self.ctd.image_config(self.ns, c["image"])).get("Entrypoint") or []
+            process = [*entry, *c["args"]]
+        await self.ctd.ctr(self.ns, *args, c["image"], cid, *process)
         return Running(c["name"], cid, log, restarts, _now())
 
     def _report(self, pod: dict[str, Any], st: PodState) -> None:

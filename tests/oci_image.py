@@ -43,7 +43,8 @@ def host_program(path: str) -> dict[str, bytes]:
 
 
 def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
-          label: str = "") -> Path:
+          label: str = "", entrypoint: list[str] | None = None,
+          cmd: list[str] | None = None) -> Path:
     """Write an OCI image tarball named ``ref`` to ``out``; ``label`` makes a
     different image (digest) with the same content."""
     busybox = shutil.which("busybox")
@@ -72,8 +73,9 @@ def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
     diff_id = "sha256:" + hashlib.sha256(layer_bytes).hexdigest()
     layer_desc = _blob(blobs, layer_bytes, "application/vnd.oci.image.layer.v1.tar")
     config = {"architecture": "amd64", "os": "linux",
-              "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"],
-                         "Labels": {"smr.test": label}},
+              "config": {"Env": ["PATH=/bin"], "Cmd": cmd or ["/bin/sh"],
+                         "Labels": {"smr.test": label},
+                         **({"Entrypoint": entrypoint} if entrypoint else {})},
               "rootfs": {"type": "layers", "diff_ids": [diff_id]},
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(0))}
     config_desc = _blob(blobs, json.dumps(config).encode(),

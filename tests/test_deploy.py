@@ -114,3 +114,26 @@ def test_policy_catches(kustomize: str, case: str) -> None:
     BAD[case](docs)
     found = deploy_policy.violations(docs)
     assert len(found) == 1, found
+
+
+def test_cert_manager_component(kustomize: str, tmp_path: Path) -> None:
+    """The option for clusters with cert-manager: the webhook reads the mounted
+    certificate, cert-manager injects the CA; the policy checks still hold."""
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{os.path.relpath(ROOT / 'overlays' / 'dev', tmp_path)}]\n"
+        f"components: [{os.path.relpath(ROOT / 'components' / 'cert-manager', tmp_path)}]\n")
+    out = subprocess.run([kustomize, "build", "--load-restrictor", "LoadRestrictionsNone",
+                          str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    hook = next(d for d in docs if d["kind"] == "Deployment" and
+                d["metadata"]["name"] == "smr-webhook")
+    env = hook["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "SMR_WEBHOOK_CERT_DIR", "value": "/etc/smr/webhook-tls"} in env
+    mwc = next(d for d in docs if d["kind"] == "MutatingWebhookConfiguration")
+    assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        "smr-system/smr-webhook"
+    assert any(d["kind"] == "Certificate" for d in docs)
+    for check in deploy_policy.CHECKS:
+        assert check(docs) == [], check.__name__

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 from kubernetes_asyncio import client
 
 from services.agent.incontainer import CriuBundle
+from services.agent.install import install_on_node
 from services.agent.pods import Pods
 from services.agent.starts import StartRestores
 from services.checkpointer.pod import PodCheckpointStep
@@ -32,7 +34,7 @@ log = logging.getLogger("smr.agent")
 class NodeAgent:
     def __init__(self, bus: Bus, api: client.ApiClient, store: CheckpointStore,
                  settings: Settings) -> None:
-        s = settings
+        s = self.s = settings
         self.pods = Pods(api, s.node)
         self.criu = Criu(s.criu_binary(), s.criu_timeout)
         common = dict(
@@ -56,6 +58,9 @@ class NodeAgent:
     async def run(self) -> None:
         if problem := await self.criu.problem():
             log.error("%s", problem)
+        if self.s.runtime_install != "off":
+            await install_on_node(self.s.runtime_install, Path(self.s.host_root),
+                                  Path(self.s.runtime_binary()), Path(self.s.init_binary()))
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
         try:

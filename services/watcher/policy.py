@@ -137,6 +137,12 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
     if problem:
         problems.append(problem)
 
+    # The webhook could not give the pod smr's runtime (services/webhook): say so
+    # on the pod, where its owner looks.
+    injected = str((meta.get("annotations") or {}).get(f"{prefix}/injected", ""))
+    if injected.startswith("skipped:"):
+        problems.append(f"not protected: {injected.removeprefix('skipped:').strip()}")
+
     containers = []
     for c in (pod.get("spec") or {}).get("containers") or []:
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}

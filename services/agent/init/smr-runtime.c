@@ -1,0 +1,253 @@
+/*
+ * smr-runtime: an OCI runtime that puts smr-init in front of opted-in
+ * containers, then hands every call to the real runtime (runc, or the NVIDIA
+ * runtime on GPU nodes), the way nvidia-container-runtime wraps runc.
+ *
+ * containerd runs it as the BinaryName of the runtime handler `smr` (the
+ * RuntimeClass the smr webhook gives opted-in pods), with runc's command line.
+ * On `create`, for a container whose process environment has
+ * SMR_CONTAINER=<name> (the webhook adds it to the containers it opts in) and
+ * that is not a pod sandbox, it edits the bundle's config.json:
+ *
+ *   mounts       /smr             <- STATE/<container id>  (read-write: smr-init's
+ *                                    state, the agent's work space)
+ *                /smr/smr-init    <- INIT                  (read-only)
+ *   process.args [/smr/smr-init, --, <the args as resolved from the image
+ *                 ENTRYPOINT/CMD and the pod's command/args>]
+ *
+ * On `delete` it removes STATE/<container id> once the real runtime is done.
+ * Anything else passes through untouched. It never fails a container start
+ * because of smr: if the edit cannot be made, it logs why and passes through.
+ *
+ * Settings come from smr-runtime.env beside the binary (KEY=VALUE lines):
+ *   RUNTIME  the real runtime (default: runc on PATH)
+ *   INIT     the host's smr-init (default: smr-init beside this binary)
+ *   STATE    per-container directories (default: /run/smr/containers)
+ *   LOG      a file to append to (default: stderr, which containerd logs)
+ *
+ * A static C binary: it runs on the host, which may have nothing else. JSON
+ * through cJSON (Debian's source package, built in by `make setup`).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <libgen.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cJSON.h"
+
+#define INIT_IN_CONTAINER "/smr/smr-init"
+
+static char runtime[PATH_MAX] = "runc", init_path[PATH_MAX] = "",
+            state[PATH_MAX] = "/run/smr/containers", log_path[PATH_MAX] = "";
+
+static void say(const char *fmt, ...) {
+    FILE *out = stderr;
+    if (*log_path) out = fopen(log_path, "a");
+    if (!out) out = stderr;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(out, "smr-runtime[%d]: ", (int)getpid());
+    vfprintf(out, fmt, ap);
+    fputc('\n', out);
+    va_end(ap);
+    if (out != stderr) fclose(out);
+}
+
+static void load_settings(void) {
+    char self[PATH_MAX], conf[PATH_MAX + 32];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) return;
+    self[n] = 0;
+    char *dir = dirname(self);
+    snprintf(init_path, sizeof init_path, "%s/smr-init", dir);
+    snprintf(conf, sizeof conf, "%s/smr-runtime.env", dir);
+    FILE *f = fopen(conf, "r");
+    if (!f) return;
+    char line[PATH_MAX + 16];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n")] = 0;
+        char *eq = strchr(line, '=');
+        if (!eq || line[0] == '#') continue;
+        *eq = 0;
+        char *dst = !strcmp(line, "RUNTIME") ? runtime : !strcmp(line, "INIT") ? init_path
+                  : !strcmp(line, "STATE") ? state : !strcmp(line, "LOG") ? log_path : NULL;
+        if (dst) snprintf(dst, PATH_MAX, "%s", eq + 1);
+    }
+    fclose(f);
+}
+
+/* runc's global options that take a value (before the command). */
+static int takes_value(const char *opt) {
+    static const char *with[] = {"--root", "--log", "--log-format", "--criu", "--rootless"};
+    for (size_t i = 0; i < sizeof with / sizeof *with; i++)
+        if (!strcmp(opt, with[i])) return 1;
+    return 0;
+}
+
+/* The index of the command (create, start, delete, ...), or -1. */
+static int command_index(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (argv[i][0] != '-') return i;
+        if (!strchr(argv[i], '=') && takes_value(argv[i])) i++;
+    }
+    return -1;
+}
+
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    if (fseek(f, 0, SEEK_END) != 0) { fclose(f); return NULL; }
+    long size = ftell(f);
+    rewind(f);
+    char *buf = size >= 0 ? malloc((size_t)size + 1) : NULL;
+    if (buf && fread(buf, 1, (size_t)size, f) != (size_t)size) { free(buf); buf = NULL; }
+    if (buf) buf[size] = 0;
+    fclose(f);
+    return buf;
+}
+
+static int write_file(const char *path, const char *text) {
+    char tmp[PATH_MAX * 2 + 16];
+    snprintf(tmp, sizeof tmp, "%s.smr-tmp", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return -1;
+    size_t len = strlen(text);
+    int ok = write(fd, text, len) == (ssize_t)len && fsync(fd) == 0;
+    close(fd);
+    if (!ok || rename(tmp, path) != 0) { unlink(tmp); return -1; }
+    return 0;
+}
+
+/* A container name (SMR_CONTAINER) or id: a single path component. */
+static int valid_part(const char *s, size_t max) {
+    size_t n = strlen(s);
+    if (n == 0 || n > max || s[0] == '.') return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!(s[i] == '-' || s[i] == '_' || s[i] == '.' || (s[i] >= '0' && s[i] <= '9')
+              || (s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z'))) return 0;
+    return 1;
+}
+
+static cJSON *bind_mount(const char *dst, const char *src, const char *mode) {
+    cJSON *m = cJSON_CreateObject(), *opts = cJSON_CreateArray();
+    cJSON_AddStringToObject(m, "destination", dst);
+    cJSON_AddStringToObject(m, "type", "bind");
+    cJSON_AddStringToObject(m, "source", src);
+    const char *o[] = {"rbind", mode, "nosuid", "nodev"};
+    for (size_t i = 0; i < 4; i++) cJSON_AddItemToArray(opts, cJSON_CreateString(o[i]));
+    cJSON_AddItemToObject(m, "options", opts);
+    return m;
+}
+
+/* Wrap the container of bundle `dir` if it is ours. Returns a reason it was
+   left alone (NULL: wrapped), for the log. */
+static const char *wrap(const char *bundle, const char *id) {
+    char path[PATH_MAX * 2];
+    snprintf(path, sizeof path, "%s/config.json", bundle);
+    char *text = read_file(path);
+    if (!text) return "cannot read config.json";
+    cJSON *spec = cJSON_Parse(text);
+    free(text);
+    if (!spec) return "config.json is not JSON";
+    const char *why = NULL;
+    cJSON *ann = cJSON_GetObjectItemCaseSensitive(spec, "annotations");
+    cJSON *type = cJSON_GetObjectItemCaseSensitive(ann, "io.kubernetes.cri.container-type");
+    cJSON *proc = cJSON_GetObjectItemCaseSensitive(spec, "process");
+    cJSON *args = cJSON_GetObjectItemCaseSensitive(proc, "args");
+    cJSON *env = cJSON_GetObjectItemCaseSensitive(proc, "env"), *e;
+    const char *name = NULL;
+    cJSON_ArrayForEach(e, env) {
+        if (cJSON_IsString(e) && !strncmp(e->valuestring, "SMR_CONTAINER=", 14))
+            name = e->valuestring + 14;
+    }
+    cJSON *first = cJSON_GetArrayItem(args, 0);
+    if (cJSON_IsString(type) && !strcmp(type->valuestring, "sandbox")) why = "a pod sandbox";
+    else if (!name) why = "not opted in (no SMR_CONTAINER)";
+    else if (!valid_part(name, 63)) why = "SMR_CONTAINER is not a container name";
+    else if (!cJSON_IsArray(args) || !cJSON_IsString(first)) why = "no process.args";
+    else if (!strcmp(first->valuestring, INIT_IN_CONTAINER)) why = "already wrapped";
+    if (why) { cJSON_Delete(spec); return why; }
+
+    char dir[PATH_MAX * 2], mountpoint[PATH_MAX * 2 + 16];
+    snprintf(dir, sizeof dir, "%s/%s", state, id);
+    snprintf(mountpoint, sizeof mountpoint, "%s/smr-init", dir);
+    mkdir(state, 0711);
+    if ((mkdir(dir, 0755) != 0 && errno != EEXIST)) why = "cannot create its state directory";
+    int fd = why ? -1 : open(mountpoint, O_WRONLY | O_CREAT, 0755);
+    if (!why && fd < 0) why = "cannot create the smr-init mount point";
+    if (fd >= 0) close(fd);
+    if (!why && access(init_path, X_OK) != 0) why = "the host's smr-init is missing";
+    if (why) { cJSON_Delete(spec); return why; }
+
+    cJSON *mounts = cJSON_GetObjectItemCaseSensitive(spec, "mounts");
+    if (!cJSON_IsArray(mounts)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(spec, "mounts");
+        mounts = cJSON_AddArrayToObject(spec, "mounts");
+    }
+    cJSON_AddItemToArray(mounts, bind_mount("/smr", dir, "rw"));
+    cJSON_AddItemToArray(mounts, bind_mount(INIT_IN_CONTAINER, init_path, "ro"));
+    cJSON_InsertItemInArray(args, 0, cJSON_CreateString("--"));
+    cJSON_InsertItemInArray(args, 0, cJSON_CreateString(INIT_IN_CONTAINER));
+    char *out = cJSON_PrintUnformatted(spec);
+    cJSON_Delete(spec);
+    if (!out || write_file(path, out) != 0) why = "cannot write config.json";
+    free(out);
+    return why;
+}
+
+static int remove_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st; (void)flag; (void)ftw;
+    remove(p);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    load_settings();
+    int c = command_index(argc, argv);
+    const char *cmd = c > 0 ? argv[c] : "";
+    const char *id = c > 0 && c < argc - 1 ? argv[argc - 1] : NULL;
+    if (id && (!strcmp(cmd, "create") || !strcmp(cmd, "run"))) {
+        const char *bundle = ".";
+        for (int i = c + 1; i < argc; i++) {
+            if ((!strcmp(argv[i], "--bundle") || !strcmp(argv[i], "-b")) && i + 1 < argc)
+                bundle = argv[i + 1];
+            else if (!strncmp(argv[i], "--bundle=", 9))
+                bundle = argv[i] + 9;
+        }
+        const char *why = valid_part(id, 128) ? wrap(bundle, id) : "an unexpected container id";
+        if (why) {
+            if (strcmp(why, "not opted in (no SMR_CONTAINER)") && strcmp(why, "a pod sandbox"))
+                say("container %s left as it is: %s", id, why);
+        } else {
+            say("container %s starts through smr-init", id);
+        }
+    }
+    argv[0] = runtime;
+    if (id && !strcmp(cmd, "delete") && valid_part(id, 128)) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            execvp(runtime, argv);
+            _exit(127);
+        }
+        int st = 0;
+        while (pid > 0 && waitpid(pid, &st, 0) < 0 && errno == EINTR) {}
+        char dir[PATH_MAX * 2];
+        snprintf(dir, sizeof dir, "%s/%s", state, id);
+        if (pid > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0)
+            nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+        return pid < 0 ? 127 : WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    execvp(runtime, argv);
+    say("cannot run the real runtime %s: %s", runtime, strerror(errno));
+    return 127;
+}

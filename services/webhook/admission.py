@@ -1,0 +1,135 @@
+"""What the webhook does to a pod: AdmissionReview in, AdmissionReview out.
+
+An opted-in pod (services/watcher/policy: the labels or the SMR_CHECKPOINT
+env var) gets:
+
+- ``spec.runtimeClassName`` = SMR_RUNTIME_CLASS (``smr``), whose handler is
+  smr-runtime (services/agent/init/smr-runtime.c). A pod that names another
+  class is moved to that class's smr counterpart (SMR_RUNTIME_CLASS_MAP, e.g.
+  ``nvidia=smr-nvidia``: smr-runtime in front of the NVIDIA runtime); one with
+  no counterpart is left as it is, with a warning the client shows
+  (``kubectl apply`` prints it) and an annotation saying why.
+- env ``SMR_CONTAINER=<name>`` on each opted-in container: what smr-runtime
+  looks for, and the name smr-init keeps its state under.
+- the annotation ``smr.dev/injected``.
+
+A pod whose manifest already starts smr-init (written by hand,
+docs/node-agent.md) is left alone. Nothing here ever refuses a pod: bad
+input, another kind or any error gives an allowed response without a patch
+and a log line.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import re
+from typing import Any
+
+import orjson
+
+from services.watcher.policy import policy_for
+from smr.config import Settings
+
+log = logging.getLogger("smr.webhook")
+
+INJECTED = "injected"  # the annotation <prefix>/injected
+_UID = re.compile(rb'"uid"\s*:\s*"([0-9A-Za-z-]{1,64})"')
+
+
+def response(uid: str, patch: list[dict[str, Any]] | None = None,
+             warnings: list[str] | None = None) -> dict[str, Any]:
+    resp: dict[str, Any] = {"uid": uid, "allowed": True}
+    if patch:
+        resp["patchType"] = "JSONPatch"
+        resp["patch"] = base64.b64encode(orjson.dumps(patch)).decode()
+    if warnings:
+        resp["warnings"] = warnings
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
+
+
+def uid_of(body: bytes) -> str:
+    """The request's uid from a body too large or broken to parse whole: the
+    API server accepts only a response that names it."""
+    m = _UID.search(body[:65536])
+    return m.group(1).decode() if m else ""
+
+
+def review(body: bytes, s: Settings) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body)
+        req = doc["request"]
+        uid = str(req["uid"])
+    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        log.warning("not an AdmissionReview (%s: %s); allowed unchanged", type(e).__name__, e)
+        return response(uid_of(body))
+    try:
+        patch, warnings = mutate(req, s)
+    except Exception:
+        log.exception("review %s failed; the pod is allowed unchanged", uid)
+        return response(uid)
+    return response(uid, patch, warnings)
+
+
+def _pointer(*parts: object) -> str:
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _starts_smr_init(container: dict[str, Any]) -> bool:
+    first = (container.get("command") or [""])[0]
+    return isinstance(first, str) and first.rsplit("/", 1)[-1] == "smr-init"
+
+
+def mutate(req: dict[str, Any], s: Settings) -> tuple[list[dict[str, Any]], list[str]]:
+    """The JSONPatch for one admission request, and warnings for the user."""
+    kind = (req.get("kind") or {}).get("kind")
+    if kind != "Pod" or req.get("operation") != "CREATE" or req.get("subResource"):
+        log.info("review %s: %s %s is not a pod creation; allowed unchanged",
+                 req.get("uid"), req.get("operation"), kind)
+        return [], []
+    pod = req.get("object")
+    if not isinstance(pod, dict) or not isinstance(pod.get("spec"), dict):
+        log.warning("review %s: no pod in the request; allowed unchanged", req.get("uid"))
+        return [], []
+    policy = policy_for(pod, s)
+    if not policy.opted_in:
+        return [], []
+    spec = pod["spec"]
+    containers = spec.get("containers") or []
+    if any(_starts_smr_init(c) for c in containers if isinstance(c, dict)):
+        return [], []  # written by hand: it already starts through smr-init
+    meta = pod.get("metadata") or {}
+    ops: list[dict[str, Any]] = []
+    ours = {s.runtime_class, *s.runtime_class_map.values()}
+    named = spec.get("runtimeClassName")
+    if not named:
+        ops.append({"op": "add", "path": "/spec/runtimeClassName", "value": s.runtime_class})
+    elif named in s.runtime_class_map:
+        ops.append({"op": "replace", "path": "/spec/runtimeClassName",
+                    "value": s.runtime_class_map[named]})
+    elif named not in ours:
+        why = (f"runtime class {named!r} has no smr counterpart (SMR_RUNTIME_CLASS_MAP), so "
+               "this pod is not protected by smr; map it, or start its command through "
+               "smr-init (docs/node-agent.md)")
+        return _annotate(meta, s, f"skipped: {why}"), [f"smr: {why}"]
+    wanted = {c.name for c in policy.containers}
+    for i, c in enumerate(containers):
+        if not isinstance(c, dict) or c.get("name") not in wanted:
+            continue
+        entry = {"name": "SMR_CONTAINER", "value": c["name"]}
+        env = c.get("env")
+        if not isinstance(env, list):
+            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env"),
+                        "value": [entry]})
+        elif not any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER" for e in env):
+            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
+                        "value": entry})
+    runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)
+    return ops + _annotate(meta, s, str(runtime)), []
+
+
+def _annotate(meta: dict[str, Any], s: Settings, value: str) -> list[dict[str, Any]]:
+    key = f"{s.label_prefix}/{INJECTED}"
+    if not isinstance(meta.get("annotations"), dict):
+        return [{"op": "add", "path": "/metadata/annotations", "value": {key: value}}]
+    return [{"op": "add", "path": _pointer("metadata", "annotations", key), "value": value}]

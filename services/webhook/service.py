@@ -1,0 +1,92 @@
+"""The webhook's HTTPS server: POST /mutate takes an AdmissionReview
+(services/webhook/admission) and always answers one. Its certificate comes
+from the Secret it keeps (services/webhook/certs) or from cert-manager's
+files (SMR_WEBHOOK_CERT_DIR), and is re-read every few hours: a renewed one
+is served without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import tempfile
+from pathlib import Path
+
+from aiohttp import web
+from kubernetes_asyncio import client
+
+from services.webhook.admission import response, review, uid_of
+from services.webhook.certs import CertKeeper, Tls
+from smr.aio import wait_event
+from smr.config import Settings
+
+log = logging.getLogger("smr.webhook")
+
+# kube-apiserver sends at most 3 MiB bodies; a bigger one is not a real review.
+MAX_BODY = 3 * 2**20
+RECHECK_S = 6 * 3600.0
+
+
+class Webhook:
+    def __init__(self, api: client.ApiClient | None, s: Settings, *, host: str = "0.0.0.0",
+                 recheck_s: float = RECHECK_S) -> None:
+        self.s = s
+        self.keeper = CertKeeper(api, s) if api is not None and not s.webhook_cert_dir else None
+        self.host = host
+        self.recheck_s = recheck_s
+        self.ready = asyncio.Event()
+        self.stopped = asyncio.Event()  # its server is closed
+        self.port = 0  # the bound port, once serving
+        self._stop = asyncio.Event()
+        self._dir = tempfile.TemporaryDirectory(prefix="smr-webhook-")
+        self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _load(self) -> None:
+        """(Re)load the serving certificate into the live TLS context."""
+        if self.keeper:
+            tls: Tls = await self.keeper.ensure()
+            cert, key = Path(self._dir.name) / "tls.crt", Path(self._dir.name) / "tls.key"
+            cert.write_bytes(tls.cert)
+            key.touch(mode=0o600)
+            key.write_bytes(tls.key)
+        else:
+            cert = Path(self.s.webhook_cert_dir) / "tls.crt"
+            key = Path(self.s.webhook_cert_dir) / "tls.key"
+        self._ssl.load_cert_chain(cert, key)
+
+    async def mutate(self, request: web.Request) -> web.Response:
+        body = await request.content.read(MAX_BODY + 1)
+        if len(body) > MAX_BODY:
+            log.warning("an AdmissionReview over %d bytes; allowed unchanged", MAX_BODY)
+            answer = response(uid_of(body))
+        else:
+            answer = review(body, self.s)
+        return web.json_response(answer)
+
+    async def run(self) -> None:
+        await self._load()
+        app = web.Application(client_max_size=MAX_BODY + 1)
+        app.router.add_post("/mutate", self.mutate)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.s.webhook_port, ssl_context=self._ssl)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        self.port = sockets[0].getsockname()[1] if sockets else self.s.webhook_port
+        log.info("webhook serving https://%s:%d/mutate", self.host, self.port)
+        self.ready.set()
+        try:
+            while not await wait_event(self._stop, self.recheck_s):
+                try:
+                    await self._load()
+                except Exception as e:  # keep serving the certificate we have
+                    log.warning("could not renew the webhook certificate: %s", e)
+        finally:
+            await runner.cleanup()
+            with contextlib.suppress(OSError):
+                self._dir.cleanup()
+            self.stopped.set()

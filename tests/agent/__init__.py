@@ -1,0 +1,1 @@
+"""The node agent end to end: two simulated nodes on this machine."""

@@ -1,0 +1,146 @@
+"""What the node agent's end-to-end tests share: two simulated nodes on this
+machine, their workload images, and what a resumed workload must show.
+
+Real: containerd 1.6 with runc running the workload containers, CRIU 4.2
+inside them, nats-server, moto's S3 server over HTTP, the watcher, the
+storage service, two node agents. FAKE: the Kubernetes API server
+(tests/fake_apiserver.py) and the kubelets (tests/fake_kubelet.py), since
+neither can run here; the test plays the scheduler and the Job controller.
+
+The workload is a shell loop whose state lives in its memory: a step number
+and the running sum of the squares of the steps. At its first start it writes
+a random birth mark to its writable layer. A restored workload must go on
+with the next step and a sum that matches it, and find its birth mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from services.storage.store import CheckpointStore
+from services.webhook.service import Webhook
+from smr.bus import Bus
+from tests.fake_apiserver import FakeApiServer, pod
+from tests.fake_kubelet import FakeKubelet
+
+COUNTER = b"""#!/bin/sh
+# Its state is in memory: the step and the sum of the squares so far.
+test -f /data/born || echo "born-$$-$(cat /proc/sys/kernel/random/uuid)" > /data/born
+i=0; sum=0
+while true; do
+  i=$((i+1)); sum=$((sum+i*i))
+  echo "step $i sum $sum born $(cat /data/born)"
+  sleep 0.1
+done
+"""
+IMAGE = "smr.test/counter:1"
+OTHER_IMAGE = "smr.test/counter:2"  # the same files, another digest
+REDIS_IMAGE = "smr.test/redis:7"  # this machine's redis-server and its libraries
+ENTRY_IMAGE = "smr.test/entry:1"  # ENTRYPOINT ["/bin/sh"], CMD ["/bin/counter"]
+CMD = ["/smr/smr-init", "--", "/bin/counter"]
+STEP = re.compile(r"^step (\d+) sum (\d+) born (\S+)$", re.M)
+
+
+def steps(log: str) -> list[tuple[int, int, str]]:
+    return [(int(a), int(b), c) for a, b, c in STEP.findall(log)]
+
+
+@dataclass
+class Cluster:
+    kube: FakeApiServer
+    bus: Bus
+    store: CheckpointStore
+    kubelets: dict[str, FakeKubelet]
+    core: client.CoreV1Api
+    webhook: Webhook
+
+    def log(self, name: str, node: str) -> str:
+        return self.kubelets[node].log("default", name)
+
+    async def until_steps(self, name: str, node: str, n: int = 3, timeout: float = 30
+                          ) -> list[tuple[int, int, str]]:
+        deadline = time.monotonic() + timeout
+        while len(got := steps(self.log(name, node))) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pod {name} on {node} did not run; log: "
+                                     f"{self.log(name, node)[-2000:]!r}")
+            await asyncio.sleep(0.1)
+        return got
+
+    async def latest(self, ckpt: str, after: int = 0, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            gen = await self.store.latest("default", ckpt)
+            if gen and gen.number > after:
+                return gen.manifest
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no new checkpoint of {ckpt}")
+            await asyncio.sleep(0.2)
+
+    def schedule(self, name: str, node: str) -> None:
+        """The scheduler's part: bind the pod to a node."""
+        p = self.kube.get("pods", name, "default")
+        assert p is not None
+        p["spec"]["nodeName"] = node
+        p["status"] = {"phase": "Pending"}
+        self.kube.put("pods", p)
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.kube.list("events", "default") if e["reason"] == reason]
+
+    async def event(self, reason: str, pod: str, timeout: float = 15) -> dict[str, Any]:
+        """The first Event ``reason`` on ``pod`` (the watcher posts it from a result)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in self.events(reason):
+                if e["involvedObject"]["name"] == pod:
+                    return e
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {reason} Event on pod {pod}")
+            await asyncio.sleep(0.1)
+
+
+def workload(name: str, node: str | None, *, image: str = IMAGE,
+             labels: dict[str, str] | None = None, env: dict[str, str] | None = None,
+             owner: str | None = None, restart: str = "Always") -> dict[str, Any]:
+    p = pod(name, node, labels=labels, env=env, owner=owner)
+    c = p["spec"]["containers"][0]
+    c["image"], c["command"] = image, CMD  # the hand-written manifest: smr-init in front
+    p["spec"]["volumes"] = [{"name": "smr", "emptyDir": {}}]
+    p["spec"]["restartPolicy"] = restart
+    p["status"] = {"phase": "Pending"}
+    return p
+
+
+def assert_continues(before: list[tuple[int, int, str]], after: list[tuple[int, int, str]],
+                     saved_at_most: int) -> None:
+    """The restored workload goes on from its frozen memory: the next step,
+    the sum that belongs to it, the same birth mark; not a fresh start."""
+    first, s, born = after[0]
+    assert first > 1, f"it started over: {after[:3]}"
+    assert first <= saved_at_most + 1, f"step {first} was never reached before: {before[-3:]}"
+    assert s == sum(k * k for k in range(1, first + 1)), f"memory state wrong: {after[0]}"
+    assert born == before[0][2], "the writable layer did not come along"
+    assert [x[0] for x in after] == list(range(first, first + len(after)))
+
+
+
+
+def webhook_configuration(failure_policy: str = "Ignore") -> dict[str, Any]:
+    """The MutatingWebhookConfiguration of deploy/kustomize/base/webhook.yaml."""
+    return {"metadata": {"name": "smr-webhook"}, "webhooks": [{
+        "name": "pods.smr.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+        "failurePolicy": failure_policy, "timeoutSeconds": 5,
+        "clientConfig": {"service": {"namespace": "smr-system", "name": "smr-webhook",
+                                     "path": "/mutate", "port": 443}},
+        "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                   "resources": ["pods"]}],
+        "namespaceSelector": {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+            "values": ["smr-system", "kube-system"]}]}}]}

@@ -1,0 +1,151 @@
+"""Fixtures of the node agent's end-to-end tests (tests/agent/cluster.py says
+what they hold)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+
+from services.agent.service import NodeAgent
+from services.storage.codec import Codec
+from services.storage.s3 import S3Backend
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
+from services.watcher.kube import api_client
+from services.watcher.service import Watcher
+from services.webhook.service import Webhook
+from smr import config
+from smr.bus import Bus
+from smr.config import REPO_TOOLS
+from tests import oci_image
+from tests.agent.cluster import (
+    COUNTER,
+    ENTRY_IMAGE,
+    IMAGE,
+    OTHER_IMAGE,
+    REDIS_IMAGE,
+    Cluster,
+    webhook_configuration,
+)
+from tests.fake_apiserver import FakeApiServer
+from tests.fake_apiserver import node as a_node
+from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
+
+
+@pytest.fixture(scope="session")
+def smr_init() -> Path:
+    path = REPO_TOOLS / "smr-init"
+    if not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("smr-init is not built: `make setup` builds it")
+        pytest.skip("smr-init is not built (make setup)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smr_runtime(smr_init: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smr-runtime as the agent installs it on a node: the binary, with its
+    settings beside it (services/agent/init/smr-runtime.c)."""
+    built = REPO_TOOLS / "smr-runtime"
+    if not built.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("smr-runtime is not built: `make setup` builds it")
+        pytest.skip("smr-runtime is not built (make setup)")
+    d = tmp_path_factory.mktemp("node-bin")
+    shutil.copy2(built, d / "smr-runtime")
+    (d / "smr-runtime.env").write_text(
+        f"RUNTIME={shutil.which('runc')}\nINIT={smr_init}\nSTATE={d / 'state'}\n"
+        f"LOG={d / 'smr-runtime.log'}\n")
+    return d / "smr-runtime"
+
+
+@pytest.fixture(scope="session")
+def containerd(criu_binary: str) -> Iterator[Containerd]:
+    why = containerd_missing()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"containers unusable in CI: {why}")
+        pytest.skip(why)
+    ctd = Containerd(Path(f"/tmp/smr-ctd-{uuid.uuid4().hex[:6]}"),
+                     str(Path(criu_binary).parent)).start()
+    yield ctd
+    ctd.stop()
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    d = tmp_path_factory.mktemp("images")
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        pytest.fail("redis-server is missing: `make setup` installs it")
+    return [oci_image.build(d / "one.tar", IMAGE, files={"/bin/counter": COUNTER}),
+            oci_image.build(d / "two.tar", OTHER_IMAGE, files={"/bin/counter": COUNTER},
+                            label="two"),
+            oci_image.build(d / "redis.tar", REDIS_IMAGE,
+                            files=oci_image.host_program(redis_server)),
+            oci_image.build(d / "entry.tar", ENTRY_IMAGE, files={"/bin/counter": COUNTER},
+                            entrypoint=["/bin/sh"], cmd=["/bin/counter"])]
+
+
+@pytest.fixture
+async def cluster(nats_server: Any, s3_endpoint: str, containerd: Containerd,
+                  images: list[Path], smr_init: Path, smr_runtime: Path, tmp_path: Path,
+                  bus: Bus) -> AsyncIterator[Cluster]:
+    run = uuid.uuid4().hex[:6]
+    nodes = [f"node-a-{run}", f"node-b-{run}"]
+    kube = await FakeApiServer(bookmark_interval=0.5).start()
+    bucket = f"smr-{run}"
+    backend = S3Backend(bucket, prefix="ckpt", endpoint_url=s3_endpoint, path_style=True)
+    async with backend._client() as c:
+        await c.create_bucket(Bucket=bucket)
+    store = CheckpointStore(backend, Codec(level=1))
+    base = config.load({}).replace(
+        nats_url=nats_server.url, lease_name=f"smr-watcher-{run}", lease_duration=3,
+        lease_renew_deadline=2, lease_retry=1, max_deliver=2, ack_wait=5)
+    apis = [await api_client(kube.url) for _ in range(5)]
+    # The webhook, installed as deploy/kustomize/base does: its configuration
+    # (caBundle empty until the webhook fills it), reached as a Service.
+    kube.put("mutatingwebhookconfigurations", webhook_configuration())
+    webhook = Webhook(apis[4], base.replace(webhook_port=0), host="127.0.0.1")
+    storage = StorageService(bus, store, durable=f"retention-{run}")
+    watcher = Watcher(bus, apis[0], base, durable_prefix=f"w-{run}")
+    agents = [NodeAgent(bus, apis[1 + i], store, base.replace(node_name=n))
+              for i, n in enumerate(nodes)]
+    kubelets = {}
+    for n in nodes:
+        kube.put("nodes", a_node(n))
+        for tar in images:
+            await containerd.import_image(n, tar)
+        kubelets[n] = await FakeKubelet(kube, containerd, n, tmp_path, smr_init,
+                                        runtime_classes={"smr": str(smr_runtime)}).start()
+    tasks = [asyncio.create_task(x.run()) for x in (storage, watcher, webhook, *agents)]
+    await asyncio.wait_for(asyncio.gather(storage.ready.wait(), watcher.ready.wait(),
+                                          webhook.ready.wait(),
+                                          *(a.ready.wait() for a in agents)), 30)
+    kube.services[("smr-system", "smr-webhook")] = ("127.0.0.1", webhook.port)
+    try:
+        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook)
+    finally:
+        for k in kubelets.values():
+            await k.stop()
+        storage.stop()
+        watcher.stop()
+        webhook.stop()
+        for a in agents:
+            a.stop()
+        for t in tasks:
+            await asyncio.wait_for(t, 30)
+        for a in apis:
+            await a.close()
+        await store.close()
+        await kube.stop()
+
+

@@ -1,0 +1,91 @@
+"""Pod containers checkpointed on one simulated node and resumed on the other,
+through the node agent (tests/agent/cluster.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from smr.messages import CkptRequested, Target
+from tests.agent.cluster import IMAGE, OTHER_IMAGE, Cluster, assert_continues, steps, workload
+
+
+async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("counter", a, labels={"smr.dev/node-restore": "true"}))
+    await cluster.until_steps("counter", a, 5)
+
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl cordon
+    manifest = await cluster.latest("counter.main")
+    assert manifest["reason"] == "cordon" and manifest["node"] == a
+    assert manifest["container"]["image_id"].endswith(
+        await cluster.kubelets[a].ctd.digest(a, IMAGE))
+    before = steps(cluster.log("counter", a))
+    assert before[-1][0] > 5, "a cordon checkpoint leaves the pod running"
+
+    # The pod goes (a drain); the watcher creates the bare pod again once its
+    # last checkpoint is stored; the scheduler binds it to node b.
+    cluster.kube.remove("pods", "counter", "default")
+    deadline = time.monotonic() + 30
+    while not ((p := cluster.kube.get("pods", "counter", "default"))
+               and "nodeName" not in p["spec"]):
+        assert time.monotonic() < deadline, "the watcher did not recreate the pod"
+        await asyncio.sleep(0.1)
+    before = steps(cluster.log("counter", a)) or before
+    cluster.schedule("counter", b)
+    after = await cluster.until_steps("counter", b, 5)
+    assert_continues(before, after, before[-1][0])
+    await cluster.event("Restored", "counter")  # the restore is an Event on the pod
+
+
+async def test_job_pod_resumes_in_its_retry_on_another_node(cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "train-7"}
+    cluster.kube.put("pods", workload("train-x1", a, env=env, owner="train", restart="Never"))
+    await cluster.until_steps("train-x1", a, 5)
+    # A checkpoint through the API (a published message): the final state.
+    await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="train-7", node=a,
+        target=Target(kind="pod", namespace="default", pod="train-x1", container="main")),
+        timeout=60)
+    before = steps(cluster.log("train-x1", a))
+    manifest = await cluster.latest("train-7")
+    assert manifest["leave_running"] is False
+    # The Job's next pod runs on node b, with the same checkpoint id.
+    cluster.kube.put("pods", workload("train-x2", b, env=env, owner="train", restart="Never"))
+    after = await cluster.until_steps("train-x2", b, 5)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, "a final checkpoint loses no step"
+
+
+async def test_restore_into_another_image_is_refused(cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "img-1"}
+    cluster.kube.put("pods", workload("first", a, env=env, owner="j"))
+    await cluster.until_steps("first", a, 3)
+    await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="img-1", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="first", container="main")),
+        timeout=60)
+    # Another image: refused with an Event; this pod's policy allows a fresh start.
+    cluster.kube.put("pods", workload("second", b, env=env, owner="j", image=OTHER_IMAGE))
+    after = await cluster.until_steps("second", b, 3)
+    assert after[0][0] == 1, "a refused restore starts the container fresh"
+    [event] = cluster.events("RestoreFailed")
+    assert "image-mismatch" in event["message"] or "image" in event["message"]
+    assert OTHER_IMAGE in event["message"] and IMAGE in event["message"]
+    # With restore-failure: fail the container does not start over.
+    cluster.kube.put("pods", workload("third", b, env=env, owner="j", image=OTHER_IMAGE,
+                                      labels={"smr.dev/restore-failure": "fail"},
+                                      restart="Never"))
+    deadline = time.monotonic() + 30
+    while (p := cluster.kube.get("pods", "third", "default")) and \
+            p["status"].get("phase") != "Failed":
+        assert time.monotonic() < deadline, "the container did not fail"
+        await asyncio.sleep(0.2)
+    assert p is not None
+    assert p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 70
+    log = cluster.log("third", b)
+    assert "forbids a fresh start" in log and steps(log) == []
+

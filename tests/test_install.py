@@ -1,0 +1,99 @@
+"""The node agent installs smr-runtime and containerd's runtime handlers on a
+node: into a host file system laid out in a temporary directory, then read
+back by the REAL containerd 1.6 (its `config dump`, with the host's
+/etc/containerd bind-mounted in a private mount namespace)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.agent.install import BEGIN, config_version, install, with_handlers
+from smr.config import REPO_TOOLS
+
+MAIN = 'version = 2\nroot = "/var/lib/containerd"\n\n[grpc]\n  address = "/run/c.sock"\n'
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Path:
+    host = tmp_path / "host"
+    (host / "usr/bin").mkdir(parents=True)
+    (host / "usr/bin/runc").write_text("#!/bin/sh\n")
+    (host / "etc/containerd").mkdir(parents=True)
+    (host / "etc/containerd/config.toml").write_text(MAIN)
+    return host
+
+
+def binaries() -> tuple[Path, Path]:
+    runtime, init = REPO_TOOLS / "smr-runtime", REPO_TOOLS / "smr-init"
+    if not (runtime.is_file() and init.is_file()):
+        if os.environ.get("CI"):
+            pytest.fail("smr-runtime and smr-init are built by `make setup`")
+        pytest.skip("make setup builds smr-runtime and smr-init")
+    return runtime, init
+
+
+def test_install_is_idempotent_and_containerd_reads_the_handlers(node: Path) -> None:
+    runtime, init = binaries()
+    first = install(node, runtime, init)
+    assert first.changed and first.handlers == ["smr"] and first.config_version == 2
+    assert (node / "var/lib/smr/bin/smr-runtime").read_bytes() == runtime.read_bytes()
+    env = (node / "var/lib/smr/bin/smr-runtime.env").read_text()
+    assert "RUNTIME=/usr/bin/runc" in env and "INIT=/var/lib/smr/bin/smr-init" in env
+    main = (node / "etc/containerd/config.toml").read_text()
+    assert main.startswith(MAIN) and main.count(BEGIN) == 1
+    again = install(node, runtime, init)
+    assert not again.changed, "a second install changes nothing"
+    assert (node / "etc/containerd/config.toml").read_text() == main
+
+    if shutil.which("containerd") is None or os.geteuid() != 0:
+        pytest.skip("containerd and root are needed to read the config back")
+    dump = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f"mount --bind {node}/etc/containerd /etc/containerd && "
+         "containerd --config /etc/containerd/config.toml config dump"],
+        capture_output=True, text=True, timeout=60)
+    assert dump.returncode == 0, dump.stderr
+    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.smr]' in dump.stdout
+    assert 'BinaryName = "/var/lib/smr/bin/smr-runtime"' in dump.stdout
+    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]' in dump.stdout, \
+        "the node's own runtimes stay"
+
+
+def test_gpu_node_gets_the_nvidia_handler(node: Path) -> None:
+    runtime, init = binaries()
+    (node / "usr/bin/nvidia-container-runtime").write_text("#!/bin/sh\n")
+    done = install(node, runtime, init)
+    assert done.handlers == ["smr", "smr-nvidia"]
+    env = (node / "var/lib/smr/bin/nvidia/smr-runtime.env").read_text()
+    assert "RUNTIME=/usr/bin/nvidia-container-runtime" in env
+    assert "runtimes.smr-nvidia" in (node / "etc/containerd/config.toml").read_text()
+
+
+def test_a_node_without_runc_is_reported(node: Path) -> None:
+    runtime, init = binaries()
+    (node / "usr/bin/runc").unlink()
+    with pytest.raises(FileNotFoundError, match="no runc"):
+        install(node, runtime, init)
+
+
+def test_config_forms() -> None:
+    assert config_version(None) == 2 and config_version("") == 1
+    assert config_version("version = 3\n") == 3
+    v3 = with_handlers("version = 3\n", 3, {"smr": Path("/x/smr-runtime")})
+    assert '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.smr]' in v3
+    assert '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]' in v3
+    v1 = with_handlers("", 1, {"smr": Path("/x/smr-runtime")})
+    assert "[plugins.cri.containerd.runtimes.smr]" in v1
+    # A node that defines its runc keeps it as it is; the block is replaced,
+    # never repeated.
+    own = 'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+    once = with_handlers(own, 2, {"smr": Path("/a")})
+    assert once.count("runtimes.runc]") == 1
+    twice = with_handlers(once, 2, {"smr": Path("/b")})
+    assert twice.count(BEGIN) == 1 and 'BinaryName = "/b"' in twice
+    assert 'BinaryName = "/a"' not in twice

@@ -1,0 +1,180 @@
+"""The webhook on its own: what it does to each kind of AdmissionReview, over
+its real HTTPS server, and its certificate kept in a Secret against the FAKE
+API server (tests/fake_apiserver.py) through the real kubernetes-asyncio client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from services.watcher.kube import api_client
+from services.webhook.admission import review
+from services.webhook.certs import CertKeeper, issue, service_names
+from services.webhook.service import MAX_BODY, Webhook
+from smr import config
+from tests.agent.cluster import webhook_configuration
+from tests.fake_apiserver import FakeApiServer, json_patch, pod
+
+S = config.load({})
+
+
+def admission(obj: Any, *, kind: str = "Pod", operation: str = "CREATE",
+              uid: str = "u-1") -> bytes:
+    return orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                         "request": {"uid": uid, "kind": {"kind": kind},
+                                     "operation": operation, "namespace": "default",
+                                     "object": obj}})
+
+
+def patched(p: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    r = answer["response"]
+    assert r["allowed"] is True
+    if "patch" not in r:
+        return p
+    assert r["patchType"] == "JSONPatch"
+    return json_patch(p, orjson.loads(base64.b64decode(r["patch"])))  # type: ignore[no-any-return]
+
+
+def opted(**kw: Any) -> dict[str, Any]:
+    return pod("p", None, labels={"smr.dev/node-restore": "true"}, **kw)
+
+
+def test_opted_in_pod_gets_the_runtime_class_and_its_container_name() -> None:
+    p = opted(containers=("app", "sidecar"))
+    out = patched(p, review(admission(p), S))
+    assert out["spec"]["runtimeClassName"] == "smr"
+    for c in out["spec"]["containers"]:
+        assert {"name": "SMR_CONTAINER", "value": c["name"]} in c["env"]
+    assert out["metadata"]["annotations"]["smr.dev/injected"] == "smr"
+
+
+def test_env_opt_in_marks_only_that_container() -> None:
+    p = pod("j", None, env={"CEDANA_CHECKPOINT": "run-1"}, containers=("train", "logger"))
+    out = patched(p, review(admission(p), S))
+    train, logger = out["spec"]["containers"]
+    assert {"name": "SMR_CONTAINER", "value": "train"} in train["env"]
+    assert not any(e["name"] == "SMR_CONTAINER" for e in logger["env"])
+
+
+def test_pods_left_alone() -> None:
+    plain = pod("p", None)
+    assert "patch" not in review(admission(plain), S)["response"]
+    by_hand = opted()
+    by_hand["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "python"]
+    assert "patch" not in review(admission(by_hand), S)["response"]
+
+
+def test_runtime_classes_are_chained_or_the_user_is_told() -> None:
+    gpu = opted()
+    gpu["spec"]["runtimeClassName"] = "nvidia"
+    assert patched(gpu, review(admission(gpu), S))["spec"]["runtimeClassName"] == "smr-nvidia"
+    kata = opted()
+    kata["spec"]["runtimeClassName"] = "kata"
+    answer = review(admission(kata), S)
+    out = patched(kata, answer)
+    assert out["spec"]["runtimeClassName"] == "kata"
+    assert "kata" in answer["response"]["warnings"][0]
+    assert out["metadata"]["annotations"]["smr.dev/injected"].startswith("skipped:")
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"{", b"[]", b"null", b'{"request": 5}', b'{"request": {"uid": "u-7"}}',
+    b'{"request": {"uid": "u-7", "kind": {"kind": "Pod"}, "operation": "CREATE", '
+    b'"object": "not a pod"}}',
+    b'{"request": {"uid": "u-7", "kind": {"kind": "Pod"}, "operation": "CREATE", '
+    b'"object": {"spec": {"containers": "nope"}, "metadata": {"labels": '
+    b'{"smr.dev/node-restore": "true"}}}}}',
+    "\ufffd\x00{".encode(),
+])
+def test_bad_input_is_allowed_without_a_patch(body: bytes) -> None:
+    r = review(body, S)["response"]
+    assert r["allowed"] is True and "patch" not in r
+    if b'"u-7"' in body:
+        assert r["uid"] == "u-7"
+
+
+def test_other_kinds_and_operations_are_allowed_unchanged() -> None:
+    p = opted()
+    for raw in (admission(p, kind="Deployment"), admission(p, operation="UPDATE")):
+        r = review(raw, S)["response"]
+        assert r["allowed"] is True and "patch" not in r
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeApiServer]:
+    k = await FakeApiServer().start()
+    k.put("mutatingwebhookconfigurations", webhook_configuration())
+    yield k
+    await k.stop()
+
+
+async def test_https_server_answers_every_review_and_survives_a_huge_one(
+        kube: FakeApiServer) -> None:
+    api = await api_client(kube.url)
+    hook = Webhook(api, S.replace(webhook_port=0), host="127.0.0.1")
+    task = asyncio.create_task(hook.run())
+    await asyncio.wait_for(hook.ready.wait(), 10)
+    ca = base64.b64decode(kube.get("mutatingwebhookconfigurations", "smr-webhook")[
+        "webhooks"][0]["clientConfig"]["caBundle"])
+    ctx = ssl.create_default_context(cadata=ca.decode())
+    url = f"https://127.0.0.1:{hook.port}/mutate"
+    try:
+        async with aiohttp.ClientSession() as http:
+            huge = b'{"request": {"uid": "big-1", "object": "' + b"x" * (MAX_BODY + 10) + b'"}}'
+            for body in (huge, b"not json", admission(opted())):
+                async with http.post(url, data=body, ssl=ctx,
+                                     server_hostname="smr-webhook.smr-system.svc") as resp:
+                    assert resp.status == 200
+                    r = (await resp.json())["response"]
+                    assert r["allowed"] is True
+            assert r["uid"] == "u-1" and "patch" in r, "it still works after bad input"
+    finally:
+        hook.stop()
+        await task
+        await api.close()
+
+
+async def test_certificate_is_kept_in_a_secret_and_renewed_before_it_expires(
+        kube: FakeApiServer) -> None:
+    api = await api_client(kube.url)
+    try:
+        keeper = CertKeeper(api, S)
+        first = await keeper.ensure()
+        assert set(service_names(S)) <= set(first.names())
+        assert (await keeper.ensure()) == first, "a fresh certificate is reused"
+        bundle = kube.get("mutatingwebhookconfigurations", "smr-webhook")[
+            "webhooks"][0]["clientConfig"]["caBundle"]
+        assert base64.b64decode(bundle) == first.ca
+        # A certificate a week from expiry (issued 358 days ago) is renewed,
+        # and the configuration trusts the new CA.
+        old = issue(service_names(S), dt.datetime.now(dt.UTC) - dt.timedelta(days=358))
+        secret = kube.get("secrets", S.webhook_secret, S.webhook_namespace)
+        secret["data"] = {k: base64.b64encode(v).decode() for k, v in
+                          (("ca.crt", old.ca), ("tls.crt", old.cert), ("tls.key", old.key))}
+        kube.put("secrets", secret)
+        renewed = await keeper.ensure()
+        assert renewed not in (old, first)
+        bundle = kube.get("mutatingwebhookconfigurations", "smr-webhook")[
+            "webhooks"][0]["clientConfig"]["caBundle"]
+        assert base64.b64decode(bundle) == renewed.ca
+    finally:
+        await api.close()
+
+
+def test_a_pod_the_webhook_could_not_protect_gets_a_policy_problem() -> None:
+    """The watcher posts each policy problem as a Warning Event on the pod."""
+    from services.watcher.policy import policy_for
+
+    kata = opted()
+    kata["spec"]["runtimeClassName"] = "kata"
+    out = patched(kata, review(admission(kata), S))
+    problems = policy_for(out, S).problems
+    assert any(p.startswith("not protected: runtime class 'kata'") for p in problems), problems
