@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (through `device`, carrying .whl and .device, made by
-# scripts/device-bundle.sh): unpack CRIU, nats-server and the wheels, then run
-# the GPU tests (and the GPU bench with BENCH=1). Logs go to $OUT.
+# scripts/device-bundle.sh): unpack CRIU, nats-server, containerd and the
+# wheels, then run the GPU tests, local jobs and pod containers (GPU_TESTS
+# picks others; the GPU bench with BENCH=1). Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,7 +13,13 @@ T=/tmp/smr-tools; mkdir -p $T && tar -C $T -xJf .device/tools.tar.xz || exit 1
 L=$T/usr/lib/x86_64-linux-gnu
 printf '#!/bin/sh\nexec %s/ld-linux-x86-64.so.2 --library-path %s %s/usr/sbin/criu "$@"\n' \
   "$L" "$L" "$T" > $T/criu && chmod +x $T/criu
-export SMR_CRIU=$T/criu SMR_NATS_SERVER=$T/usr/sbin/nats-server
+export SMR_CRIU=$T/criu SMR_CRIU_ROOT=$T SMR_NATS_SERVER=$T/usr/sbin/nats-server
+# The agent's GPU pod tests: containerd, runc, busybox on PATH; smr-init and
+# smr-runtime where the tests look for them.
+C=/tmp/smr-ctd-bin; mkdir -p $C && tar -C $C -xJf .device/containerd.tar.xz || exit 1
+mkdir -p .tools/bin && cp $C/bin/smr-init $C/bin/smr-runtime .tools/bin/
+ldconfig -p | grep -q libseccomp.so.2 || export LD_LIBRARY_PATH=$C/lib
+export PATH=$C/bin:$PATH SMR_TEST_STORAGE=local
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   uname -r; nproc; free -g | head -2
@@ -22,8 +29,8 @@ export SMR_CRIU=$T/criu SMR_NATS_SERVER=$T/usr/sbin/nats-server
   echo always > /sys/kernel/mm/transparent_hugepage/enabled
   cat /sys/kernel/mm/transparent_hugepage/enabled
 } 2>&1 | tee "$OUT/env.txt"
-python3 -m pytest tests/test_gpu.py ${TESTS:-} -v -s -rs -p no:cacheprovider 2>&1 \
-  | tee "$OUT/test_gpu.log"
+python3 -m pytest ${GPU_TESTS:-tests/test_gpu.py tests/agent/test_gpu_pods.py} ${TESTS:-} \
+  -v -s -rs -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log"
 for f in /tmp/pytest-of-*/pytest-current/*/gpu-*.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }
 done > "$OUT/job_logs.txt" 2>&1

@@ -19,6 +19,7 @@ import enum
 import logging
 import time
 from functools import cache
+from typing import Any
 
 from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
@@ -203,3 +204,23 @@ class CudaCheckpoint:
             for k, v in (await self.resume(pid, quiet=quiet)).items():
                 total[k] = total.get(k, 0.0) + v
         return total
+
+
+    async def resume_after(self, writer: asyncio.Task[Any], pids: list[int],
+                           durations: dict[str, float], frozen_at: float) -> None:
+        """A leave-running checkpoint (a heartbeat): the processes run again as
+        soon as ``writer`` (the dump) has their image; the upload goes on
+        behind. On a failed dump the caller resumes them."""
+        await asyncio.wait([writer])
+        if writer.exception() is None:
+            durations.update(await self.resume_all(pids))
+            # Wall clock from the lock to the unlock: what the job lost.
+            durations["downtime"] = time.monotonic() - frozen_at
+
+
+def for_settings(gpu: str, lock_timeout_s: float) -> CudaCheckpoint | None:
+    """The engine for a node (SMR_GPU, SMR_CUDA_LOCK_TIMEOUT); None where the
+    driver has no checkpoint API or GPU checkpoints are off."""
+    if gpu == "auto" and available():
+        return CudaCheckpoint(lock_timeout_s=lock_timeout_s)
+    return None

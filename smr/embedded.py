@@ -85,9 +85,8 @@ class EmbeddedNode:
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
         store = self.store = make_store(s)
         self.storage = make_storage_service(self.bus, store, s)
-        cuda = None
-        if s.gpu == "auto" and cuda_checkpoint.available():
-            cuda = cuda_checkpoint.CudaCheckpoint(lock_timeout_s=s.cuda_lock_timeout)
+        cuda = cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout)
+        if cuda:
             log.info("GPU jobs: CUDA checkpoint API available (THP %s)", gpuinfo.thp_mode())
         common = dict(criu=criu, store=store, jobs=jobs, lock=lock,
                       work_dir=s.data_path / "work", node=s.node, cuda=cuda)

@@ -100,6 +100,18 @@ def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path) -> None:
                      f"{need >> 20} MiB", hint="point SMR_DATA_DIR at a larger disk or tmpfs")
 
 
+def check_restorable(gpu: dict[str, Any] | None, what: str, *, has_api: bool) -> None:
+    """Refuse, before any byte moves, GPU state this node cannot take back:
+    no checkpoint API here (no driver, or SMR_GPU=off), another model, too
+    little free memory. ``what`` names the checkpoint for the message."""
+    if gpu and not has_api:
+        raise GpuMismatch(
+            f"{what} holds GPU state ({gpu.get('model')}) and this node cannot restore it "
+            "(no NVIDIA driver with the checkpoint API, or SMR_GPU=off)",
+            hint="restore on a GPU node with driver 560 or newer and SMR_GPU=auto")
+    check_fits(gpu)
+
+
 def check_fits(gpu: dict[str, Any] | None) -> None:
     """Refuse a restore onto a node whose GPUs differ or lack memory."""
     if not gpu:

@@ -25,7 +25,7 @@ def settings() -> config.Settings:
     # Only where the binaries are may come from the environment (the GPU
     # machine unpacks them elsewhere); every other setting is the default.
     return config.load({k: v for k, v in os.environ.items()
-                        if k in ("SMR_CRIU", "SMR_NATS_SERVER")})
+                        if k in ("SMR_CRIU", "SMR_CRIU_ROOT", "SMR_NATS_SERVER")})
 
 
 @pytest.fixture(scope="session")

@@ -244,6 +244,20 @@ class FakeKubelet:
         args = ["run", "-d", "--log-uri", f"file://{log}"]
         if st.volume.is_dir():
             args += ["--mount", f"type=bind,src={st.volume},dst=/smr,options=rbind:rw"]
+        # hostPath volumes, as the pod mounts them.
+        paths = {v["name"]: v["hostPath"]["path"] for v in pod["spec"].get("volumes") or []
+                 if "hostPath" in v}
+        for m in c.get("volumeMounts") or []:
+            if m["name"] in paths:
+                mode = "ro" if m.get("readOnly") else "rw"
+                args += ["--mount", f"type=bind,src={paths[m['name']]},dst={m['mountPath']},"
+                                    f"options=rbind:{mode}"]
+        # nvidia.com/gpu: the device nodes, as the NVIDIA device plugin and
+        # runtime give them (the driver's libraries come with a hostPath here).
+        if int(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0)):
+            for dev in sorted(Path("/dev").glob("nvidia*")):
+                if dev.is_char_device():
+                    args += ["--device", str(dev)]
         if rc := pod["spec"].get("runtimeClassName"):
             if rc not in self.runtime_classes:
                 raise RuntimeError(f"RuntimeClass {rc} not found on node {self.node}")

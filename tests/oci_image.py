@@ -44,7 +44,7 @@ def host_program(path: str) -> dict[str, bytes]:
 
 def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
           label: str = "", entrypoint: list[str] | None = None,
-          cmd: list[str] | None = None) -> Path:
+          cmd: list[str] | None = None, links: dict[str, str] | None = None) -> Path:
     """Write an OCI image tarball named ``ref`` to ``out``; ``label`` makes a
     different image (digest) with the same content."""
     busybox = shutil.which("busybox")
@@ -59,6 +59,10 @@ def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
         for applet in BUSYBOX_APPLETS:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
             tar.addfile(info)
         made = {"bin", "data", "tmp", "proc", "sys", "dev", "etc", "smr"}
         for name, data in (files or {}).items():

@@ -16,6 +16,7 @@ from services.agent.host import Shim
 from services.agent.incontainer import CriuBundle
 from services.storage.store import CheckpointStore
 from smr.criu import Criu
+from smr.cuda_checkpoint import CudaCheckpoint
 from smr.errors import PermanentError, TemporaryError
 from smr.jobs import JobLock
 from smr.messages import Target
@@ -106,7 +107,8 @@ class PodStep:
 
     def __init__(self, *, bundle: CriuBundle, criu: Criu, store: CheckpointStore,
                  lock: JobLock, pods: Pods, node: str, criu_timeout: float,
-                 init_binary: str, label_prefix: str) -> None:
+                 init_binary: str, label_prefix: str,
+                 cuda: CudaCheckpoint | None = None) -> None:
         self.bundle = bundle
         self.criu = criu  # the host's: its version goes into manifests
         self.store = store
@@ -116,6 +118,7 @@ class PodStep:
         self.criu_timeout = criu_timeout
         self.init_binary = init_binary  # the agent's own smr-init
         self.label_prefix = label_prefix  # for the pod's labels (services/watcher/policy)
+        self.cuda = cuda  # None on a node without the CUDA checkpoint API
 
     @staticmethod
     def shim_of(c: PodContainer) -> Shim:

@@ -23,6 +23,7 @@ from services.agent.starts import StartRestores
 from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
 from services.storage.store import CheckpointStore
+from smr import cuda_checkpoint
 from smr.bus import KV_LOCKS, KV_STEPS, Bus, Worker
 from smr.config import Settings
 from smr.criu import Criu
@@ -41,7 +42,8 @@ class NodeAgent:
             bundle=CriuBundle(s.criu_root()), criu=self.criu,
             store=store, lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS)), pods=self.pods,
             node=s.node, criu_timeout=s.criu_timeout,
-            init_binary=s.init_binary(), label_prefix=s.label_prefix)
+            init_binary=s.init_binary(), label_prefix=s.label_prefix,
+            cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
         self.workers = [
             Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),
             Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer"),

@@ -21,10 +21,10 @@ from services.agent.host import Shim
 from services.agent.pods import PodContainer, PodStep
 from services.storage.store import Generation
 from services.watcher.policy import tcp_policy
-from smr import __version__, sockets
+from smr import __version__, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
-from smr.errors import PermanentError
+from smr.errors import PermanentError, TemporaryError
 from smr.jobs import proc_start_ticks, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 
@@ -38,22 +38,13 @@ class PodCheckpointStep(PodStep):
         started, t0 = now(), time.monotonic()
         c = await self.pods.container(req.target)
         shim = self.shim_of(c)
-        running = shim.workload()
-        if running is None:
-            raise PermanentError(f"{req.target} is not running its workload (smr-init "
-                                 f"status: {' '.join(shim.status()) or 'unknown'})",
-                                 code="job-not-running")
-        pid, inner = running
-        if host.holds_gpu(pid):
-            # The CUDA checkpoint path (smr/cuda_checkpoint) serves local jobs;
-            # CRIU alone cannot save GPU memory, so nothing half-done is stored.
-            raise PermanentError(f"{req.target} holds an NVIDIA GPU; the node agent does not "
-                                 "checkpoint GPU containers yet", code="gpu-unsupported",
-                                 hint="run the job with `smr exec --gpu` on the node meanwhile")
-        ticks = proc_start_ticks(pid)
+        # Under the container's lock: a restore into it (which holds the lock)
+        # is over, and smr-init told so, before its workload is looked for.
         await self.lock.acquire(c.lock_key(), req.request_id)
         work = self.work(shim, req.request_id)
         try:
+            pid, inner = self._workload(req, shim)
+            ticks = proc_start_ticks(pid)
             await asyncio.to_thread(shutil.rmtree, work, True)
             work.mkdir(parents=True)
             criu = self.bundle.inside(shim, self.criu_timeout)
@@ -63,23 +54,43 @@ class PodCheckpointStep(PodStep):
             tcp = sockets.dump_mode(policy=tcp_policy(c.pod, self.label_prefix)[0],
                                     leave_running=req.leave_running, reason=req.reason,
                                     requested=req.tcp, same_netns_possible=False)
+            # Host PIDs: the driver's checkpoint API takes them from outside.
+            cuda_pids = await self.cuda.processes(pid) if self.cuda else []
+            gpu = self._gpu(cuda_pids, work)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
                 "stdio": host.stdio(pid),
-                "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}}))
+                "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
             shim.hold(True)
             try:
+                durations: dict[str, float] = {}
+                frozen_at = time.monotonic()
+                if cuda_pids:
+                    progress.update("cuda-checkpoint")
+                    assert self.cuda
+                    durations.update(await self.cuda.suspend_all(cuda_pids))
                 progress.update("dump")
                 dump = asyncio.create_task(self._dump(c, shim, criu, inner, work, upper,
                                                       req.leave_running, tcp))
+                resumed = None
+                if cuda_pids and req.leave_running:
+                    assert self.cuda
+                    resumed = asyncio.create_task(
+                        self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
                 try:
                     gen, durable = await self._commit(req, c, shim, progress, dump)
+                    if resumed:
+                        await resumed
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
+                    if cuda_pids and shim.workload() is not None:
+                        # Never left locked: back to running whatever failed.
+                        await asyncio.shield(self.cuda.resume_all(  # type: ignore[union-attr]
+                            cuda_pids, quiet=True))
                     raise
-                durations = dump.result()
+                durations.update(dump.result())
                 durations["durable"] = durable
                 if not req.leave_running and ticks is not None:
                     await wait_exit(pid, ticks)
@@ -90,6 +101,36 @@ class PodCheckpointStep(PodStep):
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
+
+    def _workload(self, req: CkptRequested, shim: Shim) -> tuple[int, int]:
+        """The workload's (host pid, namespace pid), or why there is none to save."""
+        running = shim.workload()
+        status = shim.status()
+        if running is None and status[:1] == ["waiting"]:
+            raise TemporaryError(f"{req.target} is starting (smr-init is waiting for its "
+                                 "restore or start decision)", code="container-starting",
+                                 hint="it is retried once the container runs its workload")
+        if running is None:
+            raise PermanentError(f"{req.target} is not running its workload (smr-init "
+                                 f"status: {' '.join(status) or 'unknown'})",
+                                 code="job-not-running")
+        if self.cuda is None and host.holds_gpu(running[0]):
+            # CRIU alone cannot save GPU memory: refused before anything is frozen.
+            raise PermanentError(f"{req.target} holds an NVIDIA GPU and this node has no "
+                                 "driver with the CUDA checkpoint API (or SMR_GPU=off)",
+                                 code="gpu-unsupported",
+                                 hint="run the agent with the NVIDIA runtime (the gpu overlay) "
+                                      "on a node with driver 560 or newer")
+        return running
+
+    @staticmethod
+    def _gpu(cuda_pids: list[int], work: Any) -> dict[str, Any] | None:
+        """The container's GPU use, checked against the room here (None without one)."""
+        if not cuda_pids:
+            return None
+        gpu = gpuinfo.job_gpus(cuda_pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
+        gpuinfo.check_room_for_checkpoint(gpu, work)
+        return gpu
 
     async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
                     upper: Any, leave_running: bool, tcp: sockets.Tcp) -> dict[str, float]:
@@ -114,11 +155,14 @@ class PodCheckpointStep(PodStep):
         t = time.monotonic()
         work = self.work(shim, req.request_id)
         container = orjson.loads((work / CONTAINER_FILE).read_bytes())
+        gpu = container.pop("gpu", None)
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
             "pre_dump": False,
-            "versions": {"criu": await self.criu.version(), "smr": __version__},
+            "versions": {"criu": await self.criu.version(), "smr": __version__,
+                         **(gpuinfo.versions() if gpu else {})},
+            "gpu": gpu,
             "container": container,
         }
         if held := container.pop("sockets", None):

@@ -79,7 +79,7 @@ class CheckpointStep(LocalJobStep):
                     # A heartbeat: the job runs again as soon as its image is
                     # written; the upload goes on behind it.
                     resumed = asyncio.create_task(
-                        self._resume_after(dump, cuda_pids, durations, frozen_at))
+                        self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
                 gen, durable_s = await self._commit(req, job, progress, writer=dump)
                 if resumed:
                     await resumed
@@ -121,15 +121,6 @@ class CheckpointStep(LocalJobStep):
         gpu = gpuinfo.job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
         gpuinfo.check_room_for_checkpoint(gpu, work)
         return {**gpu, "pids": pids}
-
-    async def _resume_after(self, dump: asyncio.Task[Any], pids: list[int],
-                            durations: dict[str, float], frozen_at: float) -> None:
-        await asyncio.wait([dump])
-        if dump.exception() is None:  # on failure the caller resumes
-            assert self.cuda
-            durations.update(await self.cuda.resume_all(pids))
-            # Wall clock from the lock to the unlock: what the job lost.
-            durations["downtime"] = time.monotonic() - frozen_at
 
     async def _can_pre_dump(self, job_id: str) -> bool:
         if await self.criu.tracks_memory():

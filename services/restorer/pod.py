@@ -56,7 +56,7 @@ class PodRestoreStep(PodStep):
                     hint="a container is restored only as it starts; delete the pod to "
                          "start it again from its latest checkpoint")
             gen = await self.store.pick(c.namespace, req.checkpoint_id, req.generation)
-            self.check_fits(gen, c)  # before any byte moves
+            self.check_fits(gen, c, has_gpu_api=self.cuda is not None)  # before any byte moves
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             t = time.monotonic()
             await asyncio.to_thread(shutil.rmtree, work, True)
@@ -78,7 +78,7 @@ class PodRestoreStep(PodStep):
             sockets=sockets.outcome(gen.manifest, "close"))
 
     @staticmethod
-    def check_fits(gen: Generation, c: PodContainer) -> None:
+    def check_fits(gen: Generation, c: PodContainer, *, has_gpu_api: bool) -> None:
         saved = (gen.manifest.get("container") or {}).get("image_id", "")
         if saved and c.image_id and saved != c.image_id:
             was = (gen.manifest.get("container") or {}).get("image", "")
@@ -88,8 +88,8 @@ class PodRestoreStep(PodStep):
                 f"{c.namespace}/{c.pod['metadata']['name']} runs {c.image} ({c.image_id})",
                 hint="a process only resumes on the image it was frozen with: run that image, "
                      "or use another checkpoint id for the new one")
-        if gen.manifest.get("gpu"):
-            gpuinfo.check_fits(gen.manifest["gpu"])
+        what = f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number}"
+        gpuinfo.check_restorable(gen.manifest.get("gpu"), what, has_api=has_gpu_api)
 
     async def _restore(self, gen: Generation, shim: Shim, work: Path,
                        durations: dict[str, float]) -> int:
@@ -121,7 +121,11 @@ class PodRestoreStep(PodStep):
         try:
             for p in host.tree(root):
                 host.move_to_cgroups_of(p, shim.pid)
+            if gen.manifest.get("gpu") and self.cuda:
+                # CRIU brought the tree back CHECKPOINTED: GPU memory goes back, then unlock.
+                durations.update(await self.cuda.resume_all(await self.cuda.processes(root)))
         except BaseException:
+            # A tree whose GPU state did not come back must not linger half-restored.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(root, signal.SIGKILL)
             raise

@@ -16,7 +16,6 @@ from services.storage.store import Generation
 from smr import gpuinfo, sockets
 from smr.bus import Progress
 from smr.errors import PermanentError
-from smr.gpuinfo import GpuMismatch
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
 
@@ -39,7 +38,9 @@ class RestoreStep(LocalJobStep):
                          f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
                 )
             gen = await self._generation(req)
-            self._check_gpu(gen)  # before any byte moves
+            gpuinfo.check_restorable(  # before any byte moves
+                gen.manifest.get("gpu"), f"generation {gen.number} of {req.checkpoint_id}",
+                has_api=self.cuda is not None)
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             work = self.work_dir / req.request_id
             t = time.monotonic()
@@ -96,17 +97,6 @@ class RestoreStep(LocalJobStep):
                     os.kill(pid, signal.SIGKILL)
                 raise
         return await self._record(req, gen, existing, pid)
-
-    def _check_gpu(self, gen: Generation) -> None:
-        gpu = gen.manifest.get("gpu")
-        if gpu and self.cuda is None:
-            raise GpuMismatch(
-                f"generation {gen.number} of {gen.manifest['checkpoint_id']} holds GPU state "
-                f"({gpu.get('model')}) "
-                "and this node cannot restore it (no NVIDIA driver with the checkpoint API, "
-                "or SMR_GPU=off)",
-                hint="restore on a GPU node with driver 560 or newer and SMR_GPU=auto")
-        gpuinfo.check_fits(gpu)
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
                       pid: int) -> Job:

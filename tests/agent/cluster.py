@@ -43,6 +43,60 @@ IMAGE = "smr.test/counter:1"
 OTHER_IMAGE = "smr.test/counter:2"  # the same files, another digest
 REDIS_IMAGE = "smr.test/redis:7"  # this machine's redis-server and its libraries
 ENTRY_IMAGE = "smr.test/entry:1"  # ENTRYPOINT ["/bin/sh"], CMD ["/bin/counter"]
+GPU_IMAGE = "smr.test/train-gpu:1"  # /app/train.py; Python and PyTorch from hostPath volumes
+TRAIN = b"""
+# A small PyTorch training loop: fixed seeds, deterministic algorithms, a
+# ballast of GPU memory the checkpoint must carry. argv: steps, GiB, pause;
+# optionally a count of helper processes, each a second CUDA process holding
+# its own GPU memory, asked every step (through a pipe) whether it is intact;
+# and the number of GPUs the ballast is spread over (the model is on the first).
+import hashlib, multiprocessing as mp, sys, time
+import torch
+
+
+def helper(conn, gib):
+    t = torch.full((int(gib * 2**30) // 4,), 7.0, device="cuda")
+    want = float(t[:: 2**20].sum())
+    while conn.recv():
+        conn.send(float(t[:: 2**20].sum()) == want)
+
+
+if __name__ == "__main__":
+    steps, gib, pause = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+    helpers = []
+    for _ in range(int(sys.argv[4]) if len(sys.argv) > 4 else 0):
+        mine, theirs = mp.get_context("spawn").Pipe()
+        mp.get_context("spawn").Process(target=helper, args=(theirs, gib / 2), daemon=True).start()
+        helpers.append(mine)
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    dev = "cuda"
+    gpus = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    ballast = [torch.arange(int(gib * 2**30) // 4, device=f"cuda:{i}", dtype=torch.float32)
+               for i in range(gpus)]
+    check = [float(b[:: 2**20].sum()) for b in ballast]
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 10)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for step in range(1, steps + 1):
+        x = torch.randn(64, 256, device=dev, generator=gen)
+        y = torch.randint(0, 10, (64,), device=dev, generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ok = [float(b[:: 2**20].sum()) for b in ballast] == check
+        for h in helpers:
+            h.send(True)
+            ok = ok and h.recv()
+        print(f"step {step} loss {loss.item():.6f} ballast_ok {ok}", flush=True)
+        time.sleep(pause)
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    print(f"final {h.hexdigest()}", flush=True)
+"""
 CMD = ["/smr/smr-init", "--", "/bin/counter"]
 STEP = re.compile(r"^step (\d+) sum (\d+) born (\S+)$", re.M)
 

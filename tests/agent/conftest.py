@@ -16,7 +16,7 @@ from kubernetes_asyncio import client
 
 from services.agent.service import NodeAgent
 from services.storage.codec import Codec
-from services.storage.s3 import S3Backend
+from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.watcher.kube import api_client
@@ -29,9 +29,11 @@ from tests import oci_image
 from tests.agent.cluster import (
     COUNTER,
     ENTRY_IMAGE,
+    GPU_IMAGE,
     IMAGE,
     OTHER_IMAGE,
     REDIS_IMAGE,
+    TRAIN,
     Cluster,
     webhook_configuration,
 )
@@ -83,31 +85,46 @@ def containerd(criu_binary: str) -> Iterator[Containerd]:
 @pytest.fixture(scope="session")
 def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     d = tmp_path_factory.mktemp("images")
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
-        pytest.fail("redis-server is missing: `make setup` installs it")
-    return [oci_image.build(d / "one.tar", IMAGE, files={"/bin/counter": COUNTER}),
-            oci_image.build(d / "two.tar", OTHER_IMAGE, files={"/bin/counter": COUNTER},
-                            label="two"),
-            oci_image.build(d / "redis.tar", REDIS_IMAGE,
-                            files=oci_image.host_program(redis_server)),
-            oci_image.build(d / "entry.tar", ENTRY_IMAGE, files={"/bin/counter": COUNTER},
-                            entrypoint=["/bin/sh"], cmd=["/bin/counter"])]
+    built = [oci_image.build(d / "one.tar", IMAGE, files={"/bin/counter": COUNTER}),
+             oci_image.build(d / "two.tar", OTHER_IMAGE, files={"/bin/counter": COUNTER},
+                             label="two"),
+             oci_image.build(d / "entry.tar", ENTRY_IMAGE, files={"/bin/counter": COUNTER},
+                             entrypoint=["/bin/sh"], cmd=["/bin/counter"]),
+             # The host's /usr and /opt come in as hostPath volumes (Python,
+             # PyTorch, the NVIDIA driver's libraries).
+             oci_image.build(d / "gpu.tar", GPU_IMAGE,
+                             files={"/app/train.py": TRAIN,
+                                    "/etc/passwd": b"root:x:0:0::/tmp:/bin/sh\n"},
+                             links={"lib": "usr/lib", "lib64": "usr/lib64"})]
+    # redis-server: a socket test's server (test_pod_sockets says if it is missing;
+    # the GPU machine has none).
+    if redis_server := shutil.which("redis-server"):
+        built.append(oci_image.build(d / "redis.tar", REDIS_IMAGE,
+                                     files=oci_image.host_program(redis_server)))
+    return built
 
 
 @pytest.fixture
-async def cluster(nats_server: Any, s3_endpoint: str, containerd: Containerd,
-                  images: list[Path], smr_init: Path, smr_runtime: Path, tmp_path: Path,
-                  bus: Bus) -> AsyncIterator[Cluster]:
+async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
+                  smr_init: Path, smr_runtime: Path, tmp_path: Path, bus: Bus,
+                  request: pytest.FixtureRequest, settings: config.Settings
+                  ) -> AsyncIterator[Cluster]:
     run = uuid.uuid4().hex[:6]
     nodes = [f"node-a-{run}", f"node-b-{run}"]
     kube = await FakeApiServer(bookmark_interval=0.5).start()
-    bucket = f"smr-{run}"
-    backend = S3Backend(bucket, prefix="ckpt", endpoint_url=s3_endpoint, path_style=True)
-    async with backend._client() as c:
-        await c.create_bucket(Bucket=bucket)
-    store = CheckpointStore(backend, Codec(level=1))
-    base = config.load({}).replace(
+    if os.environ.get("SMR_TEST_STORAGE") == "local":
+        # The GPU machine has no S3 server to run: a directory both nodes share.
+        store = CheckpointStore(LocalBackend(tmp_path / "store"), Codec(level=1))
+    else:
+        from services.storage.s3 import S3Backend  # aioboto3 is not on the GPU machine
+
+        bucket = f"smr-{run}"
+        backend = S3Backend(bucket, prefix="ckpt", path_style=True,
+                            endpoint_url=request.getfixturevalue("s3_endpoint"))
+        async with backend._client() as c:
+            await c.create_bucket(Bucket=bucket)
+        store = CheckpointStore(backend, Codec(level=1))
+    base = settings.replace(
         nats_url=nats_server.url, lease_name=f"smr-watcher-{run}", lease_duration=3,
         lease_renew_deadline=2, lease_retry=1, max_deliver=2, ack_wait=5)
     apis = [await api_client(kube.url) for _ in range(5)]

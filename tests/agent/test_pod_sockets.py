@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -88,6 +89,8 @@ async def until_redis(cluster: Cluster, name: str, timeout: float = 30) -> redis
 
 async def test_redis_pod_keeps_its_client_on_cordon_and_resets_it_on_migration(
         cluster: Cluster) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is missing: `make setup` installs it")
     a, b = list(cluster.kubelets)
     env = {"SMR_CHECKPOINT": "kv-1"}
     cluster.kube.put("pods", redis_pod("kv-a", a, env))
