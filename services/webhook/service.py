@@ -59,12 +59,14 @@ class Webhook:
         self._ssl.load_cert_chain(cert, key)
 
     async def mutate(self, request: web.Request) -> web.Response:
-        body = await request.content.read(MAX_BODY + 1)
+        body = bytearray()  # read() returns what has arrived: loop to the end or the limit
+        while len(body) <= MAX_BODY and (chunk := await request.content.read(2**16)):
+            body += chunk
         if len(body) > MAX_BODY:
             log.warning("an AdmissionReview over %d bytes; allowed unchanged", MAX_BODY)
-            answer = response(uid_of(body))
+            answer = response(uid_of(bytes(body)))
         else:
-            answer = review(body, self.s)
+            answer = review(bytes(body), self.s)
         return web.json_response(answer)
 
     async def run(self) -> None:

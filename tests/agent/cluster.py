@@ -137,6 +137,15 @@ class Cluster:
                 raise AssertionError(f"no new checkpoint of {ckpt}")
             await asyncio.sleep(0.2)
 
+    async def recreated(self, name: str, timeout: float = 30) -> dict[str, Any]:
+        """The bare pod the watcher creates again once it is gone (not yet bound)."""
+        deadline = time.monotonic() + timeout
+        while not ((p := self.kube.get("pods", name, "default"))
+                   and "nodeName" not in p["spec"]):
+            assert time.monotonic() < deadline, "the watcher did not recreate the pod"
+            await asyncio.sleep(0.1)
+        return p
+
     def schedule(self, name: str, node: str) -> None:
         """The scheduler's part: bind the pod to a node."""
         p = self.kube.get("pods", name, "default")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -73,11 +72,7 @@ async def test_quickstart_pod_with_labels_only_resumes_on_another_node(cluster: 
     # The pod goes; the watcher creates it again (through the webhook again);
     # the scheduler binds it to node b.
     cluster.kube.remove("pods", "quick", "default")
-    deadline = time.monotonic() + 30
-    while not ((p := cluster.kube.get("pods", "quick", "default"))
-               and "nodeName" not in p["spec"]):
-        assert time.monotonic() < deadline, "the watcher did not recreate the pod"
-        await asyncio.sleep(0.1)
+    p = await cluster.recreated("quick")
     before = steps(cluster.log("quick", a)) or before
     assert p["spec"]["runtimeClassName"] == "smr"
     cluster.schedule("quick", b)

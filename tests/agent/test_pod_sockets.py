@@ -5,13 +5,17 @@ a migration to the other node."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import http.client
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -20,48 +24,60 @@ from services.agent import host
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import REDIS_IMAGE, Cluster, workload
 
+T = TypeVar("T")
+
+
+def in_netns(pid: int, fn: Callable[[], T]) -> T:
+    """``fn()`` in the network namespace of process ``pid`` (a container's), as
+    a sidecar or a Service's backend would reach it: one short-lived thread
+    joins the namespace, so the test's own threads stay on the host. A socket
+    made there stays in that namespace."""
+    made: list[Any] = []
+
+    def run() -> None:
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                made.append(OSError(ctypes.get_errno(), "setns"))
+                return
+        finally:
+            os.close(fd)
+        try:
+            made.append(fn())
+        except Exception as e:
+            made.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]  # type: ignore[no-any-return]
+
+
+def netns_pid(cluster: Cluster, name: str) -> int:
+    p = cluster.kube.get("pods", name, "default")
+    assert p is not None
+    shim = host.find_shim(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+    assert shim is not None
+    return shim.pid
+
 
 class PodNetConnection(redis.Connection):
-    """redis-py's connection, made in the network namespace of a container (as
-    a sidecar or a Service's backend would reach it); the namespace is joined
-    by one short-lived thread, so the test's own threads stay on the host."""
+    """redis-py's connection, made in a container's network namespace."""
 
     def __init__(self, *, netns_pid: int, **kw: Any) -> None:
         super().__init__(**kw)
         self.netns_pid = netns_pid
 
     def _connect(self) -> Any:
-        made: list[Any] = []
-
-        def join_and_connect() -> None:
-            fd = os.open(f"/proc/{self.netns_pid}/ns/net", os.O_RDONLY)
-            try:
-                if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # NEWNET
-                    made.append(OSError(ctypes.get_errno(), "setns"))
-                    return
-            finally:
-                os.close(fd)
-            try:
-                made.append(redis.Connection._connect(self))
-            except Exception as e:
-                made.append(e)
-
-        t = threading.Thread(target=join_and_connect)
-        t.start()
-        t.join()
-        if isinstance(made[0], Exception):
-            raise made[0]
-        return made[0]
+        return in_netns(self.netns_pid, lambda: redis.Connection._connect(self))
 
 
 def pod_redis(cluster: Cluster, name: str) -> redis.Redis:
-    p = cluster.kube.get("pods", name, "default")
-    assert p is not None
-    cid = p["status"]["containerStatuses"][0]["containerID"].split("://")[1]
-    shim = host.find_shim(cid)
-    assert shim is not None
-    pool = redis.ConnectionPool(connection_class=PodNetConnection, netns_pid=shim.pid,
-                                port=6379, socket_timeout=10)
+    pool = redis.ConnectionPool(connection_class=PodNetConnection,
+                                netns_pid=netns_pid(cluster, name), port=6379,
+                                socket_timeout=10)
     return redis.Redis(connection_pool=pool, single_connection_client=True)
 
 
@@ -129,3 +145,56 @@ async def test_redis_pod_keeps_its_client_on_cordon_and_resets_it_on_migration(
     assert again.incr("n") == 3 and again.dbsize() == 20001
     again.close()
     await cluster.event("Restored", "kv-b")
+
+
+def http_get(cluster: Cluster, name: str, port: int = 8080) -> tuple[int, bytes]:
+    sock = in_netns(netns_pid(cluster, name),
+                    lambda: socket.create_connection(("127.0.0.1", port), timeout=10))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.sock = sock
+    try:
+        conn.request("GET", "/index.html")
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+async def until_http(cluster: Cluster, name: str, timeout: float = 30) -> tuple[int, bytes]:
+    deadline = time.monotonic() + timeout
+    while True:
+        p = cluster.kube.get("pods", name, "default")
+        if p and (p.get("status") or {}).get("containerStatuses"):
+            with contextlib.suppress(OSError, AssertionError, http.client.HTTPException):
+                return http_get(cluster, name)
+        assert time.monotonic() < deadline, f"no HTTP answer from pod {name}"
+        await asyncio.sleep(0.2)
+
+
+async def test_http_server_in_a_pod_serves_on_its_port_after_migration(
+        cluster: Cluster) -> None:
+    """busybox httpd, its page written at its first start into its writable layer."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "web-http"}
+    script = ("mkdir -p /tmp/www && echo page-$(cat /proc/sys/kernel/random/uuid) "
+              "> /tmp/www/index.html && exec /bin/busybox httpd -f -p 8080 -h /tmp/www")
+
+    def web(name: str, node: str) -> dict[str, Any]:
+        p = workload(name, node, env=env, owner="web", restart="Never")
+        p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/sh", "-c", script]
+        return p
+
+    cluster.kube.put("pods", web("web-a", a))
+    status, page = await until_http(cluster, "web-a")
+    assert status == 200 and page.startswith(b"page-")
+    done = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="web-http", node=a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod="web-a", container="main")),
+        timeout=60)
+    assert done.status == "succeeded", done.error
+    assert done.sockets and any(s.endswith(":8080") for s in done.sockets["listening"])
+    cluster.kube.put("pods", web("web-b", b))
+    await cluster.event("Restored", "web-b")
+    # The restored server answers on the same port, in the new pod, with the
+    # page its first start wrote (not a new one: it did not start again).
+    assert await until_http(cluster, "web-b") == (200, page)

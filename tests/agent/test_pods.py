@@ -27,11 +27,7 @@ async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster) -> None:
     # The pod goes (a drain); the watcher creates the bare pod again once its
     # last checkpoint is stored; the scheduler binds it to node b.
     cluster.kube.remove("pods", "counter", "default")
-    deadline = time.monotonic() + 30
-    while not ((p := cluster.kube.get("pods", "counter", "default"))
-               and "nodeName" not in p["spec"]):
-        assert time.monotonic() < deadline, "the watcher did not recreate the pod"
-        await asyncio.sleep(0.1)
+    await cluster.recreated("counter")
     before = steps(cluster.log("counter", a)) or before
     cluster.schedule("counter", b)
     after = await cluster.until_steps("counter", b, 5)
