@@ -97,6 +97,7 @@ async def test_entrypoint_image_without_command_resumes_on_another_node(cluster:
         target=Target(kind="pod", namespace="default", pod="web-7f9c-a", container="main")),
         timeout=60)
     before = steps(cluster.log("web-7f9c-a", a))
+    cluster.kube.remove("pods", "web-7f9c-a", "default")  # the drain evicts it
     # The ReplicaSet's replacement lands on node b.
     await create(cluster, plain_pod("web-7f9c-b", b, image=ENTRY_IMAGE, env=env,
                                     labels={"smr.dev/node-restore": "true"}, owner="web-7f9c"))
