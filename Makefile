@@ -35,6 +35,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
 bench-storage: setup
@@ -45,7 +46,7 @@ bench-watcher: setup
 	$(PY) bench/watcher.py
 
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/lint-imports && $(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) .tools

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -29,3 +31,12 @@ def cancelling() -> bool:
     take it for an ordinary failure and go on forever."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+async def quietly(aw: Awaitable[Any]) -> None:
+    """Await a clean-up (an unsubscribe, a nak, a cancelled task) whose failure
+    must not hide the error or the stop already under way."""
+    try:
+        await aw
+    except (asyncio.CancelledError, Exception):
+        pass

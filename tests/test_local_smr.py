@@ -26,11 +26,11 @@ from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
 from smr.criu import Criu
-from smr.embedded import EmbeddedNode
 from smr.jobs import Job, JobLock, JobRegistry, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
+from smrctl.embedded import EmbeddedNode
 
 pytestmark = pytest.mark.criu
 

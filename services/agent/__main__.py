@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from services.agent.service import NodeAgent
+from services.storage.settings import make_store
 from services.watcher.kube import api_client
 from smr import config, serve
 from smr.bus import Bus
-from smr.embedded import make_store
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:

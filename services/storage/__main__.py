@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from services.storage.settings import make_storage_service, make_store
 from smr import config, serve
 from smr.bus import Bus
-from smr.embedded import make_storage_service, make_store
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 from services.checkpointer.step import CheckpointStep
 from services.restorer.step import RestoreStep
-from services.storage.codec import Codec, load_key
-from services.storage.local import LocalBackend
 from services.storage.service import StorageService
+from services.storage.settings import make_storage_service, make_store
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint, gpuinfo, tracing
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
@@ -28,24 +27,6 @@ log = logging.getLogger("smr.embedded")
 
 def url_file(settings: Settings) -> Path:
     return settings.data_path / "nats.url"
-
-
-def make_store(settings: Settings) -> CheckpointStore:
-    codec = Codec(level=settings.zstd_level,
-                  key=load_key(settings.encryption_key, settings.encryption_key_file))
-    if settings.storage == "s3":
-        from services.storage.s3 import S3Backend
-
-        return CheckpointStore(S3Backend(
-            settings.s3_bucket, prefix=settings.s3_prefix,
-            endpoint_url=settings.s3_endpoint or None, path_style=settings.s3_path_style,
-            region=settings.s3_region or None), codec)
-    return CheckpointStore(LocalBackend(settings.storage_root), codec)
-
-
-def make_storage_service(bus: Bus, store: CheckpointStore, s: Settings) -> StorageService:
-    return StorageService(bus, store, keep=s.keep_generations, max_age_s=s.max_age,
-                          gc_grace_s=s.gc_grace, gc_interval_s=s.gc_interval)
 
 
 class EmbeddedNode:

@@ -16,11 +16,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from smr import config, embedded, sockets
+from services.storage.settings import make_store
+from smr import config, sockets
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+from smrctl import embedded
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -162,7 +164,7 @@ async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
     from services.storage.layout import LOCAL_NAMESPACE
 
-    gens = await embedded.make_store(s).generations(LOCAL_NAMESPACE, a.id)
+    gens = await make_store(s).generations(LOCAL_NAMESPACE, a.id)
     if not gens:
         print(f"no checkpoints of {a.id}", file=sys.stderr)
         return 1
@@ -191,7 +193,7 @@ async def cmd_kill(s: config.Settings, a: argparse.Namespace) -> int:
 
 
 async def cmd_demo(s: config.Settings, a: argparse.Namespace) -> int:
-    from smr.demo import run_demo
+    from smrctl.demo import run_demo
 
     return await run_demo(s, mib=a.mib, keep=a.keep)
 

@@ -18,13 +18,14 @@ import uuid
 from pathlib import Path
 
 from services.storage.layout import LOCAL_NAMESPACE
-from smr import embedded
+from services.storage.settings import make_store
 from smr.bus import KV_JOBS, Bus
 from smr.config import Settings
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch, proc_start_ticks
 from smr.messages import CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.workloads import counter
+from smrctl import embedded
 
 
 def say(msg: str) -> None:
@@ -113,7 +114,7 @@ async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
     if keep:
         say(f"   kept: `smr checkpoints {job_id}` lists its checkpoint, `smr ps` its job")
     else:
-        await embedded.make_store(s).delete_checkpoint(LOCAL_NAMESPACE, job_id)
+        await make_store(s).delete_checkpoint(LOCAL_NAMESPACE, job_id)
         await jobs.delete(job_id)
         log.unlink(missing_ok=True)
         say("   cleaned up its checkpoint, log and job record (--keep keeps them)")

@@ -1,0 +1,30 @@
+"""The checkpoint store and the storage service as the settings describe
+them (local directory or S3, compression, encryption, retention): one place
+for the embedded mode, the agent and the storage Deployment."""
+
+from __future__ import annotations
+
+from services.storage.codec import Codec, load_key
+from services.storage.local import LocalBackend
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
+from smr.bus import Bus
+from smr.config import Settings
+
+
+def make_store(settings: Settings) -> CheckpointStore:
+    codec = Codec(level=settings.zstd_level,
+                  key=load_key(settings.encryption_key, settings.encryption_key_file))
+    if settings.storage == "s3":
+        from services.storage.s3 import S3Backend  # aioboto3: only where S3 is used
+
+        return CheckpointStore(S3Backend(
+            settings.s3_bucket, prefix=settings.s3_prefix,
+            endpoint_url=settings.s3_endpoint or None, path_style=settings.s3_path_style,
+            region=settings.s3_region or None), codec)
+    return CheckpointStore(LocalBackend(settings.storage_root), codec)
+
+
+def make_storage_service(bus: Bus, store: CheckpointStore, s: Settings) -> StorageService:
+    return StorageService(bus, store, keep=s.keep_generations, max_age_s=s.max_age,
+                          gc_grace_s=s.gc_grace, gc_interval_s=s.gc_interval)
