@@ -1,0 +1,41 @@
+"""The JetStream bus, by concept:
+
+- ``topology``: subjects, streams, consumers, KV buckets (the names and shapes);
+- ``client``: ``Bus``, one NATS connection: ensure, publish, consume events,
+  step state;
+- ``worker``: ``Worker``, the loop that turns a request into exactly one
+  executed step (``Step``, ``Progress``);
+- ``replies``: waiting for a step's result, storage queries;
+- ``deadletters``: dead letters and the requests JetStream gave up on.
+
+Everything a service needs is importable from ``smr.bus``.
+"""
+
+from smr.bus.client import Bus
+from smr.bus.topology import (
+    KV_BEATS,
+    KV_EPISODES,
+    KV_JOBS,
+    KV_LOCKS,
+    KV_STEPS,
+    QUERY_GENERATIONS,
+    QUERY_LATEST,
+    RESULT_OF,
+    STREAM_DLQ,
+    STREAM_EVENTS,
+    STREAM_EXHAUSTED,
+    STREAM_REQUESTS,
+    SUBJECT_TYPES,
+    BusConfig,
+    kind_of,
+    node_token,
+    subject,
+)
+from smr.bus.worker import Progress, Step, Worker
+
+__all__ = [
+    "KV_BEATS", "KV_EPISODES", "KV_JOBS", "KV_LOCKS", "KV_STEPS", "QUERY_GENERATIONS",
+    "QUERY_LATEST", "RESULT_OF", "STREAM_DLQ", "STREAM_EVENTS", "STREAM_EXHAUSTED",
+    "STREAM_REQUESTS", "SUBJECT_TYPES", "Bus", "BusConfig", "Progress", "Step", "Worker",
+    "kind_of", "node_token", "subject",
+]

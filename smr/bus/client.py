@@ -1,0 +1,224 @@
+"""The Bus: one NATS connection and what smr does over it: the streams and
+buckets it ensures (smr/bus/topology.py), publishing with dedupe and trace
+context, validated event consumption, step state, and the request/reply and
+dead-letter paths (smr/bus/replies.py, smr/bus/deadletters.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import orjson
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from smr import tracing
+from smr.aio import quietly
+from smr.bus import deadletters, replies, topology
+from smr.bus.topology import (
+    KV_STEPS,
+    STREAM_EVENTS,
+    STREAM_EXHAUSTED,
+    STREAM_REQUESTS,
+    SUBJECT_TYPES,
+    BusConfig,
+    kind_of,
+    subject,
+)
+from smr.errors import ContractError, SmrError
+from smr.messages import (
+    CkptDone,
+    CkptRequested,
+    Message,
+    RestoreDone,
+    RestoreRequested,
+    StorageQuery,
+    StorageReply,
+)
+from smr.retry import retry_nats
+
+log = logging.getLogger("smr.bus")
+
+
+class Bus:
+    """One NATS connection and everything smr does over it."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, config: BusConfig) -> None:
+        self.nc = nc
+        self.js = js
+        self.config = config
+        self._kv: dict[str, KeyValue] = {}
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str = "smr", config: BusConfig | None = None) -> Bus:
+        config = config or BusConfig()
+        async for attempt in retry_nats():
+            with attempt:
+                nc = await nats.connect(
+                    url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5, allow_reconnect=True,
+                    user_credentials=config.credentials or None,
+                )
+        bus = cls(nc, nc.jetstream(timeout=10), config)
+        await bus.ensure()
+        return bus
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # -- topology -----------------------------------------------------------------
+
+    async def ensure(self) -> None:
+        """Create or update the streams and KV buckets; safe to call from every service."""
+        for cfg in topology.streams(self.config):
+            await self._ensure_stream(cfg)
+        for bucket, history in topology.BUCKETS:
+            if bucket not in self._kv:
+                self._kv[bucket] = await self.js.create_key_value(
+                    js_api.KeyValueConfig(bucket=bucket, history=history,
+                                          storage=js_api.StorageType.FILE)
+                )
+
+    async def _ensure_stream(self, cfg: js_api.StreamConfig) -> None:
+        try:
+            info = await self.js.stream_info(cfg.name or "")
+        except NotFoundError:
+            await self.js.add_stream(cfg)
+            return
+        have = info.config
+        if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
+                or have.duplicate_window != cfg.duplicate_window
+                or have.max_age != cfg.max_age):
+            await self.js.update_stream(cfg)
+
+    async def ensure_consumer(self, kind: str, node: str) -> str:
+        """The durable consumer of ``kind`` requests for ``node``; returns its name."""
+        cfg = topology.request_consumer(kind, node, self.config)
+        await self.js.add_consumer(STREAM_REQUESTS, cfg)
+        return cfg.durable_name or ""
+
+    async def ensure_exhausted_consumer(self, consumer: str) -> str:
+        cfg = topology.exhausted_consumer(consumer, self.config)
+        await self.js.add_consumer(STREAM_EXHAUSTED, cfg)
+        return cfg.durable_name or ""
+
+    async def ensure_event_consumer(self, name: str, kind: str) -> str:
+        await self.js.add_consumer(STREAM_EVENTS, topology.event_consumer(name, kind, self.config))
+        return name
+
+    async def consume_events(self, durable: str, kind: str,
+                             handle: Callable[[Any], Awaitable[None]], *, service: str,
+                             stop: asyncio.Event, retry_s: float = 5.0) -> None:
+        """Hand each ``kind`` event (validated) to ``handle`` until ``stop``.
+
+        A malformed event is dead-lettered and dropped; one whose handler
+        raises is redelivered after ``retry_s``. Replicas sharing ``durable``
+        share the work."""
+        name = await self.ensure_event_consumer(durable, kind)
+        sub = await self.js.pull_subscribe_bind(name, STREAM_EVENTS)
+        cls = SUBJECT_TYPES[kind]
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(16, timeout=0.5)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                for m in msgs:
+                    with tracing.tracer.start_as_current_span(
+                        f"consume {kind}", context=tracing.extract(m.headers),
+                        kind=SpanKind.CONSUMER, attributes={"smr.service": service},
+                    ) as span:
+                        try:
+                            event = cls.from_payload(m.data)
+                        except ContractError as e:
+                            await self.dead_letter(m.subject, m.data, e, service=service)
+                            await m.term()
+                            continue
+                        try:
+                            await handle(event)
+                        except Exception as e:
+                            span.set_status(Status(StatusCode.ERROR, str(e)))
+                            log.warning("%s: handling %s failed, will retry: %s", service,
+                                        m.subject, e)
+                            await quietly(m.nak(delay=retry_s))
+                            continue
+                        await m.ack()
+        finally:
+            await quietly(sub.unsubscribe())
+
+    def kv(self, bucket: str) -> KeyValue:
+        return self._kv[bucket]
+
+    # -- publishing ---------------------------------------------------------------
+
+    async def publish(self, msg: Message, subj: str | None = None) -> js_api.PubAck:
+        """Validate and publish; ``Nats-Msg-Id`` makes a repeat a no-op."""
+        if subj is None:
+            kind = next(k for k, t in SUBJECT_TYPES.items() if type(msg) is t)
+            subj = subject(kind, msg.node)  # type: ignore[attr-defined]
+        payload = msg.to_payload()
+        msg_id = msg.request_id  # type: ignore[attr-defined]
+        if isinstance(msg, CkptDone | RestoreDone):
+            msg_id = f"{msg_id}.{msg.SCHEMA}"
+        return await self.publish_raw(subj, payload, msg_id=msg_id)
+
+    async def publish_raw(self, subj: str, payload: bytes, *, msg_id: str | None = None,
+                          headers: dict[str, str] | None = None) -> js_api.PubAck:
+        hdrs = dict(headers or {})
+        if msg_id:
+            hdrs["Nats-Msg-Id"] = msg_id
+        with tracing.tracer.start_as_current_span(
+            f"publish {kind_of(subj)}", kind=SpanKind.PRODUCER,
+            attributes={"messaging.system": "nats", "messaging.destination.name": subj},
+        ):
+            tracing.inject(hdrs)
+            async for attempt in retry_nats():
+                with attempt:
+                    return await self.js.publish(subj, payload, headers=hdrs)
+        raise AssertionError("unreachable")
+
+    async def dead_letter(self, subj: str, payload: bytes, error: SmrError, *, service: str,
+                          deliveries: int | None = None, request_id: str | None = None) -> None:
+        """Publish ``payload`` to ``dlq.<subj>`` with the reason (smr/bus/deadletters.py)."""
+        await deadletters.dead_letter(self, subj, payload, error, service=service,
+                                      deliveries=deliveries, request_id=request_id)
+
+    # -- step state -----------------------------------------------------------------
+
+    async def step_state(self, request_id: str) -> tuple[dict[str, Any] | None, int]:
+        try:
+            e = await self.kv(KV_STEPS).get(request_id)
+        except KeyNotFoundError:
+            return None, 0
+        if not e.value:  # deleted: the step may run again
+            return None, e.revision or 0
+        return orjson.loads(e.value), e.revision or 0
+
+    # -- request/reply (smr/bus/replies.py) -----------------------------------------
+
+    async def request(self, req: CkptRequested | RestoreRequested, *,
+                      timeout: float | None = None) -> CkptDone | RestoreDone:
+        """Publish a request and wait for its result."""
+        await self.publish(req)
+        return await self.wait_result(req.request_id, req.SCHEMA, timeout=timeout)
+
+    async def wait_result(
+        self, request_id: str, kind: str, *, timeout: float | None = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> CkptDone | RestoreDone:
+        """Wait until the step of ``request_id`` has a result (CLI, tests)."""
+        return await replies.wait_result(self.kv(KV_STEPS), request_id, kind,
+                                         timeout=timeout, on_progress=on_progress)
+
+    async def query(self, what: str, query: StorageQuery, *, timeout: float = 10.0
+                    ) -> StorageReply:
+        """Ask the storage service (``QUERY_LATEST`` or ``QUERY_GENERATIONS``)."""
+        return await replies.query(self.nc, what, query, timeout=timeout)

@@ -1,0 +1,98 @@
+"""Dead letters: a message smr cannot act on goes to ``dlq.<subject>`` with
+the reason, and nothing else breaks.
+
+A request whose worker died on its last delivery would vanish: JetStream only
+announces it with a core-NATS advisory. Those advisories are kept in a stream
+of their own (SMR_EXHAUSTED), and each worker answers its consumer's with a
+failed result and a dead letter, even when it starts after the fact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import nats
+import orjson
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from smr.bus.topology import MAX_DLQ_PAYLOAD, RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES
+from smr.errors import ContractError, SmrError
+from smr.messages import CkptDone, DeadLetter, RestoreDone
+
+if TYPE_CHECKING:
+    from smr.bus.client import Bus
+
+log = logging.getLogger("smr.bus")
+
+
+async def dead_letter(bus: Bus, subj: str, payload: bytes, error: SmrError, *, service: str,
+                      deliveries: int | None = None, request_id: str | None = None) -> None:
+    letter = DeadLetter(
+        subject=subj, error=error.as_dict(), service=service, deliveries=deliveries,
+        payload=payload[:MAX_DLQ_PAYLOAD].decode("utf-8", errors="replace"),
+        request_id=request_id,
+    )
+    log.warning("dead-lettered a message on %s: %s", subj, error.message)
+    await bus.publish_raw(f"dlq.{subj}", letter.to_payload())
+
+
+def peek_request_id(payload: bytes) -> str | None:
+    """The request_id of a payload that did not pass the contract, if it has one."""
+    try:
+        rid = orjson.loads(payload).get("request_id")
+        return rid if isinstance(rid, str) else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+
+
+class Exhausted:
+    """Answers the requests JetStream gave up on for one worker's consumer."""
+
+    def __init__(self, bus: Bus, kind: str, service: str, node: str,
+                 record: Callable[[CkptDone | RestoreDone], Awaitable[None]]) -> None:
+        self.bus = bus
+        self.kind = kind
+        self.service = service
+        self.node = node
+        self.record = record
+
+    async def answer(self, sub: Any) -> None:
+        """Answer the requests JetStream gave up on (worker died on the last delivery)."""
+        while True:
+            try:
+                advisories = await sub.fetch(8, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            for adv in advisories:
+                try:
+                    await self._answer_one(adv)
+                except Exception:
+                    log.exception("%s: cannot answer an exhausted request", self.service)
+
+    async def _answer_one(self, adv: Msg) -> None:
+        """Fail and dead-letter one request, unless it was answered after all."""
+        info = orjson.loads(adv.data)
+        try:
+            raw = await self.bus.js.get_msg(STREAM_REQUESTS, info["stream_seq"])
+            req = SUBJECT_TYPES[self.kind].from_payload(raw.data or b"")
+        except (NotFoundError, ContractError):
+            await adv.ack()  # gone (aged out) or never valid (already dead-lettered)
+            return
+        rid = req.request_id  # type: ignore[attr-defined]
+        state, _ = await self.bus.step_state(rid)
+        if not state or state["state"] == "running":
+            err = SmrError(
+                f"request {rid} was delivered {info.get('deliveries')} times without an "
+                "answer: its worker died or stalled each time; it was not completed",
+                code="deliveries-exhausted",
+                hint=f"see the {self.service} log on node {self.node}; to try again, "
+                     "publish the request with a new request_id")
+            await dead_letter(self.bus, raw.subject or "", raw.data or b"", err,
+                              service=self.service, deliveries=info.get("deliveries"),
+                              request_id=rid)
+            await self.record(RESULT_OF[self.kind].for_request(req, status="failed",
+                                                                error=err.as_dict()))
+        await adv.ack()

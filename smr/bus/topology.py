@@ -1,0 +1,164 @@
+"""The bus's names and shapes: subjects, streams, consumers, KV buckets.
+
+Subjects (``<node>`` is ``node_token(node)``)::
+
+    ckpt.requested.<node>      restore.requested.<node>     stream SMR_REQUESTS
+    ckpt.done.<node>           restore.done.<node>          stream SMR_EVENTS
+    node.draining.<node>                                    stream SMR_EVENTS
+    dlq.<original subject>                                  stream SMR_DLQ
+    $JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.SMR_REQUESTS.* stream SMR_EXHAUSTED
+
+Requests are published with ``Nats-Msg-Id = request_id``, so JetStream drops a
+duplicate within the dedupe window. Each node has one durable pull consumer per
+request kind, one step at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nats.js import api as js_api
+
+from smr.config import Settings
+from smr.messages import (
+    CkptDone,
+    CkptRequested,
+    Message,
+    NodeDraining,
+    RestoreDone,
+    RestoreRequested,
+)
+
+STREAM_REQUESTS = "SMR_REQUESTS"
+STREAM_EVENTS = "SMR_EVENTS"
+STREAM_DLQ = "SMR_DLQ"
+STREAM_EXHAUSTED = "SMR_EXHAUSTED"
+EXHAUSTED_PREFIX = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}"
+QUERY_LATEST = "storage.latest"  # core NATS request/reply, see schemas/storage.query.json
+QUERY_GENERATIONS = "storage.generations"
+KV_STEPS = "smr-steps"
+KV_JOBS = "smr-jobs"
+KV_LOCKS = "smr-locks"
+KV_EPISODES = "smr-episodes"  # watcher: node drain episodes (node → episode id)
+KV_BEATS = "smr-beats"  # watcher: the heartbeat schedule (pod uid → next beat)
+
+# The message class of each subject's first two tokens.
+SUBJECT_TYPES: dict[str, type[Message]] = {
+    "ckpt.requested": CkptRequested,
+    "restore.requested": RestoreRequested,
+    "ckpt.done": CkptDone,
+    "restore.done": RestoreDone,
+    "node.draining": NodeDraining,
+}
+RESULT_OF: dict[str, type[CkptDone] | type[RestoreDone]] = {
+    "ckpt.requested": CkptDone,
+    "restore.requested": RestoreDone,
+}
+
+MAX_DLQ_PAYLOAD = 64 * 1024
+DAY = 86400.0
+
+
+def node_token(node: str) -> str:
+    """A node name as one subject token (Kubernetes names may hold dots)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", node)
+
+
+def subject(kind: str, node: str) -> str:
+    if kind not in SUBJECT_TYPES:
+        raise KeyError(f"unknown subject kind {kind!r}")
+    return f"{kind}.{node_token(node)}"
+
+
+def kind_of(subj: str) -> str:
+    return ".".join(subj.split(".")[:2])
+
+
+@dataclass
+class BusConfig:
+    max_deliver: int = 5
+    ack_wait: float = 30.0
+    dedupe_window: float = 3600.0
+    nak_base_delay: float = 1.0
+    nak_max_delay: float = 30.0
+    credentials: str = ""  # a NATS .creds file (JWT + nkey)
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> BusConfig:
+        return cls(max_deliver=s.max_deliver, ack_wait=s.ack_wait, dedupe_window=s.dedupe_window,
+                   credentials=s.nats_creds)
+
+    @property
+    def keepalive(self) -> float:
+        """How often a running step says it is alive (in_progress + KV heartbeat)."""
+        return max(0.2, min(self.ack_wait / 3, 2.0))
+
+    @property
+    def stale_after(self) -> float:
+        """A running state whose heartbeat is older than this has lost its worker.
+        Heartbeats go out with in_progress, so a redelivery (ack wait expired)
+        finds one at least ack_wait old; a live worker's is under 2 keepalives."""
+        return max(2 * self.keepalive, 0.8 * self.ack_wait)
+
+
+
+def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
+    """Every stream smr uses, as ``Bus.ensure`` creates or updates them."""
+    return (
+        js_api.StreamConfig(
+            name=STREAM_REQUESTS, subjects=["ckpt.requested.*", "restore.requested.*"],
+            duplicate_window=config.dedupe_window, max_age=7 * DAY,
+            storage=js_api.StorageType.FILE,
+        ),
+        js_api.StreamConfig(
+            name=STREAM_EVENTS,
+            subjects=["ckpt.done.*", "restore.done.*", "node.draining.*"],
+            duplicate_window=config.dedupe_window, max_age=7 * DAY,
+            storage=js_api.StorageType.FILE,
+        ),
+        js_api.StreamConfig(
+            name=STREAM_DLQ, subjects=["dlq.>"], max_age=30 * DAY,
+            storage=js_api.StorageType.FILE,
+        ),
+        js_api.StreamConfig(
+            name=STREAM_EXHAUSTED, subjects=[f"{EXHAUSTED_PREFIX}.*"], max_age=7 * DAY,
+            storage=js_api.StorageType.FILE,
+        ),
+    )
+
+
+# Bucket → history kept per key.
+BUCKETS = ((KV_STEPS, 1), (KV_JOBS, 5), (KV_LOCKS, 1), (KV_EPISODES, 1), (KV_BEATS, 1))
+
+
+def request_consumer(kind: str, node: str, config: BusConfig) -> js_api.ConsumerConfig:
+    """The durable consumer of ``kind`` requests for ``node``."""
+    name = f"{kind.replace('.', '-')}-{node_token(node)}"
+    return js_api.ConsumerConfig(
+        name=name, durable_name=name, filter_subject=subject(kind, node),
+        ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_wait=config.ack_wait, max_deliver=config.max_deliver,
+        # One step at a time per node and kind: a node is not dumped twice at once.
+        max_ack_pending=1,
+    )
+
+
+def exhausted_consumer(consumer: str, config: BusConfig) -> js_api.ConsumerConfig:
+    """A durable consumer of the max-deliveries advisories of ``consumer``."""
+    name = f"exhausted-{consumer}"
+    return js_api.ConsumerConfig(
+        name=name, durable_name=name, filter_subject=f"{EXHAUSTED_PREFIX}.{consumer}",
+        ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_wait=config.ack_wait, max_deliver=-1,
+    )
+
+
+def event_consumer(name: str, kind: str, config: BusConfig) -> js_api.ConsumerConfig:
+    """A durable consumer of ``kind`` events of every node, shared by a
+    service's replicas (each event goes to one of them)."""
+    return js_api.ConsumerConfig(
+        name=name, durable_name=name, filter_subject=f"{kind}.*",
+        ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_wait=config.ack_wait, max_deliver=config.max_deliver,
+    )

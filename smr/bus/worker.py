@@ -1,0 +1,253 @@
+"""The worker loop: a request becomes exactly one executed step.
+
+The step-state KV bucket (``request_id`` → state) makes a step run at most
+once: a redelivered request whose state is ``done`` republishes the stored
+result; one whose state is ``running`` with a stale heartbeat (its worker
+died) is handed to the step's ``recover``, which decides from the world
+whether the step finished, failed, or can safely run again. A bad request is
+dead-lettered (smr/bus/deadletters.py), as is one that keeps failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import nats
+import orjson
+from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from smr import tracing
+from smr.aio import quietly
+from smr.bus.client import Bus
+from smr.bus.deadletters import Exhausted, peek_request_id
+from smr.bus.topology import (
+    KV_STEPS,
+    RESULT_OF,
+    STREAM_EXHAUSTED,
+    STREAM_REQUESTS,
+    SUBJECT_TYPES,
+    kind_of,
+    node_token,
+    subject,
+)
+from smr.errors import ContractError, SmrError, StepError, TemporaryError
+from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
+
+log = logging.getLogger("smr.bus")
+
+Req = TypeVar("Req", CkptRequested, RestoreRequested)
+Res = TypeVar("Res", CkptDone, RestoreDone)
+
+
+@dataclass
+class Progress:
+    """What a running step reports; written to its KV state at each keepalive."""
+
+    phase: str = "starting"
+    done_bytes: int = 0
+    total_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def update(self, phase: str | None = None, *, done_bytes: int | None = None,
+               total_bytes: int | None = None, **extra: Any) -> None:
+        if phase:
+            self.phase = phase
+        if done_bytes is not None:
+            self.done_bytes = done_bytes
+        if total_bytes is not None:
+            self.total_bytes = total_bytes
+        self.extra.update(extra)
+
+
+class Step(Protocol, Generic[Req, Res]):
+    """A checkpoint or restore step, as the worker runs it."""
+
+    kind: str  # "ckpt.requested" or "restore.requested"
+
+    async def run(self, req: Req, progress: Progress) -> Res: ...
+
+    async def recover(self, req: Req, state: dict[str, Any]) -> Res | None:
+        """An earlier attempt died mid-step. Return its result if the world shows
+        one (finished, or failed for good); None if running the step again is safe."""
+        ...
+
+
+class Worker:
+    """Runs one step kind for one node: fetch, validate, dedupe, run, answer."""
+
+    def __init__(self, bus: Bus, step: Step[Any, Any], node: str, *, service: str) -> None:
+        self.bus = bus
+        self.step = step
+        self.node = node
+        self.service = service
+        self.owner = f"{service}@{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self._stop = asyncio.Event()
+        self.idle = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        durable = await self.bus.ensure_consumer(self.step.kind, self.node)
+        psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
+        exhausted = await self.bus.js.pull_subscribe_bind(
+            await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
+        log.info("%s consuming %s", self.service, subject(self.step.kind, self.node))
+        answering = asyncio.create_task(Exhausted(
+            self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
+        try:
+            while not self._stop.is_set():
+                self.idle.set()
+                try:
+                    msgs = await psub.fetch(1, timeout=0.5)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                self.idle.clear()
+                for m in msgs:
+                    try:
+                        await self.handle(m)
+                    except Exception:
+                        # Nothing escapes one message: the loop keeps serving the node.
+                        log.exception("%s: unexpected error on %s", self.service, m.subject)
+                        await quietly(m.nak(delay=self.bus.config.nak_base_delay))
+        finally:
+            answering.cancel()
+            await quietly(answering)
+            await quietly(psub.unsubscribe())
+            await quietly(exhausted.unsubscribe())
+
+    async def handle(self, m: Msg) -> None:
+        ctx = tracing.extract(m.headers)
+        with tracing.tracer.start_as_current_span(
+            f"consume {kind_of(m.subject)}", context=ctx, kind=SpanKind.CONSUMER,
+            attributes={"messaging.system": "nats", "messaging.destination.name": m.subject,
+                        "smr.service": self.service},
+        ) as span:
+            await self._handle(m, span)
+
+    async def _handle(self, m: Msg, span: trace.Span) -> None:
+        deliveries = m.metadata.num_delivered or 1
+        req_type = SUBJECT_TYPES[self.step.kind]
+        try:
+            req = req_type.from_payload(m.data)
+            if node_token(req.node) != node_token(self.node):  # type: ignore[attr-defined]
+                raise ContractError(
+                    f"request for node {req.node} arrived on {m.subject}",  # type: ignore[attr-defined]
+                    code="wrong-node", hint="publish to the subject that ends in the node's name",
+                )
+        except ContractError as e:
+            rid = peek_request_id(m.data)
+            await self.bus.dead_letter(m.subject, m.data, e, service=self.service,
+                                       deliveries=deliveries, request_id=rid)
+            span.set_status(Status(StatusCode.ERROR, e.message))
+            await m.term()
+            return
+        rid = req.request_id  # type: ignore[attr-defined]
+        span.set_attribute("smr.request_id", rid)
+        kv = self.bus.kv(KV_STEPS)
+        state, rev = await self.bus.step_state(rid)
+
+        if state and state["state"] in ("done", "failed"):
+            log.info("%s: request %s already answered; repeating its result", self.service, rid)
+            await self.bus.publish(RESULT_OF[self.step.kind].from_dict(state["result"]))
+            await m.ack()
+            return
+
+        if state and state["state"] == "running":
+            if time.time() - state.get("heartbeat", 0) < self.bus.config.stale_after:
+                # Another worker is alive on it: leave it be.
+                await m.nak(delay=self.bus.config.ack_wait)
+                return
+            log.warning("%s: request %s was interrupted (attempt by %s); recovering",
+                        self.service, rid, state.get("owner"))
+            with tracing.tracer.start_as_current_span("recover " + self.step.kind):
+                result = await self.step.recover(req, state)
+            if result is not None:
+                await self._finish(m, result)
+                return
+
+        claim = {"state": "running", "owner": self.owner, "heartbeat": time.time(),
+                 "attempt": deliveries, "subject": m.subject, "phase": "starting"}
+        try:
+            if state is None:
+                rev = await kv.create(rid, orjson.dumps(claim))
+            else:
+                rev = await kv.update(rid, orjson.dumps(claim), last=rev)
+        except KeyWrongLastSequenceError:
+            await m.nak(delay=self.bus.config.nak_base_delay)  # lost a race: look again later
+            return
+
+        progress = Progress()
+        keepalive = asyncio.create_task(self._keepalive(m, rid, claim, progress))
+        try:
+            with tracing.tracer.start_as_current_span(
+                f"step {self.step.kind}", attributes={"smr.request_id": rid}
+            ) as step_span:
+                try:
+                    result = await self.step.run(req, progress)
+                except TemporaryError as e:
+                    if deliveries < self.bus.config.max_deliver:
+                        step_span.record_exception(e)
+                        keepalive.cancel()
+                        await quietly(keepalive)
+                        await kv.delete(rid)
+                        delay = min(self.bus.config.nak_base_delay * 2 ** (deliveries - 1),
+                                    self.bus.config.nak_max_delay)
+                        log.warning("%s: %s failed for now (%s); retrying in %.1fs",
+                                    self.service, rid, e.message, delay)
+                        await m.nak(delay=delay)
+                        return
+                    result = self._failed(req, e)
+                    await self.bus.dead_letter(
+                        m.subject, m.data, SmrError(
+                            f"gave up after {deliveries} deliveries: {e.message}",
+                            code="deliveries-exhausted", hint=e.hint),
+                        service=self.service, deliveries=deliveries, request_id=rid)
+                except StepError as e:
+                    result = self._failed(req, e)
+                except Exception as e:  # a bug: report it, never retry it forever
+                    log.exception("%s: step %s crashed", self.service, rid)
+                    result = self._failed(req, SmrError(
+                        f"internal error: {type(e).__name__}: {e}", code="internal-error",
+                        hint="this is a bug in smr; please report it with the service log"))
+                if result.status == "failed":
+                    why = (result.error or {}).get("message")
+                    step_span.set_status(Status(StatusCode.ERROR, why))
+        finally:
+            keepalive.cancel()
+            await quietly(keepalive)
+        await self._finish(m, result)
+
+    def _failed(self, req: Any, e: SmrError) -> Any:
+        return RESULT_OF[self.step.kind].for_request(req, status="failed", error=e.as_dict())
+
+    async def _finish(self, m: Msg, result: CkptDone | RestoreDone) -> None:
+        # Order matters: state first (a crash after it republishes the stored
+        # result on redelivery), then the event, then the ack.
+        await self._record(result)
+        await m.ack()
+
+    async def _record(self, result: CkptDone | RestoreDone) -> None:
+        state = {"state": "done" if result.status == "succeeded" else "failed",
+                 "result": result.to_dict(), "finished": time.time()}
+        await self.bus.kv(KV_STEPS).put(result.request_id, orjson.dumps(state))
+        await self.bus.publish(result)
+
+    async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], p: Progress) -> None:
+        while True:
+            await asyncio.sleep(self.bus.config.keepalive)
+            await quietly(m.in_progress())
+            claim.update(heartbeat=time.time(), phase=p.phase, done_bytes=p.done_bytes,
+                         total_bytes=p.total_bytes, **p.extra)
+            await quietly(self.bus.kv(KV_STEPS).put(rid, orjson.dumps(claim)))
+
+
