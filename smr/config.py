@@ -151,6 +151,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("LEASE_RETRY", 2.0, _pos_float, "seconds between Lease attempts (at least 1)"),
     Setting("PUBLISH_CONCURRENCY", 64, _pos_int, "requests the watcher publishes at once"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
+    Setting("METRICS_PORT", 9464, _count, "port of /metrics (Prometheus) for every "
+            "long-running service and `smr up` (0: none)"),
     Setting("HEALTH_PORT", 8080, _count, "cluster services: port of /livez and /readyz for "
             "the probes (0: none)"),
     Setting("INIT", "", str, "node agent: its own smr-init binary; default: `make setup`'s, "

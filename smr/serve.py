@@ -1,7 +1,8 @@
 """Running one cluster service (the watcher, the node agent, the storage
-service, the webhook) as a Kubernetes pod: its NATS connection, SIGTERM, and the health
+service, the webhook) as a Kubernetes pod: its NATS connection, SIGTERM, the health
 endpoint its probes ask (``SMR_HEALTH_PORT``: ``/livez`` while its loop
-answers, ``/readyz`` once it has started serving)."""
+answers, ``/readyz`` once it has started serving) and its metrics
+(``SMR_METRICS_PORT``: ``/metrics``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from smr import config, tracing
+from smr import config, metrics, tracing
 from smr.bus import Bus, BusConfig
 from smr.errors import SmrError
 
@@ -75,6 +76,8 @@ async def serve(name: str, settings: config.Settings, make: Factory, *,
             loop.add_signal_handler(sig, service.stop)
         if settings.health_port:
             runner = await health_server(service, settings.health_port)
+        if settings.metrics_port:
+            cleanups.insert(0, (await metrics.serve(settings.metrics_port)).cleanup)
         await service.run()
     finally:
         if runner:

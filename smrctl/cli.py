@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from services.storage.settings import make_store
-from smr import config, sockets
+from smr import config, metrics, sockets
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
@@ -89,12 +89,17 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with embedded.EmbeddedNode(s) as node:
+        served = await metrics.serve(s.metrics_port, "127.0.0.1") if s.metrics_port else None
         print(f"smr up: node {s.node}, NATS {node.url}, data {s.data_path}", flush=True)
+        if served:
+            print(f"  metrics on http://127.0.0.1:{s.metrics_port}/metrics", flush=True)
         if node.criu_problem:
             print(f"  WARNING: {node.criu_problem}", flush=True)
         print(f"  checkpoints in {s.storage_root}; Ctrl-C stops", flush=True)
         await stop.wait()
         print("smr: stopping", flush=True)
+        if served:
+            await served.cleanup()
     return 0
 
 

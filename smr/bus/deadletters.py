@@ -18,7 +18,14 @@ import orjson
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from smr.bus.topology import MAX_DLQ_PAYLOAD, RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES
+from smr import metrics
+from smr.bus.topology import (
+    MAX_DLQ_PAYLOAD,
+    RESULT_OF,
+    STREAM_REQUESTS,
+    SUBJECT_TYPES,
+    kind_of,
+)
 from smr.errors import ContractError, SmrError
 from smr.messages import CkptDone, DeadLetter, RestoreDone
 
@@ -36,6 +43,7 @@ async def dead_letter(bus: Bus, subj: str, payload: bytes, error: SmrError, *, s
         request_id=request_id,
     )
     log.warning("dead-lettered a message on %s: %s", subj, error.message)
+    metrics.DEAD_LETTERS.labels(kind_of(subj)).inc()
     await bus.publish_raw(f"dlq.{subj}", letter.to_payload())
 
 

@@ -25,7 +25,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from smr import tracing
+from smr import metrics, tracing
 from smr.aio import quietly
 from smr.bus.client import Bus
 from smr.bus.deadletters import Exhausted, peek_request_id
@@ -240,6 +240,7 @@ class Worker:
         state = {"state": "done" if result.status == "succeeded" else "failed",
                  "result": result.to_dict(), "finished": time.time()}
         await self.bus.kv(KV_STEPS).put(result.request_id, orjson.dumps(state))
+        metrics.observe_result(result)
         await self.bus.publish(result)
 
     async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], p: Progress) -> None:

@@ -1,0 +1,77 @@
+"""Prometheus metrics: what an operator watches and alerts on.
+
+Every step result goes through ``observe_result`` (the bus worker records
+every result in one place), every dead letter through ``DEAD_LETTERS``.
+Names follow Prometheus conventions: the ``smr_`` prefix, base units,
+``_total`` for counters; labels are bounded sets (kind, reason, outcome,
+phase, error code, subject kind, and the checkpoint id of each protected
+workload), never a request id or a pod uid. ``serve`` exposes them on
+SMR_METRICS_PORT.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from smr.messages import CkptDone, RestoreDone
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+STEPS = Counter("smr_steps_total", "Checkpoint and restore steps finished, by outcome",
+                ["kind", "reason", "outcome"], registry=REGISTRY)
+FAILURES = Counter("smr_step_failures_total", "Failed steps, by error code",
+                   ["kind", "code"], registry=REGISTRY)
+PHASE = Histogram("smr_step_phase_seconds", "Seconds each phase of a step took "
+                  "(dump, upload, download, restore, cuda_checkpoint, downtime, total, ...)",
+                  ["kind", "phase"], registry=REGISTRY,
+                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
+BYTES = Counter("smr_step_bytes_total", "Bytes of checkpoint images written (checkpoint) or "
+                "read back (restore), before compression", ["kind"], registry=REGISTRY)
+LATEST = Gauge("smr_latest_checkpoint_timestamp_seconds", "When the newest checkpoint of each "
+               "workload was committed (Unix time); alert on time() - this",
+               ["namespace", "checkpoint_id"], registry=REGISTRY)
+DEAD_LETTERS = Counter("smr_dead_letters_total", "Messages dead-lettered, by subject kind",
+                       ["subject"], registry=REGISTRY)
+
+
+def observe_result(result: CkptDone | RestoreDone) -> None:
+    kind = "checkpoint" if isinstance(result, CkptDone) else "restore"
+    STEPS.labels(kind, result.reason, result.status).inc()
+    if result.status == "failed":
+        FAILURES.labels(kind, (result.error or {}).get("code", "unknown")).inc()
+        return
+    for phase, seconds in result.durations.items():
+        PHASE.labels(kind, phase).observe(seconds)
+    if result.size_bytes:
+        BYTES.labels(kind).inc(result.size_bytes)
+    if kind == "checkpoint":
+        LATEST.labels(result.target.namespace or "local", result.checkpoint_id).set(time.time())
+
+
+async def serve(port: int, host: str = "0.0.0.0") -> web.AppRunner:
+    """``GET /metrics`` on ``port`` (0: any free one; the runner's site says which)."""
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(REGISTRY),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    site = next(iter(runner.sites))
+    return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
