@@ -89,7 +89,13 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with embedded.EmbeddedNode(s) as node:
-        served = await metrics.serve(s.metrics_port, "127.0.0.1") if s.metrics_port else None
+        served = None
+        if s.metrics_port:
+            try:
+                served = await metrics.serve(s.metrics_port, "127.0.0.1")
+            except OSError as e:  # another `smr up`, or anything else, holds the port
+                print(f"  no metrics: port {s.metrics_port}: {e.strerror} (set SMR_METRICS_PORT)",
+                      flush=True)
         print(f"smr up: node {s.node}, NATS {node.url}, data {s.data_path}", flush=True)
         if served:
             print(f"  metrics on http://127.0.0.1:{s.metrics_port}/metrics", flush=True)
