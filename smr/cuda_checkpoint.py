@@ -205,7 +205,6 @@ class CudaCheckpoint:
                 total[k] = total.get(k, 0.0) + v
         return total
 
-
     async def resume_after(self, writer: asyncio.Task[Any], pids: list[int],
                            durations: dict[str, float], frozen_at: float) -> None:
         """A leave-running checkpoint (a heartbeat): the processes run again as

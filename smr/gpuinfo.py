@@ -84,6 +84,16 @@ def job_gpus(pids: list[int]) -> dict[str, Any] | None:
             "used_bytes": sum(h["used_bytes"] for h in held), "devices": held}
 
 
+def for_checkpoint(pids: list[int], work_dir: Path) -> dict[str, Any] | None:
+    """The GPUs the CUDA processes ``pids`` hold (None without any), refused at
+    once if this node lacks the room to checkpoint them."""
+    if not pids:
+        return None
+    gpu = job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
+    check_room_for_checkpoint(gpu, work_dir)
+    return gpu
+
+
 def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path) -> None:
     """Refuse early: the driver copies GPU memory into the job's host memory,
     then CRIU writes it to ``work_dir``."""

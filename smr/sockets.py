@@ -66,11 +66,15 @@ def restore_mode(manifest: dict[str, Any], *, same_place: bool) -> Tcp:
     return "keep" if kept and not manifest.get("leave_running") and same_place else "close"
 
 
-def outcome(manifest: dict[str, Any], tcp: Tcp) -> dict[str, Any] | None:
+def outcome(manifest: dict[str, Any], tcp: Tcp | None = None) -> dict[str, Any] | None:
     """A result's account: what the checkpoint held, and whether its
-    connections were kept (``tcp``) in this step."""
+    connections were kept in this step (``tcp``; by default what the
+    checkpoint itself did with them)."""
     held = manifest.get("sockets")
-    return {**held, "connections": "kept" if tcp == "keep" else "closed"} if held else None
+    if not held:
+        return None
+    done = tcp or held.get("tcp")
+    return {**held, "connections": "kept" if done == "keep" else "closed"}
 
 
 def inventory(pids: list[int]) -> dict[str, Any]:

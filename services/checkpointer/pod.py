@@ -56,7 +56,7 @@ class PodCheckpointStep(PodStep):
                                     requested=req.tcp, same_netns_possible=False)
             # Host PIDs: the driver's checkpoint API takes them from outside.
             cuda_pids = await self.cuda.processes(pid) if self.cuda else []
-            gpu = self._gpu(cuda_pids, work)
+            gpu = gpuinfo.for_checkpoint(cuda_pids, work)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
@@ -123,15 +123,6 @@ class PodCheckpointStep(PodStep):
                                       "on a node with driver 560 or newer")
         return running
 
-    @staticmethod
-    def _gpu(cuda_pids: list[int], work: Any) -> dict[str, Any] | None:
-        """The container's GPU use, checked against the room here (None without one)."""
-        if not cuda_pids:
-            return None
-        gpu = gpuinfo.job_gpus(cuda_pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
-        gpuinfo.check_room_for_checkpoint(gpu, work)
-        return gpu
-
     async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
                     upper: Any, leave_running: bool, tcp: sockets.Tcp) -> dict[str, float]:
         try:
@@ -173,11 +164,9 @@ class PodCheckpointStep(PodStep):
         return gen, time.monotonic() - t
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
-        held = gen.manifest.get("sockets")
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
                                     location=gen.location, size_bytes=gen.size_bytes,
-                                    sockets=held and sockets.outcome(gen.manifest, held["tcp"]),
-                                    **kw)
+                                    sockets=sockets.outcome(gen.manifest), **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint: committed → that result; a finished

@@ -116,11 +116,8 @@ class CheckpointStep(LocalJobStep):
         if self.cuda is None:
             return None
         pids = await self.cuda.processes(job.pid)
-        if not pids:
-            return None
-        gpu = gpuinfo.job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
-        gpuinfo.check_room_for_checkpoint(gpu, work)
-        return {**gpu, "pids": pids}
+        gpu = gpuinfo.for_checkpoint(pids, work)
+        return {**gpu, "pids": pids} if gpu else None
 
     async def _can_pre_dump(self, job_id: str) -> bool:
         if await self.criu.tracks_memory():
@@ -180,11 +177,9 @@ class CheckpointStep(LocalJobStep):
         return gen, seconds
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
-        held = gen.manifest.get("sockets")
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
                                     location=gen.location, size_bytes=gen.size_bytes,
-                                    sockets=held and sockets.outcome(gen.manifest, held["tcp"]),
-                                    **kw)
+                                    sockets=sockets.outcome(gen.manifest), **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint. Committed → that result. Dump complete

@@ -11,15 +11,15 @@ of runc, as containerd does with the handler's BinaryName.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
+from kubernetes_asyncio.client.exceptions import ApiException
+
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import (
-    COUNTER,
     ENTRY_IMAGE,
     IMAGE,
     Cluster,
@@ -136,8 +136,6 @@ async def test_a_webhook_that_must_not_fail_refuses_when_down(cluster: Cluster) 
         "caBundle"]
     cluster.kube.put("mutatingwebhookconfigurations", cfg)
     cluster.kube.services[("smr-system", "smr-webhook")] = ("127.0.0.1", 1)
-    from kubernetes_asyncio.client.exceptions import ApiException
-
     try:
         await create(cluster, plain_pod("refused", None, labels={"smr.dev/node-restore": "true"}))
     except ApiException as e:
@@ -182,8 +180,5 @@ def test_wrapper_wraps_an_opted_in_container_and_cleans_up(
     # No agent answers: smr-init starts the command fresh after its timeout,
     # as PID 1, and passes its exit code on.
     assert r.returncode == 4, (r, text)
-    assert text.startswith("smr-init: no answer") or "/smr/smr-init -- /bin/sh" in text, text
     assert "/smr/smr-init -- /bin/sh -c" in text
     assert not (smr_runtime.parent / "state" / cid).exists(), "its state stays after delete"
-    assert COUNTER  # the image is the counter image
-    assert shutil.which("runc")
