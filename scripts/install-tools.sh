@@ -52,6 +52,19 @@ if [[ ! -f $CJSON/cJSON.c ]]; then
   rm -rf "$S"
 fi
 
+# Prometheus and promtool (bookworm's, unpacked, never installed as a service):
+# the metrics tests scrape smr with the real server, and promtool checks and
+# unit-tests the alert rules under deploy/observability.
+if [[ ! -x $PREFIX/bin/prometheus || ! -x $PREFIX/bin/promtool ]]; then
+  P=$PREFIX/prometheus
+  rm -rf "$P" && mkdir -p "$P/deb" "$PREFIX/bin"
+  (cd "$P/deb" && apt-get -qq -o APT::Sandbox::User=root download prometheus)
+  dpkg -x "$P"/deb/prometheus_*.deb "$P/root" && rm -rf "$P/deb"
+  ln -sf "$P/root/usr/bin/prometheus" "$PREFIX/bin/prometheus"
+  ln -sf "$P/root/usr/bin/promtool" "$PREFIX/bin/promtool"
+  "$PREFIX/bin/promtool" --version | head -1
+fi
+
 if [[ -f $STAMP && -x $PREFIX/bin/criu && -x $PREFIX/bin/nats-server && -x $PREFIX/bin/kustomize ]]; then
   touch "$STAMP"
   exit 0

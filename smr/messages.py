@@ -24,6 +24,11 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def epoch(ts: str) -> float:
+    """Unix time of a timestamp as ``now`` writes it."""
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
 def derive_request_id(*parts: str) -> str:
     """A deterministic request_id: the same event always gives the same id,
     so a repeated event is dropped by JetStream's dedupe."""
@@ -165,8 +170,8 @@ class DeadLetter(Message):
 @dataclass(slots=True, kw_only=True)
 class StorageQuery(Message):
     SCHEMA: ClassVar[str] = "storage.query"
-    checkpoint_id: str
-    namespace: str = "local"
+    checkpoint_id: str | None = None  # required except by storage.checkpoints
+    namespace: str | None = None  # None: `local`, or every namespace for storage.checkpoints
 
 
 @dataclass(slots=True, kw_only=True)

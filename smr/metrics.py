@@ -20,11 +20,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
 from smr.messages import CkptDone, RestoreDone
 
+disable_created_metrics()  # no *_created series: Prometheus does not need them
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 STEPS = Counter("smr_steps_total", "Checkpoint and restore steps finished, by outcome",
@@ -39,13 +41,34 @@ BYTES = Counter("smr_step_bytes_total", "Bytes of checkpoint images written (che
                 "read back (restore), before compression", ["kind"], registry=REGISTRY)
 LATEST = Gauge("smr_latest_checkpoint_timestamp_seconds", "When the newest checkpoint of each "
                "workload was committed (Unix time); alert on time() - this",
-               ["namespace", "checkpoint_id"], registry=REGISTRY)
+               ["checkpoint_namespace", "checkpoint_id"], registry=REGISTRY)
 DEAD_LETTERS = Counter("smr_dead_letters_total", "Messages dead-lettered, by subject kind",
                        ["subject"], registry=REGISTRY)
+PENDING = Gauge("smr_requests_pending", "Requests on this node's subject not yet finished: "
+                "waiting for the worker, or taken and not yet acknowledged (consumer lag)",
+                ["kind"], registry=REGISTRY)
+HEARTBEAT_LATENESS = Histogram("smr_heartbeat_lateness_seconds", "How long after its due time "
+                               "a heartbeat checkpoint was requested", registry=REGISTRY,
+                               buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600))
+HEARTBEATS_MISSED = Counter("smr_heartbeats_missed_total", "Heartbeats skipped because no "
+                            "watcher leader ran while they fell due", registry=REGISTRY)
+GC_ACTIONS = Counter("smr_storage_gc_actions_total", "What garbage collection and retention "
+                     "removed: upload_aborted, generation_removed (no manifest), "
+                     "generation_retired (retention)", ["action"], registry=REGISTRY)
+STORED_BYTES = Gauge("smr_storage_stored_bytes", "Bytes of committed checkpoint generations "
+                     "in storage, as stored (after compression), at the last scan",
+                     registry=REGISTRY)
+STORED_GENERATIONS = Gauge("smr_storage_generations", "Committed generations in storage at "
+                           "the last scan", registry=REGISTRY)
+
+
+def kind_label(step_kind: str) -> str:
+    """The ``kind`` label of a step kind (``ckpt.requested`` → ``checkpoint``)."""
+    return {"ckpt": "checkpoint", "restore": "restore"}.get(step_kind.split(".")[0], step_kind)
 
 
 def observe_result(result: CkptDone | RestoreDone) -> None:
-    kind = "checkpoint" if isinstance(result, CkptDone) else "restore"
+    kind = kind_label(result.SCHEMA)
     STEPS.labels(kind, result.reason, result.status).inc()
     if result.status == "failed":
         FAILURES.labels(kind, (result.error or {}).get("code", "unknown")).inc()

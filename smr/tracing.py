@@ -42,3 +42,14 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
 
 def extract(headers: Mapping[str, str] | None) -> Context:
     return propagate.extract(dict(headers or {}))
+
+
+def traceparent() -> str | None:
+    """The current span's W3C traceparent, kept with what a step writes (a
+    manifest) so that later work on it (a restore) joins the same trace."""
+    return inject({}).get("traceparent")
+
+
+def continuing(traceparent_: str | None) -> Context | None:
+    """The context of a stored traceparent, or None (then the current one applies)."""
+    return extract({"traceparent": traceparent_}) if traceparent_ else None

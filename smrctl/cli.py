@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from services.storage.settings import make_store
 from smr import config, metrics, sockets
 from smr.bus import KV_JOBS, Bus
@@ -23,16 +25,7 @@ from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smrctl import embedded
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from smrctl.status import fmt_bytes
 
 
 def _progress_printer() -> Any:
@@ -42,7 +35,7 @@ def _progress_printer() -> Any:
 
     def show(st: dict[str, Any]) -> None:
         done, total = st.get("done_bytes") or 0, st.get("total_bytes")
-        amount = _fmt_bytes(done) + (f" / {_fmt_bytes(total)}" if total else "")
+        amount = fmt_bytes(done) + (f" / {fmt_bytes(total)}" if total else "")
         line = f"  {st.get('phase', '...')}: {amount} ({time.monotonic() - start:.1f}s)"
         if tty:
             print("\r" + line.ljust(60), end="", file=sys.stderr, flush=True)
@@ -60,7 +53,7 @@ def _report(result: CkptDone | RestoreDone, what: str) -> int:
         took = result.durations.get("total")
         extra = f", pid {result.pid}" if isinstance(result, RestoreDone) else ""
         print(f"{what} {result.checkpoint_id}: generation {result.generation}, "
-              f"{_fmt_bytes(result.size_bytes)}"
+              f"{fmt_bytes(result.size_bytes)}"
               + (f" in {took:.2f}s" if took else "") + extra)
         if result.location:
             print(f"  stored at {result.location}")
@@ -183,8 +176,20 @@ async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
     for g in gens:
         m = g.manifest
         taken = datetime.fromisoformat(m["created_at"].replace("Z", "+00:00"))
-        print(f"{g.number:>4} {_fmt_bytes(g.size_bytes):>10}  "
+        print(f"{g.number:>4} {fmt_bytes(g.size_bytes):>10}  "
               f"{taken:%Y-%m-%d %H:%M:%S}  {m.get('reason', '-'):<12} {g.location}")
+    return 0
+
+
+async def cmd_status(s: config.Settings, a: argparse.Namespace) -> int:
+    from smrctl import status
+
+    bus = await embedded.connect(s)
+    try:
+        st = await status.gather(bus, namespace=a.namespace, failures=a.failures)
+    finally:
+        await bus.close()
+    print(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode() if a.json else status.render(st))
     return 0
 
 
@@ -259,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--request-id", help="idempotency key (default: random)")
     ls = sub.add_parser("checkpoints", help="list stored generations of a checkpoint")
     ls.add_argument("id")
+    st = sub.add_parser("status", help="protected workloads and their latest checkpoint, "
+                        "running requests with their progress, recent failures")
+    st.add_argument("-n", "--namespace", help="only this namespace's checkpoints")
+    st.add_argument("--failures", type=int, default=5, help="how many recent failures to show")
+    st.add_argument("--json", action="store_true", help="print the facts as JSON")
     k = sub.add_parser("kill", help="kill a job")
     k.add_argument("id")
     d = sub.add_parser("demo", help="checkpoint, kill and restore a sample stateful job")
@@ -278,7 +288,8 @@ def parser() -> argparse.ArgumentParser:
 
 COMMANDS = {
     "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
-    "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill, "demo": cmd_demo,
+    "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill,
+    "status": cmd_status, "demo": cmd_demo,
     "watcher": cmd_service, "agent": cmd_service, "storage": cmd_service,
     "webhook": cmd_service,
 }

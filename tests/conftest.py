@@ -3,6 +3,7 @@ store), a connected Bus per test with its own node name, CRIU detection."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -18,6 +19,8 @@ import pytest
 from smr import config
 from smr.bus import Bus, BusConfig
 from smr.natsserver import NatsServer, free_port
+from tests.otlp import Processors, Receiver
+from tests.otlp import serve as serve_otlp
 
 
 @pytest.fixture(scope="session")
@@ -110,3 +113,36 @@ def data_dir(tmp_path: Path) -> Path:
 
 def which(name: str) -> str | None:
     return shutil.which(name)
+
+
+@pytest.fixture(scope="session")
+def span_processors() -> Processors:
+    """The session's one tracer provider (OpenTelemetry allows one per process);
+    a test adds its own span processors to ``.added`` and removes them."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    processors = Processors()
+    provider = TracerProvider()
+    provider.add_span_processor(processors)
+    trace.set_tracer_provider(provider)
+    return processors
+
+
+@pytest.fixture
+def otlp(span_processors: Processors) -> Iterator[Receiver]:
+    """Spans exported as in production (the SDK's batch processor and OTLP/HTTP
+    exporter) to a receiver that decodes them; ``flush()`` sends what is pending."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    with serve_otlp() as receiver:
+        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint),
+                                       schedule_delay_millis=200)
+        span_processors.added.append(processor)
+        receiver.flush = functools.partial(processor.force_flush, 10_000)
+        try:
+            yield receiver
+        finally:
+            span_processors.added.remove(processor)
+            processor.shutdown()

@@ -15,8 +15,9 @@ from services.storage import layout
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
-from smr.bus import QUERY_GENERATIONS, QUERY_LATEST, Bus
-from smr.messages import CkptDone, StorageQuery, Target
+from smr import metrics
+from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus
+from smr.messages import CkptDone, StorageQuery, Target, epoch
 from tests.test_bus import dlq_messages
 
 NS = layout.LOCAL_NAMESPACE
@@ -63,6 +64,63 @@ async def test_latest_and_generations_queries(
     assert [g["generation"] for g in every.generations] == [1, 2, 3]
 
 
+async def test_checkpoints_query_lists_the_latest_of_each_with_the_count(
+    bus: Bus, service: StorageService, store: CheckpointStore, tmp_path: Path
+) -> None:
+    a, b = f"a-{uuid.uuid4().hex[:6]}", f"b-{uuid.uuid4().hex[:6]}"
+    await commit(store, tmp_path, a, 2)
+    await commit(store, tmp_path, b, 1)
+    reply = await bus.query(QUERY_CHECKPOINTS, StorageQuery())
+    assert reply.error is None
+    got = {g["checkpoint_id"]: g for g in reply.generations}
+    assert got[a]["generation"] == 2 and got[a]["stored_generations"] == 2
+    assert got[a]["request_id"] == f"{a}-1" and got[a]["namespace"] == NS
+    assert got[b]["generation"] == 1 and got[b]["stored_generations"] == 1
+    other = await bus.query(QUERY_CHECKPOINTS, StorageQuery(namespace="elsewhere"))
+    assert other.generations == [] and other.error is None
+    # latest/generations still need a checkpoint id: an error and a dead letter.
+    bad = await bus.query(QUERY_LATEST, StorageQuery())
+    assert bad.error and bad.error["code"] == "invalid-message"
+    assert "checkpoint_id" in bad.error["message"]
+
+
+def sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_storage_metrics_follow_what_storage_holds(
+    bus: Bus, service: StorageService, store: CheckpointStore, tmp_path: Path, node: str
+) -> None:
+    ckpt = f"m-{uuid.uuid4().hex[:6]}"
+    await commit(store, tmp_path, ckpt, 4)
+    retired = sample("smr_storage_gc_actions_total", action="generation_retired")
+    # A ckpt.done applies retention (keep=2) and makes the service read storage again.
+    await bus.publish(CkptDone(request_id=f"{ckpt}-3", checkpoint_id=ckpt,
+                               target=Target.job(ckpt), node=node, status="succeeded",
+                               generation=4))
+    every = await store.inventory()
+    for _ in range(100):
+        every = await store.inventory()
+        if (len(every.get((NS, ckpt), [])) == 2
+                and sample("smr_storage_generations") == sum(map(len, every.values()))):
+            break
+        await asyncio.sleep(0.1)
+    kept = every[NS, ckpt]
+    assert [g.number for g in kept] == [3, 4]
+    assert sample("smr_storage_gc_actions_total", action="generation_retired") - retired == 2
+    assert sample("smr_storage_stored_bytes") == sum(
+        g.manifest["stored_bytes"] for gens in every.values() for g in gens)
+    newest = sample("smr_latest_checkpoint_timestamp_seconds", checkpoint_namespace=NS,
+                    checkpoint_id=ckpt)
+    assert abs(newest - epoch(kept[-1].manifest["created_at"])) < 0.01
+    # A checkpoint deleted from storage stops being reported at the next scan.
+    await store.delete_checkpoint(NS, ckpt)
+    await service.scan()
+    assert metrics.REGISTRY.get_sample_value(
+        "smr_latest_checkpoint_timestamp_seconds",
+        {"checkpoint_namespace": NS, "checkpoint_id": ckpt}) is None
+
+
 async def test_malformed_query_gets_an_error_and_a_dead_letter(
     bus: Bus, service: StorageService
 ) -> None:
@@ -102,3 +160,5 @@ async def test_gc_timer_removes_what_a_dead_writer_left(
         await asyncio.sleep(0.1)
     assert await store.backend.list("") == []
     assert await store.backend.pending_uploads("") == []
+    assert sample("smr_storage_gc_actions_total", action="upload_aborted") >= 1
+    assert sample("smr_storage_gc_actions_total", action="generation_removed") >= 1

@@ -25,7 +25,7 @@ from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.watcher.kube import api_client
 from services.watcher.service import Watcher
-from smr import config
+from smr import config, metrics
 from smr.bus import KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
 from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
 from tests.fake_apiserver import FakeApiServer, pod
@@ -419,6 +419,7 @@ async def test_heartbeats_fire_once_with_two_replicas(
     kube.put("pods", pod("beat-1", node, labels={"smr.dev/heartbeat-checkpoint": "1"}))
     kube.put("pods", pod("beat-2", node, labels={"cedana.ai/heartbeat-checkpoint": "2"},
                          containers=("a", "b")))
+    late = metrics.REGISTRY.get_sample_value("smr_heartbeat_lateness_seconds_count") or 0
     async with ckpts(bus, node) as c:
         a = await watchers.start()
         b = await watchers.start()
@@ -428,6 +429,11 @@ async def test_heartbeats_fire_once_with_two_replicas(
     assert len(leaders) == 1
     follower = b if leaders[0] is a else a
     assert follower.schedule.fired == 0 and follower.stats["published"] == 0
+    # Each beat's lateness was observed once, and none was late by a second.
+    observed = metrics.REGISTRY.get_sample_value("smr_heartbeat_lateness_seconds_count") - late
+    assert observed >= leaders[0].schedule.fired >= 4
+    assert metrics.REGISTRY.get_sample_value("smr_heartbeat_lateness_seconds_bucket",
+                                             {"le": "0.5"}) >= observed
     s1 = beat_slots(reqs, "beat-1")
     assert len(s1) >= 4
     assert_every_slot_once(s1, 1.0)
@@ -458,6 +464,27 @@ async def test_heartbeat_schedule_survives_restart_and_stops_with_the_pod(
         await asyncio.sleep(3)
         assert len(c.items) == n, "beats went on for a deleted pod"
     assert second.schedule.entries == {}
+
+
+async def test_beats_missed_while_no_leader_ran_are_counted_and_fired_once(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    kube.put("nodes", a_node(node))
+    kube.put("pods", pod("beat", node, labels={"smr.dev/heartbeat-checkpoint": "1"}))
+    missed = metrics.REGISTRY.get_sample_value("smr_heartbeats_missed_total") or 0
+    async with ckpts(bus, node) as c:
+        first = await watchers.start()
+        await asyncio.sleep(2.5)
+        await watchers.stop(first)
+        before = len(beat_slots(c.items, "beat"))
+        await asyncio.sleep(3.5)  # three beats fall due with no watcher at all
+        await watchers.start()
+        await asyncio.sleep(2.5)
+        slots = beat_slots(c.items, "beat")
+    assert before >= 1 and len(slots) > before
+    gap = slots[before] - slots[before - 1]
+    assert gap >= 3, f"the missed beats were fired one by one: {slots}"
+    counted = metrics.REGISTRY.get_sample_value("smr_heartbeats_missed_total") - missed
+    assert counted == round(gap) - 1, (counted, slots)
 
 
 # -- restores ------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Any, get_args
 
+from opentelemetry import trace
+
 from services.agent import host
 from services.agent.host import Shim
 from services.agent.pods import Pods, runtime_id
@@ -130,7 +132,16 @@ class StartRestores:
                  meta["namespace"], meta["name"], name, mine.checkpoint_id, req.generation)
         # smr-init waits without its start timeout from here on.
         shim.decide("restoring")
-        result = await self.bus.request(req, timeout=RESTORE_WAIT_S)
+        # The restore joins the trace of the checkpoint it restores (a cordon's,
+        # a heartbeat's), linked to this container's start.
+        here = trace.get_current_span().get_span_context()
+        with tracing.tracer.start_as_current_span(
+                "resume from checkpoint", context=tracing.continuing(gen.get("traceparent")),
+                links=[trace.Link(here)] if here.is_valid else None,
+                attributes={"k8s.pod.name": meta["name"], "k8s.container.name": name,
+                            "smr.checkpoint_id": mine.checkpoint_id,
+                            "smr.generation": gen.get("generation") or 0}):
+            result = await self.bus.request(req, timeout=RESTORE_WAIT_S)
         if result.status == "succeeded":
             return f"restored {result.pid}"
         error = result.error or {}

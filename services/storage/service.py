@@ -6,8 +6,12 @@
 - Retention on ``ckpt.done``: after each successful checkpoint, the
   generations of that checkpoint_id beyond SMR_KEEP_GENERATIONS or older than
   SMR_MAX_AGE are removed (never the latest).
+- ``storage.checkpoints``: the latest generation of every stored checkpoint
+  (``smr status`` shows them).
 - Every SMR_GC_INTERVAL: uploads and manifest-less generations older than
   SMR_GC_GRACE are removed (what crashed writers left).
+- Every SCAN_INTERVAL_S: the metrics of what is stored (bytes, generations,
+  each checkpoint's newest commit time) are read from storage itself.
 
 Every handler is idempotent, so replicas can run side by side.
 """
@@ -23,18 +27,21 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.storage.layout import namespace_of
-from services.storage.store import CheckpointStore, Generation
-from smr import tracing
+from services.storage.layout import LOCAL_NAMESPACE, namespace_of
+from services.storage.store import CheckpointStore, Generation, created_epoch
+from smr import metrics, tracing
 from smr.aio import wait_event
-from smr.bus import QUERY_GENERATIONS, QUERY_LATEST, Bus
+from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus
 from smr.errors import ContractError, SmrError
 from smr.messages import CkptDone, StorageQuery, StorageReply
 
 log = logging.getLogger("smr.storage")
 
+SCAN_INTERVAL_S = 60.0  # how fresh the stored-bytes and latest-checkpoint metrics are
+SCAN_SETTLE_S = 1.0
+
 SUMMARY_FIELDS = ("generation", "created_at", "size_bytes", "stored_bytes", "node",
-                  "request_id", "reason", "gpu")
+                  "request_id", "reason", "gpu", "traceparent")
 
 
 def summary(g: Generation) -> dict[str, Any]:
@@ -46,7 +53,8 @@ def summary(g: Generation) -> dict[str, Any]:
 class StorageService:
     def __init__(self, bus: Bus, store: CheckpointStore, *, keep: int = 0,
                  max_age_s: float = 0, gc_grace_s: float = 3600,
-                 gc_interval_s: float = 600, durable: str = "storage-retention") -> None:
+                 gc_interval_s: float = 600, durable: str = "storage-retention",
+                 scan_interval_s: float = SCAN_INTERVAL_S) -> None:
         self.bus = bus
         self.durable = durable
         self.store = store
@@ -54,25 +62,30 @@ class StorageService:
         self.max_age_s = max_age_s
         self.gc_grace_s = gc_grace_s
         self.gc_interval_s = gc_interval_s
+        self.scan_interval_s = scan_interval_s
+        self._reported: set[tuple[str, str]] = set()
+        self._rescan = asyncio.Event()  # a checkpoint finished: storage changed
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()
 
     def stop(self) -> None:
         self._stop.set()
+        self._rescan.set()
 
     async def run(self) -> None:
         subs = [await self.bus.nc.subscribe(s, queue="smr-storage", cb=self._answer)
-                for s in (QUERY_LATEST, QUERY_GENERATIONS)]
+                for s in (QUERY_LATEST, QUERY_GENERATIONS, QUERY_CHECKPOINTS)]
         await self.bus.ensure_event_consumer(self.durable, "ckpt.done")
-        gc = asyncio.create_task(self._gc_loop())
+        loops = [asyncio.create_task(self._gc_loop()), asyncio.create_task(self._scan_loop())]
         self.ready.set()
         try:
             await self.bus.consume_events(self.durable, "ckpt.done", self._retain,
                                           service="storage", stop=self._stop)
         finally:
-            gc.cancel()
-            with contextlib.suppress(BaseException):
-                await gc
+            for loop in loops:
+                loop.cancel()
+                with contextlib.suppress(BaseException):
+                    await loop
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -83,13 +96,25 @@ class StorageService:
         ) as span:
             try:
                 q = StorageQuery.from_payload(m.data)
-                if m.subject == QUERY_LATEST:
-                    latest = await self.store.latest(q.namespace, q.checkpoint_id)
-                    gens = [latest] if latest else []
+                if m.subject == QUERY_CHECKPOINTS:
+                    reply = StorageReply(namespace=q.namespace, generations=[
+                        {**summary(gens[-1]), "checkpoint_id": ckpt, "namespace": ns,
+                         "stored_generations": len(gens)}
+                        for (ns, ckpt), gens in (await self.store.inventory()).items()
+                        if q.namespace in (None, ns)])
                 else:
-                    gens = await self.store.generations(q.namespace, q.checkpoint_id)
-                reply = StorageReply(checkpoint_id=q.checkpoint_id, namespace=q.namespace,
-                                     generations=[summary(g) for g in gens])
+                    if q.checkpoint_id is None:
+                        raise ContractError(f"{m.subject} needs a checkpoint_id",
+                                            code="invalid-message",
+                                            hint="storage.checkpoints lists them all")
+                    ns = q.namespace or LOCAL_NAMESPACE
+                    if m.subject == QUERY_LATEST:
+                        latest = await self.store.latest(ns, q.checkpoint_id)
+                        gens = [latest] if latest else []
+                    else:
+                        gens = await self.store.generations(ns, q.checkpoint_id)
+                    reply = StorageReply(checkpoint_id=q.checkpoint_id, namespace=ns,
+                                         generations=[summary(g) for g in gens])
             except SmrError as e:
                 span.set_status(Status(StatusCode.ERROR, e.message))
                 if isinstance(e, ContractError):
@@ -103,12 +128,14 @@ class StorageService:
 
     async def _retain(self, done: CkptDone) -> None:
         """Retention after a checkpoint; raising makes the event come again."""
+        self._rescan.set()
         if done.status != "succeeded" or not (self.keep or self.max_age_s):
             return
         ns = namespace_of(done.target)
         removed = await self.store.prune(ns, done.checkpoint_id, keep=self.keep,
                                          max_age_s=self.max_age_s)
         if removed:
+            metrics.GC_ACTIONS.labels("generation_retired").inc(len(removed))
             log.info("retention: removed generations %s of %s/%s", removed, ns,
                      done.checkpoint_id)
         trace.get_current_span().set_attribute("smr.removed", len(removed))
@@ -117,8 +144,36 @@ class StorageService:
         while True:
             with tracing.tracer.start_as_current_span("gc"):
                 try:
-                    await self.store.gc(grace_s=self.gc_grace_s)
+                    report = await self.store.gc(grace_s=self.gc_grace_s)
+                    metrics.GC_ACTIONS.labels("upload_aborted").inc(report.uploads_aborted)
+                    metrics.GC_ACTIONS.labels("generation_removed").inc(
+                        len(report.generations_removed))
                 except SmrError as e:
                     log.warning("garbage collection failed, will retry: %s", e)
             if await wait_event(self._stop, self.gc_interval_s):
                 return
+
+    async def _scan_loop(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except SmrError as e:
+                log.warning("reading storage for metrics failed, will retry: %s", e)
+            await wait_event(self._rescan, self.scan_interval_s)
+            if self._stop.is_set():
+                return
+            self._rescan.clear()
+            await asyncio.sleep(SCAN_SETTLE_S)  # one scan for a burst of checkpoints
+
+    async def scan(self) -> None:
+        """Set the storage metrics from what storage holds now."""
+        every = await self.store.inventory()
+        metrics.STORED_BYTES.set(sum(g.manifest.get("stored_bytes", g.size_bytes)
+                                     for gens in every.values() for g in gens))
+        metrics.STORED_GENERATIONS.set(sum(len(gens) for gens in every.values()))
+        for ns, ckpt in self._reported - every.keys():
+            with contextlib.suppress(KeyError):  # deleted: no longer a workload to alert on
+                metrics.LATEST.remove(ns, ckpt)
+        for (ns, ckpt), gens in every.items():
+            metrics.LATEST.labels(ns, ckpt).set(created_epoch(gens[-1]))
+        self._reported = set(every)

@@ -20,7 +20,6 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,9 @@ from services.storage.backend import Backend, Conflict, NotFound
 from services.storage.codec import Codec, DecodeError
 from services.storage.download import fetch_file
 from services.storage.upload import Uploader
-from smr import contract
+from smr import contract, tracing
 from smr.errors import PermanentError
-from smr.messages import SCHEMA_VERSION, now
+from smr.messages import SCHEMA_VERSION, epoch, now
 
 log = logging.getLogger("smr.storage")
 
@@ -83,6 +82,18 @@ class CheckpointStore:
         """Store every file under ``src`` as the next generation of
         ``checkpoint_id``. ``writer``: the task (a CRIU dump) still writing
         into ``src``; its images are uploaded as they are written."""
+        with tracing.tracer.start_as_current_span(
+                "upload", attributes={"smr.checkpoint_id": checkpoint_id,
+                                      "smr.storage": self.backend.url("")}) as span:
+            gen = await self._commit(namespace, checkpoint_id, src, meta, writer, on_bytes)
+            span.set_attribute("smr.generation", gen.number)
+            span.set_attribute("smr.size_bytes", gen.size_bytes)
+            span.set_attribute("smr.stored_bytes", gen.manifest["stored_bytes"])
+            return gen
+
+    async def _commit(self, namespace: str, checkpoint_id: str, src: Path,
+                      meta: dict[str, Any], writer: asyncio.Future[Any] | None,
+                      on_bytes: Callable[[int], None] | None) -> Generation:
         gen = await self._claim(namespace, checkpoint_id, meta["request_id"])
         links = [{"path": p.relative_to(src).as_posix(), "target": os.readlink(p)}
                  for p in sorted(src.rglob("*")) if p.is_symlink()]
@@ -94,6 +105,8 @@ class CheckpointStore:
             "files": files, "symlinks": links, "size_bytes": sum(f["size"] for f in files),
             "stored_bytes": sum(f["stored_size"] for f in files), **meta,
         }
+        if parent := tracing.traceparent():
+            manifest["traceparent"] = parent
         contract.validate("manifest", manifest)
         mkey = layout.manifest_key(namespace, checkpoint_id, gen)
         await self.backend.put_bytes(mkey, orjson.dumps(manifest, option=orjson.OPT_INDENT_2),
@@ -152,6 +165,26 @@ class CheckpointStore:
                     out.append(await self.get(namespace, checkpoint_id, gen))
         return sorted(out, key=lambda g: g.number)
 
+    async def inventory(self) -> dict[tuple[str, str], list[Generation]]:
+        """Every committed generation in storage, by (namespace, checkpoint_id),
+        oldest first: one listing, then each manifest."""
+        found: dict[tuple[str, str], list[int]] = {}
+        for key in await self.backend.list(""):
+            where = layout.parse(key)
+            if where and where[2] is not None and where[3] == "manifest.json":
+                found.setdefault((where[0], where[1]), []).append(where[2])
+        out: dict[tuple[str, str], list[Generation]] = {}
+        for (ns, ckpt), numbers in sorted(found.items()):
+            gens = []
+            for n in sorted(numbers):
+                try:
+                    gens.append(await self.get(ns, ckpt, n))
+                except CheckpointNotFound:
+                    continue  # retired between the listing and the read
+            if gens:
+                out[ns, ckpt] = gens
+        return out
+
     async def latest(self, namespace: str, checkpoint_id: str) -> Generation | None:
         try:
             data, _ = await self.backend.get_bytes(layout.latest_key(namespace, checkpoint_id))
@@ -194,6 +227,14 @@ class CheckpointStore:
                     on_bytes: Callable[[int], None] | None = None) -> None:
         """Download a generation into ``dst``, every file checked against its
         sha256 before it gets its final name: CRIU never reads an unverified byte."""
+        with tracing.tracer.start_as_current_span(
+                "download", attributes={"smr.checkpoint_id": gen.manifest["checkpoint_id"],
+                                        "smr.generation": gen.number,
+                                        "smr.size_bytes": gen.size_bytes}):
+            await self._fetch(gen, dst, on_bytes)
+
+    async def _fetch(self, gen: Generation, dst: Path,
+                     on_bytes: Callable[[int], None] | None) -> None:
         m = gen.manifest
         for f in m["files"]:
             if f.get("encryption"):
@@ -256,7 +297,7 @@ class CheckpointStore:
         for rank, g in enumerate(reversed(await self.generations(namespace, checkpoint_id))):
             if latest and g.number == latest.number:
                 continue
-            age = at - _epoch(g.manifest["created_at"])
+            age = at - created_epoch(g)
             if (keep and rank >= keep) or (max_age_s and age > max_age_s):
                 await self._remove_generation(namespace, checkpoint_id, g.number)
                 removed.append(g.number)
@@ -313,5 +354,5 @@ class CheckpointStore:
             return 0.0
 
 
-def _epoch(ts: str) -> float:
-    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+def created_epoch(g: Generation) -> float:
+    return epoch(g.manifest["created_at"])

@@ -30,6 +30,7 @@ import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
+from smr import metrics
 from smr.aio import cancelling, wait_event
 from smr.messages import CkptRequested, Target, derive_request_id
 
@@ -159,10 +160,10 @@ class HeartbeatSchedule:
 
     async def _fire(self, beat: Beat, now: float) -> None:
         slot = beat.due_slot(now)
-        if slot > beat.next_due:
+        missed = int((slot - beat.next_due) // beat.interval)
+        if missed:
             log.warning("pod %s/%s: %d heartbeat(s) passed while no leader ran; firing the "
-                        "latest once", beat.namespace, beat.pod,
-                        int((slot - beat.next_due) // beat.interval))
+                        "latest once", beat.namespace, beat.pod, missed)
         try:
             await self.publish(beat.requests(slot))
         except Exception as e:
@@ -170,6 +171,8 @@ class HeartbeatSchedule:
                         beat.namespace, beat.pod, e)
             self._retry_at[beat.uid] = now + 1.0
             return
+        metrics.HEARTBEATS_MISSED.inc(missed)  # next_due moves once per success: counted once
+        metrics.HEARTBEAT_LATENESS.observe(max(0.0, self.clock() - slot))
         self._retry_at.pop(beat.uid, None)
         if beat.uid not in self.entries:
             return  # the pod went away while its beat was being sent

@@ -37,6 +37,7 @@ STREAM_EXHAUSTED = "SMR_EXHAUSTED"
 EXHAUSTED_PREFIX = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}"
 QUERY_LATEST = "storage.latest"  # core NATS request/reply, see schemas/storage.query.json
 QUERY_GENERATIONS = "storage.generations"
+QUERY_CHECKPOINTS = "storage.checkpoints"  # the latest generation of every checkpoint
 KV_STEPS = "smr-steps"
 KV_JOBS = "smr-jobs"
 KV_LOCKS = "smr-locks"

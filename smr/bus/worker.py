@@ -44,6 +44,8 @@ from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
 
 log = logging.getLogger("smr.bus")
 
+LAG_EVERY_S = 5.0  # how often the backlog metric is read from the consumer
+
 Req = TypeVar("Req", CkptRequested, RestoreRequested)
 Res = TypeVar("Res", CkptDone, RestoreDone)
 
@@ -56,10 +58,13 @@ class Progress:
     done_bytes: int = 0
     total_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    span: trace.Span | None = None  # the step's span: each phase is an event on it
 
     def update(self, phase: str | None = None, *, done_bytes: int | None = None,
                total_bytes: int | None = None, **extra: Any) -> None:
         if phase:
+            if self.span is not None and phase != self.phase:
+                self.span.add_event(f"phase {phase}")
             self.phase = phase
         if done_bytes is not None:
             self.done_bytes = done_bytes
@@ -104,6 +109,7 @@ class Worker:
         log.info("%s consuming %s", self.service, subject(self.step.kind, self.node))
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
+        lag = asyncio.create_task(self._report_lag(psub))
         try:
             while not self._stop.is_set():
                 self.idle.set()
@@ -120,10 +126,22 @@ class Worker:
                         log.exception("%s: unexpected error on %s", self.service, m.subject)
                         await quietly(m.nak(delay=self.bus.config.nak_base_delay))
         finally:
-            answering.cancel()
-            await quietly(answering)
+            for task in (answering, lag):
+                task.cancel()
+                await quietly(task)
             await quietly(psub.unsubscribe())
             await quietly(exhausted.unsubscribe())
+
+    async def _report_lag(self, psub: Any) -> None:
+        """The consumer's backlog as a metric: requests waiting or not yet acknowledged."""
+        while True:
+            try:
+                info = await psub.consumer_info()
+                metrics.PENDING.labels(metrics.kind_label(self.step.kind)).set(
+                    (info.num_pending or 0) + (info.num_ack_pending or 0))
+            except Exception as e:  # a metric is never worth a failed step
+                log.debug("%s: consumer info: %s", self.service, e)
+            await asyncio.sleep(LAG_EVERY_S)
 
     async def handle(self, m: Msg) -> None:
         ctx = tracing.extract(m.headers)
@@ -176,7 +194,8 @@ class Worker:
                 return
 
         claim = {"state": "running", "owner": self.owner, "heartbeat": time.time(),
-                 "attempt": deliveries, "subject": m.subject, "phase": "starting"}
+                 "attempt": deliveries, "subject": m.subject, "phase": "starting",
+                 "checkpoint_id": req.checkpoint_id}
         try:
             if state is None:
                 rev = await kv.create(rid, orjson.dumps(claim))
@@ -192,6 +211,8 @@ class Worker:
             with tracing.tracer.start_as_current_span(
                 f"step {self.step.kind}", attributes={"smr.request_id": rid}
             ) as step_span:
+                progress.span = step_span
+                step_span.set_attribute("smr.checkpoint_id", req.checkpoint_id)
                 try:
                     result = await self.step.run(req, progress)
                 except TemporaryError as e:
@@ -219,9 +240,7 @@ class Worker:
                     result = self._failed(req, SmrError(
                         f"internal error: {type(e).__name__}: {e}", code="internal-error",
                         hint="this is a bug in smr; please report it with the service log"))
-                if result.status == "failed":
-                    why = (result.error or {}).get("message")
-                    step_span.set_status(Status(StatusCode.ERROR, why))
+                annotate(step_span, result)
         finally:
             keepalive.cancel()
             await quietly(keepalive)
@@ -238,7 +257,7 @@ class Worker:
 
     async def _record(self, result: CkptDone | RestoreDone) -> None:
         state = {"state": "done" if result.status == "succeeded" else "failed",
-                 "result": result.to_dict(), "finished": time.time()}
+                 "kind": self.step.kind, "result": result.to_dict(), "finished": time.time()}
         await self.bus.kv(KV_STEPS).put(result.request_id, orjson.dumps(state))
         metrics.observe_result(result)
         await self.bus.publish(result)
@@ -252,3 +271,19 @@ class Worker:
             await quietly(self.bus.kv(KV_STEPS).put(rid, orjson.dumps(claim)))
 
 
+def annotate(span: trace.Span, result: CkptDone | RestoreDone) -> None:
+    """What a step did, on its span: the outcome, the generation, and each phase's seconds."""
+    span.set_attribute("smr.outcome", result.status)
+    if result.status == "failed":
+        error = result.error or {}
+        span.set_attribute("smr.error.code", error.get("code", "unknown"))
+        span.set_status(Status(StatusCode.ERROR, error.get("message")))
+        return
+    if result.generation is not None:
+        span.set_attribute("smr.generation", result.generation)
+    if result.size_bytes is not None:
+        span.set_attribute("smr.size_bytes", result.size_bytes)
+    if isinstance(result, RestoreDone) and result.pid:
+        span.set_attribute("smr.pid", result.pid)
+    for phase, seconds in result.durations.items():
+        span.set_attribute(f"smr.seconds.{phase}", round(seconds, 6))

@@ -1,0 +1,147 @@
+"""`smr status`: for a person at a terminal, the facts the metrics carry.
+
+- protected workloads: each stored checkpoint's latest generation, its age
+  and size (from the storage service, ``storage.checkpoints``);
+- running requests: their phase and progress (the step-state KV, which the
+  workers update at each keepalive);
+- the last failures with their reasons (failed steps, and dead letters).
+
+Works against `smr up` and a cluster alike: everything comes over the bus.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+import nats
+import orjson
+from nats.js.errors import NotFoundError
+
+from smr.bus import KV_STEPS, QUERY_CHECKPOINTS, STREAM_DLQ, Bus, kind_of
+from smr.errors import SmrError
+from smr.messages import StorageQuery, epoch
+from smr.metrics import kind_label
+
+FAILURES_SHOWN = 5
+
+
+async def gather(bus: Bus, *, namespace: str | None = None, failures: int = FAILURES_SHOWN
+                 ) -> dict[str, Any]:
+    """Everything `smr status` shows, as data (``smr status --json`` prints it)."""
+    now = time.time()
+    reply = await bus.query(QUERY_CHECKPOINTS, StorageQuery(namespace=namespace), timeout=30)
+    if reply.error:
+        raise SmrError(f"the storage service could not list checkpoints: "
+                       f"{reply.error.get('message')}", code="storage-error",
+                       hint=reply.error.get("hint", ""))
+    checkpoints = [{**g, "age_s": now - epoch(g["created_at"])} for g in reply.generations]
+    states = await step_states(bus)
+    running = sorted(
+        ({"request_id": rid, "kind": kind_label(kind_of(st.get("subject", ""))),
+          "checkpoint_id": st.get("checkpoint_id"), "phase": st.get("phase"),
+          "done_bytes": st.get("done_bytes"), "total_bytes": st.get("total_bytes"),
+          "owner": st.get("owner"), "silent_s": now - st.get("heartbeat", now)}
+         for rid, st in states.items() if st.get("state") == "running"),
+        key=lambda r: r["request_id"])
+    failed = sorted(
+        ({"request_id": rid, "kind": kind_label(st.get("kind", "?")),
+          "checkpoint_id": r.get("checkpoint_id"), "finished": st.get("finished", 0),
+          "reason": r.get("reason"), "code": (r.get("error") or {}).get("code"),
+          "message": (r.get("error") or {}).get("message"), "hint": (r.get("error") or {}).get(
+              "hint")}
+         for rid, st in states.items() if st.get("state") == "failed"
+         for r in [st.get("result") or {}]),
+        key=lambda f: -f["finished"])[:failures]
+    return {"checkpoints": checkpoints, "running": running, "failures": failed,
+            "dead_letters": await dead_letters(bus, failures)}
+
+
+async def step_states(bus: Bus) -> dict[str, dict[str, Any]]:
+    """The latest state of every request the step-state KV remembers."""
+    watcher = await bus.kv(KV_STEPS).watchall(ignore_deletes=True)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=10)
+            except nats.errors.TimeoutError:
+                break
+            if entry is None:  # the initial values are all in
+                break
+            if entry.value:
+                out[entry.key] = orjson.loads(entry.value)
+    finally:
+        await watcher.stop()
+    return out
+
+
+async def dead_letters(bus: Bus, n: int) -> dict[str, Any]:
+    """How many dead letters are kept, and the last ``n``."""
+    try:
+        info = await bus.js.stream_info(STREAM_DLQ)
+    except NotFoundError:
+        return {"count": 0, "last": []}
+    last = []
+    seq = info.state.last_seq
+    while seq >= max(info.state.first_seq, 1) and len(last) < n:
+        try:
+            m = await bus.js.get_msg(STREAM_DLQ, seq)
+        except NotFoundError:
+            seq -= 1
+            continue
+        letter = orjson.loads(m.data or b"{}")
+        last.append({"subject": letter.get("subject"), "service": letter.get("service"),
+                     "code": (letter.get("error") or {}).get("code"),
+                     "message": (letter.get("error") or {}).get("message")})
+        seq -= 1
+    return {"count": info.state.messages, "last": last}
+
+
+def render(st: dict[str, Any]) -> str:
+    lines = [f"CHECKPOINTS ({len(st['checkpoints'])})"]
+    if st["checkpoints"]:
+        lines.append(f"  {'NAMESPACE':<14} {'CHECKPOINT':<24} {'GEN':>4} {'KEPT':>4} "
+                     f"{'SIZE':>10} {'AGE':>8}  {'REASON':<12} NODE")
+        for c in sorted(st["checkpoints"], key=lambda c: (c["namespace"], c["checkpoint_id"])):
+            lines.append(f"  {c['namespace']:<14} {c['checkpoint_id']:<24} {c['generation']:>4} "
+                         f"{c.get('stored_generations', 1):>4} {fmt_bytes(c['size_bytes']):>10} "
+                         f"{fmt_age(c['age_s']):>8}  {c.get('reason', '-'):<12} {c['node']}")
+    lines.append(f"RUNNING ({len(st['running'])})")
+    for r in st["running"]:
+        amount = fmt_bytes(r["done_bytes"]) if r["done_bytes"] else ""
+        if r["total_bytes"]:
+            amount += f" / {fmt_bytes(r['total_bytes'])}"
+        lines.append(f"  {r['kind']:<18} {r['checkpoint_id'] or '?':<24} {r['phase'] or '?':<16} "
+                     f"{amount:<22} {r['request_id']}"
+                     + (f"  (silent {r['silent_s']:.0f}s)" if r["silent_s"] > 30 else ""))
+    lines.append(f"RECENT FAILURES ({len(st['failures'])})")
+    for f in st["failures"]:
+        when = datetime.fromtimestamp(f["finished"]).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(f"  {when}  {f['kind']:<10} {f['checkpoint_id'] or '?':<24} "
+                     f"{f['code']}: {f['message']}")
+        if f.get("hint"):
+            lines.append(f"      hint: {f['hint']}")
+    dl = st["dead_letters"]
+    lines.append(f"DEAD LETTERS ({dl['count']} kept)")
+    for d in dl["last"]:
+        lines.append(f"  {d['subject']}: {d['code']}: {(d['message'] or '')[:100]}")
+    return "\n".join(lines)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def fmt_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{max(0, seconds):.0f}s"
