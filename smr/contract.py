@@ -15,7 +15,7 @@ import orjson
 from jsonschema import Draft202012Validator, FormatChecker
 from referencing import Registry, Resource
 
-from smr.errors import ContractError
+from smr.errors import ContractError, clip
 
 SCHEMA_NAMES = (
     "node.draining",
@@ -64,7 +64,7 @@ def validate(name: str, doc: Any) -> None:
     parts = []
     for e in errors[:5]:
         where = "/".join(str(p) for p in e.absolute_path) or "(message)"
-        parts.append(f"{where}: {_short(e)}")
+        parts.append(f"{clip(where, 120)}: {clip(_short(e), 300)}")
     raise ContractError(
         f"message does not match schema {name}: " + "; ".join(parts),
         hint=f"see schemas/{name}.json and schemas/README.md",

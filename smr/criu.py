@@ -169,6 +169,11 @@ class Criu:
         seconds = time.monotonic() - start
         if proc.returncode != 0:
             detail = failing_line(log) or err.decode(errors="replace").strip()[-500:]
+            if "No space left on device" in detail or _no_space(log):
+                raise TemporaryError(f"criu {args[0]} failed: no space left for its images",
+                                     code="scratch-full", detail=detail,
+                                     hint=f"free space in {log.parent} or give SMR_DATA_DIR a "
+                                     f"larger disk; the step is retried; full log: {log}")
             known = explain(log)
             if known:
                 what, code, hint = known
@@ -177,8 +182,9 @@ class Criu:
             hint = f"full log: {log}"
             if why := await self.problem():
                 hint = f"{why}; {hint}"
-            raise CriuError(f"criu {args[0]} failed (exit {proc.returncode})", code=code,
-                            detail=detail, hint=hint)
+            why = _ERROR_PREFIX.sub("", detail.splitlines()[0]) if detail else ""
+            raise CriuError(f"criu {args[0]} failed (exit {proc.returncode})"
+                            + (f": {why}" if why else ""), code=code, detail=detail, hint=hint)
         return CriuRun(seconds, log)
 
 
@@ -187,6 +193,9 @@ def release_tuple(version: str) -> tuple[int, ...]:
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else ()
 
+
+# "(00.123456)      1: Error (criu/mount.c:1082): " in front of CRIU's own words.
+_ERROR_PREFIX = re.compile(r"^\([\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*")
 
 # CRIU failures a user can act on: what went wrong in their words, a code, a hint.
 _RUNAWAY = re.compile(r"Runaway socket: ino (\d+) peer_ino (\d+).*?name (.*)$", re.M)
@@ -210,6 +219,13 @@ def explain(log: Path) -> tuple[str, str, str] | None:
                 "than 4.2 on Linux 6.16+)", "criu-too-old",
                 "install CRIU 4.2 or newer (`make setup`, or the smr image)")
     return None
+
+
+def _no_space(log: Path) -> bool:
+    try:
+        return "No space left on device" in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def failing_line(log: Path) -> str:

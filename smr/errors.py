@@ -13,6 +13,16 @@ step errors become the ``error`` object of ckpt.done / restore.done.
 
 from __future__ import annotations
 
+MAX_TEXT = 2000  # an error's message, hint or detail; they travel in results and dead letters
+
+
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut: an error
+    that quotes a 1 MB field must not become a 1 MB message."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
 
 class SmrError(Exception):
     code = "smr-error"
@@ -20,12 +30,13 @@ class SmrError(Exception):
     def __init__(
         self, message: str, *, code: str | None = None, hint: str = "", detail: str = ""
     ) -> None:
+        message = clip(message)
         super().__init__(message)
         self.message = message
         if code:
             self.code = code
-        self.hint = hint
-        self.detail = detail
+        self.hint = clip(hint)
+        self.detail = clip(detail)
 
     def as_dict(self) -> dict[str, str]:
         out = {"code": self.code, "message": self.message}

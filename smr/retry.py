@@ -48,10 +48,14 @@ def retry_nats() -> AsyncRetrying:
 
 def retry_s3() -> AsyncRetrying:
     # botocore is imported lazily: only the S3 backend needs it.
+    from aiohttp import ClientConnectionError, ClientPayloadError
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.exceptions import ReadTimeoutError
 
-    return policy((BotoConnectionError, ReadTimeoutError, asyncio.TimeoutError), attempts=8)
+    # ClientPayloadError: a body cut midway, met when it is read, after botocore's
+    # own retries are over.
+    return policy((BotoConnectionError, ReadTimeoutError, asyncio.TimeoutError,
+                   ClientPayloadError, ClientConnectionError), attempts=8)
 
 
 def retry_kube() -> AsyncRetrying:

@@ -25,6 +25,9 @@ from smr.natsserver import NatsServer
 log = logging.getLogger("smr.embedded")
 
 
+READY_S = 90.0  # NATS restarting as this starts is retried for up to a minute
+
+
 def url_file(settings: Settings) -> Path:
     return settings.data_path / "nats.url"
 
@@ -77,8 +80,21 @@ class EmbeddedNode:
         ]
         self.tasks = [asyncio.create_task(w.run()) for w in self.workers]
         self.tasks.append(asyncio.create_task(self.storage.run()))
-        await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers),
-                                              self.storage.ready.wait()), 30)
+        ready = asyncio.ensure_future(asyncio.gather(
+            *(w.idle.wait() for w in self.workers), self.storage.ready.wait()))
+        # A service that fails to start says why, rather than a bare timeout.
+        await asyncio.wait([ready, *self.tasks], timeout=READY_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+        for t in self.tasks:
+            if t.done() and (e := t.exception()):
+                ready.cancel()
+                raise SmrError(f"a service of node {s.node} failed to start: "
+                               f"{type(e).__name__}: {e}", code="start-failed",
+                               hint="is NATS reachable? see the log above") from e
+        if not ready.done():
+            ready.cancel()
+            raise SmrError(f"node {s.node} did not start within {READY_S:.0f}s",
+                           code="start-failed", hint="is NATS reachable? see the log above")
         return self
 
     async def stop(self) -> None:

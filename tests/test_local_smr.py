@@ -427,3 +427,24 @@ async def test_gpu_checkpoint_is_refused_where_it_cannot_be_restored(h: Harness)
     record, _ = await h.jobs.get(job.id)
     assert not record.alive()
     await assert_unlocked(h, job.id)
+
+
+async def test_a_failed_criu_run_says_why_in_criu_own_words(criu_binary: str,
+                                                           tmp_path: Path) -> None:
+    """Not only "criu dump failed (exit 1)": the message quotes CRIU's first
+    error line, the detail keeps it whole, the hint points at the log."""
+    from smr.criu import CriuError
+
+    gone = launch("gone", [sys.executable, "-c", "pass"], log=tmp_path / "gone.log",
+                  cwd=tmp_path, node="n", own_pid_namespace=False)
+    for _ in range(100):  # reaped: the pid no longer names a process
+        if proc_start_ticks(gone.pid) is None:
+            break
+        await asyncio.sleep(0.05)
+    with pytest.raises(CriuError) as caught:
+        await Criu(criu_binary).dump(gone.pid, tmp_path / "images")
+    e = caught.value
+    assert e.message.startswith("criu dump failed (exit 1): ")
+    assert str(gone.pid) in e.message and "Error (" not in e.message
+    assert "Error (" in e.detail and e.message.split(": ", 1)[1] in e.detail
+    assert str(tmp_path / "images" / "dump.log") in e.hint

@@ -4,7 +4,8 @@ Backends move bytes and enforce conditional writes; policy (layout,
 generations, verification, retention) lives in ``store``. Backend-specific
 exceptions are translated to these at the backend's edge.
 
-    StorageError
+    StorageError   the store cannot be reached or answers with an error: a
+    │              TemporaryError, so the step that met it is retried
     ├── NotFound   no object at that key
     └── Conflict   a conditional write lost (the object exists / changed)
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from smr.errors import SmrError
+from smr.errors import TemporaryError
 
 
-class StorageError(SmrError):
+class StorageError(TemporaryError):
     code = "storage-error"
 
 

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.storage.backend import Conflict, NotFound, PendingUpload, StorageError
+from services.storage.backend import Conflict, NotFound, PendingUpload
+from smr.errors import PermanentError
 
 UPLOAD_MARK = ".upload-"
 
@@ -32,7 +33,8 @@ class LocalBackend:
     def _path(self, key: str) -> Path:
         p = (self.root / key).resolve()
         if self.root.resolve() not in p.parents:
-            raise StorageError(f"key {key!r} escapes the storage root")
+            raise PermanentError(f"key {key!r} escapes the storage root", code="invalid-key",
+                                 hint="checkpoint ids and namespaces are names, never paths")
         return p
 
     def start_upload(self, key: str) -> LocalUpload:

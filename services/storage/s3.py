@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aioboto3
+import aiohttp
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -81,7 +82,8 @@ class S3Backend:
             raise StorageError(f"S3 {code or status} on {self.url(key)}: {e}",
                                hint="check the bucket, the endpoint and the credentials"
                                ) from None
-        except BotoCoreError as e:
+        except (TimeoutError, BotoCoreError, aiohttp.ClientError) as e:
+            # (aiohttp's errors: a response body cut short, read after botocore's retries.)
             raise StorageError(f"S3 unreachable for {self.url(key)}: {e}",
                                hint="check SMR_S3_ENDPOINT and the network") from None
 
@@ -112,8 +114,10 @@ class S3Backend:
 
     async def get_bytes(self, key: str) -> tuple[bytes, str]:
         async with self._client() as c, self._errors(key):
-            r = await c.get_object(Bucket=self.bucket, Key=self.prefix + key)
-            data = await r["Body"].read()
+            async for attempt in retry_s3():
+                with attempt:
+                    r = await c.get_object(Bucket=self.bucket, Key=self.prefix + key)
+                    data: bytes = await r["Body"].read()
         return data, str(r["ETag"])
 
     async def list(self, prefix: str) -> list[str]:

@@ -34,6 +34,7 @@ from smr.aio import wait_event
 from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus
 from smr.errors import ContractError, SmrError
 from smr.messages import CkptDone, StorageQuery, StorageReply
+from smr.retry import retry_nats
 
 log = logging.getLogger("smr.storage")
 
@@ -75,7 +76,9 @@ class StorageService:
     async def run(self) -> None:
         subs = [await self.bus.nc.subscribe(s, queue="smr-storage", cb=self._answer)
                 for s in (QUERY_LATEST, QUERY_GENERATIONS, QUERY_CHECKPOINTS)]
-        await self.bus.ensure_event_consumer(self.durable, "ckpt.done")
+        async for attempt in retry_nats():  # NATS may be restarting as this starts
+            with attempt:
+                await self.bus.ensure_event_consumer(self.durable, "ckpt.done")
         loops = [asyncio.create_task(self._gc_loop()), asyncio.create_task(self._scan_loop())]
         self.ready.set()
         try:

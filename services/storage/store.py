@@ -14,6 +14,8 @@ completed and generations that never got a manifest, after a grace period.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -31,7 +33,7 @@ from services.storage.codec import Codec, DecodeError
 from services.storage.download import fetch_file
 from services.storage.upload import Uploader
 from smr import contract, tracing
-from smr.errors import PermanentError
+from smr.errors import PermanentError, TemporaryError
 from smr.messages import SCHEMA_VERSION, epoch, now
 
 log = logging.getLogger("smr.storage")
@@ -42,6 +44,10 @@ FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
 
 class CheckpointNotFound(PermanentError):
     code = "checkpoint-not-found"
+
+
+class ScratchFull(TemporaryError):
+    code = "scratch-full"
 
 
 class CheckpointCorrupt(PermanentError):
@@ -162,7 +168,8 @@ class CheckpointStore:
             if k.endswith("/manifest.json"):
                 gen = layout.generation_of(k, namespace, checkpoint_id)
                 if gen:
-                    out.append(await self.get(namespace, checkpoint_id, gen))
+                    with contextlib.suppress(CheckpointNotFound):  # retired since the listing
+                        out.append(await self.get(namespace, checkpoint_id, gen))
         return sorted(out, key=lambda g: g.number)
 
     async def inventory(self) -> dict[tuple[str, str], list[Generation]]:
@@ -177,10 +184,8 @@ class CheckpointStore:
         for (ns, ckpt), numbers in sorted(found.items()):
             gens = []
             for n in sorted(numbers):
-                try:
+                with contextlib.suppress(CheckpointNotFound):  # retired since the listing
                     gens.append(await self.get(ns, ckpt, n))
-                except CheckpointNotFound:
-                    continue  # retired between the listing and the read
             if gens:
                 out[ns, ckpt] = gens
         return out
@@ -257,6 +262,16 @@ class CheckpointStore:
         tasks = [asyncio.create_task(one(f)) for f in m["files"]]
         try:
             await asyncio.gather(*tasks)
+        except OSError as e:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ScratchFull(f"no space left in {dst.parent} for the "
+                                  f"{gen.size_bytes} bytes of generation {gen.number}",
+                                  hint="free space there, or give SMR_DATA_DIR a larger disk; "
+                                  "the restore is retried") from None
+            raise
         except BaseException:
             for t in tasks:
                 t.cancel()

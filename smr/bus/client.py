@@ -65,6 +65,9 @@ class Bus:
                     url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, allow_reconnect=True,
                     user_credentials=config.credentials or None,
+                    # One line per event, not nats-py's traceback per reconnect attempt.
+                    error_cb=_connection_error, disconnected_cb=_disconnected,
+                    reconnected_cb=_reconnected,
                 )
         bus = cls(nc, nc.jetstream(timeout=10), config)
         await bus.ensure()
@@ -222,3 +225,15 @@ class Bus:
                     ) -> StorageReply:
         """Ask the storage service (``QUERY_LATEST`` or ``QUERY_GENERATIONS``)."""
         return await replies.query(self.nc, what, query, timeout=timeout)
+
+
+async def _connection_error(e: Exception) -> None:
+    log.warning("NATS: %s: %s", type(e).__name__, e)
+
+
+async def _disconnected() -> None:
+    log.info("NATS: disconnected")
+
+
+async def _reconnected() -> None:
+    log.warning("NATS: reconnected")

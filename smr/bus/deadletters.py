@@ -42,9 +42,15 @@ async def dead_letter(bus: Bus, subj: str, payload: bytes, error: SmrError, *, s
         payload=payload[:MAX_DLQ_PAYLOAD].decode("utf-8", errors="replace"),
         request_id=request_id,
     )
+    body = letter.to_payload()
+    if len(body) > bus.nc.max_payload:
+        # Undecodable bytes and control characters grow when escaped into JSON:
+        # keep the start of the payload, never a letter the server refuses.
+        letter.payload = letter.payload[:1024]
+        body = letter.to_payload()
     log.warning("dead-lettered a message on %s: %s", subj, error.message)
     metrics.DEAD_LETTERS.labels(kind_of(subj)).inc()
-    await bus.publish_raw(f"dlq.{subj}", letter.to_payload())
+    await bus.publish_raw(f"dlq.{subj}", body)
 
 
 def peek_request_id(payload: bytes) -> str | None:

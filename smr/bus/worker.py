@@ -36,11 +36,11 @@ from smr.bus.topology import (
     STREAM_REQUESTS,
     SUBJECT_TYPES,
     kind_of,
-    node_token,
     subject,
 )
 from smr.errors import ContractError, SmrError, StepError, TemporaryError
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
+from smr.retry import retry_nats
 
 log = logging.getLogger("smr.bus")
 
@@ -102,10 +102,13 @@ class Worker:
         self._stop.set()
 
     async def run(self) -> None:
-        durable = await self.bus.ensure_consumer(self.step.kind, self.node)
-        psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
-        exhausted = await self.bus.js.pull_subscribe_bind(
-            await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
+        # NATS may be restarting as this starts: its API calls time out until it is back.
+        async for attempt in retry_nats():
+            with attempt:
+                durable = await self.bus.ensure_consumer(self.step.kind, self.node)
+                psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
+                exhausted = await self.bus.js.pull_subscribe_bind(
+                    await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
         log.info("%s consuming %s", self.service, subject(self.step.kind, self.node))
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
@@ -157,7 +160,9 @@ class Worker:
         req_type = SUBJECT_TYPES[self.step.kind]
         try:
             req = req_type.from_payload(m.data)
-            if node_token(req.node) != node_token(self.node):  # type: ignore[attr-defined]
+            # The exact name: two nodes whose names share a subject token ("a.b",
+            # "a_b") must not run each other's requests.
+            if req.node != self.node:  # type: ignore[attr-defined]
                 raise ContractError(
                     f"request for node {req.node} arrived on {m.subject}",  # type: ignore[attr-defined]
                     code="wrong-node", hint="publish to the subject that ends in the node's name",
@@ -173,6 +178,16 @@ class Worker:
         span.set_attribute("smr.request_id", rid)
         kv = self.bus.kv(KV_STEPS)
         state, rev = await self.bus.step_state(rid)
+
+        if state and (other := self._other_request(state, req)):
+            # An idempotency key names one request: never answer another with its result.
+            await self.bus.dead_letter(m.subject, m.data, ContractError(
+                f"request_id {rid} was already used for {other}", code="request-id-reused",
+                hint="give every distinct request its own request_id"),
+                service=self.service, deliveries=deliveries, request_id=rid)
+            span.set_status(Status(StatusCode.ERROR, "request-id-reused"))
+            await m.term()
+            return
 
         if state and state["state"] in ("done", "failed"):
             log.info("%s: request %s already answered; repeating its result", self.service, rid)
@@ -245,6 +260,23 @@ class Worker:
             keepalive.cancel()
             await quietly(keepalive)
         await self._finish(m, result)
+
+    def _other_request(self, state: dict[str, Any], req: Any) -> str | None:
+        """What the step state's request was, when it is not ``req``."""
+        if state.get("state") == "running":
+            kind, ckpt = kind_of(state.get("subject", "")), state.get("checkpoint_id")
+            target = None
+        else:
+            result = state.get("result") or {}
+            kind, ckpt, target = state.get("kind"), result.get("checkpoint_id"), \
+                result.get("target")
+        if kind and kind != self.step.kind:
+            return f"a {kind} request"
+        if ckpt and ckpt != req.checkpoint_id:
+            return f"checkpoint {ckpt}"
+        if target and target != req.target.to_dict():
+            return f"another target ({target})"
+        return None
 
     def _failed(self, req: Any, e: SmrError) -> Any:
         return RESULT_OF[self.step.kind].for_request(req, status="failed", error=e.as_dict())

@@ -1,0 +1,33 @@
+"""`python -m tests.chaos --cycles 200 --seed 7`: the full fault campaign
+(tests/chaos/campaign.py); prints the table, exits 1 on any violation."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from smr import config
+from tests.chaos.campaign import run
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
+    p.add_argument("--cycles", type=int, default=200)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--workloads", type=int, default=3)
+    p.add_argument("--keep", action="store_true", help="keep the node and job logs")
+    p.add_argument("--each-fault", action="store_true",
+                   help="every fault kind in turn instead of at random")
+    a = p.parse_args()
+    report = asyncio.run(run(a.cycles, a.seed, config.load({}).criu_binary(), a.workloads,
+                           keep=a.keep, each_fault=a.each_fault))
+    print(f"fault campaign: seed {a.seed}")
+    print(report.table())
+    for line in report.problems:
+        print("  " + line)
+    return 1 if report.violated() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

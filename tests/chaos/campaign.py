@@ -1,0 +1,543 @@
+"""The fault campaign: many cycles of checkpoint / leave-running checkpoint /
+restore / migrate requests on two nodes while faults hit every part, and an
+oracle that checks every outcome after every cycle.
+
+The stack is real: one nats-server (JetStream on disk), moto's S3 server
+behind a fault-injecting proxy (tests/chaos/proxy.py), and two `smr up`
+processes (node-a, node-b: checkpointer, restorer and storage service each),
+each with its scratch directory on a small tmpfs. The workloads are counters
+whose every output line carries the digest of their whole memory.
+
+Faults, one per cycle at a random moment of its requests (seeded): SIGKILL of
+one node's `smr up` (restarted after a pause), a nats-server restart (its
+store kept), S3 answering 5xx, cutting connections (before the answer or
+midway through a body), answering slowly or hanging, and a full scratch disk.
+
+The oracle, after every cycle:
+- every request reached done or failed (with a reason) within its deadline;
+- every workload runs exactly once, or is stopped with a restorable latest
+  generation (the next cycle restores it);
+- no workload runs twice;
+- every restore resumed the state it recorded (the first step after it has
+  the digest recomputed for that step, and follows a step the job reached);
+- every committed generation passes its sha256 check (it is downloaded);
+- the job KV agrees with the processes;
+and at the end, after garbage collection: no multipart upload left, no
+object outside a committed generation.
+
+    .venv/bin/python -m tests.chaos --cycles 200 --seed 7      # the full run
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.storage import layout
+from services.storage.s3 import S3Backend
+from services.storage.store import CheckpointStore
+from smr import config
+from smr.bus import KV_JOBS, Bus, BusConfig, subject
+from smr.jobs import JobRegistry, launch
+from smr.messages import CkptRequested, RestoreRequested, Target
+from smr.natsserver import NatsServer, free_port
+from smr.workloads import counter
+from tests.chaos.proxy import FaultProxy
+
+MIB = 16
+DEADLINE_S = 120.0  # a request must reach done or failed within this
+NODES = ("node-a", "node-b")
+FAULT_KINDS = ("none", "kill-node", "restart-nats", "s3-5xx", "s3-cut", "s3-slow", "s3-hang",
+               "disk-full")
+OPS = ("checkpoint", "leave-running", "stop-restore", "migrate")
+SCRATCH_MB = 192
+
+
+@dataclass
+class Report:
+    cycles: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    requests: Counter[str] = field(default_factory=Counter)  # kind/outcome
+    failures: Counter[str] = field(default_factory=Counter)  # error codes
+    restores_checked: int = 0
+    generations_verified: int = 0
+    lost: int = 0
+    corrupt: int = 0
+    double_running: int = 0
+    stuck: int = 0
+    orphans: int = 0
+    kv_disagreements: int = 0
+    crashes: int = 0  # a node's `smr up` exited without being killed
+    s3_injected: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    hol: dict[str, float] = field(default_factory=dict)
+
+    def violated(self) -> int:
+        return (self.lost + self.corrupt + self.double_running + self.stuck + self.orphans
+                + self.kv_disagreements + self.crashes)
+
+    def table(self) -> str:
+        rows = [("cycles", self.cycles), ("seconds", f"{self.seconds:.0f}")]
+        rows += [(f"faults: {k}", v) for k, v in sorted(self.faults.items())]
+        rows += [(f"S3 requests hit: {k}", v) for k, v in sorted(self.s3_injected.items())]
+        rows += [(f"requests: {k}", v) for k, v in sorted(self.requests.items())]
+        rows += [(f"failed with: {k}", v) for k, v in sorted(self.failures.items())]
+        rows += [("restores checked (state)", self.restores_checked),
+                 ("generations verified (sha256)", self.generations_verified),
+                 ("lost", self.lost), ("corrupt", self.corrupt),
+                 ("double-running", self.double_running), ("stuck", self.stuck),
+                 ("orphans", self.orphans), ("KV disagreements", self.kv_disagreements),
+                 ("node crashes", self.crashes)]
+        rows += [(f"head-of-line: {k}", f"{v:.2f}") for k, v in self.hol.items()]
+        width = max(len(str(k)) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def start_moto(port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class Node:
+    """One `smr up` process, killed and started again at will."""
+
+    def __init__(self, name: str, root: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.data = root / name
+        self.env = {**env, "SMR_NODE_NAME": name, "SMR_DATA_DIR": str(self.data)}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = root / f"{name}.log"
+
+    def mount(self) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_MB}m", "tmpfs",
+                        str(self.data)], check=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.data)], check=False)
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "smr"), "up"], env=self.env, stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def fill(self) -> Path:
+        """Take all of the scratch disk but a sliver."""
+        filler = self.data / "filler"
+        st = os.statvfs(self.data)
+        with contextlib.suppress(OSError):
+            subprocess.run(["fallocate", "-l", str(max(0, st.f_bavail * st.f_frsize - 65536)),
+                            str(filler)], check=False)
+        return filler
+
+
+@dataclass
+class Workload:
+    id: str
+    node: str
+    cwd: Path
+    log: Path
+
+    def lines(self, start: int = 0) -> list[dict[str, str]]:
+        with open(self.log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        return [counter.parse_line(ln) for ln in text.splitlines() if ln.startswith("step=")]
+
+    def size(self) -> int:
+        return self.log.stat().st_size
+
+
+def processes_of(w: Workload) -> list[int]:
+    """The counter processes running in ``w``'s directory (however they were started)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if os.readlink(p / "cwd") != str(w.cwd):
+                continue
+            cmd = (p / "cmdline").read_bytes()
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        # The counter itself, not the `unshare` that started it (its arguments name it too).
+        if (b"smr.workloads.counter" in cmd and b"python" in cmd.split(b"\0")[0]
+                and state != "Z"):
+            found.append(int(p.name))
+    return found
+
+
+class Campaign:
+    def __init__(self, root: Path, seed: int, criu: str) -> None:
+        self.root = root
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.criu = criu
+        self.report = Report()
+        self.workloads: list[Workload] = []
+
+    # -- the stack ---------------------------------------------------------------
+
+    async def __aenter__(self) -> Campaign:
+        settings = config.load({})
+        self.nats = NatsServer(settings.nats_server_binary(), self.root / "nats").start()
+        port = free_port()
+        self.moto = start_moto(port)
+        for key, value in (("AWS_ACCESS_KEY_ID", "chaos"), ("AWS_SECRET_ACCESS_KEY", "chaos"),
+                           ("AWS_DEFAULT_REGION", "us-east-1")):
+            os.environ.setdefault(key, value)
+        self.proxy = await FaultProxy(f"http://127.0.0.1:{port}", seed=self.seed).start()
+        self.bucket = f"chaos-{uuid.uuid4().hex[:8]}"
+        direct = S3Backend(self.bucket, prefix="smr", path_style=True,
+                           endpoint_url=f"http://127.0.0.1:{port}")
+        for _ in range(100):
+            try:
+                async with direct._client() as c:
+                    await c.create_bucket(Bucket=self.bucket)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        # The oracle reads S3 directly, past the faults.
+        self.store = CheckpointStore(direct)
+        env = {**os.environ, "SMR_NATS_URL": self.nats.url, "SMR_STORAGE": "s3",
+               "SMR_S3_BUCKET": self.bucket, "SMR_S3_PREFIX": "smr",
+               "SMR_S3_ENDPOINT": self.proxy.url, "SMR_S3_PATH_STYLE": "true",
+               "SMR_CRIU": self.criu, "SMR_ACK_WAIT": "5", "SMR_METRICS_PORT": "0",
+               "SMR_GC_INTERVAL": "100000", "PYTHONUNBUFFERED": "1"}
+        self.nodes = {n: Node(n, self.root, env) for n in NODES}
+        for node in self.nodes.values():
+            node.mount()
+            node.start()
+        self.bus = await Bus.connect(self.nats.url, name="smr-chaos",
+                                     config=BusConfig(ack_wait=5))
+        self.jobs = JobRegistry(self.bus.kv(KV_JOBS))
+        await self._wait_nodes()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for w in self.workloads:
+            for pid in processes_of(w):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await self.bus.close()
+        for node in self.nodes.values():
+            node.stop()
+            node.unmount()
+        await self.proxy.stop()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        self.moto.terminate()
+        self.moto.wait(10)
+        self.nats.stop()
+
+    async def _wait_nodes(self) -> None:
+        """Until each node's workers consume their subjects."""
+        deadline = time.monotonic() + 60
+        for n in NODES:
+            name = f"ckpt-requested-{n}"
+            while True:
+                try:
+                    await self.bus.js.consumer_info("SMR_REQUESTS", name)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{n} never started: see {self.nodes[n].log}"
+                                           ) from None
+                    await asyncio.sleep(0.2)
+
+    # -- requests ------------------------------------------------------------------
+
+    async def request(self, req: CkptRequested | RestoreRequested) -> dict[str, Any] | None:
+        """Publish (again, while NATS is away) and wait for done or failed."""
+        kind = "checkpoint" if isinstance(req, CkptRequested) else "restore"
+        deadline = time.monotonic() + DEADLINE_S
+        published = False
+        while time.monotonic() < deadline:
+            try:
+                if not published:
+                    await self.bus.publish(req)
+                    published = True
+                state, _ = await self.bus.step_state(req.request_id)
+            except Exception:
+                await asyncio.sleep(0.5)  # NATS restarting: the client reconnects
+                continue
+            if state and state["state"] in ("done", "failed"):
+                result = state["result"]
+                self.report.requests[f"{kind} {result['status']}"] += 1
+                if result["status"] == "failed":
+                    code = (result.get("error") or {}).get("code", "")
+                    self.report.failures[code or "(no code)"] += 1
+                    if not code or not (result.get("error") or {}).get("message"):
+                        self.problem(f"{req.request_id} failed without a reason: {result}")
+                return result
+            await asyncio.sleep(0.2)
+        self.report.stuck += 1
+        self.problem(f"{kind} {req.request_id} of {req.checkpoint_id} did not finish within "
+                     f"{DEADLINE_S:.0f}s")
+        return None
+
+    def problem(self, what: str) -> None:
+        self.report.problems.append(f"cycle {self.report.cycles}: {what}")
+
+    def ckpt(self, w: Workload, **kw: Any) -> CkptRequested:
+        return CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=w.id,
+                             target=Target.job(w.id), node=w.node, **kw)
+
+    async def restore(self, w: Workload, node: str) -> dict[str, Any] | None:
+        """Restore ``w`` on ``node``; check that it resumed the state it recorded."""
+        before = w.size()
+        reached = max((int(ln["step"]) for ln in w.lines()), default=0)
+        result = await self.request(RestoreRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id=w.id, target=Target.job(w.id),
+            node=node))
+        if result and result["status"] == "succeeded":
+            w.node = node
+            for _ in range(200):
+                if after := w.lines(before):
+                    break
+                await asyncio.sleep(0.1)
+            if not after:
+                self.problem(f"{w.id} restored (pid {result.get('pid')}) but never printed")
+                self.report.corrupt += 1
+                return result
+            first = after[0]
+            step = int(first["step"])
+            if first["digest"] != counter.expected_digest(MIB, step) or step > reached + 1:
+                self.report.corrupt += 1
+                self.problem(f"{w.id} resumed at step {step} with digest {first['digest']} "
+                             f"(expected {counter.expected_digest(MIB, step)}; it had reached "
+                             f"{reached})")
+            self.report.restores_checked += 1
+        return result
+
+    # -- the cycle -------------------------------------------------------------------
+
+    async def start_workloads(self, n: int) -> None:
+        for i in range(n):
+            wid = f"w{i}-{uuid.uuid4().hex[:4]}"
+            cwd = self.root / "jobs" / wid
+            cwd.mkdir(parents=True)
+            w = Workload(wid, NODES[i % 2], cwd, cwd / "out.log")
+            job = launch(wid, [sys.executable, "-m", "smr.workloads.counter", "--mib", str(MIB),
+                               "--interval", "0.05"], log=w.log, cwd=cwd, node=w.node)
+            await self.jobs.put(job)
+            self.workloads.append(w)
+        for w in self.workloads:
+            for _ in range(300):
+                if w.lines():
+                    break
+                await asyncio.sleep(0.1)
+
+    async def cycle(self, fault: str | None = None) -> None:
+        """One cycle; ``fault``: this one (default: a random one, seeded)."""
+        self.report.cycles += 1
+        w = self.rng.choice(self.workloads)
+        op = self.rng.choice(OPS)
+        fault = fault or self.rng.choice(FAULT_KINDS)
+        self.report.faults[fault] += 1
+        injector = asyncio.create_task(self.inject(fault, w))
+        try:
+            if op == "leave-running":
+                await self.request(self.ckpt(w, leave_running=True))
+            elif op == "checkpoint":
+                await self.request(self.ckpt(w))
+            else:
+                done = await self.request(self.ckpt(w, tcp="close"))
+                if done and done["status"] == "succeeded":
+                    other = next(n for n in NODES if n != w.node)
+                    await self.restore(w, other if op == "migrate" else w.node)
+        finally:
+            await injector
+        await self.settle()
+        await self.check()
+
+    async def inject(self, fault: str, w: Workload) -> None:
+        await asyncio.sleep(self.rng.uniform(0.0, 1.2))
+        if fault == "kill-node":
+            node = self.nodes[w.node if self.rng.random() < 0.8 else self.rng.choice(NODES)]
+            node.kill()
+            await asyncio.sleep(self.rng.uniform(0.2, 2.0))
+            node.start()
+        elif fault == "restart-nats":
+            self.nats.stop()
+            await asyncio.sleep(self.rng.uniform(0.2, 1.5))
+            await asyncio.to_thread(self.nats.start)
+        elif fault.startswith("s3-"):
+            self.proxy.set(fault[3:], rate=0.5 if fault == "s3-slow" else 0.3)
+            await asyncio.sleep(self.rng.uniform(1.0, 4.0))
+            self.proxy.set(None)
+        elif fault == "disk-full":
+            filler = self.nodes[w.node].fill()
+            await asyncio.sleep(self.rng.uniform(1.0, 3.0))
+            filler.unlink(missing_ok=True)
+
+    def supervise(self) -> None:
+        """Start a node whose `smr up` exited on its own (as Kubernetes or
+        systemd would), and count it: a crash is a finding."""
+        for node in self.nodes.values():
+            if node.proc and node.proc.poll() is not None:
+                self.report.crashes += 1
+                self.problem(f"{node.name}'s smr up exited with {node.proc.returncode}; see "
+                             f"{node.log}")
+                node.start()
+
+    async def settle(self) -> None:
+        """After the cycle's requests: every stopped workload comes back (a user
+        restores it), so the next cycle starts from every workload running."""
+        self.supervise()
+        self.report.s3_injected = Counter(self.proxy.injected)
+        for w in self.workloads:
+            for _ in range(3):
+                if processes_of(w):
+                    break
+                result = await self.restore(w, w.node)
+                if result and result["status"] == "succeeded":
+                    break
+            else:
+                if not processes_of(w) and not await self.restorable(w):
+                    self.report.lost += 1
+                    self.problem(f"{w.id} is not running and has no restorable generation")
+
+    async def restorable(self, w: Workload) -> bool:
+        gen = await self.store.latest(layout.LOCAL_NAMESPACE, w.id)
+        if gen is None:
+            return False
+        with tempfile.TemporaryDirectory(dir=self.root) as tmp:
+            try:
+                await self.store.fetch(gen, Path(tmp) / "img")
+            except Exception as e:
+                self.problem(f"{w.id} generation {gen.number} does not download: {e}")
+                return False
+        return True
+
+    async def check(self) -> None:
+        for w in self.workloads:
+            pids = processes_of(w)
+            if len(pids) > 1:
+                self.report.double_running += 1
+                self.problem(f"{w.id} runs {len(pids)} times: pids {pids}")
+            try:
+                job = await self.jobs.find(w.id)
+            except Exception as e:
+                self.problem(f"job KV unreadable: {e}")
+                continue
+            running = job is not None and job.state == "running" and job.alive()
+            if running != bool(pids):
+                self.report.kv_disagreements += 1
+                self.problem(f"{w.id}: job KV says {job and job.observed_state()} (pid "
+                             f"{job and job.pid}), processes {pids}")
+        # Every generation committed since the last check downloads and verifies.
+        for w in self.workloads:
+            for gen in await self.store.generations(layout.LOCAL_NAMESPACE, w.id):
+                key = (w.id, gen.number)
+                if key in self._verified:
+                    continue
+                with tempfile.TemporaryDirectory(dir=self.root) as tmp:
+                    try:
+                        await self.store.fetch(gen, Path(tmp) / "img")
+                        self.report.generations_verified += 1
+                    except Exception as e:
+                        self.report.corrupt += 1
+                        self.problem(f"{w.id} generation {gen.number}: {e}")
+                self._verified.add(key)
+
+    _verified: set[tuple[str, int]] = set()
+
+    # -- the end -------------------------------------------------------------------
+
+    async def orphans(self) -> None:
+        """After GC (nothing in flight): no upload left, no object outside a
+        committed generation."""
+        await self.store.gc(grace_s=0)
+        backend = self.store.backend
+        pending = await backend.pending_uploads("")
+        for up in pending:
+            self.problem(f"multipart upload left: {up.key}")
+        self.report.orphans += len(pending)
+        keep: set[str] = set()
+        for w in self.workloads:
+            if await self.store.latest(layout.LOCAL_NAMESPACE, w.id):
+                keep.add(layout.latest_key(layout.LOCAL_NAMESPACE, w.id))
+            for gen in await self.store.generations(layout.LOCAL_NAMESPACE, w.id):
+                n = gen.number
+                keep.add(layout.manifest_key(layout.LOCAL_NAMESPACE, w.id, n))
+                keep.add(layout.claim_key(layout.LOCAL_NAMESPACE, w.id, n))
+                keep |= {layout.file_key(layout.LOCAL_NAMESPACE, w.id, n, f["path"])
+                         for f in gen.manifest["files"]}
+        for key in await backend.list(""):
+            if key not in keep:
+                self.report.orphans += 1
+                self.problem(f"unreferenced object after GC: {key}")
+
+    async def head_of_line(self, bad: int = 300) -> None:
+        """How long a valid request waits behind ``bad`` malformed ones."""
+        w = self.workloads[0]
+
+        async def timed() -> float:
+            t = time.monotonic()
+            result = await self.request(self.ckpt(w, leave_running=True))
+            took = (result or {}).get("durations", {}).get("total", 0.0)
+            return time.monotonic() - t - took
+
+        alone = await timed()
+        subj = subject("ckpt.requested", w.node)
+        for i in range(bad):
+            await self.bus.publish_raw(subj, b'{"schema_version": 1, "request_id": "bad-%d"' % i)
+        behind = await timed()
+        self.report.hol = {"wait alone (s)": alone, f"wait behind {bad} bad (s)": behind,
+                           "per bad message (ms)": 1000 * (behind - alone) / bad}
+
+
+async def run(cycles: int, seed: int, criu: str, workloads: int = 3,
+              root: Path | None = None, keep: bool = False, each_fault: bool = False
+              ) -> Report:
+    """The campaign; ``keep`` leaves its directory (node logs, job logs) in
+    place; ``each_fault``: the cycles take every fault kind in turn (the short
+    version in `make test` meets each at least once)."""
+    root = root or Path(tempfile.mkdtemp(prefix="smr-chaos-"))
+    t0 = time.monotonic()
+    async with Campaign(root, seed, criu) as c:
+        await c.start_workloads(workloads)
+        for i in range(cycles):
+            await c.cycle(FAULT_KINDS[i % len(FAULT_KINDS)] if each_fault else None)
+        c.proxy.set(None)
+        await c.head_of_line()
+        await c.orphans()
+        c.report.seconds = time.monotonic() - t0
+        report = c.report
+    if keep:
+        print(f"campaign directory kept: {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return report

@@ -1,0 +1,26 @@
+"""The short fault campaign in `make test`: every fault kind once (two rounds),
+over the real stack (tests/chaos/campaign.py). The full run is
+`python -m tests.chaos --cycles 200`; its table is in bench/results/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.campaign import FAULT_KINDS, run
+
+pytestmark = pytest.mark.criu
+
+
+async def test_short_campaign_loses_corrupts_and_doubles_nothing(criu_binary: str,
+                                                                 tmp_path: Path) -> None:
+    report = await run(2 * len(FAULT_KINDS), seed=11, criu=criu_binary, workloads=2,
+                       root=tmp_path / "chaos", each_fault=True)
+    print("\n" + report.table())
+    assert report.faults == {k: 2 for k in FAULT_KINDS}
+    assert sum(report.s3_injected.values()) > 0, "the S3 faults hit nothing"
+    assert report.restores_checked > 0 and report.generations_verified > 0
+    assert (report.lost, report.corrupt, report.double_running, report.stuck,
+            report.orphans, report.kv_disagreements, report.crashes) == (0,) * 7, report.problems
+    assert report.problems == []
