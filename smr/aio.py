@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
+import signal
 from collections.abc import Awaitable
 from typing import Any
 
@@ -40,3 +43,18 @@ async def quietly(aw: Awaitable[Any]) -> None:
         await aw
     except (asyncio.CancelledError, Exception):
         pass
+
+
+def dump_tasks_on_signal(sig: int = signal.SIGUSR1) -> None:
+    """``kill -USR1`` logs where every task of the running loop waits: how to
+    see what a step that does not end is stuck on, without stopping it."""
+    loop = asyncio.get_running_loop()
+
+    def dump() -> None:
+        out = io.StringIO()
+        tasks = asyncio.all_tasks(loop)
+        for task in sorted(tasks, key=lambda t: t.get_name()):
+            task.print_stack(limit=12, file=out)
+        logging.getLogger("smr").warning("%d tasks on SIGUSR1:\n%s", len(tasks), out.getvalue())
+
+    loop.add_signal_handler(sig, dump)

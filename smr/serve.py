@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from smr import config, metrics, tracing
+from smr.aio import dump_tasks_on_signal
 from smr.bus import Bus, BusConfig
 from smr.errors import SmrError
 
@@ -74,6 +75,7 @@ async def serve(name: str, settings: config.Settings, make: Factory, *,
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop)
+        dump_tasks_on_signal()
         if settings.health_port:
             runner = await health_server(service, settings.health_port)
         if settings.metrics_port:

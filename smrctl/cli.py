@@ -20,6 +20,7 @@ import orjson
 
 from services.storage.settings import make_store
 from smr import config, metrics, sockets
+from smr.aio import dump_tasks_on_signal
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
@@ -81,6 +82,7 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    dump_tasks_on_signal()
     async with embedded.EmbeddedNode(s) as node:
         served = None
         if s.metrics_port:

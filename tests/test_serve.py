@@ -1,5 +1,5 @@
 """A cluster service as its pod runs it (smr/serve.py): the probes' endpoints
-answer, and SIGTERM stops it cleanly."""
+answer, its /metrics is served, and SIGTERM stops it cleanly."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.storage.__main__ import make
+from services.storage.local import LocalBackend
+from services.storage.store import CheckpointStore
 from smr import config, serve
+from smr.messages import Target, epoch
 from smr.natsserver import NatsServer, free_port
 
 
@@ -38,3 +43,41 @@ async def test_storage_service_answers_probes_and_stops_on_sigterm(
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.wait_for(task, 15)
     assert task.exception() is None
+
+
+async def test_a_service_serves_its_metrics_on_the_metrics_port(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """The storage service as its Deployment runs it: /metrics on
+    SMR_METRICS_PORT, with what storage holds (read from storage at start)."""
+    store = CheckpointStore(LocalBackend(tmp_path / "store"))
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    (src / "images" / "pages-1.img").write_bytes(os.urandom(4096))
+    gen = await store.commit("local", "served", src, {
+        "request_id": "served-1", "node": "n1", "reason": "api",
+        "target": Target.job("served").to_dict(), "versions": {"criu": "4.2.1"}})
+    port = free_port()
+    s = config.load({}).replace(nats_url=nats_server.url, metrics_port=port,
+                                storage_path=str(tmp_path / "store"), node_name="metrics-test")
+    task = asyncio.create_task(serve.serve("storage", s, make))
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(100):
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    text = await r.text()
+                samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                           for f in text_string_to_metric_families(text) for x in f.samples}
+                if samples.get(("smr_latest_checkpoint_timestamp_seconds", (
+                        ("checkpoint_id", "served"), ("checkpoint_namespace", "local")))):
+                    break
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(task, 15)
+    assert samples[("smr_storage_generations", ())] == 1
+    assert samples[("smr_storage_stored_bytes", ())] == gen.manifest["stored_bytes"]
+    assert samples[("smr_latest_checkpoint_timestamp_seconds", (
+        ("checkpoint_id", "served"), ("checkpoint_namespace", "local")))] == pytest.approx(
+        epoch(gen.manifest["created_at"]), abs=0.01)

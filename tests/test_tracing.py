@@ -24,17 +24,22 @@ def spans(span_processors: Processors) -> Iterator[InMemorySpanExporter]:
     span_processors.added.remove(processor)
 
 
-async def test_trace_continues_from_publish_into_the_step(
-    spans: InMemorySpanExporter, bus: Bus, node: str
-) -> None:
+async def traced_request(bus: Bus, node: str, rid: str) -> int:
+    """A request published under a root span and run by a worker; the trace id."""
     w, t = await run_worker(bus, CountingStep(), node)
     try:
         with tracing.tracer.start_as_current_span("cordon observed") as root:
-            await bus.publish(request(node, "traced-1"))
-        await bus.wait_result("traced-1", "ckpt.requested", timeout=10)
+            await bus.publish(request(node, rid))
+        await bus.wait_result(rid, "ckpt.requested", timeout=10)
     finally:
         await stop(w, t)
-    trace_id = root.get_span_context().trace_id
+    return root.get_span_context().trace_id
+
+
+async def test_trace_continues_from_publish_into_the_step(
+    spans: InMemorySpanExporter, bus: Bus, node: str
+) -> None:
+    trace_id = await traced_request(bus, node, "traced-1")
     names = {s.name for s in spans.get_finished_spans() if s.context.trace_id == trace_id}
     assert {"cordon observed", "publish ckpt.requested", "consume ckpt.requested",
             "step ckpt.requested", "publish ckpt.done"} <= names
@@ -43,15 +48,9 @@ async def test_trace_continues_from_publish_into_the_step(
 async def test_spans_reach_an_otlp_http_receiver_as_one_trace(
     otlp: Receiver, bus: Bus, node: str
 ) -> None:
-    w, t = await run_worker(bus, CountingStep(), node)
-    try:
-        with tracing.tracer.start_as_current_span("cordon observed") as root:
-            await bus.publish(request(node, "traced-otlp"))
-        await bus.wait_result("traced-otlp", "ckpt.requested", timeout=10)
-    finally:
-        await stop(w, t)
+    trace_id = await traced_request(bus, node, "traced-otlp")
     assert await asyncio.to_thread(otlp.flush)
-    got = otlp.trace(format(root.get_span_context().trace_id, "032x"))
+    got = otlp.trace(format(trace_id, "032x"))
     by_id = {s.span_id: s for s in got}
     step = next(s for s in got if s.name == "step ckpt.requested")
     assert step.attributes["smr.request_id"] == "traced-otlp"

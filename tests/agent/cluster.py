@@ -146,6 +146,18 @@ class Cluster:
             await asyncio.sleep(0.1)
         return p
 
+    async def drained_to(self, name: str, a: str, b: str,
+                         before: list[tuple[int, int, str]]) -> None:
+        """The pod goes from node a (a drain); the watcher creates the bare pod
+        again once its last checkpoint is stored; the scheduler binds it to node
+        b, where it continues from where it stopped."""
+        self.kube.remove("pods", name, "default")
+        await self.recreated(name)
+        before = steps(self.log(name, a)) or before
+        self.schedule(name, b)
+        after = await self.until_steps(name, b, 5)
+        assert_continues(before, after, before[-1][0])
+
     def schedule(self, name: str, node: str) -> None:
         """The scheduler's part: bind the pod to a node."""
         p = self.kube.get("pods", name, "default")

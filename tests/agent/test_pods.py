@@ -24,14 +24,7 @@ async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster) -> None:
     before = steps(cluster.log("counter", a))
     assert before[-1][0] > 5, "a cordon checkpoint leaves the pod running"
 
-    # The pod goes (a drain); the watcher creates the bare pod again once its
-    # last checkpoint is stored; the scheduler binds it to node b.
-    cluster.kube.remove("pods", "counter", "default")
-    await cluster.recreated("counter")
-    before = steps(cluster.log("counter", a)) or before
-    cluster.schedule("counter", b)
-    after = await cluster.until_steps("counter", b, 5)
-    assert_continues(before, after, before[-1][0])
+    await cluster.drained_to("counter", a, b, before)
     await cluster.event("Restored", "counter")  # the restore is an Event on the pod
 
 

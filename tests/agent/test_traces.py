@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.agent.cluster import Cluster, assert_continues, steps, workload
+from tests.agent.cluster import Cluster, steps, workload
 from tests.otlp import ReceivedSpan, Receiver
 
 
@@ -17,13 +17,7 @@ async def test_one_trace_runs_from_the_cordon_to_the_resumed_process(
     await cluster.until_steps("traced", a, 5)
     await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
     manifest = await cluster.latest("traced.main")
-    before = steps(cluster.log("traced", a))
-    cluster.kube.remove("pods", "traced", "default")
-    await cluster.recreated("traced")
-    before = steps(cluster.log("traced", a)) or before
-    cluster.schedule("traced", b)
-    after = await cluster.until_steps("traced", b, 5)
-    assert_continues(before, after, before[-1][0])
+    await cluster.drained_to("traced", a, b, steps(cluster.log("traced", a)))
     assert await asyncio.to_thread(otlp.flush)
 
     roots = [s for s in otlp.spans if s.name == "node going away"

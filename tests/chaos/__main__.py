@@ -26,6 +26,8 @@ def main() -> int:
     print(report.table())
     for line in report.problems:
         print("  " + line)
+    if report.violated() and not a.keep:
+        print("(run again with --keep to keep the node logs and diagnostics)")
     return 1 if report.violated() else 0
 
 

@@ -150,14 +150,19 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def fill(self) -> Path:
-        """Take all of the scratch disk but a sliver."""
+    def fill(self) -> tuple[Path, int]:
+        """Take all of the scratch disk but a sliver; (the filler, bytes left free)."""
         filler = self.data / "filler"
         st = os.statvfs(self.data)
-        with contextlib.suppress(OSError):
-            subprocess.run(["fallocate", "-l", str(max(0, st.f_bavail * st.f_frsize - 65536)),
-                            str(filler)], check=False)
-        return filler
+        free = st.f_bavail * st.f_frsize
+        # tmpfs refuses an fallocate of exactly what it reports free: step back.
+        for spare in (1 << 20, 4 << 20, 16 << 20):
+            done = subprocess.run(["fallocate", "-l", str(max(0, free - spare)), str(filler)],
+                                  capture_output=True, check=False)
+            if done.returncode == 0:
+                break
+        st = os.statvfs(self.data)
+        return filler, st.f_bavail * st.f_frsize
 
 
 @dataclass
@@ -304,8 +309,21 @@ class Campaign:
             await asyncio.sleep(0.2)
         self.report.stuck += 1
         self.problem(f"{kind} {req.request_id} of {req.checkpoint_id} did not finish within "
-                     f"{DEADLINE_S:.0f}s")
+                     f"{DEADLINE_S:.0f}s; diagnostics in {self.diagnose(req.node)}")
         return None
+
+    def diagnose(self, node_name: str) -> Path:
+        """What a stuck node was doing: its tasks' stacks (SIGUSR1 into its log)
+        and the CRIU logs of its scratch directory, which the tmpfs would lose."""
+        node = self.nodes[node_name]
+        if node.proc and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGUSR1)
+        out = self.root / f"diag-{self.report.cycles}-{node_name}"
+        for log in node.data.glob("work/**/*.log"):
+            dst = out / log.relative_to(node.data)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, dst)
+        return out
 
     def problem(self, what: str) -> None:
         self.report.problems.append(f"cycle {self.report.cycles}: {what}")
@@ -398,7 +416,9 @@ class Campaign:
             await asyncio.sleep(self.rng.uniform(1.0, 4.0))
             self.proxy.set(None)
         elif fault == "disk-full":
-            filler = self.nodes[w.node].fill()
+            filler, left = self.nodes[w.node].fill()
+            if left > 16 << 20:
+                self.problem(f"disk-full left {left >> 20} MiB free on {w.node}")
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))
             filler.unlink(missing_ok=True)
 
@@ -531,6 +551,9 @@ async def run(cycles: int, seed: int, criu: str, workloads: int = 3,
         await c.start_workloads(workloads)
         for i in range(cycles):
             await c.cycle(FAULT_KINDS[i % len(FAULT_KINDS)] if each_fault else None)
+            if (i + 1) % 20 == 0:  # long work shows progress
+                print(f"chaos: {i + 1}/{cycles} cycles, {time.monotonic() - t0:.0f}s, "
+                      f"{c.report.violated()} violations", file=sys.stderr, flush=True)
         c.proxy.set(None)
         await c.head_of_line()
         await c.orphans()

@@ -15,11 +15,15 @@ Everything else is forwarded unchanged (method, path, query, headers, body).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import Counter
 
 import aiohttp
 from aiohttp import web
+
+# A client that gave up leaves aiohttp a closed transport to answer on: noise here.
+logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
 FAULTS = ("5xx", "cut", "slow", "hang")
 _XML = ('<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
