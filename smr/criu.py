@@ -169,16 +169,12 @@ class Criu:
         seconds = time.monotonic() - start
         if proc.returncode != 0:
             detail = failing_line(log) or err.decode(errors="replace").strip()[-500:]
-            if "No space left on device" in detail or _no_space(log):
-                raise TemporaryError(f"criu {args[0]} failed: no space left for its images",
-                                     code="scratch-full", detail=detail,
-                                     hint=f"free space in {log.parent} or give SMR_DATA_DIR a "
-                                     f"larger disk; the step is retried; full log: {log}")
-            known = explain(log)
+            known = explain(log, stderr=detail)
             if known:
                 what, code, hint = known
-                raise CriuError(f"criu {args[0]} failed: {what}", code=code, detail=detail,
-                                hint=f"{hint}; full log: {log}")
+                error = TemporaryError if code in TEMPORARY else CriuError
+                raise error(f"criu {args[0]} failed: {what}", code=code, detail=detail,
+                            hint=f"{hint}; full log: {log}")
             hint = f"full log: {log}"
             if why := await self.problem():
                 hint = f"{why}; {hint}"
@@ -201,11 +197,22 @@ _ERROR_PREFIX = re.compile(r"^\([\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*")
 _RUNAWAY = re.compile(r"Runaway socket: ino (\d+) peer_ino (\d+).*?name (.*)$", re.M)
 
 
-def explain(log: Path) -> tuple[str, str, str] | None:
+# Failures that pass: the step is retried rather than failed.
+TEMPORARY = frozenset({"scratch-full"})
+
+
+def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
+    """(what, code, hint) of a failure CRIU's log (or, when the disk was too
+    full for the log, its stderr) explains; None otherwise."""
     try:
         text = log.read_text(errors="replace")
     except OSError:
-        return None
+        text = ""
+    text += "\n" + stderr
+    if "No space left on device" in text:
+        return ("no space left for its images", "scratch-full",
+                f"free space in {log.parent} or give SMR_DATA_DIR a larger disk; the step is "
+                "retried")
     if "External socket is used" in text:
         socks = [f"{name.strip() or '(unnamed)'} (inode {ino}, peer inode {peer})"
                  for ino, peer, name in _RUNAWAY.findall(text)] or ["(not named in the log)"]
@@ -219,13 +226,6 @@ def explain(log: Path) -> tuple[str, str, str] | None:
                 "than 4.2 on Linux 6.16+)", "criu-too-old",
                 "install CRIU 4.2 or newer (`make setup`, or the smr image)")
     return None
-
-
-def _no_space(log: Path) -> bool:
-    try:
-        return "No space left on device" in log.read_text(errors="replace")
-    except OSError:
-        return False
 
 
 def failing_line(log: Path) -> str:

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,14 @@ from smr.aio import dump_tasks_on_signal
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
-from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+from smr.messages import (
+    CkptDone,
+    CkptRequested,
+    RestoreDone,
+    RestoreRequested,
+    Target,
+    epoch,
+)
 from smrctl import embedded
 from smrctl.status import fmt_bytes
 
@@ -177,7 +184,7 @@ async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
     print(f"{'GEN':>4} {'SIZE':>10}  {'TAKEN':<20} {'REASON':<12} LOCATION")
     for g in gens:
         m = g.manifest
-        taken = datetime.fromisoformat(m["created_at"].replace("Z", "+00:00"))
+        taken = datetime.fromtimestamp(epoch(m["created_at"]), UTC)
         print(f"{g.number:>4} {fmt_bytes(g.size_bytes):>10}  "
               f"{taken:%Y-%m-%d %H:%M:%S}  {m.get('reason', '-'):<12} {g.location}")
     return 0

@@ -83,19 +83,18 @@ async def dead_letters(bus: Bus, n: int) -> dict[str, Any]:
         info = await bus.js.stream_info(STREAM_DLQ)
     except NotFoundError:
         return {"count": 0, "last": []}
-    last = []
-    seq = info.state.last_seq
-    while seq >= max(info.state.first_seq, 1) and len(last) < n:
+    last: list[dict[str, Any]] = []
+    for seq in range(info.state.last_seq, max(info.state.first_seq, 1) - 1, -1):
+        if len(last) == n:
+            break
         try:
             m = await bus.js.get_msg(STREAM_DLQ, seq)
         except NotFoundError:
-            seq -= 1
-            continue
+            continue  # removed by the stream's limits
         letter = orjson.loads(m.data or b"{}")
+        error = letter.get("error") or {}
         last.append({"subject": letter.get("subject"), "service": letter.get("service"),
-                     "code": (letter.get("error") or {}).get("code"),
-                     "message": (letter.get("error") or {}).get("message")})
-        seq -= 1
+                     "code": error.get("code"), "message": error.get("message")})
     return {"count": info.state.messages, "last": last}
 
 

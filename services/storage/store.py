@@ -78,6 +78,9 @@ class CheckpointStore:
     def __init__(self, backend: Backend, codec: Codec | None = None) -> None:
         self.backend = backend
         self.codec = codec or Codec()
+        # inventory()'s manifests: written once (If-None-Match), so a generation
+        # still listed still has the manifest read before.
+        self._seen: dict[tuple[str, str, int], Generation] = {}
 
     async def close(self) -> None:
         await self.backend.close()
@@ -174,20 +177,24 @@ class CheckpointStore:
 
     async def inventory(self) -> dict[tuple[str, str], list[Generation]]:
         """Every committed generation in storage, by (namespace, checkpoint_id),
-        oldest first: one listing, then each manifest."""
+        oldest first: one listing, then each manifest not read by an earlier call."""
         found: dict[tuple[str, str], list[int]] = {}
         for key in await self.backend.list(""):
             where = layout.parse(key)
             if where and where[2] is not None and where[3] == "manifest.json":
                 found.setdefault((where[0], where[1]), []).append(where[2])
         out: dict[tuple[str, str], list[Generation]] = {}
+        seen: dict[tuple[str, str, int], Generation] = {}
         for (ns, ckpt), numbers in sorted(found.items()):
             gens = []
             for n in sorted(numbers):
                 with contextlib.suppress(CheckpointNotFound):  # retired since the listing
-                    gens.append(await self.get(ns, ckpt, n))
+                    gen = self._seen.get((ns, ckpt, n)) or await self.get(ns, ckpt, n)
+                    seen[ns, ckpt, n] = gen
+                    gens.append(gen)
             if gens:
                 out[ns, ckpt] = gens
+        self._seen = seen
         return out
 
     async def latest(self, namespace: str, checkpoint_id: str) -> Generation | None:
@@ -262,20 +269,15 @@ class CheckpointStore:
         tasks = [asyncio.create_task(one(f)) for f in m["files"]]
         try:
             await asyncio.gather(*tasks)
-        except OSError as e:
+        except BaseException as e:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ScratchFull(f"no space left in {dst.parent} for the "
                                   f"{gen.size_bytes} bytes of generation {gen.number}",
                                   hint="free space there, or give SMR_DATA_DIR a larger disk; "
                                   "the restore is retried") from None
-            raise
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             raise
         for link in m.get("symlinks", []):
             (dst / link["path"]).symlink_to(link["target"])
