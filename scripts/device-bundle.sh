@@ -11,7 +11,7 @@ rm -rf .whl && mkdir -p .whl .device
 for pkg in nats-py orjson tenacity opentelemetry-api opentelemetry-sdk \
     opentelemetry-semantic-conventions importlib-metadata jsonschema \
     jsonschema-specifications referencing rpds-py zstandard cryptography cffi pycparser \
-    pytest-asyncio kubernetes_asyncio; do
+    pytest-asyncio kubernetes_asyncio opentelemetry-proto protobuf; do
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "$pkg"

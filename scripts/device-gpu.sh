@@ -2,7 +2,7 @@
 # On the GPU machine (through `device`, carrying .whl and .device, made by
 # scripts/device-bundle.sh): unpack CRIU, nats-server, containerd and the
 # wheels, then run the GPU tests, local jobs and pod containers (GPU_TESTS
-# picks others; the GPU bench with BENCH=1). Logs go to $OUT.
+# picks others, none for none; the GPU bench with BENCH=1). Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,8 +29,10 @@ export PATH=$C/bin:$PATH SMR_TEST_STORAGE=local
   echo always > /sys/kernel/mm/transparent_hugepage/enabled
   cat /sys/kernel/mm/transparent_hugepage/enabled
 } 2>&1 | tee "$OUT/env.txt"
-python3 -m pytest ${GPU_TESTS:-tests/test_gpu.py tests/agent/test_gpu_pods.py} ${TESTS:-} \
-  -v -s -rs -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log"
+if [ "${GPU_TESTS:-}" != none ]; then
+  python3 -m pytest ${GPU_TESTS:-tests/test_gpu.py tests/agent/test_gpu_pods.py} ${TESTS:-} \
+    -v -s -rs -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log"
+fi
 for f in /tmp/pytest-of-*/pytest-current/*/gpu-*.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }
 done > "$OUT/job_logs.txt" 2>&1

@@ -37,12 +37,28 @@ def cancelling() -> bool:
 
 
 async def quietly(aw: Awaitable[Any]) -> None:
-    """Await a clean-up (an unsubscribe, a nak, a cancelled task) whose failure
-    must not hide the error or the stop already under way."""
+    """Await a clean-up (an unsubscribe, a nak) whose failure must not hide
+    the error or the stop already under way.
+
+    The caller's own cancellation is never swallowed: a loop of quiet calls
+    (a keepalive) whose cancel arrived inside one would otherwise run on for
+    ever, and whoever awaits its end with it (the fault campaign found a
+    worker that stopped serving its node that way when NATS restarted)."""
     try:
         await aw
-    except (asyncio.CancelledError, Exception):
+    except asyncio.CancelledError:
+        if cancelling():
+            raise
+    except Exception:
         pass
+
+
+async def stop_task(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, whatever its outcome."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # read: an error of a task being stopped is not news
 
 
 def dump_tasks_on_signal(sig: int = signal.SIGUSR1) -> None:

@@ -126,29 +126,35 @@ class Criu:
         return await self._run(args, images, "dump.log", code="criu-dump-failed")
 
     async def restore(self, images: Path, *, pidfile: Path,
-                      inherit: dict[str, int] | None = None, tcp: Tcp = "close") -> CriuRun:
+                      inherit: dict[str, int] | None = None, tcp: Tcp = "close",
+                      stream: Path | None = None) -> CriuRun:
         """Restore detached (the tree outlives this call).
 
         ``inherit`` maps a file path as CRIU recorded it to an open descriptor
         of ours: the restored tree gets that descriptor instead of reopening the
         file, so a log that grew since the dump is still accepted. ``tcp``:
         bring saved connections back, or restore them closed (the process
-        sees a reset on its next read or write).
+        sees a reset on its next read or write). ``stream``: the directory of
+        an smr.imagestream socket that CRIU asks for each image instead of
+        reading files (its log still goes to ``images``).
         """
         args = ["restore", "-d", "--file-locks", "--pidfile", self.view(pidfile),
                 *self._tcp(tcp)]
+        if stream:
+            args += ["--stream", "-W", self.view(images)]
         fds = []
         for path, fd in (inherit or {}).items():
             args.append(f"--inherit-fd=fd[{fd}]:{path.lstrip('/')}")
             fds.append(fd)
         return await self._run(args, images, "restore.log", code="criu-restore-failed",
-                               pass_fds=tuple(fds))
+                               pass_fds=tuple(fds), image_dir=stream)
 
     async def _run(self, args: list[str], images: Path, log_name: str, *, code: str,
-                   pass_fds: tuple[int, ...] = ()) -> CriuRun:
+                   pass_fds: tuple[int, ...] = (), image_dir: Path | None = None) -> CriuRun:
         images.mkdir(parents=True, exist_ok=True)
         log = images / log_name
-        cmd = [*self.prefix, self.binary, *args, *self.options, "-D", self.view(images),
+        cmd = [*self.prefix, self.binary, *args, *self.options,
+               "-D", self.view(image_dir or images),
                "-o", log_name, "-v4"]
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(

@@ -295,3 +295,72 @@ async def test_exhausted_deliveries_fail_and_dead_letter(bus: Bus, node: str) ->
     state, _ = await bus.step_state("down-1")
     assert state and state["state"] == "failed"
 
+
+
+# -- a step that ends while NATS is away (the fault campaign's stuck workers) -------
+
+class FreezesNats(CountingStep):
+    """Stops nats-server (SIGSTOP: a restart's pause, without the restart)
+    mid-step, and ends while the worker's keepalive waits on its KV write."""
+
+    def __init__(self, pid: int, keepalive: float) -> None:
+        super().__init__()
+        self.pid = pid
+        self.keepalive = keepalive
+        self.ended = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.seen.append(req.request_id)
+        if len(self.seen) == 1:
+            os.kill(self.pid, signal.SIGSTOP)
+            await asyncio.sleep(self.keepalive * 1.6)  # a keepalive is now inside its write
+            self.ended.set()
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+
+async def test_a_step_that_ends_while_nats_is_away_is_still_answered(
+        tmp_path: Path, nats_server: NatsServer, bus_config: Any, node: str) -> None:
+    """The keepalive is cancelled inside a KV write that waits on a paused
+    server; it must end there, and the worker answer once NATS is back, not
+    wait on it for ever and stop serving its node."""
+    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+    assert srv.proc
+    bus = await Bus.connect(srv.url, name="test", config=bus_config)
+    try:
+        step = FreezesNats(srv.proc.pid, bus.config.keepalive)
+        w, t = await run_worker(bus, step, node)
+        await bus.publish(request(node, "away-1"))
+        await asyncio.wait_for(step.ended.wait(), 20)
+        await asyncio.sleep(0.5)
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        result = await bus.wait_result("away-1", "ckpt.requested", timeout=20)
+        assert result.status == "succeeded"
+        # And the node is still served: the next request runs too.
+        await bus.publish(request(node, "away-2"))
+        assert (await bus.wait_result("away-2", "ckpt.requested", timeout=20)).generation == 1
+        assert step.seen == ["away-1", "away-2"]
+        await stop(w, t)
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        await bus.close()
+        srv.stop()
+
+
+async def test_quietly_never_swallows_its_callers_cancellation() -> None:
+    from smr.aio import quietly
+
+    entered = asyncio.Event()
+
+    async def slow() -> None:
+        entered.set()
+        await asyncio.sleep(30)
+
+    async def loop() -> None:  # a keepalive: quiet calls, for ever
+        while True:
+            await quietly(slow())
+
+    task = asyncio.create_task(loop())
+    await entered.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert task in done and task.cancelled()

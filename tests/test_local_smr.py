@@ -352,6 +352,35 @@ async def test_corrupted_checkpoint_is_refused(h: Harness) -> None:
     assert (await h.checkpoint(other.id, leave_running=True)).status == "succeeded"
 
 
+async def test_streamed_restore_never_resumes_on_a_byte_only_sha256_catches(
+        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+    """Stored uncompressed, a flipped byte decodes fine: only the file's sha256,
+    known at its last frame, catches it. CRIU has read the frames before it by
+    then; the restore must still fail and the process never run."""
+    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+                       zstd_level=0) as h:
+        job = await h.start(64)
+        done = await h.checkpoint(job.id)
+        assert done.status == "succeeded", done.error
+        frozen = max(int(ln["step"]) for ln in h.lines(job))
+        gen_dir = h.settings.storage_root / LOCAL_NAMESPACE / job.id / f"{done.generation:08d}"
+        pages = max((gen_dir / "files" / "images").glob("pages-*.img"),
+                    key=lambda p: p.stat().st_size)
+        assert pages.stat().st_size > 3 * (8 << 20), "the image must span several ranges"
+        flip_byte(pages, 4096)  # in the first range: long consumed when the digest is known
+
+        restored = await h.restore(job.id)
+        assert restored.status == "failed" and restored.error
+        assert restored.error["code"] == "checkpoint-corrupt", restored.error
+        assert "sha256" in restored.error["message"], restored.error
+        assert restored.pid is None
+        await asyncio.sleep(1)  # what a resumed process would print by now
+        assert max(int(ln["step"]) for ln in h.lines(job)) == frozen, "it ran on altered bytes"
+        record, _ = await h.jobs.get(job.id)
+        assert not record.alive()
+        await assert_unlocked(h, job.id)
+
+
 # -- crash recovery: the states a worker killed mid-step leaves behind ----------------
 
 async def test_checkpoint_recovery_commits_a_finished_dump(h: Harness) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from services.local_job import LocalJobStep
+from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import Generation
+from services.storage.store import Generation, streamable
 from smr import gpuinfo, sockets
 from smr.bus import Progress
 from smr.errors import PermanentError
@@ -41,16 +42,20 @@ class RestoreStep(LocalJobStep):
             gpuinfo.check_restorable(  # before any byte moves
                 gen.manifest.get("gpu"), f"generation {gen.number} of {req.checkpoint_id}",
                 has_api=self.cuda is not None)
-            progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             work = self.work_dir / req.request_id
-            t = time.monotonic()
-            await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n))
-            durations = {"download": time.monotonic() - t}
-            progress.update("restore")
+            shutil.rmtree(work, ignore_errors=True)
+            durations: dict[str, float] = {}
+            if not streamable(gen.manifest):
+                progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
+                t = time.monotonic()
+                await self.store.fetch(gen, work,
+                                       on_bytes=lambda n: progress.update(done_bytes=n))
+                durations["download"] = time.monotonic() - t
+            progress.update("restore", done_bytes=0, total_bytes=gen.size_bytes)
             # A local job runs in its node's network namespace: its kept
             # connections can come back on the node that took them.
             tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
-            job = await self._restore(req, gen, work, existing, durations, tcp)
+            job = await self._restore(req, gen, work, existing, durations, tcp, progress)
             shutil.rmtree(work, ignore_errors=True)
         finally:
             await self.lock.release(job_id, req.request_id)
@@ -66,7 +71,7 @@ class RestoreStep(LocalJobStep):
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
                        existing: Job | None, durations: dict[str, float],
-                       tcp: sockets.Tcp) -> Job:
+                       tcp: sockets.Tcp, progress: Progress) -> Job:
         spec = gen.manifest.get("job") or {}
         log = spec.get("log", "")
         inherit, fds = {}, []
@@ -79,8 +84,14 @@ class RestoreStep(LocalJobStep):
             inherit[log] = fd
         pidfile = work / "restored.pid"
         try:
-            run = await self.criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
-                                          tcp=tcp)
+            if "download" in durations:  # fetched first: CRIU reads the files
+                run = await self.criu.restore(work / "images", pidfile=pidfile,
+                                              inherit=inherit, tcp=tcp)
+            else:
+                run = await restore_streamed(
+                    self.criu, self.store, gen, work / "images", durations,
+                    pidfile=pidfile, inherit=inherit, tcp=tcp,
+                    on_bytes=lambda n: progress.update(done_bytes=n))
         finally:
             for fd in fds:
                 os.close(fd)

@@ -1,9 +1,16 @@
 """Downloads: parallel ranged GETs, decoded and hashed in worker threads,
-written in order; a file's sha256 is checked before it gets its name.
+delivered in order; nothing leaves here unverified.
 
 Consecutive frames are grouped into ranges of about ``RANGE_TARGET`` stored
 bytes (compressed frames can be tiny); up to ``RANGES_AHEAD`` ranges of a
-file are fetched and decoded while the earliest is written.
+file are fetched and decoded while the earliest is consumed.
+
+The file's sha256 (over its frames' digests, see ``upload.file_digest``) is
+known only once its last frame is decoded, so ``decoded`` holds the last
+range back until the whole file matches its manifest. A consumer that
+streams the bytes on (to CRIU, through a pipe) therefore never delivers a
+complete file that is not the one stored: on a mismatch the stream ends
+short, and the reader fails instead of running on altered bytes.
 """
 
 from __future__ import annotations
@@ -11,18 +18,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 from services.storage.backend import Backend
 from services.storage.codec import Codec, DecodeError
 from services.storage.upload import file_digest, frame_aad
 
-RANGE_TARGET = 8 << 20
+RANGE_TARGET = 8 << 20  # stored bytes per ranged GET
+RANGE_RAW = 32 << 20  # and at most this many decoded: frames of a range decode in parallel
 RANGES_AHEAD = 8
 
 Frame = tuple[int, int, int, int]  # index, stored size, raw size, compressed
+Chunk = bytes | memoryview
+
+
+class Mismatch(DecodeError):
+    """Every frame decoded, but the file is not the one the manifest names."""
 
 
 def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
@@ -33,7 +45,9 @@ def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
     for i, (stored, raw, z) in enumerate(frames):
         group.append((i, stored, raw, z))
         length += stored
-        if length >= RANGE_TARGET:
+        # A memory image can shrink a thousandfold: a range of 8 MiB stored
+        # could be a whole file, decoded by one thread.
+        if length >= RANGE_TARGET or sum(f[2] for f in group) >= RANGE_RAW:
             out.append((start, length, group))
             start, length, group = start + length, 0, []
     if group:
@@ -41,46 +55,57 @@ def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
     return out
 
 
-async def fetch_file(backend: Backend, codec: Codec, key: str, entry: dict[str, Any],
-                     dst: Path, on_bytes: Callable[[int], None] | None = None
-                     ) -> tuple[int, str]:
-    """Write the object's decoded bytes to ``dst``; returns (size, sha256)."""
+async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any]
+                  ) -> AsyncIterator[Chunk]:
+    """The object's decoded bytes in order, a frame at a time. The last range
+    comes only after the file's size and sha256 matched ``entry``; otherwise
+    Mismatch (or DecodeError for a frame that does not decode) is raised."""
     enc = entry.get("encryption")
 
-    async def get(start: int, length: int, group: list[Frame]) -> tuple[bytes, list[bytes]]:
+    async def get(start: int, length: int, group: list[Frame]) -> list[tuple[Chunk, bytes]]:
         data = await backend.get_range(key, start, length)
         if len(data) != length:
             raise DecodeError(f"object {key} is shorter than its manifest says",
                               hint="restore another generation (--generation N)")
-        return await asyncio.to_thread(decode, data, group)
-
-    def decode(data: bytes, group: list[Frame]) -> tuple[bytes, list[bytes]]:
-        out, digests, pos = [], [], 0
+        # memoryview slices: a stored-as-is frame is handed on without a copy.
+        view, frames, pos = memoryview(data), [], 0
         for i, stored, raw, z in group:
-            frame = codec.decode(data[pos:pos + stored], raw, bool(z), frame_aad(key, i), enc)
-            out.append(frame)
-            digests.append(hashlib.sha256(frame).digest())
+            frames.append(asyncio.to_thread(decode, view[pos:pos + stored], i, raw, z))
             pos += stored
-        return b"".join(out), digests
+        return await asyncio.gather(*frames)
+
+    def decode(stored: memoryview, i: int, raw: int, z: int) -> tuple[Chunk, bytes]:
+        frame = codec.decode(stored, raw, bool(z), frame_aad(key, i), enc)
+        return frame, hashlib.sha256(frame).digest()
 
     size, digests = 0, []
     todo = deque(ranges(entry["frames"]))
-    ahead: deque[asyncio.Task[tuple[bytes, list[bytes]]]] = deque()
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    ahead: deque[asyncio.Task[list[tuple[Chunk, bytes]]]] = deque()
+    held: list[Chunk] = []
     try:
-        with open(dst, "wb") as out:
-            while todo or ahead:
-                while todo and len(ahead) < RANGES_AHEAD:
-                    ahead.append(asyncio.create_task(get(*todo.popleft())))
-                data, ds = await ahead.popleft()
-                digests.extend(ds)
-                await asyncio.to_thread(out.write, data)
-                size += len(data)
-                if on_bytes:
-                    on_bytes(len(data))
-    except BaseException:
+        while todo or ahead:
+            while todo and len(ahead) < RANGES_AHEAD:
+                ahead.append(asyncio.create_task(get(*todo.popleft())))
+            decoded_range = await ahead.popleft()
+            for chunk in held:
+                yield chunk
+            held = []
+            for frame, digest in decoded_range:
+                digests.append(digest)
+                size += len(frame)
+                held.append(frame)
+        digest = file_digest(digests)
+        if size != entry["size"]:
+            raise Mismatch(f"it holds {size} bytes, the manifest says {entry['size']}",
+                           hint="restore another generation (--generation N)")
+        if digest != entry["sha256"]:
+            raise Mismatch(f"sha256 {digest[:16]}… expected {entry['sha256'][:16]}…",
+                           hint="restore another generation (--generation N); "
+                                "this one is unusable")
+        for chunk in held:
+            yield chunk
+    finally:
         for t in ahead:
             t.cancel()
         await asyncio.gather(*ahead, return_exceptions=True)
-        raise
-    return size, file_digest(digests)
+

@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,16 +30,19 @@ import orjson
 from services.storage import layout
 from services.storage.backend import Backend, Conflict, NotFound
 from services.storage.codec import Codec, DecodeError
-from services.storage.download import fetch_file
+from services.storage.download import Chunk, decoded
 from services.storage.upload import Uploader
 from smr import contract, tracing
 from smr.errors import PermanentError, TemporaryError
+from smr.imagestream import Chunk as StreamChunk
+from smr.imagestream import FileRange
 from smr.messages import SCHEMA_VERSION, epoch, now
 
 log = logging.getLogger("smr.storage")
 
 MAX_CLAIM_TRIES = 16
 FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
+EARLY_CHUNKS = 8  # decoded frames a streamed restore holds before CRIU asks for them
 
 
 class CheckpointNotFound(PermanentError):
@@ -286,22 +289,32 @@ class CheckpointStore:
                           count: Callable[[int], None]) -> None:
         final = dst / f["path"]
         part = final.with_name(final.name + ".unverified")
+        part.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(part, "wb") as out:
+                async with contextlib.aclosing(self.read_file(m, f)) as chunks:
+                    async for data in chunks:
+                        await asyncio.to_thread(out.write, data)
+                        count(len(data))
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        part.rename(final)
+
+    async def read_file(self, m: dict[str, Any], f: dict[str, Any]) -> AsyncIterator[Chunk]:
+        """The decoded bytes of file ``f`` of manifest ``m``, in order; the
+        last chunk only once the whole file matched its sha256 (see download)."""
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
         try:
-            size, digest = await fetch_file(self.backend, self.codec, key, f, part, count)
+            async with contextlib.aclosing(decoded(self.backend, self.codec, key, f)) as chunks:
+                async for data in chunks:
+                    yield data
         except NotFound:
             raise CheckpointCorrupt(f"{where} is missing from storage",
                                     hint="restore another generation (--generation N)") from None
         except DecodeError as e:
-            part.unlink(missing_ok=True)
             raise CheckpointCorrupt(f"{where} is corrupt: {e.message}", hint=e.hint) from None
-        if digest != f["sha256"] or size != f["size"]:
-            part.unlink(missing_ok=True)
-            raise CheckpointCorrupt(
-                f"{where} is corrupt: sha256 {digest[:16]}… expected {f['sha256'][:16]}…",
-                hint="restore another generation (--generation N); this one is unusable")
-        part.rename(final)
 
     async def prune(self, namespace: str, checkpoint_id: str, *, keep: int = 0,
                     max_age_s: float = 0, at: float | None = None) -> list[int]:
@@ -373,3 +386,110 @@ class CheckpointStore:
 
 def created_epoch(g: Generation) -> float:
     return epoch(g.manifest["created_at"])
+
+
+def streamable(manifest: dict[str, Any]) -> bool:
+    """Can CRIU restore this generation from a stream? Not an incremental
+    dump: its images link to a parent directory that CRIU reads by path."""
+    return not manifest.get("symlinks")
+
+
+class StreamedImages:
+    """A generation's CRIU images for ``criu restore --stream``
+    (smr.imagestream): the small ones fetched and verified into memory at
+    once, in parallel; each page image streamed from storage, verified as
+    ``read_file`` does, when CRIU asks for it."""
+
+    def __init__(self, store: CheckpointStore, gen: Generation, subdir: str = "images",
+                 scratch: Path | None = None) -> None:
+        self.store = store
+        self.manifest = gen.manifest
+        self.scratch = scratch
+        prefix = subdir.rstrip("/") + "/"
+        self.files = {f["path"][len(prefix):]: f for f in gen.manifest["files"]
+                      if f["path"].startswith(prefix)}
+        self._small = {name: asyncio.create_task(self._read(f))
+                       for name, f in self.files.items() if not name.startswith("pages-")}
+        # CRIU asks for page images last, after it has set the tree up: the
+        # largest (most often the one that matters) starts downloading now,
+        # into ``scratch`` (RAM-backed where it fits) from which the kernel
+        # splices it into CRIU's pipe, or else a bounded queue ahead of CRIU.
+        # The others start when asked for.
+        pages = [n for n in self.files if n.startswith("pages-")]
+        self._early: dict[str, asyncio.Queue[StreamChunk | BaseException | None]] = {}
+        self._pumps: list[asyncio.Task[None]] = []
+        self._fds: list[int] = []
+        if pages:
+            big = max(pages, key=lambda n: int(self.files[n]["size"]))
+            self._early[big] = asyncio.Queue(maxsize=0 if scratch else EARLY_CHUNKS)
+            self._pumps.append(asyncio.create_task(self._pump(self.files[big],
+                                                              self._early[big])))
+
+    async def _read(self, f: dict[str, Any]) -> bytes:
+        parts = [bytes(c) async for c in self.store.read_file(self.manifest, f)]
+        return b"".join(parts)
+
+    async def _pump(self, f: dict[str, Any],
+                    q: asyncio.Queue[StreamChunk | BaseException | None]) -> None:
+        fd = -1
+        try:
+            if self.scratch:
+                fd = os.open(self.scratch, os.O_RDWR | os.O_TMPFILE, 0o600)
+            offset = 0
+            async for chunk in self.store.read_file(self.manifest, f):
+                if fd < 0:
+                    await q.put(chunk)
+                    continue
+                await asyncio.to_thread(_pwrite_all, fd, chunk, offset)
+                await q.put(FileRange(fd, offset, len(chunk)))
+                offset += len(chunk)
+            await q.put(None)
+        except Exception as e:  # handed to whoever reads the image
+            await q.put(e)
+        finally:
+            if fd >= 0:
+                self._fds.append(fd)  # closed with the stream: CRIU may still splice
+
+    def __call__(self, name: str) -> AsyncIterator[StreamChunk] | None:
+        if name not in self.files:
+            return None
+        if name in self._small:
+            return self._from_memory(name)
+        if q := self._early.pop(name, None):  # once: a second read starts over
+            return self._from_queue(q)
+        return self.store.read_file(self.manifest, self.files[name])
+
+    @staticmethod
+    async def _from_queue(q: asyncio.Queue[StreamChunk | BaseException | None]
+                          ) -> AsyncIterator[StreamChunk]:
+        while (item := await q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def _from_memory(self, name: str) -> AsyncIterator[Chunk]:
+        yield await self._small[name]
+
+    async def aclose(self) -> None:
+        tasks = [*self._small.values(), *self._pumps]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._fds:
+            # Freeing a scratch file of many GiB takes a second: not on the
+            # way to the process running again.
+            fds, self._fds = self._fds, []
+            asyncio.get_running_loop().run_in_executor(None, _close_all, fds)
+
+
+def _pwrite_all(fd: int, data: Chunk, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+

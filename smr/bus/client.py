@@ -20,7 +20,7 @@ from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from smr import tracing
-from smr.aio import quietly
+from smr.aio import cancelling, quietly
 from smr.bus import deadletters, replies, topology
 from smr.bus.topology import (
     KV_STEPS,
@@ -133,6 +133,8 @@ class Bus:
                 try:
                     msgs = await sub.fetch(16, timeout=0.5)
                 except (TimeoutError, nats.errors.TimeoutError):
+                    if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
+                        raise
                     continue
                 for m in msgs:
                     with tracing.tracer.start_as_current_span(

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from smr import metrics, tracing
-from smr.aio import quietly
+from smr.aio import cancelling, quietly, stop_task
 from smr.bus.client import Bus
 from smr.bus.deadletters import Exhausted, peek_request_id
 from smr.bus.topology import (
@@ -119,6 +119,8 @@ class Worker:
                 try:
                     msgs = await psub.fetch(1, timeout=0.5)
                 except (TimeoutError, nats.errors.TimeoutError):
+                    if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
+                        raise
                     continue
                 self.idle.clear()
                 for m in msgs:
@@ -130,8 +132,7 @@ class Worker:
                         await quietly(m.nak(delay=self.bus.config.nak_base_delay))
         finally:
             for task in (answering, lag):
-                task.cancel()
-                await quietly(task)
+                await stop_task(task)
             await quietly(psub.unsubscribe())
             await quietly(exhausted.unsubscribe())
 
@@ -233,8 +234,7 @@ class Worker:
                 except TemporaryError as e:
                     if deliveries < self.bus.config.max_deliver:
                         step_span.record_exception(e)
-                        keepalive.cancel()
-                        await quietly(keepalive)
+                        await stop_task(keepalive)
                         await kv.delete(rid)
                         delay = min(self.bus.config.nak_base_delay * 2 ** (deliveries - 1),
                                     self.bus.config.nak_max_delay)
@@ -257,8 +257,7 @@ class Worker:
                         hint="this is a bug in smr; please report it with the service log"))
                 annotate(step_span, result)
         finally:
-            keepalive.cancel()
-            await quietly(keepalive)
+            await stop_task(keepalive)
         await self._finish(m, result)
 
     def _other_request(self, state: dict[str, Any], req: Any) -> str | None:

@@ -1,0 +1,82 @@
+"""A restore that streams: CRIU restores while the page images download.
+
+CRIU runs with ``--stream`` as soon as the restore starts; smr.imagestream
+answers its requests from storage (services.storage.store.StreamedImages).
+The small images are fetched in parallel at once; the page images flow from
+the ranged GETs through decoding and hashing into CRIU's pipe, so the
+download overlaps the restore. The largest page image starts at once and is
+staged in a RAM-backed scratch file when it fits (else on disk), from which
+the kernel splices it into CRIU's pipe: CRIU's read is the only copy through
+user space, and the download runs ahead of CRIU at its own pace.
+
+Verification is unchanged: a file's last range reaches CRIU only after its
+sha256 matched, so CRIU completes (and the tree resumes) only on stored
+bytes; on a mismatch CRIU fails on the short image and kills the tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from services.storage.store import CheckpointStore, Generation, StreamedImages
+from smr import sockets
+from smr.criu import Criu, CriuRun
+from smr.errors import SmrError
+from smr.imagestream import ImageStreamer
+
+SOCKET_BASE = "/tmp"
+SHM = Path("/dev/shm")
+
+
+def scratch_for(gen: Generation, disk: Path) -> Path:
+    """Where the largest page image lands on its way to CRIU: RAM (/dev/shm)
+    when it fits there with room left for the process it becomes (which
+    needs as much again), else ``disk``; the page cache still serves CRIU."""
+    need = max((int(f["size"]) for f in gen.manifest["files"]
+                if Path(f["path"]).name.startswith("pages-")), default=0)
+    try:
+        st = os.statvfs(SHM)
+        free = st.f_bavail * st.f_frsize
+        avail = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").open()
+                     if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return disk
+    if need * 1.2 + (256 << 20) < min(free, avail / 2):
+        return SHM
+    disk.mkdir(parents=True, exist_ok=True)
+    return disk
+
+
+async def restore_streamed(criu: Criu, store: CheckpointStore, gen: Generation, images: Path,
+                           durations: dict[str, float], *, pidfile: Path,
+                           inherit: dict[str, int], tcp: sockets.Tcp,
+                           on_bytes: Callable[[int], None] | None = None) -> CriuRun:
+    """Run ``criu restore --stream`` fed from ``gen``; ``durations["download"]``
+    becomes the time until CRIU had every byte (overlapped with the restore)."""
+    t = time.monotonic()
+    source = StreamedImages(store, gen, scratch=scratch_for(gen, images.parent))
+    # A unix socket's path has at most 107 bytes and CRIU cuts a longer one
+    # short: the socket goes in a short directory of its own.
+    sockets_dir = Path(tempfile.mkdtemp(prefix="smr-", dir=SOCKET_BASE))
+    try:
+        async with ImageStreamer(sockets_dir, source, on_bytes) as streamer:
+            try:
+                run = await criu.restore(images, pidfile=pidfile, inherit=inherit, tcp=tcp,
+                                         stream=sockets_dir)
+            except SmrError:
+                if cause := streamer.cause():
+                    raise cause from None  # CRIU failed because an image did not arrive
+                raise
+            await streamer.finish()
+            durations["download"] = streamer.done_at - t if streamer.done_at else 0.0
+    finally:
+        shutil.rmtree(sockets_dir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            await source.aclose()
+    return run
