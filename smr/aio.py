@@ -74,3 +74,27 @@ def dump_tasks_on_signal(sig: int = signal.SIGUSR1) -> None:
         logging.getLogger("smr").warning("%d tasks on SIGUSR1:\n%s", len(tasks), out.getvalue())
 
     loop.add_signal_handler(sig, dump)
+
+
+async def until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[Any]]
+                        ) -> asyncio.Task[Any] | None:
+    """Wait for ``stop``; or for one of ``tasks``, which should run until then,
+    to end on its own: that task is returned (None once stopped). A worker that
+    died would otherwise leave its process up and its node unserved."""
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if stopping in done:
+        return None
+    return next(iter(done))
+
+
+def ended_why(task: asyncio.Task[Any]) -> str:
+    """How a task that should not have ended did: its error, or how it ended."""
+    if task.cancelled():
+        return "cancelled"
+    e = task.exception()
+    return f"{type(e).__name__}: {e}" if e else "returned"
+

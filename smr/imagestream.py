@@ -31,7 +31,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -194,9 +194,11 @@ class ImageStreamer:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
                 break
+        writing: Future[None] | None = None
         try:
             async for chunk in chunks:
-                await self._run(_write_all, fd, chunk)
+                writing = self._pool.submit(_write_all, fd, chunk)
+                await asyncio.wrap_future(writing)
                 self.bytes += len(chunk)
                 if self.on_bytes:
                     self.on_bytes(self.bytes)
@@ -205,7 +207,12 @@ class ImageStreamer:
             log.debug("image %s not served in full: %s", name, e)
             self._errors.append(e)
         finally:
-            os.close(fd)
+            if writing is not None and not writing.done():
+                # Cancelled while a thread still writes to it: that thread
+                # closes it, so the number is never reused under its feet.
+                writing.add_done_callback(lambda _: os.close(fd))
+            else:
+                os.close(fd)
             self.done_at = time.monotonic()
             aclose = getattr(chunks, "aclose", None)
             if aclose:

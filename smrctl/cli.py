@@ -20,7 +20,7 @@ import orjson
 
 from services.storage.settings import make_store
 from smr import config, metrics, sockets
-from smr.aio import dump_tasks_on_signal
+from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.jobs import JobRegistry, launch
@@ -104,7 +104,14 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
         if node.criu_problem:
             print(f"  WARNING: {node.criu_problem}", flush=True)
         print(f"  checkpoints in {s.storage_root}; Ctrl-C stops", flush=True)
-        await stop.wait()
+        if ended := await until_stopped(stop, node.tasks):
+            # Up but not serving is the worst state: exit, so that whatever
+            # runs `smr up` (systemd, a supervisor) starts it again.
+            print(f"smr up: a service of node {s.node} ended on its own ({ended_why(ended)});"
+                  " stopping so that it is restarted", file=sys.stderr, flush=True)
+            if served:
+                await served.cleanup()
+            return 1
         print("smr: stopping", flush=True)
         if served:
             await served.cleanup()

@@ -92,7 +92,8 @@ async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
         f"{'still there?!' if job.alive() else 'gone'}")
     await asyncio.sleep(1.0)
 
-    say("3. restore (restore.requested → restorer → verify sha256 → CRIU restore)")
+    say("3. restore (restore.requested → restorer → CRIU restores as the images stream in, "
+        "sha256-checked)")
     rreq = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job_id,
                             target=Target.job(job_id), node=s.node)
     rdone = await bus.request(rreq, timeout=600)

@@ -364,3 +364,28 @@ async def test_quietly_never_swallows_its_callers_cancellation() -> None:
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=2)
     assert task in done and task.cancelled()
+
+
+async def test_a_worker_keeps_serving_its_node_across_nats_restarts(
+        tmp_path: Path, nats_server: NatsServer, bus_config: Any, node: str) -> None:
+    """NATS restarted again and again (JetStream on disk kept), as the fault
+    campaign does: whatever the fetches meet meanwhile, the worker is still
+    there afterwards and runs the next request."""
+    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+    bus = await Bus.connect(srv.url, name="test", config=bus_config)
+    try:
+        step = CountingStep()
+        w, t = await run_worker(bus, step, node)
+        for _ in range(6):
+            await asyncio.to_thread(srv.stop)
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(srv.start)
+            await asyncio.sleep(0.7)
+        assert not t.done(), t.exception() if not t.cancelled() else "cancelled"
+        await bus.publish(request(node, "after-restarts"))
+        result = await bus.wait_result("after-restarts", "ckpt.requested", timeout=30)
+        assert result.status == "succeeded" and step.seen == ["after-restarts"]
+        await stop(w, t)
+    finally:
+        await bus.close()
+        srv.stop()

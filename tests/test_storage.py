@@ -10,10 +10,11 @@ import asyncio
 import base64
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,36 @@ async def test_retention_keeps_the_newest_n_and_drops_old_ones(
     dst = tmp_path / "out"
     await store.fetch(latest, dst)
     assert (dst / "images" / "inventory.img").read_bytes() == b"inventory"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a scratch that fills."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path = tmp_path / "scratch"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+async def test_a_streamed_page_image_that_overfills_its_scratch_is_retried_not_crashed(
+        tmp_path: Path, small_tmpfs: Path) -> None:
+    """The largest page image of a streamed restore is staged in a scratch
+    file; a full scratch is a temporary failure (retried), named as such."""
+    from services.storage.store import ScratchFull, StreamedImages
+
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    (src / "images" / "pages-1.img").write_bytes(os.urandom(3 << 20))
+    store = CheckpointStore(LocalBackend(tmp_path / "store"), Codec(level=0))
+    gen = await store.commit(NS, "full", src, meta("r1"))
+    source = StreamedImages(store, gen, scratch=small_tmpfs)
+    chunks = source("pages-1.img")
+    assert chunks is not None
+    with pytest.raises(ScratchFull) as e:
+        async for _ in chunks:
+            pass
+    assert "pages-1.img" in e.value.message and str(small_tmpfs) in e.value.message
+    await source.aclose()

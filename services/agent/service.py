@@ -24,9 +24,11 @@ from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint
+from smr.aio import ended_why, until_stopped
 from smr.bus import KV_LOCKS, KV_STEPS, Bus, Worker
 from smr.config import Settings
 from smr.criu import Criu
+from smr.errors import SmrError
 from smr.jobs import JobLock
 
 log = logging.getLogger("smr.agent")
@@ -68,7 +70,11 @@ class NodeAgent:
         try:
             await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
             self.ready.set()
-            await self._stop.wait()
+            if ended := await until_stopped(self._stop, tasks):
+                # Exit, so that the DaemonSet restarts the agent, rather than
+                # stay up without serving its node.
+                raise SmrError(f"a worker of the agent ended on its own ({ended_why(ended)})",
+                               code="worker-ended", hint="the agent restarts; see its log")
         finally:
             self.stop()
             for t in tasks:

@@ -432,15 +432,26 @@ class StreamedImages:
     async def _pump(self, f: dict[str, Any],
                     q: asyncio.Queue[StreamChunk | BaseException | None]) -> None:
         fd = -1
-        try:
-            if self.scratch:
+        if self.scratch:
+            try:
                 fd = os.open(self.scratch, os.O_RDWR | os.O_TMPFILE, 0o600)
+            except OSError as e:  # a filesystem without O_TMPFILE: through memory
+                log.info("no scratch file in %s (%s); streaming from memory", self.scratch, e)
+        try:
             offset = 0
             async for chunk in self.store.read_file(self.manifest, f):
                 if fd < 0:
                     await q.put(chunk)
                     continue
-                await asyncio.to_thread(_pwrite_all, fd, chunk, offset)
+                try:
+                    await asyncio.to_thread(_pwrite_all, fd, chunk, offset)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise ScratchFull(
+                            f"no space left in {self.scratch} for {f['path']} "
+                            f"({f['size']} bytes)", hint="free space there, or give "
+                            "SMR_DATA_DIR a larger disk; the restore is retried") from None
+                    raise
                 await q.put(FileRange(fd, offset, len(chunk)))
                 offset += len(chunk)
             await q.put(None)

@@ -11,6 +11,7 @@ dead-lettered (smr/bus/deadletters.py), as is one that keeps failing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -45,6 +46,7 @@ from smr.retry import retry_nats
 log = logging.getLogger("smr.bus")
 
 LAG_EVERY_S = 5.0  # how often the backlog metric is read from the consumer
+FETCH_RETRY_S = 0.5  # after a fetch that failed for another reason than "nothing new"
 
 Req = TypeVar("Req", CkptRequested, RestoreRequested)
 Res = TypeVar("Res", CkptDone, RestoreDone)
@@ -113,19 +115,43 @@ class Worker:
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
+        failing = 0
         try:
             while not self._stop.is_set():
                 self.idle.set()
                 try:
                     msgs = await psub.fetch(1, timeout=0.5)
+                    failing = 0
                 except (TimeoutError, nats.errors.TimeoutError):
                     if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
                         raise
+                    continue
+                except Exception as e:
+                    # NATS restarting (connection closed, JetStream not ready
+                    # yet): the node keeps being served once it is back.
+                    if cancelling():
+                        raise
+                    failing += 1
+                    if failing == 1:
+                        log.warning("%s: fetching from %s failed (%s: %s); retrying",
+                                    self.service, subject(self.step.kind, self.node),
+                                    type(e).__name__, e)
+                    await asyncio.sleep(FETCH_RETRY_S)
                     continue
                 self.idle.clear()
                 for m in msgs:
                     try:
                         await self.handle(m)
+                    except asyncio.CancelledError:
+                        if cancelling() or self._stop.is_set():
+                            raise
+                        # Not this worker's stop: a library gave up a call
+                        # that way (NATS closing a request as it restarts).
+                        # The node must go on being served: the message is
+                        # redelivered, and recovery looks at what was done.
+                        log.warning("%s: handling %s was cancelled from inside; it is "
+                                    "redelivered", self.service, m.subject)
+                        await quietly(m.nak(delay=self.bus.config.nak_base_delay))
                     except Exception:
                         # Nothing escapes one message: the loop keeps serving the node.
                         log.exception("%s: unexpected error on %s", self.service, m.subject)
@@ -294,12 +320,16 @@ class Worker:
         await self.bus.publish(result)
 
     async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], p: Progress) -> None:
+        # Failures of a beat are let go (the next one may pass); a cancel is
+        # not (a BaseException): the keepalive ends when its step does.
         while True:
             await asyncio.sleep(self.bus.config.keepalive)
-            await quietly(m.in_progress())
+            with contextlib.suppress(Exception):
+                await m.in_progress()
             claim.update(heartbeat=time.time(), phase=p.phase, done_bytes=p.done_bytes,
                          total_bytes=p.total_bytes, **p.extra)
-            await quietly(self.bus.kv(KV_STEPS).put(rid, orjson.dumps(claim)))
+            with contextlib.suppress(Exception):
+                await self.bus.kv(KV_STEPS).put(rid, orjson.dumps(claim))
 
 
 def annotate(span: trace.Span, result: CkptDone | RestoreDone) -> None:
