@@ -123,7 +123,13 @@ class ImageStreamer:
         path = self.images / SOCKET
         path.unlink(missing_ok=True)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
+        # Bound through the directory's descriptor: a socket path has at most
+        # 107 bytes, and a pod volume's host path can be longer.
+        dfd = os.open(self.images, os.O_PATH | os.O_DIRECTORY)
+        try:
+            self._listener.bind(f"/proc/self/fd/{dfd}/{SOCKET}")
+        finally:
+            os.close(dfd)
         self._listener.listen(1)
         self._listener.setblocking(False)
         self._serving = asyncio.create_task(self._serve())

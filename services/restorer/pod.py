@@ -26,7 +26,8 @@ from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.incontainer import set_last_pid
 from services.agent.pods import PodContainer, PodStep
-from services.storage.store import Generation
+from services.restorer.stream import restore_streamed
+from services.storage.store import Generation, streamable
 from smr import gpuinfo, sockets
 from smr.bus import Progress
 from smr.errors import PermanentError
@@ -60,13 +61,18 @@ class PodRestoreStep(PodStep):
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             t = time.monotonic()
             await asyncio.to_thread(shutil.rmtree, work, True)
-            await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n))
+            # Streamed: only the writable layer first; CRIU's images stream
+            # into it as it restores (services/restorer/stream).
+            streamed = streamable(gen.manifest)
+            await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n),
+                                   only=(lambda p: not p.startswith("images/")) if streamed
+                                   else None)
             durations = {"download": time.monotonic() - t}
             progress.update("restore")
             t = time.monotonic()
             await rootfs.apply(work / rootfs.TAR, shim.root)
             durations["rootfs"] = time.monotonic() - t
-            pid = await self._restore(gen, shim, work, durations)
+            pid = await self._restore(gen, shim, work, durations, streamed, progress)
             shim.decide(f"restored {pid}")
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)
@@ -92,7 +98,7 @@ class PodRestoreStep(PodStep):
         gpuinfo.check_restorable(gen.manifest.get("gpu"), what, has_api=has_gpu_api)
 
     async def _restore(self, gen: Generation, shim: Shim, work: Path,
-                       durations: dict[str, float]) -> int:
+                       durations: dict[str, float], streamed: bool, progress: Progress) -> int:
         criu = self.bundle.inside(shim, self.criu_timeout)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
@@ -105,10 +111,19 @@ class PodRestoreStep(PodStep):
                 fds.append(new)
                 inherit[pipe] = new
         pidfile = work / "restored.pid"
+        # A new container has a new network namespace: connections come back closed.
+        tcp = sockets.restore_mode(gen.manifest, same_place=False)
         try:
-            # A new container has a new network namespace: connections come back closed.
-            run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
-                                     tcp=sockets.restore_mode(gen.manifest, same_place=False))
+            if streamed:
+                # The socket in the pod's volume: CRIU, inside the container,
+                # reaches it there under a short path.
+                run = await restore_streamed(
+                    criu, self.store, gen, work / "images", durations, pidfile=pidfile,
+                    inherit=inherit, tcp=tcp, sockets_dir=work / "stream",
+                    on_bytes=lambda n: progress.update(done_bytes=n))
+            else:
+                run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
+                                         tcp=tcp)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -56,14 +56,18 @@ def scratch_for(gen: Generation, disk: Path) -> Path:
 async def restore_streamed(criu: Criu, store: CheckpointStore, gen: Generation, images: Path,
                            durations: dict[str, float], *, pidfile: Path,
                            inherit: dict[str, int], tcp: sockets.Tcp,
-                           on_bytes: Callable[[int], None] | None = None) -> CriuRun:
+                           on_bytes: Callable[[int], None] | None = None,
+                           sockets_dir: Path | None = None) -> CriuRun:
     """Run ``criu restore --stream`` fed from ``gen``; ``durations["download"]``
-    becomes the time until CRIU had every byte (overlapped with the restore)."""
+    becomes the time until CRIU had every byte (overlapped with the restore).
+    ``sockets_dir``: where CRIU finds the streamer's socket, a directory it
+    sees under a short path (a pod's volume); by default one of its own."""
     t = time.monotonic()
     source = StreamedImages(store, gen, scratch=scratch_for(gen, images.parent))
-    # A unix socket's path has at most 107 bytes and CRIU cuts a longer one
-    # short: the socket goes in a short directory of its own.
-    sockets_dir = Path(tempfile.mkdtemp(prefix="smr-", dir=SOCKET_BASE))
+    # CRIU cuts a socket path longer than 107 bytes short: by default the
+    # socket goes in a short directory of its own.
+    own = sockets_dir is None
+    sockets_dir = sockets_dir or Path(tempfile.mkdtemp(prefix="smr-", dir=SOCKET_BASE))
     try:
         async with ImageStreamer(sockets_dir, source, on_bytes) as streamer:
             try:
@@ -76,7 +80,8 @@ async def restore_streamed(criu: Criu, store: CheckpointStore, gen: Generation, 
             await streamer.finish()
             durations["download"] = streamer.done_at - t if streamer.done_at else 0.0
     finally:
-        shutil.rmtree(sockets_dir, ignore_errors=True)
+        if own:
+            shutil.rmtree(sockets_dir, ignore_errors=True)
         with contextlib.suppress(Exception):
             await source.aclose()
     return run

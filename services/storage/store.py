@@ -239,17 +239,20 @@ class CheckpointStore:
         return len(keys)
 
     async def fetch(self, gen: Generation, dst: Path, *,
-                    on_bytes: Callable[[int], None] | None = None) -> None:
+                    on_bytes: Callable[[int], None] | None = None,
+                    only: Callable[[str], bool] | None = None) -> None:
         """Download a generation into ``dst``, every file checked against its
-        sha256 before it gets its final name: CRIU never reads an unverified byte."""
+        sha256 before it gets its final name: CRIU never reads an unverified byte.
+        ``only``: the files (by path) to fetch; all by default."""
         with tracing.tracer.start_as_current_span(
                 "download", attributes={"smr.checkpoint_id": gen.manifest["checkpoint_id"],
                                         "smr.generation": gen.number,
                                         "smr.size_bytes": gen.size_bytes}):
-            await self._fetch(gen, dst, on_bytes)
+            await self._fetch(gen, dst, on_bytes, only)
 
     async def _fetch(self, gen: Generation, dst: Path,
-                     on_bytes: Callable[[int], None] | None) -> None:
+                     on_bytes: Callable[[int], None] | None,
+                     only: Callable[[str], bool] | None = None) -> None:
         m = gen.manifest
         for f in m["files"]:
             if f.get("encryption"):
@@ -269,7 +272,7 @@ class CheckpointStore:
             async with slots:
                 await self._fetch_file(m, f, dst, count)
 
-        tasks = [asyncio.create_task(one(f)) for f in m["files"]]
+        tasks = [asyncio.create_task(one(f)) for f in m["files"] if not only or only(f["path"])]
         try:
             await asyncio.gather(*tasks)
         except BaseException as e:
