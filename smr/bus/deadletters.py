@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from smr import metrics
+from smr.aio import cancelling
 from smr.bus.topology import (
     MAX_DLQ_PAYLOAD,
     RESULT_OF,
@@ -79,6 +80,8 @@ class Exhausted:
             try:
                 advisories = await sub.fetch(8, timeout=1.0)
             except (TimeoutError, nats.errors.TimeoutError):
+                if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
+                    raise
                 continue
             for adv in advisories:
                 try:
