@@ -45,7 +45,8 @@ class RestoreStep(LocalJobStep):
             work = self.work_dir / req.request_id
             shutil.rmtree(work, ignore_errors=True)
             durations: dict[str, float] = {}
-            if not streamable(gen.manifest):
+            streamed = streamable(gen.manifest)
+            if not streamed:
                 progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
                 t = time.monotonic()
                 await self.store.fetch(gen, work,
@@ -55,7 +56,8 @@ class RestoreStep(LocalJobStep):
             # A local job runs in its node's network namespace: its kept
             # connections can come back on the node that took them.
             tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
-            job = await self._restore(req, gen, work, existing, durations, tcp, progress)
+            job = await self._restore(req, gen, work, existing, durations, tcp, progress,
+                                      streamed)
             shutil.rmtree(work, ignore_errors=True)
         finally:
             await self.lock.release(job_id, req.request_id)
@@ -71,7 +73,7 @@ class RestoreStep(LocalJobStep):
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
                        existing: Job | None, durations: dict[str, float],
-                       tcp: sockets.Tcp, progress: Progress) -> Job:
+                       tcp: sockets.Tcp, progress: Progress, streamed: bool) -> Job:
         spec = gen.manifest.get("job") or {}
         log = spec.get("log", "")
         inherit, fds = {}, []
@@ -84,7 +86,7 @@ class RestoreStep(LocalJobStep):
             inherit[log] = fd
         pidfile = work / "restored.pid"
         try:
-            if "download" in durations:  # fetched first: CRIU reads the files
+            if not streamed:  # fetched first: CRIU reads the files
                 run = await self.criu.restore(work / "images", pidfile=pidfile,
                                               inherit=inherit, tcp=tcp)
             else:

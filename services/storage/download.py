@@ -40,16 +40,17 @@ class Mismatch(DecodeError):
 def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
     """(start, length, frames) covering the object, each about RANGE_TARGET."""
     out: list[tuple[int, int, list[Frame]]] = []
-    start = length = 0
+    start = length = decoded_len = 0
     group: list[Frame] = []
     for i, (stored, raw, z) in enumerate(frames):
         group.append((i, stored, raw, z))
         length += stored
+        decoded_len += raw
         # A memory image can shrink a thousandfold: a range of 8 MiB stored
         # could be a whole file, decoded by one thread.
-        if length >= RANGE_TARGET or sum(f[2] for f in group) >= RANGE_RAW:
+        if length >= RANGE_TARGET or decoded_len >= RANGE_RAW:
             out.append((start, length, group))
-            start, length, group = start + length, 0, []
+            start, length, decoded_len, group = start + length, 0, 0, []
     if group:
         out.append((start, length, group))
     return out
