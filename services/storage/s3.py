@@ -34,8 +34,9 @@ class S3Backend:
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url or None
         self.region = region
+        addressing = "path" if path_style else "auto"
         self.config = Config(
-            s3={"addressing_style": "path" if path_style else "auto"},
+            s3={"addressing_style": addressing},
             retries={"max_attempts": 5, "mode": "standard"},
             max_pool_connections=connections,
             # Every file carries our own sha256; botocore's extra CRC32 would
@@ -43,30 +44,38 @@ class S3Backend:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
+        # Parts of image files go with UNSIGNED-PAYLOAD, also over plain
+        # http where botocore would hash every byte for the signature (and
+        # the server again to check it): their bytes are checked end to end
+        # by the sha256 the manifest records, before a restore uses any. The
+        # manifest and the pointers stay signed.
+        self.bulk_config = self.config.merge(Config(
+            s3={"addressing_style": addressing, "payload_signing_enabled": False}))
         self.session = aioboto3.Session()
         self._stack: AsyncExitStack | None = None
-        self._client_obj: Any = None
+        self._clients: dict[bool, Any] = {}
         self._opening = asyncio.Lock()
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
 
     @asynccontextmanager
-    async def _client(self) -> AsyncIterator[Any]:
-        """One client (and connection pool) for the backend's life."""
+    async def _client(self, *, bulk: bool = False) -> AsyncIterator[Any]:
+        """One client (and connection pool) of each kind for the backend's
+        life; ``bulk``: the one whose uploads leave their payload unsigned."""
         async with self._opening:
-            if self._client_obj is None:
-                stack = AsyncExitStack()
-                self._client_obj = await stack.enter_async_context(self.session.client(
-                    "s3", endpoint_url=self.endpoint_url, region_name=self.region,
-                    config=self.config))
-                self._stack = stack
-        yield self._client_obj
+            if bulk not in self._clients:
+                self._stack = self._stack or AsyncExitStack()
+                self._clients[bulk] = await self._stack.enter_async_context(
+                    self.session.client("s3", endpoint_url=self.endpoint_url,
+                                        region_name=self.region,
+                                        config=self.bulk_config if bulk else self.config))
+        yield self._clients[bulk]
 
     async def close(self) -> None:
         if self._stack:
             await self._stack.aclose()
-        self._stack = self._client_obj = None
+        self._stack, self._clients = None, {}
 
     @asynccontextmanager
     async def _errors(self, key: str) -> AsyncIterator[None]:
@@ -175,7 +184,7 @@ class S3Upload:
         return self.upload_id
 
     async def put_part(self, number: int, offset: int, data: bytes) -> None:
-        async with self.b._client() as c, self.b._errors(self.key):
+        async with self.b._client(bulk=True) as c, self.b._errors(self.key):
             uid = await self._begin(c)
             async for attempt in retry_s3():
                 with attempt:

@@ -29,6 +29,7 @@ import orjson
 
 from services.storage import layout
 from services.storage.backend import Backend, Conflict, NotFound
+from services.storage.buffers import keep_transfer_buffers
 from services.storage.codec import Codec, DecodeError
 from services.storage.download import Chunk, decoded
 from services.storage.upload import Uploader
@@ -81,6 +82,7 @@ class CheckpointStore:
     def __init__(self, backend: Backend, codec: Codec | None = None) -> None:
         self.backend = backend
         self.codec = codec or Codec()
+        keep_transfer_buffers()  # this process moves images: see buffers
         # inventory()'s manifests: written once (If-None-Match), so a generation
         # still listed still has the manifest read before.
         self._seen: dict[tuple[str, str, int], Generation] = {}

@@ -133,7 +133,8 @@ class Uploader:
         encoding: deque[asyncio.Task[tuple[bytes, bool, int, bytes]]] = deque()
         digests: list[bytes] = []
         sends: set[asyncio.Task[None]] = set()
-        part, part_raw, part_no, offset, raw_off = bytearray(), 0, 0, 0, 0
+        part: list[bytes] = []
+        part_len = part_raw = part_no = offset = raw_off = 0
 
         async def send(number: int, at: int, data: bytes, raw: int) -> None:
             try:
@@ -143,23 +144,26 @@ class Uploader:
             self._progress(raw)
 
         async def flush() -> None:
-            nonlocal part, part_raw, part_no, offset
+            nonlocal part, part_len, part_raw, part_no, offset
             await self.parts.acquire()  # back-pressure: wait for a free slot
             part_no += 1
-            t = asyncio.create_task(send(part_no, offset, bytes(part), part_raw))
+            # A frame stored as it is fills a part alone: sent without a copy.
+            data = part[0] if len(part) == 1 else b"".join(part)
+            t = asyncio.create_task(send(part_no, offset, data, part_raw))
             sends.add(t)
             t.add_done_callback(sends.discard)
-            offset += len(part)
-            part, part_raw = bytearray(), 0
+            offset += part_len
+            part, part_len, part_raw = [], 0, 0
 
         async def collect() -> None:
-            nonlocal part_raw
+            nonlocal part_len, part_raw
             data, z, n, digest = await encoding.popleft()
             frames.append([len(data), n, int(z)])
             digests.append(digest)
-            part.extend(data)
+            part.append(data)
+            part_len += len(data)
             part_raw += n
-            if len(part) >= PART_TARGET:
+            if part_len >= PART_TARGET:
                 await flush()
 
         fd = os.open(path, os.O_RDONLY)
