@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.storage.backend import Backend
@@ -62,14 +62,21 @@ def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
     return out
 
 
-async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any]
-                  ) -> AsyncIterator[Chunk]:
+Sink = Callable[[int, Chunk], Any]
+
+
+async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any],
+                  sink: Sink | None = None) -> AsyncIterator[Any]:
     """The object's decoded bytes in order, a frame at a time. The last range
     comes only after the file's size and sha256 matched ``entry``; otherwise
-    Mismatch (or DecodeError for a frame that does not decode) is raised."""
+    Mismatch (or DecodeError for a frame that does not decode) is raised.
+
+    ``sink(index, frame)``: called in the worker thread that decoded frame
+    ``index`` (frames of a range in parallel, out of order); what it returns
+    is yielded in the frame's place, in order and held back alike."""
     enc = entry.get("encryption")
 
-    async def get(start: int, length: int, group: list[Frame]) -> list[tuple[Chunk, bytes]]:
+    async def get(start: int, length: int, group: list[Frame]) -> list[tuple[Any, int, bytes]]:
         data = await backend.get_range(key, start, length)
         if len(data) != length:
             raise DecodeError(f"object {key} is shorter than its manifest says",
@@ -81,14 +88,15 @@ async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any
             pos += stored
         return await asyncio.gather(*frames)
 
-    def decode(stored: memoryview, i: int, raw: int, z: int) -> tuple[Chunk, bytes]:
+    def decode(stored: memoryview, i: int, raw: int, z: int) -> tuple[Any, int, bytes]:
         frame = codec.decode(stored, raw, bool(z), frame_aad(key, i), enc)
-        return frame, hashlib.sha256(frame).digest()
+        digest = hashlib.sha256(frame).digest()
+        return (sink(i, frame) if sink else frame), len(frame), digest
 
     size, digests = 0, []
     todo = deque(ranges(entry["frames"]))
-    ahead: deque[asyncio.Task[list[tuple[Chunk, bytes]]]] = deque()
-    held: list[Chunk] = []
+    ahead: deque[asyncio.Task[list[tuple[Any, int, bytes]]]] = deque()
+    held: list[Any] = []
     try:
         while todo or ahead:
             while todo and len(ahead) < (RANGES_AHEAD if digests else 1):
@@ -97,10 +105,10 @@ async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any
             for chunk in held:
                 yield chunk
             held = []
-            for frame, digest in decoded_range:
+            for piece, n, digest in decoded_range:
                 digests.append(digest)
-                size += len(frame)
-                held.append(frame)
+                size += n
+                held.append(piece)
         digest = file_digest(digests)
         if size != entry["size"]:
             raise Mismatch(f"it holds {size} bytes, the manifest says {entry['size']}",

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from services.storage import layout
 from services.storage.backend import Backend, Conflict, NotFound
 from services.storage.buffers import keep_transfer_buffers
 from services.storage.codec import Codec, DecodeError
-from services.storage.download import Chunk, decoded
+from services.storage.download import Chunk, Sink, decoded
 from services.storage.upload import Uploader
 from smr import contract, tracing
 from smr.errors import PermanentError, TemporaryError
@@ -44,6 +45,7 @@ log = logging.getLogger("smr.storage")
 MAX_CLAIM_TRIES = 16
 FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
 EARLY_CHUNKS = 8  # decoded frames a streamed restore holds before CRIU asks for them
+SCRATCH_FILES = 16  # written in parallel (see Scatter)
 
 
 class CheckpointNotFound(PermanentError):
@@ -306,13 +308,16 @@ class CheckpointStore:
             raise
         part.rename(final)
 
-    async def read_file(self, m: dict[str, Any], f: dict[str, Any]) -> AsyncIterator[Chunk]:
+    async def read_file(self, m: dict[str, Any], f: dict[str, Any],
+                        sink: Sink | None = None) -> AsyncIterator[Any]:
         """The decoded bytes of file ``f`` of manifest ``m``, in order; the
-        last chunk only once the whole file matched its sha256 (see download)."""
+        last chunk only once the whole file matched its sha256 (see download,
+        also for ``sink``)."""
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
         try:
-            async with contextlib.aclosing(decoded(self.backend, self.codec, key, f)) as chunks:
+            async with contextlib.aclosing(decoded(self.backend, self.codec, key, f,
+                                                   sink)) as chunks:
                 async for data in chunks:
                     yield data
         except NotFound:
@@ -423,48 +428,36 @@ class StreamedImages:
         pages = [n for n in self.files if n.startswith("pages-")]
         self._early: dict[str, asyncio.Queue[StreamChunk | BaseException | None]] = {}
         self._pumps: list[asyncio.Task[None]] = []
-        self._fds: list[int] = []
+        self._scratch: list[Scatter] = []
         if pages:
             big = max(pages, key=lambda n: int(self.files[n]["size"]))
-            self._early[big] = asyncio.Queue(maxsize=0 if scratch else EARLY_CHUNKS)
+            scatter = Scatter.open(scratch, self.files[big]["frames"]) if scratch else None
+            if scatter:
+                self._scratch.append(scatter)
+            self._early[big] = asyncio.Queue(maxsize=0 if scatter else EARLY_CHUNKS)
             self._pumps.append(asyncio.create_task(self._pump(self.files[big],
-                                                              self._early[big])))
+                                                              self._early[big], scatter)))
 
     async def _read(self, f: dict[str, Any]) -> bytes:
         parts = [bytes(c) async for c in self.store.read_file(self.manifest, f)]
         return b"".join(parts)
 
-    async def _pump(self, f: dict[str, Any],
-                    q: asyncio.Queue[StreamChunk | BaseException | None]) -> None:
-        fd = -1
-        if self.scratch:
-            try:
-                fd = os.open(self.scratch, os.O_RDWR | os.O_TMPFILE, 0o600)
-            except OSError as e:  # a filesystem without O_TMPFILE: through memory
-                log.info("no scratch file in %s (%s); streaming from memory", self.scratch, e)
+    async def _pump(self, f: dict[str, Any], q: asyncio.Queue[StreamChunk | BaseException | None],
+                    scatter: Scatter | None) -> None:
         try:
-            offset = 0
-            async for chunk in self.store.read_file(self.manifest, f):
-                if fd < 0:
-                    await q.put(chunk)
-                    continue
-                try:
-                    await asyncio.to_thread(_pwrite_all, fd, chunk, offset)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise ScratchFull(
-                            f"no space left in {self.scratch} for {f['path']} "
-                            f"({f['size']} bytes)", hint="free space there, or give "
-                            "SMR_DATA_DIR a larger disk; the restore is retried") from None
-                    raise
-                await q.put(FileRange(fd, offset, len(chunk)))
-                offset += len(chunk)
+            try:
+                async for piece in self.store.read_file(self.manifest, f, scatter):
+                    await q.put(piece)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ScratchFull(
+                        f"no space left in {self.scratch} for {f['path']} "
+                        f"({f['size']} bytes)", hint="free space there, or give "
+                        "SMR_DATA_DIR a larger disk; the restore is retried") from None
+                raise
             await q.put(None)
         except Exception as e:  # handed to whoever reads the image
             await q.put(e)
-        finally:
-            if fd >= 0:
-                self._fds.append(fd)  # closed with the stream: CRIU may still splice
 
     def __call__(self, name: str) -> AsyncIterator[StreamChunk] | None:
         if name not in self.files:
@@ -491,11 +484,67 @@ class StreamedImages:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._fds:
+        if self._scratch:
             # Freeing a scratch file of many GiB takes a second: not on the
             # way to the process running again.
-            fds, self._fds = self._fds, []
-            asyncio.get_running_loop().run_in_executor(None, _close_all, fds)
+            scratch, self._scratch = self._scratch, []
+            for sc in scratch:
+                asyncio.get_running_loop().run_in_executor(None, sc.close)
+
+
+class Scatter:
+    """A page image staged in scratch files on its way to CRIU: a sink (see
+    download.decoded) that writes frame i, in the thread that decoded it,
+    into file i % SCRATCH_FILES after the earlier frames there, and hands
+    CRIU a FileRange of it. Several files, because tmpfs takes one writer
+    per file at a time."""
+
+    def __init__(self, fds: list[int], frames: list[list[int]]) -> None:
+        self.fds = fds
+        self.at: list[int] = []
+        ends = [0] * len(fds)
+        for i, (_, raw, _) in enumerate(frames):
+            self.at.append(ends[i % len(fds)])
+            ends[i % len(fds)] += raw
+        # A decoding thread outlives the cancel of the task that awaited it:
+        # the files close only once no thread writes, or a write could land
+        # in whatever reuses the descriptor.
+        self._writers = threading.Condition()
+        self._busy = 0
+        self._closed = False
+
+    @classmethod
+    def open(cls, where: Path, frames: list[list[int]]) -> Scatter | None:
+        fds: list[int] = []
+        try:
+            while len(fds) < SCRATCH_FILES:
+                fds.append(os.open(where, os.O_RDWR | os.O_TMPFILE, 0o600))
+        except OSError as e:  # a filesystem without O_TMPFILE: through memory
+            log.info("no scratch file in %s (%s); streaming from memory", where, e)
+            _close_all(fds)
+            return None
+        return cls(fds, frames)
+
+    def __call__(self, i: int, frame: Chunk) -> FileRange:
+        with self._writers:
+            if self._closed:
+                raise OSError(errno.EBADF, "the scratch files were closed")
+            self._busy += 1
+        try:
+            fd = self.fds[i % len(self.fds)]
+            _pwrite_all(fd, frame, self.at[i])
+        finally:
+            with self._writers:
+                self._busy -= 1
+                self._writers.notify_all()
+        return FileRange(fd, self.at[i], len(frame))
+
+    def close(self) -> None:
+        """Blocks until no thread writes, then closes the files."""
+        with self._writers:
+            self._closed = True
+            self._writers.wait_for(lambda: self._busy == 0)
+        _close_all(self.fds)
 
 
 def _pwrite_all(fd: int, data: Chunk, offset: int) -> None:
