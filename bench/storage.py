@@ -22,7 +22,12 @@ its Go binary) against the same server:
               restores from the files        while the images download; no copy
                                              on disk; verified before it resumes)
 
-    .venv/bin/python bench/storage.py [--gib 2] [--level 3]
+Each of those runs ``--rounds`` times, the tools taking turns; the tables
+show medians (a 2-core VM's figures vary by a fifth from run to run). The
+server shares the 2 cores with the client; rclone computes an object's MD5
+(its ETag) on the object's first read, once, which both tools wait for.
+
+    .venv/bin/python bench/storage.py [--gib 2] [--level 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from statistics import median
 
 from services.restorer.stream import restore_streamed
 from services.storage.codec import Codec
@@ -101,36 +107,47 @@ async def restore_from(criu: Criu, images: Path, log: Path, work: Path,
     pidfile.unlink()
 
 
-async def both_ways(criu: Criu, pid: int, log: Path, work: Path, port: int, level: int
-                    ) -> dict[str, float]:
+async def both_ways(criu: Criu, pid: int, log: Path, work: Path, port: int, level: int,
+                    rounds: int) -> dict[str, list[float]]:
     """Seconds to move one on-disk image set up and down, and to restore from
-    storage: s5cmd (then CRIU from its files), and smr."""
+    storage: s5cmd (then CRIU from its files), and smr; ``rounds`` times each,
+    taking turns (one VM's memory and the server's caches vary run to run)."""
     images = work / "both-ways"
     await criu.dump(pid, images / "images", leave_running=True)
     url = f"http://127.0.0.1:{port}"
-    out: dict[str, float] = {}
-    out["s5cmd up"] = await timed_run(s5cmd(), "--endpoint-url", url, "cp",
-                                      f"{images}/", "s3://bench/peer/")
-    out["s5cmd down"] = await timed_run(s5cmd(), "--endpoint-url", url, "cp",
-                                        "s3://bench/peer/*", f"{work / 'peer-down'}/")
-    t0 = time.monotonic()
-    await restore_from(criu, work / "peer-down" / "images", log, work)
-    out["criu restore"] = time.monotonic() - t0  # from files on disk, in the page cache
+    out: dict[str, list[float]] = {}
+
+    def took(name: str, t0: float) -> None:
+        out.setdefault(name, []).append(time.monotonic() - t0)
+
     backend = S3Backend("bench", endpoint_url=url, path_style=True)
     store = CheckpointStore(backend, Codec(level=level))
-    t0 = time.monotonic()
-    gen = await store.commit("bench", "both", images, meta(uuid.uuid4().hex))
-    out["smr up"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    await store.fetch(gen, work / "smr-down")
-    out["smr down"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    await restore_from(criu, work / "streamed" / "images", log, work, (store, gen))
-    out["smr streamed restore"] = time.monotonic() - t0
-    await store.delete_checkpoint("bench", "both")
+    for i in range(rounds):
+        peer, down = f"s3://bench/peer{i}/", work / f"peer-down{i}"
+        t0 = time.monotonic()
+        await timed_run(s5cmd(), "--endpoint-url", url, "cp", f"{images}/", peer)
+        took("s5cmd up", t0)
+        t0 = time.monotonic()
+        await timed_run(s5cmd(), "--endpoint-url", url, "cp", f"{peer}*", f"{down}/")
+        took("s5cmd down", t0)
+        t0 = time.monotonic()
+        await restore_from(criu, down / "images", log, work)
+        took("criu restore", t0)  # from files on disk, in the page cache
+        await timed_run(s5cmd(), "--endpoint-url", url, "rm", f"{peer}*")
+        t0 = time.monotonic()
+        gen = await store.commit("bench", f"both{i}", images, meta(uuid.uuid4().hex))
+        took("smr up", t0)
+        t0 = time.monotonic()
+        await store.fetch(gen, work / "smr-down")
+        took("smr down", t0)
+        t0 = time.monotonic()
+        await restore_from(criu, work / "streamed" / "images", log, work, (store, gen))
+        took("smr streamed restore", t0)
+        await store.delete_checkpoint("bench", f"both{i}")
+        for d in (down, work / "smr-down", work / "streamed"):
+            shutil.rmtree(d, ignore_errors=True)
     await backend.close()
-    for d in (images, work / "peer-down", work / "smr-down", work / "streamed"):
-        shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(images, ignore_errors=True)
     return out
 
 
@@ -176,6 +193,8 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--level", type=int, default=3, help="zstd level of the pipeline")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="each transfer both ways this many times; medians printed")
     a = ap.parse_args()
     mib = int(a.gib * 1024)
     s = config.load()
@@ -190,7 +209,7 @@ async def main() -> None:
         "--auth-key", "bench,benchsecret", str(tmp / "s3"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
-    ways: dict[str, dict[str, float]] = {}
+    ways: dict[str, dict[str, list[float]]] = {}
     try:
         await wait_port(port)
         for kind in ("compressible", "random"):
@@ -219,9 +238,10 @@ async def main() -> None:
                     print(f"  {kind:12} {name:9} durable {durable:6.2f} s  (dump {dump_s:5.2f} s,"
                           f" stored {stored / 2**20:7.0f} MiB)", flush=True)
                 ways[kind] = await both_ways(criu, job.pid, tmp / f"{kind}.log", tmp / "work",
-                                             port, a.level)
-                print(f"  {kind:12} " + "  ".join(f"{k} {v:.2f} s"
-                                                  for k, v in ways[kind].items()), flush=True)
+                                             port, a.level, a.rounds)
+                for k, v in ways[kind].items():
+                    print(f"  {kind:12} {k:21} " + " ".join(f"{x:6.2f}" for x in v)
+                          + f"   median {median(v):6.2f} s", flush=True)
             finally:
                 os.kill(job.pid, 9)
     finally:
@@ -236,19 +256,22 @@ async def main() -> None:
         print(f"{kind:12} {t['baseline']:8.2f}s {t['seq+zstd']:8.2f}s {t['streamed']:8.2f}s "
               f"{t['baseline'] / t['streamed']:6.2f}x")
 
-    print("\nthe same image set both ways (one dump on disk), s5cmd beside smr")
+    print(f"\nthe same image set both ways (one dump on disk), s5cmd beside smr; "
+          f"medians of {a.rounds} rounds")
     print(f"{'image set':12} {'s5cmd up':>9} {'smr up':>9} {'s5cmd down':>11} {'smr down':>9}"
           "   (smr: zstd + sha256 up; download + decode + verify down)")
     for kind, t in ways.items():
-        print(f"{kind:12} {t['s5cmd up']:8.2f}s {t['smr up']:8.2f}s {t['s5cmd down']:10.2f}s "
-              f"{t['smr down']:8.2f}s")
-    print("\nrestore from storage to a running process")
+        m = {k: median(v) for k, v in t.items()}
+        print(f"{kind:12} {m['s5cmd up']:8.2f}s {m['smr up']:8.2f}s {m['s5cmd down']:10.2f}s "
+              f"{m['smr down']:8.2f}s")
+    print(f"\nrestore from storage to a running process; medians of {a.rounds} rounds")
     print(f"{'image set':12} {'s5cmd down + criu restore':>26} {'smr streamed restore':>21}"
           "   (smr: CRIU restores while the images download; every byte verified first)")
     for kind, t in ways.items():
-        peer = t["s5cmd down"] + t["criu restore"]
-        print(f"{kind:12} {peer:8.2f}s ({t['s5cmd down']:.2f} + {t['criu restore']:.2f})"
-              f"{'':>5} {t['smr streamed restore']:20.2f}s")
+        peer = [d + r for d, r in zip(t["s5cmd down"], t["criu restore"], strict=True)]
+        print(f"{kind:12} {median(peer):8.2f}s ({median(t['s5cmd down']):.2f} + "
+              f"{median(t['criu restore']):.2f}){'':>5} "
+              f"{median(t['smr streamed restore']):20.2f}s")
 
 if __name__ == "__main__":
     asyncio.run(main())

@@ -116,6 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
             "requires one; empty: none"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
+    Setting("WORK_DIR", "", str, "where a local job's images are dumped on their way to storage; "
+            "default: DATA_DIR/work; on a tmpfs a GPU heartbeat's freeze is shorter"),
     Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
     Setting("STORAGE_PATH", "", str, "local backend's directory; default: DATA_DIR/checkpoints"),
     Setting("S3_BUCKET", "", str, "S3 bucket (SMR_STORAGE=s3); credentials: the AWS chain"),
@@ -220,6 +222,10 @@ class Settings:
     @property
     def data_path(self) -> Path:
         return Path(self.values["DATA_DIR"] or _default_data_dir())
+
+    @property
+    def work_path(self) -> Path:
+        return Path(self.values["WORK_DIR"] or self.data_path / "work")
 
     @property
     def storage_root(self) -> Path:

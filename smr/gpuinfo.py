@@ -98,16 +98,39 @@ def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path) -> None:
     """Refuse early: the driver copies GPU memory into the job's host memory,
     then CRIU writes it to ``work_dir``."""
     need = int(gpu["used_bytes"] * HEADROOM)
-    avail = _mem_available()
-    if avail is not None and avail < need:
-        raise NoRoom(f"checkpointing needs about {need >> 20} MiB of free host memory for the "
-                     f"job's {gpu['used_bytes'] >> 20} MiB of GPU memory; {avail >> 20} MiB free",
-                     hint="free host memory on this node, or give the agent a node with more RAM")
     work_dir.mkdir(parents=True, exist_ok=True)
+    # A dump into a tmpfs takes the same RAM again as the driver's copy.
+    in_ram = 2 if on_tmpfs(work_dir) else 1
+    avail = _mem_available()
+    if avail is not None and avail < need * in_ram:
+        where = f" and again for its images in {work_dir} (a tmpfs)" if in_ram == 2 else ""
+        raise NoRoom(f"checkpointing needs about {need >> 20} MiB of free host memory for the "
+                     f"job's {gpu['used_bytes'] >> 20} MiB of GPU memory{where}; "
+                     f"{avail >> 20} MiB free",
+                     hint="free host memory on this node, or give the agent a node with more "
+                     "RAM" + ("; or point SMR_WORK_DIR at a disk" if in_ram == 2 else ""))
     free = shutil.disk_usage(work_dir).free
     if free < need:
         raise NoRoom(f"{work_dir} has {free >> 20} MiB free; the GPU images alone need about "
-                     f"{need >> 20} MiB", hint="point SMR_DATA_DIR at a larger disk or tmpfs")
+                     f"{need >> 20} MiB", hint="point SMR_WORK_DIR at a larger disk or tmpfs")
+
+
+def on_tmpfs(path: Path) -> bool:
+    """Is ``path`` on a RAM-backed filesystem (the deepest mount holding it)?"""
+    target, best, kind = str(path.resolve()), "", ""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind in ("tmpfs", "ramfs")
 
 
 def check_restorable(gpu: dict[str, Any] | None, what: str, *, has_api: bool) -> None:

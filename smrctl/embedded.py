@@ -73,7 +73,7 @@ class EmbeddedNode:
         if cuda:
             log.info("GPU jobs: CUDA checkpoint API available (THP %s)", gpuinfo.thp_mode())
         common = dict(criu=criu, store=store, jobs=jobs, lock=lock,
-                      work_dir=s.data_path / "work", node=s.node, cuda=cuda)
+                      work_dir=s.work_path, node=s.node, cuda=cuda)
         self.workers = [
             Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer"),
             Worker(self.bus, RestoreStep(**common), s.node, service="restorer"),

@@ -14,6 +14,9 @@ def test_defaults() -> None:
     s = config.load({})
     assert s.nats_url == "" and s.max_deliver == 5 and s.storage == "local"
     assert s.storage_root == s.data_path / "checkpoints"
+    assert s.work_path == s.data_path / "work"
+    # A GPU node points the dumps at RAM (docs/gpu.md, node tuning).
+    assert config.load({"SMR_WORK_DIR": "/dev/shm/smr"}).work_path == Path("/dev/shm/smr")
 
 
 def test_environment_wins_over_file(tmp_path: Path) -> None:

@@ -132,6 +132,42 @@ async def test_large_file_round_trip_in_parts(store: CheckpointStore, tmp_path: 
     assert (dst / "images" / "pages-1.img").read_bytes() == want
 
 
+class WatchedBackend(LocalBackend):
+    """The real local backend, recording how many ranged GETs are in flight
+    as each one starts."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.in_flight = 0
+        self.seen: list[int] = []
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.in_flight += 1
+        self.seen.append(self.in_flight)
+        try:
+            await asyncio.sleep(0.05)  # a round trip, so that GETs can overlap
+            return await super().get_range(key, start, length)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_a_files_first_range_goes_alone_then_the_rest_in_parallel(
+    tmp_path: Path,
+) -> None:
+    # A server that computes an object's ETag on its first read (rclone's
+    # serve s3) computes it once per concurrent GET: the first goes alone.
+    backend = WatchedBackend(tmp_path / "store")
+    store = CheckpointStore(backend, Codec(level=0))
+    src = images(tmp_path, size=6 * FRAME_SIZE)  # six ranges
+    gen = await store.commit(NS, "ck", src, meta("r1"))
+    backend.seen.clear()
+    await store.fetch(gen, tmp_path / "out", only=lambda p: p.endswith("pages-1.img"))
+    assert backend.seen[0] == 1 and backend.seen[1] == 1, backend.seen  # the second waited
+    assert max(backend.seen) > 1, "the other ranges were not fetched in parallel"
+    assert (tmp_path / "out" / "images" / "pages-1.img").read_bytes() == \
+        (src / "images" / "pages-1.img").read_bytes()
+
+
 async def test_flipped_byte_is_detected_before_use(
     store: CheckpointStore, backend: Backend, tmp_path: Path
 ) -> None:
@@ -336,3 +372,42 @@ async def test_a_streamed_page_image_that_overfills_its_scratch_is_retried_not_c
             pass
     assert "pages-1.img" in e.value.message and str(small_tmpfs) in e.value.message
     await source.aclose()
+
+
+async def test_a_staged_page_image_reaches_criu_whole_and_in_order(tmp_path: Path) -> None:
+    """Staged in 16 scratch files by the decoding threads, out of order: what
+    CRIU is handed, read back in order, is the image byte for byte."""
+    from services.storage.store import SCRATCH_FILES, StreamedImages
+    from smr.imagestream import FileRange
+
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    want = os.urandom(FRAME_SIZE * (SCRATCH_FILES + 3) + 4321)  # every file, some twice
+    (src / "images" / "pages-1.img").write_bytes(want)
+    store = CheckpointStore(LocalBackend(tmp_path / "store"), Codec(level=3))
+    gen = await store.commit(NS, "staged", src, meta("r1"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    source = StreamedImages(store, gen, scratch=scratch)
+    chunks = source("pages-1.img")
+    assert chunks is not None
+    got, fds = bytearray(), set()
+    async for piece in chunks:
+        assert isinstance(piece, FileRange), "not staged"
+        got += os.pread(piece.fd, piece.length, piece.offset)
+        fds.add(piece.fd)
+    assert bytes(got) == want
+    assert len(fds) == SCRATCH_FILES
+    await source.aclose()
+
+
+def test_a_small_node_streams_without_staging(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    from services.restorer import stream
+    from services.storage.store import Generation
+
+    gen = Generation({"files": [{"path": "images/pages-1.img", "size": 1 << 20}]}, "")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert stream.scratch_for(gen, tmp_path) is None
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert stream.scratch_for(gen, tmp_path) is not None

@@ -32,12 +32,22 @@ from smr.imagestream import ImageStreamer
 
 SOCKET_BASE = "/tmp"
 SHM = Path("/dev/shm")
+STAGING_MIN_CORES = 4
 
 
-def scratch_for(gen: Generation, disk: Path) -> Path:
+def scratch_for(gen: Generation, disk: Path) -> Path | None:
     """Where the largest page image lands on its way to CRIU: RAM (/dev/shm)
     when it fits there with room left for the process it becomes (which
-    needs as much again), else ``disk``; the page cache still serves CRIU."""
+    needs as much again), else ``disk``; the page cache still serves CRIU.
+
+    None (no staging: the download keeps a few frames ahead of CRIU) on a
+    node with fewer than STAGING_MIN_CORES cores. Staging is one more pass
+    through fresh memory, which pays only where spare cores let the download
+    run ahead of CRIU. Measured, 2 GiB of random memory from local storage:
+    on 2 cores 2.2-2.9 s without, 2.9-9.2 s with; on the H100 machine's 16,
+    16 GiB restored 16.2 s without, 13.0 s with."""
+    if (os.cpu_count() or 1) < STAGING_MIN_CORES:
+        return None
     need = max((int(f["size"]) for f in gen.manifest["files"]
                 if Path(f["path"]).name.startswith("pages-")), default=0)
     try:
