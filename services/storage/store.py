@@ -297,12 +297,16 @@ class CheckpointStore:
         final = dst / f["path"]
         part = final.with_name(final.name + ".unverified")
         part.parent.mkdir(parents=True, exist_ok=True)
+        # Each frame is written where it belongs by the thread that decoded it.
+        out = Scatter([os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)],
+                      f["frames"])
         try:
-            with open(part, "wb") as out:
-                async with contextlib.aclosing(self.read_file(m, f)) as chunks:
-                    async for data in chunks:
-                        await asyncio.to_thread(out.write, data)
-                        count(len(data))
+            try:
+                async with contextlib.aclosing(self.read_file(m, f, out)) as pieces:
+                    async for piece in pieces:
+                        count(piece.length)
+            finally:
+                await asyncio.to_thread(out.close)
         except BaseException:
             part.unlink(missing_ok=True)
             raise
