@@ -4,10 +4,11 @@ CRIU runs with ``--stream`` as soon as the restore starts; smr.imagestream
 answers its requests from storage (services.storage.store.StreamedImages).
 The small images are fetched in parallel at once; the page images flow from
 the ranged GETs through decoding and hashing into CRIU's pipe, so the
-download overlaps the restore. The largest page image starts at once and is
-staged in a RAM-backed scratch file when it fits (else on disk), from which
-the kernel splices it into CRIU's pipe: CRIU's read is the only copy through
-user space, and the download runs ahead of CRIU at its own pace.
+download overlaps the restore. The largest page image starts at once. On a
+node with cores to spare it is staged by the decoding threads in scratch
+files (RAM-backed when it fits, else on disk), from which the kernel splices
+it into CRIU's pipe, so the download runs ahead of CRIU at its own pace; on
+a small one it goes through memory, a few frames ahead (see scratch_for).
 
 Verification is unchanged: a file's last range reaches CRIU only after its
 sha256 matched, so CRIU completes (and the tree resumes) only on stored

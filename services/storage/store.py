@@ -283,11 +283,9 @@ class CheckpointStore:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ScratchFull(f"no space left in {dst.parent} for the "
-                                  f"{gen.size_bytes} bytes of generation {gen.number}",
-                                  hint="free space there, or give SMR_DATA_DIR a larger disk; "
-                                  "the restore is retried") from None
+            if out_of_space(e):
+                raise ScratchFull(f"no space left in {dst.parent} for the {gen.size_bytes} "
+                                  f"bytes of generation {gen.number}", hint=SPACE_HINT) from None
             raise
         for link in m.get("symlinks", []):
             (dst / link["path"]).symlink_to(link["target"])
@@ -408,6 +406,14 @@ def streamable(manifest: dict[str, Any]) -> bool:
     return not manifest.get("symlinks")
 
 
+SPACE_HINT = ("free space there, or point SMR_WORK_DIR (SMR_DATA_DIR for pods) at a larger "
+              "disk; the restore is retried")
+
+
+def out_of_space(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 class StreamedImages:
     """A generation's CRIU images for ``criu restore --stream``
     (smr.imagestream): the small ones fetched and verified into memory at
@@ -432,15 +438,14 @@ class StreamedImages:
         pages = [n for n in self.files if n.startswith("pages-")]
         self._early: dict[str, asyncio.Queue[StreamChunk | BaseException | None]] = {}
         self._pumps: list[asyncio.Task[None]] = []
-        self._scratch: list[Scatter] = []
+        self._scatter: Scatter | None = None
         if pages:
             big = max(pages, key=lambda n: int(self.files[n]["size"]))
-            scatter = Scatter.open(scratch, self.files[big]["frames"]) if scratch else None
-            if scatter:
-                self._scratch.append(scatter)
-            self._early[big] = asyncio.Queue(maxsize=0 if scatter else EARLY_CHUNKS)
+            if scratch:
+                self._scatter = Scatter.open(scratch, self.files[big]["frames"])
+            self._early[big] = asyncio.Queue(maxsize=0 if self._scatter else EARLY_CHUNKS)
             self._pumps.append(asyncio.create_task(self._pump(self.files[big],
-                                                              self._early[big], scatter)))
+                                                              self._early[big], self._scatter)))
 
     async def _read(self, f: dict[str, Any]) -> bytes:
         parts = [bytes(c) async for c in self.store.read_file(self.manifest, f)]
@@ -449,18 +454,13 @@ class StreamedImages:
     async def _pump(self, f: dict[str, Any], q: asyncio.Queue[StreamChunk | BaseException | None],
                     scatter: Scatter | None) -> None:
         try:
-            try:
-                async for piece in self.store.read_file(self.manifest, f, scatter):
-                    await q.put(piece)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise ScratchFull(
-                        f"no space left in {self.scratch} for {f['path']} "
-                        f"({f['size']} bytes)", hint="free space there, or give "
-                        "SMR_DATA_DIR a larger disk; the restore is retried") from None
-                raise
+            async for piece in self.store.read_file(self.manifest, f, scatter):
+                await q.put(piece)
             await q.put(None)
         except Exception as e:  # handed to whoever reads the image
+            if out_of_space(e):
+                e = ScratchFull(f"no space left in {self.scratch} for {f['path']} "
+                                f"({f['size']} bytes)", hint=SPACE_HINT)
             await q.put(e)
 
     def __call__(self, name: str) -> AsyncIterator[StreamChunk] | None:
@@ -488,20 +488,19 @@ class StreamedImages:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._scratch:
-            # Freeing a scratch file of many GiB takes a second: not on the
+        if self._scatter:
+            # Freeing scratch files of many GiB takes a second: not on the
             # way to the process running again.
-            scratch, self._scratch = self._scratch, []
-            for sc in scratch:
-                asyncio.get_running_loop().run_in_executor(None, sc.close)
+            asyncio.get_running_loop().run_in_executor(None, self._scatter.close)
+            self._scatter = None
 
 
 class Scatter:
-    """A page image staged in scratch files on its way to CRIU: a sink (see
-    download.decoded) that writes frame i, in the thread that decoded it,
-    into file i % SCRATCH_FILES after the earlier frames there, and hands
-    CRIU a FileRange of it. Several files, because tmpfs takes one writer
-    per file at a time."""
+    """A sink (see download.decoded) that writes frame i, in the thread that
+    decoded it, into file i % len(fds) after the earlier frames there, and
+    returns the FileRange it wrote. One file for a fetch; SCRATCH_FILES for a
+    page image staged on its way to CRIU, because tmpfs takes one writer per
+    file at a time."""
 
     def __init__(self, fds: list[int], frames: list[list[int]]) -> None:
         self.fds = fds
