@@ -1,6 +1,12 @@
 """A server in a pod container: redis-server (a program nobody here wrote),
 with a redis-py client in the pod's network namespace, through a cordon and
-a migration to the other node."""
+a migration to the other node.
+
+The clients here block, and the node agents run on this test's event loop:
+every client call goes to a thread (``off_loop``). On the loop, a connect
+that reaches the restored listening socket while CRIU is still restoring
+(its backlog takes it) would wait for an answer that never comes, holding
+up the agent that serves CRIU its images until the client gives up."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from smr.messages import CkptRequested, Target
 from tests.agent.cluster import REDIS_IMAGE, Cluster, workload
 
 T = TypeVar("T")
+off_loop = asyncio.to_thread
 
 
 def in_netns(pid: int, fn: Callable[[], T]) -> T:
@@ -74,9 +81,9 @@ class PodNetConnection(redis.Connection):
         return in_netns(self.netns_pid, lambda: redis.Connection._connect(self))
 
 
-def pod_redis(cluster: Cluster, name: str) -> redis.Redis:
-    pool = redis.ConnectionPool(connection_class=PodNetConnection,
-                                netns_pid=netns_pid(cluster, name), port=6379,
+def pod_redis(pid: int) -> redis.Redis:
+    """A client of the redis in the network namespace of process ``pid``."""
+    pool = redis.ConnectionPool(connection_class=PodNetConnection, netns_pid=pid, port=6379,
                                 socket_timeout=10)
     return redis.Redis(connection_pool=pool, single_connection_client=True)
 
@@ -95,8 +102,8 @@ async def until_redis(cluster: Cluster, name: str, timeout: float = 30) -> redis
         p = cluster.kube.get("pods", name, "default")
         if p and (p.get("status") or {}).get("containerStatuses"):
             try:  # the client connects as it is made
-                return pod_redis(cluster, name)
-            except (redis.ConnectionError, OSError, AssertionError):
+                return await off_loop(pod_redis, netns_pid(cluster, name))
+            except (redis.ConnectionError, redis.TimeoutError, OSError, AssertionError):
                 pass
         assert time.monotonic() < deadline, (f"redis in pod {name} never answered; log: "
                                              f"{cluster.log(name, p['spec']['nodeName'])!r}")
@@ -111,9 +118,9 @@ async def test_redis_pod_keeps_its_client_on_cordon_and_resets_it_on_migration(
     env = {"SMR_CHECKPOINT": "kv-1"}
     cluster.kube.put("pods", redis_pod("kv-a", a, env))
     r = await until_redis(cluster, "kv-a")
-    r.execute_command("DEBUG", "POPULATE", 20000, "key", 64)
-    me = r.client_id()
-    assert r.incr("n") == 1
+    await off_loop(r.execute_command, "DEBUG", "POPULATE", 20000, "key", 64)
+    me = await off_loop(r.client_id)
+    assert await off_loop(r.incr, "n") == 1
 
     # kubectl cordon: a checkpoint that leaves the pod running; the client's
     # connection is kept through it (the network is locked during the dump).
@@ -122,11 +129,12 @@ async def test_redis_pod_keeps_its_client_on_cordon_and_resets_it_on_migration(
     assert cordon["reason"] == "cordon"
     assert "tcp 0.0.0.0:6379" in cordon["sockets"]["listening"]
     assert cordon["sockets"]["established"] >= 1 and cordon["sockets"]["tcp"] == "keep"
-    assert r.incr("n") == 2 and r.client_id() == me, "the same connection goes on"
+    assert await off_loop(r.incr, "n") == 2, "the same connection goes on"
+    assert await off_loop(r.client_id) == me
 
     # The pod is drained: its final checkpoint closes the connection, which
     # the client sees at once instead of waiting for a TCP timeout.
-    before = r.execute_command("DEBUG", "DIGEST")
+    before = await off_loop(r.execute_command, "DEBUG", "DIGEST")
     done = await cluster.bus.request(CkptRequested(
         request_id=uuid.uuid4().hex, checkpoint_id="kv-1", node=a, reason="drain",
         target=Target(kind="pod", namespace="default", pod="kv-a", container="main")),
@@ -134,22 +142,23 @@ async def test_redis_pod_keeps_its_client_on_cordon_and_resets_it_on_migration(
     assert done.status == "succeeded", done.error
     assert done.sockets and done.sockets["connections"] == "closed"
     with pytest.raises(redis.ConnectionError):
-        r.incr("n")
+        await off_loop(r.incr, "n")
     r.close()
 
     # Its replacement on node b resumes from the checkpoint; the client
     # reconnects (to the new pod, as through a Service) and finds its data.
     cluster.kube.put("pods", redis_pod("kv-b", b, env))
     again = await until_redis(cluster, "kv-b")
-    assert again.execute_command("DEBUG", "DIGEST") == before
-    assert again.incr("n") == 3 and again.dbsize() == 20001
+    assert await off_loop(again.execute_command, "DEBUG", "DIGEST") == before
+    assert await off_loop(again.incr, "n") == 3
+    assert await off_loop(again.dbsize) == 20001
     again.close()
     await cluster.event("Restored", "kv-b")
 
 
-def http_get(cluster: Cluster, name: str, port: int = 8080) -> tuple[int, bytes]:
-    sock = in_netns(netns_pid(cluster, name),
-                    lambda: socket.create_connection(("127.0.0.1", port), timeout=10))
+def http_get(pid: int, port: int = 8080) -> tuple[int, bytes]:
+    """GET /index.html from port ``port`` in the network namespace of ``pid``."""
+    sock = in_netns(pid, lambda: socket.create_connection(("127.0.0.1", port), timeout=10))
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     conn.sock = sock
     try:
@@ -166,7 +175,7 @@ async def until_http(cluster: Cluster, name: str, timeout: float = 30) -> tuple[
         p = cluster.kube.get("pods", name, "default")
         if p and (p.get("status") or {}).get("containerStatuses"):
             with contextlib.suppress(OSError, AssertionError, http.client.HTTPException):
-                return http_get(cluster, name)
+                return await off_loop(http_get, netns_pid(cluster, name))
         assert time.monotonic() < deadline, f"no HTTP answer from pod {name}"
         await asyncio.sleep(0.2)
 
