@@ -19,12 +19,22 @@ from pathlib import Path
 
 import pytest
 
+from services.restorer import stream
 from services.storage import layout
 from services.storage.backend import Backend, Conflict
 from services.storage.codec import FRAME_SIZE, Codec, WrongKey
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointCorrupt, CheckpointNotFound, CheckpointStore
+from services.storage.store import (
+    SCRATCH_FILES,
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CheckpointStore,
+    Generation,
+    ScratchFull,
+    StreamedImages,
+)
+from smr.imagestream import FileRange
 from smr.messages import Target
 
 NS = layout.LOCAL_NAMESPACE
@@ -357,8 +367,6 @@ async def test_a_streamed_page_image_that_overfills_its_scratch_is_retried_not_c
         tmp_path: Path, small_tmpfs: Path) -> None:
     """The largest page image of a streamed restore is staged in a scratch
     file; a full scratch is a temporary failure (retried), named as such."""
-    from services.storage.store import ScratchFull, StreamedImages
-
     src = tmp_path / "img"
     (src / "images").mkdir(parents=True)
     (src / "images" / "pages-1.img").write_bytes(os.urandom(3 << 20))
@@ -377,9 +385,6 @@ async def test_a_streamed_page_image_that_overfills_its_scratch_is_retried_not_c
 async def test_a_staged_page_image_reaches_criu_whole_and_in_order(tmp_path: Path) -> None:
     """Staged in 16 scratch files by the decoding threads, out of order: what
     CRIU is handed, read back in order, is the image byte for byte."""
-    from services.storage.store import SCRATCH_FILES, StreamedImages
-    from smr.imagestream import FileRange
-
     src = tmp_path / "img"
     (src / "images").mkdir(parents=True)
     want = os.urandom(FRAME_SIZE * (SCRATCH_FILES + 3) + 4321)  # every file, some twice
@@ -403,8 +408,6 @@ async def test_a_staged_page_image_reaches_criu_whole_and_in_order(tmp_path: Pat
 
 def test_a_small_node_streams_without_staging(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
-    from services.restorer import stream
-    from services.storage.store import Generation
 
     gen = Generation({"files": [{"path": "images/pages-1.img", "size": 1 << 20}]}, "")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
