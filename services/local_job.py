@@ -15,7 +15,8 @@ from smr.messages import Target
 
 class LocalJobStep:
     def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
-                 work_dir: Path, node: str, cuda: CudaCheckpoint | None = None) -> None:
+                 work_dir: Path, node: str, cuda: CudaCheckpoint | None = None,
+                 commit_deadline: float = 1800.0) -> None:
         self.criu = criu
         self.store = store
         self.jobs = jobs
@@ -23,6 +24,9 @@ class LocalJobStep:
         self.work_dir = work_dir
         self.node = node
         self.cuda = cuda  # None on a node without the NVIDIA driver
+        # How long a finished dump is retried into storage (its job held
+        # stopped) before the checkpoint fails and the job runs on.
+        self.commit_deadline = commit_deadline
 
     @staticmethod
     def job_id(target: Target) -> str:

@@ -162,6 +162,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CRIU_ROOT", "", str, "node agent: the prefix CRIU is installed in, copied into "
             "pods (its usr/sbin/criu, usr/lib/x86_64-linux-gnu); default: `make setup`'s, else /"),
     Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
+    Setting("COMMIT_DEADLINE", 1800.0, _pos_float, "seconds a finished dump is retried into "
+            "storage that fails (a final checkpoint's job held stopped meanwhile) before the "
+            "checkpoint fails and the job runs on"),
+    Setting("LOCK_WAIT", 3600.0, _pos_float, "seconds a checkpoint or restore waits for "
+            "another live step on the same job before it is retried"),
+    Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
+            "node runs at once"),
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart"), "node agent: "
             "install smr-runtime and containerd's smr runtime handlers on the node at start "
             "(files), and restart containerd if they changed (restart)"),

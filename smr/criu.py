@@ -8,9 +8,12 @@ failing line, so the error event says what CRIU said.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import os
 import platform
 import re
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -109,9 +112,12 @@ class Criu:
         return ["--tcp-close"]
 
     async def dump(self, pid: int, images: Path, *, leave_running: bool = False,
-                   parent: Path | None = None, tcp: Tcp = "close") -> CriuRun:
+                   leave_stopped: bool = False, parent: Path | None = None,
+                   tcp: Tcp = "close") -> CriuRun:
         """Freeze and dump the tree rooted at ``pid``; CRIU kills it unless
-        ``leave_running``. On failure CRIU thaws the tree: it keeps running.
+        ``leave_running``, or ``leave_stopped`` (every task left in SIGSTOP,
+        for the caller to kill once the images are stored, or to continue if
+        they cannot be). On failure CRIU thaws the tree: it keeps running.
 
         ``tcp`` (smr.sockets): keep the established connections, or close
         them (not saved; peers see the close once the tree is gone)."""
@@ -120,6 +126,8 @@ class Criu:
         args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight", *self._tcp(tcp)]
         if leave_running:
             args.append("--leave-running")
+        elif leave_stopped:
+            args.append("--leave-stopped")
         if parent:
             # Incremental: pages already in the pre-dump are referenced, not copied.
             args += ["--track-mem", "--prev-images-dir", os.path.relpath(parent, images)]
@@ -244,6 +252,38 @@ def failing_line(log: Path) -> str:
         if "Error (" in line and not _NOISE.search(line):
             return line.strip()
     return ""
+
+
+def still_running(images: Path) -> list[int]:
+    """CRIU processes still at work on ``images``: a worker that died leaves
+    its CRIU running (each starts in its own session), and what it finishes
+    (a dump leaving the tree stopped, a restored tree) must be waited for
+    before recovery decides anything."""
+    want = os.fsencode(images)
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            args = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"criu") for a in args[:4]) and any(
+                a == b"-D" and b == want for a, b in itertools.pairwise(args)):
+            found.append(int(p.name))
+    return found
+
+
+async def wait_finished(images: Path, timeout: float) -> None:
+    """Until no CRIU works on ``images`` (or ``timeout``: then it is killed)."""
+    deadline = time.monotonic() + timeout
+    while pids := still_running(images):
+        if time.monotonic() > deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        await asyncio.sleep(0.1)
 
 
 def dump_finished(images: Path) -> bool:

@@ -13,10 +13,13 @@ with compare-and-set so two writers never lose each other's update.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,9 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 from nats.js.kv import KeyValue
 
 from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.gpuinfo import process_tree
+
+log = logging.getLogger("smr.jobs")
 
 
 @dataclass
@@ -181,39 +187,62 @@ class JobRegistry:
 class JobLock:
     """Serialises checkpoint and restore steps on one job (KV bucket smr-locks).
 
-    A lock records the request that holds it. Another request may take it over
-    only when the holder's step is over (answered, or never started), so a
-    crashed worker cannot leave a job locked for good.
+    A lock records the request that holds it. Another request waits while the
+    holder's step is alive (its state ``running``, its heartbeat fresh), and
+    takes the lock over once that step is over (answered, never started, or
+    its worker dead), so a crashed worker cannot leave a job locked for good,
+    and a restore asked for during a long checkpoint runs after it instead of
+    failing.
     """
 
-    def __init__(self, kv: KeyValue, steps: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, steps: KeyValue, *, wait_s: float = 3600.0,
+                 stale_after: float = 24.0, poll_s: float = 0.5) -> None:
         self.kv = kv
         self.steps = steps
+        self.wait_s = wait_s
+        self.stale_after = stale_after
+        self.poll_s = poll_s
 
-    async def acquire(self, job_id: str, request_id: str) -> None:
-        value = orjson.dumps({"request_id": request_id, "at": time.time()})
-        for _ in range(3):  # the holder may release between our create and get
-            try:
-                await self.kv.create(job_id, value)
+    async def acquire(self, job_id: str, request_id: str,
+                      waiting: Callable[[str], None] | None = None) -> None:
+        """Take the lock, waiting up to ``wait_s`` while another live step
+        holds it (``waiting`` is told the holder, once)."""
+        deadline = time.monotonic() + self.wait_s
+        told = None
+        while True:
+            holder = await self._try(job_id, request_id)
+            if holder is None:
                 return
-            except KeyWrongLastSequenceError:
-                pass
-            try:
-                e = await self.kv.get(job_id)
-            except KeyNotFoundError:
-                continue
-            holder = orjson.loads(e.value).get("request_id") if e.value else None
-            if holder != request_id and await self._holder_active(holder):
+            if time.monotonic() > deadline:
                 raise TemporaryError(
-                    f"job {job_id} is busy with request {holder}", code="job-busy",
-                    hint="it is retried once that step ends",
-                )
-            try:
-                await self.kv.update(job_id, value, last=e.revision)
-                return
-            except KeyWrongLastSequenceError:
-                continue
-        raise TemporaryError(f"job {job_id} was locked meanwhile", code="job-busy")
+                    f"job {job_id} stayed busy with request {holder} for {self.wait_s:.0f}s",
+                    code="job-busy", hint="see that step's progress (smr status); this "
+                    "request is retried, or raise SMR_LOCK_WAIT")
+            if waiting and holder != told:
+                waiting(holder)
+                told = holder
+            await asyncio.sleep(self.poll_s)
+
+    async def _try(self, job_id: str, request_id: str) -> str | None:
+        """Take the lock if it is free or its holder's step is over; else the holder."""
+        value = orjson.dumps({"request_id": request_id, "at": time.time()})
+        try:
+            await self.kv.create(job_id, value)
+            return None
+        except KeyWrongLastSequenceError:
+            pass
+        try:
+            e = await self.kv.get(job_id)
+        except KeyNotFoundError:
+            return "(released meanwhile)"  # look again at once
+        holder = orjson.loads(e.value).get("request_id") if e.value else None
+        if holder != request_id and await self._holder_active(holder):
+            return str(holder)
+        try:
+            await self.kv.update(job_id, value, last=e.revision)
+            return None
+        except KeyWrongLastSequenceError:
+            return "(taken meanwhile)"
 
     async def _holder_active(self, holder: Any) -> bool:
         if not holder:
@@ -222,18 +251,28 @@ class JobLock:
             e = await self.steps.get(holder)
         except KeyNotFoundError:
             return False
-        return bool(e.value) and orjson.loads(e.value).get("state") == "running"
+        if not e.value:
+            return False
+        state = orjson.loads(e.value)
+        return state.get("state") == "running" and \
+            time.time() - float(state.get("heartbeat", 0)) < self.stale_after
 
     async def release(self, job_id: str, request_id: str) -> None:
+        """Release our lock. Never raises for the lock being gone or taken
+        over meanwhile, nor for NATS being away: a lock left behind is taken
+        over once our step's state says it is over (see ``_holder_active``);
+        a failed release must not turn a finished step into an error."""
         try:
             e = await self.kv.get(job_id)
+            if e.value and orjson.loads(e.value).get("request_id") == request_id:
+                await self.kv.delete(job_id, last=e.revision)
         except KeyNotFoundError:
             return
-        if e.value and orjson.loads(e.value).get("request_id") == request_id:
-            try:
-                await self.kv.delete(job_id, last=e.revision)
-            except KeyWrongLastSequenceError:
-                pass
+        except KeyWrongLastSequenceError:
+            return  # taken over meanwhile
+        except Exception as err:  # nats-py: BadRequestError 10071 for the same race
+            log.warning("lock of job %s not released (%s: %s); it is taken over once "
+                        "request %s is answered", job_id, type(err).__name__, err, request_id)
 
     async def holder(self, job_id: str) -> str | None:
         try:
@@ -241,6 +280,13 @@ class JobLock:
         except KeyNotFoundError:
             return None
         return orjson.loads(e.value).get("request_id") if e.value else None
+
+
+def signal_tree(root: int, sig: int) -> None:
+    """Send ``sig`` to ``root`` and every descendant (a tree CRIU left stopped)."""
+    for pid in process_tree(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 async def wait_exit(pid: int, ticks: int, timeout: float = 10.0) -> bool:

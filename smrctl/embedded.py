@@ -66,17 +66,20 @@ class EmbeddedNode:
         self.bus = await Bus.connect(self.url, name=f"smr-node-{s.node}",
                                      config=BusConfig.from_settings(s))
         jobs = JobRegistry(self.bus.kv(KV_JOBS))
-        lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
+        lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=s.lock_wait,
+                       stale_after=self.bus.config.stale_after)
         store = self.store = make_store(s)
         self.storage = make_storage_service(self.bus, store, s)
         cuda = cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout)
         if cuda:
             log.info("GPU jobs: CUDA checkpoint API available (THP %s)", gpuinfo.thp_mode())
         common = dict(criu=criu, store=store, jobs=jobs, lock=lock,
-                      work_dir=s.work_path, node=s.node, cuda=cuda)
+                      work_dir=s.work_path, node=s.node, cuda=cuda,
+                      commit_deadline=s.commit_deadline)
         self.workers = [
             Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer"),
-            Worker(self.bus, RestoreStep(**common), s.node, service="restorer"),
+            Worker(self.bus, RestoreStep(**common), s.node, service="restorer",
+                   concurrency=s.restores_per_node),
         ]
         self.tasks = [asyncio.create_task(w.run()) for w in self.workers]
         self.tasks.append(asyncio.create_task(self.storage.run()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 
@@ -12,17 +14,19 @@ from smr.jobs import JobLock
 
 @pytest.fixture
 def lock(bus: Bus) -> JobLock:
-    return JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS))
+    return JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=1.0, poll_s=0.1)
 
 
 async def test_second_request_waits_while_the_first_runs(bus: Bus, lock: JobLock, node: str
                                                          ) -> None:
     job = f"j-{node}"
-    await bus.kv(KV_STEPS).put(f"a-{node}", orjson.dumps({"state": "running"}))
+    await bus.kv(KV_STEPS).put(f"a-{node}", orjson.dumps(
+        {"state": "running", "heartbeat": time.time() + 60}))  # alive throughout
     await lock.acquire(job, f"a-{node}")
+    told: list[str] = []
     with pytest.raises(TemporaryError) as e:
-        await lock.acquire(job, f"b-{node}")
-    assert e.value.code == "job-busy"
+        await lock.acquire(job, f"b-{node}", told.append)  # waits wait_s, then gives up
+    assert e.value.code == "job-busy" and told == [f"a-{node}"]
     await lock.acquire(job, f"a-{node}")  # the holder's own retry takes it again
     await lock.release(job, f"a-{node}")
     await lock.acquire(job, f"b-{node}")
@@ -36,4 +40,14 @@ async def test_lock_of_a_dead_step_is_taken_over(bus: Bus, lock: JobLock, node: 
     await lock.acquire(job, f"next-{node}")
     assert await lock.holder(job) == f"next-{node}"
     await lock.release(job, f"dead-{node}")  # a late release by the old holder is a no-op
+    assert await lock.holder(job) == f"next-{node}"
+
+
+async def test_lock_of_a_step_whose_worker_stopped_beating_is_taken_over(
+        bus: Bus, lock: JobLock, node: str) -> None:
+    job = f"j-{node}"
+    await bus.kv(KV_STEPS).put(f"silent-{node}", orjson.dumps(
+        {"state": "running", "heartbeat": time.time() - 3600}))  # its worker died
+    await lock.acquire(job, f"silent-{node}")
+    await lock.acquire(job, f"next-{node}")
     assert await lock.holder(job) == f"next-{node}"

@@ -108,7 +108,7 @@ class PodStep:
     def __init__(self, *, bundle: CriuBundle, criu: Criu, store: CheckpointStore,
                  lock: JobLock, pods: Pods, node: str, criu_timeout: float,
                  init_binary: str, label_prefix: str,
-                 cuda: CudaCheckpoint | None = None) -> None:
+                 cuda: CudaCheckpoint | None = None, commit_deadline: float = 1800.0) -> None:
         self.bundle = bundle
         self.criu = criu  # the host's: its version goes into manifests
         self.store = store
@@ -119,6 +119,7 @@ class PodStep:
         self.init_binary = init_binary  # the agent's own smr-init
         self.label_prefix = label_prefix  # for the pod's labels (services/watcher/policy)
         self.cuda = cuda  # None on a node without the CUDA checkpoint API
+        self.commit_deadline = commit_deadline  # see services/checkpointer/durable
 
     @staticmethod
     def shim_of(c: PodContainer) -> Shim:

@@ -42,13 +42,16 @@ class NodeAgent:
         self.criu = Criu(s.criu_binary(), s.criu_timeout)
         common = dict(
             bundle=CriuBundle(s.criu_root()), criu=self.criu,
-            store=store, lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS)), pods=self.pods,
-            node=s.node, criu_timeout=s.criu_timeout,
+            store=store, pods=self.pods,
+            lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait,
+                         stale_after=bus.config.stale_after),
+            node=s.node, criu_timeout=s.criu_timeout, commit_deadline=s.commit_deadline,
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
         self.workers = [
             Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),
-            Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer"),
+            Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer",
+                   concurrency=s.restores_per_node),
         ]
         self.starts = StartRestores(bus, self.pods, s)
         self.ready = asyncio.Event()

@@ -19,6 +19,7 @@ import orjson
 from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.pods import PodContainer, PodStep
+from services.checkpointer.durable import until_stored
 from services.storage.store import Generation
 from services.watcher.policy import tcp_policy
 from smr import __version__, gpuinfo, sockets
@@ -40,8 +41,10 @@ class PodCheckpointStep(PodStep):
         shim = self.shim_of(c)
         # Under the container's lock: a restore into it (which holds the lock)
         # is over, and smr-init told so, before its workload is looked for.
-        await self.lock.acquire(c.lock_key(), req.request_id)
+        await self.lock.acquire(c.lock_key(), req.request_id,
+                                lambda holder: progress.update("waiting", waiting_for=holder))
         work = self.work(shim, req.request_id)
+        keep_work = False  # a finished dump that could not be stored yet: recover() stores it
         try:
             pid, inner = self._workload(req, shim)
             ticks = proc_start_ticks(pid)
@@ -79,9 +82,22 @@ class PodCheckpointStep(PodStep):
                     resumed = asyncio.create_task(
                         self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
                 try:
-                    gen, durable = await self._commit(req, c, shim, progress, dump)
+                    try:
+                        gen, durable = await self._commit(req, c, shim, progress, dump)
+                    except TemporaryError as e:
+                        if not (dump.done() and not dump.cancelled()
+                                and dump.exception() is None):
+                            raise
+                        # The dump is complete in the volume: store it from
+                        # there, never dump again (the workload may be gone).
+                        gen = await self._durable(req, c, shim, progress, e)
+                        durable = time.monotonic() - frozen_at
                     if resumed:
                         await resumed
+                except asyncio.CancelledError:
+                    keep_work = dump.done() and not dump.cancelled() and \
+                        dump.exception() is None
+                    raise
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
@@ -97,7 +113,8 @@ class PodCheckpointStep(PodStep):
             finally:
                 shim.hold(False)
         finally:
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            if not keep_work:
+                await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
@@ -163,6 +180,27 @@ class PodCheckpointStep(PodStep):
             writer=writer, on_bytes=lambda n: progress.update(done_bytes=n))
         return gen, time.monotonic() - t
 
+    async def _durable(self, req: CkptRequested, c: PodContainer, shim: Shim,
+                       progress: Progress, error: TemporaryError | None = None) -> Generation:
+        """The finished dump in the volume, committed once and ``latest`` moved
+        to it, retried until the deadline (see services/checkpointer/durable)."""
+        async def attempt() -> Generation:
+            gen = await self._committed(req) or \
+                (await self._commit(req, c, shim, progress, None))[0]
+            await self.store.ensure_latest(c.namespace, req.checkpoint_id, gen.number)
+            return gen
+
+        return await until_stored(attempt, what=f"the checkpoint of {c.target()}",
+                                  deadline_s=self.commit_deadline, progress=progress,
+                                  error=error)
+
+    async def _committed(self, req: CkptRequested) -> Generation | None:
+        ns = req.target.namespace or ""
+        for gen in reversed(await self.store.generations(ns, req.checkpoint_id)):
+            if gen.manifest["request_id"] == req.request_id:
+                return gen
+        return None
+
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
                                     location=gen.location, size_bytes=gen.size_bytes,
@@ -172,9 +210,9 @@ class PodCheckpointStep(PodStep):
         """A worker died mid-checkpoint: committed → that result; a finished
         dump still in the volume → commit it; otherwise run again."""
         ns = req.target.namespace or ""
-        for gen in reversed(await self.store.generations(ns, req.checkpoint_id)):
-            if gen.manifest["request_id"] == req.request_id:
-                return self._result(req, gen)
+        if gen := await self._committed(req):
+            await self.store.ensure_latest(ns, req.checkpoint_id, gen.number)
+            return self._result(req, gen)
         try:
             c = await self.pods.container(req.target)
             shim = self.shim_of(c)
@@ -182,7 +220,13 @@ class PodCheckpointStep(PodStep):
             return None  # run() reports it
         work = self.work(shim, req.request_id)
         if dump_finished(work / "images"):
-            gen, _ = await self._commit(req, c, shim, Progress(), None)
+            try:
+                gen = await self._durable(req, c, shim, Progress())
+            except PermanentError as e:
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                await self.lock.release(c.lock_key(), req.request_id)
+                return CkptDone.for_request(req, status="failed", error=e.as_dict())
+            await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
             return self._result(req, gen)
         await self.lock.release(c.lock_key(), req.request_id)

@@ -5,21 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
 from smr import __version__, gpuinfo, sockets
 from smr.bus import Progress
-from smr.criu import CriuError, dump_finished
-from smr.errors import PermanentError
-from smr.jobs import Job, wait_exit
+from smr.criu import CriuError, dump_finished, wait_finished
+from smr.errors import PermanentError, TemporaryError
+from smr.jobs import Job, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
+from smr.retry import retry_nats
 
 log = logging.getLogger("smr.checkpointer")
 
@@ -42,60 +45,142 @@ class CheckpointStep(LocalJobStep):
         started = now()
         t0 = time.monotonic()
         job_id = self.job_id(req.target)
-        await self.lock.acquire(job_id, req.request_id)
+        await self.lock.acquire(job_id, req.request_id,
+                                lambda holder: progress.update("waiting", waiting_for=holder))
         try:
             job, _ = await self.jobs.get(job_id)  # read under the lock: no lost update
-            if not job.alive():
-                raise PermanentError(
-                    f"job {job_id} is not running (state {job.observed_state()})",
-                    code="job-not-running",
-                    hint=f"restore it first (`smr restore {job_id}`), or check its log {job.log}",
-                )
-            work = self._work(req)
-            shutil.rmtree(work, ignore_errors=True)
-            durations: dict[str, float] = {}
-            parent = None
-            pre_dump = req.pre_dump and await self._can_pre_dump(job_id)
-            if pre_dump:
-                progress.update("pre-dump")
-                run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
-                durations["pre_dump"] = run.seconds
-                parent = work / "pre"
-            gpu, tcp = await self._prepare(req, job, work)
-            cuda_pids = gpu["pids"] if gpu else []
-            frozen_at = time.monotonic()
-            if cuda_pids:
-                progress.update("cuda-checkpoint")
-                assert self.cuda
-                durations.update(await self.cuda.suspend_all(cuda_pids))
-            try:
-                progress.update("dump")
-                # The images go up while CRIU writes them (see services/storage/upload).
-                dump = asyncio.create_task(self._criu(job, self.criu.dump(
-                    job.pid, work / "images", leave_running=req.leave_running, parent=parent,
-                    tcp=tcp)))
-                resumed = None
-                if cuda_pids and req.leave_running:
-                    # A heartbeat: the job runs again as soon as its image is
-                    # written; the upload goes on behind it.
-                    resumed = asyncio.create_task(
-                        self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
-                gen, durable_s = await self._commit(req, job, progress, writer=dump)
-                if resumed:
-                    await resumed
-            except BaseException:
-                self._facts_file(req).unlink(missing_ok=True)
-                if cuda_pids and job.alive():
-                    await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
-                raise
-            durations["dump"] = dump.result().seconds
-            durations["durable"] = durable_s  # from the dump's start to the manifest
-            if not req.leave_running:
-                await wait_exit(job.pid, job.start_ticks)
+            if dump_finished(self._work(req) / "images"):
+                # An earlier attempt of this very request dumped the job (its
+                # worker died, or storage failed): store that dump, never dump again.
+                gen = await self._durable(req, job, progress)
+                await self._settle(req, job, gen)
+                durations: dict[str, float] = {}
+            else:
+                gen, durations = await self._checkpoint(req, job, progress)
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
         return self._result(req, gen, durations=durations, started_at=started)
+
+    async def _checkpoint(self, req: CkptRequested, job: Job, progress: Progress
+                          ) -> tuple[Generation, dict[str, float]]:
+        if not job.alive():
+            raise PermanentError(
+                f"job {job.id} is not running (state {job.observed_state()})",
+                code="job-not-running",
+                hint=f"restore it first (`smr restore {job.id}`), or check its log {job.log}",
+            )
+        work = self._work(req)
+        shutil.rmtree(work, ignore_errors=True)
+        durations: dict[str, float] = {}
+        parent = None
+        pre_dump = req.pre_dump and await self._can_pre_dump(job.id)
+        if pre_dump:
+            progress.update("pre-dump")
+            run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
+            durations["pre_dump"] = run.seconds
+            parent = work / "pre"
+        gpu, tcp = await self._prepare(req, job, work)
+        cuda_pids = gpu["pids"] if gpu else []
+        frozen_at = time.monotonic()
+        if cuda_pids:
+            progress.update("cuda-checkpoint")
+            assert self.cuda
+            durations.update(await self.cuda.suspend_all(cuda_pids))
+        # A final checkpoint leaves the job stopped, not dead, until its images
+        # are stored: if they cannot be, it runs on (see _give_up).
+        final = not req.leave_running
+        dump: asyncio.Task[Any] | None = None
+        try:
+            progress.update("dump")
+            # The images go up while CRIU writes them (see services/storage/upload).
+            dump = asyncio.create_task(self._criu(job, self.criu.dump(
+                job.pid, work / "images", leave_running=req.leave_running, leave_stopped=final,
+                parent=parent, tcp=tcp)))
+            resumed = None
+            if cuda_pids and req.leave_running:
+                # A heartbeat: the job runs again as soon as its image is
+                # written; the upload goes on behind it.
+                resumed = asyncio.create_task(
+                    self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
+            try:
+                gen, durable_s = await self._store(req, job, progress, writer=dump)
+            except TemporaryError as e:
+                if not finished(dump):
+                    raise
+                # The dump is complete on disk: store it from there, never dump again.
+                gen = await self._durable(req, job, progress, error=e)
+                durable_s = time.monotonic() - frozen_at
+            if resumed:
+                await resumed
+        except asyncio.CancelledError:
+            if dump is not None and finished(dump):
+                # smr up stopping: the dump, its facts and a stopped job stay as
+                # they are for recover(); a heartbeat's GPU runs on meanwhile.
+                if cuda_pids and req.leave_running:
+                    await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
+                raise
+            await self._give_up(req, job, cuda_pids)
+            raise
+        except BaseException:
+            await self._give_up(req, job, cuda_pids)
+            raise
+        await self._settle(req, job, gen)
+        durations["dump"] = dump.result().seconds
+        durations["durable"] = durable_s  # from the dump's start to the manifest
+        return gen, durations
+
+    async def _durable(self, req: CkptRequested, job: Job, progress: Progress,
+                       error: TemporaryError | None = None) -> Generation:
+        """Make the finished dump of ``req`` durable from disk: committed (once:
+        an earlier attempt's manifest counts) and ``latest`` moved to it, retried
+        until the deadline. Past it, the job runs on and the step fails."""
+        async def attempt() -> Generation:
+            gen = (await self._committed(req)) or (await self._store(req, job, progress))[0]
+            await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
+            return gen
+
+        try:
+            gen = await until_stored(attempt, what=f"the checkpoint of job {job.id}",
+                                     deadline_s=self.commit_deadline, progress=progress,
+                                     error=error)
+        except StorageUnavailable as e:
+            await self._give_up(req, job, await self._cuda_pids(job))
+            e.message += f"; job {job.id} keeps running where it was"
+            raise
+        return gen
+
+    async def _settle(self, req: CkptRequested, job: Job, gen: Generation) -> None:
+        """The checkpoint is durable: end the job (final) or make sure its GPU
+        runs (heartbeat), drop the work, record the generation. Idempotent
+        (recovery repeats it)."""
+        if req.leave_running:
+            if self.cuda and job.alive():
+                await self.cuda.resume_all(await self._cuda_pids(job), quiet=True)
+        elif job.alive():
+            signal_tree(job.pid, signal.SIGKILL)
+            await wait_exit(job.pid, job.start_ticks)
+        shutil.rmtree(self._work(req), ignore_errors=True)
+        self._facts_file(req).unlink(missing_ok=True)
+        if (job.generation or 0) < gen.number or (
+                job.state == "running" and not req.leave_running):
+            job.checkpointed(gen.number, leave_running=req.leave_running)
+            async for attempt in retry_nats():
+                with attempt:
+                    await self.jobs.put(job)
+
+    async def _give_up(self, req: CkptRequested, job: Job, cuda_pids: list[int]) -> None:
+        """Nothing was stored: the job goes on where it was (CRIU thawed it after
+        a failed dump; a finished final dump left it stopped), its GPU running."""
+        if not req.leave_running and job.alive():
+            signal_tree(job.pid, signal.SIGCONT)
+        if cuda_pids and job.alive():
+            await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
+        self._facts_file(req).unlink(missing_ok=True)
+        shutil.rmtree(self._work(req), ignore_errors=True)
+
+    async def _cuda_pids(self, job: Job) -> list[int]:
+        return await self.cuda.processes(job.pid) if self.cuda and job.alive() else []
 
     async def _prepare(self, req: CkptRequested, job: Job, work: Path
                        ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
@@ -139,10 +224,9 @@ class CheckpointStep(LocalJobStep):
             e.message = f"{e.message}; job {job.id} keeps running"
             raise
 
-    async def _commit(self, req: CkptRequested, job: Job, progress: Progress,
-                      writer: asyncio.Task[Any] | None = None) -> tuple[Generation, float]:
-        """Store the dumped images (while ``writer``, the dump, still writes
-        them), record them on the job, drop the work dir."""
+    async def _store(self, req: CkptRequested, job: Job, progress: Progress,
+                     writer: asyncio.Task[Any] | None = None) -> tuple[Generation, float]:
+        """Store the dumped images (while ``writer``, the dump, still writes them)."""
         t = time.monotonic()
         progress.update(done_bytes=0)
         saved = self._facts_file(req)
@@ -169,12 +253,14 @@ class CheckpointStep(LocalJobStep):
                 # must not stay frozen) before the error travels on.
                 await asyncio.wait([writer])
             raise
-        seconds = time.monotonic() - t
-        job.checkpointed(gen.number, leave_running=req.leave_running)
-        await self.jobs.put(job)
-        shutil.rmtree(self._work(req), ignore_errors=True)
-        self._facts_file(req).unlink(missing_ok=True)
-        return gen, seconds
+        return gen, time.monotonic() - t
+
+    async def _committed(self, req: CkptRequested) -> Generation | None:
+        """The generation an earlier attempt of ``req`` committed, if any."""
+        for gen in reversed(await self.store.generations(LOCAL_NAMESPACE, req.checkpoint_id)):
+            if gen.manifest["request_id"] == req.request_id:
+                return gen
+        return None
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,
@@ -182,23 +268,40 @@ class CheckpointStep(LocalJobStep):
                                     sockets=sockets.outcome(gen.manifest), **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
-        """A worker died mid-checkpoint. Committed → that result. Dump complete
-        but not committed → commit it now. Job still running → dump again."""
-        for gen in reversed(await self.store.generations(LOCAL_NAMESPACE, req.checkpoint_id)):
-            if gen.manifest["request_id"] == req.request_id:
-                return self._result(req, gen)
+        """A worker died mid-checkpoint (or storage failed after the dump).
+        Committed, or a finished dump on disk → stored, latest moved, the job
+        settled. Job still running → dump again (its GPU made to run first)."""
         job_id = self.job_id(req.target)
+        await wait_finished(self._work(req) / "images", self.criu.timeout)
         job = await self.jobs.find(job_id)
+        gen = await self._committed(req)
         if job is None:
-            return None  # run() reports the missing job
-        if dump_finished(self._work(req) / "images"):
-            gen, _ = await self._commit(req, job, Progress())
+            return self._result(req, gen) if gen else None  # run() reports the missing job
+        progress = Progress()
+        if gen is None and dump_finished(self._work(req) / "images"):
+            try:
+                gen = await self._durable(req, job, progress)
+            except StorageUnavailable as e:
+                await self.lock.release(job_id, req.request_id)
+                return CkptDone.for_request(req, status="failed", error=e.as_dict())
+        elif gen is not None:
+            await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
+        if gen is not None:
+            await self._settle(req, job, gen)
             await self.lock.release(job_id, req.request_id)
             return self._result(req, gen)
         if job.alive():
-            return None  # CRIU thaws a tree whose dump did not finish: safe to redo
+            # CRIU thaws a tree whose dump did not finish: safe to redo, once
+            # the GPU that was suspended for it runs again.
+            await self._give_up(req, job, await self._cuda_pids(job))
+            return None
         await self.lock.release(job_id, req.request_id)
         return CkptDone.for_request(req, status="failed", error={
             "code": "interrupted",
             "message": f"the checkpoint of job {job_id} was interrupted and the job is gone",
             "hint": f"restore its latest checkpoint: smr restore {job_id}"})
+
+
+def finished(dump: asyncio.Task[Any]) -> bool:
+    """Did the dump task end with CRIU's success (the images complete on disk)?"""
+    return dump.done() and not dump.cancelled() and dump.exception() is None

@@ -16,6 +16,7 @@ from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
 from smr import gpuinfo, sockets
 from smr.bus import Progress
+from smr.criu import wait_finished
 from smr.errors import PermanentError
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
@@ -28,7 +29,9 @@ class RestoreStep(LocalJobStep):
         started = now()
         t0 = time.monotonic()
         job_id = self.job_id(req.target)
-        await self.lock.acquire(job_id, req.request_id)
+        await self.lock.acquire(job_id, req.request_id,
+                                lambda holder: progress.update("waiting", waiting_for=holder))
+        work = self.work_dir / req.request_id
         try:
             existing = await self.jobs.find(job_id)
             if existing and existing.alive():
@@ -42,7 +45,6 @@ class RestoreStep(LocalJobStep):
             gpuinfo.check_restorable(  # before any byte moves
                 gen.manifest.get("gpu"), f"generation {gen.number} of {req.checkpoint_id}",
                 has_api=self.cuda is not None)
-            work = self.work_dir / req.request_id
             shutil.rmtree(work, ignore_errors=True)
             durations: dict[str, float] = {}
             streamed = streamable(gen.manifest)
@@ -59,6 +61,12 @@ class RestoreStep(LocalJobStep):
             job = await self._restore(req, gen, work, existing, durations, tcp, progress,
                                       streamed)
             shutil.rmtree(work, ignore_errors=True)
+        except Exception:
+            # A failed restore leaves nothing behind. Not on a cancel: a worker
+            # stopped after CRIU restored the job needs restored.pid to find
+            # it (recover), or a second copy would be restored.
+            shutil.rmtree(work, ignore_errors=True)
+            raise
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
@@ -124,10 +132,13 @@ class RestoreStep(LocalJobStep):
 
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
         """A worker died mid-restore. If the process it restored is running,
-        record it and answer; a restore never runs twice."""
+        bring its GPU state back (CRIU restores it CHECKPOINTED), record it and
+        answer; a restore never runs twice."""
         job_id = self.job_id(req.target)
+        await wait_finished(self.work_dir / req.request_id / "images", self.criu.timeout)
         job = await self.jobs.find(job_id)
         if job and job.restored_by == req.request_id and job.alive():
+            await self._gpu_back(job.pid)
             await self.lock.release(job_id, req.request_id)
             return RestoreDone.for_request(req, status="succeeded", generation=job.generation,
                                            pid=job.pid)
@@ -135,8 +146,33 @@ class RestoreStep(LocalJobStep):
         try:
             pid = int(pidfile.read_text())
             gen = await self._generation(req)
-            job = await self._record(req, gen, job, pid)
         except (OSError, ValueError, PermanentError):
-            return None  # nothing was restored, or it died: safe to run
+            return None  # nothing was restored: safe to run
+        if not _alive(pid):
+            return None  # it died: safe to run
+        if gen.manifest.get("gpu"):
+            try:
+                await self._gpu_back(pid)
+            except BaseException:
+                # A process whose GPU state did not come back must not linger
+                # half-restored; the restore runs again.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise
+        job = await self._record(req, gen, job, pid)
         await self.lock.release(job_id, req.request_id)
+        shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
+
+    async def _gpu_back(self, pid: int) -> None:
+        """Every CUDA process under ``pid`` RUNNING again (a no-op for those that are)."""
+        if self.cuda:
+            await self.cuda.resume_all(await self.cuda.processes(pid))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

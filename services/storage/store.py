@@ -145,6 +145,11 @@ class CheckpointStore:
         raise Conflict(f"could not claim a generation of {checkpoint_id} after "
                        f"{MAX_CLAIM_TRIES} tries", hint="too many concurrent writers")
 
+    async def ensure_latest(self, namespace: str, checkpoint_id: str, gen: int) -> None:
+        """Move ``latest`` forward to ``gen`` unless it is there or past it
+        already: a commit whose writer died after its manifest is finished so."""
+        await self._advance_latest(namespace, checkpoint_id, gen)
+
     async def _advance_latest(self, namespace: str, checkpoint_id: str, gen: int) -> None:
         key = layout.latest_key(namespace, checkpoint_id)
         body = orjson.dumps({"generation": gen})

@@ -15,7 +15,7 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -83,12 +83,25 @@ class Bus:
         """Create or update the streams and KV buckets; safe to call from every service."""
         for cfg in topology.streams(self.config):
             await self._ensure_stream(cfg)
-        for bucket, history in topology.BUCKETS:
+        for bucket, history, ttl in topology.BUCKETS:
             if bucket not in self._kv:
-                self._kv[bucket] = await self.js.create_key_value(
-                    js_api.KeyValueConfig(bucket=bucket, history=history,
-                                          storage=js_api.StorageType.FILE)
-                )
+                self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
+
+    async def _ensure_bucket(self, bucket: str, history: int, ttl: float) -> KeyValue:
+        try:
+            return await self.js.create_key_value(js_api.KeyValueConfig(
+                bucket=bucket, history=history, ttl=ttl or None,
+                storage=js_api.StorageType.FILE))
+        except BadRequestError:
+            # It exists with other settings (made by an older smr, before its
+            # TTL): the TTL is its stream's max_age, which can be updated.
+            info = await self.js.stream_info(f"KV_{bucket}")
+            if (info.config.max_age or 0) != ttl:
+                log.warning("KV bucket %s: its TTL is now %.0fs (was %s)", bucket, ttl,
+                            info.config.max_age or "none")
+                info.config.max_age = ttl
+                await self.js.update_stream(info.config)
+            return await self.js.key_value(bucket)
 
     async def _ensure_stream(self, cfg: js_api.StreamConfig) -> None:
         try:
@@ -102,9 +115,9 @@ class Bus:
                 or have.max_age != cfg.max_age):
             await self.js.update_stream(cfg)
 
-    async def ensure_consumer(self, kind: str, node: str) -> str:
+    async def ensure_consumer(self, kind: str, node: str, concurrency: int = 1) -> str:
         """The durable consumer of ``kind`` requests for ``node``; returns its name."""
-        cfg = topology.request_consumer(kind, node, self.config)
+        cfg = topology.request_consumer(kind, node, self.config, concurrency)
         await self.js.add_consumer(STREAM_REQUESTS, cfg)
         return cfg.durable_name or ""
 
@@ -172,7 +185,9 @@ class Bus:
         payload = msg.to_payload()
         msg_id = msg.request_id  # type: ignore[attr-defined]
         if isinstance(msg, CkptDone | RestoreDone):
-            msg_id = f"{msg_id}.{msg.SCHEMA}"
+            # The outcome is part of the id: a repeat of one result is dropped,
+            # but a real success after a failure someone else recorded is not.
+            msg_id = f"{msg_id}.{msg.SCHEMA}.{msg.status}"
         return await self.publish_raw(subj, payload, msg_id=msg_id)
 
     async def publish_raw(self, subj: str, payload: bytes, *, msg_id: str | None = None,

@@ -10,6 +10,7 @@ failed result and a dead letter, even when it starts after the fact.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,12 @@ class Exhausted:
             return
         rid = req.request_id  # type: ignore[attr-defined]
         state, _ = await self.bus.step_state(rid)
+        if state and state["state"] == "running" and \
+                time.time() - float(state.get("heartbeat", 0)) < self.bus.config.stale_after:
+            # A worker is alive on it (another consumer of the same durable got
+            # the last delivery): its answer will come; look again later.
+            await adv.nak(delay=self.bus.config.ack_wait)
+            return
         if not state or state["state"] == "running":
             err = SmrError(
                 f"request {rid} was delivered {info.get('deliveries')} times without an "

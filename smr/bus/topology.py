@@ -129,19 +129,25 @@ def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
     )
 
 
-# Bucket → history kept per key.
-BUCKETS = ((KV_STEPS, 1), (KV_JOBS, 5), (KV_LOCKS, 1), (KV_EPISODES, 1), (KV_BEATS, 1))
+# Bucket, history kept per key, TTL (seconds; 0: none). A step's state lives
+# a day longer than any request it answers can be redelivered (the requests
+# stream keeps a message 7 days): a redelivery always finds it, and the
+# bucket does not grow for ever.
+STEP_STATE_TTL = 8 * DAY
+BUCKETS = ((KV_STEPS, 1, STEP_STATE_TTL), (KV_JOBS, 5, 0.0), (KV_LOCKS, 1, 0.0),
+           (KV_EPISODES, 1, 0.0), (KV_BEATS, 1, 0.0))
 
 
-def request_consumer(kind: str, node: str, config: BusConfig) -> js_api.ConsumerConfig:
-    """The durable consumer of ``kind`` requests for ``node``."""
+def request_consumer(kind: str, node: str, config: BusConfig,
+                     concurrency: int = 1) -> js_api.ConsumerConfig:
+    """The durable consumer of ``kind`` requests for ``node``; ``concurrency``
+    requests in flight at once (steps serialise on their job's lock)."""
     name = f"{kind.replace('.', '-')}-{node_token(node)}"
     return js_api.ConsumerConfig(
         name=name, durable_name=name, filter_subject=subject(kind, node),
         ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
         ack_wait=config.ack_wait, max_deliver=config.max_deliver,
-        # One step at a time per node and kind: a node is not dumped twice at once.
-        max_ack_pending=1,
+        max_ack_pending=concurrency,
     )
 
 

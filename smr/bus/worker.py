@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import nats
 import orjson
 from nats.aio.msg import Msg
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -91,11 +91,15 @@ class Step(Protocol, Generic[Req, Res]):
 class Worker:
     """Runs one step kind for one node: fetch, validate, dedupe, run, answer."""
 
-    def __init__(self, bus: Bus, step: Step[Any, Any], node: str, *, service: str) -> None:
+    def __init__(self, bus: Bus, step: Step[Any, Any], node: str, *, service: str,
+                 concurrency: int = 1) -> None:
         self.bus = bus
         self.step = step
         self.node = node
         self.service = service
+        # Requests served at once (each on its own job: steps lock their job),
+        # so one waiting for a busy job does not hold back the node's others.
+        self.concurrency = concurrency
         self.owner = f"{service}@{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self._stop = asyncio.Event()
         self.idle = asyncio.Event()
@@ -107,7 +111,8 @@ class Worker:
         # NATS may be restarting as this starts: its API calls time out until it is back.
         async for attempt in retry_nats():
             with attempt:
-                durable = await self.bus.ensure_consumer(self.step.kind, self.node)
+                durable = await self.bus.ensure_consumer(self.step.kind, self.node,
+                                                         self.concurrency)
                 psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
                 exhausted = await self.bus.js.pull_subscribe_bind(
                     await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
@@ -116,9 +121,14 @@ class Worker:
             self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
         failing = 0
+        serving: set[asyncio.Task[None]] = set()
         try:
             while not self._stop.is_set():
-                self.idle.set()
+                if not serving:
+                    self.idle.set()
+                if len(serving) >= self.concurrency:
+                    await asyncio.wait(serving, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 try:
                     msgs = await psub.fetch(1, timeout=0.5)
                     failing = 0
@@ -140,27 +150,38 @@ class Worker:
                     continue
                 self.idle.clear()
                 for m in msgs:
-                    try:
-                        await self.handle(m)
-                    except asyncio.CancelledError:
-                        if cancelling() or self._stop.is_set():
-                            raise
-                        # Not this worker's stop: a library gave up a call
-                        # that way (NATS closing a request as it restarts).
-                        # The node must go on being served: the message is
-                        # redelivered, and recovery looks at what was done.
-                        log.warning("%s: handling %s was cancelled from inside; it is "
-                                    "redelivered", self.service, m.subject)
-                        await quietly(m.nak(delay=self.bus.config.nak_base_delay))
-                    except Exception:
-                        # Nothing escapes one message: the loop keeps serving the node.
-                        log.exception("%s: unexpected error on %s", self.service, m.subject)
-                        await quietly(m.nak(delay=self.bus.config.nak_base_delay))
+                    if self.concurrency == 1:
+                        await self._serve(m)
+                    else:
+                        t = asyncio.create_task(self._serve(m))
+                        serving.add(t)
+                        t.add_done_callback(serving.discard)
+            if serving:  # a graceful stop lets the steps in flight end
+                await asyncio.wait(serving)
         finally:
+            for t in list(serving):
+                await stop_task(t)
             for task in (answering, lag):
                 await stop_task(task)
             await quietly(psub.unsubscribe())
             await quietly(exhausted.unsubscribe())
+
+    async def _serve(self, m: Msg) -> None:
+        """One message: nothing escapes it, so the node goes on being served."""
+        try:
+            await self.handle(m)
+        except asyncio.CancelledError:
+            if cancelling() or self._stop.is_set():
+                raise
+            # Not this worker's stop: a library gave up a call that way (NATS
+            # closing a request as it restarts). The message is redelivered,
+            # and recovery looks at what was done.
+            log.warning("%s: handling %s was cancelled from inside; it is redelivered",
+                        self.service, m.subject)
+            await quietly(m.nak(delay=self.bus.config.nak_base_delay))
+        except Exception:
+            log.exception("%s: unexpected error on %s", self.service, m.subject)
+            await quietly(m.nak(delay=self.bus.config.nak_base_delay))
 
     async def _report_lag(self, psub: Any) -> None:
         """The consumer's backlog as a metric: requests waiting or not yet acknowledged."""
@@ -248,7 +269,7 @@ class Worker:
             return
 
         progress = Progress()
-        keepalive = asyncio.create_task(self._keepalive(m, rid, claim, progress))
+        keepalive = asyncio.create_task(self._keepalive(m, rid, claim, rev, progress))
         try:
             with tracing.tracer.start_as_current_span(
                 f"step {self.step.kind}", attributes={"smr.request_id": rid}
@@ -261,7 +282,11 @@ class Worker:
                     if deliveries < self.bus.config.max_deliver:
                         step_span.record_exception(e)
                         await stop_task(keepalive)
-                        await kv.delete(rid)
+                        # Not deleted: marked interrupted (a heartbeat of 0), so
+                        # the redelivery asks the step's recover() what was
+                        # done (a finished dump is stored, never dumped again).
+                        claim.update(heartbeat=0.0, interrupted=e.message)
+                        await kv.put(rid, orjson.dumps(claim))
                         delay = min(self.bus.config.nak_base_delay * 2 ** (deliveries - 1),
                                     self.bus.config.nak_max_delay)
                         log.warning("%s: %s failed for now (%s); retrying in %.1fs",
@@ -319,17 +344,30 @@ class Worker:
         metrics.observe_result(result)
         await self.bus.publish(result)
 
-    async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], p: Progress) -> None:
+    async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], rev: int,
+                         p: Progress) -> None:
         # Failures of a beat are let go (the next one may pass); a cancel is
-        # not (a BaseException): the keepalive ends when its step does.
+        # not (a BaseException): the keepalive ends when its step does. Each
+        # beat writes only over our own claim (compare-and-set): a state
+        # another worker or the exhausted-delivery handler wrote is theirs.
         while True:
             await asyncio.sleep(self.bus.config.keepalive)
             with contextlib.suppress(Exception):
                 await m.in_progress()
             claim.update(heartbeat=time.time(), phase=p.phase, done_bytes=p.done_bytes,
                          total_bytes=p.total_bytes, **p.extra)
-            with contextlib.suppress(Exception):
-                await self.bus.kv(KV_STEPS).put(rid, orjson.dumps(claim))
+            try:
+                rev = await self.bus.kv(KV_STEPS).update(rid, orjson.dumps(claim), last=rev)
+            except KeyWrongLastSequenceError:
+                log.error("%s: the state of %s was taken over by another writer; this worker "
+                          "no longer beats for it", self.service, rid)
+                return
+            except Exception as e:  # NATS away: the next beat may pass
+                if not isinstance(e, BadRequestError) or e.err_code != 10071:
+                    continue
+                log.error("%s: the state of %s was taken over by another writer; this worker "
+                          "no longer beats for it", self.service, rid)
+                return
 
 
 def annotate(span: trace.Span, result: CkptDone | RestoreDone) -> None:

@@ -12,6 +12,16 @@ Faults, one per cycle at a random moment of its requests (seeded): SIGKILL of
 one node's `smr up` (restarted after a pause), a nats-server restart (its
 store kept), S3 answering 5xx, cutting connections (before the answer or
 midway through a body), answering slowly or hanging, and a full scratch disk.
+And faults below the retries, where botocore's own retries cannot absorb
+them: every multipart part failing for longer than the client retries, the
+answer of a conditional PUT lost after the write happened, S3 unreachable
+from the dump to past the client's retries, and a node SIGKILLed between a
+generation's manifest and its ``latest`` pointer. The workloads "hold a
+GPU" through a stand-in of the CUDA driver's checkpoint API
+(tests/chaos/gpu_standin.py), so every checkpoint suspends and resumes their
+GPU state as on a GPU node, and a node is also SIGKILLed while a workload's
+GPU is suspended (between the suspend and the dump's end, or a restore and
+the driver's restore).
 
 The oracle, after every cycle:
 - every request reached done or failed (with a reason) within its deadline;
@@ -22,6 +32,10 @@ The oracle, after every cycle:
   the digest recomputed for that step, and follows a step the job reached);
 - every committed generation passes its sha256 check (it is downloaded);
 - the job KV agrees with the processes;
+- no workload is left stopped, or with its (stand-in) GPU suspended;
+- every checkpoint answered ``succeeded`` is at or behind ``latest``, which
+  restores; no finished dump is left in a node's work directory once its
+  request is answered;
 and at the end, after garbage collection: no multipart upload left, no
 object outside a committed generation.
 
@@ -55,13 +69,21 @@ from smr.jobs import JobRegistry, launch
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
 from smr.workloads import counter
+from tests.chaos import gpu_standin
 from tests.chaos.proxy import FaultProxy
+
+REPO = Path(__file__).resolve().parents[2]
 
 MIB = 16
 DEADLINE_S = 120.0  # a request must reach done or failed within this
 NODES = ("node-a", "node-b")
 FAULT_KINDS = ("none", "kill-node", "restart-nats", "s3-5xx", "s3-cut", "s3-slow", "s3-hang",
-               "disk-full")
+               "disk-full", "s3-part-fail", "s3-lost-answer", "s3-down", "kill-after-manifest",
+               "kill-gpu-suspended")
+# Faults that must be on from the start of a cycle's requests to land where
+# they are meant to (the dump of a small workload takes a fraction of a second).
+AT_ONCE = ("s3-part-fail", "s3-lost-answer", "s3-down", "kill-after-manifest",
+           "kill-gpu-suspended")
 OPS = ("checkpoint", "leave-running", "stop-restore", "migrate")
 SCRATCH_MB = 192
 
@@ -79,6 +101,10 @@ class Report:
     double_running: int = 0
     stuck: int = 0
     orphans: int = 0
+    latest_behind: int = 0  # a succeeded checkpoint newer than latest
+    dumps_left: int = 0  # a finished dump left on disk after its request was answered
+    left_stopped: int = 0  # a workload's process left in SIGSTOP
+    gpu_suspended: int = 0  # a running workload whose (stand-in) GPU is not RUNNING
     kv_disagreements: int = 0
     crashes: int = 0  # a node's `smr up` exited without being killed
     s3_injected: Counter[str] = field(default_factory=Counter)
@@ -88,7 +114,8 @@ class Report:
 
     def violated(self) -> int:
         return (self.lost + self.corrupt + self.double_running + self.stuck + self.orphans
-                + self.kv_disagreements + self.crashes)
+                + self.kv_disagreements + self.crashes + self.latest_behind + self.dumps_left
+                + self.left_stopped + self.gpu_suspended)
 
     def table(self) -> str:
         rows = [("cycles", self.cycles), ("seconds", f"{self.seconds:.0f}")]
@@ -100,7 +127,11 @@ class Report:
                  ("generations verified (sha256)", self.generations_verified),
                  ("lost", self.lost), ("corrupt", self.corrupt),
                  ("double-running", self.double_running), ("stuck", self.stuck),
-                 ("orphans", self.orphans), ("KV disagreements", self.kv_disagreements),
+                 ("orphans", self.orphans), ("latest behind a success", self.latest_behind),
+                 ("finished dumps left on disk", self.dumps_left),
+                 ("workloads left stopped", self.left_stopped),
+                 ("GPUs left suspended (stand-in)", self.gpu_suspended),
+                 ("KV disagreements", self.kv_disagreements),
                  ("node crashes", self.crashes)]
         rows += [(f"head-of-line: {k}", f"{v:.2f}") for k, v in self.hol.items()]
         width = max(len(str(k)) for k, _ in rows)
@@ -133,8 +164,9 @@ class Node:
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
+            # `smr up`, with the stand-in GPU driver (tests/chaos/gpu_standin.py).
             self.proc = subprocess.Popen(
-                [str(Path(sys.executable).parent / "smr"), "up"], env=self.env, stdout=out,
+                [sys.executable, "-m", "tests.chaos.gpu_standin"], env=self.env, stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def kill(self) -> None:
@@ -202,9 +234,17 @@ def processes_of(w: Workload) -> list[int]:
     return found
 
 
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+    except OSError:
+        return False
+
+
 class Campaign:
     def __init__(self, root: Path, seed: int, criu: str) -> None:
         self.root = root
+        self.gpu_dir = root / "stand-in-gpu"
         self.rng = random.Random(seed)
         self.seed = seed
         self.criu = criu
@@ -238,7 +278,10 @@ class Campaign:
                "SMR_S3_BUCKET": self.bucket, "SMR_S3_PREFIX": "smr",
                "SMR_S3_ENDPOINT": self.proxy.url, "SMR_S3_PATH_STYLE": "true",
                "SMR_CRIU": self.criu, "SMR_ACK_WAIT": "5", "SMR_METRICS_PORT": "0",
-               "SMR_GC_INTERVAL": "100000", "PYTHONUNBUFFERED": "1"}
+               "SMR_GC_INTERVAL": "100000", "PYTHONUNBUFFERED": "1",
+               gpu_standin.DIR_ENV: str(self.gpu_dir),
+               "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get(
+                   "PYTHONPATH"))))}
         self.nodes = {n: Node(n, self.root, env) for n in NODES}
         for node in self.nodes.values():
             node.mount()
@@ -300,6 +343,9 @@ class Campaign:
             if state and state["state"] in ("done", "failed"):
                 result = state["result"]
                 self.report.requests[f"{kind} {result['status']}"] += 1
+                if kind == "checkpoint" and result["status"] == "succeeded":
+                    self.succeeded[req.checkpoint_id] = max(
+                        self.succeeded.get(req.checkpoint_id, 0), result["generation"])
                 if result["status"] == "failed":
                     code = (result.get("error") or {}).get("code", "")
                     self.report.failures[code or "(no code)"] += 1
@@ -368,7 +414,8 @@ class Campaign:
             cwd.mkdir(parents=True)
             w = Workload(wid, NODES[i % 2], cwd, cwd / "out.log")
             job = launch(wid, [sys.executable, "-m", "smr.workloads.counter", "--mib", str(MIB),
-                               "--interval", "0.05"], log=w.log, cwd=cwd, node=w.node)
+                               "--interval", "0.05"], log=w.log, cwd=cwd, node=w.node,
+                         env={**os.environ, gpu_standin.ENV: wid})
             await self.jobs.put(job)
             self.workloads.append(w)
         for w in self.workloads:
@@ -401,8 +448,22 @@ class Campaign:
         await self.check()
 
     async def inject(self, fault: str, w: Workload) -> None:
-        await asyncio.sleep(self.rng.uniform(0.0, 1.2))
-        if fault == "kill-node":
+        if fault not in AT_ONCE:
+            await asyncio.sleep(self.rng.uniform(0.0, 1.2))
+        if fault == "kill-after-manifest":
+            await self.kill_after_manifest(w)
+        elif fault == "kill-gpu-suspended":
+            await self.kill_while_gpu_suspended(w)
+        elif fault in ("s3-part-fail", "s3-down"):
+            # Longer than botocore's retries (5 attempts, backoff up to ~15 s).
+            self.proxy.set(fault[3:])
+            await asyncio.sleep(self.rng.uniform(8.0, 20.0))
+            self.proxy.set(None)
+        elif fault == "s3-lost-answer":
+            self.proxy.set("lost-answer")
+            await asyncio.sleep(self.rng.uniform(2.0, 6.0))
+            self.proxy.set(None)
+        elif fault == "kill-node":
             node = self.nodes[w.node if self.rng.random() < 0.8 else self.rng.choice(NODES)]
             node.kill()
             await asyncio.sleep(self.rng.uniform(0.2, 2.0))
@@ -423,6 +484,44 @@ class Campaign:
                 self.report.faults["disk-full (not filled)"] += 1
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))
             filler.unlink(missing_ok=True)
+
+    async def kill_after_manifest(self, w: Workload) -> None:
+        """SIGKILL ``w``'s node the moment S3 has stored a manifest of ``w``,
+        before the node hears of it (so before it moves ``latest``)."""
+        node = self.nodes[w.node]
+        fired = asyncio.Event()
+
+        def kill(path: str) -> None:
+            if f"/{w.id}/" in path and not fired.is_set():
+                node.kill()
+                fired.set()
+
+        self.proxy.after_manifest = kill
+        try:
+            await asyncio.wait_for(fired.wait(), 30)
+            self.report.faults["kill-after-manifest (fired)"] += 1
+        except TimeoutError:
+            pass
+        finally:
+            self.proxy.after_manifest = None
+        await asyncio.sleep(self.rng.uniform(0.2, 2.0))
+        if node.proc and node.proc.poll() is not None:
+            node.start()
+
+    async def kill_while_gpu_suspended(self, w: Workload) -> None:
+        """SIGKILL ``w``'s node while ``w``'s GPU is suspended: between the
+        suspend and the dump's end, or a restore and the driver's restore."""
+        node = self.nodes[w.node]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if gpu_standin.state_of(self.gpu_dir, w.id) != "RUNNING":
+                node.kill()
+                self.report.faults["kill-gpu-suspended (fired)"] += 1
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(self.rng.uniform(0.2, 2.0))
+        if node.proc and node.proc.poll() is not None:
+            node.start()
 
     def supervise(self) -> None:
         """Start a node whose `smr up` exited on its own (as Kubernetes or
@@ -466,6 +565,13 @@ class Campaign:
     async def check(self) -> None:
         for w in self.workloads:
             pids = processes_of(w)
+            if any(stopped(p) for p in pids):
+                self.report.left_stopped += 1
+                self.problem(f"{w.id} is left stopped: pids {pids}")
+            gpu = gpu_standin.state_of(self.gpu_dir, w.id)
+            if pids and gpu != "RUNNING":
+                self.report.gpu_suspended += 1
+                self.problem(f"{w.id} runs with its GPU {gpu}: it would hang")
             if len(pids) > 1:
                 self.report.double_running += 1
                 self.problem(f"{w.id} runs {len(pids)} times: pids {pids}")
@@ -479,6 +585,14 @@ class Campaign:
                 self.report.kv_disagreements += 1
                 self.problem(f"{w.id}: job KV says {job and job.observed_state()} (pid "
                              f"{job and job.pid}), processes {pids}")
+        # What a result called succeeded is what a restore gets (or older than it).
+        for wid, gen_no in self.succeeded.items():
+            latest = await self.store.latest(layout.LOCAL_NAMESPACE, wid)
+            if latest is None or latest.number < gen_no:
+                self.report.latest_behind += 1
+                self.problem(f"{wid}: a checkpoint answered succeeded with generation {gen_no}, "
+                             f"but latest is {latest and latest.number}")
+        await self.check_work_dirs()
         # Every generation committed since the last check downloads and verifies.
         for w in self.workloads:
             for gen in await self.store.generations(layout.LOCAL_NAMESPACE, w.id):
@@ -495,6 +609,24 @@ class Campaign:
                 self._verified.add(key)
 
     _verified: set[tuple[str, int]] = set()
+    succeeded: dict[str, int] = {}  # checkpoint id → newest generation a success named
+
+    async def check_work_dirs(self) -> None:
+        """No finished dump stays on a node once its request is answered: it
+        is either stored (and dropped) or given up on (and dropped)."""
+        for node in self.nodes.values():
+            for work in (node.data / "work").glob("*"):
+                if not (work / "images" / "dump.log").is_file():
+                    continue
+                if "Dumping finished successfully" not in (
+                        work / "images" / "dump.log").read_text(errors="replace"):
+                    continue
+                state, _ = await self.bus.step_state(work.name)
+                if state and state["state"] in ("done", "failed"):
+                    self.report.dumps_left += 1
+                    self.problem(f"{node.name}: the finished dump of {work.name} was left on "
+                                 f"disk ({state['state']})")
+                    shutil.rmtree(work, ignore_errors=True)  # counted once
 
     # -- the end -------------------------------------------------------------------
 

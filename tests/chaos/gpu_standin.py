@@ -1,0 +1,121 @@
+"""A **stand-in** for the CUDA driver's checkpoint API, for the fault
+campaign's nodes on machines without a GPU (CI).
+
+The real driver keeps a process's checkpoint state (RUNNING, LOCKED,
+CHECKPOINTED) with the process: a process CRIU restores comes back
+CHECKPOINTED, and one whose checkpointer died midway stays suspended and
+hangs at its next CUDA call. The stand-in keeps that state in a file per
+workload (named by the ``SMR_STANDIN_GPU`` variable in the workload's own
+environment, which CRIU restores with it), in a directory every node shares,
+and moves it with the driver's own rules. Nothing touches a GPU.
+
+``python -m tests.chaos.gpu_standin`` runs ``smr up`` with the stand-in in
+place of the driver (and a stand-in device for the GPU checks).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from smr import cuda_checkpoint, gpuinfo
+from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+
+ENV = "SMR_STANDIN_GPU"  # in a workload's environment: it "holds a GPU"
+DIR_ENV = "SMR_STANDIN_GPU_DIR"  # where the states live (shared by the nodes)
+MODEL = "stand-in GPU"
+
+
+def gpu_id(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(ENV.encode() + b"="):
+            return item.split(b"=", 1)[1].decode()
+    return None
+
+
+class StandInDriver:
+    """The driver's five calls over a state file per workload."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, pid: int) -> Path | None:
+        gid = gpu_id(pid)
+        return self.root / gid if gid else None
+
+    def state(self, pid: int) -> CudaState | None:
+        path = self._path(pid)
+        if path is None:
+            return None
+        try:
+            return CudaState[path.read_text().strip()]
+        except FileNotFoundError:
+            return CudaState.RUNNING
+        except KeyError:
+            return CudaState.FAILED
+
+    def _move(self, pid: int, frm: CudaState, to: CudaState, call: str) -> None:
+        path = self._path(pid)
+        st = self.state(pid)
+        if path is None or st is not frm:
+            raise CudaError(f"{call}({pid}) failed: state {st and st.name}, not {frm.name} "
+                            "(stand-in driver)")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(to.name)
+        tmp.replace(path)
+
+    def lock(self, pid: int, timeout_s: float) -> None:
+        self._move(pid, CudaState.RUNNING, CudaState.LOCKED, "cuCheckpointProcessLock")
+
+    def checkpoint(self, pid: int) -> None:
+        self._move(pid, CudaState.LOCKED, CudaState.CHECKPOINTED,
+                   "cuCheckpointProcessCheckpoint")
+
+    def restore(self, pid: int) -> None:
+        self._move(pid, CudaState.CHECKPOINTED, CudaState.LOCKED, "cuCheckpointProcessRestore")
+
+    def unlock(self, pid: int) -> None:
+        self._move(pid, CudaState.LOCKED, CudaState.RUNNING, "cuCheckpointProcessUnlock")
+
+
+def state_of(root: Path, workload: str) -> str:
+    """What the stand-in says of a workload (the campaign's oracle reads it)."""
+    try:
+        return (root / workload).read_text().strip()
+    except FileNotFoundError:
+        return CudaState.RUNNING.name
+
+
+def install(root: Path) -> None:
+    """Put the stand-in where smr looks for the driver and for GPU devices."""
+    def for_settings(gpu: str, lock_timeout_s: float) -> CudaCheckpoint | None:
+        return CudaCheckpoint(StandInDriver(root), lock_timeout_s)  # type: ignore[arg-type]
+
+    def devices() -> list[dict[str, Any]]:
+        return [{"index": 0, "model": MODEL, "memory_total": 1 << 40,
+                 "memory_free": 1 << 40}]
+
+    def job_gpus(pids: list[int]) -> dict[str, Any] | None:
+        return {"model": MODEL, "count": 1, "used_bytes": 0} if pids else None
+
+    cuda_checkpoint.for_settings = for_settings  # type: ignore[assignment]
+    gpuinfo.devices = devices  # type: ignore[assignment]
+    gpuinfo.job_gpus = job_gpus  # type: ignore[assignment]
+
+
+def main() -> int:
+    install(Path(os.environ[DIR_ENV]))
+    from smrctl.cli import main as smr
+
+    return smr(["up"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

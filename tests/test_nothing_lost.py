@@ -1,0 +1,479 @@
+"""Nothing lost below the retries (#32): storage failing after the dump,
+crashes between commit steps, GPU state left suspended by a dead worker,
+lock contention, lock release races, exhausted advisories for live steps,
+and what the bus keeps for ever.
+
+Real CRIU, a real nats-server and the real embedded node throughout. Faults
+are injected at the storage backend, beneath every retry the client makes, as
+an S3 server that keeps failing would look. The GPU cases use a **stand-in**
+CUDA driver (``StandInDriver``): it keeps each process's checkpoint state in
+memory, as the real driver reports it, so the recovery paths that must bring
+a job's GPU back to running can be checked on a machine without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+
+from services.checkpointer.step import CheckpointStep
+from services.restorer.step import RestoreStep
+from services.storage.backend import StorageError
+from services.storage.layout import LOCAL_NAMESPACE
+from smr.bus import KV_LOCKS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, Progress, Worker
+from smr.bus.deadletters import Exhausted
+from smr.cuda_checkpoint import CudaCheckpoint, CudaState
+from smr.jobs import JobLock
+from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
+from smr.natsserver import NatsServer
+from tests.test_local_smr import Harness, assert_continues, running
+
+pytestmark = pytest.mark.criu
+
+
+@pytest.fixture
+async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+            ) -> AsyncIterator[Harness]:
+    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+                       commit_deadline=20.0) as harness:
+        yield harness
+
+
+def ckpt_step(h: Harness) -> CheckpointStep:
+    step = h.node.workers[0].step
+    assert isinstance(step, CheckpointStep)
+    return step
+
+
+def restore_step(h: Harness) -> RestoreStep:
+    step = h.node.workers[1].step
+    assert isinstance(step, RestoreStep)
+    return step
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, T...), or 'gone'."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+class FailingPuts:
+    """Makes the storage backend's ``put_bytes`` fail for keys that contain
+    ``part``, ``times`` times (or always), as a store that answers with errors
+    after the client's own retries would; ``seen`` records the job's state at
+    each failure."""
+
+    def __init__(self, backend: Any, part: str, times: int | None, watch: int = 0) -> None:
+        self.backend, self.part, self.left, self.watch = backend, part, times, watch
+        self.real = backend.put_bytes
+        self.seen: list[str] = []
+        backend.put_bytes = self.put_bytes
+
+    async def put_bytes(self, key: str, data: bytes, **kw: Any) -> str:
+        if self.part in key and (self.left is None or self.left > 0):
+            if self.left is not None:
+                self.left -= 1
+            if self.watch:
+                self.seen.append(proc_state(self.watch))
+            raise StorageError(f"injected: S3 500 on {key}", hint="a test fault")
+        return await self.real(key, data, **kw)
+
+    def restore(self) -> None:
+        self.backend.put_bytes = self.real
+
+
+# -- 2. a storage error after the dump -------------------------------------------------
+
+@pytest.mark.parametrize("where", ["/claim", "manifest.json", "/latest"])
+async def test_a_final_checkpoint_outlives_a_storage_outage_after_its_dump(
+        h: Harness, where: str) -> None:
+    """The store fails (past its retries) after CRIU has dumped the job: the
+    checkpoint is committed from the finished dump once the store is back,
+    never started over; the job is kept stopped, not killed, until then."""
+    job = await h.start(32)
+    fault = FailingPuts(ckpt_step(h).store.backend, where, times=3, watch=job.pid)
+    try:
+        done = await h.checkpoint(job.id)
+    finally:
+        fault.restore()
+    assert done.status == "succeeded", done.error
+    assert fault.seen and fault.left == 0, "the fault never fired"
+    if where != "/claim":  # the claim is taken while CRIU still dumps
+        assert set(fault.seen) == {"T"}, f"the job must be held stopped: {fault.seen}"
+    assert proc_state(job.pid) == "gone"  # killed once the checkpoint was durable
+    latest = await ckpt_step(h).store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None and latest.number == done.generation
+    frozen = int(h.lines(job)[-1]["step"])
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 32)
+    assert not (ckpt_step(h).work_dir / done.request_id).exists()
+
+
+async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_job_running(
+        h: Harness) -> None:
+    """The store stays down past the commit deadline: the request fails and
+    says why, and the job, held stopped meanwhile, runs on where it was."""
+    job = await h.start(32)
+    fault = FailingPuts(ckpt_step(h).store.backend, "manifest.json", times=None,
+                        watch=job.pid)
+    try:
+        done = await h.checkpoint(job.id)
+    finally:
+        fault.restore()
+    assert done.status == "failed" and done.error
+    assert done.error["code"] == "storage-unavailable", done.error
+    assert "keeps running" in done.error["message"]
+    assert "T" in fault.seen
+    record, _ = await h.jobs.get(job.id)
+    assert record.alive() and proc_state(job.pid) in ("R", "S")
+    at = int(h.lines(job)[-1]["step"])
+    await h.wait_step(job, at + 2)  # it goes on counting
+    assert not (ckpt_step(h).work_dir / done.request_id).exists()
+    assert await ckpt_step(h).store.latest(LOCAL_NAMESPACE, job.id) is None
+
+
+# -- 5. recovery after the manifest, before latest ------------------------------------
+
+async def test_recovery_of_a_commit_that_stopped_before_latest_moves_latest(
+        h: Harness) -> None:
+    step = ckpt_step(h)
+    job = await h.start(32)
+    first = await h.checkpoint(job.id, leave_running=True)
+    assert first.status == "succeeded" and first.generation == 1
+    req = CkptRequested(request_id=f"crashed-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node)
+    # The worker dies right after the manifest of generation 2: latest stays at 1.
+    work = step.work_dir / req.request_id
+    await step.criu.dump(job.pid, work / "images")
+    real = step.store._advance_latest
+
+    async def crash(*a: Any) -> None:
+        raise asyncio.CancelledError
+
+    step.store._advance_latest = crash  # type: ignore[method-assign]
+    with pytest.raises(asyncio.CancelledError):
+        await step.store.commit(LOCAL_NAMESPACE, job.id, work, {
+            "request_id": req.request_id, "node": h.settings.node, "reason": "api",
+            "target": req.target.to_dict(), "leave_running": False, "pre_dump": False,
+            "versions": {}, "gpu": None, "job": {"cmd": job.cmd, "cwd": job.cwd,
+                                                 "log": job.log, "tcp": job.tcp}})
+    step.store._advance_latest = real  # type: ignore[method-assign]
+    assert (await step.store.latest(LOCAL_NAMESPACE, job.id)).number == 1  # type: ignore[union-attr]
+
+    result = await step.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded" and result.generation == 2
+    assert (await step.store.latest(LOCAL_NAMESPACE, job.id)).number == 2  # type: ignore[union-attr]
+    record, _ = await h.jobs.get(job.id)
+    assert record.generation == 2 and record.state == "checkpointed"
+    assert not work.exists()
+    frozen = int(h.lines(job)[-1]["step"])
+    restored = await h.restore(job.id)  # the latest: generation 2, not 1
+    assert restored.status == "succeeded" and restored.generation == 2
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 32)
+
+
+# -- 6, 7. CUDA state through recovery (a stand-in driver) -----------------------------
+
+class StandInDriver:
+    """A **stand-in** for the CUDA driver's checkpoint API (smr.cuda_checkpoint.
+    Driver): per-process states with the real state machine (RUNNING →
+    LOCKED → CHECKPOINTED → LOCKED → RUNNING), for processes registered as
+    holding a CUDA context. No GPU is touched."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, CudaState] = {}
+
+    def state(self, pid: int) -> CudaState | None:
+        return self.states.get(pid)
+
+    def _move(self, pid: int, frm: CudaState, to: CudaState) -> None:
+        assert self.states.get(pid) is frm, f"{pid}: {self.states.get(pid)} is not {frm}"
+        self.states[pid] = to
+
+    def lock(self, pid: int, timeout_s: float) -> None:
+        self._move(pid, CudaState.RUNNING, CudaState.LOCKED)
+
+    def checkpoint(self, pid: int) -> None:
+        self._move(pid, CudaState.LOCKED, CudaState.CHECKPOINTED)
+
+    def restore(self, pid: int) -> None:
+        self._move(pid, CudaState.CHECKPOINTED, CudaState.LOCKED)
+
+    def unlock(self, pid: int) -> None:
+        self._move(pid, CudaState.LOCKED, CudaState.RUNNING)
+
+
+def with_stand_in_gpu(step: Any) -> StandInDriver:
+    drv = StandInDriver()
+    step.cuda = CudaCheckpoint(drv)  # type: ignore[arg-type]
+    return drv
+
+
+async def test_recovery_of_a_heartbeat_brings_the_gpu_back_to_running(h: Harness) -> None:
+    """The worker died after suspending the job's GPU, while CRIU finished a
+    leave-running dump: recovery commits it and resumes the GPU."""
+    step = ckpt_step(h)
+    drv = with_stand_in_gpu(step)
+    job = await h.start(32)
+    drv.states[job.pid] = CudaState.RUNNING
+    req = CkptRequested(request_id=f"hb-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node, leave_running=True)
+    # As run() leaves things when its worker is SIGKILLed after the dump:
+    await step._prepare(req, await h.jobs.find(job.id), step._work(req))  # type: ignore[arg-type]
+    await step.cuda.suspend_all([job.pid])  # type: ignore[union-attr]
+    await step.criu.dump(job.pid, step._work(req) / "images", leave_running=True)
+    assert drv.states[job.pid] is CudaState.CHECKPOINTED
+
+    result = await step.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded", result
+    assert drv.states[job.pid] is CudaState.RUNNING, "left suspended: it would hang"
+    gen = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert gen is not None and gen.manifest["gpu"] is not None  # the facts survived
+
+
+async def test_a_cancelled_commit_keeps_the_facts_for_its_recovery(h: Harness) -> None:
+    """``smr up`` stopped mid-upload of a GPU checkpoint: the commit that
+    recovery makes later still records the GPU (else its restore would skip
+    the GPU checks and the driver's restore)."""
+    step = ckpt_step(h)
+    drv = with_stand_in_gpu(step)
+    job = await h.start(32)
+    drv.states[job.pid] = CudaState.RUNNING
+    req = CkptRequested(request_id=f"stop-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node)
+    started = asyncio.Event()
+    real = step.store.backend.put_bytes
+
+    async def hang(key: str, data: bytes, **kw: Any) -> str:
+        if key.endswith("manifest.json"):
+            started.set()
+            await asyncio.sleep(3600)
+        return await real(key, data, **kw)
+
+    step.store.backend.put_bytes = hang  # type: ignore[method-assign]
+    task = asyncio.create_task(step.run(req, Progress()))
+    try:
+        await asyncio.wait_for(started.wait(), 60)
+        task.cancel()  # smr up stopping
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        step.store.backend.put_bytes = real  # type: ignore[method-assign]
+    assert step._facts_file(req).is_file()
+    result = await step.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded", result
+    gen = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert gen is not None and gen.manifest["gpu"] is not None
+    assert proc_state(job.pid) == "gone"  # a final checkpoint: stopped for good once stored
+    assert not step._facts_file(req).exists()
+
+
+async def test_recovery_of_a_restore_brings_the_gpu_back_to_running(h: Harness) -> None:
+    """The worker died after CRIU restored a GPU job, before the driver's
+    restore: recovery finds the process and brings its GPU state back."""
+    ck, rs = ckpt_step(h), restore_step(h)
+    drv = with_stand_in_gpu(ck)
+    rs.cuda = ck.cuda
+    job = await h.start(32)
+    drv.states[job.pid] = CudaState.RUNNING
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    gen = await ck.store.latest(LOCAL_NAMESPACE, job.id)
+    assert gen is not None and gen.manifest["gpu"] is not None
+    # CRIU brings the process back CHECKPOINTED; the worker dies there.
+    rid = uuid.uuid4().hex
+    work = rs.work_dir / rid
+    await ck.store.fetch(gen, work)
+    await rs.criu.restore(work / "images", pidfile=work / "restored.pid",
+                          inherit={job.log: os.open(job.log, os.O_WRONLY | os.O_APPEND)})
+    pid = int((work / "restored.pid").read_text())
+    h.pids.append(pid)
+    drv.states[pid] = CudaState.CHECKPOINTED
+    req = RestoreRequested(request_id=rid, checkpoint_id=job.id, target=Target.job(job.id),
+                           node=h.settings.node)
+
+    result = await rs.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded" and result.pid == pid
+    assert drv.states[pid] is CudaState.RUNNING, "left checkpointed: it would hang"
+
+
+# -- 10. a restore during a long checkpoint --------------------------------------------
+
+async def hold_lock(h: Harness, job_id: str, holder: str, stop: asyncio.Event) -> None:
+    """A long step of another worker on ``job_id``: it holds the job's lock
+    and keeps its step state's heartbeat fresh until ``stop``."""
+    await h.bus.kv(KV_LOCKS).put(job_id, orjson.dumps({"request_id": holder, "at": time.time()}))
+    while not stop.is_set():
+        await h.bus.kv(KV_STEPS).put(holder, orjson.dumps(
+            {"state": "running", "owner": "elsewhere", "heartbeat": time.time(),
+             "subject": "ckpt.requested.x", "checkpoint_id": job_id}))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    await h.bus.kv(KV_STEPS).put(holder, orjson.dumps({"state": "done", "result": {}}))
+    await h.bus.kv(KV_LOCKS).delete(job_id)
+
+
+async def test_a_restore_waits_for_a_long_step_on_its_job_without_blocking_others(
+        h: Harness) -> None:
+    busy = await h.start(16)
+    other = await h.start(16)
+    for j in (busy, other):
+        assert (await h.checkpoint(j.id)).status == "succeeded"
+    stop = asyncio.Event()
+    holder = asyncio.create_task(hold_lock(h, busy.id, "long-ckpt", stop))
+    try:
+        waiting = asyncio.create_task(h.restore(busy.id))
+        await asyncio.sleep(1.0)
+        # Another job's restore on the same node goes through meanwhile.
+        quick = await asyncio.wait_for(h.restore(other.id), 60)
+        assert quick.status == "succeeded", quick.error
+        await asyncio.sleep(20)  # longer than every retry of a job-busy request
+        assert not waiting.done(), f"gave up on a busy job: {waiting.result()}"
+    finally:
+        stop.set()
+        await holder
+    restored = await asyncio.wait_for(waiting, 60)
+    assert restored.status == "succeeded", restored.error
+
+
+# -- 12. lock release races ------------------------------------------------------------
+
+async def test_a_lock_release_that_loses_a_race_is_not_an_error(bus: Bus) -> None:
+    """Between release's read and its delete another request takes the lock
+    over: nats-server answers the delete with 10071 (wrong last sequence),
+    which nats-py raises as BadRequestError. Nothing failed: no error."""
+    lock = JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS))
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    await lock.acquire(job, "mine")
+    kv = bus.kv(KV_LOCKS)
+    real_get = kv.get
+
+    async def get_then_taken_over(key: str, *a: Any, **kw: Any) -> Any:
+        entry = await real_get(key, *a, **kw)
+        await kv.put(key, orjson.dumps({"request_id": "theirs", "at": time.time()}))
+        return entry
+
+    kv.get = get_then_taken_over  # type: ignore[method-assign]
+    try:
+        await lock.release(job, "mine")
+    finally:
+        kv.get = real_get  # type: ignore[method-assign]
+    assert await lock.holder(job) == "theirs"  # their lock stands
+
+
+# -- 13. exhausted advisories and two consumers ----------------------------------------
+
+async def test_an_exhausted_advisory_never_fails_a_step_that_is_alive(
+        bus: Bus, node: str) -> None:
+    rid = f"alive-{uuid.uuid4().hex[:6]}"
+    req = CkptRequested(request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node)
+    ack = await bus.publish(req)
+    await bus.kv(KV_STEPS).put(rid, orjson.dumps(
+        {"state": "running", "owner": "another", "heartbeat": time.time(),
+         "subject": f"ckpt.requested.{node}", "checkpoint_id": "ck"}))
+    recorded: list[Any] = []
+
+    async def record(result: Any) -> None:
+        recorded.append(result)
+
+    acted: list[str] = []
+    advisory = SimpleNamespace(
+        data=orjson.dumps({"stream_seq": ack.seq, "deliveries": 5}),
+        ack=lambda: _note(acted, "ack"), nak=lambda delay=None: _note(acted, "nak"))
+    await Exhausted(bus, "ckpt.requested", "test", node, record)._answer_one(advisory)  # type: ignore[arg-type]
+    assert recorded == [], "a live step was answered as failed"
+    state, _ = await bus.step_state(rid)
+    assert state and state["state"] == "running"
+    assert acted == ["nak"], "the advisory is looked at again later, not dropped"
+
+
+async def _note(acted: list[str], what: str) -> None:
+    acted.append(what)
+
+
+async def test_a_real_result_after_a_failed_one_is_still_published(bus: Bus, node: str) -> None:
+    rid = f"late-{uuid.uuid4().hex[:6]}"
+    req = CkptRequested(request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node)
+    subj = f"ckpt.done.{node}"
+    before = await _count(bus, subj)
+    await bus.publish(CkptDone.for_request(req, status="failed", error={
+        "code": "deliveries-exhausted", "message": "gave up"}))
+    await bus.publish(CkptDone.for_request(req, status="succeeded", generation=3))
+    assert await _count(bus, subj) == before + 2
+
+
+async def _count(bus: Bus, subj: str) -> int:
+    info = await bus.js.stream_info(STREAM_EVENTS, subjects_filter=subj)
+    return int((info.state.subjects or {}).get(subj, 0))
+
+
+class Slow:
+    kind = "ckpt.requested"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.set()
+        await asyncio.sleep(self.seconds)
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_a_keepalive_never_overwrites_another_owners_claim(bus: Bus, node: str) -> None:
+    step = Slow(4 * bus.config.keepalive + 1)
+    w = Worker(bus, step, node, service="test")
+    task = asyncio.create_task(w.run())
+    rid = f"owned-{uuid.uuid4().hex[:6]}"
+    try:
+        await bus.publish(CkptRequested(request_id=rid, checkpoint_id="ck",
+                                        target=Target.job("j"), node=node))
+        await asyncio.wait_for(step.started.wait(), 10)
+        theirs = {"state": "running", "owner": "another-worker", "heartbeat": time.time(),
+                  "subject": f"ckpt.requested.{node}", "checkpoint_id": "ck"}
+        await bus.kv(KV_STEPS).put(rid, orjson.dumps(theirs))
+        await asyncio.sleep(3 * bus.config.keepalive)
+        state, _ = await bus.step_state(rid)
+        assert state and state["owner"] == "another-worker", state
+    finally:
+        w.stop()
+        await asyncio.wait_for(task, 30)
+
+
+# -- 14. what the bus and the disk keep ------------------------------------------------
+
+async def test_step_states_expire_like_the_requests_they_answer(bus: Bus) -> None:
+    steps = await bus.js.stream_info(f"KV_{KV_STEPS}")
+    requests = await bus.js.stream_info(STREAM_REQUESTS)
+    assert steps.config.max_age and steps.config.max_age >= (requests.config.max_age or 0)
+
+
+async def test_failed_steps_leave_no_work_directory(h: Harness) -> None:
+    job = await h.start(16)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded"
+    gen_dir = h.settings.storage_root / LOCAL_NAMESPACE / job.id / f"{done.generation:08d}"
+    for f in (gen_dir / "files" / "images").glob("core-*.img"):
+        f.write_bytes(b"\0" * f.stat().st_size)  # corrupt: the restore fails
+    restored = await h.restore(job.id)
+    assert restored.status == "failed"
+    assert not (restore_step(h).work_dir / restored.request_id).exists()
