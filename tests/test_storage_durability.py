@@ -212,6 +212,20 @@ async def test_an_upload_completes_only_with_every_part(backend: Backend) -> Non
     await up.abort()
 
 
+async def test_an_upload_aborted_under_its_writer_fails_its_next_part(backend: Backend) -> None:
+    """A GC that took the writer for dead aborted its upload: the next part
+    fails, and the object is never made again with a hole where parts were."""
+    key = layout.file_key(NS, "ck", 1, "images/pages-1.img")
+    up = backend.start_upload(key)
+    await up.put_part(1, 0, b"a" * (5 << 20))
+    [pending] = await backend.pending_uploads("")
+    await backend.abort_upload(pending)
+    with pytest.raises(StorageError):
+        await up.put_part(2, 5 << 20, b"b")
+        await up.complete(2)
+    assert key not in await backend.list("")
+
+
 # --- 3: the parent link of a pre-dump, made by the dump --------------------------------------
 
 async def test_a_link_the_dump_makes_is_stored_and_restored(
@@ -472,7 +486,7 @@ async def test_pointers_and_manifests_torn_by_a_crash_are_not_fatal(
 
 # --- conditional writes whose answer was lost ---------------------------------------------------
 
-@pytest.mark.parametrize("what", ["claim", "manifest.json"])
+@pytest.mark.parametrize("what", ["claim", "manifest.json", "latest"])
 async def test_a_conditional_put_whose_answer_was_lost_is_ours(
         proxied: Callable[..., Any], what: str, tmp_path: Path) -> None:
     lost: list[str] = []

@@ -139,6 +139,7 @@ class LocalUpload:
         self.final = final
         self.path = final.with_name(f".{final.name}{UPLOAD_MARK}{upload_id or uuid.uuid4().hex}")
         self.written: set[int] = set()
+        self.started = False
 
     async def put_part(self, number: int, offset: int, data: bytes) -> None:
         await asyncio.to_thread(self._write, offset, data)
@@ -146,11 +147,23 @@ class LocalUpload:
 
     def _write(self, offset: int, data: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        # Created by the first part only: one aborted meanwhile (a GC) is an
+        # error, never a file made again with a hole where its parts were.
+        fd = self._open(os.O_WRONLY | (0 if self.started else os.O_CREAT))
+        self.started = True
         try:
             _write_all(fd, data, offset)
         finally:
             os.close(fd)
+
+    def _open(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise StorageError(f"the upload of {self.final} was aborted while its parts went "
+                               "up (a garbage collection took its writer for dead?)",
+                               hint="the step is retried; if this repeats, raise SMR_GC_GRACE"
+                               ) from None
 
     async def complete(self, parts: int) -> None:
         if self.written != set(range(1, parts + 1)):
@@ -160,8 +173,9 @@ class LocalUpload:
         await asyncio.to_thread(self._finish)
 
     def _finish(self) -> None:
-        self._write(0, b"")  # creates an empty object; else writes nothing
-        fd = os.open(self.path, os.O_RDONLY)
+        if not self.started:
+            self._write(0, b"")  # an empty object
+        fd = self._open(os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

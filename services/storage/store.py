@@ -142,6 +142,11 @@ class CheckpointStore:
             return earlier
         if earlier is not None:  # claimed before, never committed: that number again
             gen, etag, claimed_at = earlier
+            # Renewed at once, so that a GC does not reap it under us; if one
+            # did already, a number of our own.
+            if not (etag := await self._renew(namespace, checkpoint_id, gen, rid,
+                                              (etag, claimed_at))):
+                gen, etag, claimed_at = await self._claim(namespace, checkpoint_id, rid, keys)
         else:
             gen, etag, claimed_at = await self._claim(namespace, checkpoint_id, rid, keys)
         lost = asyncio.Event()
@@ -237,23 +242,33 @@ class CheckpointStore:
         """Renew the claim's heartbeat (``alive_at``) every ``heartbeat_s``
         while the commit runs, so that GC never takes a slow writer for a
         dead one; sets ``lost`` if the claim was removed or taken."""
-        key = layout.claim_key(ns, ckpt, gen)
         etag, claimed_at = held
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            body = orjson.dumps({"request_id": rid, "claimed_at": claimed_at,
-                                 "alive_at": time.time()})
             try:
-                etag = await self.backend.put_bytes(key, body, if_match=etag)
-            except Conflict:
-                claim, etag = await self._read_claim(ns, ckpt, gen)
-                if claim.get("request_id") != rid:  # a lost answer leaves it ours
-                    log.warning("the claim of %s generation %d is gone: a GC took its "
-                                "writer for dead; this commit will not be written", ckpt, gen)
-                    lost.set()
-                    return
+                etag = await self._renew(ns, ckpt, gen, rid, (etag, claimed_at))
             except StorageError as e:  # the next beat may get through
                 log.warning("could not renew the claim of %s generation %d: %s", ckpt, gen, e)
+                continue
+            if not etag:
+                log.warning("the claim of %s generation %d is gone: a GC took its writer "
+                            "for dead; this commit will not be written", ckpt, gen)
+                lost.set()
+                return
+
+    async def _renew(self, ns: str, ckpt: str, gen: int, rid: str,
+                     held: tuple[str, float]) -> str:
+        """Write a fresh ``alive_at`` into our claim; its new etag, or "" if
+        the claim is gone or another's."""
+        etag, claimed_at = held
+        body = orjson.dumps({"request_id": rid, "claimed_at": claimed_at,
+                             "alive_at": time.time()})
+        try:
+            return await self.backend.put_bytes(layout.claim_key(ns, ckpt, gen), body,
+                                                if_match=etag)
+        except Conflict:
+            claim, etag = await self._read_claim(ns, ckpt, gen)
+            return etag if claim.get("request_id") == rid else ""  # a lost answer: ours
 
     async def _still_ours(self, ns: str, ckpt: str, gen: int, rid: str,
                           lost: asyncio.Event) -> None:
