@@ -215,6 +215,10 @@ async def test_an_upload_completes_only_with_every_part(backend: Backend) -> Non
 async def test_an_upload_aborted_under_its_writer_fails_its_next_part(backend: Backend) -> None:
     """A GC that took the writer for dead aborted its upload: the next part
     fails, and the object is never made again with a hole where parts were."""
+    if isinstance(backend, S3Backend):
+        # moto answers a part of an aborted upload 500 (S3: 404 NoSuchUpload),
+        # which botocore retries: once is enough here.
+        backend.bulk_config = backend.bulk_config.merge(Config(retries={"max_attempts": 2}))
     key = layout.file_key(NS, "ck", 1, "images/pages-1.img")
     up = backend.start_upload(key)
     await up.put_part(1, 0, b"a" * (5 << 20))
