@@ -45,8 +45,9 @@ class Upload(Protocol):
 
     async def put_part(self, number: int, offset: int, data: bytes) -> None: ...
 
-    async def complete(self) -> None:
-        """Make the object visible as the concatenation of its parts."""
+    async def complete(self, parts: int) -> None:
+        """Make the object visible as the concatenation of parts 1..``parts``;
+        StorageError, and nothing visible, unless each of them went up."""
         ...
 
     async def abort(self) -> None: ...

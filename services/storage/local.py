@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.storage.backend import Conflict, NotFound, PendingUpload
+from services.storage.backend import Conflict, NotFound, PendingUpload, StorageError
 from smr.errors import PermanentError
 
 UPLOAD_MARK = ".upload-"
@@ -60,8 +60,13 @@ class LocalBackend:
                 if _etag(path.read_bytes()) != if_match:
                     raise Conflict(f"{key} was changed by another writer")
             tmp = path.with_name(f".{path.name}.part")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)  # the bytes on disk before the name: see durable()
+            finally:
+                os.close(fd)
+            durable(tmp, path)
         return _etag(data)
 
     async def get_bytes(self, key: str) -> tuple[bytes, str]:
@@ -133,25 +138,71 @@ class LocalUpload:
     def __init__(self, final: Path, upload_id: str | None = None) -> None:
         self.final = final
         self.path = final.with_name(f".{final.name}{UPLOAD_MARK}{upload_id or uuid.uuid4().hex}")
+        self.written: set[int] = set()
+        self.started = False
 
     async def put_part(self, number: int, offset: int, data: bytes) -> None:
         await asyncio.to_thread(self._write, offset, data)
+        self.written.add(number)
 
     def _write(self, offset: int, data: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        # Created by the first part only: one aborted meanwhile (a GC) is an
+        # error, never a file made again with a hole where its parts were.
+        fd = self._open(os.O_WRONLY | (0 if self.started else os.O_CREAT))
+        self.started = True
         try:
-            os.pwrite(fd, data, offset)
+            _write_all(fd, data, offset)
         finally:
             os.close(fd)
 
-    async def complete(self) -> None:
-        if not self.path.exists():
+    def _open(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise StorageError(f"the upload of {self.final} was aborted while its parts went "
+                               "up (a garbage collection took its writer for dead?)",
+                               hint="the step is retried; if this repeats, raise SMR_GC_GRACE"
+                               ) from None
+
+    async def complete(self, parts: int) -> None:
+        if self.written != set(range(1, parts + 1)):
+            missing = sorted(set(range(1, parts + 1)) - self.written)
+            raise StorageError(f"{self.final}: part(s) {missing[:10]} of {parts} were not "
+                               "written; the upload is not completed", hint="the step is retried")
+        await asyncio.to_thread(self._finish)
+
+    def _finish(self) -> None:
+        if not self.started:
             self._write(0, b"")  # an empty object
-        os.replace(self.path, self.final)
+        fd = self._open(os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        durable(self.path, self.final)
 
     async def abort(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def durable(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` (already fsynced) to ``final`` and fsync the directory:
+    after a power loss the name holds the whole object or the old one, never
+    an empty file that would break every later checkpoint of the id."""
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes, offset: int = 0) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _etag(data: bytes) -> str:

@@ -150,8 +150,9 @@ class S3Backend:
         return out
 
     async def abort_upload(self, upload: PendingUpload) -> None:
-        async with self._client() as c, self._errors(upload.key):
-            with contextlib.suppress(NotFound):
+        # NotFound is what _errors raises: gone already (another GC) is done.
+        with contextlib.suppress(NotFound):
+            async with self._client() as c, self._errors(upload.key):
                 await c.abort_multipart_upload(Bucket=self.bucket, Key=self.prefix + upload.key,
                                                UploadId=upload.upload_id)
 
@@ -192,7 +193,12 @@ class S3Upload:
                                             PartNumber=number, Body=data)
             self.etags[number] = r["ETag"]
 
-    async def complete(self) -> None:
+    async def complete(self, parts: int) -> None:
+        if sorted(self.etags) != list(range(1, parts + 1)):
+            missing = sorted(set(range(1, parts + 1)) - set(self.etags))
+            raise StorageError(f"{self.b.url(self.key)}: part(s) {missing[:10]} of {parts} "
+                               "did not go up; the upload is not completed",
+                               hint="the step is retried")
         async with self.b._client() as c, self.b._errors(self.key):
             if self.upload_id is None:
                 await c.put_object(Bucket=self.b.bucket, Key=self.k, Body=b"")
@@ -205,7 +211,7 @@ class S3Upload:
     async def abort(self) -> None:
         if self.upload_id is None:
             return
-        async with self.b._client() as c, self.b._errors(self.key):
-            with contextlib.suppress(NotFound):
+        with contextlib.suppress(NotFound):
+            async with self.b._client() as c, self.b._errors(self.key):
                 await c.abort_multipart_upload(Bucket=self.b.bucket, Key=self.k,
                                                UploadId=self.upload_id)

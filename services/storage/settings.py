@@ -15,14 +15,16 @@ from smr.config import Settings
 def make_store(settings: Settings) -> CheckpointStore:
     codec = Codec(level=settings.zstd_level,
                   key=load_key(settings.encryption_key, settings.encryption_key_file))
+    # A writer renews its claim four times per grace: GC never reaps a live one.
+    beat = max(settings.gc_grace / 4, 1.0)
     if settings.storage == "s3":
         from services.storage.s3 import S3Backend  # aioboto3: only where S3 is used
 
         return CheckpointStore(S3Backend(
             settings.s3_bucket, prefix=settings.s3_prefix,
             endpoint_url=settings.s3_endpoint or None, path_style=settings.s3_path_style,
-            region=settings.s3_region or None), codec)
-    return CheckpointStore(LocalBackend(settings.storage_root), codec)
+            region=settings.s3_region or None), codec, heartbeat_s=beat)
+    return CheckpointStore(LocalBackend(settings.storage_root), codec, heartbeat_s=beat)
 
 
 def make_storage_service(bus: Bus, store: CheckpointStore, s: Settings) -> StorageService:

@@ -4,7 +4,16 @@ Commit order, so that a crash at any point leaves nothing half-visible:
 claim the generation number (conditional create), upload the files (streamed
 while CRIU writes them, see ``upload``), write the manifest (conditional
 create), then move the latest pointer forward with a conditional write.
-Readers only see generations that have a manifest.
+Readers only see generations that have a manifest. A writer keeps its claim
+alive while it works (a heartbeat in the claim, which GC ages it by), and
+writes no manifest once its claim is gone. Each step is idempotent: a
+conditional write whose answer was lost is recognised as ours by its
+request id, and a commit run again for a request that already committed
+returns that generation.
+
+Manifests are read as hostile: paths that leave the directory they are
+restored into, and files in clear on a node that holds a key, are refused
+before anything is written.
 
 Retention removes a generation manifest first, so it disappears at once;
 garbage collection removes what crashed writers left: uploads never
@@ -21,7 +30,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +38,13 @@ from typing import Any
 import orjson
 
 from services.storage import layout
-from services.storage.backend import Backend, Conflict, NotFound
+from services.storage.backend import Backend, Conflict, NotFound, StorageError
 from services.storage.buffers import keep_transfer_buffers
 from services.storage.codec import Codec, DecodeError
 from services.storage.download import Chunk, Sink, decoded
 from services.storage.upload import Uploader
 from smr import contract, tracing
-from smr.errors import PermanentError, TemporaryError
+from smr.errors import ContractError, PermanentError, TemporaryError
 from smr.imagestream import Chunk as StreamChunk
 from smr.imagestream import FileRange
 from smr.messages import SCHEMA_VERSION, epoch, now
@@ -43,6 +52,8 @@ from smr.messages import SCHEMA_VERSION, epoch, now
 log = logging.getLogger("smr.storage")
 
 MAX_CLAIM_TRIES = 16
+RECOMMIT_SCAN = 16  # newest generations looked at for a request's earlier commit
+HEARTBEAT_S = 900.0  # SMR_GC_GRACE's default / 4; make_store passes the setting's
 FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
 EARLY_CHUNKS = 8  # decoded frames a streamed restore holds before CRIU asks for them
 SCRATCH_FILES = 16  # written in parallel (see Scatter)
@@ -58,6 +69,14 @@ class ScratchFull(TemporaryError):
 
 class CheckpointCorrupt(PermanentError):
     code = "checkpoint-corrupt"
+
+
+class Unencrypted(PermanentError):
+    code = "checkpoint-not-encrypted"
+
+
+class ClaimLost(TemporaryError):
+    code = "claim-lost"
 
 
 @dataclass(frozen=True)
@@ -81,9 +100,12 @@ class GcReport:
 
 
 class CheckpointStore:
-    def __init__(self, backend: Backend, codec: Codec | None = None) -> None:
+    def __init__(self, backend: Backend, codec: Codec | None = None, *,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         self.backend = backend
         self.codec = codec or Codec()
+        # How often a writer renews its claim: well under GC's grace.
+        self.heartbeat_s = heartbeat_s
         keep_transfer_buffers()  # this process moves images: see buffers
         # inventory()'s manifests: written once (If-None-Match), so a generation
         # still listed still has the manifest read before.
@@ -110,11 +132,35 @@ class CheckpointStore:
     async def _commit(self, namespace: str, checkpoint_id: str, src: Path,
                       meta: dict[str, Any], writer: asyncio.Future[Any] | None,
                       on_bytes: Callable[[int], None] | None) -> Generation:
-        gen = await self._claim(namespace, checkpoint_id, meta["request_id"])
+        rid = meta["request_id"]
+        keys = await self.backend.list(layout.checkpoint_prefix(namespace, checkpoint_id))
+        earlier = await self._earlier(namespace, checkpoint_id, rid, keys)
+        if isinstance(earlier, Generation):  # committed before: the same answer
+            if writer is not None:
+                await writer
+            await self._advance_latest(namespace, checkpoint_id, earlier.number)
+            return earlier
+        if earlier is not None:  # claimed before, never committed: that number again
+            gen, etag, claimed_at = earlier
+            # Renewed at once, so that a GC does not reap it under us; if one
+            # did already, a number of our own.
+            if not (etag := await self._renew(namespace, checkpoint_id, gen, rid,
+                                              (etag, claimed_at))):
+                gen, etag, claimed_at = await self._claim(namespace, checkpoint_id, rid, keys)
+        else:
+            gen, etag, claimed_at = await self._claim(namespace, checkpoint_id, rid, keys)
+        lost = asyncio.Event()
+        beat = asyncio.create_task(self._keep_claim(namespace, checkpoint_id, gen, rid,
+                                                    (etag, claimed_at), lost))
+        try:
+            files = await Uploader(self.backend, self.codec, on_bytes=on_bytes).upload_dir(
+                src, lambda rel: layout.file_key(namespace, checkpoint_id, gen, rel), writer)
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+        # The links once the writer is done: CRIU makes images/parent itself.
         links = [{"path": p.relative_to(src).as_posix(), "target": os.readlink(p)}
                  for p in sorted(src.rglob("*")) if p.is_symlink()]
-        files = await Uploader(self.backend, self.codec, on_bytes=on_bytes).upload_dir(
-            src, lambda rel: layout.file_key(namespace, checkpoint_id, gen, rel), writer)
         manifest = {
             "schema_version": SCHEMA_VERSION, "namespace": namespace,
             "checkpoint_id": checkpoint_id, "generation": gen, "created_at": now(),
@@ -124,23 +170,69 @@ class CheckpointStore:
         if parent := tracing.traceparent():
             manifest["traceparent"] = parent
         contract.validate("manifest", manifest)
+        check_paths(manifest)
+        await self._still_ours(namespace, checkpoint_id, gen, rid, lost)
         mkey = layout.manifest_key(namespace, checkpoint_id, gen)
-        await self.backend.put_bytes(mkey, orjson.dumps(manifest, option=orjson.OPT_INDENT_2),
-                                     if_none_match=True)
+        try:
+            await self.backend.put_bytes(mkey, orjson.dumps(manifest, option=orjson.OPT_INDENT_2),
+                                         if_none_match=True)
+        except Conflict:
+            # Ours, if an earlier try of this very PUT went through and only
+            # its answer was lost (botocore's retry then meets 412).
+            stored = await self.get(namespace, checkpoint_id, gen)
+            if stored.manifest.get("request_id") != rid:
+                raise
+            manifest = stored.manifest
         await self._advance_latest(namespace, checkpoint_id, gen)
         return Generation(manifest, self.backend.url(layout.generation_prefix(
             namespace, checkpoint_id, gen)))
 
-    async def _claim(self, namespace: str, checkpoint_id: str, request_id: str) -> int:
-        gen = max(await self._numbers(namespace, checkpoint_id), default=0) + 1
+    async def _earlier(self, namespace: str, checkpoint_id: str, rid: str, keys: list[str]
+                       ) -> Generation | tuple[int, str, float] | None:
+        """What an earlier run of request ``rid`` left among the newest
+        generations: its committed Generation, or (number, etag, claimed_at)
+        of a claim it never committed, or None."""
+        names: dict[int, set[str]] = {}
+        for k in keys:
+            if (where := layout.parse(k)) and where[2]:
+                names.setdefault(where[2], set()).add(where[3])
+        newest = [g for g in sorted(names, reverse=True) if "claim" in names[g]][:RECOMMIT_SCAN]
+        claims = await asyncio.gather(*(self._read_claim(namespace, checkpoint_id, g)
+                                        for g in newest))
+        for gen, (claim, etag) in zip(newest, claims, strict=True):
+            if claim.get("request_id") != rid:
+                continue
+            if "manifest.json" not in names[gen]:
+                return gen, etag, claimed(claim)
+            with contextlib.suppress(CheckpointNotFound):  # torn by a crash: a new number
+                return await self.get(namespace, checkpoint_id, gen)
+        return None
+
+    async def _read_claim(self, ns: str, ckpt: str, gen: int) -> tuple[dict[str, Any], str]:
+        """A claim's content and etag; ({}, "") where it is gone or torn."""
+        try:
+            data, etag = await self.backend.get_bytes(layout.claim_key(ns, ckpt, gen))
+            claim = orjson.loads(data)
+        except (NotFound, orjson.JSONDecodeError):
+            return {}, ""
+        return (claim, etag) if isinstance(claim, dict) else ({}, "")
+
+    async def _claim(self, namespace: str, checkpoint_id: str, request_id: str,
+                     keys: list[str]) -> tuple[int, str, float]:
+        gen = max((g for k in keys if (g := layout.generation_of(k, namespace, checkpoint_id))),
+                  default=0) + 1
         for _ in range(MAX_CLAIM_TRIES):
+            at = time.time()
             try:
-                await self.backend.put_bytes(
+                etag = await self.backend.put_bytes(
                     layout.claim_key(namespace, checkpoint_id, gen),
-                    orjson.dumps({"request_id": request_id, "claimed_at": time.time()}),
+                    orjson.dumps({"request_id": request_id, "claimed_at": at, "alive_at": at}),
                     if_none_match=True)
-                return gen
+                return gen, etag, at
             except Conflict:
+                claim, etag = await self._read_claim(namespace, checkpoint_id, gen)
+                if claim.get("request_id") == request_id:
+                    return gen, etag, claimed(claim)  # ours: the answer to our PUT was lost
                 gen += 1  # another writer took it: the next one
         raise Conflict(f"could not claim a generation of {checkpoint_id} after "
                        f"{MAX_CLAIM_TRIES} tries", hint="too many concurrent writers")
@@ -149,6 +241,50 @@ class CheckpointStore:
         """Move ``latest`` forward to ``gen`` unless it is there or past it
         already: a commit whose writer died after its manifest is finished so."""
         await self._advance_latest(namespace, checkpoint_id, gen)
+
+    async def _keep_claim(self, ns: str, ckpt: str, gen: int, rid: str,
+                          held: tuple[str, float], lost: asyncio.Event) -> None:
+        """Renew the claim's heartbeat (``alive_at``) every ``heartbeat_s``
+        while the commit runs, so that GC never takes a slow writer for a
+        dead one; sets ``lost`` if the claim was removed or taken."""
+        etag, claimed_at = held
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                etag = await self._renew(ns, ckpt, gen, rid, (etag, claimed_at))
+            except StorageError as e:  # the next beat may get through
+                log.warning("could not renew the claim of %s generation %d: %s", ckpt, gen, e)
+                continue
+            if not etag:
+                log.warning("the claim of %s generation %d is gone: a GC took its writer "
+                            "for dead; this commit will not be written", ckpt, gen)
+                lost.set()
+                return
+
+    async def _renew(self, ns: str, ckpt: str, gen: int, rid: str,
+                     held: tuple[str, float]) -> str:
+        """Write a fresh ``alive_at`` into our claim; its new etag, or "" if
+        the claim is gone or another's."""
+        etag, claimed_at = held
+        body = orjson.dumps({"request_id": rid, "claimed_at": claimed_at,
+                             "alive_at": time.time()})
+        try:
+            return await self.backend.put_bytes(layout.claim_key(ns, ckpt, gen), body,
+                                                if_match=etag)
+        except Conflict:
+            claim, etag = await self._read_claim(ns, ckpt, gen)
+            return etag if claim.get("request_id") == rid else ""  # a lost answer: ours
+
+    async def _still_ours(self, ns: str, ckpt: str, gen: int, rid: str,
+                          lost: asyncio.Event) -> None:
+        """Right before the manifest: a claim reaped by GC may have taken
+        uploads or files with it, so such a generation is never committed."""
+        claim, _ = await self._read_claim(ns, ckpt, gen)
+        if lost.is_set() or claim.get("request_id") != rid:
+            raise ClaimLost(f"the claim of {ckpt} generation {gen} was removed while its "
+                            "files went up (a garbage collection took the writer for dead); "
+                            "nothing was committed",
+                            hint="the step is retried; if this repeats, raise SMR_GC_GRACE")
 
     async def _advance_latest(self, namespace: str, checkpoint_id: str, gen: int) -> None:
         key = layout.latest_key(namespace, checkpoint_id)
@@ -162,18 +298,14 @@ class CheckpointStore:
                     return
                 except Conflict:
                     continue
-            if orjson.loads(data)["generation"] >= gen:
-                return  # only ever forward
+            if (pointer(data) or 0) >= gen:
+                return  # only ever forward (a torn pointer is overwritten)
             try:
                 await self.backend.put_bytes(key, body, if_match=etag)
                 return
             except Conflict:
-                continue
+                continue  # moved meanwhile, or our own PUT whose answer was lost
         raise Conflict(f"latest pointer of {checkpoint_id} kept changing")
-
-    async def _numbers(self, namespace: str, checkpoint_id: str) -> set[int]:
-        keys = await self.backend.list(layout.checkpoint_prefix(namespace, checkpoint_id))
-        return {g for k in keys if (g := layout.generation_of(k, namespace, checkpoint_id))}
 
     async def generations(self, namespace: str, checkpoint_id: str) -> list[Generation]:
         """Committed generations, oldest first."""
@@ -183,7 +315,7 @@ class CheckpointStore:
             if k.endswith("/manifest.json"):
                 gen = layout.generation_of(k, namespace, checkpoint_id)
                 if gen:
-                    with contextlib.suppress(CheckpointNotFound):  # retired since the listing
+                    with listed():
                         out.append(await self.get(namespace, checkpoint_id, gen))
         return sorted(out, key=lambda g: g.number)
 
@@ -200,7 +332,7 @@ class CheckpointStore:
         for (ns, ckpt), numbers in sorted(found.items()):
             gens = []
             for n in sorted(numbers):
-                with contextlib.suppress(CheckpointNotFound):  # retired since the listing
+                with listed():
                     gen = self._seen.get((ns, ckpt, n)) or await self.get(ns, ckpt, n)
                     seen[ns, ckpt, n] = gen
                     gens.append(gen)
@@ -214,7 +346,14 @@ class CheckpointStore:
             data, _ = await self.backend.get_bytes(layout.latest_key(namespace, checkpoint_id))
         except NotFound:
             return None
-        return await self.get(namespace, checkpoint_id, orjson.loads(data)["generation"])
+        if (gen := pointer(data)) is not None:
+            with contextlib.suppress(CheckpointNotFound):
+                return await self.get(namespace, checkpoint_id, gen)
+        # Torn by a crash (or naming a manifest that is): the newest that reads.
+        log.warning("the latest pointer of %s is torn or names no readable generation "
+                    "(%r); using the newest valid one", checkpoint_id, bytes(data[:64]))
+        gens = await self.generations(namespace, checkpoint_id)
+        return gens[-1] if gens else None
 
     async def pick(self, namespace: str, checkpoint_id: str, generation: int | None,
                    *, hint: str = "") -> Generation:
@@ -236,8 +375,23 @@ class CheckpointStore:
                 f"checkpoint {checkpoint_id} has no generation {generation}",
                 hint=f"`smr checkpoints {checkpoint_id}` lists the stored generations",
             ) from None
-        manifest = orjson.loads(data)
-        contract.validate("manifest", manifest)
+        where = f"the manifest of {checkpoint_id} generation {generation}"
+        try:
+            manifest = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            # A manifest the local backend wrote before it fsynced (power
+            # loss): its generation never finished committing.
+            log.warning("%s is torn (%d bytes, not valid JSON): treated as not committed",
+                        where, len(data))
+            raise CheckpointNotFound(f"{where} is torn: the generation was never committed",
+                                     hint="restore another generation (--generation N)"
+                                     ) from None
+        try:
+            contract.validate("manifest", manifest)
+        except ContractError as e:
+            raise CheckpointCorrupt(f"{where} is not valid: {e.message}",
+                                    hint="restore another generation (--generation N)") from None
+        check_paths(manifest)
         return Generation(manifest, self.backend.url(
             layout.generation_prefix(namespace, checkpoint_id, generation)))
 
@@ -263,9 +417,8 @@ class CheckpointStore:
                      on_bytes: Callable[[int], None] | None,
                      only: Callable[[str], bool] | None = None) -> None:
         m = gen.manifest
-        for f in m["files"]:
-            if f.get("encryption"):
-                self.codec.check_key(f["encryption"])  # before any byte is fetched
+        check_paths(m)  # before anything is written
+        self.check_keys(m)  # before any byte is fetched
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
         done = 0
@@ -315,11 +468,26 @@ class CheckpointStore:
             raise
         part.rename(final)
 
+    def check_keys(self, m: dict[str, Any]) -> None:
+        """Can this node read manifest ``m``'s files as their manifest says?
+        A node holding a key takes nothing in clear: a manifest that says
+        otherwise was altered, or written where no key was set."""
+        for f in m["files"]:
+            if f.get("encryption"):
+                self.codec.check_key(f["encryption"])
+            elif self.codec.key:
+                raise Unencrypted(
+                    f"{f['path']} of {m.get('checkpoint_id')} generation {m.get('generation')} "
+                    "is stored in clear, and this node holds an encryption key",
+                    hint="a node with a key restores only encrypted checkpoints: the manifest "
+                         "was altered, or written by a node without SMR_ENCRYPTION_KEY")
+
     async def read_file(self, m: dict[str, Any], f: dict[str, Any],
                         sink: Sink | None = None) -> AsyncIterator[Any]:
         """The decoded bytes of file ``f`` of manifest ``m``, in order; the
         last chunk only once the whole file matched its sha256 (see download,
         also for ``sink``)."""
+        self.check_keys({**m, "files": [f]})
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
         try:
@@ -365,7 +533,7 @@ class CheckpointStore:
 
         async def claimed_at(ns: str, ckpt: str, gen: int) -> float:
             if (ns, ckpt, gen) not in claims:
-                claims[ns, ckpt, gen] = await self._claimed_at(ns, ckpt, gen)
+                claims[ns, ckpt, gen] = await self._alive_at(ns, ckpt, gen)
             return claims[ns, ckpt, gen]
 
         for up in await self.backend.pending_uploads(""):
@@ -384,7 +552,8 @@ class CheckpointStore:
         for (ns, ckpt, gen), names in sorted(gens.items()):
             if "manifest.json" in names:
                 continue
-            if "claim" in names and at - await claimed_at(ns, ckpt, gen) <= grace_s:
+            # Read again, not from the uploads' pass: a writer may have beaten since.
+            if "claim" in names and at - await self._alive_at(ns, ckpt, gen) <= grace_s:
                 continue  # a writer may still be at work
             await self._remove_generation(ns, ckpt, gen)
             report.generations_removed.append(f"{ns}/{ckpt}/{gen}")
@@ -393,12 +562,82 @@ class CheckpointStore:
                      report.uploads_aborted, report.generations_removed)
         return report
 
-    async def _claimed_at(self, ns: str, ckpt: str, gen: int) -> float:
+    async def _alive_at(self, ns: str, ckpt: str, gen: int) -> float:
+        """When the claim's writer last showed it was alive (its heartbeat)."""
+        claim, _ = await self._read_claim(ns, ckpt, gen)
         try:
-            data, _ = await self.backend.get_bytes(layout.claim_key(ns, ckpt, gen))
-            return float(orjson.loads(data).get("claimed_at", 0))
-        except (NotFound, orjson.JSONDecodeError, ValueError):
+            return max(float(claim.get("alive_at", 0)), claimed(claim))
+        except (TypeError, ValueError):
             return 0.0
+
+
+@contextlib.contextmanager
+def listed() -> Iterator[None]:
+    """For listings: a generation retired since the listing, or torn, is not
+    one; a corrupt manifest is left out (and logged), not fatal to the list."""
+    try:
+        yield
+    except CheckpointNotFound:
+        pass
+    except CheckpointCorrupt as e:
+        log.error("left out of the listing: %s", e.message)
+
+
+def claimed(claim: dict[str, Any]) -> float:
+    """When a claim was taken; 0 where it does not say."""
+    try:
+        return float(claim.get("claimed_at", 0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def pointer(data: bytes) -> int | None:
+    """The generation a ``latest`` pointer names; None if it is torn."""
+    try:
+        gen = orjson.loads(data)["generation"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        return None
+    return gen if isinstance(gen, int) and gen > 0 else None
+
+
+def check_paths(m: dict[str, Any]) -> None:
+    """Refuse a manifest whose files or links would be written outside the
+    directory it is restored into (by root): every path plain and relative,
+    none under a link, and every link's target inside, through no link."""
+    where = f"the manifest of {m.get('checkpoint_id')} generation {m.get('generation')}"
+    links = {link["path"] for link in m.get("symlinks", [])}
+
+    def bad(what: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"{where} {what}; nothing was restored from it",
+                                 hint="the manifest was altered: restore another generation "
+                                      "(--generation N)")
+
+    seen: set[str] = set()
+    for p in [f["path"] for f in m["files"]] + [link["path"] for link in m.get("symlinks", [])]:
+        parts = p.split("/")
+        if "\0" in p or any(c in ("", ".", "..") for c in parts):
+            raise bad(f"names {p!r}, which is not a plain relative path")
+        if p in seen:
+            raise bad(f"names {p!r} twice")
+        seen.add(p)
+        if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
+            raise bad(f"puts {p!r} under a symlink")
+    for link in m.get("symlinks", []):
+        target = link["target"]
+        if target.startswith("/") or "\0" in target:
+            raise bad(f"links {link['path']!r} to {target!r}, outside the restore")
+        at = link["path"].split("/")[:-1]
+        for c in target.split("/"):
+            if c in ("", "."):
+                continue
+            if c == "..":
+                if not at:
+                    raise bad(f"links {link['path']!r} to {target!r}, outside the restore")
+                at.pop()
+                continue
+            at.append(c)
+            if "/".join(at) in links:
+                raise bad(f"links {link['path']!r} to {target!r}, through another link")
 
 
 def created_epoch(g: Generation) -> float:
@@ -427,6 +666,8 @@ class StreamedImages:
 
     def __init__(self, store: CheckpointStore, gen: Generation, subdir: str = "images",
                  scratch: Path | None = None) -> None:
+        check_paths(gen.manifest)
+        store.check_keys(gen.manifest)  # before a task starts
         self.store = store
         self.manifest = gen.manifest
         self.scratch = scratch

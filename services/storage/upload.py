@@ -7,9 +7,13 @@ page images are followed as they grow and their complete frames go up at
 once; when the dump is over, the tail of each and all other files follow.
 Time-to-durable becomes max(dump, upload) instead of dump + upload.
 
-Memory bound: ``ENCODING`` raw frames per file being encoded, plus
-``PARTS_IN_FLIGHT`` parts (each under ``PART_TARGET`` + one frame) being
-sent, across all files.
+Parts grow with their number (see ``part_size``): S3 takes at most 10,000
+parts of an object, and a page image of several TiB must fit.
+
+Memory bound: ``ENCODING`` raw frames per file being encoded, one part
+being filled per file, plus, across all files, at most ``PARTS_IN_FLIGHT``
+parts and ``BUDGET_PARTS`` x ``PART_TARGET`` bytes being sent (a part larger
+than that goes alone).
 
 Neighbours: ``codec`` encodes a frame; ``store`` turns the entries returned
 here into a manifest; ``download`` reads them back.
@@ -28,16 +32,75 @@ from typing import Any
 
 from services.storage.backend import Backend
 from services.storage.codec import FRAME_SIZE, Codec
+from smr.errors import PermanentError
 
 STREAMED = "pages-*.img"  # append-only while CRIU dumps
 PART_TARGET = 8 << 20  # S3 wants parts of at least 5 MiB, but the last
 PARTS_IN_FLIGHT = max(8, os.cpu_count() or 1)
+BUDGET_PARTS = 32  # bytes in flight: this many parts of PART_TARGET
+MAX_PARTS = 10_000  # S3's limit: part numbers 1..10000
+PARTS_PER_STEP = 1_000  # parts of one size before the size doubles
 # Frames of one file encoded at once: every core, since one page image can
 # hold a whole GPU's memory (measured on the H100 machine: with 4, upload fell
 # behind CRIU's 1.7 GB/s).
 ENCODING = max(4, os.cpu_count() or 1)
 SMALL_FILES_AT_ONCE = 16
 POLL_S = 0.02  # how often a growing file is looked at
+
+
+def part_size(number: int) -> int:
+    """The size part ``number`` (from 1) is filled to: ``PART_TARGET`` for
+    the first 1,000 parts, doubling every 1,000 after, so a part is about
+    1/1000 of what went before it. 10,000 parts hold 1023 x 1,000 x
+    ``PART_TARGET`` (8 TiB); the last are 512 x ``PART_TARGET`` (4 GiB, S3
+    takes 5 GiB)."""
+    return PART_TARGET << min((number - 1) // PARTS_PER_STEP, 9)
+
+
+class ByteBudget:
+    """Bytes of parts being sent, across all files. First come, first
+    served, so a large part is not starved by small ones; a part larger than
+    the whole budget waits for it all and goes alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, n: int) -> int:
+        """Wait for ``n`` bytes (at most the whole budget); returns what to release."""
+        n = min(n, self.capacity)
+        if not self._waiters and self.used + n <= self.capacity:
+            self.used += n
+            return n
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted, then cancelled before it ran
+            else:
+                fut.cancel()
+                self._wake()
+            raise
+        return n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if self.used + n > self.capacity:
+                return
+            self._waiters.popleft()
+            self.used += n
+            fut.set_result(None)
 
 
 def frame_aad(key: str, index: int) -> bytes:
@@ -51,6 +114,7 @@ class Uploader:
         self.backend = backend
         self.codec = codec
         self.parts = asyncio.Semaphore(PARTS_IN_FLIGHT)
+        self.budget = ByteBudget(BUDGET_PARTS * PART_TARGET)
         self.small = asyncio.Semaphore(SMALL_FILES_AT_ONCE)
         self.on_bytes = on_bytes
         self.done_bytes = 0
@@ -136,24 +200,40 @@ class Uploader:
         part: list[bytes] = []
         part_len = part_raw = part_no = offset = raw_off = 0
 
-        async def send(number: int, at: int, data: bytes, raw: int) -> None:
+        async def send(number: int, at: int, data: bytes, raw: int, held: int) -> None:
             try:
                 await upload.put_part(number, at, data)
             finally:
                 self.parts.release()
+                self.budget.release(held)
             self._progress(raw)
+
+        def check_sends() -> None:
+            # A send leaves ``sends`` only here, once its result is read: a
+            # failed part fails the file, never a shorter object.
+            for t in [t for t in sends if t.done()]:
+                sends.discard(t)
+                t.result()
 
         async def flush() -> None:
             nonlocal part, part_len, part_raw, part_no, offset
-            await self.parts.acquire()  # back-pressure: wait for a free slot
-            part_no += 1
+            if part_no == MAX_PARTS:
+                raise PermanentError(
+                    f"{rel} is larger than {MAX_PARTS} parts hold ({offset} bytes stored)",
+                    code="file-too-large", hint="S3 stores objects of at most 5 TiB")
             # A frame stored as it is fills a part alone: sent without a copy.
             data = part[0] if len(part) == 1 else b"".join(part)
-            t = asyncio.create_task(send(part_no, offset, data, part_raw))
-            sends.add(t)
-            t.add_done_callback(sends.discard)
+            await self.parts.acquire()  # back-pressure: wait for a free slot
+            try:
+                held = await self.budget.acquire(len(data))  # and for the bytes
+            except BaseException:
+                self.parts.release()
+                raise
+            part_no += 1
+            sends.add(asyncio.create_task(send(part_no, offset, data, part_raw, held)))
             offset += part_len
             part, part_len, part_raw = [], 0, 0
+            check_sends()
 
         async def collect() -> None:
             nonlocal part_len, part_raw
@@ -163,7 +243,7 @@ class Uploader:
             part.append(data)
             part_len += len(data)
             part_raw += n
-            if part_len >= PART_TARGET:
+            if part_len >= part_size(part_no + 1):
                 await flush()
 
         fd = os.open(path, os.O_RDONLY)
@@ -184,15 +264,14 @@ class Uploader:
                 # Encoded frames leave at once; a full window waits for the oldest.
                 while encoding and (len(encoding) >= ENCODING or encoding[0].done()):
                     await collect()
-                for t in list(sends):
-                    if t.done():
-                        t.result()
+                check_sends()
             while encoding:
                 await collect()
             if part:
                 await flush()
             await asyncio.gather(*sends)
-            await upload.complete()
+            check_sends()
+            await upload.complete(part_no)
         except BaseException:
             for t in [*encoding, *sends]:
                 t.cancel()
