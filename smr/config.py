@@ -165,9 +165,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
             "node agent: install smr-runtime and containerd's smr runtime handlers on the node "
             "at start (files), and restart containerd if they changed (restart); uninstall: "
-            "remove them and restart containerd. In every mode it labels the node "
-            "runtime.smr.dev/<handler>=true for each handler there, the label the smr "
-            "RuntimeClasses schedule on"),
+            "remove them and restart containerd. In every mode it then labels the node "
+            "runtime.smr.dev/<handler>=true for each handler there (none after an "
+            "uninstall): the labels the smr RuntimeClasses schedule on"),
     Setting("HOST_ROOT", "/proc/1/root", str, "node agent: the node's root file system "
             "(it shares the host's PID namespace)"),
     Setting("RUNTIME_BINARY", "", str, "node agent: its own smr-runtime; default: `make "

@@ -127,5 +127,6 @@ async def install_and_label(s: Settings, core: client.CoreV1Api) -> None:
         await publish(core, s.node, installed_handlers(host))
     except (OSError, RuntimeError, ApiException) as e:
         # Never fatal: the agent still serves the pods already on its node.
-        log.error("labelling node %s for its smr runtime handlers failed: %s; its labels "
-                  "(%s*) may not match the handlers it has", s.node, e, PREFIX)
+        log.error("SMR_RUNTIME_INSTALL=%s on node %s failed: %s; its labels (%s*) may not "
+                  "match the handlers it has (docs/node-agent.md)", s.runtime_install, s.node,
+                  e, PREFIX)
