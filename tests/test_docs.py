@@ -79,8 +79,8 @@ def test_every_env_var_read_elsewhere_is_named() -> None:
 # -- links and paths --------------------------------------------------------------------
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-CODE_SPAN = re.compile(r"`([^`\n]+)`")
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+CODE_SPAN = re.compile(r"`([^`]+)`")  # a span may go on over a line break
+FENCE = re.compile(r"^[ \t]*```.*?^[ \t]*```", re.S | re.M)
 
 
 def _broken(doc: Path) -> list[str]:
