@@ -169,9 +169,12 @@ SETTINGS: tuple[Setting, ...] = (
             "another live step on the same job before it is retried"),
     Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
             "node runs at once"),
-    Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart"), "node agent: "
-            "install smr-runtime and containerd's smr runtime handlers on the node at start "
-            "(files), and restart containerd if they changed (restart)"),
+    Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
+            "node agent: install smr-runtime and containerd's smr runtime handlers on the node "
+            "at start (files), and restart containerd if they changed (restart); uninstall: "
+            "remove them and restart containerd. In every mode it then labels the node "
+            "runtime.smr.dev/<handler>=true for each handler there (none after an "
+            "uninstall): the labels the smr RuntimeClasses schedule on"),
     Setting("HOST_ROOT", "/proc/1/root", str, "node agent: the node's root file system "
             "(it shares the host's PID namespace)"),
     Setting("RUNTIME_BINARY", "", str, "node agent: its own smr-runtime; default: `make "
@@ -196,6 +199,112 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("DEDUPE_WINDOW", 3600.0, _pos_float, "seconds JetStream remembers a request_id"),
 )
 
+
+
+@dataclass(frozen=True)
+class ReadElsewhere:
+    """An environment variable read outside ``load``: by another program or
+    library, or per container. Listed so docs/configuration.md names them all."""
+
+    name: str
+    read_by: str
+    doc: str
+
+
+ELSEWHERE: tuple[ReadElsewhere, ...] = (
+    ReadElsewhere("SMR_CONFIG", "every smr program (smr/config.py)", "a TOML file of the "
+                  "settings above (keys: their names without SMR_, lower-case); the "
+                  "environment wins over it"),
+    ReadElsewhere("SMR_CHECKPOINT", "the watcher and the webhook, on a pod's container",
+                  "opt-in: every start of that container resumes from this checkpoint id's "
+                  "latest generation (CEDANA_CHECKPOINT is read the same way)"),
+    ReadElsewhere("SMR_CONTAINER", "smr-runtime and smr-init, in the container", "the "
+                  "container's name: set by the webhook on opted-in containers (by hand in a "
+                  "hand-written manifest); smr-runtime wraps only containers that have it"),
+    ReadElsewhere("SMR_INIT_DIR", "smr-init, in the container", "smr-init's state "
+                  "directory; default /smr"),
+    ReadElsewhere("SMR_INIT_TIMEOUT", "smr-init, in the container", "seconds smr-init waits "
+                  "for the agent's restore-or-start answer before it starts the command "
+                  "fresh; default 30"),
+    ReadElsewhere("RUNTIME", "smr-runtime, from smr-runtime.env beside it (written by the "
+                  "agent)", "the real OCI runtime it hands every call to: the host's runc, "
+                  "or the NVIDIA runtime for smr-nvidia"),
+    ReadElsewhere("INIT", "smr-runtime, from smr-runtime.env", "the host's smr-init it "
+                  "mounts into containers; default: beside smr-runtime"),
+    ReadElsewhere("STATE", "smr-runtime, from smr-runtime.env", "per-container state "
+                  "directories; default /run/smr/containers"),
+    ReadElsewhere("LOG", "smr-runtime, from smr-runtime.env", "a file it appends its log "
+                  "to; default: stderr (containerd's log)"),
+    ReadElsewhere("OTEL_EXPORTER_OTLP_ENDPOINT", "every smr service (smr/tracing.py)",
+                  "OTLP/HTTP collector; set: traces are exported (docs/observability.md)"),
+    ReadElsewhere("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "smr/tracing.py", "the same, for "
+                  "traces only"),
+    ReadElsewhere("OTEL_TRACES_EXPORTER", "smr/tracing.py", "`otlp`: export even without an "
+                  "endpoint (the SDK's default one); `none`: never"),
+    ReadElsewhere("OTEL_SERVICE_NAME", "smr/tracing.py", "the traces' service.name; default "
+                  "smr-<service>"),
+    ReadElsewhere("KUBERNETES_SERVICE_HOST", "the watcher, agent and webhook "
+                  "(services/watcher/kube.py)", "set by Kubernetes in every pod: with "
+                  "SMR_KUBE_API empty, the in-cluster API is used"),
+    ReadElsewhere("XDG_DATA_HOME", "smr/config.py", "the default SMR_DATA_DIR is "
+                  "$XDG_DATA_HOME/smr (else ~/.local/share/smr)"),
+)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def _cell(text: str) -> str:
+    """Table-safe: ``|`` would end the cell, ``<x>`` would read as an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def markdown() -> str:
+    """docs/configuration.md: ``smr config --markdown`` writes it, and a test
+    checks the file is exactly this, so the doc cannot drift from the code."""
+    out = [
+        "# Configuration",
+        "",
+        "<!-- Generated from smr/config.py by `smr config --markdown > docs/configuration.md`;",
+        "     edit the descriptions there. tests/test_docs.py fails when this file differs. -->",
+        "",
+        "Every smr program reads its settings from environment variables prefixed `SMR_`, or",
+        "from a TOML file named by `SMR_CONFIG` (keys: the names without the prefix, lower-case).",
+        "The environment wins over the file, the file over the default. An invalid value stops",
+        "the program at start, naming the setting and the fix. `smr config` prints the values",
+        "in force.",
+        "",
+        "## Settings",
+        "",
+        "| variable | default | meaning |",
+        "|---|---|---|",
+    ]
+    for s in SETTINGS:
+        default = _shown(s.default)
+        out.append(f"| `{PREFIX}{s.name}` | {f'`{default}`' if default else '(empty)'} "
+                   f"| {_cell(s.doc)} |")
+    out += [
+        "",
+        "## Other environment variables",
+        "",
+        "Read by another program (smr-init and smr-runtime on the node), from a pod's",
+        "container, or by a library, rather than as settings of every smr program.",
+        "",
+        "| variable | read by | meaning |",
+        "|---|---|---|",
+    ]
+    for e in ELSEWHERE:
+        out.append(f"| `{e.name}` | {_cell(e.read_by)} | {_cell(e.doc)} |")
+    return "\n".join(out) + "\n"
 
 def _find_binary(explicit: str, name: str, setting: str) -> str:
     if explicit:

@@ -33,8 +33,10 @@ STEPS = Counter("smr_steps_total", "Checkpoint and restore steps finished, by ou
                 ["kind", "reason", "outcome"], registry=REGISTRY)
 FAILURES = Counter("smr_step_failures_total", "Failed steps, by error code",
                    ["kind", "code"], registry=REGISTRY)
-PHASE = Histogram("smr_step_phase_seconds", "Seconds each phase of a step took "
-                  "(dump, upload, download, restore, cuda_checkpoint, downtime, total, ...)",
+PHASE = Histogram("smr_step_phase_seconds", "Seconds each phase of a step took, by phase: "
+                  "pre_dump, dump, rootfs, durable, download, restore, cuda_lock, "
+                  "cuda_checkpoint, cuda_restore, cuda_unlock, downtime, total "
+                  "(schemas/common.json says what each times)",
                   ["kind", "phase"], registry=REGISTRY,
                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
 BYTES = Counter("smr_step_bytes_total", "Bytes of checkpoint images written (checkpoint) or "

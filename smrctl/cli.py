@@ -242,6 +242,9 @@ async def cmd_service(s: config.Settings, a: argparse.Namespace) -> int:
 
 
 def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
+    if a.markdown:
+        print(config.markdown(), end="")
+        return 0
     for st in config.SETTINGS:
         print(f"{config.PREFIX}{st.name}={s.values[st.name]!s:<24} # {st.doc}")
     return 0
@@ -290,7 +293,9 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="checkpoint, kill and restore a sample stateful job")
     d.add_argument("--mib", type=int, default=256, help="memory the sample job holds")
     d.add_argument("--keep", action="store_true", help="keep its checkpoint, log and job")
-    sub.add_parser("config", help="print the settings in force")
+    cf = sub.add_parser("config", help="print the settings in force")
+    cf.add_argument("--markdown", action="store_true", help="print every setting and the "
+                    "variables read elsewhere as docs/configuration.md (defaults, not values)")
     sub.add_parser("watcher", help="watch Kubernetes and publish checkpoint and restore "
                    "requests (needs SMR_NATS_URL)")
     sub.add_parser("agent", help="the node agent: checkpoint and restore this node's pod "

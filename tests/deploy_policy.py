@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-PRIVILEGED_ALLOWED = {("DaemonSet", "smr-agent")}  # CRIU needs it; nothing else does
+# CRIU needs it (the agent, and its GPU nodes' twin); nothing else does.
+PRIVILEGED_ALLOWED = {("DaemonSet", "smr-agent"), ("DaemonSet", "smr-agent-gpu")}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "Pod", "ReplicaSet"}
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from smr.config import REPO_TOOLS
-from tests import deploy_policy
+from tests import deploy_placement, deploy_policy
 
 ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
 OVERLAYS = ["dev", "gpu", "prod"]
@@ -66,12 +66,14 @@ def test_overlays_differ_where_they_should(kustomize: str) -> None:
     assert find(prod, "StatefulSet", "nats") is None, "prod uses the user's NATS"
     cfg = find(prod, "ConfigMap", "smr-config")
     assert cfg and cfg["data"]["SMR_NATS_CREDS"] == "/etc/smr/nats/creds"
-    agent = find(gpu, "DaemonSet", "smr-agent")
-    assert agent is not None
+    agent = find(gpu, "DaemonSet", "smr-agent-gpu")
+    assert agent is not None and find(gpu, "DaemonSet", "smr-agent") is not None
+    assert find(dev, "DaemonSet", "smr-agent-gpu") is None
     spec = agent["spec"]["template"]["spec"]
     assert spec["runtimeClassName"] == "nvidia"
-    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     assert "transparent_hugepage" in " ".join(spec["initContainers"][0]["command"])
+    # Two DaemonSets with one selector would fight over each other's pods.
+    assert agent["spec"]["selector"] != find(gpu, "DaemonSet", "smr-agent")["spec"]["selector"]
     for docs in (dev, gpu, prod):
         watcher = find(docs, "Deployment", "smr-watcher")
         assert watcher and watcher["spec"]["replicas"] == 2
@@ -137,3 +139,56 @@ def test_cert_manager_component(kustomize: str, tmp_path: Path) -> None:
     assert any(d["kind"] == "Certificate" for d in docs)
     for check in deploy_policy.CHECKS:
         assert check(docs) == [], check.__name__
+
+
+# -- placement on a mixed cluster ---------------------------------------------------------
+
+def _agents(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]
+            for d in deploy_placement.agent_daemonsets(docs)}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_pod_given_an_smr_runtime_class_lands_only_where_its_handler_is(
+        kustomize: str, overlay: str) -> None:
+    """A mixed cluster (CPU and GPU nodes, the GPU operator's taint, a user's
+    own taint, a cordoned node): every RuntimeClass the webhook can give a pod
+    exists, allows only nodes where an agent installed its handler, and allows
+    every such node."""
+    nodes = deploy_placement.MIXED_CLUSTER
+    p = deploy_placement.place(render(kustomize, overlay), nodes)
+    assert deploy_placement.problems(p, nodes) == []
+    assert p.allowed["smr"], "no node can take an opted-in pod"
+    if overlay == "gpu":
+        gpu_nodes = [n.name for n in nodes if n.gpus]
+        assert sorted(p.allowed["smr-nvidia"]) == sorted(gpu_nodes)
+        assert p.given == ["smr", "smr-nvidia"]
+
+
+def test_gpu_nodes_run_the_gpu_agent_and_every_node_runs_one(kustomize: str) -> None:
+    docs = render(kustomize, "gpu")
+    agents = _agents(docs)
+    p = deploy_placement.place(docs, deploy_placement.MIXED_CLUSTER)
+    for n in deploy_placement.MIXED_CLUSTER:
+        assert len(p.agents[n.name]) == 1, f"{n.name}: {p.agents[n.name]}"
+        spec = agents[p.agents[n.name][0]]
+        env = {e["name"]: e.get("value") for e in spec["containers"][0].get("env") or []}
+        if n.gpus:  # the driver's checkpoint API reaches the agent only through it
+            assert spec.get("runtimeClassName") == "nvidia" and env.get("SMR_GPU") == "auto"
+        else:  # no NVIDIA runtime handler on a CPU node: that pod could not start
+            assert "runtimeClassName" not in spec
+
+
+@pytest.mark.parametrize("overlay", ["dev", "gpu"])
+def test_nodes_without_an_agent_get_no_smr_pods(kustomize: str, overlay: str) -> None:
+    """Where the agent does not run (a taint it does not tolerate, the user's
+    nodeSelector), its node has no label, so opted-in pods wait in Pending
+    rather than start where no handler is."""
+    docs = render(kustomize, overlay)
+    for spec in _agents(docs).values():  # no longer every taint: the GPU one only
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    nodes = deploy_placement.MIXED_CLUSTER
+    p = deploy_placement.place(docs, nodes)
+    assert p.agents["cpu-dedicated"] == [] and p.agents["gpu-1"] != []
+    assert "cpu-dedicated" not in p.allowed["smr"]
+    assert deploy_placement.problems(p, nodes) == []

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 
 from kubernetes_asyncio import client
 
+from services.agent import nodelabel
 from services.agent.incontainer import CriuBundle
-from services.agent.install import install_on_node
 from services.agent.pods import Pods
 from services.agent.starts import StartRestores
 from services.checkpointer.pod import PodCheckpointStep
@@ -65,9 +64,7 @@ class NodeAgent:
     async def run(self) -> None:
         if problem := await self.criu.problem():
             log.error("%s", problem)
-        if self.s.runtime_install != "off":
-            await install_on_node(self.s.runtime_install, Path(self.s.host_root),
-                                  Path(self.s.runtime_binary()), Path(self.s.init_binary()))
+        await nodelabel.install_and_label(self.s, self.pods.core)  # then the node's labels
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
         try:
