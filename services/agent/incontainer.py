@@ -54,22 +54,24 @@ class CriuBundle:
                          os.open(self.binary, os.O_RDONLY))
         return self._fds
 
-    def inside(self, shim: Shim, timeout: float) -> Criu:
-        """A CRIU that runs in ``shim``'s container; paths given to it are
-        host paths under the container's root."""
+    def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int) -> Criu:
+        """A CRIU that runs in ``shim``'s container and keeps its images in
+        ``work``, a directory of the agent's (``work_fd``: held open by the
+        caller). CRIU reaches it through that descriptor (/proc/self/fd/N),
+        so the images are never in the container's file system: the workload
+        cannot see, write or swap them, before or after CRIU wrote them."""
         loader, libdir, criu = self.fds()
-        root = str(shim.root)
 
         def view(p: Path) -> str:
-            s = str(p)
-            if not s.startswith(root + "/"):
-                raise ValueError(f"{p} is not inside the container of pid {shim.pid}")
-            return s[len(root):]
+            rel = os.path.relpath(p, work)
+            if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+                raise ValueError(f"{p} is not in the agent's work directory {work}")
+            return f"/proc/self/fd/{work_fd}" + ("" if rel == "." else f"/{rel}")
 
         # nsenter forks into the PID namespace, so /proc/self there is the
         # child, which holds these descriptors.
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, options=OPTIONS,
-                    fds=(loader, libdir, criu), prefix=[
+                    fds=(loader, libdir, criu, work_fd), prefix=[
                         "nsenter", "-t", str(shim.pid), *NAMESPACES, "--",
                         f"/proc/self/fd/{loader}", "--library-path", f"/proc/self/fd/{libdir}"])
 

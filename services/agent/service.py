@@ -45,6 +45,7 @@ class NodeAgent:
             store=store, lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS)), pods=self.pods,
             node=s.node, criu_timeout=s.criu_timeout,
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
+            work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
         self.workers = [
             Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),

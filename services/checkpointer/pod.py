@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from typing import Any
@@ -41,14 +42,17 @@ class PodCheckpointStep(PodStep):
         # Under the container's lock: a restore into it (which holds the lock)
         # is over, and smr-init told so, before its workload is looked for.
         await self.lock.acquire(c.lock_key(), req.request_id)
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
+        work_fd = -1
         try:
-            pid, inner = self._workload(req, shim)
+            pid, inner = await asyncio.to_thread(self._workload, req, shim)
             ticks = proc_start_ticks(pid)
             await asyncio.to_thread(shutil.rmtree, work, True)
-            work.mkdir(parents=True)
-            criu = self.bundle.inside(shim, self.criu_timeout)
-            upper = host.upperdir(pid)
+            work_fd = self.open_work(work)
+            criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd)
+            # The shim's mounts, not the workload's: a workload can make mount
+            # namespaces of its own and name any directory as its upperdir.
+            upper = host.upperdir(shim.pid)
             # A restore always lands in a new container, with a new network
             # namespace: kept connections could not come back there.
             tcp = sockets.dump_mode(policy=tcp_policy(c.pod, self.label_prefix)[0],
@@ -97,6 +101,8 @@ class PodCheckpointStep(PodStep):
             finally:
                 shim.hold(False)
         finally:
+            if work_fd >= 0:
+                os.close(work_fd)
             await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
@@ -144,7 +150,7 @@ class PodCheckpointStep(PodStep):
                       progress: Progress, writer: asyncio.Task[Any] | None
                       ) -> tuple[Generation, float]:
         t = time.monotonic()
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
         container = orjson.loads((work / CONTAINER_FILE).read_bytes())
         gpu = container.pop("gpu", None)
         meta = {
@@ -180,7 +186,7 @@ class PodCheckpointStep(PodStep):
             shim = self.shim_of(c)
         except PermanentError:
             return None  # run() reports it
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
         if dump_finished(work / "images"):
             gen, _ = await self._commit(req, c, shim, Progress(), None)
             await self.lock.release(c.lock_key(), req.request_id)

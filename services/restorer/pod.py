@@ -46,9 +46,10 @@ class PodRestoreStep(PodStep):
         c = await self.pods.container(req.target)
         shim = self.shim_of(c)
         await self.lock.acquire(c.lock_key(), req.request_id)
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
+        work_fd = -1
         try:
-            st = shim.status()
+            st = await asyncio.to_thread(shim.status)
             if not st or st[0] != "waiting":
                 raise PermanentError(
                     f"{req.target} has already started its command (smr-init status: "
@@ -68,13 +69,16 @@ class PodRestoreStep(PodStep):
                                    only=(lambda p: not p.startswith("images/")) if streamed
                                    else None)
             durations = {"download": time.monotonic() - t}
+            work_fd = self.open_work(work)  # the directory fetch made
             progress.update("restore")
             t = time.monotonic()
-            await rootfs.apply(work / rootfs.TAR, shim.root)
+            await rootfs.apply(work / rootfs.TAR, shim.pid)
             durations["rootfs"] = time.monotonic() - t
-            pid = await self._restore(gen, shim, work, durations, streamed, progress)
-            shim.decide(f"restored {pid}")
+            pid = await self._restore(gen, shim, work, work_fd, durations, streamed, progress)
+            await asyncio.to_thread(shim.decide, f"restored {pid}")
         finally:
+            if work_fd >= 0:
+                os.close(work_fd)
             await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
@@ -97,9 +101,9 @@ class PodRestoreStep(PodStep):
         what = f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number}"
         gpuinfo.check_restorable(gen.manifest.get("gpu"), what, has_api=has_gpu_api)
 
-    async def _restore(self, gen: Generation, shim: Shim, work: Path,
+    async def _restore(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
                        durations: dict[str, float], streamed: bool, progress: Progress) -> int:
-        criu = self.bundle.inside(shim, self.criu_timeout)
+        criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
         # The dumped stdout/stderr pipes become the new container's.
@@ -155,7 +159,7 @@ class PodRestoreStep(PodStep):
         except PermanentError:
             return None
         st = shim.status()
-        pidfile = self.work(shim, req.request_id) / "restored.pid"
+        pidfile = self.work(req.request_id) / "restored.pid"
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
