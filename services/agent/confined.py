@@ -50,8 +50,8 @@ class UnsafePath(PermanentError):
 
 
 def _refused(path: str, why: str) -> UnsafePath:
-    return UnsafePath(f"/{path.lstrip('/')} in the container is {why}; the node agent does not follow or "
-                      "read it (a file smr writes there was replaced by the workload)",
+    return UnsafePath(f"/{path.lstrip('/')} in the container is {why}; the node agent does "
+                      "not follow or read it (the workload replaced a file smr writes there)",
                       hint="remove it; smr's files in the container's smr volume are smr's own")
 
 

@@ -14,6 +14,7 @@ import io
 import subprocess
 import sysconfig
 import tarfile
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -224,12 +225,10 @@ async def test_directory_swapped_for_symlink_copies_nothing_of_the_host(
 
 
 async def _stored(cluster: Cluster, gen: Any, path: str) -> bytes:
-    d = Path(f"/tmp/smr-stored-{uuid.uuid4().hex[:8]}")
-    try:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "gen"
         await cluster.store.fetch(gen, d, only=lambda p: p == path)
         return (d / path).read_bytes()
-    finally:
-        subprocess.run(["rm", "-rf", str(d)], check=False)
 
 
 async def _caps(cluster: Cluster, pod: str, node: str) -> str:
