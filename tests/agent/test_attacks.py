@@ -16,6 +16,7 @@ import sysconfig
 import tarfile
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,30 +49,26 @@ exec /bin/counter
 """
 
 # Loaded by glibc for a user lookup when /etc/nsswitch.conf names "evil":
-# it breaks out of any chroot and leaves a marker at a path of the host.
+# from any chroot it joins its own mount namespace again through a pidfd
+# (which puts its root back at the host's) and leaves a marker on the host.
 NSS_MODULE = r"""
+#define _GNU_SOURCE
 #include <fcntl.h>
-#include <sys/stat.h>
+#include <sched.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 __attribute__((constructor)) static void evil(void) {
-    mkdir("/.evil", 0700);
-    if (chroot("/.evil") == 0) {
-        for (int i = 0; i < 64; i++) (void)!chdir("..");
-        (void)!chroot(".");
-    }
+    int pidfd = syscall(SYS_pidfd_open, getpid(), 0);
+    if (pidfd >= 0) setns(pidfd, CLONE_NEWNS);
     int fd = open(MARKER, O_WRONLY | O_CREAT, 0644);
     if (fd >= 0) { (void)!write(fd, "nss\n", 4); close(fd); }
 }
 """
 
 TRACEBACK = """
-import os
-os.makedirs("/.evil", exist_ok=True)
+import ctypes, os
 try:
-    os.chroot("/.evil")
-    for _ in range(64):
-        os.chdir("..")
-    os.chroot(".")
+    ctypes.CDLL(None).setns(os.pidfd_open(os.getpid()), 0x00020000)  # CLONE_NEWNS
 except OSError:
     pass
 open(MARKER, "w").write("traceback\\n")
@@ -79,9 +76,12 @@ open(MARKER, "w").write("traceback\\n")
 
 
 @pytest.fixture(scope="module")
-def markers() -> dict[str, Path]:
+def markers() -> Iterator[dict[str, Path]]:
     run = uuid.uuid4().hex[:8]
-    return {k: MARKER_DIR / f"smr-attack-{run}-{k}" for k in ("nss", "traceback")}
+    paths = {k: MARKER_DIR / f"smr-attack-{run}-{k}" for k in ("nss", "traceback")}
+    yield paths
+    for p in paths.values():
+        p.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +136,12 @@ async def test_image_nss_module_and_traceback_never_run_in_the_agent(
     await hostile.core.patch_node(a, {"spec": {"unschedulable": True}})
     await hostile.latest("nss.main")
     before = steps(hostile.log("nss", a))
-    await hostile.drained_to("nss", a, b, before)  # restored, layer and all
-    await hostile.event("Restored", "nss")
-    for what, marker in markers.items():
-        assert not marker.exists(), f"the image's {what} code ran as root on the host"
+    try:
+        await hostile.drained_to("nss", a, b, before)  # restored, layer and all
+        await hostile.event("Restored", "nss")
+    finally:
+        for what, marker in markers.items():
+            assert not marker.exists(), f"the image's {what} code ran as root on the host"
 
 
 async def test_symlinks_in_smr_are_refused_and_reported(hostile: Cluster,
@@ -155,12 +157,12 @@ async def test_symlinks_in_smr_are_refused_and_reported(hostile: Cluster,
 
     for pod in ("holder", "leaker"):
         done = await checkpoint(hostile, pod, a, f"{pod}-1")
+        assert canary.read_text() == "host-secret-7f3a\n", f"{pod}: the agent wrote through a link"
+        assert "host-secret" not in str(done.error), f"{pod}: a host file leaked: {done.error}"
         assert done.status == "failed", f"{pod}: a checkpoint through a planted link"
         assert done.error["code"] == "unsafe-path-in-container", done.error
         event = await hostile.event("CheckpointFailed", pod)
         assert "symlink" in event["message"], event["message"]
-        assert "host-secret" not in event["message"]
-    assert canary.read_text() == "host-secret-7f3a\n", "the agent wrote through a link"
     # The refusals left the workloads running.
     n = len(steps(hostile.log("holder", a)))
     await hostile.until_steps("holder", a, n + 3)
