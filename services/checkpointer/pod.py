@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -25,11 +26,23 @@ from services.watcher.policy import tcp_policy
 from smr import __version__, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
-from smr.errors import PermanentError, TemporaryError
+from smr.errors import PermanentError, SmrError, TemporaryError
 from smr.jobs import proc_start_ticks, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 
 CONTAINER_FILE = "container.json"
+
+
+# smr-init ignores a hold not touched for HOLD_STALE_S (60 s, smr-init.c): a
+# crashed agent's hold expires; a live agent's is touched well within that.
+HOLD_REFRESH_S = 15.0
+
+
+async def _keep_holding(shim: Shim) -> None:
+    while True:
+        await asyncio.sleep(HOLD_REFRESH_S)
+        with contextlib.suppress(OSError, SmrError):  # the step itself reports
+            await asyncio.to_thread(shim.hold, True)
 
 
 class PodCheckpointStep(PodStep):
@@ -67,6 +80,7 @@ class PodCheckpointStep(PodStep):
                 "stdio": host.stdio(pid),
                 "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
             shim.hold(True)
+            holding = asyncio.create_task(_keep_holding(shim))
             try:
                 durations: dict[str, float] = {}
                 frozen_at = time.monotonic()
@@ -99,6 +113,7 @@ class PodCheckpointStep(PodStep):
                 if not req.leave_running and ticks is not None:
                     await wait_exit(pid, ticks)
             finally:
+                holding.cancel()
                 shim.hold(False)
         finally:
             if work_fd >= 0:

@@ -33,6 +33,7 @@ from tests.agent.cluster import (
     webhook_configuration,
 )
 from tests.agent.conftest import runtime_state
+from tests.agent.runc_bundle import busybox_bundle
 from tests.fake_apiserver import pod
 
 
@@ -202,27 +203,15 @@ def test_wrapped_container_of_a_non_root_user(smr_runtime: Path, tmp_path: Path,
     top = Path(tempfile.mkdtemp(prefix="smr-userns-"))
     request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
     os.chmod(top, 0o755)
-    bundle = top / "bundle"
-    rootfs = bundle / "rootfs"
-    for d in ("bin", "proc", "dev", "sys", "tmp", "smr"):
-        (rootfs / d).mkdir(parents=True)
-    busybox = shutil.which("busybox")
-    assert busybox
-    shutil.copy2(busybox, rootfs / "bin" / "busybox")
-    for applet in ("sh", "cat", "tr", "echo"):
-        (rootfs / "bin" / applet).symlink_to("busybox")
-    spec = json.loads(subprocess.run(["runc", "spec", "--bundle", str(bundle)],
-                                     capture_output=True, text=True, check=True).stdout
-                      or (bundle / "config.json").read_text())
-    spec["process"].update(terminal=False, user={"uid": 1000, "gid": 1000}, args=[
+    bundle = busybox_bundle(top, [
         "/bin/sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '; echo; cat /smr/main/status; "
-        "exit 4"], env=["PATH=/bin", "SMR_CONTAINER=main", "SMR_INIT_TIMEOUT=0.2"])
-    spec["root"]["readonly"] = False
+        "exit 4"], {"SMR_CONTAINER": "main", "SMR_INIT_TIMEOUT": "0.2"}, user=(1000, 1000))
     if userns:
+        spec = json.loads((bundle / "config.json").read_text())
         spec["linux"]["namespaces"].append({"type": "user"})
         spec["linux"]["uidMappings"] = [{"containerID": 0, "hostID": 200000, "size": 65536}]
         spec["linux"]["gidMappings"] = [{"containerID": 0, "hostID": 200000, "size": 65536}]
-    (bundle / "config.json").write_text(json.dumps(spec))
+        (bundle / "config.json").write_text(json.dumps(spec))
     cid = f"u-{uuid.uuid4().hex[:6]}"
     r = subprocess.run([str(smr_runtime), "--root", str(tmp_path / "runc"), "run",
                         "--bundle", str(bundle), cid], capture_output=True, text=True,
