@@ -123,12 +123,14 @@ def holds_gpu(pid: int) -> bool:
     return False
 
 
-def move_to_cgroups_of(pid: int, like: int) -> None:
-    """Put ``pid`` into every cgroup ``like`` is in (v1 controllers and v2)."""
+def cgroup_procs(pid: int) -> list[Path]:
+    """The cgroup.procs file of every cgroup ``pid`` is in (v1 controllers and
+    v2), those this agent can see."""
     try:
-        text = (PROC / str(like) / "cgroup").read_text()
+        text = (PROC / str(pid) / "cgroup").read_text()
     except OSError:
-        return
+        return []
+    out = []
     for line in text.splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers.startswith("name="):
@@ -140,6 +142,14 @@ def move_to_cgroups_of(pid: int, like: int) -> None:
             if not os.path.isdir(mount):
                 mount = "/sys/fs/cgroup"
         procs = Path(mount) / path.lstrip("/") / "cgroup.procs"
+        if procs.is_file():
+            out.append(procs)
+    return out
+
+
+def move_to_cgroups_of(pid: int, like: int) -> None:
+    """Put ``pid`` into every cgroup ``like`` is in (v1 controllers and v2)."""
+    for procs in cgroup_procs(like):
         with contextlib.suppress(OSError):
             procs.write_text(str(pid))
 

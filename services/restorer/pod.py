@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from services.restorer.stream import restore_streamed
 from services.storage.store import Generation, streamable
 from smr import gpuinfo, sockets
 from smr.bus import Progress
+from smr.criu import kill_tree
 from smr.errors import PermanentError
 from smr.messages import RestoreDone, RestoreRequested, now
 
@@ -103,7 +103,7 @@ class PodRestoreStep(PodStep):
 
     async def _restore(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
                        durations: dict[str, float], streamed: bool, progress: Progress) -> int:
-        criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd)
+        criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
         # The dumped stdout/stderr pipes become the new container's.
@@ -144,9 +144,9 @@ class PodRestoreStep(PodStep):
                 # CRIU brought the tree back CHECKPOINTED: GPU memory goes back, then unlock.
                 durations.update(await self.cuda.resume_all(await self.cuda.processes(root)))
         except BaseException:
-            # A tree whose GPU state did not come back must not linger half-restored.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(root, signal.SIGKILL)
+            # A tree whose GPU state did not come back must not linger
+            # half-restored: all of it goes, not only its root.
+            kill_tree(root)
             raise
         return inner
 

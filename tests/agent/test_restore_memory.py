@@ -1,0 +1,75 @@
+"""Restored memory is the pod's: CRIU restores inside the container's
+cgroups, so the restored tree's pages are charged to the pod's memory limit,
+not to the node agent's (whose limit would otherwise cap what a node can
+restore, and which the OOM killer would take)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.agent import host
+from services.agent.pods import runtime_id
+from tests import oci_image
+from tests.agent.cluster import COUNTER, Cluster, steps, workload
+
+IMAGE = "smr.test/ballast:1"
+MIB = 160
+# Holds MIB MiB of touched memory, then sleeps: the part of the tree whose
+# pages must come back charged to the pod.
+BALLAST = r"""
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    size_t n = (size_t)atoi(argv[1]) << 20;
+    char *p = malloc(n);
+    for (size_t i = 0; i < n; i += 4096) p[i] = (char)(i >> 12);
+    for (;;) pause();
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ballast_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ballast")
+    (d / "ballast.c").write_text(BALLAST)
+    subprocess.run(["gcc", "-static", "-O2", "-o", d / "ballast", d / "ballast.c"], check=True)
+    start = f"#!/bin/sh\n/bin/ballast {MIB} &\nexec /bin/counter\n".encode()
+    return oci_image.build(d / "ballast.tar", IMAGE, files={
+        "/bin/counter": COUNTER, "/bin/start": start,
+        "/bin/ballast": (d / "ballast").read_bytes()})
+
+
+def memory_charged(pid: int) -> int:
+    """Bytes charged to the memory cgroup of ``pid`` (v1 or v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return int(Path(f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes").read_text())
+        if controllers == "" and (f := Path(f"/sys/fs/cgroup{path}/memory.current")).is_file():
+            return int(f.read_text())
+    raise AssertionError(f"no memory cgroup for pid {pid}")
+
+
+async def test_restored_memory_is_charged_to_the_pod(cluster: Cluster,
+                                                     ballast_image: Path) -> None:
+    a, b = list(cluster.kubelets)
+    for node, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(node, ballast_image)
+    p = workload("big", a, image=IMAGE, labels={"smr.dev/node-restore": "true"})
+    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/start"]
+    cluster.kube.put("pods", p)
+    await cluster.until_steps("big", a, 5)
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await cluster.latest("big.main", timeout=60)
+    await cluster.drained_to("big", a, b, steps(cluster.log("big", a)))
+    pod = cluster.kube.get("pods", "big", "default")
+    assert pod is not None
+    shim = host.find_shim(runtime_id(pod["status"]["containerStatuses"][0]["containerID"]))
+    assert shim is not None
+    charged = memory_charged(shim.pid)
+    assert charged >= MIB << 20, \
+        f"the pod's cgroup holds {charged >> 20} MiB; the restored {MIB} MiB went elsewhere"
