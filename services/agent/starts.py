@@ -28,7 +28,7 @@ from smr import tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_LATEST, Bus
 from smr.config import Settings
-from smr.errors import SmrError
+from smr.errors import SmrError, TemporaryError
 from smr.jobs import proc_start_ticks
 from smr.messages import Reason, RestoreRequested, StorageQuery, Target, derive_request_id
 
@@ -121,9 +121,19 @@ class StartRestores:
         mine = next((c for c in policy.restorable() if c.name == name), None)
         if mine is None:
             return "fresh"
+        if policy.restore_failure == "fail":
+            # Whatever follows (storage down, this agent restarting), smr-init
+            # must not time out into the fresh start the policy forbids.
+            await asyncio.to_thread(shim.decide, "restoring")
         reply = await self.bus.query(QUERY_LATEST, StorageQuery(
             checkpoint_id=mine.checkpoint_id, namespace=meta["namespace"]), timeout=10)
-        if reply.error or not reply.generations:
+        if reply.error:
+            # Not "no checkpoint": a fresh start now would become the latest
+            # checkpoint over the real one. Asked again shortly.
+            raise TemporaryError(f"cannot ask storage for checkpoint {mine.checkpoint_id}: "
+                                 f"{reply.error.get('message', reply.error)}",
+                                 code="storage-query-failed")
+        if not reply.generations:
             return "fresh"
         gen = reply.generations[0]
         reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"

@@ -156,7 +156,7 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
                                           *(a.ready.wait() for a in agents)), 30)
     kube.services[("smr-system", "smr-webhook")] = ("127.0.0.1", webhook.port)
     try:
-        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook)
+        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook, storage)
     finally:
         for k in kubelets.values():
             await k.stop()
