@@ -45,6 +45,15 @@ async def _keep_holding(shim: Shim) -> None:
             await asyncio.to_thread(shim.hold, True)
 
 
+def _maybe_running(shim: Shim) -> bool:
+    """Does the workload still run? True when its status cannot be read
+    safely: the cautious answer (a GPU is resumed, a failure is not called an exit)."""
+    try:
+        return shim.workload() is not None
+    except SmrError:
+        return True
+
+
 class PodCheckpointStep(PodStep):
     kind = "ckpt.requested"
 
@@ -79,7 +88,7 @@ class PodCheckpointStep(PodStep):
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
                 "stdio": host.stdio(pid),
                 "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
-            shim.hold(True)
+            await asyncio.to_thread(shim.hold, True)
             holding = asyncio.create_task(_keep_holding(shim))
             try:
                 durations: dict[str, float] = {}
@@ -103,7 +112,7 @@ class PodCheckpointStep(PodStep):
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
-                    if cuda_pids and shim.workload() is not None:
+                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
                         # Never left locked: back to running whatever failed.
                         await asyncio.shield(self.cuda.resume_all(  # type: ignore[union-attr]
                             cuda_pids, quiet=True))
@@ -114,7 +123,7 @@ class PodCheckpointStep(PodStep):
                     await wait_exit(pid, ticks)
             finally:
                 holding.cancel()
-                shim.hold(False)
+                await asyncio.to_thread(shim.hold, False)
         finally:
             if work_fd >= 0:
                 os.close(work_fd)
@@ -149,7 +158,7 @@ class PodCheckpointStep(PodStep):
         try:
             run = await criu.dump(inner, work / "images", leave_running=leave_running, tcp=tcp)
         except CriuError as e:
-            if shim.workload() is None:
+            if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
                                      "was stored", code="job-exited", detail=e.detail) from None
             e.message = f"{e.message}; {c.target()} keeps running"

@@ -158,13 +158,16 @@ class PodRestoreStep(PodStep):
             shim = self.shim_of(c)
         except PermanentError:
             return None
-        st = shim.status()
+        try:
+            st = await asyncio.to_thread(shim.status)
+        except PermanentError:  # a status the workload replaced: run() reports it
+            st = []
         pidfile = self.work(req.request_id) / "restored.pid"
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
                 if _find_ns_pid(shim, inner):
-                    shim.decide(f"restored {inner}")
+                    await asyncio.to_thread(shim.decide, f"restored {inner}")
                     await self.lock.release(c.lock_key(), req.request_id)
                     return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)
