@@ -66,6 +66,7 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int) -> int:
         if err == errno.ENOSYS:
             _have_openat2 = False
             return _walk(dirfd, path, flags, mode)
+        _have_openat2 = True
         if err == errno.ELOOP:
             raise _refused(path, "a symlink, or is reached through one")
         raise OSError(err, os.strerror(err), path)
