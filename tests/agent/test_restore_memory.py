@@ -1,11 +1,16 @@
 """Restored memory is the pod's: CRIU restores inside the container's
 cgroups, so the restored tree's pages are charged to the pod's memory limit,
 not to the node agent's (whose limit would otherwise cap what a node can
-restore, and which the OOM killer would take)."""
+restore, and which the OOM killer would take). The restore here is done by an
+agent whose memory limit is below the workload's size."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,9 @@ from tests.agent.cluster import COUNTER, Cluster, steps, workload
 
 IMAGE = "smr.test/ballast:1"
 MIB = 160
+# The agents of these tests run in the test's own process: for the restore it
+# gets a memory limit smaller than the workload (new charges only, cgroup v1).
+AGENT_LIMIT_MIB = 112
 # Holds MIB MiB of touched memory, then sleeps: the part of the tree whose
 # pages must come back charged to the pod.
 BALLAST = r"""
@@ -54,6 +62,28 @@ def memory_charged(pid: int) -> int:
     raise AssertionError(f"no memory cgroup for pid {pid}")
 
 
+@contextlib.contextmanager
+def agent_memory_limit(mib: int) -> Iterator[None]:
+    """This process (the agents') in a memory cgroup of its own, limited to
+    ``mib`` MiB more than it holds; put back where it was after."""
+    line = next((ln for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                 if "memory" in ln.split(":")[1].split(",")), None)
+    if line is None:
+        pytest.skip("no cgroup v1 memory controller here to limit the agent with")
+    here = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+    mine = here / f"smr-agent-{uuid.uuid4().hex[:8]}"
+    mine.mkdir()
+    try:
+        (mine / "memory.limit_in_bytes").write_text(str(mib << 20))
+        (mine / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield
+        finally:
+            (here / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        mine.rmdir()
+
+
 async def test_restored_memory_is_charged_to_the_pod(cluster: Cluster,
                                                      ballast_image: Path) -> None:
     a, b = list(cluster.kubelets)
@@ -65,7 +95,9 @@ async def test_restored_memory_is_charged_to_the_pod(cluster: Cluster,
     await cluster.until_steps("big", a, 5)
     await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
     await cluster.latest("big.main", timeout=60)
-    await cluster.drained_to("big", a, b, steps(cluster.log("big", a)))
+    # Restored on node b by an agent whose limit is below the workload's size.
+    with agent_memory_limit(AGENT_LIMIT_MIB):
+        await cluster.drained_to("big", a, b, steps(cluster.log("big", a)))
     pod = cluster.kube.get("pods", "big", "default")
     assert pod is not None
     shim = host.find_shim(runtime_id(pod["status"]["containerStatuses"][0]["containerID"]))
