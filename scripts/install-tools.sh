@@ -65,6 +65,32 @@ if [[ ! -x $PREFIX/bin/prometheus || ! -x $PREFIX/bin/promtool ]]; then
   "$PREFIX/bin/promtool" --version | head -1
 fi
 
+# containerd 1.7 (trixie) and 2.x (forky), their binaries only, never run as a
+# service: the installer's tests load the config it writes with each release
+# (tests/test_install.py); the system's 1.6 runs the containers.
+CTD=$PREFIX/containerd
+if [[ ! -x $CTD/1.7/containerd || ! -x $CTD/2/containerd ]]; then
+  A=$CTD/apt
+  rm -rf "$A" && mkdir -p "$A/lists/partial" "$A/cache/archives/partial" "$A/get" "$CTD/1.7" "$CTD/2"
+  for suite in trixie forky; do
+    printf 'Types: deb\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: %s\n' \
+      "$MIRROR" "$suite" /usr/share/keyrings/debian-archive-keyring.gpg > "$A/$suite.sources"
+  done
+  CO=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$A" -o "Dir::State::Lists=$A/lists"
+      -o "Dir::Cache=$A/cache" -o Dir::Etc::Preferences=/dev/null
+      -o Dir::Etc::PreferencesParts=/dev/null -o Dir::State::status=/dev/null
+      -o APT::Architecture=amd64 -o APT::Architectures=amd64 -o APT::Sandbox::User=root)
+  apt-get "${CO[@]}" -qq update
+  (cd "$A/get" && apt-get "${CO[@]}" -qq download containerd/trixie containerd/forky)
+  for deb in "$A"/get/containerd_*.deb; do
+    case $(dpkg-deb -f "$deb" Version) in 1.7.*) d=1.7 ;; 2.*) d=2 ;; *) continue ;; esac
+    dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/bin/containerd > "$CTD/$d/containerd"
+    chmod +x "$CTD/$d/containerd"
+  done
+  rm -rf "$A"
+  "$CTD/1.7/containerd" --version && "$CTD/2/containerd" --version
+fi
+
 if [[ -f $STAMP && -x $PREFIX/bin/criu && -x $PREFIX/bin/nats-server && -x $PREFIX/bin/kustomize ]]; then
   touch "$STAMP"
   exit 0

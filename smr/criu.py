@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smr.errors import PermanentError, TemporaryError
+from smr.gpuinfo import process_tree
 from smr.sockets import Tcp
 
 # CRIU prints this on every run here (an unprivileged rlimit call in a VM); it
@@ -173,7 +174,10 @@ class Criu:
         try:
             _, err = await asyncio.wait_for(proc.communicate(), self.timeout)
         except TimeoutError:
-            proc.kill()
+            # CRIU itself, not only what runs it: nsenter forks CRIU into the
+            # container's PID namespace, and a CRIU left behind keeps the tree
+            # frozen, or restores it beside a fresh start.
+            kill_tree(proc.pid)
             await proc.wait()
             raise TemporaryError(
                 f"criu {args[0]} did not finish within {self.timeout:.0f}s",
@@ -196,6 +200,19 @@ class Criu:
             raise CriuError(f"criu {args[0]} failed (exit {proc.returncode})"
                             + (f": {why}" if why else ""), code=code, detail=detail, hint=hint)
         return CriuRun(seconds, log)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, every descendant (stopped ones too: SIGKILL needs no
+    SIGCONT) and its process group. The tree is listed before any is killed,
+    so none escapes the list by being reparented; a restore's half-restored
+    tree, still CRIU's children, goes with it."""
+    for _ in range(3):  # a fork racing the first pass is caught by the next
+        for p in reversed(process_tree(pid)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # its session: start_new_session=True
 
 
 def release_tuple(version: str) -> tuple[int, ...]:

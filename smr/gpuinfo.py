@@ -38,7 +38,11 @@ def process_tree(root: int) -> list[int]:
     while todo:
         pid = todo.pop()
         out.append(pid)
-        for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:  # a process that exits meanwhile takes its task directory along
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
             try:
                 todo.extend(int(c) for c in (task / "children").read_text().split())
             except OSError:

@@ -8,11 +8,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from services.agent.install import BEGIN, config_version, install, with_handlers
+from services.agent.install import (
+    BEGIN,
+    ConfigError,
+    config_version,
+    install,
+    runtimes,
+    with_handlers,
+)
 from smr.config import REPO_TOOLS
 
 MAIN = 'version = 2\nroot = "/var/lib/containerd"\n\n[grpc]\n  address = "/run/c.sock"\n'
@@ -97,3 +105,59 @@ def test_config_forms() -> None:
     twice = with_handlers(once, 2, {"smr": Path("/b")})
     assert twice.count(BEGIN) == 1 and 'BinaryName = "/b"' in twice
     assert 'BinaryName = "/a"' not in twice
+
+
+DATA = Path(__file__).parent / "data" / "containerd"
+# Each default config, and the containerd binary of its release: the
+# system's (Debian 12), or trixie's and forky's, which `make setup` unpacks
+# into .tools (scripts/install-tools.sh).
+DEFAULTS = {"1.6": ("containerd", " 1.6."),
+            "1.7": (str(REPO_TOOLS.parent / "containerd/1.7/containerd"), " 1.7."),
+            "2.1": (str(REPO_TOOLS.parent / "containerd/2/containerd"), " 2.")}
+
+
+@pytest.mark.parametrize("release", list(DEFAULTS))
+def test_handlers_in_each_containerds_default_config(release: str, tmp_path: Path) -> None:
+    """containerd 1.6, 1.7 and 2.x as they come (2.x quotes the plugin keys
+    with single quotes): the handler is read where containerd reads it, runc
+    is declared once, and the real containerd of that release loads it."""
+    text = (DATA / f"default-{release}.toml").read_text()
+    version = config_version(text)
+    assert version == (3 if release.startswith("2.") else 2)
+    out = with_handlers(text, version, {"smr": Path("/var/lib/smr/bin/smr-runtime")})
+    parsed = runtimes(tomllib.loads(out), version)
+    assert parsed["smr"]["options"]["BinaryName"] == "/var/lib/smr/bin/smr-runtime"
+    assert parsed["runc"] == runtimes(tomllib.loads(text), version)["runc"], \
+        "the node's runc stays as it was"
+    name, want = DEFAULTS[release]
+    binary = shutil.which(name)
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"containerd {release} is unpacked by `make setup`")
+        pytest.skip(f"no containerd {release} binary here to load the result (the TOML "
+                    "checks above passed)")
+    ver = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    assert want in ver, ver
+    (tmp_path / "config.toml").write_text(out)
+    dump = subprocess.run([binary, "--config", str(tmp_path / "config.toml"), "config", "dump"],
+                          capture_output=True, text=True, timeout=60)
+    assert dump.returncode == 0, dump.stderr
+    assert "/var/lib/smr/bin/smr-runtime" in dump.stdout
+
+
+def test_a_config_that_would_not_load_is_left_alone(node: Path) -> None:
+    """No config containerd would reject is written (so none is restarted
+    into): one that cannot take the block, and one containerd refuses."""
+    runtime, init = binaries()
+    config = node / "etc/containerd/config.toml"
+    inline = MAIN + ('[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+                     '  runtimes = { runc = { runtime_type = "io.containerd.runc.v2" } }\n')
+    config.write_text(inline)
+    with pytest.raises(ConfigError):
+        install(node, runtime, init)
+    assert config.read_text() == inline
+    config.write_text(MAIN)
+    with pytest.raises(ConfigError, match=r"would not load.*unknown key"):
+        install(node, runtime, init, check=lambda host, path: "unknown key")
+    assert config.read_text() == MAIN
+    assert not list(config.parent.glob("*.smr-check")), "the trial config stays behind"

@@ -178,3 +178,37 @@ def test_a_pod_the_webhook_could_not_protect_gets_a_policy_problem() -> None:
     out = patched(kata, review(admission(kata), S))
     problems = policy_for(out, S).problems
     assert any(p.startswith("not protected: runtime class 'kata'") for p in problems), problems
+
+
+async def test_a_client_that_stalls_holds_no_slot_for_long(kube: FakeApiServer) -> None:
+    """One review read at a time here (the default is MAX_IN_FLIGHT): a client
+    that sends half a body and stops is cut off after the read limit, and the
+    API server's next review is answered."""
+    api = await api_client(kube.url)
+    hook = Webhook(api, S.replace(webhook_port=0), host="127.0.0.1", max_in_flight=1,
+                   read_s=0.5)
+    task = asyncio.create_task(hook.run())
+    await asyncio.wait_for(hook.ready.wait(), 10)
+    ca = base64.b64decode(kube.get("mutatingwebhookconfigurations", "smr-webhook")[
+        "webhooks"][0]["clientConfig"]["caBundle"])
+    ctx = ssl.create_default_context(cadata=ca.decode())
+    name = "smr-webhook.smr-system.svc"
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", hook.port, ssl=ctx,
+                                                       server_hostname=name)
+        writer.write(b"POST /mutate HTTP/1.1\r\nHost: smr-webhook\r\nContent-Length: 100000\r\n"
+                     b"Content-Type: application/json\r\n\r\n{\"request\":")
+        await writer.drain()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"https://127.0.0.1:{hook.port}/mutate",
+                                 data=admission(opted()), ssl=ctx, server_hostname=name,
+                                 timeout=aiohttp.ClientTimeout(total=20)) as resp:
+                assert resp.status == 200
+                assert "patch" in (await resp.json())["response"]
+        status = await asyncio.wait_for(reader.readline(), 20)
+        assert b" 408 " in status, status
+        writer.close()
+    finally:
+        hook.stop()
+        await task
+        await api.close()

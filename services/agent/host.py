@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.agent.confined import Root, UnsafePath
 from smr.gpuinfo import process_tree as tree
 
 PROC = Path("/proc")
@@ -122,12 +123,14 @@ def holds_gpu(pid: int) -> bool:
     return False
 
 
-def move_to_cgroups_of(pid: int, like: int) -> None:
-    """Put ``pid`` into every cgroup ``like`` is in (v1 controllers and v2)."""
+def cgroup_procs(pid: int) -> list[Path]:
+    """The cgroup.procs file of every cgroup ``pid`` is in (v1 controllers and
+    v2), those this agent can see."""
     try:
-        text = (PROC / str(like) / "cgroup").read_text()
+        text = (PROC / str(pid) / "cgroup").read_text()
     except OSError:
-        return
+        return []
+    out = []
     for line in text.splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers.startswith("name="):
@@ -139,6 +142,14 @@ def move_to_cgroups_of(pid: int, like: int) -> None:
             if not os.path.isdir(mount):
                 mount = "/sys/fs/cgroup"
         procs = Path(mount) / path.lstrip("/") / "cgroup.procs"
+        if procs.is_file():
+            out.append(procs)
+    return out
+
+
+def move_to_cgroups_of(pid: int, like: int) -> None:
+    """Put ``pid`` into every cgroup ``like`` is in (v1 controllers and v2)."""
+    for procs in cgroup_procs(like):
         with contextlib.suppress(OSError):
             procs.write_text(str(pid))
 
@@ -162,32 +173,40 @@ class Shim:
     def root(self) -> Path:
         return PROC / str(self.pid) / "root"
 
-    def host(self, inside: str) -> Path:
-        """A path inside the container, as the host reaches it."""
-        return self.root / inside.lstrip("/")
+    def confined(self) -> Root:
+        """The container's root, held open: every path under it is the
+        tenant's and is opened without following links (agent/confined)."""
+        return Root.of_pid(self.pid)
 
     @property
     def dir(self) -> str:
         return f"{self.init_dir}/{self.container}"
 
     def status(self) -> list[str]:
+        """smr-init's status line, split; [] while there is none. A status
+        the workload replaced by a link, a FIFO or a large file raises
+        UnsafePath (the read never blocks and never leaves the container)."""
         try:
-            return self.host(f"{self.dir}/status").read_text().split()
+            with self.confined() as root:
+                return root.read(f"{self.dir}/status").decode(errors="replace").split()
+        except UnsafePath:
+            raise
         except OSError:
             return []
 
     def decide(self, decision: str) -> None:
-        path = self.host(f"{self.dir}/decision")
-        tmp = path.with_name("decision.tmp")
-        tmp.write_text(decision + "\n")
-        tmp.rename(path)
+        with self.confined() as root:
+            root.replace(f"{self.dir}/decision", (decision + "\n").encode())
 
     def workload(self) -> tuple[int, int] | None:
         """The workload's (host pid, namespace pid) once the shim runs it."""
         st = self.status()
         if len(st) < 2 or st[0] != "running":
             return None
-        inner = int(st[1])
+        try:
+            inner = int(st[1])
+        except ValueError:
+            return None
         for kid in children(self.pid):
             if ns_pid(kid) == inner:
                 return kid, inner
@@ -195,12 +214,12 @@ class Shim:
 
     def hold(self, on: bool) -> None:
         """While held, the shim outlives its workload (a final dump kills the
-        workload; the images in the shim's volume must stay reachable)."""
-        path = self.host(f"{self.dir}/hold")
-        if on:
-            path.write_text("")
-        else:
-            path.unlink(missing_ok=True)
+        workload; the container must stay until its checkpoint is stored)."""
+        with self.confined() as root:
+            if on:
+                root.write_new(f"{self.dir}/hold", b"")
+            else:
+                root.unlink(f"{self.dir}/hold")
 
 
 def shims() -> list[Shim]:

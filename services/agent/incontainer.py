@@ -20,6 +20,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from services.agent import host
 from services.agent.host import Shim
 from smr.criu import Criu
 from smr.errors import PermanentError
@@ -54,23 +55,34 @@ class CriuBundle:
                          os.open(self.binary, os.O_RDONLY))
         return self._fds
 
-    def inside(self, shim: Shim, timeout: float) -> Criu:
-        """A CRIU that runs in ``shim``'s container; paths given to it are
-        host paths under the container's root."""
+    def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
+               charged: bool = False) -> Criu:
+        """A CRIU that runs in ``shim``'s container and keeps its images in
+        ``work``, a directory of the agent's (``work_fd``: held open by the
+        caller). CRIU reaches it through that descriptor (/proc/self/fd/N),
+        so the images are never in the container's file system: the workload
+        cannot see, write or swap them, before or after CRIU wrote them.
+
+        ``charged`` (restores): CRIU starts in the container's cgroups, so the
+        tree it restores (its children) is charged to the pod's memory limit
+        from its first page; moving the tasks afterwards leaves the charge
+        with the agent (cgroup v1 never moves it, v2 by default neither)."""
         loader, libdir, criu = self.fds()
-        root = str(shim.root)
 
         def view(p: Path) -> str:
-            s = str(p)
-            if not s.startswith(root + "/"):
-                raise ValueError(f"{p} is not inside the container of pid {shim.pid}")
-            return s[len(root):]
+            rel = os.path.relpath(p, work)
+            if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+                raise ValueError(f"{p} is not in the agent's work directory {work}")
+            return f"/proc/self/fd/{work_fd}" + ("" if rel == "." else f"/{rel}")
 
         # nsenter forks into the PID namespace, so /proc/self there is the
         # child, which holds these descriptors.
+        join = [] if not charged else [
+            "sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
+            'shift; exec "$@"', "smr-join-cgroups", *map(str, host.cgroup_procs(shim.pid)), "--"]
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, options=OPTIONS,
-                    fds=(loader, libdir, criu), prefix=[
-                        "nsenter", "-t", str(shim.pid), *NAMESPACES, "--",
+                    fds=(loader, libdir, criu, work_fd), prefix=[
+                        *join, "nsenter", "-t", str(shim.pid), *NAMESPACES, "--",
                         f"/proc/self/fd/{loader}", "--library-path", f"/proc/self/fd/{libdir}"])
 
 

@@ -15,7 +15,13 @@ Idempotent; run by the agent at start when SMR_RUNTIME_INSTALL is not `off`:
    (measured with `containerd config dump`). Where the file does not define
    the default ``runc`` runtime, the block defines it as containerd's default
    does, since a file that names any runtime replaces containerd's defaults;
-3. with SMR_RUNTIME_INSTALL=restart (the DaemonSet's default) containerd is
+3. the new config is checked before it replaces the old: parsed as TOML
+   (tomllib; the runtimes table found by its keys, whichever quoting the file
+   uses: containerd 2.x writes ``plugins.'io.containerd.cri.v1.runtime'``),
+   and, where the node has a containerd binary, loaded by it
+   (``containerd --config <new> config dump``). A config either rejects is
+   not written and containerd is not restarted;
+4. with SMR_RUNTIME_INSTALL=restart (the DaemonSet's default) containerd is
    restarted if anything changed, through the host's systemd; running
    containers keep running (their shims outlive containerd).
 
@@ -29,20 +35,29 @@ import asyncio
 import logging
 import re
 import shutil
+import subprocess
+import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("smr.agent")
 
 BIN = "var/lib/smr/bin"
 STATE = "/run/smr/containers"
 CONFIG = "etc/containerd/config.toml"
+CONTAINERD = ("usr/bin/containerd", "usr/local/bin/containerd")
 RUNC = ("usr/bin/runc", "usr/sbin/runc", "usr/local/bin/runc", "usr/local/sbin/runc")
 NVIDIA = ("usr/bin/nvidia-container-runtime", "usr/local/bin/nvidia-container-runtime")
 # The CRI plugin's runtimes table, by config version.
 RUNTIMES = {1: "plugins.cri.containerd.runtimes",
             2: 'plugins."io.containerd.grpc.v1.cri".containerd.runtimes',
             3: 'plugins."io.containerd.cri.v1.runtime".containerd.runtimes'}
+# The same tables as keys (how the parsed config holds them).
+RUNTIME_KEYS = {1: ("plugins", "cri", "containerd", "runtimes"),
+                2: ("plugins", "io.containerd.grpc.v1.cri", "containerd", "runtimes"),
+                3: ("plugins", "io.containerd.cri.v1.runtime", "containerd", "runtimes")}
 BEGIN = "# >>> smr runtime handlers (services/agent/install.py; delete this block to undo)"
 END = "# <<< smr runtime handlers"
 _BLOCK = re.compile(rf"\n*{re.escape(BEGIN)}.*?{re.escape(END)}\n?", re.S)
@@ -55,27 +70,77 @@ class Installed:
     config_version: int
 
 
+class ConfigError(ValueError):
+    """containerd's config cannot take the handlers; it is left as it is."""
+
+
+def _parse(text: str, what: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} is not valid TOML ({e})") from None
+
+
 def config_version(text: str | None) -> int:
     """The config's ``version``: 2 for a node without a file (we write one),
     1 for a file without the key (containerd 1.x reads it so)."""
     if text is None:
         return 2
-    m = re.search(r"(?m)^\s*version\s*=\s*(\d+)", text)
-    return min(int(m.group(1)), 3) if m else 1
+    version = _parse(_BLOCK.sub("\n", text), "containerd's config").get("version", 1)
+    if not isinstance(version, int) or version < 1:
+        raise ConfigError(f"containerd's config has version = {version!r}")
+    return min(version, 3)
+
+
+def runtimes(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """The CRI runtimes table of a parsed config ({} where it has none)."""
+    node: Any = data
+    for key in RUNTIME_KEYS[version]:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
 
 
 def with_handlers(text: str, version: int, handlers: dict[str, Path]) -> str:
-    """``text`` with our block (replaced if there) declaring ``handlers``."""
+    """``text`` with our block (replaced if there) declaring ``handlers``;
+    ConfigError if the result would not be the config intended."""
     text = _BLOCK.sub("\n", text).rstrip("\n")
+    have = runtimes(_parse(text, "containerd's config"), version)
+    if clash := [n for n in handlers if n in have]:
+        raise ConfigError(f"containerd's config already defines the runtime {clash[0]} "
+                          "outside smr's block; remove it (or smr's handler would replace it)")
     table = RUNTIMES[version]
     block = [BEGIN]
-    if f"[{table}.runc]" not in text:
+    if "runc" not in have:
         block += [f"[{table}.runc]", '  runtime_type = "io.containerd.runc.v2"']
     for name, binary in handlers.items():
         block += [f"[{table}.{name}]", '  runtime_type = "io.containerd.runc.v2"',
                   f"[{table}.{name}.options]", f'  BinaryName = "{binary}"']
     block.append(END)
-    return (text + "\n\n" if text else "") + "\n".join(block) + "\n"
+    out = (text + "\n\n" if text else "") + "\n".join(block) + "\n"
+    got = runtimes(_parse(out, "containerd's config with smr's handlers"), version)
+    for name, binary in handlers.items():
+        if (got.get(name) or {}).get("options", {}).get("BinaryName") != str(binary):
+            raise ConfigError(f"the runtime {name} would not be read from the config as written")
+    if "runc" not in got:
+        raise ConfigError("the config would lose containerd's runc runtime")
+    return out
+
+
+Check = Callable[[Path, str], str | None]
+
+
+def containerd_rejects(host: Path, config: str) -> str | None:
+    """Why the node's containerd would not load ``config`` (a path on the
+    host), or None; None too where the node has no containerd binary to ask."""
+    binary = next((c for c in CONTAINERD if (host / c).is_file()), None)
+    if binary is None:
+        return None
+    try:
+        r = subprocess.run(["chroot", str(host), "/" + binary, "--config", config,
+                            "config", "dump"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not run the node's containerd to check the config: {e}"
+    return (r.stderr.strip()[-500:] or f"exit {r.returncode}") if r.returncode else None
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> bool:
@@ -100,9 +165,11 @@ def _copy(src: Path, dst: Path) -> bool:
     return True
 
 
-def install(host: Path, runtime_binary: Path, init_binary: Path) -> Installed:
+def install(host: Path, runtime_binary: Path, init_binary: Path,
+            check: Check = containerd_rejects) -> Installed:
     """Install into the host's file system, seen at ``host`` (/proc/1/root
-    from the agent's pod, which shares the host's PID namespace)."""
+    from the agent's pod, which shares the host's PID namespace). ``check``:
+    why containerd would reject a config file (host, path on the host)."""
     def find(candidates: tuple[str, ...]) -> str | None:
         return next(("/" + c for c in candidates if (host / c).is_file()), None)
 
@@ -126,8 +193,17 @@ def install(host: Path, runtime_binary: Path, init_binary: Path) -> Installed:
     main = host / CONFIG
     text = main.read_text() if main.is_file() else None
     version = config_version(text)
-    changed |= _write(main, with_handlers(text if text is not None else "version = 2",
-                                          version, handlers))
+    new = with_handlers(text if text is not None else "version = 2", version, handlers)
+    if new != text:
+        trial = main.with_name(main.name + ".smr-check")
+        _write(trial, new)
+        try:
+            if why := check(host, "/" + CONFIG + ".smr-check"):
+                raise ConfigError(f"containerd would not load its config with smr's handlers "
+                                  f"({why}); {main} is left as it was")
+        finally:
+            trial.unlink(missing_ok=True)
+    changed |= _write(main, new)
     return Installed(changed, list(handlers), version)
 
 

@@ -3,6 +3,7 @@ and what the node agent's checkpoint and restore steps share."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ class PodStep:
 
     def __init__(self, *, bundle: CriuBundle, criu: Criu, store: CheckpointStore,
                  lock: JobLock, pods: Pods, node: str, criu_timeout: float,
-                 init_binary: str, label_prefix: str,
+                 init_binary: str, label_prefix: str, work_dir: Path,
                  cuda: CudaCheckpoint | None = None, commit_deadline: float = 1800.0) -> None:
         self.bundle = bundle
         self.criu = criu  # the host's: its version goes into manifests
@@ -120,6 +121,10 @@ class PodStep:
         self.label_prefix = label_prefix  # for the pod's labels (services/watcher/policy)
         self.cuda = cuda  # None on a node without the CUDA checkpoint API
         self.commit_deadline = commit_deadline  # see services/checkpointer/durable
+        # The agent's own directory, never the pod's volume: CRIU's images
+        # and the layer's tar must be out of the workload's reach (a workload
+        # that edits core-N.img before it is stored chooses its credentials).
+        self.work_dir = work_dir
 
     @staticmethod
     def shim_of(c: PodContainer) -> Shim:
@@ -132,7 +137,13 @@ class PodStep:
                      "through /smr/smr-init (docs/node-agent.md)")
         return shim
 
+    def work(self, request_id: str) -> Path:
+        """A request's directory (the agent's, on the host side)."""
+        return self.work_dir / request_id
+
     @staticmethod
-    def work(shim: Shim, request_id: str) -> Path:
-        """A request's directory in the pod's smr volume (host path)."""
-        return shim.host(f"{shim.dir}/work/{request_id}")
+    def open_work(work: Path) -> int:
+        """``work`` (created if missing), mode 0700, held open for CRIU."""
+        work.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(work, 0o700)
+        return os.open(work, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -46,6 +46,7 @@ class NodeAgent:
                          stale_after=bus.config.stale_after),
             node=s.node, criu_timeout=s.criu_timeout, commit_deadline=s.commit_deadline,
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
+            work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
         self.workers = [
             Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),

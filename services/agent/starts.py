@@ -20,6 +20,7 @@ from typing import Any, get_args
 from opentelemetry import trace
 
 from services.agent import host
+from services.agent.confined import UnsafePath
 from services.agent.host import Shim
 from services.agent.pods import Pods, runtime_id
 from services.watcher.policy import policy_for
@@ -27,7 +28,7 @@ from smr import tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_LATEST, Bus
 from smr.config import Settings
-from smr.errors import SmrError
+from smr.errors import SmrError, TemporaryError
 from smr.jobs import proc_start_ticks
 from smr.messages import Reason, RestoreRequested, StorageQuery, Target, derive_request_id
 
@@ -60,12 +61,16 @@ class StartRestores:
 
     async def scan(self) -> None:
         waiting, alive = [], set()
-        for shim in await asyncio.to_thread(host.shims):
+        # Off the event loop: /proc and each container's status file.
+        for shim, st in await asyncio.to_thread(_statuses):
             key = (shim.pid, proc_start_ticks(shim.pid) or 0)
             alive.add(key)
             if key in self._done or key in self._busy:
                 continue
-            st = shim.status()
+            if isinstance(st, UnsafePath):
+                log.warning("container of pid %s: %s", shim.pid, st.message)
+                self._done.add(key)  # not answered: smr-init's own timeout applies
+                continue
             if not st or st[0] != "waiting":
                 continue
             self._seen.setdefault(key, time.monotonic())
@@ -98,7 +103,8 @@ class StartRestores:
             with tracing.tracer.start_as_current_span(
                     "container start", attributes={"k8s.pod.name": meta["name"],
                                                    "k8s.container.name": name}):
-                shim.decide(await self._decision(pod, status, shim))
+                decision = await self._decision(pod, status, shim)
+                await asyncio.to_thread(shim.decide, decision)
             self._done.add(key)
         except SmrError as e:
             log.warning("pod %s/%s container %s: %s; asked again shortly", meta["namespace"],
@@ -115,9 +121,19 @@ class StartRestores:
         mine = next((c for c in policy.restorable() if c.name == name), None)
         if mine is None:
             return "fresh"
+        if policy.restore_failure == "fail":
+            # Whatever follows (storage down, this agent restarting), smr-init
+            # must not time out into the fresh start the policy forbids.
+            await asyncio.to_thread(shim.decide, "restoring")
         reply = await self.bus.query(QUERY_LATEST, StorageQuery(
             checkpoint_id=mine.checkpoint_id, namespace=meta["namespace"]), timeout=10)
-        if reply.error or not reply.generations:
+        if reply.error:
+            # Not "no checkpoint": a fresh start now would become the latest
+            # checkpoint over the real one. Asked again shortly.
+            raise TemporaryError(f"cannot ask storage for checkpoint {mine.checkpoint_id}: "
+                                 f"{reply.error.get('message', reply.error)}",
+                                 code="storage-query-failed")
+        if not reply.generations:
             return "fresh"
         gen = reply.generations[0]
         reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"
@@ -131,7 +147,7 @@ class StartRestores:
         log.info("pod %s/%s container %s starts: restoring %s generation %s",
                  meta["namespace"], meta["name"], name, mine.checkpoint_id, req.generation)
         # smr-init waits without its start timeout from here on.
-        shim.decide("restoring")
+        await asyncio.to_thread(shim.decide, "restoring")
         # The restore joins the trace of the checkpoint it restores (a cordon's,
         # a heartbeat's), linked to this container's start.
         here = trace.get_current_span().get_span_context()
@@ -152,6 +168,16 @@ class StartRestores:
         log.warning("pod %s/%s container %s starts fresh: restore failed (%s)",
                     meta["namespace"], meta["name"], name, message)
         return "fresh"
+
+
+def _statuses() -> list[tuple[Shim, list[str] | UnsafePath]]:
+    out: list[tuple[Shim, list[str] | UnsafePath]] = []
+    for shim in host.shims():
+        try:
+            out.append((shim, shim.status()))
+        except UnsafePath as e:
+            out.append((shim, e))
+    return out
 
 
 def _claim(pods: list[dict[str, Any]], container_id: str

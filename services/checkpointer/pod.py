@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
 import time
 from typing import Any
@@ -25,11 +27,32 @@ from services.watcher.policy import tcp_policy
 from smr import __version__, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
-from smr.errors import PermanentError, TemporaryError
+from smr.errors import PermanentError, SmrError, TemporaryError
 from smr.jobs import proc_start_ticks, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 
 CONTAINER_FILE = "container.json"
+
+
+# smr-init ignores a hold not touched for HOLD_STALE_S (60 s, smr-init.c): a
+# crashed agent's hold expires; a live agent's is touched well within that.
+HOLD_REFRESH_S = 15.0
+
+
+async def _keep_holding(shim: Shim) -> None:
+    while True:
+        await asyncio.sleep(HOLD_REFRESH_S)
+        with contextlib.suppress(OSError, SmrError):  # the step itself reports
+            await asyncio.to_thread(shim.hold, True)
+
+
+def _maybe_running(shim: Shim) -> bool:
+    """Does the workload still run? True when its status cannot be read
+    safely: the cautious answer (a GPU is resumed, a failure is not called an exit)."""
+    try:
+        return shim.workload() is not None
+    except SmrError:
+        return True
 
 
 class PodCheckpointStep(PodStep):
@@ -43,15 +66,18 @@ class PodCheckpointStep(PodStep):
         # is over, and smr-init told so, before its workload is looked for.
         await self.lock.acquire(c.lock_key(), req.request_id,
                                 lambda holder: progress.update("waiting", waiting_for=holder))
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
+        work_fd = -1
         keep_work = False  # a finished dump that could not be stored yet: recover() stores it
         try:
-            pid, inner = self._workload(req, shim)
+            pid, inner = await asyncio.to_thread(self._workload, req, shim)
             ticks = proc_start_ticks(pid)
             await asyncio.to_thread(shutil.rmtree, work, True)
-            work.mkdir(parents=True)
-            criu = self.bundle.inside(shim, self.criu_timeout)
-            upper = host.upperdir(pid)
+            work_fd = self.open_work(work)
+            criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd)
+            # The shim's mounts, not the workload's: a workload can make mount
+            # namespaces of its own and name any directory as its upperdir.
+            upper = host.upperdir(shim.pid)
             # A restore always lands in a new container, with a new network
             # namespace: kept connections could not come back there.
             tcp = sockets.dump_mode(policy=tcp_policy(c.pod, self.label_prefix)[0],
@@ -65,7 +91,8 @@ class PodCheckpointStep(PodStep):
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
                 "stdio": host.stdio(pid),
                 "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
-            shim.hold(True)
+            await asyncio.to_thread(shim.hold, True)
+            holding = asyncio.create_task(_keep_holding(shim))
             try:
                 durations: dict[str, float] = {}
                 frozen_at = time.monotonic()
@@ -101,7 +128,7 @@ class PodCheckpointStep(PodStep):
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
-                    if cuda_pids and shim.workload() is not None:
+                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
                         # Never left locked: back to running whatever failed.
                         await asyncio.shield(self.cuda.resume_all(  # type: ignore[union-attr]
                             cuda_pids, quiet=True))
@@ -111,8 +138,11 @@ class PodCheckpointStep(PodStep):
                 if not req.leave_running and ticks is not None:
                     await wait_exit(pid, ticks)
             finally:
-                shim.hold(False)
+                holding.cancel()
+                await asyncio.to_thread(shim.hold, False)
         finally:
+            if work_fd >= 0:
+                os.close(work_fd)
             if not keep_work:
                 await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
@@ -145,7 +175,7 @@ class PodCheckpointStep(PodStep):
         try:
             run = await criu.dump(inner, work / "images", leave_running=leave_running, tcp=tcp)
         except CriuError as e:
-            if shim.workload() is None:
+            if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
                                      "was stored", code="job-exited", detail=e.detail) from None
             e.message = f"{e.message}; {c.target()} keeps running"
@@ -161,7 +191,7 @@ class PodCheckpointStep(PodStep):
                       progress: Progress, writer: asyncio.Task[Any] | None
                       ) -> tuple[Generation, float]:
         t = time.monotonic()
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
         container = orjson.loads((work / CONTAINER_FILE).read_bytes())
         gpu = container.pop("gpu", None)
         meta = {
@@ -212,13 +242,14 @@ class PodCheckpointStep(PodStep):
         ns = req.target.namespace or ""
         if gen := await self._committed(req):
             await self.store.ensure_latest(ns, req.checkpoint_id, gen.number)
+            await asyncio.to_thread(shutil.rmtree, self.work(req.request_id), True)
             return self._result(req, gen)
         try:
             c = await self.pods.container(req.target)
             shim = self.shim_of(c)
         except PermanentError:
             return None  # run() reports it
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
         if dump_finished(work / "images"):
             try:
                 gen = await self._durable(req, c, shim, Progress())

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from services.restorer.stream import restore_streamed
 from services.storage.store import Generation, streamable
 from smr import gpuinfo, sockets
 from smr.bus import Progress
+from smr.criu import kill_tree
 from smr.errors import PermanentError
 from smr.messages import RestoreDone, RestoreRequested, now
 
@@ -46,9 +46,10 @@ class PodRestoreStep(PodStep):
         c = await self.pods.container(req.target)
         shim = self.shim_of(c)
         await self.lock.acquire(c.lock_key(), req.request_id)
-        work = self.work(shim, req.request_id)
+        work = self.work(req.request_id)
+        work_fd = -1
         try:
-            st = shim.status()
+            st = await asyncio.to_thread(shim.status)
             if not st or st[0] != "waiting":
                 raise PermanentError(
                     f"{req.target} has already started its command (smr-init status: "
@@ -68,13 +69,16 @@ class PodRestoreStep(PodStep):
                                    only=(lambda p: not p.startswith("images/")) if streamed
                                    else None)
             durations = {"download": time.monotonic() - t}
+            work_fd = self.open_work(work)  # the directory fetch made
             progress.update("restore")
             t = time.monotonic()
-            await rootfs.apply(work / rootfs.TAR, shim.root)
+            await rootfs.apply(work / rootfs.TAR, shim.pid)
             durations["rootfs"] = time.monotonic() - t
-            pid = await self._restore(gen, shim, work, durations, streamed, progress)
-            shim.decide(f"restored {pid}")
+            pid = await self._restore(gen, shim, work, work_fd, durations, streamed, progress)
+            await asyncio.to_thread(shim.decide, f"restored {pid}")
         finally:
+            if work_fd >= 0:
+                os.close(work_fd)
             await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
@@ -97,9 +101,9 @@ class PodRestoreStep(PodStep):
         what = f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number}"
         gpuinfo.check_restorable(gen.manifest.get("gpu"), what, has_api=has_gpu_api)
 
-    async def _restore(self, gen: Generation, shim: Shim, work: Path,
+    async def _restore(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
                        durations: dict[str, float], streamed: bool, progress: Progress) -> int:
-        criu = self.bundle.inside(shim, self.criu_timeout)
+        criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
         # The dumped stdout/stderr pipes become the new container's.
@@ -140,9 +144,9 @@ class PodRestoreStep(PodStep):
                 # CRIU brought the tree back CHECKPOINTED: GPU memory goes back, then unlock.
                 durations.update(await self.cuda.resume_all(await self.cuda.processes(root)))
         except BaseException:
-            # A tree whose GPU state did not come back must not linger half-restored.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(root, signal.SIGKILL)
+            # A tree whose GPU state did not come back must not linger
+            # half-restored: all of it goes, not only its root.
+            kill_tree(root)
             raise
         return inner
 
@@ -154,13 +158,16 @@ class PodRestoreStep(PodStep):
             shim = self.shim_of(c)
         except PermanentError:
             return None
-        st = shim.status()
-        pidfile = self.work(shim, req.request_id) / "restored.pid"
+        try:
+            st = await asyncio.to_thread(shim.status)
+        except PermanentError:  # a status the workload replaced: run() reports it
+            st = []
+        pidfile = self.work(req.request_id) / "restored.pid"
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
                 if _find_ns_pid(shim, inner):
-                    shim.decide(f"restored {inner}")
+                    await asyncio.to_thread(shim.decide, f"restored {inner}")
                     await self.lock.release(c.lock_key(), req.request_id)
                     return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)

@@ -25,16 +25,25 @@ log = logging.getLogger("smr.webhook")
 
 # kube-apiserver sends at most 3 MiB bodies; a bigger one is not a real review.
 MAX_BODY = 3 * 2**20
+# Reviews read at once: the webhook's memory stays under MAX_IN_FLIGHT x
+# MAX_BODY whoever floods it; the rest wait, unread, for a slot.
+MAX_IN_FLIGHT = 8
+# A body that takes longer is not kube-apiserver's (whose call times out at
+# the configuration's timeoutSeconds, 5): its slot goes to the next request.
+READ_S = 5.0
 RECHECK_S = 6 * 3600.0
 
 
 class Webhook:
     def __init__(self, api: client.ApiClient | None, s: Settings, *, host: str = "0.0.0.0",
-                 recheck_s: float = RECHECK_S) -> None:
+                 recheck_s: float = RECHECK_S, max_in_flight: int = MAX_IN_FLIGHT,
+                 read_s: float = READ_S) -> None:
         self.s = s
         self.keeper = CertKeeper(api, s) if api is not None and not s.webhook_cert_dir else None
         self.host = host
         self.recheck_s = recheck_s
+        self.read_s = read_s
+        self._slots = asyncio.Semaphore(max_in_flight)
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()  # its server is closed
         self.port = 0  # the bound port, once serving
@@ -59,14 +68,21 @@ class Webhook:
         self._ssl.load_cert_chain(cert, key)
 
     async def mutate(self, request: web.Request) -> web.Response:
-        body = bytearray()  # read() returns what has arrived: loop to the end or the limit
-        while len(body) <= MAX_BODY and (chunk := await request.content.read(2**16)):
-            body += chunk
-        if len(body) > MAX_BODY:
-            log.warning("an AdmissionReview over %d bytes; allowed unchanged", MAX_BODY)
-            answer = response(uid_of(bytes(body)))
-        else:
-            answer = review(bytes(body), self.s)
+        async with self._slots:
+            body = bytearray()  # read() returns what has arrived: loop to the end or the limit
+            try:
+                async with asyncio.timeout(self.read_s):
+                    while len(body) <= MAX_BODY and (chunk := await request.content.read(2**16)):
+                        body += chunk
+            except TimeoutError:
+                log.warning("an AdmissionReview not sent within %.0fs; dropped", self.read_s)
+                raise web.HTTPRequestTimeout() from None
+            if len(body) > MAX_BODY:
+                log.warning("an AdmissionReview over %d bytes; allowed unchanged", MAX_BODY)
+                answer = response(uid_of(bytes(body)))
+            else:
+                answer = review(bytes(body), self.s)
+            del body
         return web.json_response(answer)
 
     async def run(self) -> None:

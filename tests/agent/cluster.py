@@ -23,6 +23,7 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
+from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.webhook.service import Webhook
 from smr.bus import Bus
@@ -113,6 +114,7 @@ class Cluster:
     kubelets: dict[str, FakeKubelet]
     core: client.CoreV1Api
     webhook: Webhook
+    storage: StorageService
 
     def log(self, name: str, node: str) -> str:
         return self.kubelets[node].log("default", name)

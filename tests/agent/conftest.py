@@ -52,6 +52,11 @@ def smr_init() -> Path:
     return path
 
 
+def runtime_state(node_bin: Path) -> Path:
+    """smr-runtime's STATE in the tests (node_bin: the directory it is in)."""
+    return node_bin / "run" / "smr" / "containers"
+
+
 @pytest.fixture(scope="session")
 def smr_runtime(smr_init: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """smr-runtime as the agent installs it on a node: the binary, with its
@@ -63,8 +68,10 @@ def smr_runtime(smr_init: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         pytest.skip("smr-runtime is not built (make setup)")
     d = tmp_path_factory.mktemp("node-bin")
     shutil.copy2(built, d / "smr-runtime")
+    # As on a node fresh from boot: /run is an empty tmpfs, so the state
+    # directory's parents do not exist yet (smr-runtime creates them).
     (d / "smr-runtime.env").write_text(
-        f"RUNTIME={shutil.which('runc')}\nINIT={smr_init}\nSTATE={d / 'state'}\n"
+        f"RUNTIME={shutil.which('runc')}\nINIT={smr_init}\nSTATE={runtime_state(d)}\n"
         f"LOG={d / 'smr-runtime.log'}\n")
     return d / "smr-runtime"
 
@@ -149,7 +156,7 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
                                           *(a.ready.wait() for a in agents)), 30)
     kube.services[("smr-system", "smr-webhook")] = ("127.0.0.1", webhook.port)
     try:
-        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook)
+        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook, storage)
     finally:
         for k in kubelets.values():
             await k.stop()

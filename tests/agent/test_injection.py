@@ -11,11 +11,16 @@ of runc, as containerd does with the handler's BinaryName.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.messages import CkptRequested, Target
@@ -27,6 +32,8 @@ from tests.agent.cluster import (
     steps,
     webhook_configuration,
 )
+from tests.agent.conftest import runtime_state
+from tests.agent.runc_bundle import busybox_bundle
 from tests.fake_apiserver import pod
 
 
@@ -181,4 +188,36 @@ def test_wrapper_wraps_an_opted_in_container_and_cleans_up(
     # as PID 1, and passes its exit code on.
     assert r.returncode == 4, (r, text)
     assert "/smr/smr-init -- /bin/sh -c" in text
-    assert not (smr_runtime.parent / "state" / cid).exists(), "its state stays after delete"
+    assert not (runtime_state(smr_runtime.parent) / cid).exists(), "its state stays after delete"
+
+
+@pytest.mark.parametrize("userns", [False, True], ids=["uid-1000", "uid-1000-in-userns"])
+def test_wrapped_container_of_a_non_root_user(smr_runtime: Path, tmp_path: Path, userns: bool,
+                                              request: pytest.FixtureRequest) -> None:
+    """runAsUser 1000 (ctr 1.6 cannot set a user: runc itself, through
+    smr-runtime, with a bundle as containerd writes it): smr-init, as that
+    user, writes its status in /smr and runs the command; the state directory
+    belongs to the container's user, mapped to the host's id in a user
+    namespace."""
+    # Every directory on the way must be searchable by the mapped ids.
+    top = Path(tempfile.mkdtemp(prefix="smr-userns-"))
+    request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
+    os.chmod(top, 0o755)
+    bundle = busybox_bundle(top, [
+        "/bin/sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '; echo; cat /smr/main/status; "
+        "exit 4"], {"SMR_CONTAINER": "main", "SMR_INIT_TIMEOUT": "0.2"}, user=(1000, 1000))
+    if userns:
+        spec = json.loads((bundle / "config.json").read_text())
+        spec["linux"]["namespaces"].append({"type": "user"})
+        spec["linux"]["uidMappings"] = [{"containerID": 0, "hostID": 200000, "size": 65536}]
+        spec["linux"]["gidMappings"] = [{"containerID": 0, "hostID": 200000, "size": 65536}]
+        (bundle / "config.json").write_text(json.dumps(spec))
+    cid = f"u-{uuid.uuid4().hex[:6]}"
+    r = subprocess.run([str(smr_runtime), "--root", str(tmp_path / "runc"), "run",
+                        "--bundle", str(bundle), cid], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 4, r
+    assert "/smr/smr-init -- /bin/sh -c" in r.stdout and "running" in r.stdout, r
+    owner = (runtime_state(smr_runtime.parent) / cid).stat()
+    want = 201000 if userns else 1000
+    assert (owner.st_uid, owner.st_gid) == (want, want)

@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 
+from services.storage.service import StorageService
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import IMAGE, OTHER_IMAGE, Cluster, assert_continues, steps, workload
 
@@ -78,3 +79,34 @@ async def test_restore_into_another_image_is_refused(cluster: Cluster) -> None:
     log = cluster.log("third", b)
     assert "forbids a fresh start" in log and steps(log) == []
 
+
+
+async def test_storage_down_never_starts_a_fail_policy_pod_fresh(cluster: Cluster) -> None:
+    """restore-failure: fail. While no storage service answers, the agent cannot
+    know whether a checkpoint exists: smr-init keeps waiting (past its own
+    start timeout, 1 s here) instead of starting over; once storage is back
+    the container gets its answer (no checkpoint: it starts)."""
+    a, _ = list(cluster.kubelets)
+    cluster.storage.stop()
+    await asyncio.sleep(0.5)  # its subscription is gone
+    labels = {"smr.dev/node-restore": "true", "smr.dev/restore-failure": "fail"}
+    cluster.kube.put("pods", workload("strict", a, labels=labels,
+                                      env={"SMR_INIT_TIMEOUT": "1"}))
+    decision = None
+    deadline = time.monotonic() + 30
+    while decision is None or not decision.startswith("restoring"):
+        st = cluster.kubelets[a].state("default", "strict")
+        path = st.volume / "main" / "decision" if st else None
+        decision = path.read_text() if path and path.is_file() else None
+        assert steps(cluster.log("strict", a)) == [], "it started fresh without an answer"
+        assert time.monotonic() < deadline, f"no 'restoring' from the agent: {decision!r}"
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(3)  # three times smr-init's start timeout
+    assert steps(cluster.log("strict", a)) == [], "it started fresh while storage was down"
+    back = StorageService(cluster.bus, cluster.store, durable=f"retention-{uuid.uuid4().hex}")
+    task = asyncio.create_task(back.run())
+    try:
+        await cluster.until_steps("strict", a, 3)
+    finally:
+        back.stop()
+        await asyncio.wait_for(task, 30)

@@ -19,8 +19,11 @@
  * $SMR_INIT_TIMEOUT seconds (default 30) it starts COMMAND fresh.
  *
  * Then it is a plain init: it forwards SIGTERM and friends to the workload,
- * reaps every child, and exits with the workload's status; while the agent
- * holds it (a file `hold`, during a checkpoint) it waits before exiting.
+ * reaps every child, and exits with the workload's status (also when a
+ * restored root exited before the agent named it); while the agent holds it
+ * (a file `hold`, during a checkpoint) it waits before exiting. The agent
+ * touches `hold` every HOLD_REFRESH_S (services/checkpointer/pod.py); a hold
+ * not touched for HOLD_STALE_S (a crashed agent's) is ignored.
  *
  * A static C binary, so it runs in any image (no libc, shell or Python
  * needed there). `smr-init --set-last-pid N` writes the namespace's
@@ -39,8 +42,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#define HOLD_STALE_S 60
+
 static char dir[4096];
 static volatile pid_t workload = -1;
+/* Children reaped while waiting for the decision: a restored root may exit
+   before the agent names it, and its status is the container's. */
+static pid_t early_pid[64];
+static int early_status[64], early_n;
 
 static void die(const char *what) {
     fprintf(stderr, "smr-init: %s: %s\n", what, strerror(errno));
@@ -161,7 +170,12 @@ int main(int argc, char **argv) {
             how = "fresh";
         }
         if (!how) {
-            while (waitpid(-1, NULL, WNOHANG) > 0) {}  /* the agent's helpers */
+            int st;
+            pid_t dead;
+            while ((dead = waitpid(-1, &st, WNOHANG)) > 0) {  /* the agent's helpers */
+                early_pid[early_n % 64] = dead;
+                early_status[early_n++ % 64] = st;
+            }
             usleep(50000);
         }
     }
@@ -169,8 +183,11 @@ int main(int argc, char **argv) {
     put("status", line);
 
     for (;;) {
-        int st;
-        pid_t pid = waitpid(-1, &st, 0);
+        int st = 0;
+        pid_t pid = -1;
+        for (int i = 0; i < early_n && i < 64; i++)
+            if (early_pid[i] == workload) { pid = workload; st = early_status[i]; }
+        if (pid < 0) pid = waitpid(-1, &st, 0);
         if (pid < 0) {
             if (errno == EINTR) continue;
             if (errno == ECHILD && kill(workload, 0) < 0) return 0;
@@ -179,9 +196,11 @@ int main(int argc, char **argv) {
         }
         if (pid == workload) {
             put("status", "exited\n");
-            /* A checkpoint in progress holds us: its images live in our volume. */
+            /* A checkpoint in progress holds us until it is stored. */
             snprintf(path, sizeof path, "%s/hold", dir);
-            for (int i = 0; i < 9000 && access(path, F_OK) == 0; i++) usleep(100000);
+            struct stat hs;
+            while (stat(path, &hs) == 0 && time(NULL) - hs.st_mtime < HOLD_STALE_S)
+                usleep(100000);
             return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
         }
     }

@@ -138,6 +138,35 @@ static int valid_part(const char *s, size_t max) {
     return 1;
 }
 
+/* mkdir -p: STATE's parents need not exist (/run is a fresh tmpfs at boot). */
+static int mkdirs(const char *path, mode_t mode) {
+    char buf[PATH_MAX];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(buf, mode) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* The host id of container id `id` under a user namespace's mappings (none:
+   the same id). */
+static long host_id(cJSON *maps, long id) {
+    if (!cJSON_IsArray(maps) || cJSON_GetArraySize(maps) == 0) return id;
+    cJSON *m;
+    cJSON_ArrayForEach(m, maps) {
+        cJSON *c = cJSON_GetObjectItemCaseSensitive(m, "containerID"),
+              *h = cJSON_GetObjectItemCaseSensitive(m, "hostID"),
+              *n = cJSON_GetObjectItemCaseSensitive(m, "size");
+        if (cJSON_IsNumber(c) && cJSON_IsNumber(h) && cJSON_IsNumber(n)
+            && id >= (long)c->valuedouble && id < (long)c->valuedouble + (long)n->valuedouble)
+            return (long)h->valuedouble + id - (long)c->valuedouble;
+    }
+    return -1;
+}
+
 static cJSON *bind_mount(const char *dst, const char *src, const char *mode) {
     cJSON *m = cJSON_CreateObject(), *opts = cJSON_CreateArray();
     cJSON_AddStringToObject(m, "destination", dst);
@@ -181,8 +210,20 @@ static const char *wrap(const char *bundle, const char *id) {
     char dir[PATH_MAX * 2], mountpoint[PATH_MAX * 2 + 16];
     snprintf(dir, sizeof dir, "%s/%s", state, id);
     snprintf(mountpoint, sizeof mountpoint, "%s/smr-init", dir);
-    mkdir(state, 0711);
-    if ((mkdir(dir, 0755) != 0 && errno != EEXIST)) why = "cannot create its state directory";
+    if (mkdirs(state, 0711) != 0) why = "cannot create STATE";
+    else if (mkdir(dir, 0755) != 0 && errno != EEXIST) why = "cannot create its state directory";
+    /* /smr belongs to the container's user, whatever its uid: smr-init writes
+       its status there as that user. */
+    cJSON *user = cJSON_GetObjectItemCaseSensitive(proc, "user");
+    cJSON *uid = cJSON_GetObjectItemCaseSensitive(user, "uid");
+    cJSON *gid = cJSON_GetObjectItemCaseSensitive(user, "gid");
+    cJSON *linux_ = cJSON_GetObjectItemCaseSensitive(spec, "linux");
+    long hu = host_id(cJSON_GetObjectItemCaseSensitive(linux_, "uidMappings"),
+                      cJSON_IsNumber(uid) ? (long)uid->valuedouble : 0);
+    long hg = host_id(cJSON_GetObjectItemCaseSensitive(linux_, "gidMappings"),
+                      cJSON_IsNumber(gid) ? (long)gid->valuedouble : 0);
+    if (!why && (hu < 0 || hg < 0)) why = "its user has no id on the host";
+    if (!why && chown(dir, (uid_t)hu, (gid_t)hg) != 0) why = "cannot give /smr to its user";
     int fd = why ? -1 : open(mountpoint, O_WRONLY | O_CREAT, 0755);
     if (!why && fd < 0) why = "cannot create the smr-init mount point";
     if (fd >= 0) close(fd);

@@ -1,0 +1,251 @@
+"""A tenant's container attacks the node agent (issue #35). Real containerd,
+runc and CRIU; each attempt must fail, leave the host's files untouched and
+be reported (docs/security.md lists them).
+
+The hostile workload (/bin/hostile) starts one attack in the background, by
+$ATTACK, and then runs the counter of tests/agent/cluster.py, whose memory
+and writable layer a migration must carry as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import subprocess
+import sysconfig
+import tarfile
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smr.messages import CkptDone, CkptRequested, Target
+from tests import oci_image
+from tests.agent.cluster import COUNTER, Cluster, steps, workload
+
+HOSTILE_IMAGE = "smr.test/hostile:1"
+MARKER_DIR = Path("/tmp")  # the markers' names are random per test run
+
+HOSTILE = b"""#!/bin/sh
+S=/smr/main
+case "$ATTACK" in
+hold-link) (sleep 1; ln -sf "$CANARY" $S/hold; ln -sf "$CANARY" $S/decision.tmp) & ;;
+status-link) (sleep 1; ln -sf "$CANARY" $S/status.x; mv $S/status.x $S/status) & ;;
+status-fifo) (sleep 1; mkfifo $S/status.x; mv $S/status.x $S/status) & ;;
+images) (while true; do
+           for f in $S/work/*/images/*.img $S/work/*/images/*/*.img; do
+             test -f "$f" && echo garbage > "$f"
+           done
+         done) & ;;
+swap) (mkdir -p /data/d; echo mine > /data/d/f
+       while true; do
+         mv /data/d /data/d.real; ln -s "$SECRET_DIR" /data/d; rm /data/d; mv /data/d.real /data/d
+       done) & ;;
+esac
+exec /bin/counter
+"""
+
+# Loaded by glibc for a user lookup when /etc/nsswitch.conf names "evil":
+# from any chroot it joins its own mount namespace again through a pidfd
+# (which puts its root back at the host's) and leaves a marker on the host.
+NSS_MODULE = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+__attribute__((constructor)) static void evil(void) {
+    int pidfd = syscall(SYS_pidfd_open, getpid(), 0);
+    if (pidfd >= 0) setns(pidfd, CLONE_NEWNS);
+    int fd = open(MARKER, O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) { (void)!write(fd, "nss\n", 4); close(fd); }
+}
+"""
+
+TRACEBACK = """
+import ctypes, os
+try:
+    ctypes.CDLL(None).setns(os.pidfd_open(os.getpid()), 0x00020000)  # CLONE_NEWNS
+except OSError:
+    pass
+open(MARKER, "w").write("traceback\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def markers() -> Iterator[dict[str, Path]]:
+    run = uuid.uuid4().hex[:8]
+    paths = {k: MARKER_DIR / f"smr-attack-{run}-{k}" for k in ("nss", "traceback")}
+    yield paths
+    for p in paths.values():
+        p.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def hostile_image(tmp_path_factory: pytest.TempPathFactory, markers: dict[str, Path]) -> Path:
+    d = tmp_path_factory.mktemp("hostile")
+    src = d / "evil.c"
+    src.write_text(NSS_MODULE.replace("MARKER", f'"{markers["nss"]}"'))
+    so = d / "libnss_evil.so.2"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", so, src], check=True)
+    module = so.read_bytes()
+    # The agent's Python would find its stdlib at this path inside a chroot.
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = {"/bin/counter": COUNTER, "/bin/hostile": HOSTILE,
+             "/etc/nsswitch.conf": b"passwd: evil\ngroup: evil\nshadow: evil\n",
+             f"{stdlib}/traceback.py":
+                 TRACEBACK.replace("MARKER", repr(str(markers["traceback"]))).encode()}
+    for lib in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib"):
+        files[f"{lib}/libnss_evil.so.2"] = module
+    links = {f"bin/{a}": "busybox" for a in ("ln", "mkfifo", "mv")}
+    return oci_image.build(d / "hostile.tar", HOSTILE_IMAGE, files=files, links=links)
+
+
+@pytest.fixture
+async def hostile(cluster: Cluster, hostile_image: Path) -> Cluster:
+    for node, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(node, hostile_image)
+    return cluster
+
+
+def attacker(name: str, node: str | None, attack: str, **env: str) -> dict[str, Any]:
+    p = workload(name, node, image=HOSTILE_IMAGE, labels={"smr.dev/node-restore": "true"},
+                 env={"ATTACK": attack, **env})
+    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/hostile"]
+    return p
+
+
+async def checkpoint(cluster: Cluster, pod: str, node: str, ckpt: str) -> CkptDone:
+    done = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=node, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod=pod, container="main")),
+        timeout=60)
+    assert isinstance(done, CkptDone)
+    return done
+
+
+async def test_image_nss_module_and_traceback_never_run_in_the_agent(
+        hostile: Cluster, markers: dict[str, Path]) -> None:
+    """Attack 1: the layer restore must load nothing from the image."""
+    a, b = list(hostile.kubelets)
+    hostile.kube.put("pods", attacker("nss", a, "none"))
+    await hostile.until_steps("nss", a, 5)
+    await hostile.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await hostile.latest("nss.main")
+    before = steps(hostile.log("nss", a))
+    try:
+        await hostile.drained_to("nss", a, b, before)  # restored, layer and all
+        await hostile.event("Restored", "nss")
+    finally:
+        for what, marker in markers.items():
+            assert not marker.exists(), f"the image's {what} code ran as root on the host"
+
+
+async def test_symlinks_in_smr_are_refused_and_reported(hostile: Cluster,
+                                                        tmp_path: Path) -> None:
+    """Attack 2: `hold`, `decision.tmp` and `status` pointed at host files."""
+    a, _ = list(hostile.kubelets)
+    canary = tmp_path / "host-canary"
+    canary.write_text("host-secret-7f3a\n")
+    hostile.kube.put("pods", attacker("holder", a, "hold-link", CANARY=str(canary)))
+    hostile.kube.put("pods", attacker("leaker", a, "status-link", CANARY=str(canary)))
+    await hostile.until_steps("holder", a, 15)
+    await hostile.until_steps("leaker", a, 15)
+
+    for pod in ("holder", "leaker"):
+        done = await checkpoint(hostile, pod, a, f"{pod}-1")
+        assert canary.read_text() == "host-secret-7f3a\n", f"{pod}: the agent wrote through a link"
+        assert "host-secret" not in str(done.error), f"{pod}: a host file leaked: {done.error}"
+        assert done.status == "failed", f"{pod}: a checkpoint through a planted link"
+        assert done.error["code"] == "unsafe-path-in-container", done.error
+        event = await hostile.event("CheckpointFailed", pod)
+        assert "symlink" in event["message"], event["message"]
+    # The refusals left the workloads running.
+    n = len(steps(hostile.log("holder", a)))
+    await hostile.until_steps("holder", a, n + 3)
+
+
+async def test_fifo_status_stalls_nothing(hostile: Cluster) -> None:
+    """Attack 2: a FIFO as `status` must not block the agent (its event loop
+    serves every pod of the node)."""
+    a, _ = list(hostile.kubelets)
+    hostile.kube.put("pods", attacker("fifo", a, "status-fifo"))
+    hostile.kube.put("pods", attacker("bystander", a, "none"))
+    await hostile.until_steps("fifo", a, 15)
+    await hostile.until_steps("bystander", a, 3)
+    done = await asyncio.wait_for(checkpoint(hostile, "fifo", a, "fifo-1"), 60)
+    assert done.status == "failed" and done.error["code"] == "unsafe-path-in-container"
+    assert "a FIFO" in done.error["message"], done.error
+    await hostile.event("CheckpointFailed", "fifo")
+    other = await asyncio.wait_for(checkpoint(hostile, "bystander", a, "bystander-1"), 60)
+    assert other.status == "succeeded", other.error
+
+
+async def test_workload_cannot_edit_its_images_before_upload(hostile: Cluster) -> None:
+    """Attack 3: after a leave-running dump the workload runs on; the images
+    it could reach would be stored as it edited them."""
+    a, b = list(hostile.kubelets)
+    hostile.kube.put("pods", attacker("imgs", a, "images"))
+    await hostile.until_steps("imgs", a, 5)
+    caps_before = await _caps(hostile, "imgs", a)
+    await hostile.core.patch_node(a, {"spec": {"unschedulable": True}})  # leave-running
+    assert (await hostile.latest("imgs.main"))["leave_running"]
+    gen = await hostile.store.latest("default", "imgs.main")
+    assert gen is not None
+    for f in gen.manifest["files"]:
+        if f["path"].startswith("images/") and f["path"].endswith(".img") and f["size"]:
+            data = await _stored(hostile, gen, f["path"])
+            assert b"garbage" not in data[:64], f"{f['path']} was edited by the workload"
+    before = steps(hostile.log("imgs", a))
+    await hostile.drained_to("imgs", a, b, before)  # restores the stored images
+    assert await _caps(hostile, "imgs", b) == caps_before
+
+
+async def test_directory_swapped_for_symlink_copies_nothing_of_the_host(
+        hostile: Cluster, tmp_path: Path) -> None:
+    """Attack 4: a directory of the layer becomes a symlink to a host
+    directory while the layer is read."""
+    a, _ = list(hostile.kubelets)
+    secret = tmp_path / "host-dir"
+    secret.mkdir()
+    for i in range(50):
+        (secret / f"host-secret-{i}").write_text("host secret\n")
+    hostile.kube.put("pods", attacker("swapper", a, "swap", SECRET_DIR=str(secret)))
+    await hostile.until_steps("swapper", a, 5)
+    for i in range(4):  # the race is tried at each capture
+        done = await checkpoint(hostile, "swapper", a, "swapper.main")
+        assert done.status == "succeeded", done.error
+        gen = await hostile.store.latest("default", "swapper.main")
+        assert gen is not None
+        names = tarfile.open(fileobj=io.BytesIO(await _stored(hostile, gen, "rootfs.tar"))
+                             ).getnames()
+        assert not [n for n in names if "host-secret" in n], f"capture {i}: {names}"
+        assert "data/born" in names
+
+
+async def _stored(cluster: Cluster, gen: Any, path: str) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "gen"
+        await cluster.store.fetch(gen, d, only=lambda p: p == path)
+        return (d / path).read_bytes()
+
+
+async def _caps(cluster: Cluster, pod: str, node: str) -> str:
+    """The workload's effective capabilities (from /proc, the host's view)."""
+    from services.agent import host
+    from services.agent.pods import runtime_id
+
+    st = cluster.kube.get("pods", pod, "default")
+    assert st is not None
+    for _ in range(100):
+        st = cluster.kube.get("pods", pod, "default")
+        if st and (cs := st["status"].get("containerStatuses")) and cs[0].get("containerID"):
+            shim = host.find_shim(runtime_id(cs[0]["containerID"]))
+            if shim and (w := shim.workload()):
+                text = Path(f"/proc/{w[0]}/status").read_text()
+                return next(ln for ln in text.splitlines() if ln.startswith("CapEff"))
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no workload of pod {pod} on {node}")

@@ -1,0 +1,107 @@
+"""smr-init as PID 1 (REAL runc through smr-runtime): the container's exit
+code is its workload's, also for a restored root that exits before the
+agent's decision names it, and a hold left by a crashed agent expires."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent.conftest import runtime_state
+from tests.agent.runc_bundle import busybox_bundle
+
+
+class Running:
+    def __init__(self, smr_runtime: Path, top: Path, args: list[str], timeout: str) -> None:
+        self.runtime, self.root = smr_runtime, top / "runc"
+        self.cid = f"i-{uuid.uuid4().hex[:6]}"
+        bundle = busybox_bundle(top, args, {"SMR_CONTAINER": "main",
+                                            "SMR_INIT_TIMEOUT": timeout})
+        self.proc = subprocess.Popen([str(smr_runtime), "--root", str(self.root), "run",
+                                      "--bundle", str(bundle), self.cid])
+        self.smr = runtime_state(smr_runtime.parent) / self.cid / "main"
+
+    def status(self) -> str:
+        try:
+            return (self.smr / "status").read_text()
+        except OSError:
+            return ""
+
+    def until_status(self, word: str) -> None:
+        for _ in range(300):
+            if self.status().startswith(word):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"smr-init never said {word!r}: {self.status()!r}")
+
+    def pid(self) -> int:
+        out = subprocess.run(["runc", "--root", str(self.root), "state", self.cid],
+                             capture_output=True, text=True, check=True).stdout
+        return int(json.loads(out)["pid"])
+
+    def decide(self, decision: str) -> None:
+        (self.smr / "decision.tmp").write_text(decision + "\n")
+        (self.smr / "decision.tmp").rename(self.smr / "decision")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            subprocess.run(["runc", "--root", str(self.root), "kill", self.cid, "KILL"],
+                           check=False, capture_output=True)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def top(request: pytest.FixtureRequest) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="smr-init-") as d:
+        yield Path(d)
+
+
+def test_a_restored_root_that_exits_before_the_decision_gives_its_exit_code(
+        smr_runtime: Path, top: Path) -> None:
+    """CRIU restores detached: the restored root is reparented to smr-init
+    and may exit before the agent writes `restored PID`. Here that root is
+    a process started in the container's PID namespace and orphaned there
+    (as CRIU leaves it), exiting 3 at once."""
+    c = Running(smr_runtime, top, ["/bin/sh", "-c", "exit 9"], "60")
+    try:
+        c.until_status("waiting")
+        shim = c.pid()
+        out = subprocess.run(
+            ["nsenter", "-t", str(shim), "-p", "-m", "--", "/bin/sh", "-c",
+             '/bin/sh -c "exit 3" & echo $!'], capture_output=True, text=True, check=True)
+        root = int(out.stdout.strip())
+        # Reparented to smr-init, then reaped by it while it waits.
+        for _ in range(300):
+            kids = [k for t in Path(f"/proc/{shim}/task").iterdir()
+                    for k in (t / "children").read_text().split()]
+            if not kids:
+                break
+            time.sleep(0.1)
+        c.decide(f"restored {root}")
+        assert c.proc.wait(30) == 3, "the restored root's exit code was lost"
+    finally:
+        c.stop()
+
+
+def test_a_stale_hold_expires_and_a_fresh_one_holds(smr_runtime: Path, top: Path) -> None:
+    c = Running(smr_runtime, top, ["/bin/sh", "-c", "sleep 1; exit 5"], "0.1")
+    try:
+        c.until_status("running")
+        hold = c.smr / "hold"
+        hold.write_text("")
+        c.until_status("exited")
+        assert c.proc.poll() is None, "a fresh hold keeps the container"
+        # The agent crashed: nobody touches the hold any more.
+        old = time.time() - 120
+        os.utime(hold, (old, old))
+        assert c.proc.wait(30) == 5, "a stale hold kept the container"
+    finally:
+        c.stop()
