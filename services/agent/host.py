@@ -9,11 +9,14 @@ container's processes in a cgroup whose path ends with the container ID.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from smr.errors import TemporaryError
 from smr.gpuinfo import process_tree as tree
 
 PROC = Path("/proc")
@@ -193,14 +196,49 @@ class Shim:
                 return kid, inner
         return None
 
-    def hold(self, on: bool) -> None:
+    def hold(self, on: bool) -> int | None:
         """While held, the shim outlives its workload (a final dump kills the
-        workload; the images in the shim's volume must stay reachable)."""
+        workload; the images in the shim's volume must stay reachable) and
+        forwards no signal to it (one pending in the workload would be saved
+        in the image and stop every restored copy; smr-init.c says how).
+
+        Taking the hold returns the signal smr-init already forwarded (SIGTERM,
+        SIGINT or SIGQUIT: the workload was asked to stop), else None."""
         path = self.host(f"{self.dir}/hold")
-        if on:
-            path.write_text("")
-        else:
+        if not on:
             path.unlink(missing_ok=True)
+            return None
+        # The lock file is in the tenant's volume: never followed, never waited on long.
+        fd = os.open(self.host(f"{self.dir}/signal.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = time.monotonic() + 0.5
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TemporaryError(
+                            f"{self.dir}/signal.lock of smr-init {self.pid} stays locked",
+                            code="shim-busy",
+                            hint="only smr-init and the agent take it; retried") from None
+                    time.sleep(0.01)
+            path.write_text("")
+            with contextlib.suppress(OSError, ValueError):
+                return int(self.host(f"{self.dir}/signalled").read_text().split()[0])
+            return None
+        finally:
+            os.close(fd)
+
+    def final(self, outcome: str) -> None:
+        """Tell the preStop hook (``smr-init --wait-final``) how the final
+        checkpoint ended: ``done GENERATION`` or ``failed CODE``."""
+        with contextlib.suppress(OSError):  # the container may be gone already
+            path = self.host(f"{self.dir}/final")
+            tmp = path.with_name("final.tmp")
+            tmp.write_text(outcome + "\n")
+            tmp.rename(path)
 
 
 def shims() -> list[Shim]:

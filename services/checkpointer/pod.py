@@ -62,8 +62,16 @@ class PodCheckpointStep(PodStep):
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
                 "stdio": host.stdio(pid),
                 "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
-            shim.hold(True)
+            signalled = shim.hold(True)
             try:
+                if signalled is not None:
+                    # Its image would hold a workload on its way out: every
+                    # restored copy would stop again.
+                    raise PermanentError(
+                        f"{req.target} was sent signal {signalled} (asked to stop) before "
+                        "its checkpoint began; nothing was saved", code="terminating",
+                        hint="a final checkpoint must come before the kubelet's SIGTERM: "
+                             "the preStop hook smr's webhook adds waits for it")
                 durations: dict[str, float] = {}
                 frozen_at = time.monotonic()
                 if cuda_pids:
@@ -92,8 +100,14 @@ class PodCheckpointStep(PodStep):
                     raise
                 durations.update(dump.result())
                 durations["durable"] = durable
-                if not req.leave_running and ticks is not None:
-                    await wait_exit(pid, ticks)
+                if not req.leave_running:
+                    if ticks is not None:
+                        await wait_exit(pid, ticks)
+                    shim.final(f"done {gen.number}")
+            except BaseException as e:
+                if not req.leave_running:  # the preStop hook waits for this
+                    shim.final(f"failed {getattr(e, 'code', type(e).__name__)}")
+                raise
             finally:
                 shim.hold(False)
         finally:

@@ -22,6 +22,24 @@
  * reaps every child, and exits with the workload's status; while the agent
  * holds it (a file `hold`, during a checkpoint) it waits before exiting.
  *
+ * While `hold` exists (a dump is in progress) no signal is forwarded: it is
+ * kept here and forwarded once the hold is gone, to this workload only. A
+ * signal the workload had pending when CRIU froze it would be saved in the
+ * image and delivered again to every restored copy (a SIGTERM meant for the
+ * original would stop them all). The agent creates `hold` and smr-init
+ * forwards under one flock (`signal.lock`), so each signal is either
+ * forwarded before the hold (and recorded in `signalled`, which the agent
+ * reads under the lock) or after the dump.
+ *
+ *   smr-init --wait-final SECONDS
+ *
+ * The preStop hook the webhook gives an opted-in container (the kubelet runs
+ * it, inside the container, before it sends SIGTERM): it waits until the
+ * agent reports the final checkpoint (file `final`: "done GENERATION" or
+ * "failed CODE"), the workload is no longer running (and no dump holds
+ * the container), or SECONDS have passed,
+ * and says which. It always exits 0: the kubelet goes on to SIGTERM anyway.
+ *
  * A static C binary, so it runs in any image (no libc, shell or Python
  * needed there). `smr-init --set-last-pid N` writes the namespace's
  * ns_last_pid: the agent uses it so that its own tools, run inside the
@@ -30,6 +48,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,8 +98,68 @@ static void mkdirs(const char *path) {
     if (mkdir(p, 0755) < 0 && errno != EEXIST) die(p);
 }
 
-static void forward(int sig) {
-    if (workload > 0) kill(workload, sig);
+static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+#define NSIGS (sizeof sigs / sizeof *sigs)
+static volatile sig_atomic_t pending[NSIGS];
+
+static void note(int sig) {
+    for (size_t i = 0; i < NSIGS; i++)
+        if (sigs[i] == sig) pending[i] = 1;
+}
+
+/* Forward the signals that came, unless a dump holds them (see the top). */
+static int forward_pending(void) {
+    int waiting = 0;
+    for (size_t i = 0; i < NSIGS; i++) waiting |= pending[i];
+    if (!waiting || workload <= 0) return waiting;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/signal.lock", dir);
+    int lock = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (lock >= 0) flock(lock, LOCK_EX);
+    snprintf(path, sizeof path, "%s/hold", dir);
+    int held = access(path, F_OK) == 0;
+    if (!held) {
+        for (size_t i = 0; i < NSIGS; i++) {
+            if (!pending[i]) continue;
+            pending[i] = 0;
+            if (sigs[i] == SIGTERM || sigs[i] == SIGINT || sigs[i] == SIGQUIT) {
+                char line[64];
+                snprintf(line, sizeof line, "%d\n", sigs[i]);
+                put("signalled", line);
+            }
+            kill(workload, sigs[i]);
+        }
+    }
+    if (lock >= 0) close(lock);
+    return held;
+}
+
+static int wait_final(const char *seconds) {
+    double limit = atof(seconds), t0;
+    char line[4096];
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    t0 = ts.tv_sec + ts.tv_nsec / 1e9;
+    for (;;) {
+        if (get("final", line, sizeof line) == 0) {
+            printf("smr: final checkpoint %s", line);
+            return 0;
+        }
+        /* A final dump ends the workload before its images are stored: `hold`. */
+        char held[4200];
+        snprintf(held, sizeof held, "%s/hold", dir);
+        if (get("status", line, sizeof line) == 0 && strncmp(line, "running ", 8) != 0
+            && strncmp(line, "waiting", 7) != 0 && access(held, F_OK) != 0) {
+            printf("smr: no final checkpoint; the workload is %s", line);
+            return 0;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        if (ts.tv_sec + ts.tv_nsec / 1e9 - t0 > limit) {
+            printf("smr: no final checkpoint reported within %.0fs\n", limit);
+            return 0;
+        }
+        usleep(100000);
+    }
 }
 
 static double now(void) {
@@ -110,27 +189,33 @@ int main(int argc, char **argv) {
         if (fd < 0 || write(fd, argv[2], strlen(argv[2])) < 0) die("ns_last_pid");
         return 0;
     }
-    int first = 1;
-    if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
-    if (first >= argc) {
-        fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n");
-        return 64;
-    }
     const char *base = getenv("SMR_INIT_DIR"), *name = getenv("SMR_CONTAINER");
     const char *limit = getenv("SMR_INIT_TIMEOUT");
     snprintf(dir, sizeof dir, "%s/%s", base && *base ? base : "/smr",
              name && *name ? name : "main");
+    if (argc == 3 && strcmp(argv[1], "--wait-final") == 0) return wait_final(argv[2]);
+    int first = 1;
+    if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
+    if (first >= argc) {
+        fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n"
+                        "       smr-init --wait-final SECONDS\n");
+        return 64;
+    }
     double timeout = limit && *limit ? atof(limit) : 30.0;
     mkdirs(dir);
 
-    static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+    /* No SA_RESTART: a signal wakes the loops below, which forward it. */
     struct sigaction sa = {0};
-    sa.sa_handler = forward;
-    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaction(sigs[i], &sa, NULL);
+    sa.sa_handler = note;
+    for (size_t i = 0; i < NSIGS; i++) sigaction(sigs[i], &sa, NULL);
 
     /* A decision left by an earlier start of this container is not ours. */
     char path[4200];
     snprintf(path, sizeof path, "%s/decision", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/signalled", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/final", dir);
     unlink(path);
     char line[4096];
     snprintf(line, sizeof line, "waiting %d\n", (int)getpid());
@@ -170,7 +255,13 @@ int main(int argc, char **argv) {
 
     for (;;) {
         int st;
-        pid_t pid = waitpid(-1, &st, 0);
+        forward_pending();
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid == 0) {
+            /* A signal cuts this short (EINTR); a held one is retried each round. */
+            usleep(100000);
+            continue;
+        }
         if (pid < 0) {
             if (errno == EINTR) continue;
             if (errno == ECHILD && kill(workload, 0) < 0) return 0;
