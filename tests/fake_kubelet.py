@@ -232,9 +232,9 @@ class FakeKubelet:
 
     def state(self, namespace: str, name: str) -> PodState | None:
         pod = self.kube.get("pods", name, namespace)
-        if pod is not None:
-            return self.pods.get(pod["metadata"]["uid"])
-        # Gone from the API: the last one of that name this kubelet ran.
+        if pod is not None and pod["metadata"]["uid"] in self.pods:
+            return self.pods[pod["metadata"]["uid"]]
+        # Gone from the API or from this node: the last one of that name this kubelet ran.
         known = [st for st in self.pods.values() if st.pod["metadata"]["name"] == name
                  and st.pod["metadata"]["namespace"] == namespace]
         return known[-1] if known else None

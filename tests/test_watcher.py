@@ -305,6 +305,28 @@ async def test_node_deletion_checkpoints_its_pods(
         assert [x.reason for x in await d.wait(1, settle=0)] == ["node-deleted"]
 
 
+async def test_a_pod_terminating_before_the_cordon_is_seen_gets_its_final_checkpoint(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """Node and pod watches have no order between them: the watcher can see
+    an evicted pod terminate before it sees its node cordoned."""
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    async with ckpts(bus, n1) as c:
+        evicted = kube.get("pods", "job-pod", "default")
+        assert evicted is not None
+        evicted["metadata"]["deletionTimestamp"] = "2026-11-23T00:00:00Z"
+        kube.put("pods", evicted)
+        await asyncio.sleep(0.5)  # the pod's event first
+        cordon(kube, n1)
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        final = [r for r in reqs if r.reason == "drain"]
+        assert targets(final) == [("job-pod", "trainer")]
+        assert not final[0].leave_running
+        assert reqs[0] is final[0], "the final request goes ahead of the cordon ones"
+        assert targets(reqs) == EXPECTED_ON_N1, "a terminating pod gets no cordon request"
+
+
 async def test_drain_evictions_and_uncordon(
         kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
         node: str) -> None:

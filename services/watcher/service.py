@@ -179,17 +179,23 @@ class Watcher:
                 "node going away", attributes={"k8s.node.name": name,
                                                "smr.reasons": ",".join(reasons)}):
             episode = await self._open_episode(name, node)
-            for reason, detail in reasons.items():
-                drain = NodeDraining(request_id=derive_request_id("draining", episode, reason),
-                                     node=name, reason=reason, detail=detail)  # type: ignore[arg-type]
-                if drain.request_id in self._published:
-                    continue  # already handled; later pods come through _on_pod
-                log.info("node %s: %s (%s); checkpointing its opted-in pods", name, reason,
-                         detail)
-                reqs = [r for p in self._pods_on(name)
-                        for r in self._drain_requests(p, episode, reason)]
-                await self._publish_all(reqs)
-                await self._publish_all([drain])
+            drains = [NodeDraining(request_id=derive_request_id("draining", episode, reason),
+                                   node=name, reason=reason, detail=detail)  # type: ignore[arg-type]
+                      for reason, detail in reasons.items()]
+            # Those already handled are skipped; later pods come through _on_pod.
+            drains = [d for d in drains if d.request_id not in self._published]
+            if not drains:
+                return
+            for d in drains:
+                log.info("node %s: %s (%s); checkpointing its opted-in pods", name, d.reason,
+                         d.detail)
+            # A pod may have been seen terminating before its node (the two
+            # watches have no order): it gets its final checkpoint here too.
+            await self._publish_requests([
+                r for p in self._pods_on(name)
+                for reason in self._pod_reasons(p, [d.reason for d in drains])
+                for r in self._drain_requests(p, episode, reason)])
+            await self._publish_all(drains)
 
     async def _open_episode(self, node: str, obj: dict[str, Any]) -> str:
         """The node's open drain episode, created once for all replicas."""
@@ -301,16 +307,28 @@ class Watcher:
             await self._keep_beat(pod, policy)
         if not node or not policy.opted_in:
             return
-        terminating = bool(meta.get("deletionTimestamp"))
         episode = self._episodes.get(node)
         if episode is not None:
             # On a node going away: the node's reasons, and a drain if it terminates.
             n = self.nodes.cache.get(node)
             reasons = list(node_reasons(n, self.s.preemption_taints)) if n else ["node-deleted"]
-            if terminating:
-                reasons.append("drain")
-            await self._publish_all([r for reason in reasons
-                                     for r in self._drain_requests(pod, episode, reason)])
+            await self._publish_requests([r for reason in self._pod_reasons(pod, reasons)
+                                          for r in self._drain_requests(pod, episode, reason)])
+
+    @staticmethod
+    def _pod_reasons(pod: dict[str, Any], node_reasons: list[str]) -> list[str]:
+        """The checkpoints a pod on a node going away gets: the node's reasons;
+        for a terminating pod (evicted or deleted: the kubelet stops it once its
+        preStop hook has seen the final checkpoint) a final ``drain`` instead
+        of a leave-running ``cordon`` one, which would only spend its budget."""
+        if not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            return node_reasons
+        return [r for r in node_reasons if r != "cordon"] + ["drain"]
+
+    async def _publish_requests(self, reqs: list[CkptRequested]) -> None:
+        """Final requests first: the agent takes a node's requests in order."""
+        await self._publish_all([r for r in reqs if not r.leave_running])
+        await self._publish_all([r for r in reqs if r.leave_running])
 
     async def _keep_beat(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName")

@@ -134,15 +134,26 @@ static int forward_pending(void) {
     return held;
 }
 
+static void unput(const char *name) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    unlink(path);
+}
+
 static int wait_final(const char *seconds) {
     double limit = atof(seconds), t0;
     char line[4096];
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     t0 = ts.tv_sec + ts.tv_nsec / 1e9;
+    /* While this file exists smr-init, done, waits a moment before it ends
+       the container (and this hook with it): the hook reads `final` first. */
+    put("waiter", "");
     for (;;) {
         if (get("final", line, sizeof line) == 0) {
             printf("smr: final checkpoint %s", line);
+            fflush(stdout);
+            unput("waiter");
             return 0;
         }
         /* A final dump ends the workload before its images are stored: `hold`. */
@@ -151,11 +162,13 @@ static int wait_final(const char *seconds) {
         if (get("status", line, sizeof line) == 0 && strncmp(line, "running ", 8) != 0
             && strncmp(line, "waiting", 7) != 0 && access(held, F_OK) != 0) {
             printf("smr: no final checkpoint; the workload is %s", line);
+            unput("waiter");
             return 0;
         }
         clock_gettime(CLOCK_MONOTONIC, &ts);
         if (ts.tv_sec + ts.tv_nsec / 1e9 - t0 > limit) {
             printf("smr: no final checkpoint reported within %.0fs\n", limit);
+            unput("waiter");
             return 0;
         }
         usleep(100000);
@@ -217,6 +230,8 @@ int main(int argc, char **argv) {
     unlink(path);
     snprintf(path, sizeof path, "%s/final", dir);
     unlink(path);
+    snprintf(path, sizeof path, "%s/waiter", dir);
+    unlink(path);
     char line[4096];
     snprintf(line, sizeof line, "waiting %d\n", (int)getpid());
     put("status", line);
@@ -273,6 +288,12 @@ int main(int argc, char **argv) {
             /* A checkpoint in progress holds us: its images live in our volume. */
             snprintf(path, sizeof path, "%s/hold", dir);
             for (int i = 0; i < 9000 && access(path, F_OK) == 0; i++) usleep(100000);
+            /* The preStop hook (--wait-final) reads how the final checkpoint went. */
+            snprintf(path, sizeof path, "%s/final", dir);
+            char waiter[4200];
+            snprintf(waiter, sizeof waiter, "%s/waiter", dir);
+            for (int i = 0; i < 20 && access(path, F_OK) == 0 && access(waiter, F_OK) == 0; i++)
+                usleep(100000);
             return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
         }
     }
