@@ -716,8 +716,9 @@ class FakeApiServer:
         pod = copy.deepcopy(self.objects[key])
         if grace is None:
             grace = int(pod.get("spec", {}).get("terminationGracePeriodSeconds", 30))
-        if grace == 0 or not pod.get("spec", {}).get("nodeName"):
-            return self._delete(key)
+        if grace == 0 or not pod.get("spec", {}).get("nodeName") \
+                or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return self._delete(key)  # nothing runs: gone at once, as the real server does
         if not pod["metadata"].get("deletionTimestamp"):
             pod["metadata"]["deletionTimestamp"] = _now()
             pod["metadata"]["deletionGracePeriodSeconds"] = grace

@@ -27,9 +27,9 @@ timing depends on it:
   (grace 0), which is when it leaves the API;
 - ``shutdown(grace)`` is graceful node shutdown (``shutdownGracePeriod``; GKE
   gives ordinary pods 15 s): the node turns ``Ready=False`` "node is shutting
-  down", each pod gets the ``DisruptionTarget`` condition (reason
-  ``TerminationByKubelet``), is stopped as above within that grace, and ends
-  ``Failed``, with no deletion;
+  down", each pod is stopped as above within that grace, and ends
+  ``Failed`` with the ``DisruptionTarget`` condition (reason
+  ``TerminationByKubelet``), with no deletion;
 - exec liveness probes (initialDelaySeconds, periodSeconds, timeoutSeconds,
   failureThreshold): a container that fails them is stopped as above and
   restarted by the pod's restartPolicy.
@@ -272,12 +272,7 @@ class FakeKubelet:
                                 st.pod["metadata"]["namespace"])
             if pod is None or pod["metadata"]["uid"] != st.uid:
                 continue
-            status = pod.setdefault("status", {})
-            status["conditions"] = [
-                *[c for c in status.get("conditions") or [] if c["type"] != "DisruptionTarget"],
-                {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                 "message": message, "lastTransitionTime": _now()}]
-            self.kube.put("pods", pod)
+            # The DisruptionTarget condition comes with the terminal status.
             st.stopping = self._spawn(self._stop_pod(st, min(grace, grace_of(pod)),
                                                      delete=False, reason=message))
             stops.append(st.stopping)
@@ -518,6 +513,10 @@ class FakeKubelet:
         new = {**(fresh.get("status") or {}), "phase": phase, "containerStatuses": statuses}
         if failed_because:  # graceful node shutdown: Failed, whatever the exit codes
             new.update(phase="Failed", reason="Terminated", message=failed_because)
+            new["conditions"] = [
+                *[c for c in new.get("conditions") or [] if c["type"] != "DisruptionTarget"],
+                {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                 "message": failed_because, "lastTransitionTime": _now()}]
         fresh["status"] = new
         self.kube.put("pods", fresh)
 

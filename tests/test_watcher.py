@@ -273,8 +273,13 @@ async def test_410_gone_relists_and_publishes_only_what_changed(
          "effect": "NoSchedule"})),
     ("preemption", lambda n: n["status"]["conditions"].append(
         {"type": "PreemptScheduled", "status": "True"})),
+    ("preemption", lambda n: n["spec"]["taints"].append(
+        {"key": "remediator.kubernetes.azure.com/unschedulable", "effect": "NoSchedule"})),
+    ("preemption", lambda n: n["status"]["conditions"].append(
+        {"type": "VMEventScheduled", "status": "True",
+         "message": "VM is scheduled for Preempt at 2026-11-23T21:00:00Z"})),
 ])
-async def test_preemption_signals_checkpoint_and_stop_the_pods(
+async def test_preemption_signals_checkpoint_and_leave_the_pods_running(
         kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str, reason: str,
         change: Callable[[dict[str, Any]], None]) -> None:
     n1, n2 = node, f"{node}-b"
@@ -287,9 +292,46 @@ async def test_preemption_signals_checkpoint_and_stop_the_pods(
         kube.put("nodes", n)
         reqs = await c.wait(len(EXPECTED_ON_N1))
         assert targets(reqs) == EXPECTED_ON_N1
-        assert all(r.reason == reason and not r.leave_running for r in reqs)
+        # Undoable, or ahead of the eviction: the workload stops only through
+        # the eviction or the kubelet, never smr's own kill.
+        assert all(r.reason == reason and r.leave_running for r in reqs)
         [drain] = await d.wait(1, settle=0)
         assert drain.reason == reason and drain.detail
+
+
+async def test_an_aks_freeze_is_no_signal(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    a_cluster(kube, node, f"{node}-b")
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        n = kube.get("nodes", node)
+        assert n is not None
+        n["status"]["conditions"].append({"type": "VMEventScheduled", "status": "True",
+                                          "message": "VM is scheduled for Freeze"})
+        kube.put("nodes", n)
+        await asyncio.sleep(1.5)
+        assert c.items == []
+
+
+async def test_graceful_node_shutdown_takes_the_final_checkpoints(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """The kubelet stops the pods itself (no deletion): its Ready=False
+    "node is shutting down" is the signal, and the checkpoint is final."""
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        n = kube.get("nodes", n1)
+        assert n is not None
+        n["status"]["conditions"] = [{"type": "Ready", "status": "False",
+                                      "reason": "KubeletNotReady",
+                                      "message": "node is shutting down"}]
+        kube.put("nodes", n)
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        assert targets(reqs) == EXPECTED_ON_N1
+        assert all(r.reason == "preemption" and not r.leave_running for r in reqs)
+        [drain] = await d.wait(1, settle=0)
+        assert "graceful node shutdown" in drain.detail
 
 
 async def test_node_deletion_checkpoints_its_pods(
@@ -654,7 +696,7 @@ async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
         await client.CoreV1Api(api).patch_node(node, {"spec": {"taints": [
             {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]}})
         [req] = await c.wait(1)
-        assert req.reason == "preemption" and not req.leave_running
+        assert req.reason == "preemption" and req.leave_running
     n = kube.get("nodes", node)
     assert n is not None
     assert [t["key"] for t in n["spec"]["taints"]] == ["gpu", "karpenter.sh/disrupted"]

@@ -42,7 +42,7 @@ from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
 from services.watcher.policy import PodPolicy, policy_for
-from services.watcher.triggers import node_reasons
+from services.watcher.triggers import FINAL, MESSAGE_REASON, node_reasons
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, Bus, node_token
 from smr.config import Settings
@@ -58,6 +58,7 @@ log = logging.getLogger("smr.watcher")
 
 MEMO_SIZE = 200_000
 RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
+API_TIMEOUT_S = 30.0  # one Kubernetes API call (a hung connection must not hold a handler)
 STOP_WAIT_S = 10.0  # how long a stopping watcher waits for its tasks
 
 
@@ -89,6 +90,7 @@ class Watcher:
         self._published: OrderedDict[str, None] = OrderedDict()  # request ids sent
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
+        self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -179,13 +181,15 @@ class Watcher:
                 "node going away", attributes={"k8s.node.name": name,
                                                "smr.reasons": ",".join(reasons)}):
             episode = await self._open_episode(name, node)
-            drains = [NodeDraining(request_id=derive_request_id("draining", episode, reason),
-                                   node=name, reason=reason, detail=detail)  # type: ignore[arg-type]
-                      for reason, detail in reasons.items()]
             # Those already handled are skipped; later pods come through _on_pod.
-            drains = [d for d in drains if d.request_id not in self._published]
-            if not drains:
+            new = [r for r in reasons
+                   if derive_request_id("draining", episode, r) not in self._published]
+            if not new:
                 return
+            drains = [NodeDraining(request_id=derive_request_id("draining", episode, r),
+                                   node=name, reason=MESSAGE_REASON.get(r, r),  # type: ignore[arg-type]
+                                   detail=reasons[r])
+                      for r in new]
             for d in drains:
                 log.info("node %s: %s (%s); checkpointing its opted-in pods", name, d.reason,
                          d.detail)
@@ -193,7 +197,7 @@ class Watcher:
             # watches have no order): it gets its final checkpoint here too.
             await self._publish_requests([
                 r for p in self._pods_on(name)
-                for reason in self._pod_reasons(p, [d.reason for d in drains])
+                for reason in self._pod_reasons(p, new)
                 for r in self._drain_requests(p, episode, reason)])
             await self._publish_all(drains)
 
@@ -256,10 +260,10 @@ class Watcher:
             rid = derive_request_id("ckpt", episode, reason, meta["uid"], c.name)
             out.append(CkptRequested(
                 request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
-                reason=reason,  # type: ignore[arg-type]
-                # A cordon may be undone: the pod keeps running. The other
-                # reasons take the node away: freeze the final state.
-                leave_running=reason == "cordon",
+                reason=MESSAGE_REASON.get(reason, reason),  # type: ignore[arg-type]
+                # Only when the kubelet is stopping the pod (its preStop hook
+                # waits for this): the others may be undone (triggers.py).
+                leave_running=reason not in FINAL,
                 target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
                               container=c.name)))
             requests = self._pod_requests.setdefault(meta["uid"], [])
@@ -302,6 +306,9 @@ class Watcher:
             if kind == "DELETED":
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
+            elif stopped_by_kubelet(pod) and uid not in self._replacing:
+                self._replacing.add(uid)
+                self._spawn(self._replace_failed(pod, policy))
             return
         if self.leadership.leading.is_set():
             await self._keep_beat(pod, policy)
@@ -320,10 +327,12 @@ class Watcher:
         """The checkpoints a pod on a node going away gets: the node's reasons;
         for a terminating pod (evicted or deleted: the kubelet stops it once its
         preStop hook has seen the final checkpoint) a final ``drain`` instead
-        of a leave-running ``cordon`` one, which would only spend its budget."""
-        if not (pod.get("metadata") or {}).get("deletionTimestamp"):
-            return node_reasons
-        return [r for r in node_reasons if r != "cordon"] + ["drain"]
+        of leave-running ones, which would only spend its budget; on a node
+        shutting down, the final ``shutdown`` one alone."""
+        terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+        reasons = (["drain"] if terminating else []) + node_reasons
+        final = [r for r in reasons if r in FINAL]
+        return final[:1] or reasons  # one final checkpoint: a second finds no workload
 
     async def _publish_requests(self, reqs: list[CkptRequested]) -> None:
         """Final requests first: the agent takes a node's requests in order."""
@@ -365,6 +374,30 @@ class Watcher:
             return
         self._spawn(self._recreate(pod, self._pod_requests.get(meta["uid"], [])))
 
+    async def _replace_failed(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        """Graceful node shutdown leaves a bare pod Failed, not deleted: once
+        its final checkpoint is over, delete it; its deletion recreates it
+        (``_recreate_later``), as for a drained pod."""
+        meta = pod["metadata"]
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not policy.node_restore or meta.get("ownerReferences") or not node:
+            return
+        if requests := self._pod_requests.get(meta["uid"]):
+            with contextlib.suppress(TimeoutError):
+                await self.bus.wait_result(requests[-1], "ckpt.requested",
+                                           timeout=RESULT_WAIT_S)
+        try:
+            await asyncio.wait_for(self.core.delete_namespaced_pod(
+                meta["name"], meta["namespace"],
+                body={"preconditions": {"uid": meta["uid"]}}), API_TIMEOUT_S)
+        except ApiException as e:
+            if e.status != 404:  # 404: gone already (another replica, the pod GC)
+                log.warning("Failed pod %s/%s could not be deleted to recreate it: %s",
+                            meta["namespace"], meta["name"], e.reason)
+        except TimeoutError:
+            log.warning("deleting Failed pod %s/%s timed out; it is not recreated",
+                        meta["namespace"], meta["name"])
+
     async def _recreate(self, pod: dict[str, Any], requests: list[str]) -> None:
         meta = pod["metadata"]
         if requests:  # the pod's last checkpoint must finish first
@@ -395,6 +428,14 @@ class Watcher:
         await self._post(created["metadata"], "Recreated",
                          f"recreated by smr after node {pod['spec']['nodeName']} went away; it "
                          "resumes from its latest checkpoint", key=created["metadata"]["uid"])
+
+
+def stopped_by_kubelet(pod: dict[str, Any]) -> bool:
+    """Failed because the kubelet stopped it (graceful node shutdown)."""
+    status = pod.get("status") or {}
+    return status.get("phase") == "Failed" and any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        and c.get("reason") == "TerminationByKubelet" for c in status.get("conditions") or [])
 
 
 def _newer(rv: str, than: str) -> bool:
