@@ -18,7 +18,7 @@ from kubernetes_asyncio import client
 
 from services.agent.incontainer import CriuBundle
 from services.agent.install import install_on_node
-from services.agent.pods import Pods
+from services.agent.pods import Fresh, Pods
 from services.agent.starts import StartRestores
 from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
@@ -47,8 +47,9 @@ class NodeAgent:
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
         self.workers = [
-            Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),
-            Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer"),
+            Worker(bus, Fresh(PodCheckpointStep(**common)), s.node,
+                   service="agent-checkpointer"),
+            Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer"),
         ]
         self.starts = StartRestores(bus, self.pods, s)
         self.ready = asyncio.Event()

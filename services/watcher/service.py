@@ -28,8 +28,10 @@ import io
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import Counter, OrderedDict
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -52,12 +54,14 @@ from smr.messages import (
     NodeDraining,
     Target,
     derive_request_id,
+    epoch,
 )
 
 log = logging.getLogger("smr.watcher")
 
 MEMO_SIZE = 200_000
 RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
+REQUEST_TTL_S = 900.0  # a node signal's requests: refused by the agent after this
 API_TIMEOUT_S = 30.0  # one Kubernetes API call (a hung connection must not hold a handler)
 STOP_WAIT_S = 10.0  # how long a stopping watcher waits for its tasks
 
@@ -264,8 +268,9 @@ class Watcher:
                 # Only when the kubelet is stopping the pod (its preStop hook
                 # waits for this): the others may be undone (triggers.py).
                 leave_running=reason not in FINAL,
+                deadline=deadline_of(pod),
                 target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
-                              container=c.name)))
+                              container=c.name, pod_uid=meta["uid"])))
             requests = self._pod_requests.setdefault(meta["uid"], [])
             if rid not in requests:
                 requests.append(rid)
@@ -428,6 +433,18 @@ class Watcher:
         await self._post(created["metadata"], "Recreated",
                          f"recreated by smr after node {pod['spec']['nodeName']} went away; it "
                          "resumes from its latest checkpoint", key=created["metadata"]["uid"])
+
+
+def deadline_of(pod: dict[str, Any]) -> str:
+    """When a checkpoint request for ``pod`` stops making sense: a terminating
+    pod's grace period end (the kubelet kills it then), else REQUEST_TTL_S."""
+    meta = pod["metadata"]
+    if (since := meta.get("deletionTimestamp")) and meta.get("deletionGracePeriodSeconds"):
+        end = epoch(since) + float(meta["deletionGracePeriodSeconds"])
+    else:
+        end = time.time() + REQUEST_TTL_S
+    return datetime.fromtimestamp(end, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
 
 
 def stopped_by_kubelet(pod: dict[str, Any]) -> bool:

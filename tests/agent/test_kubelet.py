@@ -6,9 +6,11 @@ Each workload here exits at once on SIGTERM (the counter's shell has no trap).""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from smr.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, assert_continues, steps, workload
 
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
@@ -113,3 +115,71 @@ async def test_a_budget_that_blocks_the_eviction_leaves_the_workload_running(
     assert p["status"]["phase"] == "Running"
     assert not cluster.kubelets[a].did("guarded", "TERM"), "the kubelet stopped it"
     assert "exited" not in [x[3] for x in cluster.kubelets[a].actions if x[1] == "guarded"]
+
+
+async def test_a_stale_request_for_a_recreated_pod_is_refused(cluster: Cluster) -> None:
+    """A request queued for a pod acts on no later pod of the same name, nor
+    after its deadline."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("reused", a, labels=NODE_RESTORE))
+    await cluster.until_steps("reused", a, 3)
+    old = cluster.kube.get("pods", "reused", "default")
+    assert old is not None
+    cluster.kube.remove("pods", "reused", "default")  # gone; a new pod takes the name
+    cluster.kube.put("pods", workload("reused", a, labels=NODE_RESTORE))
+    new = cluster.kube.get("pods", "reused", "default")
+    assert new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+    await cluster.until_steps("reused", a, 3)
+
+    def request(uid: str, deadline: str | None = None) -> CkptRequested:
+        return CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id="reused.main", node=a,
+            leave_running=True, deadline=deadline,
+            target=Target(kind="pod", namespace="default", pod="reused", container="main",
+                          pod_uid=uid))
+
+    done = await cluster.bus.request(request(old["metadata"]["uid"]), timeout=60)
+    assert done.status == "failed" and done.error["code"] == "stale-request", done.error
+    late = await cluster.bus.request(request(new["metadata"]["uid"],
+                                             "2026-01-01T00:00:00Z"), timeout=60)
+    assert late.status == "failed" and late.error["code"] == "request-expired", late.error
+    assert await cluster.store.latest("default", "reused.main") is None, "nothing was saved"
+    ok = await cluster.bus.request(request(new["metadata"]["uid"]), timeout=60)
+    assert ok.status == "succeeded", ok.error  # the current pod's request is carried out
+
+
+async def test_sigterm_during_a_cordon_dump_stops_only_the_original(cluster: Cluster) -> None:
+    """The kubelet's SIGTERM lands while the cordon checkpoint is being
+    taken: the original stops as asked, and a restore of that checkpoint
+    keeps running (the signal was not saved in the image)."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "sigterm-1"}
+    kubelet = cluster.kubelets[a]
+    cluster.kube.put("pods", workload("first", a, env=env, owner="j", restart="Never"))
+    await cluster.until_steps("first", a, 5)
+    st = kubelet.state("default", "first")
+    assert st is not None
+    hold = st.volume / "main" / "hold"
+
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    for _ in range(6000):  # the dump begins: the agent holds smr-init
+        if hold.exists():
+            break
+        await asyncio.sleep(0.005)
+    await kubelet.ctd.ctr(a, "tasks", "kill", "-s", "TERM", st.containers["main"].id)
+    assert hold.exists(), "the SIGTERM did not land during the dump (it was too quick)"
+    manifest = await cluster.latest("sigterm-1")
+    assert manifest["reason"] == "cordon" and manifest["leave_running"] is True
+    for _ in range(100):  # the original stops as asked, once the dump is over
+        if kubelet.did("first", "exited"):
+            break
+        await asyncio.sleep(0.1)
+    assert kubelet.did("first", "exited"), "the original did not stop on SIGTERM"
+    before = steps(cluster.log("first", a))
+
+    cluster.kube.put("pods", workload("second", b, env=env, owner="j", restart="Never"))
+    after = await cluster.until_steps("second", b, 5)
+    assert_continues(before, after, before[-1][0])
+    ran = len(steps(cluster.log("second", b)))
+    await cluster.until_steps("second", b, ran + 20)  # two more seconds, still running
+    assert not cluster.kubelets[b].did("second", "exited"), "the restored copy stopped"
