@@ -38,6 +38,9 @@ async def test_drain_resumes_every_pod_from_its_final_checkpoint(cluster: Cluste
         await cluster.recreated(n, timeout=90)
 
     kubelet = cluster.kubelets[a]
+    for n in names:  # a timing to read, not to assert
+        print(f"\ndrain: {n}: preStop hook (eviction to final checkpoint stored) "
+              f"{seconds_between(cluster, a, n, 'prestop', 'prestop-done'):.2f}s")
     for n in names:
         hook = [x[3] for x in kubelet.actions if x[1] == n and x[3].startswith("prestop-done")]
         assert hook and "final checkpoint done" in hook[0], f"{n}: the hook said {hook}"
