@@ -176,6 +176,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: seconds added to an opted-in "
             "pod's terminationGracePeriodSeconds for its final checkpoint, which its preStop "
             "hook waits for before the kubelet's SIGTERM (0: no hook)"),
+    Setting("RESTORE_SECONDS", 600, _count, "webhook: how long the startupProbe it adds to "
+            "an opted-in container with a liveness probe waits for its workload to run "
+            "(a restore), before the kubelet gives up on it"),
     Setting("MAX_GRACE_SECONDS", 600, _count, "webhook: the longest "
             "terminationGracePeriodSeconds it sets; a pod's annotation "
             "smr.dev/max-grace-seconds lowers it"),

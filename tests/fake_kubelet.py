@@ -31,12 +31,14 @@ timing depends on it:
   ``Failed`` with the ``DisruptionTarget`` condition (reason
   ``TerminationByKubelet``), with no deletion;
 - exec liveness probes (initialDelaySeconds, periodSeconds, timeoutSeconds,
-  failureThreshold): a container that fails them is stopped as above and
-  restarted by the pod's restartPolicy.
+  failureThreshold), held back until an exec startupProbe succeeds: a
+  container that fails either is stopped as above and restarted by the pod's
+  restartPolicy.
 
 ``actions`` records what it did, (monotonic time, pod, container, what), for
 the tests to check (``prestop``, ``prestop-done``, ``TERM``, ``KILL``,
-``exited``, ``liveness-failed``).
+``exited``, ``liveness-ok`` (the first), ``liveness-failed``,
+``startup-failed``).
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ class Running:
     probe_failures: int = 0
     probe_due: float = 0.0
     probing: bool = False
+    startup_done: bool = False  # its startupProbe succeeded (liveness probes run from then)
+    live_ok: bool = False  # a liveness probe has succeeded
     stopping: bool = False
     last: dict[str, Any] | None = None  # lastState.terminated of the run before
 
@@ -323,7 +327,7 @@ class FakeKubelet:
                         new.last = {"exitCode": run.exit_code, "finishedAt": _now()}
                         st.containers[c["name"]] = new
                 elif run.exit_code is None and not run.probing and not run.stopping \
-                        and c.get("livenessProbe"):
+                        and (c.get("livenessProbe") or c.get("startupProbe")):
                     self._probe(pod, c, run, st)
             if changed:
                 self._report(pod, st)
@@ -408,7 +412,11 @@ class FakeKubelet:
 
     def _probe(self, pod: dict[str, Any], c: dict[str, Any], run: Running,
                st: PodState) -> None:
-        probe = c["livenessProbe"]
+        # A startupProbe holds the liveness probe back until it succeeds.
+        kind = "startup" if c.get("startupProbe") and not run.startup_done else "liveness"
+        probe = c.get(f"{kind}Probe")
+        if not probe:
+            return
         now = time.monotonic()
         if not run.probe_due:
             run.probe_due = run.started + float(probe.get("initialDelaySeconds", 0))
@@ -423,11 +431,19 @@ class FakeKubelet:
                                          float(probe.get("timeoutSeconds", 1)))
                 if rc == 0:
                     run.probe_failures = 0
+                    if kind == "liveness" and not run.live_ok:
+                        run.live_ok = True
+                        self._did(pod, run.name, "liveness-ok")  # the first success
+                    if kind == "startup":
+                        run.startup_done = True
+                        live = c.get("livenessProbe") or {}
+                        run.probe_due = time.monotonic() + float(
+                            live.get("initialDelaySeconds", 0))
                     return
                 run.probe_failures += 1
                 if run.probe_failures < int(probe.get("failureThreshold", 3)) or run.stopping:
                     return
-                self._did(pod, run.name, "liveness-failed")
+                self._did(pod, run.name, f"{kind}-failed")
                 await self._stop_container(pod, c, run, time.monotonic() + grace_of(pod))
                 await self.ctd.ctr(self.ns, "containers", "rm", run.id, check=False)
                 policy = pod["spec"].get("restartPolicy", "Always")

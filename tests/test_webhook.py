@@ -204,3 +204,16 @@ def test_the_grace_period_never_exceeds_what_the_user_allows() -> None:
     out = patched(tight, review(admission(tight), S))
     assert out["spec"]["terminationGracePeriodSeconds"] == 10
     assert "lifecycle" not in out["spec"]["containers"][0]
+
+
+def test_a_liveness_probe_waits_for_the_workload_to_run() -> None:
+    p = opted(containers=("app", "sidecar"))
+    probe = {"exec": {"command": ["healthy"]}, "periodSeconds": 5}
+    p["spec"]["containers"][0]["livenessProbe"] = probe
+    p["spec"]["containers"][1]["livenessProbe"] = probe
+    p["spec"]["containers"][1]["startupProbe"] = {"exec": {"command": ["mine"]}}
+    app, sidecar = patched(p, review(admission(p), S))["spec"]["containers"]
+    start = app["startupProbe"]
+    assert start["exec"]["command"] == ["/smr/smr-init", "--started"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= S.restore_seconds
+    assert sidecar["startupProbe"] == {"exec": {"command": ["mine"]}}, "theirs stays"

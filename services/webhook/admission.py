@@ -23,6 +23,10 @@ env var) gets:
   had for its own shutdown after SIGTERM. (The kubelet counts the hook
   inside the grace period; a provider's hard cap, e.g. GKE Spot's 15 s,
   cuts both short: docs/kubernetes.md.)
+- a startupProbe, ``/smr/smr-init --started``, on each opted-in container
+  that has a livenessProbe and no startupProbe: liveness probes begin only
+  once the workload runs, so a long restore is not killed by them (and
+  restarted into another restore). It allows SMR_RESTORE_SECONDS.
 
 A pod whose manifest already starts smr-init (written by hand,
 docs/node-agent.md) is left alone. Nothing here ever refuses a pod: bad
@@ -136,6 +140,7 @@ def mutate(req: dict[str, Any], s: Settings) -> tuple[list[dict[str, Any]], list
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
                         "value": entry})
     ops += _final_checkpoint_hooks(spec, meta, wanted, s)
+    ops += _startup_probes(spec, wanted, s)
     runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)
     return ops + _annotate(meta, s, str(runtime)), []
 
@@ -169,6 +174,21 @@ def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: 
         elif "preStop" not in life:  # the user's own hook stays; theirs runs instead
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "lifecycle",
                                                       "preStop"), "value": hook})
+    return ops
+
+
+def _startup_probes(spec: dict[str, Any], wanted: set[str], s: Settings
+                    ) -> list[dict[str, Any]]:
+    """The startupProbe that holds liveness probes back during a restore."""
+    period = 2
+    probe = {"exec": {"command": ["/smr/smr-init", "--started"]}, "periodSeconds": period,
+             "failureThreshold": max(1, -(-s.restore_seconds // period))}
+    ops: list[dict[str, Any]] = []
+    for i, c in enumerate(spec.get("containers") or []):
+        if isinstance(c, dict) and c.get("name") in wanted and c.get("livenessProbe") \
+                and not c.get("startupProbe"):
+            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "startupProbe"),
+                        "value": probe})
     return ops
 
 

@@ -12,6 +12,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, assert_continues, steps, workload
+from tests.agent.test_injection import create, plain_pod
 
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
 
@@ -186,3 +187,48 @@ async def test_sigterm_during_a_cordon_dump_stops_only_the_original(cluster: Clu
     ran = len(steps(cluster.log("second", b)))
     await cluster.until_steps("second", b, ran + 20)  # two more seconds, still running
     assert not cluster.kubelets[b].did("second", "exited"), "the restored copy stopped"
+
+
+async def test_a_liveness_probe_does_not_kill_a_restore(cluster: Cluster) -> None:
+    """A liveness probe that allows no startup time at all: the restore
+    (download and CRIU) outlasts it. The startupProbe the webhook adds holds
+    it back until the workload runs: no kill, no restore loop."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "live-1"}
+    # The counter with some 100 MiB in its shell's memory: a restore that takes a while.
+    command = ["/bin/sh", "-c", "x=$(busybox seq 1 6000000); . /bin/counter"]
+    await create(cluster, plain_pod("live-a", a, env=env, owner="live", command=command))
+    await cluster.until_steps("live-a", a, 5, timeout=60)
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await cluster.latest("live-1")
+    before = steps(cluster.log("live-a", a))
+
+    second = plain_pod("live-b", b, env=env, owner="live", command=command)
+    second["spec"]["containers"][0]["livenessProbe"] = {
+        # Is the workload there? A process running the counter, other than PID 1
+        # (smr-init's arguments name it too; the bracket keeps the probe from
+        # finding itself).
+        "exec": {"command": ["/bin/sh", "-c",
+                             "for f in /proc/[0-9]*/cmdline; do "
+                             "[ $f = /proc/1/cmdline ] && continue; "
+                             "busybox grep -qs 'bin/count[e]r' $f && exit 0; done; exit 1"]},
+        "initialDelaySeconds": 0, "periodSeconds": 1, "failureThreshold": 1}
+    stored = await create(cluster, second)
+    assert stored["spec"]["containers"][0]["startupProbe"]["exec"]["command"] == [
+        "/smr/smr-init", "--started"], cluster.kube.admission_log
+    after = await cluster.until_steps("live-b", b, 5, timeout=120)
+    assert_continues(before, after, before[-1][0])
+    kubelet = cluster.kubelets[b]
+    restored = await cluster.event("Restored", "live-b")
+    print(f"\nliveness: {restored['message']}")  # the restore's time, to read
+    for _ in range(50):  # the liveness probe runs once the workload does
+        if kubelet.did("live-b", "liveness-ok") or kubelet.did("live-b", "liveness-failed"):
+            break
+        await asyncio.sleep(0.1)
+    assert not kubelet.did("live-b", "liveness-failed"), "its liveness probe killed the restore"
+    assert kubelet.did("live-b", "liveness-ok"), "the liveness probe never ran"
+    await cluster.until_steps("live-b", b, len(steps(cluster.log("live-b", b))) + 10)
+    assert not kubelet.did("live-b", "liveness-failed")
+    assert not kubelet.did("live-b", "startup-failed")
+    st = kubelet.state("default", "live-b")
+    assert st is not None and st.containers["main"].restarts == 0, "restarted: a restore loop"

@@ -31,6 +31,13 @@
  * forwarded before the hold (and recorded in `signalled`, which the agent
  * reads under the lock) or after the dump.
  *
+ *   smr-init --started
+ *
+ * The startupProbe the webhook gives an opted-in container with a liveness
+ * probe: it succeeds once the workload runs (started fresh or restored), so
+ * the kubelet's liveness probes, which start only then, cannot kill the
+ * container during a long restore (each kill would start another restore).
+ *
  *   smr-init --wait-final SECONDS
  *
  * The preStop hook the webhook gives an opted-in container (the kubelet runs
@@ -207,11 +214,19 @@ int main(int argc, char **argv) {
     snprintf(dir, sizeof dir, "%s/%s", base && *base ? base : "/smr",
              name && *name ? name : "main");
     if (argc == 3 && strcmp(argv[1], "--wait-final") == 0) return wait_final(argv[2]);
+    if (argc == 2 && strcmp(argv[1], "--started") == 0) {
+        /* The startupProbe the webhook adds: liveness probes wait for it. */
+        char st[4096] = "";
+        if (get("status", st, sizeof st) == 0 && strncmp(st, "running ", 8) == 0) return 0;
+        printf("smr: the workload is not running yet (%s)\n", *st ? st : "no status");
+        return 1;
+    }
     int first = 1;
     if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
     if (first >= argc) {
         fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n"
-                        "       smr-init --wait-final SECONDS\n");
+                        "       smr-init --wait-final SECONDS\n"
+                        "       smr-init --started\n");
         return 64;
     }
     double timeout = limit && *limit ? atof(limit) : 30.0;
