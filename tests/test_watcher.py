@@ -24,7 +24,7 @@ from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.watcher.heartbeats import HeartbeatSchedule
-from services.watcher.kube import api_client
+from services.watcher.kube import Informer, api_client
 from services.watcher.service import Watcher
 from smr import config, metrics
 from smr.bus import KV_BEATS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
@@ -735,3 +735,27 @@ async def test_a_stale_view_of_a_node_does_not_end_its_drain_episode(
         await a._on_node("MODIFIED", cordoned, healthy)
         await asyncio.sleep(1.0)
         assert len(c.items) == 1
+
+
+async def test_a_failed_handler_is_retried_without_a_new_event(
+        kube: FakeApiServer, api: client.ApiClient) -> None:
+    """A handler that fails (NATS away, say) is called again with backoff:
+    a Node may not change again for minutes in a real cluster."""
+    calls: list[str] = []
+
+    async def flaky(kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        calls.append(obj["metadata"]["name"])
+        if len(calls) < 3:
+            raise ConnectionError("the bus is away")
+
+    kube.put("nodes", a_node("quiet"))
+    informer = Informer("nodes", client.CoreV1Api(api).list_node, flaky)
+    task = asyncio.create_task(informer.run())
+    try:
+        await until(lambda: len(calls) >= 3, timeout=10)
+        await asyncio.sleep(1)
+        assert calls == ["quiet"] * 3, "retried until it succeeded, then no more"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

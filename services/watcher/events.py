@@ -41,7 +41,7 @@ class EventRecorder:
                 "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
                 "firstTimestamp": now, "lastTimestamp": now, "count": 1}
         try:
-            await self.core.create_namespaced_event(namespace, body)
+            await self.core.create_namespaced_event(namespace, body, _request_timeout=30)
         except ApiException as e:
             if e.status == 409:
                 return False

@@ -34,6 +34,7 @@ from collections import Counter, OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import orjson
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -392,16 +393,16 @@ class Watcher:
                 await self.bus.wait_result(requests[-1], "ckpt.requested",
                                            timeout=RESULT_WAIT_S)
         try:
-            await asyncio.wait_for(self.core.delete_namespaced_pod(
-                meta["name"], meta["namespace"],
-                body={"preconditions": {"uid": meta["uid"]}}), API_TIMEOUT_S)
+            await self.core.delete_namespaced_pod(
+                meta["name"], meta["namespace"], body={"preconditions": {"uid": meta["uid"]}},
+                _request_timeout=API_TIMEOUT_S)
         except ApiException as e:
             if e.status != 404:  # 404: gone already (another replica, the pod GC)
                 log.warning("Failed pod %s/%s could not be deleted to recreate it: %s",
                             meta["namespace"], meta["name"], e.reason)
-        except TimeoutError:
-            log.warning("deleting Failed pod %s/%s timed out; it is not recreated",
-                        meta["namespace"], meta["name"])
+        except (TimeoutError, aiohttp.ClientError) as e:
+            log.warning("deleting Failed pod %s/%s failed (%r); it is not recreated",
+                        meta["namespace"], meta["name"], e)
 
     async def _recreate(self, pod: dict[str, Any], requests: list[str]) -> None:
         meta = pod["metadata"]
@@ -420,7 +421,8 @@ class Watcher:
             "labels": meta.get("labels") or {}, "annotations": ann}}
         try:
             new = await self.core.create_namespaced_pod(meta["namespace"], body,
-                                                        _preload_content=False)
+                                                        _preload_content=False,
+                                                        _request_timeout=API_TIMEOUT_S)
             created = orjson.loads(await new.read())
         except ApiException as e:
             if e.status != 409:  # 409: another replica recreated it
