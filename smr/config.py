@@ -183,6 +183,15 @@ SETTINGS: tuple[Setting, ...] = (
             "(its handler runs smr-runtime in front of runc)"),
     Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, _pairs, "webhook: a pod's own "
             "RuntimeClass → the smr class that wraps the same runtime (NAME=SMR_NAME,...)"),
+    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: seconds added to an opted-in "
+            "pod's terminationGracePeriodSeconds for its final checkpoint, which its preStop "
+            "hook waits for before the kubelet's SIGTERM (0: no hook)"),
+    Setting("RESTORE_SECONDS", 600, _count, "webhook: how long the startupProbe it adds to "
+            "an opted-in container with a liveness probe waits for its workload to run "
+            "(a restore), before the kubelet gives up on it"),
+    Setting("MAX_GRACE_SECONDS", 600, _count, "webhook: the longest "
+            "terminationGracePeriodSeconds it sets; a pod's annotation "
+            "smr.dev/max-grace-seconds lowers it"),
     Setting("WEBHOOK_PORT", 8443, _count, "webhook: HTTPS port (0: any free one)"),
     Setting("WEBHOOK_SERVICE", "smr-webhook", str, "webhook: its Service (the names its "
             "certificate is for)"),

@@ -42,6 +42,7 @@ class Target:
     namespace: str | None = None
     pod: str | None = None
     container: str | None = None
+    pod_uid: str | None = None  # the pod's uid when asked: a recreated one is refused
 
     @classmethod
     def job(cls, job_id: str) -> Target:
@@ -108,6 +109,7 @@ class _Request(Message):
     node: str
     reason: Reason = "api"
     requested_at: str = field(default_factory=now)
+    deadline: str | None = None  # refused after it (request-expired), not carried out
 
 
 @dataclass(slots=True, kw_only=True)

@@ -15,8 +15,17 @@ It implements the part of the API smr uses, with the semantics clients rely on:
 - get, create (409 AlreadyExists), replace (409 Conflict on a stale
   resourceVersion), patch (JSON merge, strategic merge with the merge keys
   of node taints, conditions and pod containers, JSON patch), delete;
-- pod eviction (the pod gets a deletionTimestamp, then goes), the pod
-  garbage collector (pods bound to a deleted node are deleted);
+- pod eviction through PodDisruptionBudgets (policy/v1; 429 while a budget
+  forbids it, as the eviction API answers); graceful deletion: an evicted
+  or deleted pod gets a deletionTimestamp and goes after its grace, or, with
+  ``kubelets=True``, when the node's kubelet has stopped its containers and
+  deletes it with grace 0 (tests/fake_kubelet.py), as in a real cluster; a
+  pod not bound to a node goes at once; the pod garbage collector (pods bound
+  to a deleted node are deleted);
+- ``watch_jitter``: each watch connection delivers its events after a random
+  delay, in order within the connection and in no order between them (a node
+  event and a pod event reach a client in either order, as they do from a
+  real API server);
 - Events (core/v1) and Leases (coordination.k8s.io/v1).
 
 Test controls (``cut_watches``, ``compact``, ``pause_watches``) break the
@@ -29,6 +38,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import random
 import re
 import socket
 import ssl
@@ -53,10 +63,11 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "mutatingwebhookconfigurations": ("MutatingWebhookConfiguration", False,
                                       "/apis/admissionregistration.k8s.io/v1"),
     "runtimeclasses": ("RuntimeClass", False, "/apis/node.k8s.io/v1"),
+    "poddisruptionbudgets": ("PodDisruptionBudget", True, "/apis/policy/v1"),
 }
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
-               "/apis/node.k8s.io/v1": "node.k8s.io/v1"}
+               "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
               "ownerReferences": "uid"}
 
@@ -219,7 +230,8 @@ class FakeApiServer:
     """Start with ``await FakeApiServer().start()``; ``url`` is its address."""
 
     def __init__(self, *, history: int = 10_000, bookmark_interval: float = 1.0,
-                 eviction_delay: float = 0.3, podgc_delay: float = 1.0) -> None:
+                 eviction_delay: float = 0.3, podgc_delay: float = 1.0,
+                 kubelets: bool = False, watch_jitter: float = 0.0) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.rv = 0
         self.history: list[Change] = []
@@ -228,6 +240,9 @@ class FakeApiServer:
         self.bookmark_interval = bookmark_interval
         self.eviction_delay = eviction_delay
         self.podgc_delay = podgc_delay
+        # True: a kubelet (tests/fake_kubelet.py) ends each terminating pod it runs.
+        self.kubelets = kubelets
+        self.watch_jitter = watch_jitter
         self.watches: list[Watch] = []
         self.requests: list[tuple[str, str]] = []  # (method, path) log, for assertions
         # What cluster DNS would resolve: (namespace, service) → (host, port).
@@ -502,6 +517,8 @@ class FakeApiServer:
                     continue
                 if ch is None:
                     break
+                if self.watch_jitter:
+                    await asyncio.sleep(random.uniform(0, self.watch_jitter))
                 await resp.write(orjson.dumps({"type": ch.type, "object": ch.obj}) + b"\n")
         except (ConnectionResetError, asyncio.CancelledError):
             pass
@@ -644,6 +661,13 @@ class FakeApiServer:
                            key: tuple[str, str, str]) -> web.Response:
         if key not in self.objects:
             return status(404, "NotFound", f'{key[0]} "{key[2]}" not found')
+        if key[0] == "pods" and self.kubelets:
+            grace = request.query.get("gracePeriodSeconds")
+            if grace is None and request.can_read_body:
+                with contextlib.suppress(ValueError):
+                    grace = (orjson.loads(await request.read()) or {}).get(
+                        "gracePeriodSeconds")
+            return self._json(self._terminate(key, None if grace is None else int(grace)))
         return self._json(self._delete(key))
 
     def _evict(self, key: tuple[str, str, str]) -> web.Response:
@@ -651,15 +675,59 @@ class FakeApiServer:
         if pod is None:
             return status(404, "NotFound", f'pods "{key[2]}" not found')
         if not pod["metadata"].get("deletionTimestamp"):
-            pod = copy.deepcopy(pod)
-            pod["metadata"]["deletionTimestamp"] = _now()
-            pod["metadata"]["deletionGracePeriodSeconds"] = 30
-            self._write("pods", key, pod, "MODIFIED")
-            # The kubelet stops the containers, then the pod goes.
-            self._later(self.eviction_delay,
-                        lambda: self._delete(key) if key in self.objects else None)
+            # A pod already terminating is not counted against a budget again.
+            if blocking := self._blocking_budget(pod):
+                return status(429, "TooManyRequests",
+                              "Cannot evict pod as it would violate the pod's disruption "
+                              f"budget. The disruption budget {blocking} needs more "
+                              "healthy pods")
+            self._terminate(key, None)
         return self._json({"kind": "Status", "apiVersion": "v1", "status": "Success",
                            "code": 201}, 201)
+
+    def _blocking_budget(self, pod: dict[str, Any]) -> str | None:
+        """The name of a PodDisruptionBudget that forbids evicting ``pod``, as
+        the eviction API computes it: healthy pods (Running, Ready, not
+        terminating) the budget selects, against minAvailable or maxUnavailable."""
+        ns = pod["metadata"]["namespace"]
+        labels = pod["metadata"].get("labels") or {}
+        for pdb in self.list("poddisruptionbudgets", ns):
+            sel = pdb.get("spec", {}).get("selector")
+            if not self._selects(sel, labels):
+                continue
+            chosen = [p for p in self.list("pods", ns)
+                      if self._selects(sel, p["metadata"].get("labels") or {})]
+            healthy = sum(1 for p in chosen if not p["metadata"].get("deletionTimestamp")
+                          and (p.get("status") or {}).get("phase") == "Running"
+                          and all(c.get("ready") for c in
+                                  (p.get("status") or {}).get("containerStatuses") or []))
+            spec = pdb["spec"]
+            if "minAvailable" in spec:
+                allowed = healthy - int(spec["minAvailable"])
+            else:
+                allowed = int(spec.get("maxUnavailable", 0)) - (len(chosen) - healthy)
+            if allowed <= 0:
+                return str(pdb["metadata"]["name"])
+        return None
+
+    def _terminate(self, key: tuple[str, str, str], grace: int | None) -> dict[str, Any]:
+        """Graceful deletion: the deletionTimestamp and grace period; the pod
+        goes when its kubelet has stopped it (or at once when not bound)."""
+        pod = copy.deepcopy(self.objects[key])
+        if grace is None:
+            grace = int(pod.get("spec", {}).get("terminationGracePeriodSeconds", 30))
+        if grace == 0 or not pod.get("spec", {}).get("nodeName") \
+                or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return self._delete(key)  # nothing runs: gone at once, as the real server does
+        if not pod["metadata"].get("deletionTimestamp"):
+            pod["metadata"]["deletionTimestamp"] = _now()
+            pod["metadata"]["deletionGracePeriodSeconds"] = grace
+            pod = self._write("pods", key, pod, "MODIFIED")
+            if not self.kubelets:
+                # No kubelet here: the containers count as stopped at once.
+                self._later(self.eviction_delay,
+                            lambda: self._delete(key) if key in self.objects else None)
+        return pod
 
 
 # -- object builders for tests ---------------------------------------------------------

@@ -4,15 +4,41 @@ kube-apiserver, so this plays its part for the node agent's tests.
 `Containerd` runs containerd 1.6 (Debian's) with runc and CRIU under a private
 directory. Each simulated node is one containerd namespace. `FakeKubelet`
 starts the containers of the pods bound to its node (reading the FAKE API
-server's objects directly), restarts them by their restartPolicy, kills them
-when their pod goes, and reports containerStatuses (containerID, imageID,
-state, restartCount) the way the kubelet does. A pod's volume named `smr`
-(the hand-written manifest of docs/node-agent.md) is an emptyDir: a directory
-per pod that outlives container restarts; smr-init is copied into it as the
-pod's initContainer would. A pod's `runtimeClassName` selects the runtime
-binary the way containerd's handler `BinaryName` does (`ctr --runc-binary`),
-and a container's args are resolved as the kubelet does: `command` replaces
-the image's ENTRYPOINT, `args` its CMD.
+server's objects directly), restarts them by their restartPolicy, and reports
+containerStatuses (containerID, imageID, state, restartCount, lastState) the
+way the kubelet does. A pod's volume named `smr` (the hand-written manifest of
+docs/node-agent.md) is an emptyDir: a directory per pod that outlives
+container restarts; smr-init is copied into it as the pod's initContainer
+would. A pod's `runtimeClassName` selects the runtime binary the way
+containerd's handler `BinaryName` does (`ctr --runc-binary`), and a
+container's args are resolved as the kubelet does: `command` replaces the
+image's ENTRYPOINT, `args` its CMD.
+
+It stops a container the way the kubelet does (killContainer), because smr's
+timing depends on it:
+
+- a pod with a ``deletionTimestamp`` (an eviction or a delete) or one gone
+  from the API (a forced delete) is stopped: each container's preStop exec
+  hook runs (inside the container, bounded by the grace period), then
+  SIGTERM goes to the container's PID 1, then SIGKILL once the grace
+  (``deletionGracePeriodSeconds``, else ``terminationGracePeriodSeconds``,
+  default 30 s; at least 2 s after the hook) has run out. SIGKILL of PID 1
+  ends every process in its PID namespace. The kubelet then deletes the pod
+  (grace 0), which is when it leaves the API;
+- ``shutdown(grace)`` is graceful node shutdown (``shutdownGracePeriod``; GKE
+  gives ordinary pods 15 s): the node turns ``Ready=False`` "node is shutting
+  down", each pod is stopped as above within that grace, and ends
+  ``Failed`` with the ``DisruptionTarget`` condition (reason
+  ``TerminationByKubelet``), with no deletion;
+- exec liveness probes (initialDelaySeconds, periodSeconds, timeoutSeconds,
+  failureThreshold), held back until an exec startupProbe succeeds: a
+  container that fails either is stopped as above and restarted by the pod's
+  restartPolicy.
+
+``actions`` records what it did, (monotonic time, pod, container, what), for
+the tests to check (``prestop``, ``prestop-done``, ``TERM``, ``KILL``,
+``exited``, ``liveness-ok`` (the first), ``liveness-failed``,
+``startup-failed``).
 """
 
 from __future__ import annotations
@@ -97,19 +123,25 @@ class Containerd:
         _, config = await self.ctr(ns, "content", "get", json.loads(manifest)["config"]["digest"])
         return json.loads(config).get("config") or {}
 
+    def _run_bounded(self, ns: str, *args: str) -> str:
+        """A ctr call at teardown that cannot hang it (a task stuck frozen)."""
+        try:
+            return subprocess.run(self._ctr(ns, *args), capture_output=True, text=True,
+                                  timeout=30).stdout
+        except subprocess.TimeoutExpired:
+            print(f"containerd teardown: ctr {' '.join(args)} hung for 30 s")
+            return ""
+
     def stop(self) -> None:
         for ns in self.namespaces:
-            tasks = subprocess.run(self._ctr(ns, "tasks", "ls", "-q"), capture_output=True,
-                                   text=True).stdout.split()
+            tasks = self._run_bounded(ns, "tasks", "ls", "-q").split()
             for t in tasks:
-                subprocess.run(self._ctr(ns, "tasks", "kill", "-s", "KILL", t),
-                               capture_output=True)
+                self._run_bounded(ns, "tasks", "kill", "-s", "KILL", t)
             time.sleep(0.3)
             for t in tasks:
-                subprocess.run(self._ctr(ns, "tasks", "delete", "-f", t), capture_output=True)
-            for c in subprocess.run(self._ctr(ns, "containers", "ls", "-q"),
-                                    capture_output=True, text=True).stdout.split():
-                subprocess.run(self._ctr(ns, "containers", "rm", c), capture_output=True)
+                self._run_bounded(ns, "tasks", "delete", "-f", t)
+            for c in self._run_bounded(ns, "containers", "ls", "-q").split():
+                self._run_bounded(ns, "containers", "rm", c)
         if self.proc:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -126,14 +158,33 @@ class Running:
     restarts: int
     started_at: str
     exit_code: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    probe_failures: int = 0
+    probe_due: float = 0.0
+    probing: bool = False
+    startup_done: bool = False  # its startupProbe succeeded (liveness probes run from then)
+    live_ok: bool = False  # a liveness probe has succeeded
+    stopping: bool = False
+    last: dict[str, Any] | None = None  # lastState.terminated of the run before
 
 
 @dataclass
 class PodState:
     uid: str
     volume: Path
+    pod: dict[str, Any]
     containers: dict[str, Running] = field(default_factory=dict)
-    done: bool = False
+    stopping: asyncio.Task[None] | None = None
+
+
+MIN_GRACE_AFTER_HOOK = 2.0  # the kubelet's minimum after a preStop hook
+
+
+def grace_of(pod: dict[str, Any]) -> float:
+    meta, spec = pod["metadata"], pod.get("spec") or {}
+    if meta.get("deletionGracePeriodSeconds") is not None:
+        return float(meta["deletionGracePeriodSeconds"])
+    return float(spec.get("terminationGracePeriodSeconds", 30))
 
 
 class FakeKubelet:
@@ -146,7 +197,10 @@ class FakeKubelet:
         self.smr_init = smr_init
         self.pods: dict[str, PodState] = {}  # uid → state
         self._task: asyncio.Task[None] | None = None
+        self._work: set[asyncio.Task[Any]] = set()
         self.digests: dict[str, str] = {}
+        self.shutting_down = False
+        self.actions: list[tuple[float, str, str, str]] = []
 
     async def start(self) -> FakeKubelet:
         self._task = asyncio.create_task(self._loop())
@@ -158,8 +212,13 @@ class FakeKubelet:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for t in list(self._work):
+            t.cancel()
+        for t in list(self._work):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         for st in self.pods.values():
-            await self._kill_pod(st)
+            await self._kill_now(st)
         self.pods.clear()
 
     async def _loop(self) -> None:
@@ -170,11 +229,25 @@ class FakeKubelet:
                 print(f"fake kubelet {self.node}: {e!r}")
             await asyncio.sleep(0.2)
 
+    def _spawn(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+        return task
+
+    def _did(self, pod: dict[str, Any], container: str, what: str) -> None:
+        self.actions.append((time.monotonic(), pod["metadata"]["name"], container, what))
+
     # -- what the tests look at -----------------------------------------------------
 
     def state(self, namespace: str, name: str) -> PodState | None:
         pod = self.kube.get("pods", name, namespace)
-        return self.pods.get(pod["metadata"]["uid"]) if pod else None
+        if pod is not None and pod["metadata"]["uid"] in self.pods:
+            return self.pods[pod["metadata"]["uid"]]
+        # Gone from the API or from this node: the last one of that name this kubelet ran.
+        known = [st for st in self.pods.values() if st.pod["metadata"]["name"] == name
+                 and st.pod["metadata"]["namespace"] == namespace]
+        return known[-1] if known else None
 
     def log(self, namespace: str, name: str, container: str = "main") -> str:
         st = self.state(namespace, name)
@@ -184,6 +257,37 @@ class FakeKubelet:
             return st.containers[container].log.read_text(errors="replace")
         return ""
 
+    def did(self, name: str, what: str) -> list[tuple[float, str, str, str]]:
+        return [a for a in self.actions if a[1] == name and a[3] == what]
+
+    # -- graceful node shutdown -------------------------------------------------------
+
+    async def shutdown(self, grace: float = 15) -> None:
+        """Graceful node shutdown, as the kubelet's shutdown manager does it
+        when systemd-logind announces the shutdown."""
+        self.shutting_down = True
+        node = self.kube.get("nodes", self.node)
+        assert node is not None
+        conds = [c for c in node["status"].get("conditions") or [] if c["type"] != "Ready"]
+        node["status"]["conditions"] = [*conds, {
+            "type": "Ready", "status": "False", "reason": "KubeletNotReady",
+            "message": "node is shutting down", "lastTransitionTime": _now()}]
+        self.kube.put("nodes", node)
+        message = "Pod was terminated in response to imminent node shutdown."
+        stops = []
+        for st in list(self.pods.values()):
+            if st.stopping is not None:
+                continue
+            pod = self.kube.get("pods", st.pod["metadata"]["name"],
+                                st.pod["metadata"]["namespace"])
+            if pod is None or pod["metadata"]["uid"] != st.uid:
+                continue
+            # The DisruptionTarget condition comes with the terminal status.
+            st.stopping = self._spawn(self._stop_pod(st, min(grace, grace_of(pod)),
+                                                     delete=False, reason=message))
+            stops.append(st.stopping)
+        await asyncio.gather(*stops, return_exceptions=True)
+
     # -- the sync loop ----------------------------------------------------------------
 
     async def sync(self) -> None:
@@ -191,43 +295,176 @@ class FakeKubelet:
                 if (p.get("spec") or {}).get("nodeName") == self.node}
         for uid, st in list(self.pods.items()):
             pod = pods.get(uid)
-            if pod is None or pod["metadata"].get("deletionTimestamp"):
-                await self._kill_pod(st)
-                del self.pods[uid]
-                if pod is not None:
-                    self.kube.remove("pods", pod["metadata"]["name"],
-                                     pod["metadata"]["namespace"])
+            if st.stopping is None and (pod is None or pod["metadata"].get("deletionTimestamp")):
+                st.stopping = self._spawn(self._stop_pod(
+                    st, grace_of(pod or st.pod), delete=pod is not None))
+            if pod is not None:
+                st.pod = pod
         _, out = await self.ctd.ctr(self.ns, "tasks", "ls")
         status = {parts[0]: parts[2] for line in out.splitlines()[1:]
                   if len(parts := line.split()) >= 3}
         for uid, pod in pods.items():
-            if pod["metadata"].get("deletionTimestamp"):
+            if pod["metadata"].get("deletionTimestamp") or self.shutting_down:
+                continue
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") \
+                    and uid not in self.pods:
                 continue
             st = self.pods.get(uid)
             if st is None:
-                st = self.pods[uid] = PodState(uid, self.dir / "pods" / uid / "smr")
+                st = self.pods[uid] = PodState(uid, self.dir / "pods" / uid / "smr", pod)
                 if any(v.get("name") == "smr" for v in pod["spec"].get("volumes") or []):
                     st.volume.mkdir(parents=True)
                     shutil.copy2(self.smr_init, st.volume / "smr-init")  # the initContainer
+            if st.stopping is not None:
+                continue
             changed = False
             for c in pod["spec"]["containers"]:
                 run = st.containers.get(c["name"])
                 if run is None:
                     st.containers[c["name"]] = await self._run(pod, c, st, 0)
                     changed = True
-                elif run.exit_code is None and status.get(run.id) == "STOPPED":
-                    _, out = await self.ctd.ctr(self.ns, "tasks", "delete", run.id,
-                                                check=False)
-                    # ctr exits 0 and warns "exit with non-zero exit code N".
-                    m = re.search(r"exit code (\d+)", out)
-                    code = run.exit_code = int(m.group(1)) if m else 0
+                elif run.exit_code is None and status.get(run.id) == "STOPPED" \
+                        and not run.stopping:
+                    await self._reap(pod, run)
                     changed = True
                     policy = pod["spec"].get("restartPolicy", "Always")
-                    if policy == "Always" or (policy == "OnFailure" and code != 0):
-                        st.containers[c["name"]] = await self._run(pod, c, st,
-                                                                   run.restarts + 1)
+                    if policy == "Always" or (policy == "OnFailure" and run.exit_code != 0):
+                        new = await self._run(pod, c, st, run.restarts + 1)
+                        new.last = {"exitCode": run.exit_code, "finishedAt": _now()}
+                        st.containers[c["name"]] = new
+                elif run.exit_code is None and not run.probing and not run.stopping \
+                        and (c.get("livenessProbe") or c.get("startupProbe")):
+                    self._probe(pod, c, run, st)
             if changed:
                 self._report(pod, st)
+
+    async def _reap(self, pod: dict[str, Any], run: Running) -> None:
+        _, out = await self.ctd.ctr(self.ns, "tasks", "delete", run.id, check=False)
+        # ctr exits 0 and warns "exit with non-zero exit code N".
+        m = re.search(r"exit code (\d+)", out)
+        run.exit_code = int(m.group(1)) if m else 0
+        self._did(pod, run.name, "exited")
+
+    # -- stopping a container, as killContainer does -----------------------------------
+
+    async def _stop_pod(self, st: PodState, grace: float, *, delete: bool,
+                        reason: str = "") -> None:
+        pod = st.pod
+        deadline = time.monotonic() + grace
+        specs = {c["name"]: c for c in pod["spec"]["containers"]}
+        await asyncio.gather(*(self._stop_container(pod, specs.get(run.name) or {}, run,
+                                                    deadline)
+                               for run in st.containers.values() if run.exit_code is None))
+        for run in st.containers.values():
+            await self.ctd.ctr(self.ns, "containers", "rm", run.id, check=False)
+        fresh = self.kube.get("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
+        if fresh is not None and fresh["metadata"]["uid"] == st.uid:
+            self._report(fresh, st, failed_because=reason or None)
+            if delete:  # the kubelet's own delete, grace 0: now the pod is gone
+                self.kube.remove("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
+
+    async def _stop_container(self, pod: dict[str, Any], spec: dict[str, Any], run: Running,
+                              deadline: float) -> None:
+        run.stopping = True
+        hook = (((spec.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {})
+        if hook.get("command"):
+            self._did(pod, run.name, "prestop")
+            rc, out = await self._exec(run, hook["command"], deadline - time.monotonic())
+            self._did(pod, run.name, f"prestop-done {rc} {out.strip()[-200:]}")
+            deadline = max(deadline, time.monotonic() + MIN_GRACE_AFTER_HOOK)
+        self._did(pod, run.name, "TERM")
+        await self.ctd.ctr(self.ns, "tasks", "kill", "-s", "TERM", run.id, check=False)
+        if not await self._stopped(run, deadline):
+            self._did(pod, run.name, "KILL")
+            await self.ctd.ctr(self.ns, "tasks", "kill", "-s", "KILL", run.id, check=False)
+            if not await self._stopped(run, time.monotonic() + 30):
+                # A task in a frozen cgroup (a dump) dies only once thawed: say so, go on.
+                print(f"fake kubelet {self.node}: {run.id} outlived SIGKILL by 30 s")
+        await self._reap(pod, run)
+
+    async def _stopped(self, run: Running, until: float) -> bool:
+        """Wait for the task to stop, until ``until``."""
+        while True:
+            if await self._task_stopped(run):
+                return True
+            if time.monotonic() >= until:
+                return False
+            await asyncio.sleep(0.1)
+
+    async def _task_stopped(self, run: Running) -> bool:
+        _, out = await self.ctd.ctr(self.ns, "tasks", "ls", check=False)
+        for line in out.splitlines()[1:]:
+            parts = line.split()
+            if parts and parts[0] == run.id:
+                return len(parts) >= 3 and parts[2] == "STOPPED"
+        return True  # no task: nothing left to stop
+
+    async def _exec(self, run: Running, cmd: list[str], timeout: float) -> tuple[int, str]:
+        """Run ``cmd`` inside the container (``ctr tasks exec``, as the CRI's
+        ExecSync does); (-1, "timeout") when it outlasts ``timeout``."""
+        proc = await asyncio.create_subprocess_exec(
+            *self.ctd._ctr(self.ns, "tasks", "exec", "--exec-id", uuid.uuid4().hex[:12],
+                           run.id, *cmd),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        self.ctd.namespaces.add(self.ns)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), max(timeout, 0.01))
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            return -1, "timeout"
+        return proc.returncode or 0, out.decode(errors="replace")
+
+    # -- liveness probes ------------------------------------------------------------------
+
+    def _probe(self, pod: dict[str, Any], c: dict[str, Any], run: Running,
+               st: PodState) -> None:
+        # A startupProbe holds the liveness probe back until it succeeds.
+        kind = "startup" if c.get("startupProbe") and not run.startup_done else "liveness"
+        probe = c.get(f"{kind}Probe")
+        if not probe:
+            return
+        now = time.monotonic()
+        if not run.probe_due:
+            run.probe_due = run.started + float(probe.get("initialDelaySeconds", 0))
+        if now < run.probe_due or "exec" not in probe:
+            return
+        run.probing = True
+        run.probe_due = now + float(probe.get("periodSeconds", 10))
+
+        async def probe_once() -> None:
+            try:
+                rc, _ = await self._exec(run, probe["exec"]["command"],
+                                         float(probe.get("timeoutSeconds", 1)))
+                if rc == 0:
+                    run.probe_failures = 0
+                    if kind == "liveness" and not run.live_ok:
+                        run.live_ok = True
+                        self._did(pod, run.name, "liveness-ok")  # the first success
+                    if kind == "startup":
+                        run.startup_done = True
+                        live = c.get("livenessProbe") or {}
+                        run.probe_due = time.monotonic() + float(
+                            live.get("initialDelaySeconds", 0))
+                    return
+                run.probe_failures += 1
+                if run.probe_failures < int(probe.get("failureThreshold", 3)) or run.stopping:
+                    return
+                self._did(pod, run.name, f"{kind}-failed")
+                await self._stop_container(pod, c, run, time.monotonic() + grace_of(pod))
+                await self.ctd.ctr(self.ns, "containers", "rm", run.id, check=False)
+                policy = pod["spec"].get("restartPolicy", "Always")
+                if st.stopping is None and policy in ("Always", "OnFailure"):
+                    new = await self._run(pod, c, st, run.restarts + 1)
+                    new.last = {"exitCode": run.exit_code, "reason": "Error",
+                                "finishedAt": _now()}
+                    st.containers[c["name"]] = new
+                self._report(pod, st)
+            finally:
+                run.probing = False
+
+        self._spawn(probe_once())
 
     async def _image(self, ref: str) -> str:
         if ref not in self.digests:
@@ -273,28 +510,42 @@ class FakeKubelet:
         await self.ctd.ctr(self.ns, *args, c["image"], cid, *process)
         return Running(c["name"], cid, log, restarts, _now())
 
-    def _report(self, pod: dict[str, Any], st: PodState) -> None:
+    def _report(self, pod: dict[str, Any], st: PodState,
+                failed_because: str | None = None) -> None:
         fresh = self.kube.get("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
         if fresh is None or fresh["metadata"]["uid"] != st.uid:
             return
         statuses = []
         for c in fresh["spec"]["containers"]:
-            run = st.containers[c["name"]]
+            run = st.containers.get(c["name"])
+            if run is None:
+                continue
             state: dict[str, Any] = {"running": {"startedAt": run.started_at}}
             if run.exit_code is not None:
                 state = {"terminated": {"exitCode": run.exit_code, "finishedAt": _now()}}
-            statuses.append({
+            status = {
                 "name": c["name"], "restartCount": run.restarts, "ready": "running" in state,
                 "image": c["image"], "imageID": f"{c['image']}@{self.digests[c['image']]}",
-                "containerID": f"containerd://{run.id}", "state": state})
+                "containerID": f"containerd://{run.id}", "state": state}
+            if run.last:
+                status["lastState"] = {"terminated": run.last}
+            statuses.append(status)
         ended = [s["state"].get("terminated") for s in statuses]
         phase = "Running"
-        if all(ended):
+        if statuses and all(ended):
             phase = "Succeeded" if all(t["exitCode"] == 0 for t in ended) else "Failed"
-        fresh["status"] = {"phase": phase, "containerStatuses": statuses}
+        new = {**(fresh.get("status") or {}), "phase": phase, "containerStatuses": statuses}
+        if failed_because:  # graceful node shutdown: Failed, whatever the exit codes
+            new.update(phase="Failed", reason="Terminated", message=failed_because)
+            new["conditions"] = [
+                *[c for c in new.get("conditions") or [] if c["type"] != "DisruptionTarget"],
+                {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                 "message": failed_because, "lastTransitionTime": _now()}]
+        fresh["status"] = new
         self.kube.put("pods", fresh)
 
-    async def _kill_pod(self, st: PodState) -> None:
+    async def _kill_now(self, st: PodState) -> None:
+        """The node loses power: SIGKILL, no hook, no grace."""
         for run in st.containers.values():
             if run.exit_code is None:
                 await self.ctd.ctr(self.ns, "tasks", "kill", "-s", "KILL", run.id, check=False)

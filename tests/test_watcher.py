@@ -24,7 +24,7 @@ from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.watcher.heartbeats import HeartbeatSchedule
-from services.watcher.kube import api_client
+from services.watcher.kube import Informer, api_client
 from services.watcher.service import Watcher
 from smr import config, metrics
 from smr.bus import KV_BEATS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
@@ -273,8 +273,13 @@ async def test_410_gone_relists_and_publishes_only_what_changed(
          "effect": "NoSchedule"})),
     ("preemption", lambda n: n["status"]["conditions"].append(
         {"type": "PreemptScheduled", "status": "True"})),
+    ("preemption", lambda n: n["spec"]["taints"].append(
+        {"key": "remediator.kubernetes.azure.com/unschedulable", "effect": "NoSchedule"})),
+    ("preemption", lambda n: n["status"]["conditions"].append(
+        {"type": "VMEventScheduled", "status": "True",
+         "message": "VM is scheduled for Preempt at 2026-11-23T21:00:00Z"})),
 ])
-async def test_preemption_signals_checkpoint_and_stop_the_pods(
+async def test_preemption_signals_checkpoint_and_leave_the_pods_running(
         kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str, reason: str,
         change: Callable[[dict[str, Any]], None]) -> None:
     n1, n2 = node, f"{node}-b"
@@ -287,9 +292,46 @@ async def test_preemption_signals_checkpoint_and_stop_the_pods(
         kube.put("nodes", n)
         reqs = await c.wait(len(EXPECTED_ON_N1))
         assert targets(reqs) == EXPECTED_ON_N1
-        assert all(r.reason == reason and not r.leave_running for r in reqs)
+        # Undoable, or ahead of the eviction: the workload stops only through
+        # the eviction or the kubelet, never smr's own kill.
+        assert all(r.reason == reason and r.leave_running for r in reqs)
         [drain] = await d.wait(1, settle=0)
         assert drain.reason == reason and drain.detail
+
+
+async def test_an_aks_freeze_is_no_signal(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    a_cluster(kube, node, f"{node}-b")
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        n = kube.get("nodes", node)
+        assert n is not None
+        n["status"]["conditions"].append({"type": "VMEventScheduled", "status": "True",
+                                          "message": "VM is scheduled for Freeze"})
+        kube.put("nodes", n)
+        await asyncio.sleep(1.5)
+        assert c.items == []
+
+
+async def test_graceful_node_shutdown_takes_the_final_checkpoints(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """The kubelet stops the pods itself (no deletion): its Ready=False
+    "node is shutting down" is the signal, and the checkpoint is final."""
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    async with ckpts(bus, n1) as c, drains(bus, n1) as d:
+        n = kube.get("nodes", n1)
+        assert n is not None
+        n["status"]["conditions"] = [{"type": "Ready", "status": "False",
+                                      "reason": "KubeletNotReady",
+                                      "message": "node is shutting down"}]
+        kube.put("nodes", n)
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        assert targets(reqs) == EXPECTED_ON_N1
+        assert all(r.reason == "preemption" and not r.leave_running for r in reqs)
+        [drain] = await d.wait(1, settle=0)
+        assert "graceful node shutdown" in drain.detail
 
 
 async def test_node_deletion_checkpoints_its_pods(
@@ -303,6 +345,28 @@ async def test_node_deletion_checkpoints_its_pods(
         assert targets(reqs) == EXPECTED_ON_N1
         assert {r.reason for r in reqs} == {"node-deleted"}
         assert [x.reason for x in await d.wait(1, settle=0)] == ["node-deleted"]
+
+
+async def test_a_pod_terminating_before_the_cordon_is_seen_gets_its_final_checkpoint(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """Node and pod watches have no order between them: the watcher can see
+    an evicted pod terminate before it sees its node cordoned."""
+    n1, n2 = node, f"{node}-b"
+    a_cluster(kube, n1, n2)
+    await watchers.start()
+    async with ckpts(bus, n1) as c:
+        evicted = kube.get("pods", "job-pod", "default")
+        assert evicted is not None
+        evicted["metadata"]["deletionTimestamp"] = "2026-11-23T00:00:00Z"
+        kube.put("pods", evicted)
+        await asyncio.sleep(0.5)  # the pod's event first
+        cordon(kube, n1)
+        reqs = await c.wait(len(EXPECTED_ON_N1))
+        final = [r for r in reqs if r.reason == "drain"]
+        assert targets(final) == [("job-pod", "trainer")]
+        assert not final[0].leave_running
+        assert reqs[0] is final[0], "the final request goes ahead of the cordon ones"
+        assert targets(reqs) == EXPECTED_ON_N1, "a terminating pod gets no cordon request"
 
 
 async def test_drain_evictions_and_uncordon(
@@ -632,7 +696,7 @@ async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
         await client.CoreV1Api(api).patch_node(node, {"spec": {"taints": [
             {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]}})
         [req] = await c.wait(1)
-        assert req.reason == "preemption" and not req.leave_running
+        assert req.reason == "preemption" and req.leave_running
     n = kube.get("nodes", node)
     assert n is not None
     assert [t["key"] for t in n["spec"]["taints"]] == ["gpu", "karpenter.sh/disrupted"]
@@ -671,3 +735,27 @@ async def test_a_stale_view_of_a_node_does_not_end_its_drain_episode(
         await a._on_node("MODIFIED", cordoned, healthy)
         await asyncio.sleep(1.0)
         assert len(c.items) == 1
+
+
+async def test_a_failed_handler_is_retried_without_a_new_event(
+        kube: FakeApiServer, api: client.ApiClient) -> None:
+    """A handler that fails (NATS away, say) is called again with backoff:
+    a Node may not change again for minutes in a real cluster."""
+    calls: list[str] = []
+
+    async def flaky(kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        calls.append(obj["metadata"]["name"])
+        if len(calls) < 3:
+            raise ConnectionError("the bus is away")
+
+    kube.put("nodes", a_node("quiet"))
+    informer = Informer("nodes", client.CoreV1Api(api).list_node, flaky)
+    task = asyncio.create_task(informer.run())
+    try:
+        await until(lambda: len(calls) >= 3, timeout=10)
+        await asyncio.sleep(1)
+        assert calls == ["quiet"] * 3, "retried until it succeeded, then no more"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -212,3 +212,42 @@ async def test_a_client_that_stalls_holds_no_slot_for_long(kube: FakeApiServer) 
         hook.stop()
         await task
         await api.close()
+
+
+def test_opted_in_containers_wait_for_their_final_checkpoint_before_sigterm() -> None:
+    p = opted(containers=("app", "sidecar"))
+    p["spec"]["containers"][1]["lifecycle"] = {"preStop": {"exec": {"command": ["drain"]}}}
+    out = patched(p, review(admission(p), S))
+    # 30 s (the default) for the workload's own shutdown, plus the final checkpoint's.
+    assert out["spec"]["terminationGracePeriodSeconds"] == 30 + S.final_checkpoint_seconds
+    app, sidecar = out["spec"]["containers"]
+    assert app["lifecycle"]["preStop"]["exec"]["command"] == [
+        "/smr/smr-init", "--wait-final", str(S.final_checkpoint_seconds)]
+    assert sidecar["lifecycle"]["preStop"]["exec"]["command"] == ["drain"], "theirs stays"
+
+
+def test_the_grace_period_never_exceeds_what_the_user_allows() -> None:
+    p = opted(annotations={"smr.dev/max-grace-seconds": "45"})
+    p["spec"]["terminationGracePeriodSeconds"] = 20
+    out = patched(p, review(admission(p), S))
+    assert out["spec"]["terminationGracePeriodSeconds"] == 45
+    assert out["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "25"
+    # No room at all: neither the grace nor a hook that would eat the workload's.
+    tight = opted(annotations={"smr.dev/max-grace-seconds": "10"})
+    tight["spec"]["terminationGracePeriodSeconds"] = 10
+    out = patched(tight, review(admission(tight), S))
+    assert out["spec"]["terminationGracePeriodSeconds"] == 10
+    assert "lifecycle" not in out["spec"]["containers"][0]
+
+
+def test_a_liveness_probe_waits_for_the_workload_to_run() -> None:
+    p = opted(containers=("app", "sidecar"))
+    probe = {"exec": {"command": ["healthy"]}, "periodSeconds": 5}
+    p["spec"]["containers"][0]["livenessProbe"] = probe
+    p["spec"]["containers"][1]["livenessProbe"] = probe
+    p["spec"]["containers"][1]["startupProbe"] = {"exec": {"command": ["mine"]}}
+    app, sidecar = patched(p, review(admission(p), S))["spec"]["containers"]
+    start = app["startupProbe"]
+    assert start["exec"]["command"] == ["/smr/smr-init", "--started"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= S.restore_seconds
+    assert sidecar["startupProbe"] == {"exec": {"command": ["mine"]}}, "theirs stays"

@@ -184,6 +184,18 @@ class Root:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
 
+    def touch(self, path: str) -> None:
+        """Set a regular file's times to now, in place (never recreated).
+        Opened O_PATH: a FIFO or a device there is never really opened."""
+        fd = self.open(path, os.O_PATH)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _refused(path, _kind(st.st_mode))
+            os.utime(f"/proc/self/fd/{fd}")  # the file this fd holds, nothing resolved
+        finally:
+            os.close(fd)
+
     def unlink(self, path: str) -> None:
         parent, name = _split(path)
         with contextlib.suppress(FileNotFoundError), self.dir(parent) as d:

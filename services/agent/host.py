@@ -9,13 +9,21 @@ container's processes in a cgroup whose path ends with the container ID.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
 import re
+import stat
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.agent.confined import Root, UnsafePath
+from smr.errors import SmrError, TemporaryError
 from smr.gpuinfo import process_tree as tree
+
+log = logging.getLogger("smr.agent")
 
 PROC = Path("/proc")
 SHIM_NAME = "smr-init"
@@ -212,14 +220,82 @@ class Shim:
                 return kid, inner
         return None
 
-    def hold(self, on: bool) -> None:
+    def hold(self, on: bool) -> int | None:
         """While held, the shim outlives its workload (a final dump kills the
-        workload; the container must stay until its checkpoint is stored)."""
+        workload; the container must stay until its checkpoint is stored) and
+        forwards no signal to it (one pending in the workload would be saved
+        in the image and stop every restored copy; smr-init.c says how).
+
+        Taking the hold returns the signal smr-init already forwarded (SIGTERM,
+        SIGINT or SIGQUIT: the workload was asked to stop), else None.
+
+        Every file here is the tenant's (``signal.lock``, ``signalled``,
+        ``hold``): opened confined, never followed; blocking, so callers run
+        it off the event loop."""
         with self.confined() as root:
-            if on:
-                root.write_new(f"{self.dir}/hold", b"")
-            else:
+            if not on:
                 root.unlink(f"{self.dir}/hold")
+                return None
+            with _locked(root, f"{self.dir}/signal.lock", f"smr-init {self.pid}"):
+                # Under the lock smr-init forwards nothing: `signalled` is read
+                # before the hold exists, so a refused read leaves no hold.
+                signalled = _signal_in(root, f"{self.dir}/signalled")
+                root.write_new(f"{self.dir}/hold", b"")
+            return signalled
+
+    def refresh_hold(self) -> None:
+        """Touch ``hold`` in place (smr-init ignores a stale one); it never
+        disappears meanwhile, which would let smr-init forward a held signal."""
+        with self.confined() as root:
+            root.touch(f"{self.dir}/hold")
+
+    def final(self, outcome: str) -> None:
+        """Tell the preStop hook (``smr-init --wait-final``) how the final
+        checkpoint ended: ``done GENERATION`` or ``failed CODE``. Written
+        confined and atomically (a new file renamed over ``final``: a link
+        there is replaced, never followed). Never raises: the checkpoint's
+        own outcome stands; without ``final`` the hook waits out its time."""
+        try:
+            with self.confined() as root:
+                root.replace(f"{self.dir}/final", (outcome + "\n").encode())
+        except (OSError, SmrError) as e:  # the container may be gone already
+            log.warning("cannot tell smr-init %s the final checkpoint's outcome (%s): %s",
+                        self.pid, outcome, e)
+
+
+@contextlib.contextmanager
+def _locked(root: Root, path: str, whose: str) -> Iterator[None]:
+    """``path`` flocked exclusively, waiting 0.5 s at most (only smr-init and
+    the agent take it; a workload holding it fails the step, retried)."""
+    fd = root.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{path} in the container is not a regular file "
+                             f"(mode {stat.filemode(st.st_mode)}); the node agent does not "
+                             "lock it", hint="remove it; smr's files in the container's smr "
+                                             "volume are smr's own")
+        deadline = time.monotonic() + 0.5
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TemporaryError(f"{path} of {whose} stays locked", code="shim-busy",
+                                         hint="only smr-init and the agent take it; "
+                                              "retried") from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _signal_in(root: Root, path: str) -> int | None:
+    try:
+        return int(root.read(path).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def shims() -> list[Shim]:

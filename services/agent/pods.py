@@ -4,6 +4,7 @@ and what the node agent's checkpoint and restore steps share."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,12 @@ from services.agent import host
 from services.agent.host import Shim
 from services.agent.incontainer import CriuBundle
 from services.storage.store import CheckpointStore
+from smr.bus import Progress
 from smr.criu import Criu
 from smr.cuda_checkpoint import CudaCheckpoint
 from smr.errors import PermanentError, TemporaryError
 from smr.jobs import JobLock
-from smr.messages import Target
+from smr.messages import Target, epoch
 
 
 def runtime_id(container_id: str) -> str:
@@ -92,6 +94,12 @@ class Pods:
         pod = await self._read(target.namespace, target.pod)
         if pod is None:
             raise PermanentError(f"{target}: no such pod", code="pod-not-found")
+        uid = pod["metadata"].get("uid")
+        if target.pod_uid and uid != target.pod_uid:
+            raise PermanentError(
+                f"{target}: the request was for pod uid {target.pod_uid}, and the pod of that "
+                f"name is now another one (uid {uid}); refused", code="stale-request",
+                hint="a request made for an earlier pod of the same name is not carried out")
         on = (pod.get("spec") or {}).get("nodeName")
         if on != self.node:
             raise PermanentError(f"{target} runs on node {on}, not on {self.node}",
@@ -147,3 +155,23 @@ class PodStep:
         work.mkdir(parents=True, mode=0o700, exist_ok=True)
         os.chmod(work, 0o700)
         return os.open(work, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+class Fresh:
+    """A step that refuses a request whose deadline has passed before doing
+    anything (a queued request must not act long after its cause; the
+    pod's uid is checked where the pod is read, ``Pods.container``)."""
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+        self.kind: str = step.kind
+
+    async def run(self, req: Any, progress: Progress) -> Any:
+        if req.deadline and epoch(req.deadline) < time.time():
+            raise PermanentError(f"request {req.request_id} for {req.target} expired at "
+                                 f"{req.deadline}; refused", code="request-expired",
+                                 hint="its cause is long past: ask again if still wanted")
+        return await self.step.run(req, progress)
+
+    async def recover(self, req: Any, state: dict[str, Any]) -> Any:
+        return await self.step.recover(req, state)

@@ -17,7 +17,7 @@ from kubernetes_asyncio import client
 
 from services.agent import nodelabel
 from services.agent.incontainer import CriuBundle
-from services.agent.pods import Pods
+from services.agent.pods import Fresh, Pods
 from services.agent.starts import StartRestores
 from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
@@ -49,8 +49,9 @@ class NodeAgent:
             work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
         self.workers = [
-            Worker(bus, PodCheckpointStep(**common), s.node, service="agent-checkpointer"),
-            Worker(bus, PodRestoreStep(**common), s.node, service="agent-restorer",
+            Worker(bus, Fresh(PodCheckpointStep(**common)), s.node,
+                   service="agent-checkpointer"),
+            Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    concurrency=s.restores_per_node),
         ]
         self.starts = StartRestores(bus, self.pods, s)

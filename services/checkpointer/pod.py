@@ -43,7 +43,7 @@ async def _keep_holding(shim: Shim) -> None:
     while True:
         await asyncio.sleep(HOLD_REFRESH_S)
         with contextlib.suppress(OSError, SmrError):  # the step itself reports
-            await asyncio.to_thread(shim.hold, True)
+            await asyncio.to_thread(shim.refresh_hold)
 
 
 def _maybe_running(shim: Shim) -> bool:
@@ -91,9 +91,17 @@ class PodCheckpointStep(PodStep):
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
                 "stdio": host.stdio(pid),
                 "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
-            await asyncio.to_thread(shim.hold, True)
+            signalled = await asyncio.to_thread(shim.hold, True)
             holding = asyncio.create_task(_keep_holding(shim))
             try:
+                if signalled is not None:
+                    # Its image would hold a workload on its way out: every
+                    # restored copy would stop again.
+                    raise PermanentError(
+                        f"{req.target} was sent signal {signalled} (asked to stop) before "
+                        "its checkpoint began; nothing was saved", code="terminating",
+                        hint="a final checkpoint must come before the kubelet's SIGTERM: "
+                             "the preStop hook smr's webhook adds waits for it")
                 durations: dict[str, float] = {}
                 frozen_at = time.monotonic()
                 if cuda_pids:
@@ -135,8 +143,17 @@ class PodCheckpointStep(PodStep):
                     raise
                 durations.update(dump.result())
                 durations["durable"] = durable
-                if not req.leave_running and ticks is not None:
-                    await wait_exit(pid, ticks)
+                if not req.leave_running:
+                    if ticks is not None:
+                        await wait_exit(pid, ticks)
+                    await asyncio.to_thread(shim.final, f"done {gen.number}")
+            except Exception as e:
+                # The preStop hook waits for this. Not on a cancel: the agent
+                # stopping is no failure, and recover() may still store the dump.
+                if not req.leave_running:
+                    await asyncio.to_thread(
+                        shim.final, f"failed {getattr(e, 'code', type(e).__name__)}")
+                raise
             finally:
                 holding.cancel()
                 await asyncio.to_thread(shim.hold, False)

@@ -41,7 +41,7 @@ class EventRecorder:
                 "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
                 "firstTimestamp": now, "lastTimestamp": now, "count": 1}
         try:
-            await self.core.create_namespaced_event(namespace, body)
+            await self.core.create_namespaced_event(namespace, body, _request_timeout=30)
         except ApiException as e:
             if e.status == 409:
                 return False
@@ -70,5 +70,6 @@ class EventRecorder:
                        f"{done.checkpoint_id} failed on node {done.node}: "
                        f"{err.get('message', 'unknown error')}"
                        + (f" ({err['hint']})" if err.get("hint") else ""))
+        # With the pod's uid (requests carry it) `kubectl describe pod` shows it.
         await self.pod_event(t.namespace, t.pod, reason=reason, message=message,
-                             key=done.request_id, warning=not ok)
+                             key=done.request_id, warning=not ok, uid=t.pod_uid)

@@ -59,9 +59,16 @@ class Beat:
             checkpoint_id=ckpt_id, node=self.node, reason="heartbeat", leave_running=True,
             # When the beat was due, so a beat is recognisable by its slot.
             requested_at=at.replace("+00:00", "Z"),
+            # The next beat supersedes one still queued a whole interval late.
+            deadline=_stamp(slot + self.interval),
             target=Target(kind="pod", namespace=self.namespace, pod=self.pod,
-                          container=container))
+                          container=container, pod_uid=self.uid))
             for container, ckpt_id in self.containers]
+
+
+def _stamp(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
 
 
 def jitter(uid: str) -> float:

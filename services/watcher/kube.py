@@ -10,7 +10,11 @@ change, in order. It survives what API servers do:
 - bookmarks move that resourceVersion on while nothing changes;
 - 410 Gone (the version was compacted away) means a new list; the list is
   compared with the cache and only real differences reach the handler;
-- other failures are retried with capped exponential backoff.
+- other failures are retried with capped exponential backoff;
+- a handler that fails is called again for that object (its latest state)
+  with backoff, not only at the object's next change (a Node changes about
+  every 5 minutes in a real cluster); a newer event for it supersedes the
+  retry. Handlers must be idempotent (the watcher's are: derived request ids).
 
 Objects stay dicts (no model deserialisation): it is the JSON the server sent.
 """
@@ -84,6 +88,7 @@ class BrokenStream(Exception):
 class Informer:
     def __init__(self, name: str, list_fn: Callable[..., Awaitable[Any]], handler: Handler,
                  *, watch_timeout_s: int = 300, max_backoff_s: float = 10.0,
+                 list_timeout_s: float = 60.0, handler_retries: int = 30,
                  **list_kw: Any) -> None:
         self.name = name
         self.list_fn = list_fn
@@ -91,13 +96,23 @@ class Informer:
         self.handler = handler
         self.watch_timeout_s = watch_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.list_timeout_s = list_timeout_s
+        self.handler_retries = handler_retries
+        self._retries: dict[str, asyncio.Task[None]] = {}  # key → its pending handler retry
         self.cache: dict[str, dict[str, Any]] = {}
         self.rv: str | None = None
         self.synced = asyncio.Event()
         self.stats = {"lists": 0, "watches": 0, "expired": 0, "broken": 0, "bookmarks": 0,
-                      "events": 0}
+                      "events": 0, "handler_retries": 0}
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            for t in self._retries.values():
+                t.cancel()
+
+    async def _run(self) -> None:
         failures = 0
         while True:
             _still_running()
@@ -133,7 +148,8 @@ class Informer:
         await asyncio.sleep(delay * (0.5 + random.random() / 2))
 
     async def _list(self) -> None:
-        resp = await self.list_fn(_preload_content=False, **self.list_kw)
+        resp = await self.list_fn(_preload_content=False, _request_timeout=self.list_timeout_s,
+                                  **self.list_kw)
         try:
             doc = orjson.loads(await resp.read())
         finally:
@@ -186,9 +202,32 @@ class Informer:
 
     async def _emit(self, kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         self.stats["events"] += 1
+        k = key_of(obj)
+        if (pending := self._retries.pop(k, None)) is not None:
+            pending.cancel()  # this newer event supersedes it
         try:
             await self.handler(kind, obj, old)
         except Exception:
             _still_running()
-            # One bad object must not stop the informer.
-            log.exception("%s: handling %s %s failed", self.name, kind, key_of(obj))
+            # One bad object must not stop the informer; it is retried.
+            log.exception("%s: handling %s %s failed; retrying with backoff", self.name,
+                          kind, k)
+            self._retries[k] = asyncio.create_task(self._retry(k, kind, obj, old))
+
+    async def _retry(self, k: str, kind: str, obj: dict[str, Any],
+                     old: dict[str, Any] | None) -> None:
+        for attempt in range(1, self.handler_retries + 1):
+            await self._backoff(attempt)
+            if kind != "DELETED":
+                obj = self.cache.get(k, obj)
+            self.stats["handler_retries"] += 1
+            try:
+                await self.handler(kind, obj, old)
+            except Exception as e:
+                _still_running()
+                log.warning("%s: handling %s %s failed again (attempt %d of %d): %r",
+                            self.name, kind, k, attempt, self.handler_retries, e)
+            else:
+                break
+        if self._retries.get(k) is asyncio.current_task():
+            del self._retries[k]

@@ -28,10 +28,13 @@ import io
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import Counter, OrderedDict
+from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import orjson
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -42,7 +45,7 @@ from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
 from services.watcher.policy import PodPolicy, policy_for
-from services.watcher.triggers import node_reasons
+from services.watcher.triggers import FINAL, MESSAGE_REASON, node_reasons
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, Bus, node_token
 from smr.config import Settings
@@ -52,12 +55,15 @@ from smr.messages import (
     NodeDraining,
     Target,
     derive_request_id,
+    epoch,
 )
 
 log = logging.getLogger("smr.watcher")
 
 MEMO_SIZE = 200_000
 RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
+REQUEST_TTL_S = 900.0  # a node signal's requests: refused by the agent after this
+API_TIMEOUT_S = 30.0  # one Kubernetes API call (a hung connection must not hold a handler)
 STOP_WAIT_S = 10.0  # how long a stopping watcher waits for its tasks
 
 
@@ -89,6 +95,7 @@ class Watcher:
         self._published: OrderedDict[str, None] = OrderedDict()  # request ids sent
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
+        self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -179,17 +186,25 @@ class Watcher:
                 "node going away", attributes={"k8s.node.name": name,
                                                "smr.reasons": ",".join(reasons)}):
             episode = await self._open_episode(name, node)
-            for reason, detail in reasons.items():
-                drain = NodeDraining(request_id=derive_request_id("draining", episode, reason),
-                                     node=name, reason=reason, detail=detail)  # type: ignore[arg-type]
-                if drain.request_id in self._published:
-                    continue  # already handled; later pods come through _on_pod
-                log.info("node %s: %s (%s); checkpointing its opted-in pods", name, reason,
-                         detail)
-                reqs = [r for p in self._pods_on(name)
-                        for r in self._drain_requests(p, episode, reason)]
-                await self._publish_all(reqs)
-                await self._publish_all([drain])
+            # Those already handled are skipped; later pods come through _on_pod.
+            new = [r for r in reasons
+                   if derive_request_id("draining", episode, r) not in self._published]
+            if not new:
+                return
+            drains = [NodeDraining(request_id=derive_request_id("draining", episode, r),
+                                   node=name, reason=MESSAGE_REASON.get(r, r),  # type: ignore[arg-type]
+                                   detail=reasons[r])
+                      for r in new]
+            for d in drains:
+                log.info("node %s: %s (%s); checkpointing its opted-in pods", name, d.reason,
+                         d.detail)
+            # A pod may have been seen terminating before its node (the two
+            # watches have no order): it gets its final checkpoint here too.
+            await self._publish_requests([
+                r for p in self._pods_on(name)
+                for reason in self._pod_reasons(p, new)
+                for r in self._drain_requests(p, episode, reason)])
+            await self._publish_all(drains)
 
     async def _open_episode(self, node: str, obj: dict[str, Any]) -> str:
         """The node's open drain episode, created once for all replicas."""
@@ -250,12 +265,13 @@ class Watcher:
             rid = derive_request_id("ckpt", episode, reason, meta["uid"], c.name)
             out.append(CkptRequested(
                 request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
-                reason=reason,  # type: ignore[arg-type]
-                # A cordon may be undone: the pod keeps running. The other
-                # reasons take the node away: freeze the final state.
-                leave_running=reason == "cordon",
+                reason=MESSAGE_REASON.get(reason, reason),  # type: ignore[arg-type]
+                # Only when the kubelet is stopping the pod (its preStop hook
+                # waits for this): the others may be undone (triggers.py).
+                leave_running=reason not in FINAL,
+                deadline=deadline_of(pod),
                 target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
-                              container=c.name)))
+                              container=c.name, pod_uid=meta["uid"])))
             requests = self._pod_requests.setdefault(meta["uid"], [])
             if rid not in requests:
                 requests.append(rid)
@@ -296,21 +312,38 @@ class Watcher:
             if kind == "DELETED":
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
+            elif stopped_by_kubelet(pod) and uid not in self._replacing:
+                self._replacing.add(uid)
+                self._spawn(self._replace_failed(pod, policy))
             return
         if self.leadership.leading.is_set():
             await self._keep_beat(pod, policy)
         if not node or not policy.opted_in:
             return
-        terminating = bool(meta.get("deletionTimestamp"))
         episode = self._episodes.get(node)
         if episode is not None:
             # On a node going away: the node's reasons, and a drain if it terminates.
             n = self.nodes.cache.get(node)
             reasons = list(node_reasons(n, self.s.preemption_taints)) if n else ["node-deleted"]
-            if terminating:
-                reasons.append("drain")
-            await self._publish_all([r for reason in reasons
-                                     for r in self._drain_requests(pod, episode, reason)])
+            await self._publish_requests([r for reason in self._pod_reasons(pod, reasons)
+                                          for r in self._drain_requests(pod, episode, reason)])
+
+    @staticmethod
+    def _pod_reasons(pod: dict[str, Any], node_reasons: list[str]) -> list[str]:
+        """The checkpoints a pod on a node going away gets: the node's reasons;
+        for a terminating pod (evicted or deleted: the kubelet stops it once its
+        preStop hook has seen the final checkpoint) a final ``drain`` instead
+        of leave-running ones, which would only spend its budget; on a node
+        shutting down, the final ``shutdown`` one alone."""
+        terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+        reasons = (["drain"] if terminating else []) + node_reasons
+        final = [r for r in reasons if r in FINAL]
+        return final[:1] or reasons  # one final checkpoint: a second finds no workload
+
+    async def _publish_requests(self, reqs: list[CkptRequested]) -> None:
+        """Final requests first: the agent takes a node's requests in order."""
+        await self._publish_all([r for r in reqs if not r.leave_running])
+        await self._publish_all([r for r in reqs if r.leave_running])
 
     async def _keep_beat(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName")
@@ -347,6 +380,30 @@ class Watcher:
             return
         self._spawn(self._recreate(pod, self._pod_requests.get(meta["uid"], [])))
 
+    async def _replace_failed(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        """Graceful node shutdown leaves a bare pod Failed, not deleted: once
+        its final checkpoint is over, delete it; its deletion recreates it
+        (``_recreate_later``), as for a drained pod."""
+        meta = pod["metadata"]
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not policy.node_restore or meta.get("ownerReferences") or not node:
+            return
+        if requests := self._pod_requests.get(meta["uid"]):
+            with contextlib.suppress(TimeoutError):
+                await self.bus.wait_result(requests[-1], "ckpt.requested",
+                                           timeout=RESULT_WAIT_S)
+        try:
+            await self.core.delete_namespaced_pod(
+                meta["name"], meta["namespace"], body={"preconditions": {"uid": meta["uid"]}},
+                _request_timeout=API_TIMEOUT_S)
+        except ApiException as e:
+            if e.status != 404:  # 404: gone already (another replica, the pod GC)
+                log.warning("Failed pod %s/%s could not be deleted to recreate it: %s",
+                            meta["namespace"], meta["name"], e.reason)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            log.warning("deleting Failed pod %s/%s failed (%r); it is not recreated",
+                        meta["namespace"], meta["name"], e)
+
     async def _recreate(self, pod: dict[str, Any], requests: list[str]) -> None:
         meta = pod["metadata"]
         if requests:  # the pod's last checkpoint must finish first
@@ -364,7 +421,8 @@ class Watcher:
             "labels": meta.get("labels") or {}, "annotations": ann}}
         try:
             new = await self.core.create_namespaced_pod(meta["namespace"], body,
-                                                        _preload_content=False)
+                                                        _preload_content=False,
+                                                        _request_timeout=API_TIMEOUT_S)
             created = orjson.loads(await new.read())
         except ApiException as e:
             if e.status != 409:  # 409: another replica recreated it
@@ -377,6 +435,26 @@ class Watcher:
         await self._post(created["metadata"], "Recreated",
                          f"recreated by smr after node {pod['spec']['nodeName']} went away; it "
                          "resumes from its latest checkpoint", key=created["metadata"]["uid"])
+
+
+def deadline_of(pod: dict[str, Any]) -> str:
+    """When a checkpoint request for ``pod`` stops making sense: a terminating
+    pod's grace period end (the kubelet kills it then), else REQUEST_TTL_S."""
+    meta = pod["metadata"]
+    if (since := meta.get("deletionTimestamp")) and meta.get("deletionGracePeriodSeconds"):
+        end = epoch(since) + float(meta["deletionGracePeriodSeconds"])
+    else:
+        end = time.time() + REQUEST_TTL_S
+    return datetime.fromtimestamp(end, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+def stopped_by_kubelet(pod: dict[str, Any]) -> bool:
+    """Failed because the kubelet stopped it (graceful node shutdown)."""
+    status = pod.get("status") or {}
+    return status.get("phase") == "Failed" and any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        and c.get("reason") == "TerminationByKubelet" for c in status.get("conditions") or [])
 
 
 def _newer(rv: str, than: str) -> bool:

@@ -1,14 +1,27 @@
 """What in a Node object means smr should checkpoint the pods on it.
 
-Supported signals (README "Watcher" lists them for users):
+Supported signals (README "Watcher" lists them for users; docs/kubernetes.md
+says what each provider sends):
 
 - ``cordon``: ``spec.unschedulable`` is true (``kubectl cordon`` / ``drain``);
 - ``preemption``: one of the taints in ``PREEMPTION_TAINTS`` (or
-  SMR_PREEMPTION_TAINTS), or a condition in ``PREEMPTION_CONDITIONS`` with
-  status True;
+  SMR_PREEMPTION_TAINTS), a condition in ``PREEMPTION_CONDITIONS`` with
+  status True, or AKS's ``VMEventScheduled`` naming an event that takes the
+  VM away (``VM_EVENTS``; a Freeze is a pause, not that);
+- ``shutdown``: graceful node shutdown: the kubelet reports ``Ready=False``
+  "node is shutting down" and stops every pod itself (no deletion, no
+  ``deletionTimestamp``; GKE Spot's preemption is this);
 - ``node-deleted``: the Node has a deletionTimestamp, or is gone.
 
 (``drain`` is a pod signal: an opted-in pod terminating on a node above.)
+
+Only ``FINAL`` reasons take a final checkpoint (the workload ends with it):
+those where the kubelet is already stopping the pod, which waits in its
+preStop hook for the checkpoint. Every other signal can be undone or comes
+before the eviction (cluster-autoscaler removes its taint when a drain
+fails, Karpenter can cancel, AWS's rebalance recommendation is a warning):
+a leave-running checkpoint, and the workload stops only through the
+eviction or the kubelet's SIGTERM, never smr's own kill.
 """
 
 from __future__ import annotations
@@ -25,12 +38,21 @@ PREEMPTION_TAINTS: dict[str, str] = {
     "aws-node-termination-handler/rebalance-recommendation": "AWS rebalance recommendation",
     "cloud.google.com/impending-node-termination": "GCE is terminating the node",
     "node.cloudprovider.kubernetes.io/shutdown": "the cloud provider shut the node down",
+    "remediator.kubernetes.azure.com/unschedulable": "AKS is draining the node (auto-repair "
+                                                     "or a scheduled event)",
 }
 # node-problem-detector conditions (AKS scheduled events).
 PREEMPTION_CONDITIONS: dict[str, str] = {
     "PreemptScheduled": "a spot preemption is scheduled",
     "TerminateScheduled": "a termination is scheduled",
 }
+# AKS node-problem-detector: VMEventScheduled, its message names the event.
+VM_EVENTS = ("Preempt", "Terminate", "Reboot", "Redeploy")
+SHUTTING_DOWN = "node is shutting down"  # the kubelet's Ready=False message
+# Reasons whose checkpoint is final (the module's docstring says why only these).
+FINAL = frozenset({"drain", "shutdown"})
+# The reason a message carries (its schema's enum): shutdown is a preemption.
+MESSAGE_REASON = {"shutdown": "preemption"}
 
 
 def node_reasons(node: dict[str, Any], extra_taints: tuple[str, ...] = ()) -> dict[str, str]:
@@ -45,9 +67,14 @@ def node_reasons(node: dict[str, Any], extra_taints: tuple[str, ...] = ()) -> di
             out.setdefault("preemption", f"taint {key}: "
                            f"{PREEMPTION_TAINTS.get(key, 'configured preemption taint')}")
     for c in (node.get("status") or {}).get("conditions") or []:
-        if c.get("type") in PREEMPTION_CONDITIONS and c.get("status") == "True":
-            out.setdefault("preemption", f"condition {c['type']}: "
-                           f"{PREEMPTION_CONDITIONS[c['type']]}")
+        kind, status, message = c.get("type"), c.get("status"), str(c.get("message") or "")
+        if kind in PREEMPTION_CONDITIONS and status == "True":
+            out.setdefault("preemption", f"condition {kind}: {PREEMPTION_CONDITIONS[kind]}")
+        elif kind == "VMEventScheduled" and status == "True" \
+                and any(e in message for e in VM_EVENTS):
+            out.setdefault("preemption", f"condition VMEventScheduled: {message[:200]}")
+        elif kind == "Ready" and status == "False" and SHUTTING_DOWN in message:
+            out["shutdown"] = "Ready=False: node is shutting down (graceful node shutdown)"
     if spec.get("unschedulable"):
         out["cordon"] = "spec.unschedulable is true"
     return out

@@ -12,6 +12,21 @@ env var) gets:
 - env ``SMR_CONTAINER=<name>`` on each opted-in container: what smr-runtime
   looks for, and the name smr-init keeps its state under.
 - the annotation ``smr.dev/injected``.
+- a preStop hook on each opted-in container that has none,
+  ``/smr/smr-init --wait-final SECONDS``: the kubelet runs it before its
+  SIGTERM, and it waits for the agent's final checkpoint (done or failed),
+  so a drain or a graceful node shutdown stops the workload only after it
+  is saved; and ``terminationGracePeriodSeconds`` raised by
+  SMR_FINAL_CHECKPOINT_SECONDS to make room for it, never above
+  SMR_MAX_GRACE_SECONDS nor the pod's ``smr.dev/max-grace-seconds``. The
+  hook waits for the added seconds only: the workload keeps the grace it
+  had for its own shutdown after SIGTERM. (The kubelet counts the hook
+  inside the grace period; a provider's hard cap, e.g. GKE Spot's 15 s,
+  cuts both short: docs/kubernetes.md.)
+- a startupProbe, ``/smr/smr-init --started``, on each opted-in container
+  that has a livenessProbe and no startupProbe: liveness probes begin only
+  once the workload runs, so a long restore is not killed by them (and
+  restarted into another restore). It allows SMR_RESTORE_SECONDS.
 
 A pod whose manifest already starts smr-init (written by hand,
 docs/node-agent.md) is left alone. Nothing here ever refuses a pod: bad
@@ -124,8 +139,57 @@ def mutate(req: dict[str, Any], s: Settings) -> tuple[list[dict[str, Any]], list
         elif not any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER" for e in env):
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
                         "value": entry})
+    ops += _final_checkpoint_hooks(spec, meta, wanted, s)
+    ops += _startup_probes(spec, wanted, s)
     runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)
     return ops + _annotate(meta, s, str(runtime)), []
+
+
+def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: set[str],
+                            s: Settings) -> list[dict[str, Any]]:
+    """The preStop hooks and the longer grace period (the module's docstring)."""
+    if not s.final_checkpoint_seconds:
+        return []
+    own = spec.get("terminationGracePeriodSeconds")
+    current = own if isinstance(own, int) and own >= 0 else 30  # the API's default
+    cap = s.max_grace_seconds
+    allowed = (meta.get("annotations") or {}).get(f"{s.label_prefix}/max-grace-seconds")
+    if isinstance(allowed, str) and allowed.isdigit():
+        cap = min(cap, int(allowed))
+    grace = max(current, min(current + s.final_checkpoint_seconds, cap))
+    wait = grace - current
+    if wait <= 0:
+        return []  # no room: the user's cap leaves the grace as it was
+    ops: list[dict[str, Any]] = []
+    if grace != own:
+        ops.append({"op": "add", "path": "/spec/terminationGracePeriodSeconds", "value": grace})
+    hook = {"exec": {"command": ["/smr/smr-init", "--wait-final", str(wait)]}}
+    for i, c in enumerate(spec.get("containers") or []):
+        if not isinstance(c, dict) or c.get("name") not in wanted:
+            continue
+        life = c.get("lifecycle")
+        if not isinstance(life, dict):
+            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "lifecycle"),
+                        "value": {"preStop": hook}})
+        elif "preStop" not in life:  # the user's own hook stays; theirs runs instead
+            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "lifecycle",
+                                                      "preStop"), "value": hook})
+    return ops
+
+
+def _startup_probes(spec: dict[str, Any], wanted: set[str], s: Settings
+                    ) -> list[dict[str, Any]]:
+    """The startupProbe that holds liveness probes back during a restore."""
+    period = 2
+    probe = {"exec": {"command": ["/smr/smr-init", "--started"]}, "periodSeconds": period,
+             "failureThreshold": max(1, -(-s.restore_seconds // period))}
+    ops: list[dict[str, Any]] = []
+    for i, c in enumerate(spec.get("containers") or []):
+        if isinstance(c, dict) and c.get("name") in wanted and c.get("livenessProbe") \
+                and not c.get("startupProbe"):
+            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "startupProbe"),
+                        "value": probe})
+    return ops
 
 
 def _annotate(meta: dict[str, Any], s: Settings, value: str) -> list[dict[str, Any]]:

@@ -185,10 +185,19 @@ class Cluster:
 
 def workload(name: str, node: str | None, *, image: str = IMAGE,
              labels: dict[str, str] | None = None, env: dict[str, str] | None = None,
-             owner: str | None = None, restart: str = "Always") -> dict[str, Any]:
+             owner: str | None = None, restart: str = "Always",
+             final_wait: int | None = None, grace: int | None = None) -> dict[str, Any]:
+    """The hand-written manifest (docs/node-agent.md); ``final_wait``: its
+    preStop hook waits that long for the final checkpoint (what the webhook
+    gives an injected pod), ``grace``: terminationGracePeriodSeconds."""
     p = pod(name, node, labels=labels, env=env, owner=owner)
     c = p["spec"]["containers"][0]
     c["image"], c["command"] = image, CMD  # the hand-written manifest: smr-init in front
+    if final_wait is not None:
+        c["lifecycle"] = {"preStop": {"exec": {
+            "command": ["/smr/smr-init", "--wait-final", str(final_wait)]}}}
+    if grace is not None:
+        p["spec"]["terminationGracePeriodSeconds"] = grace
     p["spec"]["volumes"] = [{"name": "smr", "emptyDir": {}}]
     p["spec"]["restartPolicy"] = restart
     p["status"] = {"phase": "Pending"}

@@ -118,7 +118,8 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
                   ) -> AsyncIterator[Cluster]:
     run = uuid.uuid4().hex[:6]
     nodes = [f"node-a-{run}", f"node-b-{run}"]
-    kube = await FakeApiServer(bookmark_interval=0.5).start()
+    # The kubelets end terminating pods; node and pod events come in no set order.
+    kube = await FakeApiServer(bookmark_interval=0.5, kubelets=True, watch_jitter=0.05).start()
     if os.environ.get("SMR_TEST_STORAGE") == "local":
         # The GPU machine has no S3 server to run: a directory both nodes share.
         store = CheckpointStore(LocalBackend(tmp_path / "store"), Codec(level=1))

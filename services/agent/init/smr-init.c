@@ -25,6 +25,31 @@
  * touches `hold` every HOLD_REFRESH_S (services/checkpointer/pod.py); a hold
  * not touched for HOLD_STALE_S (a crashed agent's) is ignored.
  *
+ * While `hold` is held (a dump is in progress) no signal is forwarded: it is
+ * kept here and forwarded once the hold is gone, to this workload only. A
+ * signal the workload had pending when CRIU froze it would be saved in the
+ * image and delivered again to every restored copy (a SIGTERM meant for the
+ * original would stop them all). The agent creates `hold` and smr-init
+ * forwards under one flock (`signal.lock`), so each signal is either
+ * forwarded before the hold (and recorded in `signalled`, which the agent
+ * reads under the lock) or after the dump.
+ *
+ *   smr-init --started
+ *
+ * The startupProbe the webhook gives an opted-in container with a liveness
+ * probe: it succeeds once the workload runs (started fresh or restored), so
+ * the kubelet's liveness probes, which start only then, cannot kill the
+ * container during a long restore (each kill would start another restore).
+ *
+ *   smr-init --wait-final SECONDS
+ *
+ * The preStop hook the webhook gives an opted-in container (the kubelet runs
+ * it, inside the container, before it sends SIGTERM): it waits until the
+ * agent reports the final checkpoint (file `final`: "done GENERATION" or
+ * "failed CODE"), the workload is no longer running (and no dump holds
+ * the container), or SECONDS have passed,
+ * and says which. It always exits 0: the kubelet goes on to SIGTERM anyway.
+ *
  * A static C binary, so it runs in any image (no libc, shell or Python
  * needed there). `smr-init --set-last-pid N` writes the namespace's
  * ns_last_pid: the agent uses it so that its own tools, run inside the
@@ -33,6 +58,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,8 +114,88 @@ static void mkdirs(const char *path) {
     if (mkdir(p, 0755) < 0 && errno != EEXIST) die(p);
 }
 
-static void forward(int sig) {
-    if (workload > 0) kill(workload, sig);
+static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+#define NSIGS (sizeof sigs / sizeof *sigs)
+static volatile sig_atomic_t pending[NSIGS];
+
+static void note(int sig) {
+    for (size_t i = 0; i < NSIGS; i++)
+        if (sigs[i] == sig) pending[i] = 1;
+}
+
+/* A dump holds the container: `hold` exists and was touched within
+   HOLD_STALE_S (a crashed agent's hold must not keep signals or the exit
+   back for ever). */
+static int held(void) {
+    char path[4200];
+    struct stat hs;
+    snprintf(path, sizeof path, "%s/hold", dir);
+    return stat(path, &hs) == 0 && time(NULL) - hs.st_mtime < HOLD_STALE_S;
+}
+
+/* Forward the signals that came, unless a dump holds them (see the top). */
+static int forward_pending(void) {
+    int waiting = 0;
+    for (size_t i = 0; i < NSIGS; i++) waiting |= pending[i];
+    if (!waiting || workload <= 0) return waiting;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/signal.lock", dir);
+    int lock = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (lock >= 0) flock(lock, LOCK_EX);
+    int holding = held();
+    if (!holding) {
+        for (size_t i = 0; i < NSIGS; i++) {
+            if (!pending[i]) continue;
+            pending[i] = 0;
+            if (sigs[i] == SIGTERM || sigs[i] == SIGINT || sigs[i] == SIGQUIT) {
+                char line[64];
+                snprintf(line, sizeof line, "%d\n", sigs[i]);
+                put("signalled", line);
+            }
+            kill(workload, sigs[i]);
+        }
+    }
+    if (lock >= 0) close(lock);
+    return holding;
+}
+
+static void unput(const char *name) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    unlink(path);
+}
+
+static int wait_final(const char *seconds) {
+    double limit = atof(seconds), t0;
+    char line[4096];
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    t0 = ts.tv_sec + ts.tv_nsec / 1e9;
+    /* While this file exists smr-init, done, waits a moment before it ends
+       the container (and this hook with it): the hook reads `final` first. */
+    put("waiter", "");
+    for (;;) {
+        if (get("final", line, sizeof line) == 0) {
+            printf("smr: final checkpoint %s", line);
+            fflush(stdout);
+            unput("waiter");
+            return 0;
+        }
+        /* A final dump ends the workload before its images are stored: `hold`. */
+        if (get("status", line, sizeof line) == 0 && strncmp(line, "running ", 8) != 0
+            && strncmp(line, "waiting", 7) != 0 && !held()) {
+            printf("smr: no final checkpoint; the workload is %s", line);
+            unput("waiter");
+            return 0;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        if (ts.tv_sec + ts.tv_nsec / 1e9 - t0 > limit) {
+            printf("smr: no final checkpoint reported within %.0fs\n", limit);
+            unput("waiter");
+            return 0;
+        }
+        usleep(100000);
+    }
 }
 
 static double now(void) {
@@ -119,27 +225,43 @@ int main(int argc, char **argv) {
         if (fd < 0 || write(fd, argv[2], strlen(argv[2])) < 0) die("ns_last_pid");
         return 0;
     }
-    int first = 1;
-    if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
-    if (first >= argc) {
-        fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n");
-        return 64;
-    }
     const char *base = getenv("SMR_INIT_DIR"), *name = getenv("SMR_CONTAINER");
     const char *limit = getenv("SMR_INIT_TIMEOUT");
     snprintf(dir, sizeof dir, "%s/%s", base && *base ? base : "/smr",
              name && *name ? name : "main");
+    if (argc == 3 && strcmp(argv[1], "--wait-final") == 0) return wait_final(argv[2]);
+    if (argc == 2 && strcmp(argv[1], "--started") == 0) {
+        /* The startupProbe the webhook adds: liveness probes wait for it. */
+        char st[4096] = "";
+        if (get("status", st, sizeof st) == 0 && strncmp(st, "running ", 8) == 0) return 0;
+        printf("smr: the workload is not running yet (%s)\n", *st ? st : "no status");
+        return 1;
+    }
+    int first = 1;
+    if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
+    if (first >= argc) {
+        fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n"
+                        "       smr-init --wait-final SECONDS\n"
+                        "       smr-init --started\n");
+        return 64;
+    }
     double timeout = limit && *limit ? atof(limit) : 30.0;
     mkdirs(dir);
 
-    static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+    /* No SA_RESTART: a signal wakes the loops below, which forward it. */
     struct sigaction sa = {0};
-    sa.sa_handler = forward;
-    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaction(sigs[i], &sa, NULL);
+    sa.sa_handler = note;
+    for (size_t i = 0; i < NSIGS; i++) sigaction(sigs[i], &sa, NULL);
 
     /* A decision left by an earlier start of this container is not ours. */
     char path[4200];
     snprintf(path, sizeof path, "%s/decision", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/signalled", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/final", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/waiter", dir);
     unlink(path);
     char line[4096];
     snprintf(line, sizeof line, "waiting %d\n", (int)getpid());
@@ -187,7 +309,15 @@ int main(int argc, char **argv) {
         pid_t pid = -1;
         for (int i = 0; i < early_n && i < 64; i++)
             if (early_pid[i] == workload) { pid = workload; st = early_status[i]; }
-        if (pid < 0) pid = waitpid(-1, &st, 0);
+        if (pid < 0) {
+            forward_pending();
+            pid = waitpid(-1, &st, WNOHANG);
+            if (pid == 0) {
+                /* A signal cuts this short (EINTR); a held one is retried each round. */
+                usleep(100000);
+                continue;
+            }
+        }
         if (pid < 0) {
             if (errno == EINTR) continue;
             if (errno == ECHILD && kill(workload, 0) < 0) return 0;
@@ -197,9 +327,13 @@ int main(int argc, char **argv) {
         if (pid == workload) {
             put("status", "exited\n");
             /* A checkpoint in progress holds us until it is stored. */
-            snprintf(path, sizeof path, "%s/hold", dir);
-            struct stat hs;
-            while (stat(path, &hs) == 0 && time(NULL) - hs.st_mtime < HOLD_STALE_S)
+            while (held())
+                usleep(100000);
+            /* The preStop hook (--wait-final) reads how the final checkpoint went. */
+            snprintf(path, sizeof path, "%s/final", dir);
+            char waiter[4200];
+            snprintf(waiter, sizeof waiter, "%s/waiter", dir);
+            for (int i = 0; i < 20 && access(path, F_OK) == 0 && access(waiter, F_OK) == 0; i++)
                 usleep(100000);
             return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
         }

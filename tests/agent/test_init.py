@@ -1,0 +1,117 @@
+"""smr-init's signal handling around a dump, and its preStop wait mode, run as
+plain processes (no container needed: the agent's Shim reaches the state
+directory through /proc/PID/root as it does in a container)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.agent.host import Shim
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def until(what: Callable[[], object], timeout: float = 10, why: str = "") -> object:
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, why or "timed out"
+        time.sleep(0.05)
+    return got
+
+
+def pending_term(pid: int) -> bool:
+    """SIGTERM pending in the kernel for ``pid`` (what CRIU saves in an image)."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    masks = {k: int(v, 16) for k, v in (line.split(":\t") for line in text.splitlines()
+                                         if line.startswith(("SigPnd", "ShdPnd")))}
+    return any(m & SIGTERM_BIT for m in masks.values())
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "SMR_INIT_DIR": str(tmp_path), "SMR_CONTAINER": "main"}
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+
+
+def test_a_sigterm_during_a_dump_waits_for_it_and_reaches_the_original(
+        smr_init: Path, tmp_path: Path, state: dict[str, str],
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    # The workload records each SIGTERM and goes on (its handler decides when to stop).
+    marks = tmp_path / "terms"
+    script = f'trap "echo term >> {marks}" TERM; while true; do sleep 0.05; done'
+    init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", script], env=state)
+    procs.append(init)
+    shim = Shim(init.pid, str(tmp_path), "main")
+    until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
+    shim.decide("fresh")
+    workload = until(shim.workload, why="the workload did not start")
+    assert isinstance(workload, tuple)
+
+    assert shim.hold(True) is None, "no signal was forwarded before the dump"
+    init.send_signal(signal.SIGTERM)  # the kubelet, while the dump runs
+    time.sleep(1)
+    assert not marks.exists(), "the workload got SIGTERM while a dump held it"
+    assert not pending_term(workload[0]), "a SIGTERM is pending: CRIU would save it"
+
+    shim.hold(False)  # the dump is over: now the signal goes through, once
+    until(marks.exists, why="the held SIGTERM never reached the workload")
+    time.sleep(0.5)
+    assert marks.read_text() == "term\n"
+    # A later dump learns that the workload was asked to stop.
+    assert shim.hold(True) == signal.SIGTERM
+    shim.hold(False)
+
+
+def test_prestop_wait_ends_with_the_final_checkpoint(
+        smr_init: Path, tmp_path: Path, state: dict[str, str],
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", "sleep 600"], env=state)
+    procs.append(init)
+    shim = Shim(init.pid, str(tmp_path), "main")
+    until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
+    shim.decide("fresh")
+    until(shim.workload, why="the workload did not start")
+
+    wait = subprocess.Popen([str(smr_init), "--wait-final", "60"], env=state,
+                            stdout=subprocess.PIPE, text=True)
+    procs.append(wait)  # type: ignore[arg-type]
+    shim.hold(True)  # the final dump: it ends the workload before its images are stored
+    os.kill(shim.workload()[0], signal.SIGKILL)  # type: ignore[index]
+    until(lambda: shim.status() == ["exited"], why="smr-init did not see the workload end")
+    time.sleep(0.5)
+    assert wait.poll() is None, "the hook ended while the final checkpoint was being stored"
+    shim.final("done 4")
+    out, _ = wait.communicate(timeout=10)
+    assert wait.returncode == 0 and "final checkpoint done 4" in out
+    shim.hold(False)
+    init.wait(10)
+
+
+def test_prestop_wait_ends_when_the_workload_is_gone_without_a_dump(
+        smr_init: Path, tmp_path: Path, state: dict[str, str],
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", "sleep 0.5"], env=state)
+    procs.append(init)
+    shim = Shim(init.pid, str(tmp_path), "main")
+    until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
+    shim.decide("fresh")
+    init.wait(10)
+    out = subprocess.run([str(smr_init), "--wait-final", "60"], env=state, timeout=10,
+                         capture_output=True, text=True).stdout
+    assert "no final checkpoint; the workload is exited" in out

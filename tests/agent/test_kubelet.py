@@ -1,0 +1,240 @@
+"""What a real kubelet does to an opted-in pod (tests/fake_kubelet.py copies it):
+preStop hooks, SIGTERM, SIGKILL after the grace period, graceful node
+shutdown, liveness probes; and PodDisruptionBudgets in the eviction API.
+Each workload here exits at once on SIGTERM (the counter's shell has no trap)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from smr.messages import CkptRequested, Target
+from tests.agent.cluster import Cluster, assert_continues, steps, workload
+from tests.agent.test_injection import create, plain_pod
+
+NODE_RESTORE = {"smr.dev/node-restore": "true"}
+
+
+async def evict(cluster: Cluster, name: str) -> None:
+    await cluster.core.create_namespaced_pod_eviction(
+        name, "default", {"metadata": {"name": name, "namespace": "default"}})
+
+
+async def test_drain_resumes_every_pod_from_its_final_checkpoint(cluster: Cluster) -> None:
+    """kubectl drain: the cordon, then an eviction of each pod at once. The
+    kubelet runs each pod's preStop hook, which waits for the final
+    checkpoint; only then SIGTERM. No step is lost."""
+    a, b = list(cluster.kubelets)
+    names = ["drained-1", "drained-2", "drained-3"]
+    for n in names[:2]:  # hand-written manifests, their hook written in
+        cluster.kube.put("pods", workload(n, a, labels=NODE_RESTORE, final_wait=25, grace=30))
+    # Labels only: the webhook adds smr-init, the hook and the longer grace.
+    stored = await create(cluster, plain_pod(names[2], a, labels=NODE_RESTORE,
+                                             command=["/bin/counter"]))
+    assert stored["spec"]["terminationGracePeriodSeconds"] == 90
+    assert "--wait-final" in stored["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"][
+        "command"]
+    for n in names:
+        await cluster.until_steps(n, a, 5)
+
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await asyncio.gather(*(evict(cluster, n) for n in names))
+    for n in names:
+        await cluster.recreated(n, timeout=90)
+
+    kubelet = cluster.kubelets[a]
+    for n in names:  # a timing to read, not to assert
+        print(f"\ndrain: {n}: preStop hook (eviction to final checkpoint stored) "
+              f"{seconds_between(cluster, a, n, 'prestop', 'prestop-done'):.2f}s")
+    for n in names:
+        hook = [x[3] for x in kubelet.actions if x[1] == n and x[3].startswith("prestop-done")]
+        assert hook and "final checkpoint done" in hook[0], f"{n}: the hook said {hook}"
+        assert not kubelet.did(n, "KILL"), f"{n} outlived its grace period"
+        manifest = (await cluster.store.latest("default", f"{n}.main")).manifest  # type: ignore[union-attr]
+        assert manifest["reason"] == "drain" and manifest["leave_running"] is False
+        before = steps(cluster.log(n, a))
+        cluster.schedule(n, b)
+        after = await cluster.until_steps(n, b, 5)
+        assert_continues(before, after, before[-1][0])
+        assert after[0][0] == before[-1][0] + 1, f"{n}: steps lost after a final checkpoint"
+
+
+def hook_said(cluster: Cluster, node: str, name: str) -> str:
+    done = [x[3] for x in cluster.kubelets[node].actions
+            if x[1] == name and x[3].startswith("prestop-done")]
+    assert done, f"the preStop hook of {name} did not end"
+    return done[0]
+
+
+def seconds_between(cluster: Cluster, node: str, name: str, first: str, then: str) -> float:
+    acts = cluster.kubelets[node].actions
+    t0 = next(x[0] for x in acts if x[1] == name and x[3].startswith(first))
+    t1 = next(x[0] for x in acts if x[1] == name and x[3].startswith(then))
+    return t1 - t0
+
+
+async def test_graceful_node_shutdown_takes_the_final_checkpoint(cluster: Cluster) -> None:
+    """GKE Spot: the kubelet stops the pods itself within 15 s, with no
+    deletion; the bare pod ends Failed and the watcher recreates it."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("spot", a, labels=NODE_RESTORE, final_wait=13, grace=43))
+    await cluster.until_steps("spot", a, 5)
+
+    await cluster.kubelets[a].shutdown(grace=15)
+    print(f"\ngraceful shutdown: preStop hook ended after "
+          f"{seconds_between(cluster, a, 'spot', 'prestop', 'prestop-done'):.2f}s")
+    assert "final checkpoint done" in hook_said(cluster, a, "spot")
+    assert not cluster.kubelets[a].did("spot", "KILL")
+    await cluster.recreated("spot", timeout=60)
+    manifest = (await cluster.store.latest("default", "spot.main")).manifest  # type: ignore[union-attr]
+    assert manifest["reason"] == "preemption" and manifest["leave_running"] is False
+    before = steps(cluster.log("spot", a))
+    cluster.schedule("spot", b)
+    after = await cluster.until_steps("spot", b, 5)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
+
+
+async def test_a_budget_that_blocks_the_eviction_leaves_the_workload_running(
+        cluster: Cluster) -> None:
+    """Karpenter taints the node and evicts; the PodDisruptionBudget refuses
+    (429). smr checkpoints but stops nothing: the workload runs on."""
+    a, _ = list(cluster.kubelets)
+    labels = {**NODE_RESTORE, "app": "guarded"}
+    cluster.kube.put("pods", workload("guarded", a, labels=labels, final_wait=25, grace=30))
+    cluster.kube.put("poddisruptionbudgets", {
+        "metadata": {"name": "guarded", "namespace": "default"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}}})
+    await cluster.until_steps("guarded", a, 5)
+
+    await cluster.core.patch_node(a, {"spec": {"taints": [
+        {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]}})
+    try:
+        await evict(cluster, "guarded")
+        raise AssertionError("the eviction was allowed despite the budget")
+    except ApiException as e:
+        assert e.status == 429
+    manifest = await cluster.latest("guarded.main")
+    assert manifest["reason"] == "preemption" and manifest["leave_running"] is True
+    ran = len(steps(cluster.log("guarded", a)))
+    await cluster.until_steps("guarded", a, ran + 10)
+    p = cluster.kube.get("pods", "guarded", "default")
+    assert p is not None and not p["metadata"].get("deletionTimestamp")
+    assert p["status"]["phase"] == "Running"
+    assert not cluster.kubelets[a].did("guarded", "TERM"), "the kubelet stopped it"
+    assert "exited" not in [x[3] for x in cluster.kubelets[a].actions if x[1] == "guarded"]
+
+
+async def test_a_stale_request_for_a_recreated_pod_is_refused(cluster: Cluster) -> None:
+    """A request queued for a pod acts on no later pod of the same name, nor
+    after its deadline."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("reused", a, labels=NODE_RESTORE))
+    await cluster.until_steps("reused", a, 3)
+    old = cluster.kube.get("pods", "reused", "default")
+    assert old is not None
+    cluster.kube.remove("pods", "reused", "default")  # gone; a new pod takes the name
+    cluster.kube.put("pods", workload("reused", a, labels=NODE_RESTORE))
+    new = cluster.kube.get("pods", "reused", "default")
+    assert new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+    await cluster.until_steps("reused", a, 3)
+
+    def request(uid: str, deadline: str | None = None) -> CkptRequested:
+        return CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id="reused.main", node=a,
+            leave_running=True, deadline=deadline,
+            target=Target(kind="pod", namespace="default", pod="reused", container="main",
+                          pod_uid=uid))
+
+    done = await cluster.bus.request(request(old["metadata"]["uid"]), timeout=60)
+    assert done.status == "failed" and done.error["code"] == "stale-request", done.error
+    late = await cluster.bus.request(request(new["metadata"]["uid"],
+                                             "2026-01-01T00:00:00Z"), timeout=60)
+    assert late.status == "failed" and late.error["code"] == "request-expired", late.error
+    assert await cluster.store.latest("default", "reused.main") is None, "nothing was saved"
+    ok = await cluster.bus.request(request(new["metadata"]["uid"]), timeout=60)
+    assert ok.status == "succeeded", ok.error  # the current pod's request is carried out
+
+
+async def test_sigterm_during_a_cordon_dump_stops_only_the_original(cluster: Cluster) -> None:
+    """The kubelet's SIGTERM lands while the cordon checkpoint is being
+    taken: the original stops as asked, and a restore of that checkpoint
+    keeps running (the signal was not saved in the image)."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "sigterm-1"}
+    kubelet = cluster.kubelets[a]
+    cluster.kube.put("pods", workload("first", a, env=env, owner="j", restart="Never"))
+    await cluster.until_steps("first", a, 5)
+    st = kubelet.state("default", "first")
+    assert st is not None
+    hold = st.volume / "main" / "hold"
+
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    for _ in range(6000):  # the dump begins: the agent holds smr-init
+        if hold.exists():
+            break
+        await asyncio.sleep(0.005)
+    await kubelet.ctd.ctr(a, "tasks", "kill", "-s", "TERM", st.containers["main"].id)
+    assert hold.exists(), "the SIGTERM did not land during the dump (it was too quick)"
+    manifest = await cluster.latest("sigterm-1")
+    assert manifest["reason"] == "cordon" and manifest["leave_running"] is True
+    for _ in range(100):  # the original stops as asked, once the dump is over
+        if kubelet.did("first", "exited"):
+            break
+        await asyncio.sleep(0.1)
+    assert kubelet.did("first", "exited"), "the original did not stop on SIGTERM"
+    before = steps(cluster.log("first", a))
+
+    cluster.kube.put("pods", workload("second", b, env=env, owner="j", restart="Never"))
+    after = await cluster.until_steps("second", b, 5)
+    assert_continues(before, after, before[-1][0])
+    ran = len(steps(cluster.log("second", b)))
+    await cluster.until_steps("second", b, ran + 20)  # two more seconds, still running
+    assert not cluster.kubelets[b].did("second", "exited"), "the restored copy stopped"
+
+
+async def test_a_liveness_probe_does_not_kill_a_restore(cluster: Cluster) -> None:
+    """A liveness probe that allows no startup time at all: the restore
+    (download and CRIU) outlasts it. The startupProbe the webhook adds holds
+    it back until the workload runs: no kill, no restore loop."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "live-1"}
+    # The counter with some 100 MiB in its shell's memory: a restore that takes a while.
+    command = ["/bin/sh", "-c", "x=$(busybox seq 1 6000000); . /bin/counter"]
+    await create(cluster, plain_pod("live-a", a, env=env, owner="live", command=command))
+    await cluster.until_steps("live-a", a, 5, timeout=60)
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await cluster.latest("live-1")
+    before = steps(cluster.log("live-a", a))
+
+    second = plain_pod("live-b", b, env=env, owner="live", command=command)
+    second["spec"]["containers"][0]["livenessProbe"] = {
+        # Is the workload there? A process running the counter, other than PID 1
+        # (smr-init's arguments name it too; the bracket keeps the probe from
+        # finding itself).
+        "exec": {"command": ["/bin/sh", "-c",
+                             "for f in /proc/[0-9]*/cmdline; do "
+                             "[ $f = /proc/1/cmdline ] && continue; "
+                             "busybox grep -qs 'bin/count[e]r' $f && exit 0; done; exit 1"]},
+        "initialDelaySeconds": 0, "periodSeconds": 1, "failureThreshold": 1}
+    stored = await create(cluster, second)
+    assert stored["spec"]["containers"][0]["startupProbe"]["exec"]["command"] == [
+        "/smr/smr-init", "--started"], cluster.kube.admission_log
+    after = await cluster.until_steps("live-b", b, 5, timeout=120)
+    assert_continues(before, after, before[-1][0])
+    kubelet = cluster.kubelets[b]
+    restored = await cluster.event("Restored", "live-b")
+    print(f"\nliveness: {restored['message']}")  # the restore's time, to read
+    for _ in range(50):  # the liveness probe runs once the workload does
+        if kubelet.did("live-b", "liveness-ok") or kubelet.did("live-b", "liveness-failed"):
+            break
+        await asyncio.sleep(0.1)
+    assert not kubelet.did("live-b", "liveness-failed"), "its liveness probe killed the restore"
+    assert kubelet.did("live-b", "liveness-ok"), "the liveness probe never ran"
+    await cluster.until_steps("live-b", b, len(steps(cluster.log("live-b", b))) + 10)
+    assert not kubelet.did("live-b", "liveness-failed")
+    assert not kubelet.did("live-b", "startup-failed")
+    st = kubelet.state("default", "live-b")
+    assert st is not None and st.containers["main"].restarts == 0, "restarted: a restore loop"
