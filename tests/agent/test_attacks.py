@@ -35,6 +35,9 @@ case "$ATTACK" in
 hold-link) (sleep 1; ln -sf "$CANARY" $S/hold; ln -sf "$CANARY" $S/decision.tmp) & ;;
 status-link) (sleep 1; ln -sf "$CANARY" $S/status.x; mv $S/status.x $S/status) & ;;
 status-fifo) (sleep 1; mkfifo $S/status.x; mv $S/status.x $S/status) & ;;
+lock-link) (sleep 1; ln -sf "$CANARY" $S/signal.lock) & ;;
+final-link) (sleep 1; ln -sf "$CANARY" $S/final; ln -sf "$CANARY" $S/final.tmp
+             ln -sf "$CANARY" $S/.final.smr-tmp) & ;;
 images) (while true; do
            for f in $S/work/*/images/*.img $S/work/*/images/*/*.img; do
              test -f "$f" && echo garbage > "$f"
@@ -166,6 +169,39 @@ async def test_symlinks_in_smr_are_refused_and_reported(hostile: Cluster,
     # The refusals left the workloads running.
     n = len(steps(hostile.log("holder", a)))
     await hostile.until_steps("holder", a, n + 3)
+
+
+async def test_signal_lock_and_final_links_are_not_followed(hostile: Cluster,
+                                                            tmp_path: Path) -> None:
+    """Attack 2, #34's files: `signal.lock` (which the agent opens and flocks
+    to take its hold) and `final`, `final.tmp` (where it tells the preStop hook
+    how a final checkpoint went) pointed at a host file."""
+    a, _ = list(hostile.kubelets)
+    canary = tmp_path / "host-canary"
+    canary.write_text("host-secret-7f3a\n")
+    mtime = canary.stat().st_mtime_ns
+    hostile.kube.put("pods", attacker("locker", a, "lock-link", CANARY=str(canary)))
+    hostile.kube.put("pods", attacker("finisher", a, "final-link", CANARY=str(canary)))
+    await hostile.until_steps("locker", a, 15)
+    await hostile.until_steps("finisher", a, 15)
+
+    done = await checkpoint(hostile, "locker", a, "locker-1")
+    assert done.status == "failed", "a checkpoint took its hold through a planted link"
+    assert done.error["code"] == "unsafe-path-in-container", done.error
+    assert "signal.lock" in done.error["message"], done.error
+    event = await hostile.event("CheckpointFailed", "locker")
+    assert "symlink" in event["message"], event["message"]
+    n = len(steps(hostile.log("locker", a)))
+    await hostile.until_steps("locker", a, n + 3)  # the refusal left it running
+
+    final = await hostile.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="finisher-1", node=a, leave_running=False,
+        target=Target(kind="pod", namespace="default", pod="finisher", container="main")),
+        timeout=60)
+    assert isinstance(final, CkptDone)
+    assert final.status == "succeeded", final.error  # the outcome is written beside the link
+    assert canary.read_text() == "host-secret-7f3a\n", "the agent wrote through a link"
+    assert canary.stat().st_mtime_ns == mtime, "the agent touched the host file"
 
 
 async def test_fifo_status_stalls_nothing(hostile: Cluster) -> None:
