@@ -115,3 +115,34 @@ def test_prestop_wait_ends_when_the_workload_is_gone_without_a_dump(
     out = subprocess.run([str(smr_init), "--wait-final", "60"], env=state, timeout=10,
                          capture_output=True, text=True).stdout
     assert "no final checkpoint; the workload is exited" in out
+
+
+def test_a_stale_hold_keeps_no_signal_back_and_a_refreshed_one_does(
+        smr_init: Path, tmp_path: Path, state: dict[str, str],
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    """An agent that crashed mid-dump leaves `hold`: after HOLD_STALE_S (60 s)
+    smr-init ignores it for signals too, so the kubelet's SIGTERM still
+    reaches the workload. A live agent refreshes it in place, never removing
+    it (a moment without `hold` would let the held signal through mid-dump)."""
+    marks = tmp_path / "terms"
+    script = f'trap "echo term >> {marks}" TERM; while true; do sleep 0.05; done'
+    init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", script], env=state)
+    procs.append(init)
+    shim = Shim(init.pid, str(tmp_path), "main")
+    until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
+    shim.decide("fresh")
+    until(shim.workload, why="the workload did not start")
+
+    assert shim.hold(True) is None
+    hold = tmp_path / "main" / "hold"
+    old = time.time() - 120
+    os.utime(hold, (old, old))
+    inode = hold.stat().st_ino
+    shim.refresh_hold()  # the live agent's touch: the same file, fresh again
+    assert hold.stat().st_ino == inode and hold.stat().st_mtime > old + 100
+    init.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    assert not marks.exists(), "a refreshed hold let the SIGTERM through"
+
+    os.utime(hold, (old, old))  # the agent crashed: nobody touches it any more
+    until(marks.exists, why="a stale hold kept the kubelet's SIGTERM back")
