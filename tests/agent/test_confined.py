@@ -97,3 +97,25 @@ def test_fifos_devices_and_large_files_are_not_read(root: tuple[Root, Path, Path
     os.mknod(top / "smr/main/zero", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero
     with pytest.raises(UnsafePath, match="not a regular file"):
         r.read("/smr/main/zero")
+
+
+def test_touch_refreshes_a_file_in_place_and_never_a_link_or_fifo(
+        root: tuple[Root, Path, Path]) -> None:
+    """The hold's refresh (smr-init ignores a hold untouched for 60 s)."""
+    r, top, host = root
+    hold = top / "smr/main/hold"
+    hold.write_text("")
+    os.utime(hold, (1, 1))
+    inode = hold.stat().st_ino
+    r.touch("/smr/main/hold")
+    assert hold.stat().st_ino == inode and hold.stat().st_mtime > 1
+    hold.unlink()
+    os.utime(host, (1, 1))
+    hold.symlink_to(host)
+    with pytest.raises(UnsafePath, match="symlink"):
+        r.touch("/smr/main/hold")
+    assert host.stat().st_mtime == 1, "the host file's times were changed"
+    hold.unlink()
+    os.mkfifo(hold)
+    with pytest.raises(UnsafePath, match="FIFO"):
+        r.touch("/smr/main/hold")
