@@ -267,7 +267,7 @@ class Shim:
 def _locked(root: Root, path: str, whose: str) -> Iterator[None]:
     """``path`` flocked exclusively, waiting 0.5 s at most (only smr-init and
     the agent take it; a workload holding it fails the step, retried)."""
-    fd = root.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+    fd = root.open(path, os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -4,9 +4,12 @@ directory through /proc/PID/root as it does in a container)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -146,3 +149,39 @@ def test_a_stale_hold_keeps_no_signal_back_and_a_refreshed_one_does(
 
     os.utime(hold, (old, old))  # the agent crashed: nobody touches it any more
     until(marks.exists, why="a stale hold kept the kubelet's SIGTERM back")
+
+
+def test_a_workload_of_another_user_still_forwards_under_the_agents_lock(
+        smr_init: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A container that runs as a non-root user: the agent (root) created
+    `signal.lock`, so smr-init can only open it for reading. It must still
+    take the lock: a SIGTERM forwarded while the agent holds it (between
+    reading `signalled` and creating `hold`) is one CRIU would save."""
+    top = Path(tempfile.mkdtemp(prefix="smr-init-user-"))
+    try:
+        top.chmod(0o777)  # reachable and writable by the container's user
+        marks = top / "terms"
+        script = f'trap "echo term >> {marks}" TERM; while true; do sleep 0.05; done'
+        init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", script], user=65534,
+                                env={**os.environ, "SMR_INIT_DIR": str(top),
+                                     "SMR_CONTAINER": "main"})
+        procs.append(init)
+        shim = Shim(init.pid, str(top), "main")
+        until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
+        shim.decide("fresh")
+        until(shim.workload, why="the workload did not start")
+        shim.hold(True)  # a leave-running dump: the agent creates the lock, root's
+        shim.hold(False)
+        assert (top / "main/signal.lock").stat().st_uid == 0
+
+        lock = os.open(top / "main/signal.lock", os.O_RDONLY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the next hold is being taken
+            init.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            assert not marks.exists(), "smr-init forwarded a SIGTERM past the agent's lock"
+        finally:
+            os.close(lock)
+        until(marks.exists, why="the SIGTERM never reached the workload")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

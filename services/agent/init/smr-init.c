@@ -140,7 +140,9 @@ static int forward_pending(void) {
     if (!waiting || workload <= 0) return waiting;
     char path[4200];
     snprintf(path, sizeof path, "%s/signal.lock", dir);
-    int lock = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    /* Read-only: flock needs no more, and the agent (root) may have created
+       it, 0644, for a workload of another user. */
+    int lock = open(path, O_RDONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (lock >= 0) flock(lock, LOCK_EX);
     int holding = held();
     if (!holding) {
