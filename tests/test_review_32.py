@@ -1,0 +1,234 @@
+"""An adversarial review of #32 ("Nothing lost, for real"): sequences of
+events that the fixes for #32 do not cover, each tried against the real
+parts (a real nats-server, real CRIU, the real embedded node). Faults are
+injected where the real system meets them: at the NATS client's call, as a
+reply that never came back though the server carried the write out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import orjson
+import pytest
+
+from smr.bus import KV_STEPS, Bus, Progress, Worker
+from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
+from smr.natsserver import NatsServer
+from tests.test_local_smr import Harness, running
+
+
+class LostAnswer:
+    """``kv.update`` for ``key`` is carried out by the server, and its reply
+    is lost ``times`` times: nats-py raises TimeoutError, as it does when
+    NATS restarts right after it stored the write, or answers too late."""
+
+    def __init__(self, kv: Any, key: str, times: int = 1) -> None:
+        self.kv, self.key, self.left = kv, key, times
+        self.real = kv.update
+        self.fired = 0
+        kv.update = self.update
+
+    async def update(self, key: str, value: bytes, last: int | None = None,
+                     **kw: Any) -> int:
+        rev = await self.real(key, value, last=last, **kw)
+        if key == self.key and self.left > 0:
+            self.left -= 1
+            self.fired += 1
+            raise nats.errors.TimeoutError
+        return int(rev)
+
+    def restore(self) -> None:
+        self.kv.update = self.real
+
+
+class Overlapping:
+    """A step that takes ``seconds`` and records every entry (run or
+    recover) of a request while an earlier entry of it still runs."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = asyncio.Event()
+        self.running: dict[str, int] = {}
+        self.overlaps: list[str] = []
+        self.entries: list[str] = []
+
+    def _enter(self, rid: str, what: str) -> None:
+        self.entries.append(what)
+        if self.running.get(rid):
+            self.overlaps.append(f"{what} of {rid} while its first run still ran")
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self._enter(req.request_id, "run")
+        self.running[req.request_id] = self.running.get(req.request_id, 0) + 1
+        self.started.set()
+        try:
+            await asyncio.sleep(self.seconds)
+        finally:
+            self.running[req.request_id] -= 1
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        self._enter(req.request_id, "recover")
+        return None
+
+
+# -- a keepalive whose own write's answer was lost ------------------------------------
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_a_lost_keepalive_answer_neither_stops_the_heartbeat_nor_reruns_the_step(
+        bus: Bus, node: str, concurrency: int) -> None:
+    """One keepalive write goes through but its answer is lost (NATS
+    restarting right after it stored it). The worker must go on beating for
+    its step: otherwise its heartbeat goes stale while the step runs, the
+    job's lock can be taken over by another request, and the request is
+    redelivered (no more in_progress) and run a second time beside the
+    first by a worker that serves several at once (the restorer)."""
+    k = bus.config.keepalive
+    step = Overlapping(seconds=bus.config.ack_wait + bus.config.stale_after + 6 * k)
+    w = Worker(bus, step, node, service="test", concurrency=concurrency)
+    rid = f"lost-{uuid.uuid4().hex[:6]}"
+    lost = LostAnswer(bus.kv(KV_STEPS), rid)
+    task = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(CkptRequested(request_id=rid, checkpoint_id="ck",
+                                        target=Target.job("j"), node=node))
+        await asyncio.wait_for(step.started.wait(), 10)
+        stale = []
+        deadline = time.monotonic() + step.seconds - k
+        while time.monotonic() < deadline:
+            await asyncio.sleep(k / 2)
+            state, _ = await bus.step_state(rid)
+            if state and state["state"] == "running":
+                age = time.time() - float(state["heartbeat"])
+                if age >= bus.config.stale_after:
+                    stale.append(round(age, 1))
+        result = await bus.wait_result(rid, "ckpt.requested", timeout=30)
+    finally:
+        lost.restore()
+        w.stop()
+        await asyncio.wait_for(task, 30)
+    assert lost.fired == 1, "the fault never fired"
+    assert result.status == "succeeded"
+    assert not step.overlaps, step.overlaps
+    assert not stale, f"the running step's heartbeat went stale (ages {stale[:5]} s)"
+
+
+# -- the same restore run twice at once -------------------------------------------------
+
+pytestmark_criu = pytest.mark.criu
+
+
+@pytest.fixture
+async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+            ) -> AsyncIterator[Harness]:
+    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+        try:
+            yield harness
+        finally:
+            for pid in copies(tmp_path):  # copies the harness never heard of
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def copies(cwd: Path) -> list[int]:
+    """The counter workloads running in ``cwd`` (one per running copy of a job)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            args = (p / "cmdline").read_bytes().split(b"\0")
+            here = os.readlink(p / "cwd") == str(cwd)
+        except OSError:
+            continue
+        if here and b"smr.workloads.counter" in args and (p / "stat").read_text().split(
+                ")")[1].split()[0] not in ("Z", "X"):
+            found.append(int(p.name))
+    return found
+
+
+async def hold_lock(h: Harness, job_id: str, holder: str, stop: asyncio.Event) -> None:
+    """A long step of another request on ``job_id``, alive: it holds the
+    job's lock and keeps its state's heartbeat fresh until ``stop``."""
+    from smr.bus import KV_LOCKS
+    await h.bus.kv(KV_LOCKS).put(job_id, orjson.dumps({"request_id": holder, "at": time.time()}))
+    while not stop.is_set():
+        await h.bus.kv(KV_STEPS).put(holder, orjson.dumps(
+            {"state": "running", "owner": "elsewhere", "heartbeat": time.time(),
+             "subject": "ckpt.requested.x", "checkpoint_id": job_id}))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    await h.bus.kv(KV_STEPS).put(holder, orjson.dumps({"state": "done", "result": {}}))
+    await h.bus.kv(KV_LOCKS).delete(job_id)
+
+
+@pytestmark_criu
+async def test_a_restore_whose_keepalive_answer_was_lost_runs_the_job_once(
+        h: Harness) -> None:
+    """A restore waits for its job's lock (a long step holds it); one of its
+    keepalive writes loses its answer. Its heartbeat must stay fresh: else
+    the request is redelivered to the restorer (which serves several at
+    once), recovered as dead, and run again beside the first attempt; once
+    the lock is free both restore the job: two copies of it run."""
+    job = await h.start(128)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    frozen = int(h.lines(job)[-1]["step"])
+    assert copies(h.tmp) == []
+    stop = asyncio.Event()
+    holder = asyncio.create_task(hold_lock(h, job.id, "long-step", stop))
+    rid = uuid.uuid4().hex
+    lost = LostAnswer(h.bus.kv(KV_STEPS), rid)
+    step = h.node.workers[1].step
+    real_run = step.run
+    attempts: list[str] = []  # how each run of the step ended
+
+    async def run(req: Any, progress: Any) -> Any:
+        try:
+            r = await real_run(req, progress)
+        except BaseException as e:
+            attempts.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            raise
+        attempts.append(f"{r.status} (pid {r.pid})")
+        return r
+
+    step.run = run  # type: ignore[method-assign]
+    try:
+        await h.bus.publish(RestoreRequested(request_id=rid, checkpoint_id=job.id,
+                                             target=Target.job(job.id), node=h.settings.node))
+        cfg = h.bus.config
+        # Past a redelivery (ack wait) and a stale heartbeat, and a little more.
+        await asyncio.sleep(cfg.ack_wait + cfg.stale_after + 3 * cfg.keepalive)
+    finally:
+        stop.set()
+        await holder
+        lost.restore()
+    first = await h.bus.wait_result(rid, "restore.requested", timeout=120)
+    assert lost.fired == 1, "the fault never fired"
+    await h.wait_step(job, frozen + 3)
+    await asyncio.sleep(3)  # a second attempt, if any, ends meanwhile
+    now = copies(h.tmp)
+    twice = [ln for ln in h.lines(job) if int(ln["step"]) == frozen + 2]
+    state, _ = await h.bus.step_state(rid)
+    assert state is not None
+    recorded = state["result"]
+    assert len(attempts) == 1 and len(now) == 1 and len(twice) == 1 and \
+        state["state"] == "done" and recorded["pid"] == now[0], (
+        f"one restore request ran {len(attempts)} times at once ({attempts}); "
+        f"{len(now)} copies of the job run (pids {now}), step {frozen + 2} printed "
+        f"{len(twice)} times; answered first {first.status} (pid {first.pid}), the "
+        f"request's recorded answer is now {state['state']} "
+        f"{recorded.get('pid') or recorded.get('error', {}).get('code')}")
