@@ -128,8 +128,6 @@ async def test_a_lost_keepalive_answer_neither_stops_the_heartbeat_nor_reruns_th
 
 # -- the same restore run twice at once -------------------------------------------------
 
-pytestmark_criu = pytest.mark.criu
-
 
 @pytest.fixture
 async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
@@ -175,7 +173,7 @@ async def hold_lock(h: Harness, job_id: str, holder: str, stop: asyncio.Event) -
     await h.bus.kv(KV_LOCKS).delete(job_id)
 
 
-@pytestmark_criu
+@pytest.mark.criu
 async def test_a_restore_whose_keepalive_answer_was_lost_runs_the_job_once(
         h: Harness) -> None:
     """A restore waits for its job's lock (a long step holds it); one of its
