@@ -230,3 +230,69 @@ async def test_a_restore_whose_keepalive_answer_was_lost_runs_the_job_once(
         f"{len(twice)} times; answered first {first.status} (pid {first.pid}), the "
         f"request's recorded answer is now {state['state']} "
         f"{recorded.get('pid') or recorded.get('error', {}).get('code')}")
+
+
+# -- a checkpoint's recovery and a restore that came in between --------------------------
+
+class AnswerLost:
+    """The step-state write of a step's answer (``done`` or ``failed``) for
+    ``key`` fails once, as NATS restarting at that moment makes it fail; it
+    fails only once ``go`` is set (the test's other events first)."""
+
+    def __init__(self, kv: Any, key: str, go: asyncio.Event) -> None:
+        self.kv, self.key, self.go = kv, key, go
+        self.real = kv.put
+        self.fired = 0
+        kv.put = self.put
+
+    async def put(self, key: str, value: bytes, **kw: Any) -> int:
+        if key == self.key and not self.fired and \
+                orjson.loads(value).get("state") in ("done", "failed"):
+            self.fired += 1
+            await self.go.wait()
+            raise nats.errors.TimeoutError
+        return int(await self.real(key, value, **kw))
+
+    def restore(self) -> None:
+        self.kv.put = self.real
+
+
+@pytest.mark.criu
+async def test_the_recovery_of_a_checkpoint_never_kills_the_restore_made_after_it(
+        h: Harness) -> None:
+    """A final checkpoint is committed and its job ended, but the answer
+    cannot be recorded (NATS away at that moment): the request is
+    redelivered, and recovered once its heartbeat is stale. Meanwhile the
+    job (checkpointed, says `smr ps`) is restored from that checkpoint. The
+    recovery must not end the restored job: it is not the process that was
+    dumped."""
+    job = await h.start(32)
+    rid = uuid.uuid4().hex
+    restored = asyncio.Event()
+    lost = AnswerLost(h.bus.kv(KV_STEPS), rid, restored)
+    try:
+        ask = asyncio.create_task(h.bus.request(CkptRequested(
+            request_id=rid, checkpoint_id=job.id, target=Target.job(job.id),
+            node=h.settings.node), timeout=120))
+        deadline = time.monotonic() + 60
+        while not lost.fired:  # the checkpoint is done; its answer hangs
+            assert time.monotonic() < deadline, "the checkpoint never answered"
+            await asyncio.sleep(0.1)
+        record, _ = await h.jobs.get(job.id)
+        assert record.state == "checkpointed" and not record.alive()
+        frozen = int(h.lines(job)[-1]["step"])
+        again = await h.restore(job.id)
+        assert again.status == "succeeded", again.error
+        restored.set()
+        done = await ask
+    finally:
+        restored.set()
+        lost.restore()
+    assert done.status == "succeeded", done.error  # type: ignore[union-attr]
+    await asyncio.sleep(1)
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid == again.pid and record.alive() and record.state == "running", (
+        f"the job restored after the checkpoint (pid {again.pid}) was ended by the "
+        f"checkpoint's recovery: the registry says {record.state}, pid {record.pid}, "
+        f"alive {record.alive()}")
+    await h.wait_step(job, frozen + 2)
