@@ -154,6 +154,17 @@ class CheckpointStep(LocalJobStep):
         """The checkpoint is durable: end the job (final) or make sure its GPU
         runs (heartbeat), drop the work, record the generation. Idempotent
         (recovery repeats it)."""
+        dumped = gen.manifest.get("job") or {}
+        if "pid" in dumped and (dumped["pid"], dumped.get("start_ticks")) != (
+                job.pid, job.start_ticks):
+            # The registry names another process than the one dumped: one
+            # restored since (recovery comes late). It is not ours to end.
+            log.warning("job %s now runs as pid %d (restored by %s), not the process "
+                        "checkpoint %s dumped; left as it is", job.id, job.pid,
+                        job.restored_by, req.request_id)
+            shutil.rmtree(self._work(req), ignore_errors=True)
+            self._facts_file(req).unlink(missing_ok=True)
+            return
         if req.leave_running:
             if self.cuda and job.alive():
                 await self.cuda.resume_all(await self._cuda_pids(job), quiet=True)
@@ -193,7 +204,7 @@ class CheckpointStep(LocalJobStep):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
-            "sockets": held}))
+            "sockets": held, "process": {"pid": job.pid, "start_ticks": job.start_ticks}}))
         return gpu, tcp
 
     async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
@@ -239,7 +250,9 @@ class CheckpointStep(LocalJobStep):
             "versions": {"criu": await self.criu.version(), "smr": __version__,
                          **(gpuinfo.versions() if gpu else {})},
             "gpu": gpu,
-            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log, "tcp": job.tcp},
+            # The process dumped: recovery ends that one, never a later restore.
+            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log, "tcp": job.tcp,
+                    **facts.get("process", {"pid": job.pid, "start_ticks": job.start_ticks})},
         }
         if facts.get("sockets"):
             meta["sockets"] = facts["sockets"]
