@@ -296,3 +296,59 @@ async def test_the_recovery_of_a_checkpoint_never_kills_the_restore_made_after_i
         f"checkpoint's recovery: the registry says {record.state}, pid {record.pid}, "
         f"alive {record.alive()}")
     await h.wait_step(job, frozen + 2)
+
+
+# -- a second checkpoint of a job held stopped for an unfinished one --------------------
+
+@pytest.mark.criu
+async def test_a_checkpoint_never_dumps_a_job_held_stopped_for_another_checkpoint(
+        h: Harness) -> None:
+    """`smr up` is stopped while a final checkpoint uploads after its dump:
+    the job is left stopped and its dump on disk, for recovery. After the
+    restart, another checkpoint of the job comes first (the user asked
+    again). It must not dump the stopped job: that image restores a job
+    that never runs again, and it becomes `latest` (its number is past the
+    one the first checkpoint claimed)."""
+    from services.storage.layout import LOCAL_NAMESPACE
+    from tests.test_local_smr import assert_continues
+    from tests.test_nothing_lost import ckpt_step, proc_state
+
+    step = ckpt_step(h)
+    job = await h.start(32)
+    first = CkptRequested(request_id=f"first-{job.id}", checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+    uploading = asyncio.Event()
+    real = step.store.backend.put_bytes
+
+    async def hang(key: str, data: bytes, **kw: Any) -> str:
+        if key.endswith("manifest.json"):
+            uploading.set()
+            await asyncio.sleep(3600)
+        return await real(key, data, **kw)
+
+    step.store.backend.put_bytes = hang  # type: ignore[method-assign]
+    task = asyncio.create_task(step.run(first, Progress()))
+    try:
+        await asyncio.wait_for(uploading.wait(), 60)
+        task.cancel()  # smr up stopping
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        step.store.backend.put_bytes = real  # type: ignore[method-assign]
+    assert proc_state(job.pid) == "T"
+    frozen = int(h.lines(job)[-1]["step"])
+
+    second = await h.checkpoint(job.id)  # after the restart, before the recovery
+    recovered = await step.recover(first, {"state": "running"})
+    assert recovered is not None and recovered.status == "succeeded", recovered
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await asyncio.sleep(2)
+    assert restored.pid and proc_state(restored.pid) != "T", (
+        f"latest (generation {latest.number}, by {latest.manifest['request_id']}) restores a "
+        f"stopped job; the second checkpoint answered {second.status} generation "
+        f"{second.generation}, the recovered first one generation {recovered.generation}")
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 32)
