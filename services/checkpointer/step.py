@@ -70,6 +70,13 @@ class CheckpointStep(LocalJobStep):
                 code="job-not-running",
                 hint=f"restore it first (`smr restore {job.id}`), or check its log {job.log}",
             )
+        if held := self._held_for(req, job):
+            raise PermanentError(
+                f"job {job.id} is held stopped for checkpoint {held}, whose dump is on disk and "
+                "not yet stored (smr was stopped or died after it); a dump now would save a "
+                "stopped job", code="job-held",
+                hint=f"that checkpoint is stored by its recovery and answered; its job ends "
+                     f"then: restore it with `smr restore {job.id}`")
         work = self._work(req)
         shutil.rmtree(work, ignore_errors=True)
         durations: dict[str, float] = {}
@@ -190,6 +197,26 @@ class CheckpointStep(LocalJobStep):
         self._facts_file(req).unlink(missing_ok=True)
         shutil.rmtree(self._work(req), ignore_errors=True)
 
+    def _held_for(self, req: CkptRequested, job: Job) -> str | None:
+        """Another request whose final dump of this very process waits on
+        disk for its commit (its worker stopped or died after the dump; its
+        recovery stores it): its request id. The process is stopped (CRIU's
+        --leave-stopped) until then."""
+        for facts in self.work_dir.glob("*.facts.json"):
+            rid = facts.name.removesuffix(".facts.json")
+            if rid == req.request_id:
+                continue
+            try:
+                f = orjson.loads(facts.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                continue
+            p = f.get("process") or {}
+            if not f.get("leave_running") and \
+                    (p.get("pid"), p.get("start_ticks")) == (job.pid, job.start_ticks) and \
+                    dump_finished(self.work_dir / rid / "images"):
+                return rid
+        return None
+
     async def _cuda_pids(self, job: Job) -> list[int]:
         return await self.cuda.processes(job.pid) if self.cuda and job.alive() else []
 
@@ -204,7 +231,8 @@ class CheckpointStep(LocalJobStep):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
-            "sockets": held, "process": {"pid": job.pid, "start_ticks": job.start_ticks}}))
+            "sockets": held, "process": {"pid": job.pid, "start_ticks": job.start_ticks},
+            "leave_running": req.leave_running}))
         return gpu, tcp
 
     async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
