@@ -352,3 +352,56 @@ async def test_a_checkpoint_never_dumps_a_job_held_stopped_for_another_checkpoin
         f"{second.generation}, the recovered first one generation {recovered.generation}")
     await h.wait_step(job, frozen + 2)
     assert_continues(h.lines(job), frozen, 32)
+
+
+# -- a restore whose job record cannot be written at once ---------------------------------
+
+class FailsOnce:
+    """``kv.put`` of ``key`` fails once without being carried out, as it
+    does while NATS restarts (nats-py raises TimeoutError)."""
+
+    def __init__(self, kv: Any, key: str) -> None:
+        self.kv, self.key = kv, key
+        self.real = kv.put
+        self.fired = 0
+        kv.put = self.put
+
+    async def put(self, key: str, value: bytes, **kw: Any) -> int:
+        if key == self.key and not self.fired:
+            self.fired += 1
+            raise nats.errors.TimeoutError
+        return int(await self.real(key, value, **kw))
+
+    def restore(self) -> None:
+        self.kv.put = self.real
+
+
+@pytest.mark.criu
+async def test_a_restore_whose_record_write_fails_once_leaves_no_unknown_copy(
+        h: Harness) -> None:
+    """CRIU has restored the job; the registry write that records it fails
+    once (NATS restarting). The restored process must not run on unknown to
+    the registry, with the restore answered failed: `smr restore` again (the
+    registry says the job is not running) would start a second copy."""
+    from smr.bus import KV_JOBS
+
+    job = await h.start(32)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    fault = FailsOnce(h.bus.kv(KV_JOBS), job.id)
+    try:
+        first = await h.restore(job.id)
+    finally:
+        fault.restore()
+    assert fault.fired == 1, "the fault never fired"
+    record, _ = await h.jobs.get(job.id)
+    running_now = copies(h.tmp)
+    known = [record.pid] if record.alive() else []
+    assert running_now == known, (
+        f"the restore answered {first.status} ({(first.error or {}).get('code')}); copies "
+        f"running {running_now}, the registry knows {known}")
+    if first.status != "succeeded":
+        again = await h.restore(job.id)
+        assert again.status == "succeeded", again.error
+        await asyncio.sleep(1)
+        assert len(copies(h.tmp)) == 1, f"{len(copies(h.tmp))} copies of the job run"
