@@ -357,17 +357,17 @@ async def test_a_checkpoint_never_dumps_a_job_held_stopped_for_another_checkpoin
 # -- a restore whose job record cannot be written at once ---------------------------------
 
 class FailsOnce:
-    """``kv.put`` of ``key`` fails once without being carried out, as it
-    does while NATS restarts (nats-py raises TimeoutError)."""
+    """``kv.put`` of ``key`` fails ``times`` times without being carried
+    out, as it does while NATS restarts (nats-py raises TimeoutError)."""
 
-    def __init__(self, kv: Any, key: str) -> None:
-        self.kv, self.key = kv, key
+    def __init__(self, kv: Any, key: str, times: int = 1) -> None:
+        self.kv, self.key, self.times = kv, key, times
         self.real = kv.put
         self.fired = 0
         kv.put = self.put
 
     async def put(self, key: str, value: bytes, **kw: Any) -> int:
-        if key == self.key and not self.fired:
+        if key == self.key and self.fired < self.times:
             self.fired += 1
             raise nats.errors.TimeoutError
         return int(await self.real(key, value, **kw))
@@ -377,10 +377,11 @@ class FailsOnce:
 
 
 @pytest.mark.criu
-async def test_a_restore_whose_record_write_fails_once_leaves_no_unknown_copy(
-        h: Harness) -> None:
+@pytest.mark.parametrize("times", [1, 1000])
+async def test_a_restore_whose_record_write_fails_leaves_no_unknown_copy(
+        h: Harness, times: int) -> None:
     """CRIU has restored the job; the registry write that records it fails
-    once (NATS restarting). The restored process must not run on unknown to
+    (NATS restarting; once, or for good). The restored process must not run on unknown to
     the registry, with the restore answered failed: `smr restore` again (the
     registry says the job is not running) would start a second copy."""
     from smr.bus import KV_JOBS
@@ -388,12 +389,12 @@ async def test_a_restore_whose_record_write_fails_once_leaves_no_unknown_copy(
     job = await h.start(32)
     done = await h.checkpoint(job.id)
     assert done.status == "succeeded", done.error
-    fault = FailsOnce(h.bus.kv(KV_JOBS), job.id)
+    fault = FailsOnce(h.bus.kv(KV_JOBS), job.id, times)
     try:
         first = await h.restore(job.id)
     finally:
         fault.restore()
-    assert fault.fired == 1, "the fault never fired"
+    assert fault.fired, "the fault never fired"
     record, _ = await h.jobs.get(job.id)
     running_now = copies(h.tmp)
     known = [record.pid] if record.alive() else []

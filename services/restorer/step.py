@@ -20,6 +20,7 @@ from smr.criu import wait_finished
 from smr.errors import PermanentError
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
+from smr.retry import retry_nats
 
 
 class RestoreStep(LocalJobStep):
@@ -117,7 +118,15 @@ class RestoreStep(LocalJobStep):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
-        return await self._record(req, gen, existing, pid)
+        try:
+            return await self._record(req, gen, existing, pid)
+        except Exception:
+            # Unrecorded, it would run on unknown to the registry while the
+            # restore fails: the next restore would start a second copy. (Not
+            # on a cancel: recover() finds it by restored.pid and records it.)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
                       pid: int) -> Job:
@@ -127,7 +136,9 @@ class RestoreStep(LocalJobStep):
                          cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
                          checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
         job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
-        await self.jobs.put(job)
+        async for attempt in retry_nats():  # NATS restarting: the restore is not undone for it
+            with attempt:
+                await self.jobs.put(job)
         return job
 
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
