@@ -406,3 +406,85 @@ async def test_a_restore_whose_record_write_fails_leaves_no_unknown_copy(
         assert again.status == "succeeded", again.error
         await asyncio.sleep(1)
         assert len(copies(h.tmp)) == 1, f"{len(copies(h.tmp))} copies of the job run"
+
+
+# -- a worker that died after the dump, recovered while storage is away ------------------
+
+class StorageAway:
+    """Every call of the storage backend fails (past the client's retries)
+    until ``back`` is called: an S3 endpoint unreachable for a while."""
+
+    CALLS = ("list", "get_bytes", "put_bytes", "get_range", "start_upload", "delete")
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.real = {name: getattr(backend, name) for name in self.CALLS}
+        self.failed = 0
+        for name in self.CALLS:
+            setattr(backend, name, self._failing(name))
+
+    def _failing(self, name: str) -> Any:
+        def fail(*a: Any, **kw: Any) -> Any:
+            from services.storage.backend import StorageError
+            self.failed += 1
+            raise StorageError(f"injected: storage unreachable ({name})", hint="a test fault")
+
+        async def afail(*a: Any, **kw: Any) -> Any:
+            return fail(*a, **kw)
+
+        return fail if name == "start_upload" else afail
+
+    def back(self) -> None:
+        for name, fn in self.real.items():
+            setattr(self.backend, name, fn)
+
+
+@pytest.mark.criu
+async def test_a_dump_left_by_a_dead_worker_outlives_storage_away_at_its_recovery(
+        h: Harness) -> None:
+    """The worker died right after CRIU dumped a final checkpoint (the job
+    held stopped, the dump on disk). When the request is redelivered,
+    storage is unreachable for a while, far shorter than
+    SMR_COMMIT_DEADLINE. The recovery must store the dump once storage is
+    back (the promise: retried with backoff until the deadline), not give
+    up after a few quick deliveries, leaving the job stopped for good and
+    its dump on disk for ever."""
+    from services.storage.layout import LOCAL_NAMESPACE
+    from smr.bus import KV_LOCKS
+    from tests.test_nothing_lost import ckpt_step, proc_state
+
+    step = ckpt_step(h)
+    job = await h.start(32)
+    req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node)
+    # As run() leaves things when its worker is SIGKILLed after the dump:
+    await h.bus.kv(KV_LOCKS).put(job.id, orjson.dumps({"request_id": req.request_id,
+                                                       "at": time.time()}))
+    await h.bus.kv(KV_STEPS).put(req.request_id, orjson.dumps(
+        {"state": "running", "owner": "dead-worker", "heartbeat": time.time() - 60,
+         "subject": f"ckpt.requested.{h.settings.node}", "checkpoint_id": job.id}))
+    work = step._work(req)
+    await step._prepare(req, await h.jobs.find(job.id), work)  # type: ignore[arg-type]
+    await step.criu.dump(job.pid, work / "images", leave_stopped=True)
+    assert proc_state(job.pid) == "T"
+    frozen = int(h.lines(job)[-1]["step"])
+
+    away = StorageAway(step.store.backend)
+    try:
+        asked = asyncio.create_task(h.bus.request(req, timeout=120))  # the redelivery
+        await asyncio.sleep(20)  # storage away for 20 s
+    finally:
+        away.back()
+    assert away.failed, "the fault never fired"
+    done = await asked
+    state = proc_state(job.pid)
+    left = work.exists()
+    assert done.status == "succeeded" and state == "gone" and not left, (  # type: ignore[union-attr]
+        f"answered {done.status} ({(done.error or {}).get('code')}); the job is now "  # type: ignore[union-attr]
+        f"{state}{' (stopped for good)' if state == 'T' else ''}; its dump "
+        f"{'is still on disk' if left else 'is gone'}")
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None and latest.manifest["request_id"] == req.request_id
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    await h.wait_step(job, frozen + 2)
