@@ -464,8 +464,8 @@ async def test_a_dump_left_by_a_dead_worker_outlives_storage_away_at_its_recover
         {"state": "running", "owner": "dead-worker", "heartbeat": time.time() - 60,
          "subject": f"ckpt.requested.{h.settings.node}", "checkpoint_id": job.id}))
     work = step._work(req)
-    await step._prepare(req, await h.jobs.find(job.id), work)  # type: ignore[arg-type]
-    await step.criu.dump(job.pid, work / "images", leave_stopped=True)
+    _, tcp = await step._prepare(req, await h.jobs.find(job.id), work)  # type: ignore[arg-type]
+    await step.criu.dump(job.pid, work / "images", leave_stopped=True, tcp=tcp)
     assert proc_state(job.pid) == "T"
     frozen = int(h.lines(job)[-1]["step"])
 

@@ -315,18 +315,22 @@ class CheckpointStep(LocalJobStep):
         job_id = self.job_id(req.target)
         await wait_finished(self._work(req) / "images", self.criu.timeout)
         job = await self.jobs.find(job_id)
-        gen = await self._committed(req)
-        if job is None:
-            return self._result(req, gen) if gen else None  # run() reports the missing job
-        progress = Progress()
-        if gen is None and dump_finished(self._work(req) / "images"):
+        if job is not None and dump_finished(self._work(req) / "images"):
+            # The dump is the job's state (a final one holds the job stopped):
+            # an earlier attempt's commit counts, else it is stored from disk,
+            # retried until the deadline like a failure in run(), not given up
+            # after the few quick deliveries of a storage error raised here.
             try:
-                gen = await self._durable(req, job, progress)
+                gen = await self._durable(req, job, Progress())
             except StorageUnavailable as e:
                 await self.lock.release(job_id, req.request_id)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
-        elif gen is not None:
-            await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
+        else:
+            gen = await self._committed(req)
+            if job is None:
+                return self._result(req, gen) if gen else None  # run() reports the missing job
+            if gen is not None:
+                await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
         if gen is not None:
             await self._settle(req, job, gen)
             await self.lock.release(job_id, req.request_id)
