@@ -488,3 +488,50 @@ async def test_a_dump_left_by_a_dead_worker_outlives_storage_away_at_its_recover
     restored = await h.restore(job.id)
     assert restored.status == "succeeded", restored.error
     await h.wait_step(job, frozen + 2)
+
+
+@pytest.mark.criu
+async def test_a_restore_left_by_a_dead_worker_and_storage_away_leaves_no_unknown_copy(
+        h: Harness) -> None:
+    """The worker died after CRIU restored the job, before it recorded it.
+    When the request is redelivered, storage is unreachable for a while.
+    However the request ends, the restored process must not run on unknown
+    to the registry: the next `smr restore` would start a second copy."""
+    from tests.test_nothing_lost import restore_step
+
+    job = await h.start(32)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    rs = restore_step(h)
+    gen = await rs.store.latest("local", job.id)
+    assert gen is not None
+    req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                           target=Target.job(job.id), node=h.settings.node)
+    # As run() leaves things when its worker is SIGKILLed after CRIU restored:
+    work = rs.work_dir / req.request_id
+    await rs.store.fetch(gen, work)
+    fd = os.open(job.log, os.O_WRONLY | os.O_APPEND)
+    try:
+        await rs.criu.restore(work / "images", pidfile=work / "restored.pid",
+                              inherit={job.log: fd}, tcp="keep")
+    finally:
+        os.close(fd)
+    await h.bus.kv(KV_STEPS).put(req.request_id, orjson.dumps(
+        {"state": "running", "owner": "dead-worker", "heartbeat": time.time() - 60,
+         "subject": f"restore.requested.{h.settings.node}", "checkpoint_id": job.id}))
+    assert len(copies(h.tmp)) == 1
+
+    away = StorageAway(rs.store.backend)
+    try:
+        asked = asyncio.create_task(h.bus.request(req, timeout=120))  # the redelivery
+        await asyncio.sleep(20)
+    finally:
+        away.back()
+    assert away.failed, "the fault never fired"
+    first = await asked
+    record, _ = await h.jobs.get(job.id)
+    now = copies(h.tmp)
+    known = [record.pid] if record.alive() else []
+    assert now == known, (
+        f"the restore answered {first.status} ({(first.error or {}).get('code')}); copies "
+        f"running {now}, the registry knows {known}")
