@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -21,6 +22,8 @@ from smr.errors import PermanentError
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
 from smr.retry import retry_nats
+
+log = logging.getLogger("smr.restorer")
 
 
 class RestoreStep(LocalJobStep):
@@ -156,11 +159,23 @@ class RestoreStep(LocalJobStep):
         pidfile = self.work_dir / req.request_id / "restored.pid"
         try:
             pid = int(pidfile.read_text())
-            gen = await self._generation(req)
-        except (OSError, ValueError, PermanentError):
+        except (OSError, ValueError):
             return None  # nothing was restored: safe to run
         if not _alive(pid):
             return None  # it died: safe to run
+        try:
+            gen = await self._generation(req)
+        except Exception as e:
+            # Storage away (or the checkpoint gone): the process cannot be
+            # recorded now, and unrecorded it would run on unknown to the
+            # registry (the next restore would start a second copy). Ended;
+            # the restore runs again.
+            log.warning("restore %s: the process it restored (pid %d) cannot be recorded "
+                        "(%s); it is ended and the restore runs again", req.request_id, pid, e)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
+            return None
         if gen.manifest.get("gpu"):
             try:
                 await self._gpu_back(pid)
@@ -170,7 +185,12 @@ class RestoreStep(LocalJobStep):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
-        job = await self._record(req, gen, job, pid)
+        try:
+            job = await self._record(req, gen, job, pid)
+        except Exception:
+            with contextlib.suppress(ProcessLookupError):  # never unknown to the registry
+                os.kill(pid, signal.SIGKILL)
+            raise
         await self.lock.release(job_id, req.request_id)
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
