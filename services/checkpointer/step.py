@@ -70,6 +70,13 @@ class CheckpointStep(LocalJobStep):
                 code="job-not-running",
                 hint=f"restore it first (`smr restore {job.id}`), or check its log {job.log}",
             )
+        if held := self._held_for(req, job):
+            raise PermanentError(
+                f"job {job.id} is held stopped for checkpoint {held}, whose dump is on disk and "
+                "not yet stored (smr was stopped or died after it); a dump now would save a "
+                "stopped job", code="job-held",
+                hint=f"that checkpoint is stored by its recovery and answered; its job ends "
+                     f"then: restore it with `smr restore {job.id}`")
         work = self._work(req)
         shutil.rmtree(work, ignore_errors=True)
         durations: dict[str, float] = {}
@@ -154,6 +161,17 @@ class CheckpointStep(LocalJobStep):
         """The checkpoint is durable: end the job (final) or make sure its GPU
         runs (heartbeat), drop the work, record the generation. Idempotent
         (recovery repeats it)."""
+        dumped = gen.manifest.get("job") or {}
+        if "pid" in dumped and (dumped["pid"], dumped.get("start_ticks")) != (
+                job.pid, job.start_ticks):
+            # The registry names another process than the one dumped: one
+            # restored since (recovery comes late). It is not ours to end.
+            log.warning("job %s now runs as pid %d (restored by %s), not the process "
+                        "checkpoint %s dumped; left as it is", job.id, job.pid,
+                        job.restored_by, req.request_id)
+            shutil.rmtree(self._work(req), ignore_errors=True)
+            self._facts_file(req).unlink(missing_ok=True)
+            return
         if req.leave_running:
             if self.cuda and job.alive():
                 await self.cuda.resume_all(await self._cuda_pids(job), quiet=True)
@@ -179,6 +197,26 @@ class CheckpointStep(LocalJobStep):
         self._facts_file(req).unlink(missing_ok=True)
         shutil.rmtree(self._work(req), ignore_errors=True)
 
+    def _held_for(self, req: CkptRequested, job: Job) -> str | None:
+        """Another request whose final dump of this very process waits on
+        disk for its commit (its worker stopped or died after the dump; its
+        recovery stores it): its request id. The process is stopped (CRIU's
+        --leave-stopped) until then."""
+        for facts in self.work_dir.glob("*.facts.json"):
+            rid = facts.name.removesuffix(".facts.json")
+            if rid == req.request_id:
+                continue
+            try:
+                f = orjson.loads(facts.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                continue
+            p = f.get("process") or {}
+            if not f.get("leave_running") and \
+                    (p.get("pid"), p.get("start_ticks")) == (job.pid, job.start_ticks) and \
+                    dump_finished(self.work_dir / rid / "images"):
+                return rid
+        return None
+
     async def _cuda_pids(self, job: Job) -> list[int]:
         return await self.cuda.processes(job.pid) if self.cuda and job.alive() else []
 
@@ -193,7 +231,8 @@ class CheckpointStep(LocalJobStep):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
-            "sockets": held}))
+            "sockets": held, "process": {"pid": job.pid, "start_ticks": job.start_ticks},
+            "leave_running": req.leave_running}))
         return gpu, tcp
 
     async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
@@ -239,7 +278,9 @@ class CheckpointStep(LocalJobStep):
             "versions": {"criu": await self.criu.version(), "smr": __version__,
                          **(gpuinfo.versions() if gpu else {})},
             "gpu": gpu,
-            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log, "tcp": job.tcp},
+            # The process dumped: recovery ends that one, never a later restore.
+            "job": {"cmd": job.cmd, "cwd": job.cwd, "log": job.log, "tcp": job.tcp,
+                    **facts.get("process", {"pid": job.pid, "start_ticks": job.start_ticks})},
         }
         if facts.get("sockets"):
             meta["sockets"] = facts["sockets"]
@@ -274,18 +315,22 @@ class CheckpointStep(LocalJobStep):
         job_id = self.job_id(req.target)
         await wait_finished(self._work(req) / "images", self.criu.timeout)
         job = await self.jobs.find(job_id)
-        gen = await self._committed(req)
-        if job is None:
-            return self._result(req, gen) if gen else None  # run() reports the missing job
-        progress = Progress()
-        if gen is None and dump_finished(self._work(req) / "images"):
+        if job is not None and dump_finished(self._work(req) / "images"):
+            # The dump is the job's state (a final one holds the job stopped):
+            # an earlier attempt's commit counts, else it is stored from disk,
+            # retried until the deadline like a failure in run(), not given up
+            # after the few quick deliveries of a storage error raised here.
             try:
-                gen = await self._durable(req, job, progress)
+                gen = await self._durable(req, job, Progress())
             except StorageUnavailable as e:
                 await self.lock.release(job_id, req.request_id)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
-        elif gen is not None:
-            await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
+        else:
+            gen = await self._committed(req)
+            if job is None:
+                return self._result(req, gen) if gen else None  # run() reports the missing job
+            if gen is not None:
+                await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
         if gen is not None:
             await self._settle(req, job, gen)
             await self.lock.release(job_id, req.request_id)

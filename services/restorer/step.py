@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,9 @@ from smr.criu import wait_finished
 from smr.errors import PermanentError
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
+from smr.retry import retry_nats
+
+log = logging.getLogger("smr.restorer")
 
 
 class RestoreStep(LocalJobStep):
@@ -117,7 +121,15 @@ class RestoreStep(LocalJobStep):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
-        return await self._record(req, gen, existing, pid)
+        try:
+            return await self._record(req, gen, existing, pid)
+        except Exception:
+            # Unrecorded, it would run on unknown to the registry while the
+            # restore fails: the next restore would start a second copy. (Not
+            # on a cancel: recover() finds it by restored.pid and records it.)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
                       pid: int) -> Job:
@@ -127,7 +139,9 @@ class RestoreStep(LocalJobStep):
                          cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
                          checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
         job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
-        await self.jobs.put(job)
+        async for attempt in retry_nats():  # NATS restarting: the restore is not undone for it
+            with attempt:
+                await self.jobs.put(job)
         return job
 
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
@@ -145,11 +159,23 @@ class RestoreStep(LocalJobStep):
         pidfile = self.work_dir / req.request_id / "restored.pid"
         try:
             pid = int(pidfile.read_text())
-            gen = await self._generation(req)
-        except (OSError, ValueError, PermanentError):
+        except (OSError, ValueError):
             return None  # nothing was restored: safe to run
         if not _alive(pid):
             return None  # it died: safe to run
+        try:
+            gen = await self._generation(req)
+        except Exception as e:
+            # Storage away (or the checkpoint gone): the process cannot be
+            # recorded now, and unrecorded it would run on unknown to the
+            # registry (the next restore would start a second copy). Ended;
+            # the restore runs again.
+            log.warning("restore %s: the process it restored (pid %d) cannot be recorded "
+                        "(%s); it is ended and the restore runs again", req.request_id, pid, e)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
+            return None
         if gen.manifest.get("gpu"):
             try:
                 await self._gpu_back(pid)
@@ -159,7 +185,12 @@ class RestoreStep(LocalJobStep):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
-        job = await self._record(req, gen, job, pid)
+        try:
+            job = await self._record(req, gen, job, pid)
+        except Exception:
+            with contextlib.suppress(ProcessLookupError):  # never unknown to the registry
+                os.kill(pid, signal.SIGKILL)
+            raise
         await self.lock.release(job_id, req.request_id)
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)

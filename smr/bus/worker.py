@@ -101,6 +101,9 @@ class Worker:
         # so one waiting for a busy job does not hold back the node's others.
         self.concurrency = concurrency
         self.owner = f"{service}@{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        # Requests this worker is running now: a redelivery of one (its
+        # in_progress lost or late while NATS was away) is never run beside it.
+        self._running: set[str] = set()
         self._stop = asyncio.Event()
         self.idle = asyncio.Event()
 
@@ -224,6 +227,19 @@ class Worker:
             return
         rid = req.request_id  # type: ignore[attr-defined]
         span.set_attribute("smr.request_id", rid)
+        if rid in self._running:
+            # Our own step of it still runs (a worker serving several at once
+            # fetched its redelivery): its answer will come; look again later.
+            await m.nak(delay=self.bus.config.ack_wait)
+            return
+        self._running.add(rid)
+        try:
+            await self._run_request(m, span, req, rid, deliveries)
+        finally:
+            self._running.discard(rid)
+
+    async def _run_request(self, m: Msg, span: trace.Span, req: Any, rid: str,
+                           deliveries: int) -> None:
         kv = self.bus.kv(KV_STEPS)
         state, rev = await self.bus.step_state(rid)
 
@@ -256,7 +272,8 @@ class Worker:
                 await self._finish(m, result)
                 return
 
-        claim = {"state": "running", "owner": self.owner, "heartbeat": time.time(),
+        claim = {"state": "running", "owner": self.owner, "claim": uuid.uuid4().hex,
+                 "heartbeat": time.time(),
                  "attempt": deliveries, "subject": m.subject, "phase": "starting",
                  "checkpoint_id": req.checkpoint_id}
         try:
@@ -358,15 +375,23 @@ class Worker:
                          total_bytes=p.total_bytes, **p.extra)
             try:
                 rev = await self.bus.kv(KV_STEPS).update(rid, orjson.dumps(claim), last=rev)
+                continue
             except KeyWrongLastSequenceError:
-                log.error("%s: the state of %s was taken over by another writer; this worker "
-                          "no longer beats for it", self.service, rid)
-                return
+                pass
             except Exception as e:  # NATS away: the next beat may pass
                 if not isinstance(e, BadRequestError) or e.err_code != 10071:
                     continue
-                log.error("%s: the state of %s was taken over by another writer; this worker "
-                          "no longer beats for it", self.service, rid)
+            # The state moved on since our last write: another writer's, or
+            # our own write whose answer was lost (NATS restarting after it
+            # stored it). Only the former ends the beats.
+            with contextlib.suppress(Exception):  # unreadable now: look again next beat
+                state, now = await self.bus.step_state(rid)
+                if state and state.get("claim") == claim["claim"] and \
+                        state.get("state") == "running":
+                    rev = now
+                    continue
+                log.error("%s: the state of %s was taken over by another writer; this "
+                          "worker no longer beats for it", self.service, rid)
                 return
 
 
