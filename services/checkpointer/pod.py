@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ from smr import __version__, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError, SmrError, TemporaryError
-from smr.jobs import proc_start_ticks, wait_exit
+from smr.jobs import proc_start_ticks, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 
 CONTAINER_FILE = "container.json"
@@ -44,6 +45,11 @@ async def _keep_holding(shim: Shim) -> None:
         await asyncio.sleep(HOLD_REFRESH_S)
         with contextlib.suppress(OSError, SmrError):  # the step itself reports
             await asyncio.to_thread(shim.refresh_hold)
+
+
+def dumped(dump: asyncio.Task[Any]) -> bool:
+    """Did the dump task end with CRIU's success (the images complete)?"""
+    return dump.done() and not dump.cancelled() and dump.exception() is None
 
 
 def _maybe_running(shim: Shim) -> bool:
@@ -120,8 +126,7 @@ class PodCheckpointStep(PodStep):
                     try:
                         gen, durable = await self._commit(req, c, shim, progress, dump)
                     except TemporaryError as e:
-                        if not (dump.done() and not dump.cancelled()
-                                and dump.exception() is None):
+                        if not dumped(dump):
                             raise
                         # The dump is complete in the volume: store it from
                         # there, never dump again (the workload may be gone).
@@ -130,12 +135,16 @@ class PodCheckpointStep(PodStep):
                     if resumed:
                         await resumed
                 except asyncio.CancelledError:
-                    keep_work = dump.done() and not dump.cancelled() and \
-                        dump.exception() is None
+                    # The agent stopping: a finished dump (its workload held
+                    # stopped) stays for recover() to store and settle.
+                    keep_work = dumped(dump)
                     raise
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
+                    if not req.leave_running and dumped(dump):
+                        # Not stored: the workload, held stopped, runs on.
+                        signal_tree(pid, signal.SIGCONT)
                     if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
                         # Never left locked: back to running whatever failed.
                         await asyncio.shield(self.cuda.resume_all(  # type: ignore[union-attr]
@@ -144,6 +153,7 @@ class PodCheckpointStep(PodStep):
                 durations.update(dump.result())
                 durations["durable"] = durable
                 if not req.leave_running:
+                    signal_tree(pid, signal.SIGKILL)  # durable: its stopped tree ends
                     if ticks is not None:
                         await wait_exit(pid, ticks)
                     await asyncio.to_thread(shim.final, f"done {gen.number}")
@@ -190,7 +200,11 @@ class PodCheckpointStep(PodStep):
     async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
                     upper: Any, leave_running: bool, tcp: sockets.Tcp) -> dict[str, float]:
         try:
-            run = await criu.dump(inner, work / "images", leave_running=leave_running, tcp=tcp)
+            # A final dump leaves the workload stopped, not dead, until its
+            # images are durable (then it is killed) or cannot be stored
+            # (then it runs on): its state is never in the dump alone.
+            run = await criu.dump(inner, work / "images", leave_running=leave_running,
+                                  leave_stopped=not leave_running, tcp=tcp)
         except CriuError as e:
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
@@ -199,7 +213,7 @@ class PodCheckpointStep(PodStep):
             raise
         t = time.monotonic()
         # The layer is read once the dump is complete: for a final checkpoint
-        # the workload is gone and the layer is exactly what it left.
+        # the workload is stopped for good and the layer is exactly what it left.
         if upper is not None:
             await rootfs.capture(upper, work / rootfs.TAR)
         return {"dump": run.seconds, "rootfs": time.monotonic() - t}
@@ -255,27 +269,51 @@ class PodCheckpointStep(PodStep):
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint: committed → that result; a finished
-        dump still in the volume → commit it; otherwise run again."""
+        dump in the work directory → store it; either way a final dump's
+        workload, held stopped, is then ended (or, if it cannot be stored,
+        runs on). Otherwise run again."""
         ns = req.target.namespace or ""
+        work = self.work(req.request_id)
+        try:
+            c: PodContainer | None = await self.pods.container(req.target)
+            shim: Shim | None = self.shim_of(c)  # type: ignore[arg-type]
+        except PermanentError:
+            c = shim = None
         if gen := await self._committed(req):
             await self.store.ensure_latest(ns, req.checkpoint_id, gen.number)
-            await asyncio.to_thread(shutil.rmtree, self.work(req.request_id), True)
+            await self._settle_held(req, c, shim, work, signal.SIGKILL)
+            await asyncio.to_thread(shutil.rmtree, work, True)
             return self._result(req, gen)
-        try:
-            c = await self.pods.container(req.target)
-            shim = self.shim_of(c)
-        except PermanentError:
+        if c is None or shim is None:
             return None  # run() reports it
-        work = self.work(req.request_id)
         if dump_finished(work / "images"):
             try:
                 gen = await self._durable(req, c, shim, Progress())
             except PermanentError as e:
+                await self._settle_held(req, c, shim, work, signal.SIGCONT)
                 await asyncio.to_thread(shutil.rmtree, work, True)
                 await self.lock.release(c.lock_key(), req.request_id)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
+            await self._settle_held(req, c, shim, work, signal.SIGKILL)
             await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
             return self._result(req, gen)
         await self.lock.release(c.lock_key(), req.request_id)
         return None
+
+    async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
+                           shim: Shim | None, work: Any, sig: int) -> None:
+        """End (SIGKILL) or continue (SIGCONT) the workload a final dump left
+        stopped: only in the very container that was dumped, never a restored
+        one that has replaced it since."""
+        if req.leave_running or c is None or shim is None:
+            return
+        try:
+            dumped_in = orjson.loads((work / CONTAINER_FILE).read_bytes()).get("container_id")
+        except (OSError, ValueError):
+            return  # nothing of that dump is left: it was settled already
+        if dumped_in != c.container_id:
+            return
+        running = await asyncio.to_thread(shim.workload)
+        if running is not None:
+            signal_tree(running[0], sig)

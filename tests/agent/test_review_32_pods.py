@@ -10,23 +10,19 @@ import time
 import uuid
 from typing import Any
 
-import pytest
-
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, steps, workload
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: the pod step dumps without "
-                   "--leave-stopped and deletes the dump when the commit deadline passes")
 async def test_a_final_pod_checkpoint_that_cannot_be_stored_loses_no_state(
         cluster: Cluster) -> None:
     """Storage fails past the client's retries after the dump, until the
     commit deadline passes: the request fails. The workload's state must
     survive somewhere: the workload running on where it was, or its dump
-    kept for a later commit. (Today CRIU kills the workload at the dump and
-    the step deletes the dump: the state is gone.)"""
+    kept for a later commit. (At 382babe CRIU killed the workload at the dump
+    and the step deleted the dump: the state was gone.)"""
     a, _ = list(cluster.kubelets)
     env = {"SMR_CHECKPOINT": "held-1"}
     cluster.kube.put("pods", workload("held", a, env=env, owner="train", restart="Never"))
