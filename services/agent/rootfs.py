@@ -150,6 +150,7 @@ def _apply_member(root: Root, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
             _remove(d, name)
             return
         if m.isdir():
+            existed = True
             try:
                 st = os.stat(name, dir_fd=d, follow_symlinks=False)
                 if not stat.S_ISDIR(st.st_mode):
@@ -157,11 +158,18 @@ def _apply_member(root: Root, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
                     raise FileNotFoundError
             except FileNotFoundError:
                 os.mkdir(name, 0o700, dir_fd=d)
+                existed = False
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                          dir_fd=d)
             try:
                 os.fchown(fd, m.uid, m.gid)
                 os.fchmod(fd, m.mode & 0o7777)
+            except OSError as e:
+                # A directory the new container already has, mounted read-only
+                # there (a volume, the runtime's bind mount of a driver or a
+                # toolkit): its owner and mode are the mount's, not the layer's.
+                if not (existed and e.errno in (errno.EROFS, errno.EPERM)):
+                    raise
             finally:
                 os.close(fd)
         elif m.issym():
