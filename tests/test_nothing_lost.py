@@ -247,16 +247,9 @@ async def test_recovery_of_a_heartbeat_brings_the_gpu_back_to_running(h: Harness
     assert gen is not None and gen.manifest["gpu"] is not None  # the facts survived
 
 
-async def test_a_cancelled_commit_keeps_the_facts_for_its_recovery(h: Harness) -> None:
-    """``smr up`` stopped mid-upload of a GPU checkpoint: the commit that
-    recovery makes later still records the GPU (else its restore would skip
-    the GPU checks and the driver's restore)."""
-    step = ckpt_step(h)
-    drv = with_stand_in_gpu(step)
-    job = await h.start(32)
-    drv.states[job.pid] = CudaState.RUNNING
-    req = CkptRequested(request_id=f"stop-{job.id}", checkpoint_id=job.id,
-                        target=Target.job(job.id), node=h.settings.node)
+async def stopped_mid_commit(step: CheckpointStep, req: CkptRequested) -> None:
+    """Run ``req`` until its images are uploaded and its manifest is on its
+    way, then cancel it there, as `smr up` stopping does."""
     started = asyncio.Event()
     real = step.store.backend.put_bytes
 
@@ -270,11 +263,24 @@ async def test_a_cancelled_commit_keeps_the_facts_for_its_recovery(h: Harness) -
     task = asyncio.create_task(step.run(req, Progress()))
     try:
         await asyncio.wait_for(started.wait(), 60)
-        task.cancel()  # smr up stopping
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
     finally:
         step.store.backend.put_bytes = real  # type: ignore[method-assign]
+
+
+async def test_a_cancelled_commit_keeps_the_facts_for_its_recovery(h: Harness) -> None:
+    """``smr up`` stopped mid-upload of a GPU checkpoint: the commit that
+    recovery makes later still records the GPU (else its restore would skip
+    the GPU checks and the driver's restore)."""
+    step = ckpt_step(h)
+    drv = with_stand_in_gpu(step)
+    job = await h.start(32)
+    drv.states[job.pid] = CudaState.RUNNING
+    req = CkptRequested(request_id=f"stop-{job.id}", checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node)
+    await stopped_mid_commit(step, req)
     assert step._facts_file(req).is_file()
     result = await step.recover(req, {"state": "running"})
     assert result is not None and result.status == "succeeded", result

@@ -311,30 +311,13 @@ async def test_a_checkpoint_never_dumps_a_job_held_stopped_for_another_checkpoin
     one the first checkpoint claimed)."""
     from services.storage.layout import LOCAL_NAMESPACE
     from tests.test_local_smr import assert_continues
-    from tests.test_nothing_lost import ckpt_step, proc_state
+    from tests.test_nothing_lost import ckpt_step, proc_state, stopped_mid_commit
 
     step = ckpt_step(h)
     job = await h.start(32)
     first = CkptRequested(request_id=f"first-{job.id}", checkpoint_id=job.id,
                           target=Target.job(job.id), node=h.settings.node)
-    uploading = asyncio.Event()
-    real = step.store.backend.put_bytes
-
-    async def hang(key: str, data: bytes, **kw: Any) -> str:
-        if key.endswith("manifest.json"):
-            uploading.set()
-            await asyncio.sleep(3600)
-        return await real(key, data, **kw)
-
-    step.store.backend.put_bytes = hang  # type: ignore[method-assign]
-    task = asyncio.create_task(step.run(first, Progress()))
-    try:
-        await asyncio.wait_for(uploading.wait(), 60)
-        task.cancel()  # smr up stopping
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        step.store.backend.put_bytes = real  # type: ignore[method-assign]
+    await stopped_mid_commit(step, first)  # smr up stopping
     assert proc_state(job.pid) == "T"
     frozen = int(h.lines(job)[-1]["step"])
 
