@@ -69,14 +69,17 @@ def test_a_restored_root_that_exits_before_the_decision_gives_its_exit_code(
     """CRIU restores detached: the restored root is reparented to smr-init
     and may exit before the agent writes `restored PID`. Here that root is
     a process started in the container's PID namespace and orphaned there
-    (as CRIU leaves it), exiting 3 at once."""
+    (as CRIU leaves it), exiting 3 before the decision."""
     c = Running(smr_runtime, top, ["/bin/sh", "-c", "exit 9"], "60")
     try:
         c.until_status("waiting")
         shim = c.pid()
         out = subprocess.run(
             ["nsenter", "-t", str(shim), "-p", "-m", "--", "/bin/sh", "-c",
-             '/bin/sh -c "exit 3" & echo $!'], capture_output=True, text=True, check=True)
+             # It outlives the shell that started it (a shell may reap a child
+             # that ends first: then smr-init never sees it, unlike CRIU's root).
+             '/bin/sh -c "sleep 0.5; exit 3" & echo $!'], capture_output=True, text=True,
+            check=True)
         root = int(out.stdout.strip())
         # Reparented to smr-init, then reaped by it while it waits.
         for _ in range(300):
