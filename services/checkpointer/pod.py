@@ -256,11 +256,8 @@ class PodCheckpointStep(PodStep):
                                   error=error)
 
     async def _committed(self, req: CkptRequested) -> Generation | None:
-        ns = req.target.namespace or ""
-        for gen in reversed(await self.store.generations(ns, req.checkpoint_id)):
-            if gen.manifest["request_id"] == req.request_id:
-                return gen
-        return None
+        return await self.store.committed(req.target.namespace or "", req.checkpoint_id,
+                                          req.request_id)
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,

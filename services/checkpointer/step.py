@@ -297,11 +297,7 @@ class CheckpointStep(LocalJobStep):
         return gen, time.monotonic() - t
 
     async def _committed(self, req: CkptRequested) -> Generation | None:
-        """The generation an earlier attempt of ``req`` committed, if any."""
-        for gen in reversed(await self.store.generations(LOCAL_NAMESPACE, req.checkpoint_id)):
-            if gen.manifest["request_id"] == req.request_id:
-                return gen
-        return None
+        return await self.store.committed(LOCAL_NAMESPACE, req.checkpoint_id, req.request_id)
 
     def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
         return CkptDone.for_request(req, status="succeeded", generation=gen.number,

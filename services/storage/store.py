@@ -237,6 +237,15 @@ class CheckpointStore:
         raise Conflict(f"could not claim a generation of {checkpoint_id} after "
                        f"{MAX_CLAIM_TRIES} tries", hint="too many concurrent writers")
 
+    async def committed(self, namespace: str, checkpoint_id: str,
+                        request_id: str) -> Generation | None:
+        """The generation a commit for ``request_id`` wrote, if any (a step's
+        recovery asks, when its work directory may be gone)."""
+        for gen in reversed(await self.generations(namespace, checkpoint_id)):
+            if gen.manifest.get("request_id") == request_id:
+                return gen
+        return None
+
     async def ensure_latest(self, namespace: str, checkpoint_id: str, gen: int) -> None:
         """Move ``latest`` forward to ``gen`` unless it is there or past it
         already: a commit whose writer died after its manifest is finished so."""
