@@ -18,6 +18,7 @@ bytes; on a mismatch CRIU fails on the short image and kills the tree.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -36,10 +37,37 @@ SHM = Path("/dev/shm")
 STAGING_MIN_CORES = 4
 
 
+def memory_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                    root: Path = Path("/sys/fs/cgroup")) -> float:
+    """Bytes this process may still be charged before its memory cgroup (or
+    one above it) reaches its limit; infinite where none limits it."""
+    room = math.inf
+    for line in proc_cgroup.read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            at, limit, usage = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        elif controllers == "" and (root / "cgroup.controllers").is_file():
+            at, limit, usage = root, "memory.max", "memory.current"
+        else:
+            continue
+        d = at / path.lstrip("/")
+        while d != at.parent:  # the cgroup and each above it, to the root
+            with contextlib.suppress(OSError, ValueError):
+                cap = (d / limit).read_text().strip()
+                if cap != "max":
+                    room = min(room, int(cap) - int((d / usage).read_text()))
+            d = d.parent
+    return room
+
+
 def scratch_for(gen: Generation, disk: Path) -> Path | None:
     """Where the largest page image lands on its way to CRIU: RAM (/dev/shm)
     when it fits there with room left for the process it becomes (which
-    needs as much again), else ``disk``; the page cache still serves CRIU.
+    needs as much again), and within the agent's own memory limit (a tmpfs
+    page is charged to the cgroup that wrote it: the agent's, which a staged
+    image larger than its limit would have killed); else ``disk``, whose
+    page cache the kernel reclaims under that limit, and which still serves
+    CRIU.
 
     None (no staging: the download keeps a few frames ahead of CRIU) on a
     node with fewer than STAGING_MIN_CORES cores. Staging is one more pass
@@ -54,11 +82,14 @@ def scratch_for(gen: Generation, disk: Path) -> Path | None:
     try:
         st = os.statvfs(SHM)
         free = st.f_bavail * st.f_frsize
-        avail = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").open()
-                     if ln.startswith("MemAvailable:"))
+        with Path("/proc/meminfo").open() as meminfo:
+            avail = next(int(ln.split()[1]) * 1024 for ln in meminfo
+                         if ln.startswith("MemAvailable:"))
+        headroom = memory_headroom()
     except (OSError, StopIteration, ValueError):
+        disk.mkdir(parents=True, exist_ok=True)
         return disk
-    if need * 1.2 + (256 << 20) < min(free, avail / 2):
+    if need * 1.2 + (256 << 20) < min(free, avail / 2, headroom):
         return SHM
     disk.mkdir(parents=True, exist_ok=True)
     return disk

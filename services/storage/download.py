@@ -3,7 +3,13 @@ delivered in order; nothing leaves here unverified.
 
 Consecutive frames are grouped into ranges of about ``RANGE_TARGET`` stored
 bytes (compressed frames can be tiny); up to ``RANGES_AHEAD`` ranges of a
-file are fetched and decoded while the earliest is consumed.
+file are fetched and decoded while the earliest is consumed, as long as they
+decode to at most ``AHEAD_BYTES`` with the range held back (below). The
+reader's memory is thereby bounded whatever the file's size: a page image
+streamed to CRIU passes through the node agent, whose memory limit is far
+below the workloads it restores. By count alone, eight ranges of well
+compressed memory held 256 MiB (measured: the agent's anonymous memory grew
+by 130 MiB restoring 160 MiB, and a 192 MiB limit killed it restoring 320).
 
 The first range of a file goes alone, the others once it is in: a server
 that computes an object's ETag on its first read (rclone's ``serve s3``,
@@ -34,6 +40,9 @@ from services.storage.upload import file_digest, frame_aad
 RANGE_TARGET = 8 << 20  # stored bytes per ranged GET
 RANGE_RAW = 32 << 20  # and at most this many decoded: frames of a range decode in parallel
 RANGES_AHEAD = 8
+# Decoded bytes of a file in memory at once (held back and ahead), at least
+# one range: eight incompressible ranges, two of well compressed memory.
+AHEAD_BYTES = 64 << 20
 
 Frame = tuple[int, int, int, int]  # index, stored size, raw size, compressed
 Chunk = bytes | memoryview
@@ -93,18 +102,26 @@ async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any
         digest = hashlib.sha256(frame).digest()
         return (sink(i, frame) if sink else frame), len(frame), digest
 
+    def raw(r: tuple[int, int, list[Frame]]) -> int:
+        return sum(f[2] for f in r[2])
+
     size, digests = 0, []
     todo = deque(ranges(entry["frames"]))
-    ahead: deque[asyncio.Task[list[tuple[Any, int, bytes]]]] = deque()
+    ahead: deque[tuple[asyncio.Task[list[tuple[Any, int, bytes]]], int]] = deque()
     held: list[Any] = []
+    held_raw = 0
     try:
         while todo or ahead:
-            while todo and len(ahead) < (RANGES_AHEAD if digests else 1):
-                ahead.append(asyncio.create_task(get(*todo.popleft())))
-            decoded_range = await ahead.popleft()
+            while todo and (not ahead or (
+                    len(ahead) < (RANGES_AHEAD if digests else 1)
+                    and held_raw + sum(n for _, n in ahead) + raw(todo[0]) <= AHEAD_BYTES)):
+                r = todo.popleft()
+                ahead.append((asyncio.create_task(get(*r)), raw(r)))
+            task, held_next = ahead.popleft()
+            decoded_range = await task
             for chunk in held:
                 yield chunk
-            held = []
+            held, held_raw = [], held_next
             for piece, n, digest in decoded_range:
                 digests.append(digest)
                 size += n
@@ -120,7 +137,7 @@ async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any
         for chunk in held:
             yield chunk
     finally:
-        for t in ahead:
+        for t, _ in ahead:
             t.cancel()
-        await asyncio.gather(*ahead, return_exceptions=True)
+        await asyncio.gather(*(t for t, _ in ahead), return_exceptions=True)
 

@@ -55,7 +55,9 @@ MAX_CLAIM_TRIES = 16
 RECOMMIT_SCAN = 16  # newest generations looked at for a request's earlier commit
 HEARTBEAT_S = 900.0  # SMR_GC_GRACE's default / 4; make_store passes the setting's
 FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
-EARLY_CHUNKS = 8  # decoded frames a streamed restore holds before CRIU asks for them
+# Decoded frames a streamed restore queues before CRIU asks for them, beside
+# the download's own AHEAD_BYTES: the agent's memory, bounded.
+EARLY_CHUNKS = 2
 SCRATCH_FILES = 16  # written in parallel (see Scatter)
 
 

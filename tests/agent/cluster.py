@@ -27,6 +27,7 @@ from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.webhook.service import Webhook
 from smr.bus import Bus
+from tests.agent.agent_process import AgentProcess
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_kubelet import FakeKubelet
 
@@ -115,6 +116,8 @@ class Cluster:
     core: client.CoreV1Api
     webhook: Webhook
     storage: StorageService
+    # The second node's agent where a test runs it as a process (agent_process).
+    agent_process: AgentProcess | None = None
 
     def log(self, name: str, node: str) -> str:
         return self.kubelets[node].log("default", name)

@@ -4,6 +4,7 @@ what they hold)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import uuid
@@ -25,7 +26,9 @@ from services.webhook.service import Webhook
 from smr import config
 from smr.bus import Bus
 from smr.config import REPO_TOOLS
+from smr.natsserver import free_port
 from tests import oci_image
+from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
     COUNTER,
     ENTRY_IMAGE,
@@ -142,8 +145,12 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
     webhook = Webhook(apis[4], base.replace(webhook_port=0), host="127.0.0.1")
     storage = StorageService(bus, store, durable=f"retention-{run}")
     watcher = Watcher(bus, apis[0], base, durable_prefix=f"w-{run}")
+    # A test marked agent_process(memory_limit=BYTES) gets the second node's
+    # agent as a process of its own, held to that limit (tests/agent/agent_process).
+    marker = request.node.get_closest_marker("agent_process")
+    in_process = nodes[:1] if marker else nodes
     agents = [NodeAgent(bus, apis[1 + i], store, base.replace(node_name=n))
-              for i, n in enumerate(nodes)]
+              for i, n in enumerate(in_process)]
     kubelets = {}
     for n in nodes:
         kube.put("nodes", a_node(n))
@@ -156,9 +163,26 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
                                           webhook.ready.wait(),
                                           *(a.ready.wait() for a in agents)), 30)
     kube.services[("smr-system", "smr-webhook")] = ("127.0.0.1", webhook.port)
+    stack = contextlib.ExitStack()
     try:
-        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook, storage)
+        if marker:
+            if os.environ.get("SMR_TEST_STORAGE") == "local":
+                where = {"STORAGE": "local", "STORAGE_PATH": str(tmp_path / "store")}
+            else:
+                where = {"STORAGE": "s3", "S3_BUCKET": bucket, "S3_PREFIX": "ckpt",
+                         "S3_PATH_STYLE": "true",
+                         "S3_ENDPOINT": request.getfixturevalue("s3_endpoint")}
+            env = env_of(base.replace(node_name=nodes[1]), **where, ZSTD_LEVEL="1",
+                         KUBE_API=kube.url, WORK_DIR=str(tmp_path / f"work-{nodes[1]}"),
+                         HEALTH_PORT=str(free_port()), METRICS_PORT="0")
+            cgroup = stack.enter_context(memory_cgroup(marker.kwargs["memory_limit"]))
+            proc = AgentProcess(env, cgroup, tmp_path / f"agent-{nodes[1]}.log")
+            stack.callback(proc.stop)
+            await asyncio.to_thread(proc.ready)
+        yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook, storage,
+                      proc if marker else None)
     finally:
+        stack.close()
         for k in kubelets.values():
             await k.stop()
         storage.stop()
