@@ -234,7 +234,11 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "directory; default /smr"),
     ReadElsewhere("SMR_INIT_TIMEOUT", "smr-init, in the container", "seconds smr-init waits "
                   "for the agent's restore-or-start answer before it starts the command "
-                  "fresh; default 30"),
+                  "fresh (or, with SMR_RESTORE_FAILURE=fail, exits 70); default 30"),
+    ReadElsewhere("SMR_RESTORE_FAILURE", "smr-init, in the container", "`fail`: no fresh "
+                  "start when no agent answers within SMR_INIT_TIMEOUT either (exit 70; the "
+                  "container's restart asks again). Set by the webhook on pods labelled "
+                  "restore-failure: fail (by hand in a hand-written manifest)"),
     ReadElsewhere("RUNTIME", "smr-runtime, from smr-runtime.env beside it (written by the "
                   "agent)", "the real OCI runtime it hands every call to: the host's runc, "
                   "or the NVIDIA runtime for smr-nvidia"),

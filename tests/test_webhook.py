@@ -64,6 +64,21 @@ def test_env_opt_in_marks_only_that_container() -> None:
     assert not any(e["name"] == "SMR_CONTAINER" for e in logger["env"])
 
 
+def test_a_fail_policy_reaches_smr_init() -> None:
+    """smr-init cannot read labels: without the env it would start fresh on
+    its own timeout, whatever restore-failure says."""
+    p = pod("p", None, labels={"smr.dev/node-restore": "true",
+                               "smr.dev/restore-failure": "fail"},
+            containers=("app", "sidecar"), env={"A": "1"})  # env: the first one's only
+    app, sidecar = patched(p, review(admission(p), S))["spec"]["containers"]
+    for c in (app, sidecar):
+        assert {"name": "SMR_RESTORE_FAILURE", "value": "fail"} in c["env"]
+    assert {"name": "A", "value": "1"} in app["env"]
+    p = opted()
+    out = patched(p, review(admission(p), S))
+    assert not any(e["name"] == "SMR_RESTORE_FAILURE" for e in out["spec"]["containers"][0]["env"])
+
+
 def test_pods_left_alone() -> None:
     plain = pod("p", None)
     assert "patch" not in review(admission(plain), S)["response"]

@@ -8,12 +8,19 @@
       whatever is repeated. The restore step answers "restored <pid>"; a
       refused or failed restore answers "fresh", or "fail" when the pod's
       policy (label <prefix>/restore-failure: fail) forbids starting over.
+
+A container no pod of this node claims yet (the kubelet has not reported its
+ID) is looked for again while its smr-init waits: every scan at first, then
+every RECHECK_S (another node's, on a host shared by two nodes, is never
+claimed). Without an answer, smr-init's own timeout applies the pod's policy
+(SMR_RESTORE_FAILURE, which the webhook sets): a fresh start, or exit 70.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, get_args
 
@@ -35,7 +42,8 @@ from smr.messages import Reason, RestoreRequested, StorageQuery, Target, derive_
 log = logging.getLogger("smr.agent")
 
 SCAN_S = 0.25
-UNKNOWN_FOR_S = 20.0  # a shim no pod of this node claims (another node's, on a shared host)
+UNKNOWN_FOR_S = 20.0  # a shim no pod of this node claimed for this long: looked for less often
+RECHECK_S = 2.0
 RESTORE_WAIT_S = 3600.0
 
 
@@ -49,6 +57,7 @@ class StartRestores:
         self._busy: set[tuple[int, int]] = set()
         self._done: set[tuple[int, int]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._listed_at = -math.inf
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -78,8 +87,11 @@ class StartRestores:
         # Forget containers that are gone (their keys never come back).
         self._done &= alive
         self._seen = {k: v for k, v in self._seen.items() if k in alive}
-        if not waiting:
+        now = time.monotonic()
+        if not waiting or (now - self._listed_at < RECHECK_S
+                           and all(now - self._seen[k] > UNKNOWN_FOR_S for k, _ in waiting)):
             return
+        self._listed_at = now
         try:
             pods = await self.pods.on_node()
         except SmrError as e:
@@ -88,9 +100,7 @@ class StartRestores:
         for key, shim in waiting:
             found = _claim(pods, host.container_id_of(shim.pid) or "")
             if found is None:
-                if time.monotonic() - self._seen[key] > UNKNOWN_FOR_S:
-                    self._done.add(key)  # not a container of this node
-                continue
+                continue  # looked for again while smr-init waits
             self._busy.add(key)
             task = asyncio.create_task(self._answer(key, shim, *found))
             self._tasks.add(task)

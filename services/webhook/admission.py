@@ -10,7 +10,9 @@ env var) gets:
   no counterpart is left as it is, with a warning the client shows
   (``kubectl apply`` prints it) and an annotation saying why.
 - env ``SMR_CONTAINER=<name>`` on each opted-in container: what smr-runtime
-  looks for, and the name smr-init keeps its state under.
+  looks for, and the name smr-init keeps its state under; and, for a pod
+  labelled ``restore-failure: fail``, ``SMR_RESTORE_FAILURE=fail``: smr-init
+  then never starts fresh on its own when no agent answers it.
 - the annotation ``smr.dev/injected``.
 - a preStop hook on each opted-in container that has none,
   ``/smr/smr-init --wait-final SECONDS``: the kubelet runs it before its
@@ -131,14 +133,18 @@ def mutate(req: dict[str, Any], s: Settings) -> tuple[list[dict[str, Any]], list
     for i, c in enumerate(containers):
         if not isinstance(c, dict) or c.get("name") not in wanted:
             continue
-        entry = {"name": "SMR_CONTAINER", "value": c["name"]}
+        entries = [{"name": "SMR_CONTAINER", "value": c["name"]}]
+        if policy.restore_failure == "fail":
+            entries.append({"name": "SMR_RESTORE_FAILURE", "value": "fail"})
         env = c.get("env")
         if not isinstance(env, list):
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env"),
-                        "value": [entry]})
-        elif not any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER" for e in env):
-            ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
-                        "value": entry})
+                        "value": entries})
+            continue
+        for entry in entries:
+            if not any(isinstance(e, dict) and e.get("name") == entry["name"] for e in env):
+                ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
+                            "value": entry})
     ops += _final_checkpoint_hooks(spec, meta, wanted, s)
     ops += _startup_probes(spec, wanted, s)
     runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)

@@ -7,9 +7,13 @@ import asyncio
 import time
 import uuid
 
+import pytest
+
+from services.agent import starts
 from services.storage.service import StorageService
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import IMAGE, OTHER_IMAGE, Cluster, assert_continues, steps, workload
+from tests.fake_apiserver import pod
 
 
 async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster) -> None:
@@ -110,3 +114,61 @@ async def test_storage_down_never_starts_a_fail_policy_pod_fresh(cluster: Cluste
     finally:
         back.stop()
         await asyncio.wait_for(task, 30)
+
+
+async def test_a_fail_policy_container_no_pod_claims_fails_instead_of_starting_fresh(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """restore-failure: fail, and the agent never finds the container's pod
+    (the kubelet never reports the container, or no agent runs): smr-init's
+    own start timeout (2 s here) must not start it fresh. The pod goes
+    through the webhook, which tells smr-init the policy."""
+    a, _ = list(cluster.kubelets)
+    monkeypatch.setattr(starts, "_claim", lambda pods, container_id: None)
+    body = pod("orphan", a, labels={"smr.dev/node-restore": "true",
+                                    "smr.dev/restore-failure": "fail"},
+               env={"SMR_INIT_TIMEOUT": "2"})
+    body["spec"]["containers"][0].update(image=IMAGE, command=["/bin/counter"])
+    body["spec"]["restartPolicy"] = "Never"
+    body.pop("status")
+    await cluster.core.create_namespaced_pod("default", body)
+    stored = cluster.kube.get("pods", "orphan", "default")
+    assert stored is not None and stored["spec"].get("runtimeClassName") == "smr", \
+        cluster.kube.admission_log
+    cluster.kube.put("pods", {**stored, "status": {"phase": "Pending"}})
+    deadline = time.monotonic() + 30
+    while (p := cluster.kube.get("pods", "orphan", "default")) and \
+            p["status"].get("phase") not in ("Failed", "Succeeded"):
+        assert steps(cluster.log("orphan", a)) == [], "it started fresh"
+        assert time.monotonic() < deadline, "the container neither failed nor started"
+        await asyncio.sleep(0.2)
+    assert p is not None
+    log = cluster.log("orphan", a)
+    assert steps(log) == [], f"it started fresh: {log[-300:]!r}"
+    assert p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 70
+    assert "forbids a fresh start" in log
+
+
+async def test_a_container_claimed_late_is_still_restored(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet reports the container's ID only after the agent's first
+    look (UNKNOWN_FOR_S, 0.5 s here, in place of 20): the agent keeps
+    looking while smr-init waits, and restores it; it never leaves it to
+    smr-init's timeout (8 s here), which would start it fresh over its
+    checkpoint."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "late-1", "SMR_INIT_TIMEOUT": "8"}
+    cluster.kube.put("pods", workload("late-x1", a, env=env, owner="late", restart="Never"))
+    await cluster.until_steps("late-x1", a, 5)
+    await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="late-1", node=a,
+        target=Target(kind="pod", namespace="default", pod="late-x1", container="main")),
+        timeout=60)
+    before = steps(cluster.log("late-x1", a))
+    monkeypatch.setattr(starts, "UNKNOWN_FOR_S", 0.5)
+    reported_at = time.monotonic() + 3
+    claim = starts._claim
+    monkeypatch.setattr(starts, "_claim", lambda pods, cid: (
+        claim(pods, cid) if time.monotonic() > reported_at else None))
+    cluster.kube.put("pods", workload("late-x2", b, env=env, owner="late", restart="Never"))
+    after = await cluster.until_steps("late-x2", b, 5)
+    assert_continues(before, after, before[-1][0])

@@ -20,13 +20,15 @@ from tests.agent.runc_bundle import busybox_bundle
 
 
 class Running:
-    def __init__(self, smr_runtime: Path, top: Path, args: list[str], timeout: str) -> None:
+    def __init__(self, smr_runtime: Path, top: Path, args: list[str], timeout: str,
+                 env: dict[str, str] | None = None) -> None:
         self.runtime, self.root = smr_runtime, top / "runc"
         self.cid = f"i-{uuid.uuid4().hex[:6]}"
         bundle = busybox_bundle(top, args, {"SMR_CONTAINER": "main",
-                                            "SMR_INIT_TIMEOUT": timeout})
+                                            "SMR_INIT_TIMEOUT": timeout, **(env or {})})
         self.proc = subprocess.Popen([str(smr_runtime), "--root", str(self.root), "run",
-                                      "--bundle", str(bundle), self.cid])
+                                      "--bundle", str(bundle), self.cid],
+                                     stderr=subprocess.PIPE, text=True)
         self.smr = runtime_state(smr_runtime.parent) / self.cid / "main"
 
     def status(self) -> str:
@@ -106,5 +108,29 @@ def test_a_stale_hold_expires_and_a_fresh_one_holds(smr_runtime: Path, top: Path
         old = time.time() - 120
         os.utime(hold, (old, old))
         assert c.proc.wait(30) == 5, "a stale hold kept the container"
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("policy", ["fail", "fresh"])
+def test_no_answer_from_the_agent_follows_the_restore_failure_policy(
+        smr_runtime: Path, top: Path, policy: str) -> None:
+    """No agent answers (none runs, or none of its pods claims the
+    container): at its start timeout smr-init starts the command fresh only
+    where the pod's policy allows it (SMR_RESTORE_FAILURE, which the webhook
+    sets from the label smr.dev/restore-failure); `fail` exits 70."""
+    marker = top / "bundle" / "rootfs" / "started"
+    c = Running(smr_runtime, top, ["/bin/sh", "-c", "touch /started; exit 4"], "0.2",
+                {"SMR_RESTORE_FAILURE": policy})
+    try:
+        code = c.proc.wait(30)
+        err = c.proc.stderr.read() if c.proc.stderr else ""
+        if policy == "fail":
+            assert code == 70 and not marker.exists(), \
+                f"exit {code}, command ran: {marker.exists()}; smr-init said: {err}"
+            assert "forbids a fresh start" in err, err
+            assert c.status().startswith("failed")
+        else:
+            assert code == 4 and marker.exists(), f"exit {code}; smr-init said: {err}"
     finally:
         c.stop()

@@ -16,7 +16,11 @@
  *
  * Nothing else runs in the PID namespace before the decision, so the PIDs a
  * restore needs are free. Without an agent answer within
- * $SMR_INIT_TIMEOUT seconds (default 30) it starts COMMAND fresh.
+ * $SMR_INIT_TIMEOUT seconds (default 30) it starts COMMAND fresh, unless
+ * $SMR_RESTORE_FAILURE is `fail` (the webhook sets it from the pod's label
+ * restore-failure: fail): then it exits 70 as for `fail`, and the kubelet's
+ * restart asks the agent again. No answer may mean a checkpoint that was
+ * not restored, and a fresh run's next checkpoint would become the latest.
  *
  * Then it is a plain init: it forwards SIGTERM and friends to the workload,
  * reaps every child, and exits with the workload's status (also when a
@@ -229,6 +233,7 @@ int main(int argc, char **argv) {
     }
     const char *base = getenv("SMR_INIT_DIR"), *name = getenv("SMR_CONTAINER");
     const char *limit = getenv("SMR_INIT_TIMEOUT");
+    const char *policy = getenv("SMR_RESTORE_FAILURE");
     snprintf(dir, sizeof dir, "%s/%s", base && *base ? base : "/smr",
              name && *name ? name : "main");
     if (argc == 3 && strcmp(argv[1], "--wait-final") == 0) return wait_final(argv[2]);
@@ -288,7 +293,15 @@ int main(int argc, char **argv) {
             }
         }
         if (!how && deadline > 0 && now() > deadline) {
-            fprintf(stderr, "smr-init: no answer from the smr node agent within %.0fs; "
+            if (policy && strcmp(policy, "fail") == 0) {
+                fprintf(stderr, "smr-init: no answer from the smr node agent within %gs, "
+                                "and the pod's policy restore-failure=fail forbids a fresh "
+                                "start; exiting (the container's restart asks again)\n",
+                        timeout);
+                put("status", "failed no answer from the node agent\n");
+                return 70;
+            }
+            fprintf(stderr, "smr-init: no answer from the smr node agent within %gs; "
                             "starting fresh\n", timeout);
             workload = start(argv + first);
             how = "fresh";
