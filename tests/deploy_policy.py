@@ -82,7 +82,57 @@ def privileged(docs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-CHECKS = [image_tags, resource_limits, rbac_wildcards, privileged]
+# Ports any source may reach: metrics (Prometheus runs wherever its owner put
+# it), and the webhook's HTTPS port where no overlay narrowed it to the
+# control plane (the API server is no pod a selector names: webhook.yaml).
+OPEN_PORTS = {9464: None, 8443: "smr-webhook"}
+ANY = "any"
+
+
+def admitted(docs: list[dict[str, Any]], doc: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(port, sources) each NetworkPolicy rule lets reach ``doc``'s pods: ANY
+    for every port or every source. [(ANY, ANY)] where no policy isolates them."""
+    labels = ((doc["spec"].get("template") or {}).get("metadata") or {}).get("labels") or {}
+    ns = doc["metadata"].get("namespace")
+    out: list[tuple[Any, Any]] = []
+    isolated = False
+    for np in docs:
+        if np.get("kind") != "NetworkPolicy" or np["metadata"].get("namespace") != ns:
+            continue
+        spec = np["spec"]
+        sel = spec.get("podSelector") or {}
+        if sel.get("matchExpressions"):
+            raise NotImplementedError(f"NetworkPolicy/{np['metadata']['name']}: matchExpressions")
+        if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
+            continue
+        if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+            continue
+        isolated = True
+        for rule in spec.get("ingress") or []:
+            sources = rule.get("from") or ANY
+            for port in [p.get("port", ANY) for p in rule.get("ports") or []] or [ANY]:
+                out.append((port, sources))
+    return out if isolated else [(ANY, ANY)]
+
+
+def open_ingress(docs: list[dict[str, Any]]) -> list[str]:
+    """smr's pods take connections from any source on OPEN_PORTS only."""
+    out = []
+    for doc in docs:
+        if _pod_spec(doc) is None or doc["kind"] == "Pod":
+            continue
+        name = doc["metadata"]["name"]
+        for port, sources in admitted(docs, doc):
+            if port == ANY:
+                out.append(f"{doc['kind']}/{name}: every port admitted "
+                           f"from {'any source' if sources == ANY else sources}")
+            elif sources == ANY and (port not in OPEN_PORTS
+                                     or OPEN_PORTS[port] not in (None, name)):
+                out.append(f"{doc['kind']}/{name}: port {port} admitted from any source")
+    return out
+
+
+CHECKS = [image_tags, resource_limits, rbac_wildcards, privileged, open_ingress]
 
 
 def violations(docs: list[dict[str, Any]]) -> list[str]:

@@ -106,6 +106,12 @@ BAD = {
         "template"]["spec"]["containers"][0]["securityContext"].update(privileged=True),
     "host-pid-storage": lambda d: _mutate(d, "Deployment", "smr-storage")["spec"][
         "template"]["spec"].update(hostPID=True),
+    "webhook-every-port": lambda d: _mutate(d, "NetworkPolicy", "smr-webhook-ingress")[
+        "spec"]["ingress"][0].pop("ports"),
+    "agent-port-opened": lambda d: d.append({
+        "kind": "NetworkPolicy", "metadata": {"name": "x", "namespace": "smr-system"},
+        "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "smr-agent"}},
+                 "ingress": [{"ports": [{"port": 8080}]}]}}),
 }
 
 
@@ -116,6 +122,30 @@ def test_policy_catches(kustomize: str, case: str) -> None:
     BAD[case](docs)
     found = deploy_policy.violations(docs)
     assert len(found) == 1, found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_agent_is_reached_on_its_metrics_port_only_and_the_webhook_on_its_own(
+        kustomize: str, overlay: str) -> None:
+    """The rendered NetworkPolicies: the node agent (root, every capability,
+    on the pod network) admits its metrics port and nothing else; the
+    webhook its HTTPS port, from the control plane's addresses in prod (from
+    any source elsewhere: the API server is no pod a selector could name)."""
+    docs = render(kustomize, overlay)
+    agents = [d for d in docs if d["kind"] == "DaemonSet"
+              and d["metadata"]["name"].startswith("smr-agent")]
+    assert agents
+    for agent in agents:
+        assert not agent["spec"]["template"]["spec"].get("hostNetwork"), \
+            "on the host's network no NetworkPolicy applies to the agent"
+        assert deploy_policy.admitted(docs, agent) == [(9464, deploy_policy.ANY)]
+    webhook = _mutate(docs, "Deployment", "smr-webhook")
+    got = dict(deploy_policy.admitted(docs, webhook))
+    assert set(got) == {8443, 9464}
+    if overlay == "prod":
+        assert got[8443] == [{"ipBlock": {"cidr": "10.0.0.0/28"}}]
+    else:
+        assert got[8443] == deploy_policy.ANY
 
 
 def test_cert_manager_component(kustomize: str, tmp_path: Path) -> None:
