@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.agent.host import Shim
+from smr.criu import kill_tree
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 
@@ -48,7 +49,9 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     yield started
     for p in started:
         if p.poll() is None:
-            p.kill()
+            # Its workload too: smr-init starts it in a session of its own,
+            # where killing smr-init alone left it looping for good.
+            kill_tree(p.pid)
             p.wait(5)
 
 
