@@ -18,6 +18,7 @@ bytes; on a mismatch CRIU fails on the short image and kills the tree.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -31,6 +32,8 @@ from smr import sockets
 from smr.criu import Criu, CriuRun
 from smr.errors import SmrError
 from smr.imagestream import ImageStreamer
+
+log = logging.getLogger("smr.restorer")
 
 SOCKET_BASE = "/tmp"
 SHM = Path("/dev/shm")
@@ -105,7 +108,11 @@ async def restore_streamed(criu: Criu, store: CheckpointStore, gen: Generation, 
     ``sockets_dir``: where CRIU finds the streamer's socket, a directory it
     sees under a short path (a pod's volume); by default one of its own."""
     t = time.monotonic()
-    source = StreamedImages(store, gen, scratch=scratch_for(gen, images.parent))
+    scratch = scratch_for(gen, images.parent)
+    log.info("restoring %s generation %s streamed, %s", gen.manifest.get("checkpoint_id"),
+             gen.number, f"its largest page image staged in {scratch}" if scratch
+             else "through memory")
+    source = StreamedImages(store, gen, scratch=scratch)
     # CRIU cuts a socket path longer than 107 bytes short: by default the
     # socket goes in a short directory of its own.
     own = sockets_dir is None

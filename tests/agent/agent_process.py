@@ -85,7 +85,8 @@ def env_of(settings: config.Settings, **more: str) -> dict[str, str]:
     back = config.load(env)
     wrong = {k for k in settings.values if k not in more and back.values[k] != settings.values[k]}
     assert not wrong, f"settings that do not survive the environment: {wrong}"
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                        if p)
     return env
 
 
