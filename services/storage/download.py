@@ -8,8 +8,10 @@ decode to at most ``AHEAD_BYTES`` with the range held back (below). The
 reader's memory is thereby bounded whatever the file's size: a page image
 streamed to CRIU passes through the node agent, whose memory limit is far
 below the workloads it restores. By count alone, eight ranges of well
-compressed memory held 256 MiB (measured: the agent's anonymous memory grew
-by 130 MiB restoring 160 MiB, and a 192 MiB limit killed it restoring 320).
+compressed memory (32 MiB each, as ranges were then) held 256 MiB (measured:
+the agent's anonymous memory grew by 130 MiB restoring 160 MiB, and a 320 MiB
+limit killed it restoring 512). Ranges of such memory now decode to 16 MiB
+at most, so that several GETs stay in flight within the bound.
 
 The first range of a file goes alone, the others once it is in: a server
 that computes an object's ETag on its first read (rclone's ``serve s3``,
@@ -38,10 +40,12 @@ from services.storage.codec import Codec, DecodeError
 from services.storage.upload import file_digest, frame_aad
 
 RANGE_TARGET = 8 << 20  # stored bytes per ranged GET
-RANGE_RAW = 32 << 20  # and at most this many decoded: frames of a range decode in parallel
+RANGE_RAW = 16 << 20  # and at most this many decoded: frames of a range decode in parallel
 RANGES_AHEAD = 8
 # Decoded bytes of a file in memory at once (held back and ahead), at least
-# one range: eight incompressible ranges, two of well compressed memory.
+# one range: seven incompressible ranges besides the one held, three of well
+# compressed memory. With a sink that stores the frames elsewhere (a scratch
+# file) a decoded range holds no memory: only the ranges still decoding count.
 AHEAD_BYTES = 64 << 20
 
 Frame = tuple[int, int, int, int]  # index, stored size, raw size, compressed
@@ -114,7 +118,8 @@ async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any
         while todo or ahead:
             while todo and (not ahead or (
                     len(ahead) < (RANGES_AHEAD if digests else 1)
-                    and held_raw + sum(n for _, n in ahead) + raw(todo[0]) <= AHEAD_BYTES)):
+                    and (0 if sink else held_raw) + raw(todo[0])
+                    + sum(n for t, n in ahead if not (sink and t.done())) <= AHEAD_BYTES)):
                 r = todo.popleft()
                 ahead.append((asyncio.create_task(get(*r)), raw(r)))
             task, held_next = ahead.popleft()
