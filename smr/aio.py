@@ -53,10 +53,19 @@ async def quietly(aw: Awaitable[Any]) -> None:
         pass
 
 
+RECANCEL_EVERY_S = 0.5
+
+
 async def stop_task(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it has ended, whatever its outcome."""
-    task.cancel()
-    await asyncio.wait([task])
+    """Cancel ``task`` and wait until it has ended, whatever its outcome.
+
+    The cancel is sent again until the task ends: nats-py drops a cancellation
+    that arrives while a publish waits on the connection (``_flush_pending``),
+    and a keepalive that lost its cancel so beat on while its step's worker
+    waited for it for ever (found by the fault campaign)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=RECANCEL_EVERY_S)
     if not task.cancelled():
         task.exception()  # read: an error of a task being stopped is not news
 

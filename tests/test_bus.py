@@ -366,6 +366,80 @@ async def test_quietly_never_swallows_its_callers_cancellation() -> None:
     assert task in done and task.cancelled()
 
 
+class DropsOneCancel:
+    """Awaits as nats-py's ``Client._flush_pending`` does: a cancellation that
+    arrives while it waits on the connection is caught and dropped. Only the
+    first is dropped, so that a test that fails can still end."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.dropped = False
+
+    async def wait(self) -> None:
+        self.entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if self.dropped:
+                raise
+            self.dropped = True
+
+
+async def test_stop_task_ends_a_task_whose_cancel_a_library_swallowed() -> None:
+    """The fault campaign's stuck requests: a step had ended, and the worker
+    waited for ever on its keepalive, whose cancel nats-py had dropped inside
+    a publish. Stopping a task must end it even so."""
+    from smr.aio import stop_task
+
+    drops = DropsOneCancel()
+
+    async def beats() -> None:
+        while True:
+            await drops.wait()
+            await asyncio.sleep(5)
+
+    task = asyncio.create_task(beats())
+    await drops.entered.wait()
+    stopper = asyncio.create_task(stop_task(task))
+    try:
+        await asyncio.wait([stopper], timeout=10)
+        assert stopper.done(), "stop_task waits for ever on a task whose cancel was dropped"
+    finally:
+        while not task.done():  # this test's own clean-up, whatever stop_task did
+            task.cancel()
+            await asyncio.wait([task], timeout=0.1)
+        stopper.cancel()
+
+
+async def test_a_keepalive_whose_cancel_nats_dropped_still_ends(
+        bus: Bus, node: str, monkeypatch: Any) -> None:
+    """The same, through a real worker: the keepalive's in_progress() loses the
+    cancel (as nats-py does while NATS is away); the step's result must still
+    be published and the node served."""
+    from nats.aio.msg import Msg
+
+    drops = DropsOneCancel()
+
+    async def in_progress(self: Msg) -> None:
+        await drops.wait()
+
+    monkeypatch.setattr(Msg, "in_progress", in_progress)
+
+    class WaitsForABeat(CountingStep):
+        async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+            await drops.entered.wait()
+            return await super().run(req, progress)
+
+    step = WaitsForABeat()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, "beat-1"))
+        result = await bus.wait_result("beat-1", "ckpt.requested", timeout=20)
+        assert result.status == "succeeded"
+    finally:
+        await stop(w, t)
+
+
 async def test_a_worker_keeps_serving_its_node_across_nats_restarts(
         tmp_path: Path, nats_server: NatsServer, bus_config: Any, node: str) -> None:
     """NATS restarted again and again (JetStream on disk kept), as the fault

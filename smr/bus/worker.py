@@ -367,7 +367,7 @@ class Worker:
         # not (a BaseException): the keepalive ends when its step does. Each
         # beat writes only over our own claim (compare-and-set): a state
         # another worker or the exhausted-delivery handler wrote is theirs.
-        while True:
+        while not cancelling():  # a cancel nats-py dropped inside a beat still ends it
             await asyncio.sleep(self.bus.config.keepalive)
             with contextlib.suppress(Exception):
                 await m.in_progress()
