@@ -116,6 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
             "requires one; empty: none"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
+    Setting("JOB_KEY", "", str, "file of the key that signs local jobs' records (made by "
+            "`smr up`, root-only); default: DATA_DIR/job.key; nodes sharing a NATS share it"),
     Setting("WORK_DIR", "", str, "where a local job's images are dumped on their way to storage; "
             "default: DATA_DIR/work; on a tmpfs a GPU heartbeat's freeze is shorter"),
     Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
@@ -347,6 +349,10 @@ class Settings:
     @property
     def data_path(self) -> Path:
         return Path(self.values["DATA_DIR"] or _default_data_dir())
+
+    @property
+    def job_key_path(self) -> Path:
+        return Path(self.values["JOB_KEY"] or self.data_path / "job.key")
 
     @property
     def work_path(self) -> Path:
