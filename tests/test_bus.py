@@ -400,7 +400,7 @@ async def test_stop_task_ends_a_task_whose_cancel_a_library_swallowed() -> None:
 
     task = asyncio.create_task(beats())
     await drops.entered.wait()
-    stopper = asyncio.create_task(stop_task(task))
+    stopper = asyncio.create_task(stop_task(task, again_every=0.5))
     try:
         await asyncio.wait([stopper], timeout=10)
         assert stopper.done(), "stop_task waits for ever on a task whose cancel was dropped"

@@ -47,6 +47,7 @@ log = logging.getLogger("smr.bus")
 
 LAG_EVERY_S = 5.0  # how often the backlog metric is read from the consumer
 FETCH_RETRY_S = 0.5  # after a fetch that failed for another reason than "nothing new"
+KEEP_CANCELLING_S = 0.5  # a loop whose cancel nats-py dropped is cancelled again (smr.aio)
 
 Req = TypeVar("Req", CkptRequested, RestoreRequested)
 Res = TypeVar("Res", CkptDone, RestoreDone)
@@ -165,7 +166,7 @@ class Worker:
             for t in list(serving):
                 await stop_task(t)
             for task in (answering, lag):
-                await stop_task(task)
+                await stop_task(task, again_every=KEEP_CANCELLING_S)
             await quietly(psub.unsubscribe())
             await quietly(exhausted.unsubscribe())
 
@@ -298,7 +299,7 @@ class Worker:
                 except TemporaryError as e:
                     if deliveries < self.bus.config.max_deliver:
                         step_span.record_exception(e)
-                        await stop_task(keepalive)
+                        await stop_task(keepalive, again_every=KEEP_CANCELLING_S)
                         # Not deleted: marked interrupted (a heartbeat of 0), so
                         # the redelivery asks the step's recover() what was
                         # done (a finished dump is stored, never dumped again).
@@ -325,7 +326,7 @@ class Worker:
                         hint="this is a bug in smr; please report it with the service log"))
                 annotate(step_span, result)
         finally:
-            await stop_task(keepalive)
+            await stop_task(keepalive, again_every=KEEP_CANCELLING_S)
         await self._finish(m, result)
 
     def _other_request(self, state: dict[str, Any], req: Any) -> str | None:
