@@ -129,7 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
     Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear"),
-    Setting("ENCRYPTION_KEY_FILE", "", str, "file holding that key (a mounted Secret)"),
+    Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
+            "Secret): the first writes, the others still read (rotation); each namespace's "
+            "data key is derived from them"),
     Setting("KEEP_GENERATIONS", 5, _count, "generations kept per checkpoint_id; 0: all"),
     Setting("MAX_AGE", 0.0, _seconds, "seconds a generation is kept (latest always); 0: forever"),
     Setting("GC_GRACE", 3600.0, _seconds, "age after which an unfinished upload is garbage"),
