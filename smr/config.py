@@ -167,6 +167,12 @@ SETTINGS: tuple[Setting, ...] = (
             "checkpoint fails and the job runs on"),
     Setting("LOCK_WAIT", 3600.0, _pos_float, "seconds a checkpoint or restore waits for "
             "another live step on the same job before it is retried"),
+    Setting("CHECKPOINTS_PER_NODE", 4, _pos_int, "node agent: checkpoints of different "
+            "containers a node runs at once; final ones (drain, preemption, shutdown) start "
+            "before the leave-running ones waiting"),
+    Setting("CHECKPOINT_SCRATCH", 0, _count, "node agent: bytes of its work directory the "
+            "dumps in flight may fill together (estimated from each workload's memory or "
+            "last dump); 0: the free space there. A dump always starts when none runs"),
     Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
             "node runs at once"),
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),

@@ -19,6 +19,7 @@ from services.agent import nodelabel
 from services.agent.incontainer import CriuBundle
 from services.agent.pods import Fresh, Pods
 from services.agent.starts import StartRestores
+from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
 from services.storage.store import CheckpointStore
@@ -48,9 +49,12 @@ class NodeAgent:
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
+        checkpoints = PodCheckpointStep(**common)
         self.workers = [
-            Worker(bus, Fresh(PodCheckpointStep(**common)), s.node,
-                   service="agent-checkpointer"),
+            Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",
+                   concurrency=s.checkpoints_per_node, ahead=LOOK_AHEAD,
+                   admission=CheckpointAdmission(s.work_path / "pods", checkpoints.estimate,
+                                                 s.checkpoint_scratch)),
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    concurrency=s.restores_per_node),
         ]

@@ -22,6 +22,7 @@ import orjson
 from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.pods import PodContainer, PodStep
+from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
 from services.storage.store import Generation
 from services.watcher.policy import tcp_policy
@@ -63,6 +64,20 @@ def _maybe_running(shim: Shim) -> bool:
 
 class PodCheckpointStep(PodStep):
     kind = "ckpt.requested"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        # The size of each checkpoint's last dump here: a GPU workload's
+        # device memory is in its images, not in its resident memory.
+        self._last_size: dict[tuple[str, str], int] = {}
+
+    async def estimate(self, req: CkptRequested) -> int:
+        """The bytes this request's dump will write: its workload's resident
+        memory, or its last dump's size if larger (see services/checkpointer/admission)."""
+        c = await self.pods.container(req.target)
+        running = await asyncio.to_thread(self.shim_of(c).workload)
+        rss = await asyncio.to_thread(resident_bytes, host.tree(running[0])) if running else 0
+        return max(rss, self._last_size.get((c.namespace, req.checkpoint_id), 0))
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started, t0 = now(), time.monotonic()
@@ -174,6 +189,7 @@ class PodCheckpointStep(PodStep):
                 await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
+        self._last_size[(c.namespace, req.checkpoint_id)] = gen.size_bytes
         return self._result(req, gen, durations=durations, started_at=started)
 
     def _workload(self, req: CkptRequested, shim: Shim) -> tuple[int, int]:

@@ -10,7 +10,8 @@ Subjects (``<node>`` is ``node_token(node)``)::
 
 Requests are published with ``Nats-Msg-Id = request_id``, so JetStream drops a
 duplicate within the dedupe window. Each node has one durable pull consumer per
-request kind, one step at a time.
+request kind; its worker runs a few steps at once and may hold more, fetched
+ahead, to start the most urgent first (smr/bus/ahead.py).
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ BUCKETS = ((KV_STEPS, 1, STEP_STATE_TTL), (KV_JOBS, 5, 0.0), (KV_LOCKS, 1, 0.0),
 def request_consumer(kind: str, node: str, config: BusConfig,
                      concurrency: int = 1) -> js_api.ConsumerConfig:
     """The durable consumer of ``kind`` requests for ``node``; ``concurrency``
-    requests in flight at once (steps serialise on their job's lock)."""
+    requests unacknowledged at once: those running (steps serialise on their
+    job's lock) and those fetched ahead."""
     name = f"{kind.replace('.', '-')}-{node_token(node)}"
     return js_api.ConsumerConfig(
         name=name, durable_name=name, filter_subject=subject(kind, node),

@@ -10,7 +10,7 @@ import uuid
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from smr.messages import CkptRequested, Target
+from smr.messages import CkptRequested, Target, epoch
 from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
 
@@ -238,3 +238,67 @@ async def test_a_liveness_probe_does_not_kill_a_restore(cluster: Cluster) -> Non
     assert not kubelet.did("live-b", "startup-failed")
     st = kubelet.state("default", "live-b")
     assert st is not None and st.containers["main"].restarts == 0, "restarted: a restore loop"
+
+
+async def test_final_checkpoints_go_ahead_of_queued_leave_running_ones(
+        cluster: Cluster) -> None:
+    """A drain on a node whose checkpointer is busy: leave-running
+    checkpoints (heartbeats) queued for every pod, then the cordon's, then
+    the evictions. Each pod's final checkpoint must not wait behind the
+    leave-running ones queued before it: it is stored within the pod's grace
+    period, no pod is SIGKILLed, and each replacement resumes from it."""
+    a, b = list(cluster.kubelets)
+    names = ["busy-1", "busy-2", "busy-3"]
+    for n in names:
+        cluster.kube.put("pods", workload(n, a, labels=NODE_RESTORE, final_wait=8, grace=10))
+    for n in names:
+        await cluster.until_steps(n, a, 3)
+    queued = []
+    for _ in range(10):  # a backlog of some 30 dumps, longer than the grace
+        for n in names:
+            p = cluster.kube.get("pods", n, "default")
+            assert p is not None
+            req = CkptRequested(
+                request_id=uuid.uuid4().hex, checkpoint_id=f"{n}.main", node=a,
+                reason="heartbeat", leave_running=True,
+                target=Target(kind="pod", namespace="default", pod=n, container="main",
+                              pod_uid=p["metadata"]["uid"]))
+            await cluster.bus.publish(req)
+            queued.append(req.request_id)
+
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await asyncio.gather(*(evict(cluster, n) for n in names))
+    for n in names:
+        await cluster.recreated(n, timeout=120)
+
+    kubelet = cluster.kubelets[a]
+    for n in names:  # a timing to read, not to assert
+        print(f"\nbusy drain: {n}: preStop hook (eviction to final checkpoint stored) "
+              f"{seconds_between(cluster, a, n, 'prestop', 'prestop-done'):.2f}s")
+    stored = []
+    for n in names:
+        said = hook_said(cluster, a, n)
+        assert "final checkpoint done" in said, f"{n}: the hook said {said}"
+        assert not kubelet.did(n, "KILL"), f"{n} outlived its grace period"
+        gen = await cluster.store.latest("default", f"{n}.main")
+        assert gen is not None
+        assert gen.manifest["reason"] == "drain" and gen.manifest["leave_running"] is False
+        stored.append(epoch(gen.manifest["created_at"]))
+    # The order: leave-running requests queued before the drain were answered
+    # after every final checkpoint was stored (they waited, not the finals).
+    later = 0
+    for rid in queued:
+        done = await cluster.bus.wait_result(rid, "ckpt.requested", timeout=120)
+        state, _ = await cluster.bus.step_state(rid)
+        assert state is not None
+        later += state["finished"] > max(stored)
+        assert done.status in ("succeeded", "failed")
+    print(f"busy drain: {later} of {len(queued)} leave-running requests queued before the "
+          "drain were answered after the last final checkpoint was stored")
+    assert later > 0, "every queued leave-running request went ahead of the finals"
+    for n in names:
+        before = steps(cluster.log(n, a))
+        cluster.schedule(n, b)
+        after = await cluster.until_steps(n, b, 5)
+        assert_continues(before, after, before[-1][0])
+        assert after[0][0] == before[-1][0] + 1, f"{n}: steps lost after a final checkpoint"
