@@ -294,7 +294,7 @@ class PodCheckpointStep(PodStep):
             c = shim = None
         if gen := await self._committed(req):
             await self.store.ensure_latest(ns, req.checkpoint_id, gen.number)
-            await self._settle_held(req, c, shim, work, signal.SIGKILL)
+            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await asyncio.to_thread(shutil.rmtree, work, True)
             return self._result(req, gen)
         if c is None or shim is None:
@@ -303,11 +303,11 @@ class PodCheckpointStep(PodStep):
             try:
                 gen = await self._durable(req, c, shim, Progress())
             except PermanentError as e:
-                await self._settle_held(req, c, shim, work, signal.SIGCONT)
+                await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
                 await asyncio.to_thread(shutil.rmtree, work, True)
                 await self.lock.release(c.lock_key(), req.request_id)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
-            await self._settle_held(req, c, shim, work, signal.SIGKILL)
+            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
             return self._result(req, gen)
@@ -315,10 +315,12 @@ class PodCheckpointStep(PodStep):
         return None
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
-                           shim: Shim | None, work: Any, sig: int) -> None:
+                           shim: Shim | None, work: Any, sig: int, outcome: str) -> None:
         """End (SIGKILL) or continue (SIGCONT) the workload a final dump left
-        stopped: only in the very container that was dumped, never a restored
-        one that has replaced it since."""
+        stopped, and tell its preStop hook the ``outcome`` (as run() does: the
+        hook waits for it, and the kubelet's SIGTERM waits for the hook): only
+        in the very container that was dumped, never a restored one that has
+        replaced it since."""
         if req.leave_running or c is None or shim is None:
             return
         try:
@@ -330,3 +332,4 @@ class PodCheckpointStep(PodStep):
         running = await asyncio.to_thread(shim.workload)
         if running is not None:
             signal_tree(running[0], sig)
+        await asyncio.to_thread(shim.final, outcome)

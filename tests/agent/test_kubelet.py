@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
+import orjson
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.messages import CkptRequested, Target, epoch
@@ -302,3 +304,49 @@ async def test_final_checkpoints_go_ahead_of_queued_leave_running_ones(
         after = await cluster.until_steps(n, b, 5)
         assert_continues(before, after, before[-1][0])
         assert after[0][0] == before[-1][0] + 1, f"{n}: steps lost after a final checkpoint"
+
+
+async def test_a_recovered_final_checkpoint_still_releases_the_prestop_hook(
+        cluster: Cluster) -> None:
+    """The agent's step stops right after the manifest of a final checkpoint
+    is stored, before it tells the preStop hook (as the agent stopping does,
+    mid-step: the request is delivered again). Its recovery stores nothing
+    twice, ends the workload held stopped, and must tell the hook as the step
+    would have: else the hook waits its whole time and the pod's stop with it."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("recovered", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("recovered", a, 5)
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+    stopped = []
+
+    async def stop_after_final_manifest(key: str, data: bytes, **kw: Any) -> str:
+        out = str(await real(key, data, **kw))
+        if key.endswith("manifest.json") and not orjson.loads(data)["leave_running"] \
+                and not stopped:
+            stopped.append(key)
+            raise asyncio.CancelledError  # the step ends here, its manifest stored
+        return out
+
+    backend.put_bytes = stop_after_final_manifest
+    try:
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await evict(cluster, "recovered")
+        await cluster.recreated("recovered", timeout=60)
+    finally:
+        backend.put_bytes = real
+    assert stopped, "the fault never fired"
+    said = hook_said(cluster, a, "recovered")
+    print(f"\nrecovered final: preStop hook ended after "
+          f"{seconds_between(cluster, a, 'recovered', 'prestop', 'prestop-done'):.2f}s: {said}")
+    assert "final checkpoint done" in said, f"the hook said {said}"
+    assert not cluster.kubelets[a].did("recovered", "KILL")
+    gen = await cluster.store.latest("default", "recovered.main")
+    assert gen is not None and gen.manifest["leave_running"] is False
+    assert f"done {gen.number}" in said  # the very generation recovery stored
+    before = steps(cluster.log("recovered", a))
+    cluster.schedule("recovered", b)
+    after = await cluster.until_steps("recovered", b, 5)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
