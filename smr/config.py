@@ -189,9 +189,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(its handler runs smr-runtime in front of runc)"),
     Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, _pairs, "webhook: a pod's own "
             "RuntimeClass → the smr class that wraps the same runtime (NAME=SMR_NAME,...)"),
-    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: seconds added to an opted-in "
-            "pod's terminationGracePeriodSeconds for its final checkpoint, which its preStop "
-            "hook waits for before the kubelet's SIGTERM (0: no hook)"),
+    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: the least seconds added to an "
+            "opted-in pod's terminationGracePeriodSeconds for its final checkpoint, which its "
+            "preStop hook waits for before the kubelet's SIGTERM; more for a workload whose "
+            "last checkpoint took longer (twice its measured time, plus 10 s). 0: no hook"),
     Setting("RESTORE_SECONDS", 600, _count, "webhook: how long the startupProbe it adds to "
             "an opted-in container with a liveness probe waits for its workload to run "
             "(a restore), before the kubelet gives up on it"),

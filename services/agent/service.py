@@ -25,7 +25,7 @@ from services.restorer.pod import PodRestoreStep
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint
 from smr.aio import ended_why, until_stopped
-from smr.bus import KV_LOCKS, KV_STEPS, Bus, Worker
+from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus, Worker
 from smr.config import Settings
 from smr.criu import Criu
 from smr.errors import SmrError
@@ -49,7 +49,7 @@ class NodeAgent:
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
-        checkpoints = PodCheckpointStep(**common)
+        checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS))
         self.workers = [
             Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",
                    concurrency=s.checkpoints_per_node, ahead=LOOK_AHEAD,

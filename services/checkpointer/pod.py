@@ -18,10 +18,12 @@ import time
 from typing import Any
 
 import orjson
+from nats.js.kv import KeyValue
 
 from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.pods import PodContainer, PodStep
+from services.checkpointer import timings
 from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
 from services.storage.store import Generation
@@ -65,8 +67,9 @@ def _maybe_running(shim: Shim) -> bool:
 class PodCheckpointStep(PodStep):
     kind = "ckpt.requested"
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, *, timings: KeyValue | None = None, **kw: Any) -> None:
         super().__init__(**kw)
+        self.timings = timings  # where each checkpoint's measured time goes (timings.py)
         # The size of each checkpoint's last dump here: a GPU workload's
         # device memory is in its images, not in its resident memory.
         self._last_size: dict[tuple[str, str], int] = {}
@@ -167,6 +170,9 @@ class PodCheckpointStep(PodStep):
                     raise
                 durations.update(dump.result())
                 durations["durable"] = durable
+                # From the freeze to stored: what a final checkpoint of it
+                # needs of the pod's grace period (services/webhook/admission).
+                measured = time.monotonic() - frozen_at
                 if not req.leave_running:
                     signal_tree(pid, signal.SIGKILL)  # durable: its stopped tree ends
                     if ticks is not None:
@@ -190,6 +196,9 @@ class PodCheckpointStep(PodStep):
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
         self._last_size[(c.namespace, req.checkpoint_id)] = gen.size_bytes
+        if self.timings is not None:
+            await timings.record(self.timings, c.namespace, req.checkpoint_id, measured,
+                                 gen.number)
         return self._result(req, gen, durations=durations, started_at=started)
 
     def _workload(self, req: CkptRequested, shim: Shim) -> tuple[int, int]:

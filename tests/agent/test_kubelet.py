@@ -6,12 +6,14 @@ Each workload here exits at once on SIGTERM (the counter's shell has no trap).""
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from typing import Any
 
 import orjson
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from smr.bus import KV_TIMINGS
 from smr.messages import CkptRequested, Target, epoch
 from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
@@ -350,3 +352,35 @@ async def test_a_recovered_final_checkpoint_still_releases_the_prestop_hook(
     after = await cluster.until_steps("recovered", b, 5)
     assert_continues(before, after, before[-1][0])
     assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
+
+
+async def test_the_grace_period_comes_from_the_last_measured_checkpoint(
+        cluster: Cluster) -> None:
+    """The agent records how long a workload's checkpoint took, from the
+    freeze to stored; a pod created later for the same checkpoint gets, from
+    the webhook, a grace period sized from that time."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "timed-1"}
+    await create(cluster, plain_pod("timed-a", a, env=env, owner="timed",
+                                    command=["/bin/counter"]))
+    await cluster.until_steps("timed-a", a, 3)
+    done = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="timed-1", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="timed-a", container="main")),
+        timeout=60)
+    assert done.status == "succeeded", done.error
+    entry = await cluster.bus.kv(KV_TIMINGS).get("default/timed-1")
+    measured = orjson.loads(entry.value or b"{}")
+    print(f"\nmeasured checkpoint: {measured['seconds']:.2f}s (the step: {done.durations})")
+    assert measured["generation"] == done.generation
+    assert 0 < measured["seconds"] <= done.durations["total"]
+
+    # This workload is saved in well under a second: a floor below it, so
+    # that the measured time is what decides.
+    cluster.webhook.s = cluster.webhook.s.replace(final_checkpoint_seconds=1)
+    stored = await create(cluster, plain_pod("timed-b", b, env=env, owner="timed",
+                                             command=["/bin/counter"]))
+    added = math.ceil(2 * measured["seconds"] + 10)
+    assert stored["spec"]["terminationGracePeriodSeconds"] == 30 + added
+    assert stored["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+        "/smr/smr-init", "--wait-final", str(added)]
