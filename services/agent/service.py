@@ -5,6 +5,7 @@ pods on its node:
     ckpt.requested.<node>    (pod target) ──▶ PodCheckpointStep
     restore.requested.<node> (pod target) ──▶ PodRestoreStep
     a container's smr-init waiting         ──▶ StartRestores (restore or fresh)
+    a preStop hook no final checkpoint answers ──▶ PreStopWaits (released)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kubernetes_asyncio import client
 from services.agent import nodelabel
 from services.agent.incontainer import CriuBundle
 from services.agent.pods import Fresh, Pods
+from services.agent.prestop import PreStopWaits
 from services.agent.starts import StartRestores
 from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.checkpointer.pod import PodCheckpointStep
@@ -59,6 +61,7 @@ class NodeAgent:
                    concurrency=s.restores_per_node),
         ]
         self.starts = StartRestores(bus, self.pods, s)
+        self.prestop = PreStopWaits(self.pods, s.node, s.preemption_taints)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -73,6 +76,7 @@ class NodeAgent:
         await nodelabel.install_and_label(self.s, self.pods.core)  # then the node's labels
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
+        tasks.append(asyncio.create_task(self.prestop.run(self._stop)))
         try:
             await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
             self.ready.set()

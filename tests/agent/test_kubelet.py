@@ -384,3 +384,25 @@ async def test_the_grace_period_comes_from_the_last_measured_checkpoint(
     assert stored["spec"]["terminationGracePeriodSeconds"] == 30 + added
     assert stored["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
         "/smr/smr-init", "--wait-final", str(added)]
+
+
+async def test_a_plain_delete_does_not_wait_for_a_final_checkpoint(cluster: Cluster) -> None:
+    """`kubectl delete pod` on a node that is not going away: no final
+    checkpoint is asked for, so the preStop hook must not wait for one (it
+    would hold the delete back for its whole time). A drain, on the same
+    agent, still waits for its final checkpoint (the drain test)."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("deleted", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("deleted", a, 3)
+    await cluster.core.delete_namespaced_pod("deleted", "default")
+    for _ in range(400):
+        if cluster.kube.get("pods", "deleted", "default") is None:
+            break
+        await asyncio.sleep(0.1)
+    said = hook_said(cluster, a, "deleted")
+    print(f"\nplain delete: preStop hook ended after "
+          f"{seconds_between(cluster, a, 'deleted', 'prestop', 'prestop-done'):.2f}s: {said}")
+    assert "final checkpoint none" in said, f"the hook said {said}"
+    assert not cluster.kubelets[a].did("deleted", "KILL")
+    assert await cluster.store.latest("default", "deleted.main") is None, "nothing is saved"
