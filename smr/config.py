@@ -171,6 +171,12 @@ SETTINGS: tuple[Setting, ...] = (
             "checkpoint fails and the job runs on"),
     Setting("LOCK_WAIT", 3600.0, _pos_float, "seconds a checkpoint or restore waits for "
             "another live step on the same job before it is retried"),
+    Setting("CHECKPOINTS_PER_NODE", 4, _pos_int, "node agent: checkpoints of different "
+            "containers a node runs at once; final ones (drain, preemption, shutdown) start "
+            "before the leave-running ones waiting"),
+    Setting("CHECKPOINT_SCRATCH", 0, _count, "node agent: bytes of its work directory the "
+            "dumps in flight may fill together (estimated from each workload's memory or "
+            "last dump); 0: the free space there. A dump always starts when none runs"),
     Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
             "node runs at once"),
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
@@ -187,9 +193,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(its handler runs smr-runtime in front of runc)"),
     Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, _pairs, "webhook: a pod's own "
             "RuntimeClass → the smr class that wraps the same runtime (NAME=SMR_NAME,...)"),
-    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: seconds added to an opted-in "
-            "pod's terminationGracePeriodSeconds for its final checkpoint, which its preStop "
-            "hook waits for before the kubelet's SIGTERM (0: no hook)"),
+    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: the least seconds added to an "
+            "opted-in pod's terminationGracePeriodSeconds for its final checkpoint, which its "
+            "preStop hook waits for before the kubelet's SIGTERM; more for a workload whose "
+            "last checkpoint took longer (twice its measured time, plus 10 s). 0: no hook"),
     Setting("RESTORE_SECONDS", 600, _count, "webhook: how long the startupProbe it adds to "
             "an opted-in container with a liveness probe waits for its workload to run "
             "(a restore), before the kubelet gives up on it"),

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from services.checkpointer.admission import CheckpointAdmission
 from smr.bus import (
     KV_JOBS,
     KV_LOCKS,
@@ -463,3 +464,75 @@ async def test_a_worker_keeps_serving_its_node_across_nats_restarts(
     finally:
         await bus.close()
         srv.stop()
+
+
+class Gated:
+    """Records the order requests start in, and how many run at once; each
+    runs until the test opens its gate."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.running = 0
+        self.most = 0
+        self.gate = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id)
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await self.gate.wait()
+            await asyncio.sleep(0.2)  # overlapping, were they let run together
+        finally:
+            self.running -= 1
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def _served(bus: Bus, step: Gated, node: str, rids: list[str], **kw: Any) -> None:
+    w = Worker(bus, step, node, service="test", **kw)
+    task = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        for rid in rids:
+            await bus.publish(request(node, rid, leave_running=not rid.startswith("final")))
+            await asyncio.sleep(0.1)  # the first has started before the others come
+        await asyncio.sleep(1)  # all fetched, waiting
+        step.gate.set()
+        for rid in rids:
+            assert (await bus.wait_result(rid, "ckpt.requested", timeout=30)).status == \
+                "succeeded"
+    finally:
+        await stop(w, task)
+
+
+async def test_a_final_request_starts_before_leave_running_ones_queued_earlier(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    step = Gated()
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    admission = CheckpointAdmission(tmp_path, estimate)
+    await _served(bus, step, node, ["lr-1", "lr-2", "lr-3", "final-1"],
+                  ahead=8, admission=admission)
+    assert step.started == ["lr-1", "final-1", "lr-2", "lr-3"]
+
+
+async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    async def estimate(req: CkptRequested) -> int:
+        return 600
+
+    fits = Gated()  # 3 x 600 within 2000: together
+    await _served(bus, fits, node, ["a-1", "a-2", "a-3"], concurrency=3, ahead=4,
+                  admission=CheckpointAdmission(tmp_path, estimate, limit=2000))
+    assert fits.most == 3
+    tight = Gated()  # 2 x 600 over 1000: one at a time; a final first still
+    await _served(bus, tight, node, ["b-1", "b-2", "final-b"], concurrency=3, ahead=4,
+                  admission=CheckpointAdmission(tmp_path, estimate, limit=1000))
+    assert tight.most == 1
+    assert tight.started == ["b-1", "final-b", "b-2"]
