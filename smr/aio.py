@@ -53,10 +53,19 @@ async def quietly(aw: Awaitable[Any]) -> None:
         pass
 
 
-async def stop_task(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it has ended, whatever its outcome."""
+async def stop_task(task: asyncio.Future[Any], *, again_every: float | None = None) -> None:
+    """Cancel ``task`` and wait until it has ended, whatever its outcome.
+
+    ``again_every``: cancel again at that interval until it ends, for loops
+    with nothing to clean up (keepalives, pollers). nats-py drops a
+    cancellation that arrives while a publish waits on the connection
+    (``_flush_pending``); a keepalive that lost its cancel so beat on while
+    its worker waited for it for ever (found by the fault campaign). A step's
+    task is cancelled once: a second cancel could cut its clean-up short."""
     task.cancel()
-    await asyncio.wait([task])
+    while not task.done():
+        await asyncio.wait([task], timeout=again_every)
+        task.cancel()
     if not task.cancelled():
         task.exception()  # read: an error of a task being stopped is not news
 

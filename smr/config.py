@@ -116,6 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
             "requires one; empty: none"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
+    Setting("JOB_KEY", "", str, "file of the key that signs local jobs' records (made by "
+            "`smr up`, root-only); default: DATA_DIR/job.key; nodes sharing a NATS share it"),
     Setting("WORK_DIR", "", str, "where a local job's images are dumped on their way to storage; "
             "default: DATA_DIR/work; on a tmpfs a GPU heartbeat's freeze is shorter"),
     Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
@@ -127,7 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
     Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear"),
-    Setting("ENCRYPTION_KEY_FILE", "", str, "file holding that key (a mounted Secret)"),
+    Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
+            "Secret): the first writes, the others still read (rotation); each namespace's "
+            "data key is derived from them"),
     Setting("KEEP_GENERATIONS", 5, _count, "generations kept per checkpoint_id; 0: all"),
     Setting("MAX_AGE", 0.0, _seconds, "seconds a generation is kept (latest always); 0: forever"),
     Setting("GC_GRACE", 3600.0, _seconds, "age after which an unfinished upload is garbage"),
@@ -167,6 +171,12 @@ SETTINGS: tuple[Setting, ...] = (
             "checkpoint fails and the job runs on"),
     Setting("LOCK_WAIT", 3600.0, _pos_float, "seconds a checkpoint or restore waits for "
             "another live step on the same job before it is retried"),
+    Setting("CHECKPOINTS_PER_NODE", 4, _pos_int, "node agent: checkpoints of different "
+            "containers a node runs at once; final ones (drain, preemption, shutdown) start "
+            "before the leave-running ones waiting"),
+    Setting("CHECKPOINT_SCRATCH", 0, _count, "node agent: bytes of its work directory the "
+            "dumps in flight may fill together (estimated from each workload's memory or "
+            "last dump); 0: the free space there. A dump always starts when none runs"),
     Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
             "node runs at once"),
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
@@ -183,9 +193,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(its handler runs smr-runtime in front of runc)"),
     Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, _pairs, "webhook: a pod's own "
             "RuntimeClass → the smr class that wraps the same runtime (NAME=SMR_NAME,...)"),
-    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: seconds added to an opted-in "
-            "pod's terminationGracePeriodSeconds for its final checkpoint, which its preStop "
-            "hook waits for before the kubelet's SIGTERM (0: no hook)"),
+    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: the least seconds added to an "
+            "opted-in pod's terminationGracePeriodSeconds for its final checkpoint, which its "
+            "preStop hook waits for before the kubelet's SIGTERM; more for a workload whose "
+            "last checkpoint took longer (twice its measured time, plus 10 s). 0: no hook"),
     Setting("RESTORE_SECONDS", 600, _count, "webhook: how long the startupProbe it adds to "
             "an opted-in container with a liveness probe waits for its workload to run "
             "(a restore), before the kubelet gives up on it"),
@@ -351,6 +362,10 @@ class Settings:
     @property
     def data_path(self) -> Path:
         return Path(self.values["DATA_DIR"] or _default_data_dir())
+
+    @property
+    def job_key_path(self) -> Path:
+        return Path(self.values["JOB_KEY"] or self.data_path / "job.key")
 
     @property
     def work_path(self) -> Path:

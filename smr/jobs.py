@@ -7,15 +7,21 @@ outside they never collide. No mount namespace: CRIU would then need the whole
 mount table described.
 
 The registry is the JetStream KV bucket ``smr-jobs`` (job id → record), written
-with compare-and-set so two writers never lose each other's update.
+with compare-and-set so two writers never lose each other's update. Each
+record is signed (HMAC-SHA256) with a key only root can read: a step acts on a
+record only if smr wrote it, so whoever reaches the bus cannot name a process
+smr never started and have root freeze, dump or kill it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -49,6 +55,7 @@ class Job:
     restored_by: str | None = None  # request_id of the restore that started this pid
     tcp: str = "auto"  # TCP connection policy (smr.sockets.POLICIES)
     created_at: float = field(default_factory=time.time)
+    sig: str = ""  # HMAC of the rest, by the registry's key (JobRegistry)
 
     def alive(self) -> bool:
         return self.pid > 0 and proc_start_ticks(self.pid) == self.start_ticks
@@ -127,9 +134,70 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
                start_ticks=ticks, checkpoint_id=job_id)
 
 
+def job_key(path: Path, *, create: bool = False) -> bytes | None:
+    """The key that signs job records: ``path``, made (0600, never through a
+    link) when ``create``; None where it does not exist and is not made."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SmrError(f"cannot read the job key {path}: {e.strerror}", code="job-key",
+                       hint="smr's commands run as root, like CRIU; "
+                            "or set SMR_JOB_KEY to the key `smr up` uses") from None
+    with os.fdopen(fd, "rb") as f:
+        key = f.read()
+    if len(key) < 32:
+        raise SmrError(f"the job key {path} is {len(key)} bytes, not 32", code="job-key",
+                       hint="remove it and start `smr up` again; running jobs must be "
+                            "started again with `smr exec`")
+    return key
+
+
 class JobRegistry:
-    def __init__(self, kv: KeyValue) -> None:
+    """``key``: records are signed when written and checked when read; a
+    registry without one (a reader that acts on nothing) checks nothing."""
+
+    def __init__(self, kv: KeyValue, key: bytes | None = None) -> None:
         self.kv = kv
+        self.key = key
+
+    def _mac(self, record: dict[str, Any]) -> str:
+        assert self.key
+        return hmac.new(self.key, orjson.dumps(record, option=orjson.OPT_SORT_KEYS),
+                        hashlib.sha256).hexdigest()
+
+    def _sign(self, job: Job) -> bytes:
+        record = asdict(job)
+        record.pop("sig")
+        if self.key:
+            record["sig"] = self._mac(record)
+        return orjson.dumps(record)
+
+    def _verified(self, job_id: str, raw: bytes) -> Job:
+        try:
+            job = Job(**orjson.loads(raw))
+        except (orjson.JSONDecodeError, TypeError) as e:
+            raise PermanentError(f"the record of job {job_id!r} is not a job record ({e})",
+                                 code="job-not-verified",
+                                 hint="`smr rm` it; smr never wrote it") from None
+        if self.key:
+            record = asdict(job)
+            sig = record.pop("sig")
+            if not hmac.compare_digest(sig, self._mac(record)) or job.id != job_id:
+                raise PermanentError(
+                    f"the record of job {job_id!r} was not written by this smr: refusing to "
+                    f"act on process {job.pid}", code="job-not-verified",
+                    hint="only a job that `smr exec` started or smr restored can be "
+                         "checkpointed; a record from another key (SMR_JOB_KEY) or an "
+                         "older smr: start the job again with `smr exec`")
+        return job
 
     async def get(self, job_id: str) -> tuple[Job, int]:
         try:
@@ -141,7 +209,7 @@ class JobRegistry:
                 f"no job named {job_id!r}", code="job-not-found",
                 hint="`smr ps` lists the jobs; start one with `smr exec -i ID -- CMD`",
             )
-        return Job(**orjson.loads(e.value)), e.revision or 0
+        return self._verified(job_id, e.value), e.revision or 0
 
     async def find(self, job_id: str) -> Job | None:
         try:
@@ -151,7 +219,7 @@ class JobRegistry:
 
     async def create(self, job: Job) -> None:
         try:
-            await self.kv.create(job.id, orjson.dumps(asdict(job)))
+            await self.kv.create(job.id, self._sign(job))
         except KeyWrongLastSequenceError:
             raise SmrError(
                 f"a job named {job.id!r} already exists", code="job-exists",
@@ -162,9 +230,9 @@ class JobRegistry:
         """Write ``job``; with ``revision``, only if nobody wrote it since."""
         try:
             if revision is None:
-                await self.kv.put(job.id, orjson.dumps(asdict(job)))
+                await self.kv.put(job.id, self._sign(job))
             else:
-                await self.kv.update(job.id, orjson.dumps(asdict(job)), last=revision)
+                await self.kv.update(job.id, self._sign(job), last=revision)
         except KeyWrongLastSequenceError:
             raise TemporaryError(f"job {job.id} changed while being updated; retrying",
                                  code="job-conflict") from None

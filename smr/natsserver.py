@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import time
@@ -18,8 +20,11 @@ def free_port() -> int:
 
 class NatsServer:
     def __init__(self, binary: str, store_dir: Path, port: int | None = None,
-                 log_file: Path | None = None) -> None:
+                 log_file: Path | None = None, token: str = "") -> None:
+        """``token``: clients must present it (in a root-only config file, not
+        in argv, which any local user reads in /proc)."""
         self.binary = binary
+        self.token = token
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = log_file or self.store_dir / "nats-server.log"
@@ -27,14 +32,30 @@ class NatsServer:
 
     @property
     def url(self) -> str:
+        """Where it listens, without the token: safe to print."""
         return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def client_url(self) -> str:
+        """What a client connects with: the token rides as the URL's user."""
+        return f"nats://{self.token}@127.0.0.1:{self.port}" if self.token else self.url
+
+    def _auth_args(self) -> list[str]:
+        if not self.token:
+            return []
+        conf = self.store_dir / "auth.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"authorization {{ token: {json.dumps(self.token)} }}\n")
+        return ["-c", str(conf)]
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1",
-                 "-p", str(self.port)],
+                [self.binary, *self._auth_args(), "-js", "-sd", str(self.store_dir),
+                 "-a", "127.0.0.1", "-p", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches smr, which stops the server in order
             )

@@ -23,7 +23,7 @@ from smr import config, metrics, sockets
 from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
-from smr.jobs import JobRegistry, launch
+from smr.jobs import JobRegistry, job_key, launch
 from smr.messages import (
     CkptDone,
     CkptRequested,
@@ -123,7 +123,7 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         raise SmrError("no command given", hint="smr exec -i ID -- CMD [ARGS...]")
     bus = await embedded.connect(s)
     try:
-        jobs = JobRegistry(bus.kv(KV_JOBS))
+        jobs = JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path))
         if (old := await jobs.find(a.id)) and old.alive():
             raise SmrError(f"job {a.id} is already running (pid {old.pid})", code="job-exists",
                            hint="choose another id")
@@ -141,7 +141,7 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
     bus = await embedded.connect(s)
     try:
-        jobs = await JobRegistry(bus.kv(KV_JOBS)).all()
+        jobs = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).all()
     finally:
         await bus.close()
     print(f"{'ID':<20} {'STATE':<13} {'PID':>8} {'GEN':>4}  COMMAND")
@@ -212,7 +212,7 @@ async def cmd_status(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_kill(s: config.Settings, a: argparse.Namespace) -> int:
     bus = await embedded.connect(s)
     try:
-        job, _ = await JobRegistry(bus.kv(KV_JOBS)).get(a.id)
+        job, _ = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).get(a.id)
     finally:
         await bus.close()
     if not job.alive():

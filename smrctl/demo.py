@@ -22,7 +22,7 @@ from services.storage.settings import make_store
 from smr.bus import KV_JOBS, Bus
 from smr.config import Settings
 from smr.errors import SmrError
-from smr.jobs import JobRegistry, launch, proc_start_ticks
+from smr.jobs import JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.workloads import counter
 from smrctl import embedded
@@ -68,7 +68,7 @@ async def run_demo(s: Settings, *, mib: int = 256, keep: bool = False) -> int:
 
 
 async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
-    jobs = JobRegistry(bus.kv(KV_JOBS))
+    jobs = JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path))
     job_id = f"demo-{uuid.uuid4().hex[:6]}"
     log = (s.data_path / "logs" / f"{job_id}.log").resolve()
     cmd = [sys.executable, "-m", "smr.workloads.counter", "--mib", str(mib)]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 from pathlib import Path
 
 from services.checkpointer.step import CheckpointStep
@@ -19,7 +21,7 @@ from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
 from smr.config import Settings
 from smr.criu import Criu
 from smr.errors import SmrError
-from smr.jobs import JobLock, JobRegistry
+from smr.jobs import JobLock, JobRegistry, job_key
 from smr.natsserver import NatsServer
 
 log = logging.getLogger("smr.embedded")
@@ -29,7 +31,16 @@ READY_S = 90.0  # NATS restarting as this starts is retried for up to a minute
 
 
 def url_file(settings: Settings) -> Path:
+    """The embedded NATS's URL with its token: root-only, like the data dir."""
     return settings.data_path / "nats.url"
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into a new file only its owner reads, never through a link."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 class EmbeddedNode:
@@ -53,19 +64,25 @@ class EmbeddedNode:
 
     async def start(self) -> EmbeddedNode:
         s = self.settings
+        # Checkpoint images are copies of memory, and the URL file holds the
+        # NATS token: the data dir is its owner's alone.
         s.data_path.mkdir(parents=True, exist_ok=True)
+        os.chmod(s.data_path, 0o700)
         criu = Criu(s.criu_binary(), s.criu_timeout)
         self.criu_problem = await criu.problem()
         if self.criu_problem:
             log.error("%s", self.criu_problem)
         if not s.nats_url:
-            self.server = NatsServer(s.nats_server_binary(), s.data_path / "nats")
+            # Only smr's own clients: the token is in root-only files.
+            self.server = NatsServer(s.nats_server_binary(), s.data_path / "nats",
+                                     token=secrets.token_urlsafe(32))
             await asyncio.to_thread(self.server.start)
-            url_file(s).write_text(self.server.url)
+            write_private(url_file(s), self.server.client_url)
         tracing.setup("node")
-        self.bus = await Bus.connect(self.url, name=f"smr-node-{s.node}",
+        self.bus = await Bus.connect(self.server.client_url if self.server else s.nats_url,
+                                     name=f"smr-node-{s.node}",
                                      config=BusConfig.from_settings(s))
-        jobs = JobRegistry(self.bus.kv(KV_JOBS))
+        jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(s.job_key_path, create=True))
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=s.lock_wait,
                        stale_after=self.bus.config.stale_after)
         store = self.store = make_store(s)

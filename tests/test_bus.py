@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from services.checkpointer.admission import CheckpointAdmission
 from smr.bus import (
     KV_JOBS,
     KV_LOCKS,
@@ -366,6 +367,80 @@ async def test_quietly_never_swallows_its_callers_cancellation() -> None:
     assert task in done and task.cancelled()
 
 
+class DropsOneCancel:
+    """Awaits as nats-py's ``Client._flush_pending`` does: a cancellation that
+    arrives while it waits on the connection is caught and dropped. Only the
+    first is dropped, so that a test that fails can still end."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.dropped = False
+
+    async def wait(self) -> None:
+        self.entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if self.dropped:
+                raise
+            self.dropped = True
+
+
+async def test_stop_task_ends_a_task_whose_cancel_a_library_swallowed() -> None:
+    """The fault campaign's stuck requests: a step had ended, and the worker
+    waited for ever on its keepalive, whose cancel nats-py had dropped inside
+    a publish. Stopping a task must end it even so."""
+    from smr.aio import stop_task
+
+    drops = DropsOneCancel()
+
+    async def beats() -> None:
+        while True:
+            await drops.wait()
+            await asyncio.sleep(5)
+
+    task = asyncio.create_task(beats())
+    await drops.entered.wait()
+    stopper = asyncio.create_task(stop_task(task, again_every=0.5))
+    try:
+        await asyncio.wait([stopper], timeout=10)
+        assert stopper.done(), "stop_task waits for ever on a task whose cancel was dropped"
+    finally:
+        while not task.done():  # this test's own clean-up, whatever stop_task did
+            task.cancel()
+            await asyncio.wait([task], timeout=0.1)
+        stopper.cancel()
+
+
+async def test_a_keepalive_whose_cancel_nats_dropped_still_ends(
+        bus: Bus, node: str, monkeypatch: Any) -> None:
+    """The same, through a real worker: the keepalive's in_progress() loses the
+    cancel (as nats-py does while NATS is away); the step's result must still
+    be published and the node served."""
+    from nats.aio.msg import Msg
+
+    drops = DropsOneCancel()
+
+    async def in_progress(self: Msg) -> None:
+        await drops.wait()
+
+    monkeypatch.setattr(Msg, "in_progress", in_progress)
+
+    class WaitsForABeat(CountingStep):
+        async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+            await drops.entered.wait()
+            return await super().run(req, progress)
+
+    step = WaitsForABeat()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, "beat-1"))
+        result = await bus.wait_result("beat-1", "ckpt.requested", timeout=20)
+        assert result.status == "succeeded"
+    finally:
+        await stop(w, t)
+
+
 async def test_a_worker_keeps_serving_its_node_across_nats_restarts(
         tmp_path: Path, nats_server: NatsServer, bus_config: Any, node: str) -> None:
     """NATS restarted again and again (JetStream on disk kept), as the fault
@@ -389,3 +464,75 @@ async def test_a_worker_keeps_serving_its_node_across_nats_restarts(
     finally:
         await bus.close()
         srv.stop()
+
+
+class Gated:
+    """Records the order requests start in, and how many run at once; each
+    runs until the test opens its gate."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.running = 0
+        self.most = 0
+        self.gate = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id)
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await self.gate.wait()
+            await asyncio.sleep(0.2)  # overlapping, were they let run together
+        finally:
+            self.running -= 1
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def _served(bus: Bus, step: Gated, node: str, rids: list[str], **kw: Any) -> None:
+    w = Worker(bus, step, node, service="test", **kw)
+    task = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        for rid in rids:
+            await bus.publish(request(node, rid, leave_running=not rid.startswith("final")))
+            await asyncio.sleep(0.1)  # the first has started before the others come
+        await asyncio.sleep(1)  # all fetched, waiting
+        step.gate.set()
+        for rid in rids:
+            assert (await bus.wait_result(rid, "ckpt.requested", timeout=30)).status == \
+                "succeeded"
+    finally:
+        await stop(w, task)
+
+
+async def test_a_final_request_starts_before_leave_running_ones_queued_earlier(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    step = Gated()
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    admission = CheckpointAdmission(tmp_path, estimate)
+    await _served(bus, step, node, ["lr-1", "lr-2", "lr-3", "final-1"],
+                  ahead=8, admission=admission)
+    assert step.started == ["lr-1", "final-1", "lr-2", "lr-3"]
+
+
+async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    async def estimate(req: CkptRequested) -> int:
+        return 600
+
+    fits = Gated()  # 3 x 600 within 2000: together
+    await _served(bus, fits, node, ["a-1", "a-2", "a-3"], concurrency=3, ahead=4,
+                  admission=CheckpointAdmission(tmp_path, estimate, limit=2000))
+    assert fits.most == 3
+    tight = Gated()  # 2 x 600 over 1000: one at a time; a final first still
+    await _served(bus, tight, node, ["b-1", "b-2", "final-b"], concurrency=3, ahead=4,
+                  admission=CheckpointAdmission(tmp_path, estimate, limit=1000))
+    assert tight.most == 1
+    assert tight.started == ["b-1", "final-b", "b-2"]

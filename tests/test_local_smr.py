@@ -26,7 +26,7 @@ from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
 from smr.criu import Criu
-from smr.jobs import Job, JobLock, JobRegistry, launch, proc_start_ticks
+from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
@@ -44,7 +44,7 @@ class Harness:
         self.bus: Bus = node.bus
         self.settings = settings
         self.tmp = tmp
-        self.jobs = JobRegistry(self.bus.kv(KV_JOBS))
+        self.jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(settings.job_key_path))
         self.lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS))
         self.pids: list[int] = []
 

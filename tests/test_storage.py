@@ -15,15 +15,25 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
 from services.restorer import stream
 from services.storage import download, layout
 from services.storage.backend import Backend, Conflict
-from services.storage.codec import FRAME_SIZE, Codec, WrongKey
+from services.storage.codec import (
+    FRAME_SIZE,
+    Codec,
+    WrongKey,
+    WrongNamespace,
+    key_id,
+    load_keys,
+    namespace_key,
+)
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import (
@@ -35,6 +45,7 @@ from services.storage.store import (
     ScratchFull,
     StreamedImages,
 )
+from smr.errors import ConfigError
 from smr.imagestream import FileRange
 from smr.messages import Target
 
@@ -360,6 +371,117 @@ async def test_wrong_or_missing_key_is_refused_before_any_byte(
     raw = (await backend.get_bytes(layout.file_key(NS, "enc", 1, "images/pages-1.img")))[0]
     assert (tmp_path / "img" / "images" / "pages-1.img").read_bytes()[:4096] not in raw
     assert base64.b64encode(KEY_A).decode() not in str(gen.manifest)
+
+
+async def restored(store: CheckpointStore, gen: Generation, src: Path, dst: Path) -> None:
+    await store.fetch(gen, dst)
+    for p in src.rglob("*"):
+        if p.is_file():
+            assert (dst / p.relative_to(src)).read_bytes() == p.read_bytes(), p
+
+
+async def copy_checkpoint(backend: Backend, src_ns: str, dst_ns: str, ckpt: str,
+                          edit: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Every object of ``ckpt`` copied into ``dst_ns`` (someone who can write
+    there), its manifests passed through ``edit``."""
+    prefix = layout.checkpoint_prefix(src_ns, ckpt)
+    for key in await backend.list(prefix):
+        data = (await backend.get_bytes(key))[0]
+        if key.endswith("manifest.json") and edit:
+            m = orjson.loads(data)
+            edit(m)
+            data = orjson.dumps(m)
+        await backend.put_bytes(layout.checkpoint_prefix(dst_ns, ckpt) + key[len(prefix):], data)
+
+
+async def test_each_namespace_has_its_own_key(backend: Backend, tmp_path: Path) -> None:
+    """One master key, a data key per namespace: a checkpoint moved into
+    another namespace is refused as what it is, before a byte is written."""
+    store = CheckpointStore(backend, Codec(level=0, key=KEY_A))
+    src = images(tmp_path)
+    a = await store.commit("team-a", "db", src, meta("r1"))
+    b = await store.commit("team-b", "db", src, meta("r2"))
+    enc_a, enc_b = (g.manifest["files"][0]["encryption"] for g in (a, b))
+    assert enc_a["master_key_id"] == enc_b["master_key_id"] == key_id(KEY_A)
+    assert enc_a["namespace"] == "team-a" and enc_a["key_id"] != enc_b["key_id"]
+    assert enc_a["key_id"] == key_id(namespace_key(KEY_A, "team-a"))
+    # Each reads back in its own namespace.
+    await restored(store, a, src, tmp_path / "a")
+
+    # Copied as it is into team-c: its manifest names team-a.
+    await copy_checkpoint(backend, "team-a", "team-c", "db")
+    with pytest.raises(CheckpointCorrupt, match="names another checkpoint"):
+        await store.get("team-c", "db", 1)
+
+    # Copied over team-b's own generation with the manifest made to say team-b.
+    def claim_team_b(m: dict[str, Any]) -> None:
+        m["namespace"] = "team-b"
+
+    await copy_checkpoint(backend, "team-a", "team-b", "db", claim_team_b)
+    gen = await store.get("team-b", "db", 1)
+    dst = tmp_path / "stolen"
+    with pytest.raises(WrongNamespace, match=r"encrypted for another namespace .'team-a'."):
+        await store.fetch(gen, dst)
+    assert not (dst / "images").exists()
+
+
+async def test_a_tampered_key_id_is_caught_before_any_byte(
+        backend: Backend, tmp_path: Path) -> None:
+    store = CheckpointStore(backend, Codec(level=0, key=KEY_A))
+    await store.commit("team-a", "db", images(tmp_path), meta("r1"))
+    mkey = layout.manifest_key("team-a", "db", 1)
+    good = (await backend.get_bytes(mkey))[0]
+    for field, value in (("key_id", key_id(namespace_key(KEY_A, "team-b"))),
+                         ("master_key_id", key_id(KEY_B))):
+        m = orjson.loads(good)
+        for f in m["files"]:
+            f["encryption"][field] = value
+        await backend.put_bytes(mkey, orjson.dumps(m))
+        dst = tmp_path / f"out-{field}"
+        with pytest.raises(WrongKey, match=value):
+            await store.fetch(await store.get("team-a", "db", 1), dst)
+        assert not (dst / "images").exists()
+
+
+async def test_a_rotated_key_still_reads_what_it_wrote(backend: Backend, tmp_path: Path) -> None:
+    """The key file's first key writes; the others only read, until their
+    generations expire."""
+    src = images(tmp_path)
+    old = await CheckpointStore(backend, Codec(level=0, key=KEY_A)).commit(
+        "team-a", "db", src, meta("r1"))
+    rotated = CheckpointStore(backend, Codec(level=0, key=KEY_B, old_keys=(KEY_A,)))
+    new = await rotated.commit("team-a", "db", src, meta("r2"))
+    assert new.manifest["files"][0]["encryption"]["master_key_id"] == key_id(KEY_B)
+    await restored(rotated, old, src, tmp_path / "old")
+    await restored(rotated, new, src, tmp_path / "new")
+    with pytest.raises(WrongKey, match=f"under master key {key_id(KEY_A)}"):
+        await CheckpointStore(backend, Codec(level=0, key=KEY_B)).fetch(old, tmp_path / "x")
+
+
+class BeforeNamespaceKeys(Codec):
+    """How smr wrote before namespaces had keys: the master key itself."""
+
+    def for_namespace(self, namespace: str) -> Codec:
+        return self
+
+
+async def test_checkpoints_written_with_the_master_key_itself_still_read(
+        backend: Backend, tmp_path: Path) -> None:
+    src = images(tmp_path)
+    old = await CheckpointStore(backend, BeforeNamespaceKeys(level=0, key=KEY_A)).commit(
+        "team-a", "db", src, meta("r1"))
+    assert old.manifest["files"][0]["encryption"] == {"algorithm": "AES-256-GCM",
+                                                      "key_id": key_id(KEY_A)}
+    await restored(CheckpointStore(backend, Codec(level=0, key=KEY_A)), old, src, tmp_path / "o")
+
+
+def test_the_key_file_holds_the_writing_key_first(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text(f"{base64.b64encode(KEY_B).decode()}\n{base64.b64encode(KEY_A).decode()}\n")
+    assert load_keys("", str(f)) == (KEY_B, KEY_A)
+    f.write_text("bm90IGEga2V5\n")
+    with pytest.raises(ConfigError, match="key 1 is not"):
+        load_keys("", str(f))
 
 
 async def test_retention_keeps_the_newest_n_and_drops_old_ones(

@@ -230,6 +230,36 @@ async def test_an_upload_aborted_under_its_writer_fails_its_next_part(backend: B
     assert key not in await backend.list("")
 
 
+async def test_a_part_cancelled_while_its_upload_begins_leaves_no_upload(
+        small_parts_s3: str) -> None:
+    """A dump that fails as its first part goes up cancels that part while S3
+    is still creating the multipart upload: the upload S3 did begin must be
+    aborted, not left behind (found as a leftover under load in CI)."""
+    arrived = asyncio.Event()
+
+    class SlowCreate(FaultProxy):
+        async def _answer(self, request: web.Request) -> web.StreamResponse:
+            if request.method == "POST" and "uploads" in request.query:
+                arrived.set()
+                await asyncio.sleep(1.0)  # S3 creates it; the client has gone by then
+            return await super()._answer(request)
+
+    proxy = await SlowCreate(small_parts_s3, seed=0).start()
+    b = await new_bucket(small_parts_s3, via=proxy.url)
+    try:
+        up = b.start_upload(layout.file_key(NS, "ck", 1, "images/pages-1.img"))
+        part = asyncio.create_task(up.put_part(1, 0, b"a" * (5 << 20)))
+        await arrived.wait()
+        part.cancel()
+        await asyncio.gather(part, return_exceptions=True)
+        await up.abort()
+        await asyncio.sleep(1.5)  # the create the proxy held back has reached S3 by now
+        assert await b.pending_uploads("") == [], "an upload S3 began was left behind"
+    finally:
+        await b.close()
+        await proxy.stop()
+
+
 # --- 3: the parent link of a pre-dump, made by the dump --------------------------------------
 
 async def test_a_link_the_dump_makes_is_stored_and_restored(

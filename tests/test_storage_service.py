@@ -30,7 +30,9 @@ def store(tmp_path: Path) -> CheckpointStore:
 
 @pytest.fixture
 async def service(bus: Bus, store: CheckpointStore) -> AsyncIterator[StorageService]:
-    svc = StorageService(bus, store, keep=2, gc_grace_s=0, gc_interval_s=0.3,
+    # A grace of 0 would take the tests' own commits in flight for dead
+    # writers (ClaimLost, seen under load); the GC test lowers it itself.
+    svc = StorageService(bus, store, keep=2, gc_grace_s=600, gc_interval_s=0.3,
                          durable=f"retention-{uuid.uuid4().hex[:8]}")
     task = asyncio.create_task(svc.run())
     await asyncio.wait_for(svc.ready.wait(), 10)
@@ -151,6 +153,7 @@ async def test_retention_runs_on_ckpt_done(
 async def test_gc_timer_removes_what_a_dead_writer_left(
     service: StorageService, store: CheckpointStore
 ) -> None:
+    service.gc_grace_s = 0  # whatever is unfinished is a dead writer's here
     await store.backend.put_bytes(layout.claim_key(NS, "dead", 1), b"{}")
     up = store.backend.start_upload(layout.file_key(NS, "dead", 1, "images/pages-1.img"))
     await up.put_part(1, 0, b"half a dump")

@@ -759,3 +759,23 @@ async def test_a_failed_handler_is_retried_without_a_new_event(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_a_final_checkpoint_is_expected_only_of_a_pod_on_a_node_going_away() -> None:
+    """What the agent asks before it releases a waiting preStop hook
+    (services/agent/prestop): the watcher's own rule."""
+    from services.watcher.triggers import final_expected
+
+    deleted = pod("p", "n")
+    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not final_expected(deleted, a_node("n")), "a plain delete gets none"
+    assert final_expected(deleted, a_node("n", unschedulable=True)), "a drain gets one"
+    assert final_expected(deleted, a_node("n", taints=[
+        {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]))
+    assert final_expected(deleted, None), "its Node deleted"
+    shutting = a_node("n")
+    shutting["status"]["conditions"] = [{"type": "Ready", "status": "False",
+                                         "message": "node is shutting down"}]
+    assert final_expected(pod("p", "n"), shutting), "graceful shutdown: no deletion, a final"
+    assert not final_expected(pod("p", "n"), a_node("n", unschedulable=True)), \
+        "a cordon alone takes a leave-running checkpoint"

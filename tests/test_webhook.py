@@ -255,6 +255,25 @@ def test_the_grace_period_never_exceeds_what_the_user_allows() -> None:
     assert "lifecycle" not in out["spec"]["containers"][0]
 
 
+def test_the_grace_period_follows_the_last_measured_checkpoint_time() -> None:
+    """A workload whose last checkpoint took 100 s gets twice that and 10 s
+    for its final one; a quick one gets the setting (the floor); the user's
+    cap still holds."""
+    p = opted()
+    slow = patched(p, review(admission(p), S, measured_s=100.0))
+    assert slow["spec"]["terminationGracePeriodSeconds"] == 30 + 210
+    assert slow["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == \
+        "210"
+    quick = patched(p, review(admission(p), S, measured_s=2.0))
+    assert quick["spec"]["terminationGracePeriodSeconds"] == 30 + S.final_checkpoint_seconds
+    capped = opted(annotations={"smr.dev/max-grace-seconds": "120"})
+    out = patched(capped, review(admission(capped), S, measured_s=100.0))
+    assert out["spec"]["terminationGracePeriodSeconds"] == 120
+    off = patched(p, review(admission(p), S.replace(final_checkpoint_seconds=0),
+                            measured_s=100.0))
+    assert "lifecycle" not in off["spec"]["containers"][0], "0 still means no hook"
+
+
 def test_a_liveness_probe_waits_for_the_workload_to_run() -> None:
     p = opted(containers=("app", "sidecar"))
     probe = {"exec": {"command": ["healthy"]}, "periodSeconds": 5}

@@ -5,6 +5,7 @@ pods on its node:
     ckpt.requested.<node>    (pod target) ──▶ PodCheckpointStep
     restore.requested.<node> (pod target) ──▶ PodRestoreStep
     a container's smr-init waiting         ──▶ StartRestores (restore or fresh)
+    a preStop hook no final checkpoint answers ──▶ PreStopWaits (released)
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from kubernetes_asyncio import client
 from services.agent import nodelabel
 from services.agent.incontainer import CriuBundle
 from services.agent.pods import Fresh, Pods
+from services.agent.prestop import PreStopWaits
 from services.agent.starts import StartRestores
+from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint
 from smr.aio import ended_why, until_stopped
-from smr.bus import KV_LOCKS, KV_STEPS, Bus, Worker
+from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus, Worker
 from smr.config import Settings
 from smr.criu import Criu
 from smr.errors import SmrError
@@ -48,13 +51,17 @@ class NodeAgent:
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
+        checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS))
         self.workers = [
-            Worker(bus, Fresh(PodCheckpointStep(**common)), s.node,
-                   service="agent-checkpointer"),
+            Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",
+                   concurrency=s.checkpoints_per_node, ahead=LOOK_AHEAD,
+                   admission=CheckpointAdmission(s.work_path / "pods", checkpoints.estimate,
+                                                 s.checkpoint_scratch)),
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    concurrency=s.restores_per_node),
         ]
         self.starts = StartRestores(bus, self.pods, s)
+        self.prestop = PreStopWaits(self.pods, s.node, s.preemption_taints)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -69,6 +76,7 @@ class NodeAgent:
         await nodelabel.install_and_label(self.s, self.pods.core)  # then the node's labels
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
+        tasks.append(asyncio.create_task(self.prestop.run(self._stop)))
         try:
             await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
             self.ready.set()

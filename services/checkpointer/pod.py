@@ -18,10 +18,13 @@ import time
 from typing import Any
 
 import orjson
+from nats.js.kv import KeyValue
 
 from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.pods import PodContainer, PodStep
+from services.checkpointer import timings
+from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
 from services.storage.store import Generation
 from services.watcher.policy import tcp_policy
@@ -63,6 +66,21 @@ def _maybe_running(shim: Shim) -> bool:
 
 class PodCheckpointStep(PodStep):
     kind = "ckpt.requested"
+
+    def __init__(self, *, timings: KeyValue | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.timings = timings  # where each checkpoint's measured time goes (timings.py)
+        # The size of each checkpoint's last dump here: a GPU workload's
+        # device memory is in its images, not in its resident memory.
+        self._last_size: dict[tuple[str, str], int] = {}
+
+    async def estimate(self, req: CkptRequested) -> int:
+        """The bytes this request's dump will write: its workload's resident
+        memory, or its last dump's size if larger (see services/checkpointer/admission)."""
+        c = await self.pods.container(req.target)
+        running = await asyncio.to_thread(self.shim_of(c).workload)
+        rss = await asyncio.to_thread(resident_bytes, host.tree(running[0])) if running else 0
+        return max(rss, self._last_size.get((c.namespace, req.checkpoint_id), 0))
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started, t0 = now(), time.monotonic()
@@ -152,6 +170,9 @@ class PodCheckpointStep(PodStep):
                     raise
                 durations.update(dump.result())
                 durations["durable"] = durable
+                # From the freeze to stored: what a final checkpoint of it
+                # needs of the pod's grace period (services/webhook/admission).
+                measured = time.monotonic() - frozen_at
                 if not req.leave_running:
                     signal_tree(pid, signal.SIGKILL)  # durable: its stopped tree ends
                     if ticks is not None:
@@ -174,6 +195,10 @@ class PodCheckpointStep(PodStep):
                 await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
+        self._last_size[(c.namespace, req.checkpoint_id)] = gen.size_bytes
+        if self.timings is not None:
+            await timings.record(self.timings, c.namespace, req.checkpoint_id, measured,
+                                 gen.number)
         return self._result(req, gen, durations=durations, started_at=started)
 
     def _workload(self, req: CkptRequested, shim: Shim) -> tuple[int, int]:
@@ -278,7 +303,7 @@ class PodCheckpointStep(PodStep):
             c = shim = None
         if gen := await self._committed(req):
             await self.store.ensure_latest(ns, req.checkpoint_id, gen.number)
-            await self._settle_held(req, c, shim, work, signal.SIGKILL)
+            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await asyncio.to_thread(shutil.rmtree, work, True)
             return self._result(req, gen)
         if c is None or shim is None:
@@ -287,11 +312,11 @@ class PodCheckpointStep(PodStep):
             try:
                 gen = await self._durable(req, c, shim, Progress())
             except PermanentError as e:
-                await self._settle_held(req, c, shim, work, signal.SIGCONT)
+                await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
                 await asyncio.to_thread(shutil.rmtree, work, True)
                 await self.lock.release(c.lock_key(), req.request_id)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
-            await self._settle_held(req, c, shim, work, signal.SIGKILL)
+            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
             return self._result(req, gen)
@@ -299,10 +324,12 @@ class PodCheckpointStep(PodStep):
         return None
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
-                           shim: Shim | None, work: Any, sig: int) -> None:
+                           shim: Shim | None, work: Any, sig: int, outcome: str) -> None:
         """End (SIGKILL) or continue (SIGCONT) the workload a final dump left
-        stopped: only in the very container that was dumped, never a restored
-        one that has replaced it since."""
+        stopped, and tell its preStop hook the ``outcome`` (as run() does: the
+        hook waits for it, and the kubelet's SIGTERM waits for the hook): only
+        in the very container that was dumped, never a restored one that has
+        replaced it since."""
         if req.leave_running or c is None or shim is None:
             return
         try:
@@ -314,3 +341,4 @@ class PodCheckpointStep(PodStep):
         running = await asyncio.to_thread(shim.workload)
         if running is not None:
             signal_tree(running[0], sig)
+        await asyncio.to_thread(shim.final, outcome)

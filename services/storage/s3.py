@@ -175,18 +175,26 @@ class S3Upload:
         self.k = backend.prefix + key
         self.upload_id: str | None = None
         self.etags: dict[int, str] = {}
-        self._starting = asyncio.Lock()
+        self._creating: asyncio.Task[str] | None = None
 
-    async def _begin(self, c: Any) -> str:
-        async with self._starting:
-            if self.upload_id is None:
-                r = await c.create_multipart_upload(Bucket=self.b.bucket, Key=self.k)
-                self.upload_id = r["UploadId"]
+    async def _begin(self) -> str:
+        # One create for all parts, run as a task of its own: a part cancelled
+        # while the create is in flight (a failed dump) must not lose the
+        # upload's id, or abort() could not end an upload S3 did begin.
+        if self._creating is None or (self._creating.done() and (
+                self._creating.cancelled() or self._creating.exception())):
+            self._creating = asyncio.create_task(self._create())
+        return await asyncio.shield(self._creating)
+
+    async def _create(self) -> str:
+        async with self.b._client() as c, self.b._errors(self.key):
+            r = await c.create_multipart_upload(Bucket=self.b.bucket, Key=self.k)
+        self.upload_id = r["UploadId"]
         return self.upload_id
 
     async def put_part(self, number: int, offset: int, data: bytes) -> None:
+        uid = await self._begin()
         async with self.b._client(bulk=True) as c, self.b._errors(self.key):
-            uid = await self._begin(c)
             async for attempt in retry_s3():
                 with attempt:
                     r = await c.upload_part(Bucket=self.b.bucket, Key=self.k, UploadId=uid,
@@ -209,6 +217,9 @@ class S3Upload:
                                               MultipartUpload={"Parts": parts})
 
     async def abort(self) -> None:
+        if self._creating is not None:  # a create in flight: its id is what aborts it
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._creating)
         if self.upload_id is None:
             return
         with contextlib.suppress(NotFound):

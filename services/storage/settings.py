@@ -4,7 +4,7 @@ for the embedded mode, the agent and the storage Deployment."""
 
 from __future__ import annotations
 
-from services.storage.codec import Codec, load_key
+from services.storage.codec import Codec, load_keys
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
@@ -13,8 +13,8 @@ from smr.config import Settings
 
 
 def make_store(settings: Settings) -> CheckpointStore:
-    codec = Codec(level=settings.zstd_level,
-                  key=load_key(settings.encryption_key, settings.encryption_key_file))
+    keys = load_keys(settings.encryption_key, settings.encryption_key_file)
+    codec = Codec(level=settings.zstd_level, key=keys[0] if keys else None, old_keys=keys[1:])
     # A writer renews its claim four times per grace: GC never reaps a live one.
     beat = max(settings.gc_grace / 4, 1.0)
     if settings.storage == "s3":

@@ -155,7 +155,8 @@ class CheckpointStore:
         beat = asyncio.create_task(self._keep_claim(namespace, checkpoint_id, gen, rid,
                                                     (etag, claimed_at), lost))
         try:
-            files = await Uploader(self.backend, self.codec, on_bytes=on_bytes).upload_dir(
+            codec = self.codec.for_namespace(namespace)
+            files = await Uploader(self.backend, codec, on_bytes=on_bytes).upload_dir(
                 src, lambda rel: layout.file_key(namespace, checkpoint_id, gen, rel), writer)
         finally:
             beat.cancel()
@@ -402,6 +403,15 @@ class CheckpointStore:
         except ContractError as e:
             raise CheckpointCorrupt(f"{where} is not valid: {e.message}",
                                     hint="restore another generation (--generation N)") from None
+        # Where it was read from is what it is: a manifest moved to another
+        # namespace or checkpoint would have its files read from the old one.
+        moved = {k: manifest.get(k) for k, v in (("namespace", namespace), (
+            "checkpoint_id", checkpoint_id), ("generation", generation)) if manifest.get(k) != v}
+        if moved:
+            raise CheckpointCorrupt(
+                f"{where} names another checkpoint ({moved}); nothing was restored from it",
+                hint="the manifest was copied or altered: restore another generation "
+                     "(--generation N)")
         check_paths(manifest)
         return Generation(manifest, self.backend.url(
             layout.generation_prefix(namespace, checkpoint_id, generation)))
@@ -483,9 +493,10 @@ class CheckpointStore:
         """Can this node read manifest ``m``'s files as their manifest says?
         A node holding a key takes nothing in clear: a manifest that says
         otherwise was altered, or written where no key was set."""
+        codec = self.codec.for_namespace(m["namespace"])
         for f in m["files"]:
             if f.get("encryption"):
-                self.codec.check_key(f["encryption"])
+                codec.check_key(f["encryption"])
             elif self.codec.key:
                 raise Unencrypted(
                     f"{f['path']} of {m.get('checkpoint_id')} generation {m.get('generation')} "
@@ -502,7 +513,9 @@ class CheckpointStore:
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
         try:
-            async with contextlib.aclosing(decoded(self.backend, self.codec, key, f,
+            async with contextlib.aclosing(decoded(self.backend,
+                                                   self.codec.for_namespace(m["namespace"]),
+                                                   key, f,
                                                    sink)) as chunks:
                 async for data in chunks:
                     yield data

@@ -45,7 +45,7 @@ from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
 from services.watcher.policy import PodPolicy, policy_for
-from services.watcher.triggers import FINAL, MESSAGE_REASON, node_reasons
+from services.watcher.triggers import FINAL, MESSAGE_REASON, node_reasons, pod_reasons
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, Bus, node_token
 from smr.config import Settings
@@ -202,7 +202,7 @@ class Watcher:
             # watches have no order): it gets its final checkpoint here too.
             await self._publish_requests([
                 r for p in self._pods_on(name)
-                for reason in self._pod_reasons(p, new)
+                for reason in pod_reasons(p, new)
                 for r in self._drain_requests(p, episode, reason)])
             await self._publish_all(drains)
 
@@ -325,20 +325,8 @@ class Watcher:
             # On a node going away: the node's reasons, and a drain if it terminates.
             n = self.nodes.cache.get(node)
             reasons = list(node_reasons(n, self.s.preemption_taints)) if n else ["node-deleted"]
-            await self._publish_requests([r for reason in self._pod_reasons(pod, reasons)
+            await self._publish_requests([r for reason in pod_reasons(pod, reasons)
                                           for r in self._drain_requests(pod, episode, reason)])
-
-    @staticmethod
-    def _pod_reasons(pod: dict[str, Any], node_reasons: list[str]) -> list[str]:
-        """The checkpoints a pod on a node going away gets: the node's reasons;
-        for a terminating pod (evicted or deleted: the kubelet stops it once its
-        preStop hook has seen the final checkpoint) a final ``drain`` instead
-        of leave-running ones, which would only spend its budget; on a node
-        shutting down, the final ``shutdown`` one alone."""
-        terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-        reasons = (["drain"] if terminating else []) + node_reasons
-        final = [r for r in reasons if r in FINAL]
-        return final[:1] or reasons  # one final checkpoint: a second finds no workload
 
     async def _publish_requests(self, reqs: list[CkptRequested]) -> None:
         """Final requests first: the agent takes a node's requests in order."""

@@ -79,3 +79,23 @@ def node_reasons(node: dict[str, Any], extra_taints: tuple[str, ...] = ()) -> di
         out["cordon"] = "spec.unschedulable is true"
     return out
 
+
+
+def pod_reasons(pod: dict[str, Any], of_node: list[str]) -> list[str]:
+    """The checkpoints a pod on a node going away gets: the node's reasons;
+    for a terminating pod (evicted or deleted: the kubelet stops it once its
+    preStop hook has seen the final checkpoint) a final ``drain`` instead
+    of leave-running ones, which would only spend its budget; on a node
+    shutting down, the final ``shutdown`` one alone."""
+    terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+    reasons = (["drain"] if terminating else []) + of_node
+    final = [r for r in reasons if r in FINAL]
+    return final[:1] or reasons  # one final checkpoint: a second finds no workload
+
+
+def final_expected(pod: dict[str, Any], node: dict[str, Any] | None,
+                   extra_taints: tuple[str, ...] = ()) -> bool:
+    """Does the watcher ask for a final checkpoint of ``pod``? Only on a node
+    going away (``node`` None: deleted), as ``pod_reasons`` says."""
+    reasons = ["node-deleted"] if node is None else list(node_reasons(node, extra_taints))
+    return bool(reasons) and any(r in FINAL for r in pod_reasons(pod, reasons))

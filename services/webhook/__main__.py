@@ -8,7 +8,7 @@ from services.watcher.kube import api_client
 from services.webhook.service import Webhook
 from smr import config, serve
 
-NEEDS_BUS = False  # it answers the API server; it publishes nothing
+NEEDS_BUS = False  # it answers the API server first; NATS it reaches in the background
 
 
 async def make(_: Any, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:

@@ -18,9 +18,12 @@ env var) gets:
   ``/smr/smr-init --wait-final SECONDS``: the kubelet runs it before its
   SIGTERM, and it waits for the agent's final checkpoint (done or failed),
   so a drain or a graceful node shutdown stops the workload only after it
-  is saved; and ``terminationGracePeriodSeconds`` raised by
-  SMR_FINAL_CHECKPOINT_SECONDS to make room for it, never above
-  SMR_MAX_GRACE_SECONDS nor the pod's ``smr.dev/max-grace-seconds``. The
+  is saved; and ``terminationGracePeriodSeconds`` raised to make room for
+  it: by the time the agent last measured for a checkpoint of the pod's
+  containers (from the freeze to stored; services/checkpointer/timings),
+  doubled and 10 s added, or by SMR_FINAL_CHECKPOINT_SECONDS if that is
+  more (the floor, and all there is before a first checkpoint), never
+  above SMR_MAX_GRACE_SECONDS nor the pod's ``smr.dev/max-grace-seconds``. The
   hook waits for the added seconds only: the workload keeps the grace it
   had for its own shutdown after SIGTERM. (The kubelet counts the hook
   inside the grace period; a provider's hard cap, e.g. GKE Spot's 15 s,
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import re
 from typing import Any
 
@@ -72,7 +76,9 @@ def uid_of(body: bytes) -> str:
     return m.group(1).decode() if m else ""
 
 
-def review(body: bytes, s: Settings) -> dict[str, Any]:
+def review(body: bytes, s: Settings, measured_s: float | None = None) -> dict[str, Any]:
+    """The answer to one AdmissionReview; ``measured_s``: the last measured
+    checkpoint time of the pod's containers, if known (``checkpoints``)."""
     try:
         doc = orjson.loads(body)
         req = doc["request"]
@@ -81,11 +87,27 @@ def review(body: bytes, s: Settings) -> dict[str, Any]:
         log.warning("not an AdmissionReview (%s: %s); allowed unchanged", type(e).__name__, e)
         return response(uid_of(body))
     try:
-        patch, warnings = mutate(req, s)
+        patch, warnings = mutate(req, s, measured_s)
     except Exception:
         log.exception("review %s failed; the pod is allowed unchanged", uid)
         return response(uid)
     return response(uid, patch, warnings)
+
+
+def checkpoints(body: bytes, s: Settings) -> tuple[str, list[str]] | None:
+    """The namespace and checkpoint ids of the opted-in pod under review, to
+    look up their measured times; None for anything else (``review`` says why)."""
+    try:
+        req = orjson.loads(body)["request"]
+        pod = req["object"]
+        meta = pod.get("metadata") or {}
+        namespace = req.get("namespace") or meta.get("namespace")
+        # A pod created with generateName has no name yet: nor its default ids.
+        ids = [c.checkpoint_id for c in policy_for(pod, s).containers
+               if c.from_env or meta.get("name")]
+    except Exception:
+        return None
+    return (namespace, ids) if isinstance(namespace, str) and namespace and ids else None
 
 
 def _pointer(*parts: object) -> str:
@@ -97,7 +119,8 @@ def _starts_smr_init(container: dict[str, Any]) -> bool:
     return isinstance(first, str) and first.rsplit("/", 1)[-1] == "smr-init"
 
 
-def mutate(req: dict[str, Any], s: Settings) -> tuple[list[dict[str, Any]], list[str]]:
+def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
+           ) -> tuple[list[dict[str, Any]], list[str]]:
     """The JSONPatch for one admission request, and warnings for the user."""
     kind = (req.get("kind") or {}).get("kind")
     if kind != "Pod" or req.get("operation") != "CREATE" or req.get("subResource"):
@@ -145,16 +168,29 @@ def mutate(req: dict[str, Any], s: Settings) -> tuple[list[dict[str, Any]], list
             if not any(isinstance(e, dict) and e.get("name") == entry["name"] for e in env):
                 ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
                             "value": entry})
-    ops += _final_checkpoint_hooks(spec, meta, wanted, s)
+    ops += _final_checkpoint_hooks(spec, meta, wanted, s, measured_s)
     ops += _startup_probes(spec, wanted, s)
     runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)
     return ops + _annotate(meta, s, str(runtime)), []
 
 
+def final_checkpoint_seconds(s: Settings, measured_s: float | None) -> int:
+    """The seconds a final checkpoint is given: the setting, or more for a
+    workload whose last checkpoint took longer. Twice its time: the node's
+    other final checkpoints run beside it and share its link; 10 s more for
+    the request to arrive and the hook to see the outcome."""
+    floor = s.final_checkpoint_seconds
+    if not floor or measured_s is None:
+        return floor
+    return max(floor, math.ceil(2 * measured_s + 10))
+
+
 def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: set[str],
-                            s: Settings) -> list[dict[str, Any]]:
+                            s: Settings, measured_s: float | None = None
+                            ) -> list[dict[str, Any]]:
     """The preStop hooks and the longer grace period (the module's docstring)."""
-    if not s.final_checkpoint_seconds:
+    added = final_checkpoint_seconds(s, measured_s)
+    if not added:
         return []
     own = spec.get("terminationGracePeriodSeconds")
     current = own if isinstance(own, int) and own >= 0 else 30  # the API's default
@@ -162,7 +198,7 @@ def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: 
     allowed = (meta.get("annotations") or {}).get(f"{s.label_prefix}/max-grace-seconds")
     if isinstance(allowed, str) and allowed.isdigit():
         cap = min(cap, int(allowed))
-    grace = max(current, min(current + s.final_checkpoint_seconds, cap))
+    grace = max(current, min(current + added, cap))
     wait = grace - current
     if wait <= 0:
         return []  # no room: the user's cap leaves the grace as it was

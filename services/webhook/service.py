@@ -2,7 +2,11 @@
 (services/webhook/admission) and always answers one. Its certificate comes
 from the Secret it keeps (services/webhook/certs) or from cert-manager's
 files (SMR_WEBHOOK_CERT_DIR), and is re-read every few hours: a renewed one
-is served without a restart."""
+is served without a restart.
+
+With SMR_NATS_URL set it also reads the checkpoint times the agents measured
+(services/checkpointer/timings) to size a pod's grace period. It connects in
+the background and serves meanwhile: pods are never held up for NATS."""
 
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ from pathlib import Path
 from aiohttp import web
 from kubernetes_asyncio import client
 
-from services.webhook.admission import response, review, uid_of
+from services.checkpointer import timings
+from services.webhook.admission import checkpoints, response, review, uid_of
 from services.webhook.certs import CertKeeper, Tls
-from smr.aio import wait_event
+from smr.aio import quietly, stop_task, wait_event
+from smr.bus import KV_TIMINGS, Bus, BusConfig
 from smr.config import Settings
 
 log = logging.getLogger("smr.webhook")
@@ -50,6 +56,18 @@ class Webhook:
         self._stop = asyncio.Event()
         self._dir = tempfile.TemporaryDirectory(prefix="smr-webhook-")
         self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.bus: Bus | None = None  # once connected
+
+    async def _connect(self) -> None:
+        self.bus = await Bus.connect(self.s.nats_url, name="smr-webhook",
+                                     config=BusConfig.from_settings(self.s))
+        log.info("webhook reading checkpoint times from %s", self.s.nats_url)
+
+    async def measured(self, body: bytes) -> float | None:
+        """The last measured checkpoint time of the pod's containers, if known."""
+        if self.bus is None or (found := checkpoints(body, self.s)) is None:
+            return None
+        return await timings.slowest(self.bus.kv(KV_TIMINGS), *found)
 
     def stop(self) -> None:
         self._stop.set()
@@ -81,7 +99,7 @@ class Webhook:
                 log.warning("an AdmissionReview over %d bytes; allowed unchanged", MAX_BODY)
                 answer = response(uid_of(bytes(body)))
             else:
-                answer = review(bytes(body), self.s)
+                answer = review(bytes(body), self.s, await self.measured(bytes(body)))
             del body
         return web.json_response(answer)
 
@@ -97,6 +115,7 @@ class Webhook:
         self.port = sockets[0].getsockname()[1] if sockets else self.s.webhook_port
         log.info("webhook serving https://%s:%d/mutate", self.host, self.port)
         self.ready.set()
+        connecting = asyncio.create_task(self._connect()) if self.s.nats_url else None
         try:
             while not await wait_event(self._stop, self.recheck_s):
                 try:
@@ -104,6 +123,10 @@ class Webhook:
                 except Exception as e:  # keep serving the certificate we have
                     log.warning("could not renew the webhook certificate: %s", e)
         finally:
+            if connecting is not None:
+                await stop_task(connecting)
+            if self.bus is not None:
+                await quietly(self.bus.close())
             await runner.cleanup()
             with contextlib.suppress(OSError):
                 self._dir.cleanup()

@@ -10,7 +10,8 @@ Subjects (``<node>`` is ``node_token(node)``)::
 
 Requests are published with ``Nats-Msg-Id = request_id``, so JetStream drops a
 duplicate within the dedupe window. Each node has one durable pull consumer per
-request kind, one step at a time.
+request kind; its worker runs a few steps at once and may hold more, fetched
+ahead, to start the most urgent first (smr/bus/ahead.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ KV_JOBS = "smr-jobs"
 KV_LOCKS = "smr-locks"
 KV_EPISODES = "smr-episodes"  # watcher: node drain episodes (node → episode id)
 KV_BEATS = "smr-beats"  # watcher: the heartbeat schedule (pod uid → next beat)
+KV_TIMINGS = "smr-timings"  # agent → webhook: each checkpoint's last measured time
 
 # The message class of each subject's first two tokens.
 SUBJECT_TYPES: dict[str, type[Message]] = {
@@ -134,14 +136,16 @@ def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
 # stream keeps a message 7 days): a redelivery always finds it, and the
 # bucket does not grow for ever.
 STEP_STATE_TTL = 8 * DAY
+# A checkpoint time not measured again for 30 days is forgotten (its workload gone).
 BUCKETS = ((KV_STEPS, 1, STEP_STATE_TTL), (KV_JOBS, 5, 0.0), (KV_LOCKS, 1, 0.0),
-           (KV_EPISODES, 1, 0.0), (KV_BEATS, 1, 0.0))
+           (KV_EPISODES, 1, 0.0), (KV_BEATS, 1, 0.0), (KV_TIMINGS, 1, 30 * DAY))
 
 
 def request_consumer(kind: str, node: str, config: BusConfig,
                      concurrency: int = 1) -> js_api.ConsumerConfig:
     """The durable consumer of ``kind`` requests for ``node``; ``concurrency``
-    requests in flight at once (steps serialise on their job's lock)."""
+    requests unacknowledged at once: those running (steps serialise on their
+    job's lock) and those fetched ahead."""
     name = f"{kind.replace('.', '-')}-{node_token(node)}"
     return js_api.ConsumerConfig(
         name=name, durable_name=name, filter_subject=subject(kind, node),

@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from smr import metrics, tracing
 from smr.aio import cancelling, quietly, stop_task
+from smr.bus.ahead import Admission, Ahead
 from smr.bus.client import Bus
 from smr.bus.deadletters import Exhausted, peek_request_id
 from smr.bus.topology import (
@@ -47,6 +48,7 @@ log = logging.getLogger("smr.bus")
 
 LAG_EVERY_S = 5.0  # how often the backlog metric is read from the consumer
 FETCH_RETRY_S = 0.5  # after a fetch that failed for another reason than "nothing new"
+KEEP_CANCELLING_S = 0.5  # a loop whose cancel nats-py dropped is cancelled again (smr.aio)
 
 Req = TypeVar("Req", CkptRequested, RestoreRequested)
 Res = TypeVar("Res", CkptDone, RestoreDone)
@@ -92,7 +94,8 @@ class Worker:
     """Runs one step kind for one node: fetch, validate, dedupe, run, answer."""
 
     def __init__(self, bus: Bus, step: Step[Any, Any], node: str, *, service: str,
-                 concurrency: int = 1) -> None:
+                 concurrency: int = 1, ahead: int = 0,
+                 admission: Admission | None = None) -> None:
         self.bus = bus
         self.step = step
         self.node = node
@@ -100,10 +103,15 @@ class Worker:
         # Requests served at once (each on its own job: steps lock their job),
         # so one waiting for a busy job does not hold back the node's others.
         self.concurrency = concurrency
+        # Requests fetched beyond those served, to start the most urgent of
+        # them first and only what fits (smr/bus/ahead.py); 0: in order.
+        self.ahead = ahead
+        self.admission = admission
         self.owner = f"{service}@{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         # Requests this worker is running now: a redelivery of one (its
         # in_progress lost or late while NATS was away) is never run beside it.
         self._running: set[str] = set()
+        self._failing = 0  # fetches failed in a row
         self._stop = asyncio.Event()
         self.idle = asyncio.Event()
 
@@ -115,7 +123,7 @@ class Worker:
         async for attempt in retry_nats():
             with attempt:
                 durable = await self.bus.ensure_consumer(self.step.kind, self.node,
-                                                         self.concurrency)
+                                                         self.concurrency + self.ahead)
                 psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
                 exhausted = await self.bus.js.pull_subscribe_bind(
                     await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
@@ -123,51 +131,80 @@ class Worker:
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
-        failing = 0
+        waiting = Ahead(SUBJECT_TYPES[self.step.kind], self.admission)
+        beating = asyncio.create_task(waiting.keep_alive(self.bus.config.keepalive))
+        fetching: asyncio.Task[list[Msg]] | None = None
         serving: set[asyncio.Task[None]] = set()
         try:
             while not self._stop.is_set():
-                if not serving:
+                while len(serving) < self.concurrency and \
+                        (nxt := await waiting.next(len(serving))):
+                    t = self._start(waiting, *nxt)
+                    serving.add(t)
+                    t.add_done_callback(serving.discard)
+                if not serving and not waiting:
                     self.idle.set()
-                if len(serving) >= self.concurrency:
-                    await asyncio.wait(serving, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                try:
-                    msgs = await psub.fetch(1, timeout=0.5)
-                    failing = 0
-                except (TimeoutError, nats.errors.TimeoutError):
-                    if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
-                        raise
-                    continue
-                except Exception as e:
-                    # NATS restarting (connection closed, JetStream not ready
-                    # yet): the node keeps being served once it is back.
-                    if cancelling():
-                        raise
-                    failing += 1
-                    if failing == 1:
-                        log.warning("%s: fetching from %s failed (%s: %s); retrying",
-                                    self.service, subject(self.step.kind, self.node),
-                                    type(e).__name__, e)
-                    await asyncio.sleep(FETCH_RETRY_S)
-                    continue
-                self.idle.clear()
-                for m in msgs:
-                    if self.concurrency == 1:
-                        await self._serve(m)
-                    else:
-                        t = asyncio.create_task(self._serve(m))
-                        serving.add(t)
-                        t.add_done_callback(serving.discard)
+                if fetching is None and \
+                        (room := self.concurrency + self.ahead - len(serving) - len(waiting)) > 0:
+                    fetching = asyncio.create_task(self._fetch(psub, room))
+                # Whichever comes first: new requests, or a slot set free.
+                await asyncio.wait({*serving, *([fetching] if fetching else [])}, timeout=0.5,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if fetching is not None and fetching.done():
+                    msgs, fetching = fetching.result(), None
+                    if msgs:
+                        self.idle.clear()
+                    for m in msgs:
+                        waiting.add(m)
             if serving:  # a graceful stop lets the steps in flight end
                 await asyncio.wait(serving)
         finally:
             for t in list(serving):
                 await stop_task(t)
-            for task in (answering, lag):
-                await stop_task(task)
+            if fetching is not None and fetching.done() and not fetching.cancelled() \
+                    and fetching.exception() is None:
+                for m in fetching.result():
+                    waiting.add(m)
+            for task in (answering, lag, beating, *([fetching] if fetching else [])):
+                await stop_task(task, again_every=KEEP_CANCELLING_S)
+            for m in waiting.drop_all():  # not started: another worker serves them
+                await quietly(m.nak())
             await quietly(psub.unsubscribe())
             await quietly(exhausted.unsubscribe())
+
+    def _start(self, waiting: Ahead, m: Msg, estimate: int) -> asyncio.Task[None]:
+        """Serve ``m`` in a task of its own; its estimate is reserved meanwhile."""
+        self.idle.clear()
+        waiting.reserved += estimate
+
+        def release(_: asyncio.Task[None]) -> None:
+            waiting.reserved -= estimate
+        t = asyncio.create_task(self._serve(m))
+        t.add_done_callback(release)
+        return t
+
+    async def _fetch(self, psub: Any, n: int) -> list[Msg]:
+        """Up to ``n`` new requests; [] when none came or NATS is away."""
+        try:
+            msgs: list[Msg] = await psub.fetch(n, timeout=0.5)
+            self._failing = 0
+            return msgs
+        except (TimeoutError, nats.errors.TimeoutError):
+            if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
+                raise
+            return []
+        except Exception as e:
+            # NATS restarting (connection closed, JetStream not ready
+            # yet): the node keeps being served once it is back.
+            if cancelling():
+                raise
+            self._failing += 1
+            if self._failing == 1:
+                log.warning("%s: fetching from %s failed (%s: %s); retrying",
+                            self.service, subject(self.step.kind, self.node),
+                            type(e).__name__, e)
+            await asyncio.sleep(FETCH_RETRY_S)
+            return []
 
     async def _serve(self, m: Msg) -> None:
         """One message: nothing escapes it, so the node goes on being served."""
@@ -298,7 +335,7 @@ class Worker:
                 except TemporaryError as e:
                     if deliveries < self.bus.config.max_deliver:
                         step_span.record_exception(e)
-                        await stop_task(keepalive)
+                        await stop_task(keepalive, again_every=KEEP_CANCELLING_S)
                         # Not deleted: marked interrupted (a heartbeat of 0), so
                         # the redelivery asks the step's recover() what was
                         # done (a finished dump is stored, never dumped again).
@@ -325,7 +362,7 @@ class Worker:
                         hint="this is a bug in smr; please report it with the service log"))
                 annotate(step_span, result)
         finally:
-            await stop_task(keepalive)
+            await stop_task(keepalive, again_every=KEEP_CANCELLING_S)
         await self._finish(m, result)
 
     def _other_request(self, state: dict[str, Any], req: Any) -> str | None:
@@ -367,7 +404,7 @@ class Worker:
         # not (a BaseException): the keepalive ends when its step does. Each
         # beat writes only over our own claim (compare-and-set): a state
         # another worker or the exhausted-delivery handler wrote is theirs.
-        while True:
+        while not cancelling():  # a cancel nats-py dropped inside a beat still ends it
             await asyncio.sleep(self.bus.config.keepalive)
             with contextlib.suppress(Exception):
                 await m.in_progress()

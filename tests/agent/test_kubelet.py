@@ -6,11 +6,15 @@ Each workload here exits at once on SIGTERM (the counter's shell has no trap).""
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
+from typing import Any
 
+import orjson
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from smr.messages import CkptRequested, Target
+from smr.bus import KV_TIMINGS
+from smr.messages import CkptRequested, Target, epoch
 from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
 
@@ -238,3 +242,167 @@ async def test_a_liveness_probe_does_not_kill_a_restore(cluster: Cluster) -> Non
     assert not kubelet.did("live-b", "startup-failed")
     st = kubelet.state("default", "live-b")
     assert st is not None and st.containers["main"].restarts == 0, "restarted: a restore loop"
+
+
+async def test_final_checkpoints_go_ahead_of_queued_leave_running_ones(
+        cluster: Cluster) -> None:
+    """A drain on a node whose checkpointer is busy: leave-running
+    checkpoints (heartbeats) queued for every pod, then the cordon's, then
+    the evictions. Each pod's final checkpoint must not wait behind the
+    leave-running ones queued before it: it is stored within the pod's grace
+    period, no pod is SIGKILLed, and each replacement resumes from it."""
+    a, b = list(cluster.kubelets)
+    names = ["busy-1", "busy-2", "busy-3"]
+    for n in names:
+        cluster.kube.put("pods", workload(n, a, labels=NODE_RESTORE, final_wait=8, grace=10))
+    for n in names:
+        await cluster.until_steps(n, a, 3)
+    queued = []
+    for _ in range(10):  # a backlog of some 30 dumps, longer than the grace
+        for n in names:
+            p = cluster.kube.get("pods", n, "default")
+            assert p is not None
+            req = CkptRequested(
+                request_id=uuid.uuid4().hex, checkpoint_id=f"{n}.main", node=a,
+                reason="heartbeat", leave_running=True,
+                target=Target(kind="pod", namespace="default", pod=n, container="main",
+                              pod_uid=p["metadata"]["uid"]))
+            await cluster.bus.publish(req)
+            queued.append(req.request_id)
+
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await asyncio.gather(*(evict(cluster, n) for n in names))
+    for n in names:
+        await cluster.recreated(n, timeout=120)
+
+    kubelet = cluster.kubelets[a]
+    for n in names:  # a timing to read, not to assert
+        print(f"\nbusy drain: {n}: preStop hook (eviction to final checkpoint stored) "
+              f"{seconds_between(cluster, a, n, 'prestop', 'prestop-done'):.2f}s")
+    stored = []
+    for n in names:
+        said = hook_said(cluster, a, n)
+        assert "final checkpoint done" in said, f"{n}: the hook said {said}"
+        assert not kubelet.did(n, "KILL"), f"{n} outlived its grace period"
+        gen = await cluster.store.latest("default", f"{n}.main")
+        assert gen is not None
+        assert gen.manifest["reason"] == "drain" and gen.manifest["leave_running"] is False
+        stored.append(epoch(gen.manifest["created_at"]))
+    # The order: leave-running requests queued before the drain were answered
+    # after every final checkpoint was stored (they waited, not the finals).
+    later = 0
+    for rid in queued:
+        done = await cluster.bus.wait_result(rid, "ckpt.requested", timeout=120)
+        state, _ = await cluster.bus.step_state(rid)
+        assert state is not None
+        later += state["finished"] > max(stored)
+        assert done.status in ("succeeded", "failed")
+    print(f"busy drain: {later} of {len(queued)} leave-running requests queued before the "
+          "drain were answered after the last final checkpoint was stored")
+    assert later > 0, "every queued leave-running request went ahead of the finals"
+    for n in names:
+        before = steps(cluster.log(n, a))
+        cluster.schedule(n, b)
+        after = await cluster.until_steps(n, b, 5)
+        assert_continues(before, after, before[-1][0])
+        assert after[0][0] == before[-1][0] + 1, f"{n}: steps lost after a final checkpoint"
+
+
+async def test_a_recovered_final_checkpoint_still_releases_the_prestop_hook(
+        cluster: Cluster) -> None:
+    """The agent's step stops right after the manifest of a final checkpoint
+    is stored, before it tells the preStop hook (as the agent stopping does,
+    mid-step: the request is delivered again). Its recovery stores nothing
+    twice, ends the workload held stopped, and must tell the hook as the step
+    would have: else the hook waits its whole time and the pod's stop with it."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("recovered", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("recovered", a, 5)
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+    stopped = []
+
+    async def stop_after_final_manifest(key: str, data: bytes, **kw: Any) -> str:
+        out = str(await real(key, data, **kw))
+        if key.endswith("manifest.json") and not orjson.loads(data)["leave_running"] \
+                and not stopped:
+            stopped.append(key)
+            raise asyncio.CancelledError  # the step ends here, its manifest stored
+        return out
+
+    backend.put_bytes = stop_after_final_manifest
+    try:
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await evict(cluster, "recovered")
+        await cluster.recreated("recovered", timeout=60)
+    finally:
+        backend.put_bytes = real
+    assert stopped, "the fault never fired"
+    said = hook_said(cluster, a, "recovered")
+    print(f"\nrecovered final: preStop hook ended after "
+          f"{seconds_between(cluster, a, 'recovered', 'prestop', 'prestop-done'):.2f}s: {said}")
+    assert "final checkpoint done" in said, f"the hook said {said}"
+    assert not cluster.kubelets[a].did("recovered", "KILL")
+    gen = await cluster.store.latest("default", "recovered.main")
+    assert gen is not None and gen.manifest["leave_running"] is False
+    assert f"done {gen.number}" in said  # the very generation recovery stored
+    before = steps(cluster.log("recovered", a))
+    cluster.schedule("recovered", b)
+    after = await cluster.until_steps("recovered", b, 5)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
+
+
+async def test_the_grace_period_comes_from_the_last_measured_checkpoint(
+        cluster: Cluster) -> None:
+    """The agent records how long a workload's checkpoint took, from the
+    freeze to stored; a pod created later for the same checkpoint gets, from
+    the webhook, a grace period sized from that time."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": "timed-1"}
+    await create(cluster, plain_pod("timed-a", a, env=env, owner="timed",
+                                    command=["/bin/counter"]))
+    await cluster.until_steps("timed-a", a, 3)
+    done = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="timed-1", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="timed-a", container="main")),
+        timeout=60)
+    assert done.status == "succeeded", done.error
+    entry = await cluster.bus.kv(KV_TIMINGS).get("default/timed-1")
+    measured = orjson.loads(entry.value or b"{}")
+    print(f"\nmeasured checkpoint: {measured['seconds']:.2f}s (the step: {done.durations})")
+    assert measured["generation"] == done.generation
+    assert 0 < measured["seconds"] <= done.durations["total"]
+
+    # This workload is saved in well under a second: a floor below it, so
+    # that the measured time is what decides.
+    cluster.webhook.s = cluster.webhook.s.replace(final_checkpoint_seconds=1)
+    stored = await create(cluster, plain_pod("timed-b", b, env=env, owner="timed",
+                                             command=["/bin/counter"]))
+    added = math.ceil(2 * measured["seconds"] + 10)
+    assert stored["spec"]["terminationGracePeriodSeconds"] == 30 + added
+    assert stored["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+        "/smr/smr-init", "--wait-final", str(added)]
+
+
+async def test_a_plain_delete_does_not_wait_for_a_final_checkpoint(cluster: Cluster) -> None:
+    """`kubectl delete pod` on a node that is not going away: no final
+    checkpoint is asked for, so the preStop hook must not wait for one (it
+    would hold the delete back for its whole time). A drain, on the same
+    agent, still waits for its final checkpoint (the drain test)."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("deleted", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("deleted", a, 3)
+    await cluster.core.delete_namespaced_pod("deleted", "default")
+    for _ in range(400):
+        if cluster.kube.get("pods", "deleted", "default") is None:
+            break
+        await asyncio.sleep(0.1)
+    said = hook_said(cluster, a, "deleted")
+    print(f"\nplain delete: preStop hook ended after "
+          f"{seconds_between(cluster, a, 'deleted', 'prestop', 'prestop-done'):.2f}s: {said}")
+    assert "final checkpoint none" in said, f"the hook said {said}"
+    assert not cluster.kubelets[a].did("deleted", "KILL")
+    assert await cluster.store.latest("default", "deleted.main") is None, "nothing is saved"

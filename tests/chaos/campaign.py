@@ -65,7 +65,7 @@ from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore
 from smr import config
 from smr.bus import KV_JOBS, Bus, BusConfig, subject
-from smr.jobs import JobRegistry, launch
+from smr.jobs import JobRegistry, job_key, launch
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
 from smr.workloads import counter
@@ -274,7 +274,11 @@ class Campaign:
                 await asyncio.sleep(0.2)
         # The oracle reads S3 directly, past the faults.
         self.store = CheckpointStore(direct)
+        # Both nodes sign and check job records with one key, as nodes that
+        # share a NATS must; the campaign writes its jobs' records with it.
+        key_file = self.root / "job.key"
         env = {**os.environ, "SMR_NATS_URL": self.nats.url, "SMR_STORAGE": "s3",
+               "SMR_JOB_KEY": str(key_file),
                "SMR_S3_BUCKET": self.bucket, "SMR_S3_PREFIX": "smr",
                "SMR_S3_ENDPOINT": self.proxy.url, "SMR_S3_PATH_STYLE": "true",
                "SMR_CRIU": self.criu, "SMR_ACK_WAIT": "5", "SMR_METRICS_PORT": "0",
@@ -288,7 +292,7 @@ class Campaign:
             node.start()
         self.bus = await Bus.connect(self.nats.url, name="smr-chaos",
                                      config=BusConfig(ack_wait=5))
-        self.jobs = JobRegistry(self.bus.kv(KV_JOBS))
+        self.jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(key_file, create=True))
         await self._wait_nodes()
         return self
 

@@ -1,0 +1,79 @@
+"""Which checkpoint request of a node starts first, and when (the
+``Admission`` of the node agent's checkpointer; smr/bus/ahead.py says how
+its worker uses it).
+
+- **Final first.** A final checkpoint (drain, preemption, shutdown: the
+  kubelet stops the workload within its grace period) starts before every
+  leave-running one waiting (a cordon's, a heartbeat's), whatever came first.
+- **Bounded by bandwidth**: at most ``SMR_CHECKPOINTS_PER_NODE`` dumps at
+  once (each one's images go up while CRIU writes them; more at once only
+  share the link).
+- **Bounded by scratch**: a dump's images are written to the agent's work
+  directory before they are stored. One starts only when the estimates of
+  the dumps in flight and its own fit the free space there now (a disk, or
+  memory on a tmpfs), at most ``SMR_CHECKPOINT_SCRATCH`` bytes. The free
+  space measured already lacks what the dumps in flight have written: the
+  bound errs on the safe side. A dump always starts when none is in flight.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from smr.messages import CkptRequested
+
+FINAL, LEAVE_RUNNING = 0, 1
+# Requests fetched beyond those running, to find the final ones among them:
+# more than the opted-in containers of one node (110 pods by default).
+LOOK_AHEAD = 256
+
+
+def urgency(req: CkptRequested) -> int:
+    """Final checkpoints first: the kubelet does not wait for leave-running ones."""
+    return LEAVE_RUNNING if req.leave_running else FINAL
+
+
+class CheckpointAdmission:
+    def __init__(self, scratch: Path, estimate: Callable[[CkptRequested], Awaitable[int]],
+                 limit: int = 0) -> None:
+        self.scratch = scratch
+        self._estimate = estimate
+        self.limit = limit  # 0: the free space alone
+
+    def urgency(self, req: CkptRequested) -> int:
+        return urgency(req)
+
+    async def estimate(self, req: CkptRequested) -> int:
+        return await self._estimate(req)
+
+    def room(self) -> int:
+        free = free_bytes(self.scratch)
+        return min(free, self.limit) if self.limit else free
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes for an unprivileged writer on ``path``'s file system (its
+    nearest existing parent's: the work directory is made by the first step)."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return 0
+
+
+def resident_bytes(pids: list[int]) -> int:
+    """The resident memory of ``pids``, summed (pages two share are counted
+    twice: an estimate on the safe side). A process gone meanwhile counts 0."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
