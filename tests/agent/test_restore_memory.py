@@ -25,9 +25,10 @@ from tests.agent.cluster import COUNTER, Cluster, assert_continues, steps, workl
 IMAGE = "smr.test/ballast:1"
 MIB = 512
 # The agent's limit: below the workload. Its own memory is inside it: about
-# 77 MiB when idle, 210-226 MiB at its peak restoring 160-640 MiB here (the
-# download's bounded read-ahead, CRIU's queue, the S3 client); 362-507 MiB
-# restoring 512 MiB when the read-ahead was bounded by count alone.
+# 77 MiB idle, 233-259 MiB at its peak restoring 512 MiB here (the download's
+# bounded read-ahead, CRIU's queue, the S3 client); with the read-ahead
+# bounded by a count of ranges alone, 362-507 MiB without a limit, and killed
+# under this one.
 LIMIT_MIB = 320
 # Holds MIB MiB of memory, every page written, and checks it every second:
 # the part of the tree whose pages must come back, intact, charged to the pod.
