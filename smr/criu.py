@@ -47,11 +47,14 @@ class Criu:
     """``prefix`` runs CRIU through another command (the node agent enters a
     container's namespaces with nsenter); ``view`` turns a host path into the
     path CRIU sees there; ``options`` go into every dump and restore; ``fds``
-    stay open in every run."""
+    stay open in every run; ``preload``, criu-limits.so (native/criu-limits.c)
+    as CRIU sees it, lets CRIU read the limits of a task of another user where
+    root lacks CAP_SYS_RESOURCE."""
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
-                 fds: Sequence[int] = (), network_lock: str = "nftables") -> None:
+                 fds: Sequence[int] = (), network_lock: str = "nftables",
+                 preload: str = "") -> None:
         self.binary = binary
         # nftables: CRIU locks connections through its own libnftables, so no
         # iptables binary is needed where it runs (inside a container too).
@@ -61,6 +64,7 @@ class Criu:
         self.view = view
         self.options = list(options)
         self.fds = tuple(fds)  # kept open in every run (the node agent's CRIU files)
+        self.preload = preload
         self._tracks_memory: bool | None = None
         self._version: str | None = None
 
@@ -165,11 +169,12 @@ class Criu:
         cmd = [*self.prefix, self.binary, *args, *self.options,
                "-D", self.view(image_dir or images),
                "-o", log_name, "-v4"]
+        env = {**os.environ, "LD_PRELOAD": self.preload} if self.preload else None
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, pass_fds=(*pass_fds, *self.fds),
-            start_new_session=True,
+            start_new_session=True, env=env,
         )
         try:
             _, err = await asyncio.wait_for(proc.communicate(), self.timeout)

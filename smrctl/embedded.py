@@ -54,7 +54,7 @@ class EmbeddedNode:
     async def start(self) -> EmbeddedNode:
         s = self.settings
         s.data_path.mkdir(parents=True, exist_ok=True)
-        criu = Criu(s.criu_binary(), s.criu_timeout)
+        criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         self.criu_problem = await criu.problem()
         if self.criu_problem:
             log.error("%s", self.criu_problem)

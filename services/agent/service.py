@@ -38,7 +38,7 @@ class NodeAgent:
                  settings: Settings) -> None:
         s = self.s = settings
         self.pods = Pods(api, s.node)
-        self.criu = Criu(s.criu_binary(), s.criu_timeout)
+        self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         common = dict(
             bundle=CriuBundle(s.criu_root()), criu=self.criu,
             store=store, pods=self.pods,
