@@ -233,6 +233,10 @@ _ERROR_PREFIX = re.compile(r"^\([\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*")
 _RUNAWAY = re.compile(r"Runaway socket: ino (\d+) peer_ino (\d+).*?name (.*)$", re.M)
 
 
+_SYSV = re.compile(r"Task (\d+) with SysVIPC shmem map @\w+ doesn't live in IPC ns")
+_RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
+
+
 # Failures that pass: the step is retried rather than failed.
 TEMPORARY = frozenset({"scratch-full"})
 
@@ -257,6 +261,26 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "external-unix-socket",
                 "close that connection before the checkpoint, or run its peer inside the same "
                 "process tree (for a pod: the same container, not a sidecar)")
+    if m := _SYSV.search(text):
+        return (f"process {m.group(1)} maps System V shared memory (PostgreSQL keeps a "
+                "segment), which CRIU saves only with an IPC namespace of the tree's own, "
+                "and this tree shares its IPC namespace with CRIU (cr-dump.c, "
+                "check_sysvipc_map_dump)", "sysv-ipc-shared-namespace",
+                "a local job started by `smr exec` without --gpu has its own; a pod container "
+                "shares its IPC namespace with CRIU, which smr cannot checkpoint yet "
+                "(docs/compatibility.md)")
+    if "can't dump unprivileged task whose /proc" in text:
+        return ("the root of the process tree dropped root in a PID namespace whose /proc "
+                "is not its own, and cannot mount one for CRIU (criu/pie/parasite.c)",
+                "unprivileged-tree-root",
+                "start it with `smr exec`, whose init stays root (smr-init --local), rather "
+                "than dropping privileges in the tree's first process")
+    if m := _RLIMIT.search(text):
+        return (f"CRIU cannot read the resource limits of a process of another user "
+                f"(prlimit: {m.group(1)}): root here lacks CAP_SYS_RESOURCE",
+                "criu-limits-unreadable",
+                "run `make setup`, which builds .tools/lib/criu-limits.so for smr to preload "
+                "into CRIU (the smr image has it), or give root CAP_SYS_RESOURCE")
     if re.search(r"Can't get \d+:\d+ opt", text):
         return ("this CRIU cannot read the options of a socket the process holds (CRIU older "
                 "than 4.2 on Linux 6.16+)", "criu-too-old",

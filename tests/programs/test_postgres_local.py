@@ -19,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from smr.criu import explain
 from smr.natsserver import NatsServer, free_port
 from tests.programs import pg
 from tests.test_local_smr import Harness, running
@@ -138,3 +139,20 @@ async def test_postgres_checkpointed_mid_transaction_restores_consistent(h: Harn
         assert check.returncode == 0, check.stdout + check.stderr
         report("postgres local non-root mid-transaction", image_bytes=final.size_bytes,
                final=final.durations, restore=restored.durations)
+
+
+@pytest.mark.parametrize(("line", "code", "named"), [
+    # The lines CRIU 4.2 wrote, in this order, as each was fixed (#27).
+    ("pie: 1: Error (criu/pie/parasite.c:641): can't dump unprivileged task whose /proc "
+     "doesn't belong to it", "unprivileged-tree-root", "smr exec"),
+    ("(00.289261) Error (criu/cr-dump.c:478): Task 23602 with SysVIPC shmem map "
+     "@7fb4b621a000 doesn't live in IPC ns", "sysv-ipc-shared-namespace", "process 23602"),
+    ("(00.262711) Error (criu/cr-dump.c:389): Can't get rlimit 0: Operation not permitted",
+     "criu-limits-unreadable", "CAP_SYS_RESOURCE"),
+])
+def test_the_failures_of_a_program_that_drops_root_are_explained(
+        tmp_path: Path, line: str, code: str, named: str) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text(line + "\n(00.3) Error (criu/cr-dump.c:1975): Dumping FAILED.\n")
+    what, got, hint = explain(log) or ("", "", "")
+    assert got == code and named in what + hint and hint
