@@ -23,9 +23,10 @@ from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 from smr.sockets import Tcp
 
-# CRIU prints this on every run here (an unprivileged rlimit call in a VM); it
-# is harmless and must not be quoted as the reason for a failure.
-_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+# CRIU prints these on every run here (an rlimit call without CAP_SYS_RESOURCE;
+# its probe for /dev/net/tun, which a container lacks); they are harmless and
+# must not be quoted as the reason for a failure.
+_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE|tun: Unable to create tun")
 
 # Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets, which CRIU before
 # 4.2 asks for on every socket it dumps (criu#2705, fixed in 4.2).

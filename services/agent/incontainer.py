@@ -35,8 +35,11 @@ class CriuBundle:
     """The agent's CRIU (under ``root``: usr/sbin/criu and its libraries), held
     open for running inside containers."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, preload: str = "") -> None:
         self.root = root
+        # criu-limits.so (smr.criu.Criu's preload), opened like CRIU's own files.
+        self.preload = Path(preload) if preload else None
+        self._preload_fd: int | None = None
         self.binary = root / "usr/sbin/criu"
         self.libdir = root / "usr/lib/x86_64-linux-gnu"
         self.loader = self.libdir / "ld-linux-x86-64.so.2"
@@ -68,6 +71,11 @@ class CriuBundle:
         from its first page; moving the tasks afterwards leaves the charge
         with the agent (cgroup v1 never moves it, v2 by default neither)."""
         loader, libdir, criu = self.fds()
+        extra: tuple[int, ...] = ()
+        if self.preload:
+            if self._preload_fd is None:
+                self._preload_fd = os.open(self.preload, os.O_RDONLY)
+            extra = (self._preload_fd,)
 
         def view(p: Path) -> str:
             rel = os.path.relpath(p, work)
@@ -81,7 +89,8 @@ class CriuBundle:
             "sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
             'shift; exec "$@"', "smr-join-cgroups", *map(str, host.cgroup_procs(shim.pid)), "--"]
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, options=OPTIONS,
-                    fds=(loader, libdir, criu, work_fd), prefix=[
+                    fds=(loader, libdir, criu, work_fd, *extra),
+                    preload=f"/proc/self/fd/{extra[0]}" if extra else "", prefix=[
                         *join, "nsenter", "-t", str(shim.pid), *NAMESPACES, "--",
                         f"/proc/self/fd/{loader}", "--library-path", f"/proc/self/fd/{libdir}"])
 
