@@ -72,10 +72,15 @@ class Criu:
     async def version(self) -> str:
         """CRIU's version (asked once: it goes into every manifest)."""
         if self._version is None:
-            proc = await asyncio.create_subprocess_exec(
-                self.binary, "--version", stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
+            # Through the prefix, with the fds: a node agent's CRIU is a
+            # descriptor (/proc/self/fd/N) that exists only there.
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.prefix, self.binary, "--version", stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, pass_fds=self.fds,
+                )
+            except OSError:
+                return "unknown"  # asked while explaining a failure: must not hide it
             out, _ = await proc.communicate()
             m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
             self._version = m.group(1) if m else "unknown"

@@ -26,6 +26,11 @@ from smr.criu import Criu
 from smr.errors import PermanentError
 
 NAMESPACES = ["-m", "-p", "-n", "-i", "-u"]
+# A tree that maps System V shared memory (PostgreSQL) is dumped by a CRIU
+# outside the container's IPC namespace: CRIU saves System V objects only with
+# an IPC namespace not its own (criu/cr-dump.c, check_sysvipc_map_dump). The
+# restore then gives the tree an IPC namespace of its own, with those objects.
+NAMESPACES_SAVING_IPC = ["-m", "-p", "-n", "-u"]
 # CRIU's own cgroup handling is off: the restored tree is moved into the new
 # container's cgroups by the agent (host.move_to_cgroups_of).
 OPTIONS = ["--manage-cgroups=ignore"]
@@ -59,7 +64,7 @@ class CriuBundle:
         return self._fds
 
     def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
-               charged: bool = False) -> Criu:
+               charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
         """A CRIU that runs in ``shim``'s container and keeps its images in
         ``work``, a directory of the agent's (``work_fd``: held open by the
         caller). CRIU reaches it through that descriptor (/proc/self/fd/N),
@@ -91,7 +96,7 @@ class CriuBundle:
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, options=OPTIONS,
                     fds=(loader, libdir, criu, work_fd, *extra),
                     preload=f"/proc/self/fd/{extra[0]}" if extra else "", prefix=[
-                        *join, "nsenter", "-t", str(shim.pid), *NAMESPACES, "--",
+                        *join, "nsenter", "-t", str(shim.pid), *namespaces, "--",
                         f"/proc/self/fd/{loader}", "--library-path", f"/proc/self/fd/{libdir}"])
 
 

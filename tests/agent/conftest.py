@@ -34,15 +34,16 @@ from tests.agent.cluster import (
     GPU_IMAGE,
     IMAGE,
     OTHER_IMAGE,
-    PG_IMAGE,
     REDIS_IMAGE,
     TRAIN,
+    USR_IMAGE,
     Cluster,
     webhook_configuration,
 )
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
+from tests.programs import node
 
 
 @pytest.fixture(scope="session")
@@ -127,11 +128,12 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         built.append(oci_image.build(d / "redis.tar", REDIS_IMAGE,
                                      files=oci_image.host_program(redis_server)))
     pg = postgres_ids()
-    # PostgreSQL 15 (tests/agent/test_postgres_pod.py): the host's /usr comes in
-    # as a hostPath volume; the image has its users.
+    # PostgreSQL 15 and Node.js (tests/agent/test_programs_pods.py): the host's
+    # /usr comes in as a hostPath volume; the image has the users.
     built.append(oci_image.build(
-        d / "postgres.tar", PG_IMAGE, links={"lib": "usr/lib", "lib64": "usr/lib64"},
-        files={"/etc/passwd": f"root:x:0:0::/root:/bin/sh\npostgres:x:{pg.uid}:{pg.gid}::"
+        d / "host-usr.tar", USR_IMAGE, links={"lib": "usr/lib", "lib64": "usr/lib64"},
+        files={"/app/server.js": node.SERVER,
+               "/etc/passwd": f"root:x:0:0::/root:/bin/sh\npostgres:x:{pg.uid}:{pg.gid}::"
                               "/var/lib/postgresql:/bin/sh\n".encode(),
                "/etc/group": f"root:x:0:\npostgres:x:{pg.gid}:\n".encode()}))
     return built

@@ -1,0 +1,226 @@
+"""Programs nobody here wrote, in pod containers opted in by labels alone, on
+the two-node harness: a heartbeat while a client is active, then 2
+migrations (cordon, final checkpoint, the replacement on the other node) with
+the program's own data checked after each.
+
+PostgreSQL 15 in a pod container, opted in by labels alone: the image
+holds the users, the host's /usr comes in read-only (hostPath) and the
+cluster's files in a hostPath volume both nodes mount (a network volume's
+part). The container drops to the postgres user as the official images do
+(root, then setpriv). A client writes on a connection that lives through a
+cordon's checkpoint; then 2 migrations, the committed rows (count and
+checksum) checked after each, and pg_amcheck at the end.
+
+What it needs of the agent: CRIU outside the container's IPC namespace, to
+save PostgreSQL's System V segment with it; the container's /dev/shm (its
+dynamic shared memory) carried with the checkpoint. About 30 s here.
+
+Node.js (the host's, from /usr) as nobody: an HTTP server's Map and its
+setInterval timer, which must keep its rhythm. About 25 s here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import http.client
+import json
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from smr.messages import CkptRequested, Target
+from tests.agent.cluster import USR_IMAGE, Cluster
+from tests.agent.test_injection import create, plain_pod
+from tests.agent.test_pod_sockets import in_netns, netns_pid
+from tests.programs import node as nodejs
+from tests.programs import pg
+from tests.programs.test_postgres_local import Rows
+
+off_loop = asyncio.to_thread
+CKPT = "pg-1"
+
+
+def pg_pod(name: str, node: str, data: str) -> dict[str, Any]:
+    p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
+                  env={"SMR_CHECKPOINT": CKPT}, owner="pg", command=[
+                      "/usr/bin/setpriv", *pg.as_postgres()[1:], str(pg.BIN / "postgres"),
+                      "-D", "/pg/data",
+                      "-p", "5432", "-k", "/pg", "-c", "listen_addresses=127.0.0.1"])
+    p["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "usr", "mountPath": "/usr", "readOnly": True},
+        {"name": "pg", "mountPath": "/pg"}]
+    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}},
+                            {"name": "pg", "hostPath": {"path": data}}]
+    return p
+
+
+async def connect(cluster: Cluster, name: str, timeout: float = 30) -> psycopg.Connection:
+    """A client in the pod's network namespace (as through its Service)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = cluster.kube.get("pods", name, "default")
+        if p and (p.get("status") or {}).get("containerStatuses"):
+            try:
+                pid = netns_pid(cluster, name)
+                return await off_loop(in_netns, pid, lambda: psycopg.connect(pg.dsn(5432)))
+            except (psycopg.OperationalError, OSError, AssertionError, IndexError):
+                pass
+        assert time.monotonic() < deadline, (
+            f"postgres in pod {name} never answered; log: "
+            f"{cluster.log(name, p['spec']['nodeName'])[-2000:] if p else ''!r}")
+        await asyncio.sleep(0.3)
+
+
+async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: str) -> None:
+    """A new connection finds every committed row, and the server takes writes;
+    the same postmaster, restored (the files alone would let a fresh start
+    find the rows too: it would recover them from its WAL)."""
+    conn = await connect(cluster, name)
+    try:
+        assert await off_loop(postmaster_started, conn) == started, "it started afresh"
+        got = await off_loop(lambda: conn.execute(pg.SUMMARY).fetchone())
+        assert got is not None and (int(got[0]), str(got[1])) == rows.summary()
+        await off_loop(rows.insert, conn, ids)
+        got = await off_loop(lambda: conn.execute(pg.SUMMARY).fetchone())
+        assert got is not None and (int(got[0]), str(got[1])) == rows.summary()
+    finally:
+        conn.close()
+
+
+def postmaster_started(conn: psycopg.Connection) -> str:
+    row = conn.execute("SELECT pg_postmaster_start_time()::text").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+async def migrate(cluster: Cluster, src: str, dst: str, node_a: str, node_b: str,
+                  data: str, make: Callable[[str, str, str], dict[str, Any]] | None = None,
+                  ckpt: str = CKPT) -> tuple[dict[str, Any], float]:
+    """Cordon node a, its final checkpoint (a drain), the replacement on node b."""
+    await cluster.core.patch_node(node_a, {"spec": {"unschedulable": True}})
+    done = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=node_a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod=src, container="main")),
+        timeout=90)
+    assert done.status == "succeeded", done.error
+    cluster.kube.remove("pods", src, "default")
+    t = time.monotonic()
+    await create(cluster, (make or pg_pod)(dst, node_b, data))
+    await cluster.event("Restored", dst, timeout=60)
+    await cluster.core.patch_node(node_a, {"spec": {"unschedulable": False}})
+    return {"size": done.size_bytes, "durations": done.durations}, time.monotonic() - t
+
+
+async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migrations(
+        cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    with pg.cluster() as top:
+        await create(cluster, pg_pod("pg-a", a, str(top)))
+        conn = await connect(cluster, "pg-a")
+        rows = Rows()
+        await off_loop(lambda: (conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)"),
+                                conn.commit()))
+        await off_loop(rows.insert, conn, range(0, 3000))
+        backend = conn.info.backend_pid
+        started = await off_loop(postmaster_started, conn)
+
+        # A heartbeat: a checkpoint that leaves it running; the client goes on.
+        beat = await cluster.bus.request(CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id=CKPT, node=a, reason="heartbeat",
+            leave_running=True, target=Target(kind="pod", namespace="default", pod="pg-a",
+                                              container="main")), timeout=90)
+        assert beat.status == "succeeded", beat.error
+        await off_loop(rows.insert, conn, range(3000, 4000))
+        assert conn.info.backend_pid == backend
+        conn.close()
+
+        first, took1 = await migrate(cluster, "pg-a", "pg-b", a, b, str(top))
+        await check(cluster, "pg-b", rows, range(4000, 4500), started)
+        second, took2 = await migrate(cluster, "pg-b", "pg-c", b, a, str(top))
+        await check(cluster, "pg-c", rows, range(4500, 5000), started)
+
+        amcheck = await off_loop(in_netns, netns_pid(cluster, "pg-c"),
+                                 lambda: pg.amcheck(5432))
+        assert amcheck.returncode == 0, amcheck.stdout + amcheck.stderr
+        numbers = dict(heartbeat={"size": beat.size_bytes, "durations": beat.durations},
+                       first=first, first_restored_s=took1, second=second,
+                       second_restored_s=took2)
+        print(f"\n[compat] postgres pod non-root: {json.dumps(numbers, default=str)}")
+
+
+NODE_CKPT = "node-1"
+
+
+def node_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
+    p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
+                  env={"SMR_CHECKPOINT": NODE_CKPT}, owner="node", command=[
+                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      "/usr/bin/node", "/app/server.js", "8080", "0.0.0.0"])
+    p["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "usr", "mountPath": "/usr", "readOnly": True}]
+    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}}]
+    return p
+
+
+def pod_socket(pid: int) -> socket.socket:
+    """A connection to port 8080 in the network namespace of ``pid``."""
+    return in_netns(pid, lambda: socket.create_connection(("127.0.0.1", 8080), timeout=10))
+
+
+async def node_get(cluster: Cluster, name: str, path: str = "/", timeout: float = 30
+                   ) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        p = cluster.kube.get("pods", name, "default")
+        if p and (p.get("status") or {}).get("containerStatuses"):
+            try:
+                return await off_loop(nodejs.get, 8080, path,
+                                      functools.partial(pod_socket, netns_pid(cluster, name)))
+            except (OSError, AssertionError, IndexError, http.client.HTTPException):
+                pass
+        assert time.monotonic() < deadline, f"node in pod {name} never answered"
+        await asyncio.sleep(0.2)
+
+
+async def test_nodejs_pod_as_nobody_keeps_its_map_and_timer_through_two_migrations(
+        cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    await create(cluster, node_pod("node-a", a))
+    for k in ("x", "y", "x"):
+        await node_get(cluster, "node-a", f"/inc/{k}")
+    # A client with a keep-alive connection, active through the heartbeat.
+    pid = netns_pid(cluster, "node-a")
+    conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
+    conn.sock = await off_loop(pod_socket, pid)
+
+    def inc(key: str) -> dict[str, Any]:
+        conn.request("GET", f"/inc/{key}")
+        return json.loads(conn.getresponse().read())  # type: ignore[no-any-return]
+
+    assert (await off_loop(inc, "z"))["counts"] == {"x": 2, "y": 1, "z": 1}
+    beat = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=NODE_CKPT, node=a, reason="heartbeat",
+        leave_running=True, target=Target(kind="pod", namespace="default", pod="node-a",
+                                          container="main")), timeout=90)
+    assert beat.status == "succeeded", beat.error
+    assert (await off_loop(inc, "z"))["counts"]["z"] == 2, "the same connection goes on"
+    conn.close()
+
+    want = {"x": 2, "y": 1, "z": 2}
+    numbers: dict[str, Any] = {"heartbeat": {"size": beat.size_bytes,
+                                             "durations": beat.durations}}
+    for src, dst, n_from, n_to in (("node-a", "node-b", a, b), ("node-b", "node-c", b, a)):
+        before, t = (await node_get(cluster, src))["ticks"], time.monotonic()
+        done, took = await migrate(cluster, src, dst, n_from, n_to, "", node_pod, NODE_CKPT)
+        state = await node_get(cluster, dst)
+        nodejs.assert_timer_kept_its_rhythm(before, state["ticks"], time.monotonic() - t)
+        assert state["counts"] == want
+        want["x"] += 1
+        assert (await node_get(cluster, dst, "/inc/x"))["counts"] == want
+        numbers[dst] = {**done, "restored_s": took}
+    print(f"\n[compat] nodejs pod non-root: {json.dumps(numbers, default=str)}")
