@@ -43,7 +43,7 @@ from tests.agent.cluster import (
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
-from tests.programs import node
+from tests.programs import node, pool
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +132,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     # /usr comes in as a hostPath volume; the image has the users.
     built.append(oci_image.build(
         d / "host-usr.tar", USR_IMAGE, links={"lib": "usr/lib", "lib64": "usr/lib64"},
-        files={"/app/server.js": node.SERVER,
+        files={"/app/server.js": node.SERVER, "/app/pool.py": Path(pool.__file__).read_bytes(),
                "/etc/passwd": f"root:x:0:0::/root:/bin/sh\npostgres:x:{pg.uid}:{pg.gid}::"
                               "/var/lib/postgresql:/bin/sh\n".encode(),
                "/etc/group": f"root:x:0:\npostgres:x:{pg.gid}:\n".encode()}))

@@ -17,6 +17,11 @@ dynamic shared memory) carried with the checkpoint. About 30 s here.
 
 Node.js (the host's, from /usr) as nobody: an HTTP server's Map and its
 setInterval timer, which must keep its rhythm. About 25 s here.
+
+A Python multiprocessing pool (ProcessPoolExecutor, 4 workers, a
+multiprocessing.shared_memory block in the container's /dev/shm) as nobody:
+the work in flight finishes, each task's result right, the block intact.
+About 30 s here.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from tests.agent.cluster import USR_IMAGE, Cluster
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_pod_sockets import in_netns, netns_pid
 from tests.programs import node as nodejs
-from tests.programs import pg
+from tests.programs import pg, pool
+from tests.programs.test_pool_local import DONE
 from tests.programs.test_postgres_local import Rows
 
 off_loop = asyncio.to_thread
@@ -224,3 +230,65 @@ async def test_nodejs_pod_as_nobody_keeps_its_map_and_timer_through_two_migratio
         assert (await node_get(cluster, dst, "/inc/x"))["counts"] == want
         numbers[dst] = {**done, "restored_s": took}
     print(f"\n[compat] nodejs pod non-root: {json.dumps(numbers, default=str)}")
+
+
+POOL_CKPT, POOL_TASKS, POOL_MIB = "pool-1", 32, 16
+
+
+def pool_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
+    p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
+                  env={"SMR_CHECKPOINT": POOL_CKPT}, owner="pool", command=[
+                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      "/usr/bin/python3", "/app/pool.py", str(POOL_TASKS), str(POOL_MIB)])
+    p["spec"]["restartPolicy"] = "Never"
+    p["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "usr", "mountPath": "/usr", "readOnly": True}]
+    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}}]
+    return p
+
+
+async def until_done(cluster: Cluster, runs: list[tuple[str, str]], n: int,
+                     timeout: float = 60) -> str:
+    """The pods' logs, in order, once ``n`` tasks are reported done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = "".join(cluster.log(name, node) for name, node in runs)
+        if len(DONE.findall(text)) >= n:
+            return text
+        assert time.monotonic() < deadline, f"{n} tasks never done: {text[-1500:]!r}"
+        await asyncio.sleep(0.1)
+
+
+async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
+        cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    await create(cluster, pool_pod("pool-a", a))
+    runs = [("pool-a", a)]
+    await until_done(cluster, runs, 1)
+    beat = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=POOL_CKPT, node=a, reason="heartbeat",
+        leave_running=True, target=Target(kind="pod", namespace="default", pod="pool-a",
+                                          container="main")), timeout=90)
+    assert beat.status == "succeeded", beat.error
+    numbers: dict[str, Any] = {"heartbeat": {"size": beat.size_bytes,
+                                             "durations": beat.durations}}
+    for src, dst, n_from, n_to, at in (("pool-a", "pool-b", a, b, 4),
+                                       ("pool-b", "pool-c", b, a, 12)):
+        await until_done(cluster, runs, at)
+        done, took = await migrate(cluster, src, dst, n_from, n_to, "", pool_pod, POOL_CKPT)
+        runs.append((dst, n_to))
+        in_flight = POOL_TASKS - len(DONE.findall(
+            "".join(cluster.log(name, node) for name, node in runs)))
+        assert in_flight > 0, "the work was over before the migration: nothing in flight"
+        numbers[dst] = {**done, "restored_s": took, "in_flight": in_flight}
+    text = await until_done(cluster, runs, POOL_TASKS)
+    deadline = time.monotonic() + 30
+    while f"finished {POOL_TASKS}" not in text:
+        assert time.monotonic() < deadline, text[-1500:]
+        await asyncio.sleep(0.1)
+        text = "".join(cluster.log(name, node) for name, node in runs)
+    done_at = {int(i): d for i, d in DONE.findall(text)}
+    assert sorted(done_at) == list(range(POOL_TASKS)), "tasks lost or doubled"
+    assert all(d == pool.expected(i, POOL_TASKS, POOL_MIB) for i, d in done_at.items())
+    assert "block ok" in text
+    print(f"\n[compat] pool pod non-root: {json.dumps(numbers, default=str)}")
