@@ -272,9 +272,9 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "segment), which CRIU saves only with an IPC namespace of the tree's own, "
                 "and this tree shares its IPC namespace with CRIU (cr-dump.c, "
                 "check_sysvipc_map_dump)", "sysv-ipc-shared-namespace",
-                "a local job started by `smr exec` without --gpu has its own; a pod container "
-                "shares its IPC namespace with CRIU, which smr cannot checkpoint yet "
-                "(docs/compatibility.md)")
+                "a local job started by `smr exec` without --gpu has its own, and the node "
+                "agent saves a pod container's; a GPU job (`smr exec --gpu`) shares the "
+                "host's: detach the memory before the checkpoint (docs/compatibility.md)")
     if "can't dump unprivileged task whose /proc" in text:
         return ("the root of the process tree dropped root in a PID namespace whose /proc "
                 "is not its own, and cannot mount one for CRIU (criu/pie/parasite.c)",
