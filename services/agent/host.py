@@ -132,10 +132,10 @@ def holds_gpu(pid: int) -> bool:
 
 
 def maps_sysv_memory(pid: int) -> bool:
-    """Does any process of ``pid``'s tree map System V shared memory? (The
-    kernel names such a mapping /SYSV<key> in /proc/PID/maps; a workload
-    cannot name a file so outside its own mount namespace's view, and a false
-    match only makes CRIU save the container's IPC namespace.)"""
+    """Does any process of ``pid``'s tree map System V shared memory? The
+    kernel names such a mapping /SYSV<key> in /proc/PID/maps. A file the
+    workload itself names so and maps matches too: that only makes CRIU save
+    the container's IPC namespace, which is harmless."""
     for p in tree(pid):
         with contextlib.suppress(OSError):
             with open(PROC / str(p) / "maps", "rb") as f:
