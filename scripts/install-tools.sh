@@ -18,13 +18,13 @@ CRIU_MIN=4.2
 
 # From the system's own (bookworm) sources: containerd and runc for the node
 # agent's container tests, iptables-restore for CRIU's network lock, busybox
-# for test images, gcc to build smr-init, and redis-server, PostgreSQL 15 and
-# Node.js, programs nobody here wrote, that the socket and program tests
-# checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).
+# for test images, gcc to build smr-init, and redis-server, PostgreSQL 15,
+# Node.js and a JDK, programs nobody here wrote, that the socket and program
+# tests checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).
 NEED=""
 for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
             gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev \
-            node:nodejs; do
+            node:nodejs javac:default-jdk-headless; do
   command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"
 done
 [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || NEED="$NEED libc6-dev"
