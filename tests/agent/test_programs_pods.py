@@ -22,6 +22,9 @@ A Python multiprocessing pool (ProcessPoolExecutor, 4 workers, a
 multiprocessing.shared_memory block in the container's /dev/shm) as nobody:
 the work in flight finishes, each task's result right, the block intact.
 About 30 s here.
+
+A JVM service (the host's OpenJDK 17) as nobody: its counter map, and no
+second warm-up after a restore (the JIT's log). About 20 s here.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import asyncio
 import functools
 import http.client
 import json
+import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -42,8 +48,8 @@ from smr.messages import CkptRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_pod_sockets import in_netns, netns_pid
+from tests.programs import jvm, pg, pool
 from tests.programs import node as nodejs
-from tests.programs import pg, pool
 from tests.programs.test_pool_local import DONE
 from tests.programs.test_postgres_local import Rows
 
@@ -292,3 +298,72 @@ async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
     assert all(d == pool.expected(i, POOL_TASKS, POOL_MIB) for i, d in done_at.items())
     assert "block ok" in text
     print(f"\n[compat] pool pod non-root: {json.dumps(numbers, default=str)}")
+
+
+JVM_CKPT = "jvm-1"
+JAVA = "/usr/lib/jvm/default-java/bin/java"
+
+
+def jvm_pod(name: str, node: str, classes: str) -> dict[str, Any]:
+    p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
+                  env={"SMR_CHECKPOINT": JVM_CKPT}, owner="jvm", command=[
+                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      JAVA, *jvm.java_cmd(Path("/classes"), 8080, "0.0.0.0")[1:]])
+    p["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "usr", "mountPath": "/usr", "readOnly": True},
+        # Debian's JDK keeps its configuration there (lib/jvm.cfg links to it).
+        {"name": "java-etc", "mountPath": "/etc/java-17-openjdk", "readOnly": True},
+        {"name": "classes", "mountPath": "/classes", "readOnly": True}]
+    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}},
+                            {"name": "java-etc", "hostPath": {"path": "/etc/java-17-openjdk"}},
+                            {"name": "classes", "hostPath": {"path": classes}}]
+    return p
+
+
+async def test_jvm_pod_as_nobody_keeps_its_map_and_compiled_code_through_two_migrations(
+        cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    with tempfile.TemporaryDirectory(prefix="smr-jvm-") as d:
+        os.chmod(d, 0o755)
+        classes = jvm.compile_server(Path(d) / "classes")
+        for p in (classes, *classes.iterdir()):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        await create(cluster, jvm_pod("jvm-a", a, str(classes)))
+        for i in range(300):  # warm-up: the JIT compiles Counter.work
+            await node_get(cluster, "jvm-a", f"/inc/k{i % 3}")
+        pid = netns_pid(cluster, "jvm-a")
+        conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
+        conn.sock = await off_loop(pod_socket, pid)
+
+        def inc(key: str) -> dict[str, Any]:
+            conn.request("GET", f"/inc/{key}")
+            return json.loads(conn.getresponse().read())  # type: ignore[no-any-return]
+
+        assert (await off_loop(inc, "k0"))["counts"]["k0"] == 101
+        beat = await cluster.bus.request(CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id=JVM_CKPT, node=a, reason="heartbeat",
+            leave_running=True, target=Target(kind="pod", namespace="default", pod="jvm-a",
+                                              container="main")), timeout=90)
+        assert beat.status == "succeeded", beat.error
+        assert (await off_loop(inc, "k0"))["counts"]["k0"] == 102, "the same client goes on"
+        conn.close()
+        assert jvm.compilations_of_work(cluster.log("jvm-a", a)), "never compiled"
+
+        want = {"k0": 102, "k1": 100, "k2": 100}
+        numbers: dict[str, Any] = {"heartbeat": {"size": beat.size_bytes,
+                                                 "durations": beat.durations}}
+        for src, dst, n_from, n_to in (("jvm-a", "jvm-b", a, b), ("jvm-b", "jvm-c", b, a)):
+            done, took = await migrate(cluster, src, dst, n_from, n_to, str(classes),
+                                       jvm_pod, JVM_CKPT)
+            first = await node_get(cluster, dst)
+            assert first["counts"] == want
+            want["k1"] += 1
+            assert (await node_get(cluster, dst, "/inc/k1"))["counts"] == want
+            deadline = time.monotonic() + 30
+            while not jvm.COLD.search(cluster.log(dst, n_to)):  # its log gets compilations
+                assert time.monotonic() < deadline, "no compilation logged after the restore"
+                await node_get(cluster, dst, "/cold")
+            assert not jvm.compilations_of_work(cluster.log(dst, n_to)), (
+                "Counter.work was compiled again after the restore: a second warm-up")
+            numbers[dst] = {**done, "restored_s": took, "work_ns_first": first["work_ns"]}
+        print(f"\n[compat] jvm pod non-root: {json.dumps(numbers, default=str)}")
