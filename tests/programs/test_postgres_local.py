@@ -105,6 +105,7 @@ async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
             assert check.returncode == 0, check.stdout + check.stderr
             report("postgres local non-root migration", image_bytes=final.size_bytes,
                    heartbeat=beat.durations, final=final.durations, restore=restored.durations)
+            await pg.shut_down(restored.pid or 0)
 
 
 async def test_postgres_checkpointed_mid_transaction_restores_consistent(h: Harness) -> None:
@@ -139,6 +140,7 @@ async def test_postgres_checkpointed_mid_transaction_restores_consistent(h: Harn
         assert check.returncode == 0, check.stdout + check.stderr
         report("postgres local non-root mid-transaction", image_bytes=final.size_bytes,
                final=final.durations, restore=restored.durations)
+        await pg.shut_down(restored.pid or 0)
 
 
 @pytest.mark.parametrize(("line", "code", "named"), [
