@@ -25,6 +25,9 @@ About 30 s here.
 
 A JVM service (the host's OpenJDK 17) as nobody: its counter map, and no
 second warm-up after a restore (the JIT's log). About 20 s here.
+
+A Jupyter kernel (ipykernel on the host's Python) as root, with a client over
+ZeroMQ: a numpy array and a half-consumed generator. About 20 s here.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ipykernel
+import jupyter_client
 import psycopg
 
 from smr.messages import CkptRequested, Target
@@ -50,6 +55,8 @@ from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_pod_sockets import in_netns, netns_pid
 from tests.programs import jvm, pg, pool
 from tests.programs import node as nodejs
+from tests.programs.test_jupyter_local import CELLS
+from tests.programs.test_jupyter_local import run as run_cell
 from tests.programs.test_pool_local import DONE
 from tests.programs.test_postgres_local import Rows
 
@@ -367,3 +374,101 @@ async def test_jvm_pod_as_nobody_keeps_its_map_and_compiled_code_through_two_mig
                 "Counter.work was compiled again after the restore: a second warm-up")
             numbers[dst] = {**done, "restored_s": took, "work_ns_first": first["work_ns"]}
         print(f"\n[compat] jvm pod non-root: {json.dumps(numbers, default=str)}")
+
+
+KERNEL_CKPT = "kernel-1"
+
+
+def kernel_pod(name: str, node: str, conn_dir: str) -> dict[str, Any]:
+    """ipykernel on the host's Python 3.11, its packages from this Python's
+    site directory (hostPath), as root (it writes its profile under $HOME)."""
+    site = str(Path(ipykernel.__file__).resolve().parents[1])
+    p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
+                  env={"SMR_CHECKPOINT": KERNEL_CKPT, "PYTHONPATH": "/site", "HOME": "/root"},
+                  owner="kernel", command=["/usr/bin/python3", "-m", "ipykernel_launcher",
+                                           "-f", "/conn/kernel.json"])
+    p["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "usr", "mountPath": "/usr", "readOnly": True},
+        {"name": "site", "mountPath": "/site", "readOnly": True},
+        {"name": "conn", "mountPath": "/conn", "readOnly": True}]
+    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}},
+                            {"name": "site", "hostPath": {"path": site}},
+                            {"name": "conn", "hostPath": {"path": conn_dir}}]
+    return p
+
+
+def pod_kernel_client(cluster: Cluster, name: str, conn_file: Path) -> Any:
+    """A jupyter_client client in the pod's network namespace: its ZeroMQ
+    context's I/O threads (which make the connections) are started by a thread
+    that joined it, and a thread's children stay in its namespace."""
+    import zmq
+
+    def context() -> zmq.Context[Any]:
+        ctx: zmq.Context[Any] = zmq.Context()
+        ctx.socket(zmq.PUB).close()  # libzmq starts its I/O threads with the first socket
+        return ctx
+
+    ctx = in_netns(netns_pid(cluster, name), context)
+    kc = jupyter_client.BlockingKernelClient(connection_file=str(conn_file), context=ctx)
+    kc.load_connection_file()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return kc
+
+
+async def kernel_client(cluster: Cluster, name: str, conn_file: Path,
+                        timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        p = cluster.kube.get("pods", name, "default")
+        if p and (p.get("status") or {}).get("containerStatuses"):
+            try:
+                return await off_loop(pod_kernel_client, cluster, name, conn_file)
+            except (OSError, AssertionError, IndexError, RuntimeError):
+                pass
+        assert time.monotonic() < deadline, (
+            f"kernel in pod {name} never answered: "
+            f"{cluster.log(name, p['spec']['nodeName'])[-1500:] if p else ''!r}")
+        await asyncio.sleep(0.5)
+
+
+async def test_jupyter_kernel_pod_keeps_its_variables_through_two_migrations(
+        cluster: Cluster, tmp_path: Path) -> None:
+    a, b = list(cluster.kubelets)
+    with tempfile.TemporaryDirectory(prefix="smr-kernel-") as d:
+        os.chmod(d, 0o755)
+        conn_file = Path(d) / "kernel.json"
+        jupyter_client.connect.write_connection_file(
+            str(conn_file), ip="127.0.0.1", key=uuid.uuid4().hex.encode(), shell_port=50001,
+            iopub_port=50002, stdin_port=50003, control_port=50004, hb_port=50005)
+        conn_file.chmod(0o644)
+        await create(cluster, kernel_pod("kernel-a", a, d))
+        kc = await kernel_client(cluster, "kernel-a", conn_file)
+        got = await off_loop(run_cell, kc, CELLS, first="first")
+        assert got == {"first": "[0, 1, 4]"}
+        beat = await cluster.bus.request(CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id=KERNEL_CKPT, node=a,
+            reason="heartbeat", leave_running=True, target=Target(
+                kind="pod", namespace="default", pod="kernel-a", container="main")),
+            timeout=90)
+        assert beat.status == "succeeded", beat.error
+        got = await off_loop(run_cell, kc, "b = a * 2", b="int(b.sum())", g="next(g)")
+        assert got == {"b": str(2 * sum(range(1_000_000))), "g": "9"}, "the same client"
+        kc.stop_channels()
+
+        numbers: dict[str, Any] = {"heartbeat": {"size": beat.size_bytes,
+                                                 "durations": beat.durations}}
+        for src, dst, n_from, n_to, g in (("kernel-a", "kernel-b", a, b, 16),
+                                          ("kernel-b", "kernel-c", b, a, 25)):
+            done, took = await migrate(cluster, src, dst, n_from, n_to, d, kernel_pod,
+                                       KERNEL_CKPT)
+            again = await kernel_client(cluster, dst, conn_file)  # the same ports
+            try:
+                got = await off_loop(run_cell, again, "", a="int(a.sum())", g="next(g)",
+                                     first="first")
+            finally:
+                again.stop_channels()
+            assert got == {"a": str(sum(range(1_000_000))), "g": str(g),
+                           "first": "[0, 1, 4]"}
+            numbers[dst] = {**done, "restored_s": took}
+        print(f"\n[compat] jupyter kernel pod root: {json.dumps(numbers, default=str)}")
