@@ -3,7 +3,7 @@ small Java HTTP server, compiled by the test, with a counter map in memory, a
 pool of 32 worker threads started at once, and a hot method the JIT compiles.
 
 GET /inc/KEY counts KEY; GET / answers the state. Each request runs
-``Counter.work`` (``Counter.cold`` for GET /cold); the JVM prints its
+``Counter.work`` (``Counter.coldN`` for GET /coldN, N 1 or 2); the JVM prints its
 compilations (-XX:+PrintCompilation), so a test sees whether a method had to
 be compiled again after a restore, and that the log still gets them.
 """
@@ -38,9 +38,16 @@ public class Counter {
         return s;
     }
 
-    static long cold(int n) {  // first called after the restore: its compile is logged
+    // First called after a restore (one for each): their compiles are logged.
+    static long cold1(int n) {
         long s = 1;
         for (int i = 0; i < n; i++) s = s * 17 + (i ^ (s >>> 5));
+        return s;
+    }
+
+    static long cold2(int n) {
+        long s = 3;
+        for (int i = 0; i < n; i++) s = s * 13 + (i ^ (s >>> 7));
         return s;
     }
 
@@ -55,7 +62,8 @@ public class Counter {
         server.createContext("/", ex -> {
             String path = ex.getRequestURI().getPath();
             long t0 = System.nanoTime();
-            long w = path.startsWith("/cold") ? cold(100_000) : work(100_000);
+            long w = path.startsWith("/cold1") ? cold1(100_000)
+                : path.startsWith("/cold2") ? cold2(100_000) : work(100_000);
             long ns = System.nanoTime() - t0;
             if (path.startsWith("/inc/"))
                 counts.computeIfAbsent(path.substring(5), k -> new AtomicLong()).incrementAndGet();
@@ -78,7 +86,9 @@ public class Counter {
 """
 
 WORK = re.compile(r"^.*Counter::work .*$", re.M)
-COLD = re.compile(r"^.*Counter::cold .*$", re.M)
+def cold(n: int) -> re.Pattern[str]:
+    """The JIT's lines about Counter.coldN."""
+    return re.compile(rf"^.*Counter::cold{n} .*$", re.M)
 
 
 def compile_server(out: Path) -> Path:
@@ -97,6 +107,17 @@ def java_cmd(classes: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     assert java
     return [java, "-XX:+PrintCompilation", "-Xmx128m", "-cp", str(classes), "Counter",
             str(port), host]
+
+
+def work_fully_compiled(log: str) -> bool:
+    """Has C2 (tier 4) compiled Counter.work as a method (not only a loop of
+    it, on-stack replacement, `%`)? Until then more calls compile it again."""
+    for line in WORK.findall(log):
+        parts = line.split()
+        at = parts.index("Counter::work")
+        if parts[at - 1] == "4" and "%" not in parts[2:at - 1] and "made not" not in line:
+            return True
+    return False
 
 
 def compilations_of_work(log: str) -> list[str]:
