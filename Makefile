@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.smr-installed
 
 .PHONY: setup demo test lint clean bench-storage bench-watcher
 
-setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime
+setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime .tools/lib/criu-limits.so
 
 .tools/.installed-v3: scripts/install-tools.sh
 	./scripts/install-tools.sh
@@ -15,6 +15,12 @@ setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime
 # The pod containers' PID 1 (services/agent/init): static, so it runs in any image.
 .tools/bin/smr-init: services/agent/init/smr-init.c .tools/.installed-v3
 	gcc -static -Os -Wall -Wextra -o $@ $<
+
+# Preloaded into CRIU (smr.criu): reads the limits of a task of another user
+# from /proc where root lacks CAP_SYS_RESOURCE (native/criu-limits.c).
+.tools/lib/criu-limits.so: native/criu-limits.c .tools/.installed-v3
+	mkdir -p .tools/lib
+	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -ldl
 
 # The OCI runtime wrapper that puts smr-init in front of opted-in containers;
 # static, it runs on the host. cJSON's source comes with the tools.

@@ -18,20 +18,27 @@ CRIU_MIN=4.2
 
 # From the system's own (bookworm) sources: containerd and runc for the node
 # agent's container tests, iptables-restore for CRIU's network lock, busybox
-# for test images, gcc to build smr-init, and redis-server, a program nobody
-# here wrote, that the socket tests checkpoint.
+# for test images, gcc to build smr-init, and redis-server, PostgreSQL 15,
+# Node.js and a JDK, programs nobody here wrote, that the socket and program
+# tests checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).
 NEED=""
 for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
-            gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev; do
+            gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev \
+            node:nodejs javac:default-jdk-headless; do
   command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"
 done
 [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || NEED="$NEED libc6-dev"
+[[ -x /usr/lib/postgresql/15/bin/postgres ]] || NEED="$NEED postgresql-15"
 if [[ -n $NEED ]]; then
   echo "smr: installing$NEED from the system's apt sources"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $NEED >/dev/null
   # Debian starts a system-wide redis on install; the tests start their own.
   if [[ $NEED == *redis-server* ]] && command -v systemctl >/dev/null; then
     systemctl disable --now redis-server >/dev/null 2>&1 || true
+  fi
+  # Likewise its PostgreSQL cluster (port 5432): the tests initdb their own.
+  if [[ $NEED == *postgresql-15* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now postgresql >/dev/null 2>&1 || true
   fi
 fi
 

@@ -378,6 +378,15 @@ class Settings:
     def criu_binary(self) -> str:
         return _find_binary(self.values["CRIU"], "criu", "CRIU")
 
+    def criu_preload(self) -> str:
+        """criu-limits.so (native/criu-limits.c) where `make setup` or the smr
+        image put it, or "" (CRIU then needs CAP_SYS_RESOURCE to dump a task
+        of another user)."""
+        for where in (REPO_TOOLS.parent / "lib", Path("/usr/lib/smr")):
+            if (where / "criu-limits.so").is_file():
+                return str(where / "criu-limits.so")
+        return ""
+
     def init_binary(self) -> str:
         return _find_binary(self.values["INIT"], "smr-init", "INIT")
 

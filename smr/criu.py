@@ -23,9 +23,10 @@ from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 from smr.sockets import Tcp
 
-# CRIU prints this on every run here (an unprivileged rlimit call in a VM); it
-# is harmless and must not be quoted as the reason for a failure.
-_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+# CRIU prints these on every run here (an rlimit call without CAP_SYS_RESOURCE;
+# its probe for /dev/net/tun, which a container lacks); they are harmless and
+# must not be quoted as the reason for a failure.
+_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE|tun: Unable to create tun")
 
 # Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets, which CRIU before
 # 4.2 asks for on every socket it dumps (criu#2705, fixed in 4.2).
@@ -47,11 +48,14 @@ class Criu:
     """``prefix`` runs CRIU through another command (the node agent enters a
     container's namespaces with nsenter); ``view`` turns a host path into the
     path CRIU sees there; ``options`` go into every dump and restore; ``fds``
-    stay open in every run."""
+    stay open in every run; ``preload``, criu-limits.so (native/criu-limits.c)
+    as CRIU sees it, lets CRIU read the limits of a task of another user where
+    root lacks CAP_SYS_RESOURCE."""
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
-                 fds: Sequence[int] = (), network_lock: str = "nftables") -> None:
+                 fds: Sequence[int] = (), network_lock: str = "nftables",
+                 preload: str = "") -> None:
         self.binary = binary
         # nftables: CRIU locks connections through its own libnftables, so no
         # iptables binary is needed where it runs (inside a container too).
@@ -61,16 +65,22 @@ class Criu:
         self.view = view
         self.options = list(options)
         self.fds = tuple(fds)  # kept open in every run (the node agent's CRIU files)
+        self.preload = preload
         self._tracks_memory: bool | None = None
         self._version: str | None = None
 
     async def version(self) -> str:
         """CRIU's version (asked once: it goes into every manifest)."""
         if self._version is None:
-            proc = await asyncio.create_subprocess_exec(
-                self.binary, "--version", stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
+            # Through the prefix, with the fds: a node agent's CRIU is a
+            # descriptor (/proc/self/fd/N) that exists only there.
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.prefix, self.binary, "--version", stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, pass_fds=self.fds,
+                )
+            except OSError:
+                return "unknown"  # asked while explaining a failure: must not hide it
             out, _ = await proc.communicate()
             m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
             self._version = m.group(1) if m else "unknown"
@@ -165,11 +175,12 @@ class Criu:
         cmd = [*self.prefix, self.binary, *args, *self.options,
                "-D", self.view(image_dir or images),
                "-o", log_name, "-v4"]
+        env = {**os.environ, "LD_PRELOAD": self.preload} if self.preload else None
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, pass_fds=(*pass_fds, *self.fds),
-            start_new_session=True,
+            start_new_session=True, env=env,
         )
         try:
             _, err = await asyncio.wait_for(proc.communicate(), self.timeout)
@@ -228,6 +239,10 @@ _ERROR_PREFIX = re.compile(r"^\([\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*")
 _RUNAWAY = re.compile(r"Runaway socket: ino (\d+) peer_ino (\d+).*?name (.*)$", re.M)
 
 
+_SYSV = re.compile(r"Task (\d+) with SysVIPC shmem map @\w+ doesn't live in IPC ns")
+_RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
+
+
 # Failures that pass: the step is retried rather than failed.
 TEMPORARY = frozenset({"scratch-full"})
 
@@ -252,6 +267,26 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "external-unix-socket",
                 "close that connection before the checkpoint, or run its peer inside the same "
                 "process tree (for a pod: the same container, not a sidecar)")
+    if m := _SYSV.search(text):
+        return (f"process {m.group(1)} maps System V shared memory (PostgreSQL keeps a "
+                "segment), which CRIU saves only with an IPC namespace of the tree's own, "
+                "and this tree shares its IPC namespace with CRIU (cr-dump.c, "
+                "check_sysvipc_map_dump)", "sysv-ipc-shared-namespace",
+                "a local job started by `smr exec` without --gpu has its own, and the node "
+                "agent saves a pod container's; a GPU job (`smr exec --gpu`) shares the "
+                "host's: detach the memory before the checkpoint (docs/compatibility.md)")
+    if "can't dump unprivileged task whose /proc" in text:
+        return ("the root of the process tree dropped root in a PID namespace whose /proc "
+                "is not its own, and cannot mount one for CRIU (criu/pie/parasite.c)",
+                "unprivileged-tree-root",
+                "start it with `smr exec`, whose init stays root (smr-init --local), rather "
+                "than dropping privileges in the tree's first process")
+    if m := _RLIMIT.search(text):
+        return (f"CRIU cannot read the resource limits of a process of another user "
+                f"(prlimit: {m.group(1)}): root here lacks CAP_SYS_RESOURCE",
+                "criu-limits-unreadable",
+                "run `make setup`, which builds .tools/lib/criu-limits.so for smr to preload "
+                "into CRIU (the smr image has it), or give root CAP_SYS_RESOURCE")
     if re.search(r"Can't get \d+:\d+ opt", text):
         return ("this CRIU cannot read the options of a socket the process holds (CRIU older "
                 "than 4.2 on Linux 6.16+)", "criu-too-old",

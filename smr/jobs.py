@@ -1,10 +1,15 @@
 """Local jobs: launching them in their own PID namespace, and their registry.
 
-A job runs as the init of a new PID namespace (``unshare --pid --fork``) and
-leads its own session, which is what CRIU needs to dump the tree and to restore
-it beside a still-running original: inside the namespace the PIDs are the same,
-outside they never collide. No mount namespace: CRIU would then need the whole
-mount table described.
+A job runs in a new PID namespace (``unshare --pid --fork``) whose init,
+smr-init in its ``--local`` mode, leads its own session and starts the
+command: that is what CRIU needs to dump the tree and to restore it beside a
+still-running original (inside the namespace the PIDs are the same, outside
+they never collide). The init stays root when the command drops to another
+user (PostgreSQL, any daemon): CRIU has the root of the tree mount a /proc of
+its PID namespace, which only a privileged process can. Its own IPC namespace
+too: CRIU saves System V shared memory, semaphores and message queues only
+with the namespace that holds them (PostgreSQL keeps a System V segment). No
+mount namespace: CRIU would then need the whole mount table described.
 
 The registry is the JetStream KV bucket ``smr-jobs`` (job id → record), written
 with compare-and-set so two writers never lose each other's update. Each
@@ -34,6 +39,7 @@ import orjson
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
+from smr import config
 from smr.errors import PermanentError, SmrError, TemporaryError
 from smr.gpuinfo import process_tree
 
@@ -114,9 +120,16 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
     driver fails to initialise in a PID namespace that keeps the host's /proc
     (cudaGetDeviceCount: error 304, measured on the H100 machine), and a
     private /proc makes CRIU's dump fail. Their restore needs the dumped PIDs
-    free, which they are once the checkpointed original is gone."""
+    free, which they are once the checkpointed original is gone.
+
+    In its own namespace the job's PID is its init's (smr-init ``--local``):
+    signals to it are forwarded to the command, and its exit is the
+    command's."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    prefix = ["unshare", "--pid", "--fork", "setsid"] if own_pid_namespace else []
+    prefix = []
+    if own_pid_namespace:
+        init = config.load().init_binary()
+        prefix = ["unshare", "--pid", "--ipc", "--fork", "setsid", init, "--local", "--"]
     with open(log, "ab") as out, open(os.devnull, "rb") as devnull:
         wrapper = subprocess.Popen(
             [*prefix, *cmd],

@@ -68,7 +68,7 @@ class EmbeddedNode:
         # NATS token: the data dir is its owner's alone.
         s.data_path.mkdir(parents=True, exist_ok=True)
         os.chmod(s.data_path, 0o700)
-        criu = Criu(s.criu_binary(), s.criu_timeout)
+        criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         self.criu_problem = await criu.problem()
         if self.criu_problem:
             log.error("%s", self.criu_problem)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -477,3 +478,19 @@ async def test_a_failed_criu_run_says_why_in_criu_own_words(criu_binary: str,
     assert str(gone.pid) in e.message and "Error (" not in e.message
     assert "Error (" in e.detail and e.message.split(": ", 1)[1] in e.detail
     assert str(tmp_path / "images" / "dump.log") in e.hint
+
+
+def test_local_init_runs_the_command_forwards_signals_and_exits_with_its_status(
+        tmp_path: Path) -> None:
+    """smr-init --local, PID 1 of every local job's namespace: the job's exit
+    is its command's, and a signal to the job reaches the command."""
+    init = config.load({}).init_binary()
+    done = subprocess.run([init, "--local", "--", "sh", "-c", "exit 7"], timeout=10)
+    assert done.returncode == 7
+    marker = tmp_path / "got"
+    proc = subprocess.Popen([init, "--local", "--", "sh", "-c",
+                             f"trap 'echo term > {marker}; exit 3' TERM; "
+                             "while :; do sleep 0.05; done"])
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 3 and marker.read_text() == "term\n"

@@ -131,6 +131,19 @@ def holds_gpu(pid: int) -> bool:
     return False
 
 
+def maps_sysv_memory(pid: int) -> bool:
+    """Does any process of ``pid``'s tree map System V shared memory? The
+    kernel names such a mapping /SYSV<key> in /proc/PID/maps. A file the
+    workload itself names so and maps matches too: that only makes CRIU save
+    the container's IPC namespace, which is harmless."""
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            with open(PROC / str(p) / "maps", "rb") as f:
+                if any(b" /SYSV" in line for line in f):
+                    return True
+    return False
+
+
 def cgroup_procs(pid: int) -> list[Path]:
     """The cgroup.procs file of every cgroup ``pid`` is in (v1 controllers and
     v2), those this agent can see."""

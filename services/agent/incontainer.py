@@ -26,6 +26,11 @@ from smr.criu import Criu
 from smr.errors import PermanentError
 
 NAMESPACES = ["-m", "-p", "-n", "-i", "-u"]
+# A tree that maps System V shared memory (PostgreSQL) is dumped by a CRIU
+# outside the container's IPC namespace: CRIU saves System V objects only with
+# an IPC namespace not its own (criu/cr-dump.c, check_sysvipc_map_dump). The
+# restore then gives the tree an IPC namespace of its own, with those objects.
+NAMESPACES_SAVING_IPC = ["-m", "-p", "-n", "-u"]
 # CRIU's own cgroup handling is off: the restored tree is moved into the new
 # container's cgroups by the agent (host.move_to_cgroups_of).
 OPTIONS = ["--manage-cgroups=ignore"]
@@ -35,8 +40,11 @@ class CriuBundle:
     """The agent's CRIU (under ``root``: usr/sbin/criu and its libraries), held
     open for running inside containers."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, preload: str = "") -> None:
         self.root = root
+        # criu-limits.so (smr.criu.Criu's preload), opened like CRIU's own files.
+        self.preload = Path(preload) if preload else None
+        self._preload_fd: int | None = None
         self.binary = root / "usr/sbin/criu"
         self.libdir = root / "usr/lib/x86_64-linux-gnu"
         self.loader = self.libdir / "ld-linux-x86-64.so.2"
@@ -56,7 +64,7 @@ class CriuBundle:
         return self._fds
 
     def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
-               charged: bool = False) -> Criu:
+               charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
         """A CRIU that runs in ``shim``'s container and keeps its images in
         ``work``, a directory of the agent's (``work_fd``: held open by the
         caller). CRIU reaches it through that descriptor (/proc/self/fd/N),
@@ -68,6 +76,11 @@ class CriuBundle:
         from its first page; moving the tasks afterwards leaves the charge
         with the agent (cgroup v1 never moves it, v2 by default neither)."""
         loader, libdir, criu = self.fds()
+        extra: tuple[int, ...] = ()
+        if self.preload:
+            if self._preload_fd is None:
+                self._preload_fd = os.open(self.preload, os.O_RDONLY)
+            extra = (self._preload_fd,)
 
         def view(p: Path) -> str:
             rel = os.path.relpath(p, work)
@@ -81,8 +94,9 @@ class CriuBundle:
             "sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
             'shift; exec "$@"', "smr-join-cgroups", *map(str, host.cgroup_procs(shim.pid)), "--"]
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, options=OPTIONS,
-                    fds=(loader, libdir, criu, work_fd), prefix=[
-                        *join, "nsenter", "-t", str(shim.pid), *NAMESPACES, "--",
+                    fds=(loader, libdir, criu, work_fd, *extra),
+                    preload=f"/proc/self/fd/{extra[0]}" if extra else "", prefix=[
+                        *join, "nsenter", "-t", str(shim.pid), *namespaces, "--",
                         f"/proc/self/fd/{loader}", "--library-path", f"/proc/self/fd/{libdir}"])
 
 

@@ -31,6 +31,12 @@ from services.agent.confined import Root, UnsafePath
 from smr.errors import PermanentError
 
 TAR = "rootfs.tar"
+# The container's /dev/shm (its own tmpfs, not in the layer): POSIX shared
+# memory (shm_open: PostgreSQL's dynamic shared memory, Python's
+# multiprocessing.shared_memory) lives there, and CRIU saves a mapping of such
+# a file as a reference to it, not its content.
+SHM_TAR = "devshm.tar"
+SHM = "dev/shm"
 # Written by CRIU or the kubelet, not the workload's state.
 _SKIP = {"smr", "etc/hosts", "etc/hostname", "etc/resolv.conf", "dev", "proc", "sys"}
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -111,6 +117,30 @@ class _Exactly:
         data += b"\0" * (n - len(data))
         self.left -= n
         return bytes(data)
+
+
+def _capture_shm(pid: int, out: Path) -> None:
+    with Root.of_pid(pid) as root:
+        top = root.open(SHM, os.O_RDONLY | os.O_DIRECTORY)  # listed: not O_PATH
+    try:
+        if not os.listdir(top):
+            return
+        with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+            for rel_dir, dirnames, filenames, dfd in os.fwalk(".", dir_fd=top):
+                for name in sorted(dirnames + filenames):
+                    _add(tar, dfd, name, os.path.normpath(os.path.join(SHM, rel_dir, name)))
+    finally:
+        os.close(top)
+
+
+async def capture_shm(pid: int, out: Path) -> None:
+    """Tar the files in /dev/shm of the container of ``pid`` (its smr-init),
+    read through its root like the layer is put back (never a link followed),
+    into ``out``; nothing is written when it is empty."""
+    try:
+        await asyncio.to_thread(_capture_shm, pid, out)
+    except (FileNotFoundError, NotADirectoryError, UnsafePath):
+        return  # no /dev/shm of its own (or not a directory): nothing to carry
 
 
 async def capture(upper: Path, out: Path) -> None:
@@ -207,7 +237,8 @@ def _apply(tar_path: Path, pid: int) -> None:
 
 
 async def apply(tar: Path, pid: int) -> None:
-    """Put the saved layer back into the container of ``pid`` (its smr-init)."""
+    """Put the saved layer (or /dev/shm, SHM_TAR) back into the container of
+    ``pid`` (its smr-init)."""
     if not tar.is_file():
         return  # a checkpoint without a layer (nothing was written)
     await asyncio.to_thread(_apply, tar, pid)

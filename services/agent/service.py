@@ -41,9 +41,9 @@ class NodeAgent:
                  settings: Settings) -> None:
         s = self.s = settings
         self.pods = Pods(api, s.node)
-        self.criu = Criu(s.criu_binary(), s.criu_timeout)
+        self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         common = dict(
-            bundle=CriuBundle(s.criu_root()), criu=self.criu,
+            bundle=CriuBundle(s.criu_root(), s.criu_preload()), criu=self.criu,
             store=store, pods=self.pods,
             lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait,
                          stale_after=bus.config.stale_after),

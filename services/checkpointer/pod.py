@@ -22,6 +22,7 @@ from nats.js.kv import KeyValue
 
 from services.agent import host, rootfs
 from services.agent.host import Shim
+from services.agent.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.agent.pods import PodContainer, PodStep
 from services.checkpointer import timings
 from services.checkpointer.admission import resident_bytes
@@ -98,7 +99,9 @@ class PodCheckpointStep(PodStep):
             ticks = proc_start_ticks(pid)
             await asyncio.to_thread(shutil.rmtree, work, True)
             work_fd = self.open_work(work)
-            criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd)
+            ipc = await asyncio.to_thread(host.maps_sysv_memory, pid)
+            criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd,
+                                      namespaces=NAMESPACES_SAVING_IPC if ipc else NAMESPACES)
             # The shim's mounts, not the workload's: a workload can make mount
             # namespaces of its own and name any directory as its upperdir.
             upper = host.upperdir(shim.pid)
@@ -241,6 +244,7 @@ class PodCheckpointStep(PodStep):
         # the workload is stopped for good and the layer is exactly what it left.
         if upper is not None:
             await rootfs.capture(upper, work / rootfs.TAR)
+        await rootfs.capture_shm(shim.pid, work / rootfs.SHM_TAR)
         return {"dump": run.seconds, "rootfs": time.monotonic() - t}
 
     async def _commit(self, req: CkptRequested, c: PodContainer, shim: Shim,

@@ -73,6 +73,7 @@ class PodRestoreStep(PodStep):
             progress.update("restore")
             t = time.monotonic()
             await rootfs.apply(work / rootfs.TAR, shim.pid)
+            await rootfs.apply(work / rootfs.SHM_TAR, shim.pid)
             durations["rootfs"] = time.monotonic() - t
             pid = await self._restore(gen, shim, work, work_fd, durations, streamed, progress)
             await asyncio.to_thread(shim.decide, f"restored {pid}")

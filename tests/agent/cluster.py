@@ -45,6 +45,9 @@ IMAGE = "smr.test/counter:1"
 OTHER_IMAGE = "smr.test/counter:2"  # the same files, another digest
 REDIS_IMAGE = "smr.test/redis:7"  # this machine's redis-server and its libraries
 ENTRY_IMAGE = "smr.test/entry:1"  # ENTRYPOINT ["/bin/sh"], CMD ["/bin/counter"]
+# Users, /lib links and a Node.js script; the programs (PostgreSQL, Node.js)
+# and their libraries are the host's /usr, mounted as a hostPath volume.
+USR_IMAGE = "smr.test/host-usr:1"
 GPU_IMAGE = "smr.test/train-gpu:1"  # /app/train.py; Python and PyTorch from hostPath volumes
 TRAIN = b"""
 # A small PyTorch training loop: fixed seeds, deterministic algorithms, a

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +39,14 @@ from tests.agent.cluster import (
     OTHER_IMAGE,
     REDIS_IMAGE,
     TRAIN,
+    USR_IMAGE,
     Cluster,
     webhook_configuration,
 )
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
+from tests.programs import node, pool
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +96,21 @@ def containerd(criu_binary: str) -> Iterator[Containerd]:
     ctd.stop()
 
 
+@dataclass(frozen=True)
+class Ids:
+    uid: int
+    gid: int
+
+
+def postgres_ids() -> Ids:
+    """The host's postgres user (Debian's package makes it), the same in the image."""
+    try:
+        pw = pwd.getpwnam("postgres")
+    except KeyError:
+        return Ids(101, 104)  # its test fails, naming `make setup`
+    return Ids(pw.pw_uid, pw.pw_gid)
+
+
 @pytest.fixture(scope="session")
 def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     d = tmp_path_factory.mktemp("images")
@@ -111,6 +130,15 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     if redis_server := shutil.which("redis-server"):
         built.append(oci_image.build(d / "redis.tar", REDIS_IMAGE,
                                      files=oci_image.host_program(redis_server)))
+    pg = postgres_ids()
+    # PostgreSQL 15 and Node.js (tests/agent/test_programs_pods.py): the host's
+    # /usr comes in as a hostPath volume; the image has the users.
+    built.append(oci_image.build(
+        d / "host-usr.tar", USR_IMAGE, links={"lib": "usr/lib", "lib64": "usr/lib64"},
+        files={"/app/server.js": node.SERVER, "/app/pool.py": Path(pool.__file__).read_bytes(),
+               "/etc/passwd": f"root:x:0:0::/root:/bin/sh\npostgres:x:{pg.uid}:{pg.gid}::"
+                              "/var/lib/postgresql:/bin/sh\n".encode(),
+               "/etc/group": f"root:x:0:\npostgres:x:{pg.gid}:\n".encode()}))
     return built
 
 

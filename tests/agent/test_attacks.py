@@ -47,6 +47,12 @@ swap) (mkdir -p /data/d; echo mine > /data/d/f
        while true; do
          mv /data/d /data/d.real; ln -s "$SECRET_DIR" /data/d; rm /data/d; mv /data/d.real /data/d
        done) & ;;
+shm-swap) (mkdir -p /dev/shm/d; echo mine > /dev/shm/d/f
+           ln -s "$SECRET_DIR/host-secret-0" /dev/shm/link
+           while true; do
+             mv /dev/shm/d /dev/shm/d.real; ln -s "$SECRET_DIR" /dev/shm/d; rm /dev/shm/d
+             mv /dev/shm/d.real /dev/shm/d
+           done) & ;;
 esac
 exec /bin/counter
 """
@@ -260,6 +266,32 @@ async def test_directory_swapped_for_symlink_copies_nothing_of_the_host(
                              ).getnames()
         assert not [n for n in names if "host-secret" in n], f"capture {i}: {names}"
         assert "data/born" in names
+
+
+async def test_dev_shm_links_and_swaps_copy_nothing_of_the_host(
+        hostile: Cluster, tmp_path: Path) -> None:
+    """The container's /dev/shm, carried with its checkpoint (#27), is the
+    tenant's too: a link in it to a host file, and a directory swapped for a
+    link to a host directory while it is read."""
+    a, _ = list(hostile.kubelets)
+    secret = tmp_path / "host-dir"
+    secret.mkdir()
+    for i in range(50):
+        (secret / f"host-secret-{i}").write_text("host secret\n")
+    hostile.kube.put("pods", attacker("shm", a, "shm-swap", SECRET_DIR=str(secret)))
+    await hostile.until_steps("shm", a, 5)
+    for i in range(4):  # the race is tried at each capture
+        done = await checkpoint(hostile, "shm", a, "shm.main")
+        assert done.status == "succeeded", done.error
+        gen = await hostile.store.latest("default", "shm.main")
+        assert gen is not None
+        with tarfile.open(fileobj=io.BytesIO(await _stored(hostile, gen, "devshm.tar"))) as t:
+            members = {m.name: m for m in t.getmembers()}
+            assert not [n for n in members if "host-secret" in n], f"capture {i}: {members}"
+            assert members["dev/shm/link"].issym(), "a link's target was read"
+            for m in members.values():
+                f = t.extractfile(m) if m.isreg() else None
+                assert f is None or b"host secret" not in f.read(), f"capture {i}: {m.name}"
 
 
 async def _stored(cluster: Cluster, gen: Any, path: str) -> bytes:

@@ -54,6 +54,18 @@
  * the container), or SECONDS have passed,
  * and says which. It always exits 0: the kubelet goes on to SIGTERM anyway.
  *
+ *   smr-init --local [--] COMMAND [ARG...]
+ *
+ * PID 1 of a local job's PID namespace (`smr exec`, smr/jobs.py): no agent,
+ * no state directory; it runs COMMAND at once, forwards the signals above to
+ * it, reaps every child and exits with its status. It stays root when the
+ * workload drops to another user: CRIU asks the root of the dumped tree for a
+ * /proc of its PID namespace, and a root that is not root cannot mount one
+ * (criu/pie/parasite.c: "can't dump unprivileged task whose /proc doesn't
+ * belong to it"). It moves to / once COMMAND runs, so that /proc, mounted
+ * for a moment in its working directory, lands in neither the job's directory
+ * nor a read-only one.
+ *
  * A static C binary, so it runs in any image (no libc, shell or Python
  * needed there). `smr-init --set-last-pid N` writes the namespace's
  * ns_last_pid: the agent uses it so that its own tools, run inside the
@@ -225,7 +237,26 @@ static pid_t start(char **argv) {
     return pid;
 }
 
+/* smr-init --local: see the top. */
+static int run_local(char **argv) {
+    struct sigaction sa = {0};
+    sa.sa_handler = note;  /* no SA_RESTART: a signal cuts the sleep short */
+    for (size_t i = 0; i < NSIGS; i++) sigaction(sigs[i], &sa, NULL);
+    workload = start(argv);
+    if (chdir("/") < 0) die("chdir /");
+    for (;;) {
+        for (size_t i = 0; i < NSIGS; i++)
+            if (pending[i]) { pending[i] = 0; kill(workload, sigs[i]); }
+        int st;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid == workload) return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        if (pid <= 0) usleep(100000);
+    }
+}
+
 int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "--local") == 0)
+        return run_local(argv + (argc > 3 && strcmp(argv[2], "--") == 0 ? 3 : 2));
     if (argc == 3 && strcmp(argv[1], "--set-last-pid") == 0) {
         int fd = open("/proc/sys/kernel/ns_last_pid", O_WRONLY);
         if (fd < 0 || write(fd, argv[2], strlen(argv[2])) < 0) die("ns_last_pid");
@@ -248,6 +279,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
     if (first >= argc) {
         fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n"
+                        "       smr-init --local [--] COMMAND [ARG...]\n"
                         "       smr-init --wait-final SECONDS\n"
                         "       smr-init --started\n");
         return 64;
