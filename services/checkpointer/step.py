@@ -16,11 +16,11 @@ from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, gpuinfo, sockets
+from smr import __version__, gpuinfo, reaper, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.errors import PermanentError, TemporaryError
-from smr.jobs import Job, signal_tree, wait_exit
+from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 from smr.retry import retry_nats
 
@@ -178,6 +178,7 @@ class CheckpointStep(LocalJobStep):
         elif job.alive():
             signal_tree(job.pid, signal.SIGKILL)
             await wait_exit(job.pid, job.start_ticks)
+            reaper.reap()  # a restored job is ours to reap: its PIDs free at once
         shutil.rmtree(self._work(req), ignore_errors=True)
         self._facts_file(req).unlink(missing_ok=True)
         if (job.generation or 0) < gen.number or (
@@ -231,7 +232,11 @@ class CheckpointStep(LocalJobStep):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
-            "sockets": held, "process": {"pid": job.pid, "start_ticks": job.start_ticks},
+            "sockets": held, "process": {
+                "pid": job.pid, "start_ticks": job.start_ticks,
+                # A restore in the host's PID namespace needs all of these free.
+                "pids": gpuinfo.process_tree(job.pid),
+                "own_pid_namespace": own_pid_namespace(job.pid)},
             "leave_running": req.leave_running}))
         return gpu, tcp
 
