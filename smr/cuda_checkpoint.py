@@ -17,10 +17,13 @@ import asyncio
 import ctypes
 import enum
 import logging
+import os
+import signal
 import time
 from functools import cache
 from typing import Any
 
+from smr import frozen
 from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 
@@ -108,6 +111,19 @@ class Driver:
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, None)
 
+    def restore_tid(self, pid: int) -> int | None:
+        """The thread of ``pid`` through which the driver restores it (None
+        where this driver does not say: before 570)."""
+        fn = getattr(self.cu, "cuCheckpointProcessGetRestoreThreadId", None)
+        if fn is None:
+            return None
+        tid = ctypes.c_int(0)
+        rc = fn(pid, ctypes.byref(tid))
+        if rc != 0:
+            raise CudaError(f"cuCheckpointProcessGetRestoreThreadId({pid}) failed: "
+                            f"{self._name(rc)} ({rc})")
+        return tid.value
+
 
 @cache
 def driver() -> Driver:
@@ -161,28 +177,51 @@ class CudaCheckpoint:
     async def resume(self, pid: int, *, quiet: bool = False) -> dict[str, float]:
         """Whatever state it is in → RUNNING (restore if checkpointed, unlock
         if locked). ``quiet``: a best-effort recovery that logs instead of raising."""
-        out: dict[str, float] = {}
         try:
-            st = await self.state(pid)
-            t = time.monotonic()
-            if st is CudaState.CHECKPOINTED:
-                await asyncio.to_thread(self.drv.restore, pid)
-                out["cuda_restore"] = time.monotonic() - t
-                st = await self.state(pid)
-            t = time.monotonic()
-            if st is CudaState.LOCKED:
-                await asyncio.to_thread(self.drv.unlock, pid)
-                out["cuda_unlock"] = time.monotonic() - t
-                st = await self.state(pid)
-            if st is not CudaState.RUNNING:
-                raise CudaError(f"process {pid} did not return to RUNNING (state "
-                                f"{st and st.name})", hint="see the job's log; the GPU "
-                                "state may be lost, restore the last checkpoint")
+            return await asyncio.to_thread(self._resume, pid)
         except CudaError:
             if not quiet:
                 raise
             log.exception("could not bring process %d back to RUNNING", pid)
+        return {}
+
+    def _resume(self, pid: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        st = self.drv.state(pid)
+        t = time.monotonic()
+        if st is CudaState.CHECKPOINTED:
+            self.drv.restore(pid)
+            out["cuda_restore"] = time.monotonic() - t
+            st = self.drv.state(pid)
+        t = time.monotonic()
+        if st is CudaState.LOCKED:
+            self.drv.unlock(pid)
+            out["cuda_unlock"] = time.monotonic() - t
+            st = self.drv.state(pid)
+        if st is not CudaState.RUNNING:
+            raise CudaError(f"process {pid} did not return to RUNNING (state "
+                            f"{st and st.name})", hint="see the job's log; the GPU "
+                            "state may be lost, restore the last checkpoint")
         return out
+
+    async def resume_stopped(self, pids: list[int]) -> dict[str, float]:
+        """Like ``resume_all``, for processes CRIU left stopped: each one's
+        GPU state comes back while only the driver's restore thread runs, so
+        none of its other threads can touch a GPU mapping before it is back
+        (JAX's did, and died of SIGSEGV in libcuda). The caller continues
+        them (SIGCONT) afterwards."""
+        total: dict[str, float] = {}
+        for pid in pids:
+            tid = await asyncio.to_thread(self.drv.restore_tid, pid)
+            if tid is None:  # a driver before 570: the threads run during the restore
+                os.kill(pid, signal.SIGCONT)
+                done = await self.resume(pid)
+            else:
+                done = await asyncio.to_thread(frozen.with_only, pid, tid,
+                                               lambda p=pid: self._resume(p))
+            for k, v in done.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     async def suspend_all(self, pids: list[int]) -> dict[str, float]:
         """Every CUDA process of a job, or none: a failure resumes those done."""

@@ -63,7 +63,7 @@ def reap() -> None:
             if not _alive(pid):
                 _adopted.discard(pid)
             continue
-        if got:
+        if got and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):  # not a ptrace stop
             _ended[pid] = status
             _adopted.discard(pid)
     while len(_ended) > 4096:  # a long-lived node: keep the recent ones

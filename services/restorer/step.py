@@ -16,7 +16,7 @@ from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
-from smr import gpuinfo, reaper, sockets
+from smr import frozen, gpuinfo, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
@@ -99,14 +99,16 @@ class RestoreStep(LocalJobStep):
             fds.append(fd)
             inherit[log] = fd
         pidfile = work / "restored.pid"
+        # A GPU process stays stopped until its GPU state is back (_gpu_back).
+        gpu = bool(gen.manifest.get("gpu") and self.cuda)
         try:
             if not streamed:  # fetched first: CRIU reads the files
                 run = await self.criu.restore(work / "images", pidfile=pidfile,
-                                              inherit=inherit, tcp=tcp)
+                                              inherit=inherit, tcp=tcp, leave_stopped=gpu)
             else:
                 run = await restore_streamed(
                     self.criu, self.store, gen, work / "images", durations,
-                    pidfile=pidfile, inherit=inherit, tcp=tcp,
+                    pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
                     on_bytes=lambda n: progress.update(done_bytes=n))
         finally:
             for fd in fds:
@@ -115,14 +117,11 @@ class RestoreStep(LocalJobStep):
         pid = int(pidfile.read_text())
         reaper.adopt(pid)  # CRIU has exited: the tree is this process's to reap
         step = "after CRIU resumed it"
-        if gen.manifest.get("gpu") and self.cuda:
+        if gpu:
             # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
-            step = "after CRIU resumed it, before the driver restored its GPU state"
+            step = "after the driver restored its GPU state"
             try:
-                pids = await self.cuda.processes(pid)
-                if pids:
-                    durations.update(await self.cuda.resume_all(pids))
-                    step = "after the driver restored its GPU state"
+                durations.update(await self._gpu_back(pid))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored (holding the job id, never running again).
@@ -257,10 +256,22 @@ class RestoreStep(LocalJobStep):
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
 
-    async def _gpu_back(self, pid: int) -> None:
-        """Every CUDA process under ``pid`` RUNNING again (a no-op for those that are)."""
-        if self.cuda:
-            await self.cuda.resume_all(await self.cuda.processes(pid))
+    async def _gpu_back(self, pid: int) -> dict[str, float]:
+        """Every CUDA process under ``pid`` RUNNING again (a no-op for those
+        that are), and the tree continued. A tree CRIU left stopped gets its
+        GPU state back before any of its threads runs (smr.frozen)."""
+        if not self.cuda:
+            return {}
+        tree = gpuinfo.process_tree(pid)
+        pids = await self.cuda.processes(pid)
+        if any(frozen.state(t) == "T" for p in pids for t in frozen.threads(p)):
+            done = await self.cuda.resume_stopped(pids)
+        else:
+            done = await self.cuda.resume_all(pids)
+        for p in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+        return done
 
 
 def died_detail(pid: int, job_log: str, criu_log: Path, lines: int = 8) -> str:
