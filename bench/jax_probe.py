@@ -1,3 +1,4 @@
+# ruff: noqa: ASYNC220, ASYNC222 - a probe: nothing else runs beside it
 """Why does a restored JAX process die? (issue #26; run on the GPU machine.)
 
 Drives the same steps as a local GPU job's checkpoint and restore (the
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from smr import frozen
 from smr.criu import Criu
 from smr.cuda_checkpoint import CudaCheckpoint
 
@@ -33,6 +36,16 @@ def threads(pid: int) -> str:
     except OSError as e:
         return f"(gone: {e})"
     return f"{len(names)} threads: {sorted(set(names))}"
+
+
+def wchans(pid: int) -> list[str]:
+    out = []
+    for t in frozen.threads(pid)[:12]:
+        try:
+            out.append(Path(f"/proc/{pid}/task/{t}/wchan").read_text())
+        except OSError:
+            out.append("?")
+    return out
 
 
 def status(pid: int) -> str:
@@ -49,6 +62,9 @@ async def main() -> int:
     ap.add_argument("--out", default="/tmp/jaxprobe")
     ap.add_argument("--module", default="smr.workloads.jax_mlp")
     ap.add_argument("--wait-step", type=int, default=20)
+    ap.add_argument("--frozen", action="store_true",
+                    help="restore as smr does: CRIU leaves it stopped, the driver restores "
+                         "it with only its restore thread running (smr.frozen), then SIGCONT")
     ap.add_argument("rest", nargs="*")
     a = ap.parse_args()
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
@@ -80,26 +96,56 @@ async def main() -> int:
     print("suspend:", await cuda.suspend_all(pids), [await cuda.state(p) for p in pids])
     maps = Path(f"/proc/{pid}/maps").read_text()
     print("device mappings left:", [ln for ln in maps.splitlines() if "/dev/nvidia" in ln][:10])
-    print("fds:", sorted({os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}))
+    fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    print("fds:", sorted(fds))
     criu = Criu(os.environ.get("SMR_CRIU", "criu"))
     images = out / "images"
     run = await criu.dump(pid, images)
-    print(f"dump {run.seconds:.2f}s; image {sum(p.stat().st_size for p in images.iterdir()) / 2**30:.2f} GiB")
+    size = sum(p.stat().st_size for p in images.iterdir()) / 2**30
+    print(f"dump {run.seconds:.2f}s; image {size:.2f} GiB")
     print("original ended:", job.wait())
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     pidfile = out / "restored.pid"
+    criu.timeout = 90
     try:
-        run = await criu.restore(images, pidfile=pidfile, inherit={str(log): fd})
+        run = await criu.restore(images, pidfile=pidfile, inherit={str(log): fd},
+                                 leave_stopped=a.frozen)
     except Exception as e:
         print("criu restore failed:", e, getattr(e, "detail", ""))
+        tail = (images / "restore.log").read_text(errors="replace").splitlines()[-30:]
+        print("--- restore.log tail\n" + "\n".join(tail))
         return 1
     finally:
         os.close(fd)
     rpid = int(pidfile.read_text())
-    print(f"restore {run.seconds:.2f}s, pid {rpid} state {status(rpid)}; {threads(rpid)}; "
-          f"cuda {await cuda.state(rpid)}")
+    print(f"restore {run.seconds:.2f}s, pid {rpid}: {threads(rpid)}; states "
+          f"{sorted(set(frozen.state(t) for t in frozen.threads(rpid)))}", flush=True)
+
+    async def timed(what: str, fn: Any, *args: Any, limit: float = 30) -> Any:
+        t = time.monotonic()
+        try:
+            r = await asyncio.wait_for(asyncio.to_thread(fn, *args), limit)
+            print(f"{what}: {r} ({time.monotonic() - t:.2f}s)", flush=True)
+            return r
+        except Exception as e:
+            print(f"{what}: {type(e).__name__} {e} after {time.monotonic() - t:.2f}s; "
+                  f"thread states {[(t, frozen.state(t)) for t in frozen.threads(rpid)][:8]}; "
+                  f"wchan {wchans(rpid)}", flush=True)
+            return None
+
     try:
-        print("resume:", await cuda.resume_all(await cuda.processes(rpid)))
+        if a.frozen:
+            st = await timed("cuCheckpointProcessGetState (stopped)", cuda.drv.state, rpid)
+            tid = await timed("cuCheckpointProcessGetRestoreThreadId (stopped)",
+                              cuda.drv.restore_tid, rpid)
+            if tid:
+                print("restore thread", tid, Path(f"/proc/{rpid}/task/{tid}/comm").read_text())
+                await timed("with_only(driver restore + unlock)", frozen.with_only, rpid, tid,
+                            lambda: cuda._resume(rpid), limit=60)
+            os.kill(rpid, signal.SIGCONT)
+            print("SIGCONT sent; cuda state", await timed("state", cuda.drv.state, rpid))
+        else:
+            print("resume:", await cuda.resume_all(await cuda.processes(rpid)))
     except Exception as e:
         print("cuda resume failed:", type(e).__name__, e)
     for _ in range(100):
@@ -118,7 +164,7 @@ async def main() -> int:
         ln for ln in rl if "Error" in ln or "Warn" in ln or "fail" in ln.lower())[-4000:])
     print("--- restore.log tail\n" + "\n".join(rl[-25:]))
     # Let an alive one finish, to compare with an uninterrupted run.
-    for _ in range(600):
+    for _ in range(600 if "jax" in a.module else 10):
         if "final=" in log.read_text():
             break
         try:

@@ -204,15 +204,23 @@ class CudaCheckpoint:
                             "state may be lost, restore the last checkpoint")
         return out
 
-    async def resume_stopped(self, pids: list[int]) -> dict[str, float]:
-        """Like ``resume_all``, for processes CRIU left stopped: each one's
-        GPU state comes back while only the driver's restore thread runs, so
-        none of its other threads can touch a GPU mapping before it is back
-        (JAX's did, and died of SIGSEGV in libcuda). The caller continues
-        them (SIGCONT) afterwards."""
+    async def resume_stopped(self, tree: list[int]) -> dict[str, float]:
+        """Like ``resume_all``, for a tree CRIU left stopped: each CUDA
+        process gets its GPU state back while only the driver's restore
+        thread runs, so none of its other threads can touch a GPU mapping
+        before it is back (JAX's did, and died of SIGSEGV in libcuda). The
+        caller continues the tree (SIGCONT) afterwards.
+
+        The CUDA processes are those the driver names a restore thread for:
+        ``cuCheckpointProcessGetState`` waits for the process itself, and
+        never returned for a stopped one (H100, driver 580: 30 s and more),
+        while ``cuCheckpointProcessGetRestoreThreadId`` answers at once."""
         total: dict[str, float] = {}
-        for pid in pids:
-            tid = await asyncio.to_thread(self.drv.restore_tid, pid)
+        for pid in tree:
+            try:
+                tid = await asyncio.to_thread(self.drv.restore_tid, pid)
+            except CudaError:
+                continue  # no CUDA context in this one
             if tid is None:  # a driver before 570: the threads run during the restore
                 os.kill(pid, signal.SIGCONT)
                 done = await self.resume(pid)

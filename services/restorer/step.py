@@ -263,11 +263,10 @@ class RestoreStep(LocalJobStep):
         if not self.cuda:
             return {}
         tree = gpuinfo.process_tree(pid)
-        pids = await self.cuda.processes(pid)
-        if any(frozen.state(t) == "T" for p in pids for t in frozen.threads(p)):
-            done = await self.cuda.resume_stopped(pids)
+        if any(frozen.state(p) == "T" for p in tree):
+            done = await self.cuda.resume_stopped(tree)
         else:
-            done = await self.cuda.resume_all(pids)
+            done = await self.cuda.resume_all(await self.cuda.processes(pid))
         for p in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGCONT)
