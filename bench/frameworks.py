@@ -63,11 +63,16 @@ def final(text: str) -> str | None:
     return None
 
 
-async def wait_step(log: Path, n: int, timeout: float = 300) -> int:
+async def wait_step(log: Path, n: int, timeout: float = 240, stall: float = 60) -> int:
     deadline = time.monotonic() + timeout
+    last, moved = steps(log), time.monotonic()
     while time.monotonic() < deadline:
         if (s := steps(log)) >= n:
             return s
+        if s != last:
+            last, moved = s, time.monotonic()
+        elif s and time.monotonic() - moved > stall:
+            raise RuntimeError(f"the job stopped at step {s}: {log.read_text()[-800:]}")
         if final(log.read_text(errors="replace")):
             raise RuntimeError("the job ended early")
         await asyncio.sleep(0.05)

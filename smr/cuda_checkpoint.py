@@ -14,6 +14,7 @@ blocking call runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import enum
 import logging
@@ -252,14 +253,33 @@ class CudaCheckpoint:
                 total[k] = total.get(k, 0.0) + v
         return total
 
-    async def resume_after(self, writer: asyncio.Task[Any], pids: list[int],
+    async def resume_tree(self, root: int, *, quiet: bool = False) -> dict[str, float]:
+        """Every CUDA process of the tree under ``root`` RUNNING again, and the
+        tree continued. A tree CRIU left stopped gets its GPU state back
+        before any of its threads runs (``resume_stopped``)."""
+        tree = process_tree(root)
+        if not any(frozen.state(p) == "T" for p in tree):
+            return await self.resume_all(await self.processes(root), quiet=quiet)
+        try:
+            return await self.resume_stopped(tree)
+        except CudaError:
+            if not quiet:
+                raise
+            log.exception("could not bring the tree of %d back to RUNNING", root)
+            return {}
+        finally:
+            for p in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGCONT)
+
+    async def resume_after(self, writer: asyncio.Task[Any], root: int,
                            durations: dict[str, float], frozen_at: float) -> None:
-        """A leave-running checkpoint (a heartbeat): the processes run again as
-        soon as ``writer`` (the dump) has their image; the upload goes on
-        behind. On a failed dump the caller resumes them."""
+        """A heartbeat: the job runs again as soon as ``writer`` (the dump,
+        which leaves it stopped) has its image; the upload goes on behind.
+        On a failed dump the caller resumes it."""
         await asyncio.wait([writer])
         if writer.exception() is None:
-            durations.update(await self.resume_all(pids))
+            durations.update(await self.resume_tree(root))
             # Wall clock from the lock to the unlock: what the job lost.
             durations["downtime"] = time.monotonic() - frozen_at
 

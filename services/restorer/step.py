@@ -16,7 +16,7 @@ from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
-from smr import frozen, gpuinfo, reaper, sockets
+from smr import gpuinfo, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
@@ -258,19 +258,10 @@ class RestoreStep(LocalJobStep):
 
     async def _gpu_back(self, pid: int) -> dict[str, float]:
         """Every CUDA process under ``pid`` RUNNING again (a no-op for those
-        that are), and the tree continued. A tree CRIU left stopped gets its
-        GPU state back before any of its threads runs (smr.frozen)."""
+        that are), and the tree continued (CRIU left it stopped)."""
         if not self.cuda:
             return {}
-        tree = gpuinfo.process_tree(pid)
-        if any(frozen.state(p) == "T" for p in tree):
-            done = await self.cuda.resume_stopped(tree)
-        else:
-            done = await self.cuda.resume_all(await self.cuda.processes(pid))
-        for p in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGCONT)
-        return done
+        return await self.cuda.resume_tree(pid)
 
 
 def died_detail(pid: int, job_log: str, criu_log: Path, lines: int = 8) -> str:
