@@ -45,6 +45,8 @@ WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
                           "--compile", "reduce-overhead"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "dataloader": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader"],
                    {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    "dataloader-spawn": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader",
+                          "--spawn"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
 }
 
 

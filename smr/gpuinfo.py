@@ -98,6 +98,32 @@ def for_checkpoint(pids: list[int], work_dir: Path) -> dict[str, Any] | None:
     return gpu
 
 
+def check_mappings(tree: list[int], cuda_pids: list[int]) -> None:
+    """Refuse, before anything is frozen, a process of the tree that maps the
+    GPU's device files without a CUDA context of its own: the driver's
+    checkpoint releases the mappings of CUDA processes only, and CRIU cannot
+    save a device mapping ('handle_device_vma plugin failed', H100, driver
+    580). A child forked from a CUDA process after CUDA started is one (a
+    PyTorch DataLoader worker under the default 'fork' start method)."""
+    for pid in tree:
+        if pid in cuda_pids:
+            continue
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue  # gone meanwhile
+        held = sorted({ln.split()[-1] for ln in maps.splitlines()
+                       if ln.split()[-1].startswith("/dev/nvidia")})
+        if held:
+            raise PermanentError(
+                f"process {pid} ({comm}) maps {', '.join(held)} without a CUDA context of its "
+                "own (a child forked from a CUDA process); the driver's checkpoint does not "
+                "release those mappings and CRIU cannot save them", code="gpu-forked-mapping",
+                hint="start such children with the 'spawn' or 'forkserver' start method (PyTorch: "
+                     "DataLoader(..., multiprocessing_context='spawn')), or before CUDA starts")
+
+
 def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path) -> None:
     """Refuse early: the driver copies GPU memory into the job's host memory,
     then CRIU writes it to ``work_dir``."""

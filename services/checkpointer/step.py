@@ -257,6 +257,8 @@ class CheckpointStep(LocalJobStep):
         if self.cuda is None:
             return None
         pids = await self.cuda.processes(job.pid)
+        if pids:
+            gpuinfo.check_mappings(gpuinfo.process_tree(job.pid), pids)
         gpu = gpuinfo.for_checkpoint(pids, work)
         return {**gpu, "pids": pids} if gpu else None
 

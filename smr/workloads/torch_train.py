@@ -7,7 +7,7 @@ Each line carries the step and the loss; the last says ``final=<sha256>`` of
 the weights and the optimizer state, to compare with an uninterrupted run.
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m smr.workloads.torch_train \\
-        --steps 300 [--compile reduce-overhead] [--loader] [--gib 1]
+        --steps 300 [--compile reduce-overhead] [--loader [--spawn]] [--gib 1]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--compile", choices=["none", "default", "reduce-overhead"], default="none")
     ap.add_argument("--loader", action="store_true")
+    ap.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     a = ap.parse_args()
 
     torch.manual_seed(SEED)
@@ -73,7 +74,7 @@ def main() -> None:
     if a.loader:
         batches: Any = torch.utils.data.DataLoader(
             data, batch_size=None, shuffle=False, num_workers=2, pin_memory=True,
-            persistent_workers=True)
+            persistent_workers=True, multiprocessing_context="spawn" if a.spawn else None)
     else:
         batches = (data[i] for i in range(a.steps))
 
