@@ -34,3 +34,31 @@ def test_on_tmpfs_follows_the_deepest_mount(tmp_path: Path) -> None:
     assert gpuinfo.on_tmpfs(Path("/proc")) is False
     if gpuinfo.on_tmpfs(Path("/dev/shm")):
         assert gpuinfo.on_tmpfs(Path("/dev/shm/not/yet/made")) is True
+
+
+def test_the_room_check_counts_the_jobs_host_memory_too(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The image is the GPU memory in use plus the job's own memory: a disk
+    with room for the first alone is refused before the lock, saying so."""
+    import subprocess
+    import sys
+    import time
+
+    job = subprocess.Popen([sys.executable, "-c",
+                            "b = bytearray(256 << 20)\nimport time\ntime.sleep(60)"])
+    try:
+        for _ in range(100):  # until its 256 MiB are resident
+            if gpuinfo.host_bytes([job.pid]) >= 256 << 20:
+                break
+            time.sleep(0.05)
+        monkeypatch.setattr(gpuinfo, "job_gpus", lambda pids: {
+            "model": "H100", "count": 1, "used_bytes": 64 << 20})
+        monkeypatch.setattr(gpuinfo.shutil, "disk_usage",
+                            lambda p: type("U", (), {"free": 128 << 20})())
+        with pytest.raises(gpuinfo.NoRoom) as e:
+            gpuinfo.for_checkpoint([job.pid], tmp_path / "work")
+        assert "64 MiB of GPU memory" in e.value.message, e.value.message
+        assert "of host memory" in e.value.message, e.value.message
+    finally:
+        job.kill()
+        job.wait()
