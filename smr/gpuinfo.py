@@ -111,7 +111,7 @@ def host_bytes(pids: list[int]) -> int:
     return total
 
 
-def check_mappings(tree: list[int], cuda_pids: list[int]) -> None:
+def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nvidia") -> None:
     """Refuse, before anything is frozen, a process of the tree that maps the
     GPU's device files without a CUDA context of its own: the driver's
     checkpoint releases the mappings of CUDA processes only, and CRIU cannot
@@ -126,8 +126,8 @@ def check_mappings(tree: list[int], cuda_pids: list[int]) -> None:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue  # gone meanwhile
-        held = sorted({ln.split()[-1] for ln in maps.splitlines()
-                       if ln.split()[-1].startswith("/dev/nvidia")})
+        paths = (" ".join(ln.split()[5:]).removesuffix(" (deleted)") for ln in maps.splitlines())
+        held = sorted({p for p in paths if p.startswith(device)})
         if held:
             raise PermanentError(
                 f"process {pid} ({comm}) maps {', '.join(held)} without a CUDA context of its "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from smr import gpuinfo
+from smr.errors import PermanentError
 
 GIB = 1 << 30
 GPU = {"used_bytes": GIB}
@@ -62,3 +64,28 @@ def test_the_room_check_counts_the_jobs_host_memory_too(
     finally:
         job.kill()
         job.wait()
+
+
+def test_a_child_mapping_a_device_without_a_context_is_named(tmp_path: Path) -> None:
+    """check_mappings names the process of the tree that maps the device
+    file and is not a CUDA process (here /dev/zero stands for /dev/nvidia*,
+    which CI has not); the CUDA processes themselves may map it."""
+    import subprocess
+    import sys
+
+    code = ("import mmap, os, time\nf = os.open('/dev/zero', os.O_RDWR)\n"
+            "m = mmap.mmap(f, 4096, mmap.MAP_SHARED)\nprint('mapped', flush=True)\n"
+            "time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout and child.stdout.readline().strip() == "mapped"
+        me = os.getpid()
+        gpuinfo.check_mappings([me, child.pid], [me, child.pid], device="/dev/zero")  # CUDA ones
+        with pytest.raises(PermanentError) as e:
+            gpuinfo.check_mappings([me, child.pid], [me], device="/dev/zero")
+        assert e.value.code == "gpu-forked-mapping"
+        assert f"process {child.pid} (python" in e.value.message and "/dev/zero" in e.value.message
+        assert "spawn" in (e.value.hint or "")
+    finally:
+        child.kill()
+        child.wait()

@@ -93,3 +93,18 @@ def test_gpu_style_jobs_restore_under_a_pid_1_that_never_reaps(
         assert c["restore"] == 0, f"restore failed: {c['restore_err']}"
         assert c["resumed_with"] == c["frozen_at"] + 1, c
     assert len(cycles) == 2, out
+
+
+async def test_a_restore_whose_pids_are_taken_names_the_holder(h: Harness) -> None:
+    """A job in the host's PID namespace restored beside its still-running
+    original: its PIDs are taken. The restore says by what, before CRIU
+    runs, instead of CRIU's 'Can't fork for N: File exists'."""
+    job = await h.start(16, own_pid_namespace=False)
+    done = await h.checkpoint(job.id, leave_running=True)
+    assert done.status == "succeeded", done.error
+    beside = await h.restore(job.id, as_id=f"{job.id}-2")
+    assert beside.status == "failed"
+    err = beside.error or {}
+    assert err.get("code") == "pid-taken", err
+    assert f"pid {job.pid}" in err["message"] and "a running process" in err["message"], err
+    assert job.alive()  # the original runs on
