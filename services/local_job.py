@@ -14,6 +14,12 @@ from smr.messages import Target
 
 
 class LocalJobStep:
+    # How long a restored process must run on before its restore answers
+    # (one that dies at once is reported so, with how it ended).
+    settle_s = 0.3
+    # How long a restore waits for the dumped PIDs to be reaped.
+    pid_wait_s = 30.0
+
     def __init__(self, *, criu: Criu, store: CheckpointStore, jobs: JobRegistry, lock: JobLock,
                  work_dir: Path, node: str, cuda: CudaCheckpoint | None = None,
                  commit_deadline: float = 1800.0) -> None:

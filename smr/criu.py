@@ -146,8 +146,10 @@ class Criu:
 
     async def restore(self, images: Path, *, pidfile: Path,
                       inherit: dict[str, int] | None = None, tcp: Tcp = "close",
-                      stream: Path | None = None) -> CriuRun:
-        """Restore detached (the tree outlives this call).
+                      stream: Path | None = None, leave_stopped: bool = False) -> CriuRun:
+        """Restore detached (the tree outlives this call); ``leave_stopped``:
+        every task left in SIGSTOP (a GPU process gets its GPU state back
+        before any of its threads runs: smr.frozen).
 
         ``inherit`` maps a file path as CRIU recorded it to an open descriptor
         of ours: the restored tree gets that descriptor instead of reopening the
@@ -159,6 +161,8 @@ class Criu:
         """
         args = ["restore", "-d", "--file-locks", "--pidfile", self.view(pidfile),
                 *self._tcp(tcp)]
+        if leave_stopped:
+            args.append("--leave-stopped")
         if stream:
             args += ["--stream", "-W", self.view(images)]
         fds = []

@@ -14,13 +14,17 @@ blocking call runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import enum
 import logging
+import os
+import signal
 import time
 from functools import cache
 from typing import Any
 
+from smr import frozen
 from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 
@@ -108,6 +112,19 @@ class Driver:
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, None)
 
+    def restore_tid(self, pid: int) -> int | None:
+        """The thread of ``pid`` through which the driver restores it (None
+        where this driver does not say: before 570)."""
+        fn = getattr(self.cu, "cuCheckpointProcessGetRestoreThreadId", None)
+        if fn is None:
+            return None
+        tid = ctypes.c_int(0)
+        rc = fn(pid, ctypes.byref(tid))
+        if rc != 0:
+            raise CudaError(f"cuCheckpointProcessGetRestoreThreadId({pid}) failed: "
+                            f"{self._name(rc)} ({rc})")
+        return tid.value
+
 
 @cache
 def driver() -> Driver:
@@ -161,28 +178,59 @@ class CudaCheckpoint:
     async def resume(self, pid: int, *, quiet: bool = False) -> dict[str, float]:
         """Whatever state it is in → RUNNING (restore if checkpointed, unlock
         if locked). ``quiet``: a best-effort recovery that logs instead of raising."""
-        out: dict[str, float] = {}
         try:
-            st = await self.state(pid)
-            t = time.monotonic()
-            if st is CudaState.CHECKPOINTED:
-                await asyncio.to_thread(self.drv.restore, pid)
-                out["cuda_restore"] = time.monotonic() - t
-                st = await self.state(pid)
-            t = time.monotonic()
-            if st is CudaState.LOCKED:
-                await asyncio.to_thread(self.drv.unlock, pid)
-                out["cuda_unlock"] = time.monotonic() - t
-                st = await self.state(pid)
-            if st is not CudaState.RUNNING:
-                raise CudaError(f"process {pid} did not return to RUNNING (state "
-                                f"{st and st.name})", hint="see the job's log; the GPU "
-                                "state may be lost, restore the last checkpoint")
+            return await asyncio.to_thread(self._resume, pid)
         except CudaError:
             if not quiet:
                 raise
             log.exception("could not bring process %d back to RUNNING", pid)
+        return {}
+
+    def _resume(self, pid: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        st = self.drv.state(pid)
+        t = time.monotonic()
+        if st is CudaState.CHECKPOINTED:
+            self.drv.restore(pid)
+            out["cuda_restore"] = time.monotonic() - t
+            st = self.drv.state(pid)
+        t = time.monotonic()
+        if st is CudaState.LOCKED:
+            self.drv.unlock(pid)
+            out["cuda_unlock"] = time.monotonic() - t
+            st = self.drv.state(pid)
+        if st is not CudaState.RUNNING:
+            raise CudaError(f"process {pid} did not return to RUNNING (state "
+                            f"{st and st.name})", hint="see the job's log; the GPU "
+                            "state may be lost, restore the last checkpoint")
         return out
+
+    async def resume_stopped(self, tree: list[int]) -> dict[str, float]:
+        """Like ``resume_all``, for a tree CRIU left stopped: each CUDA
+        process gets its GPU state back while only the driver's restore
+        thread runs, so none of its other threads can touch a GPU mapping
+        before it is back (JAX's did, and died of SIGSEGV in libcuda). The
+        caller continues the tree (SIGCONT) afterwards.
+
+        The CUDA processes are those the driver names a restore thread for:
+        ``cuCheckpointProcessGetState`` waits for the process itself, and
+        never returned for a stopped one (H100, driver 580: 30 s and more),
+        while ``cuCheckpointProcessGetRestoreThreadId`` answers at once."""
+        total: dict[str, float] = {}
+        for pid in tree:
+            try:
+                tid = await asyncio.to_thread(self.drv.restore_tid, pid)
+            except CudaError:
+                continue  # no CUDA context in this one
+            if tid is None:  # a driver before 570: the threads run during the restore
+                os.kill(pid, signal.SIGCONT)
+                done = await self.resume(pid)
+            else:
+                done = await asyncio.to_thread(frozen.with_only, pid, tid,
+                                               lambda p=pid: self._resume(p))
+            for k, v in done.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     async def suspend_all(self, pids: list[int]) -> dict[str, float]:
         """Every CUDA process of a job, or none: a failure resumes those done."""
@@ -205,14 +253,33 @@ class CudaCheckpoint:
                 total[k] = total.get(k, 0.0) + v
         return total
 
-    async def resume_after(self, writer: asyncio.Task[Any], pids: list[int],
+    async def resume_tree(self, root: int, *, quiet: bool = False) -> dict[str, float]:
+        """Every CUDA process of the tree under ``root`` RUNNING again, and the
+        tree continued. A tree CRIU left stopped gets its GPU state back
+        before any of its threads runs (``resume_stopped``)."""
+        tree = process_tree(root)
+        if not any(frozen.state(p) == "T" for p in tree):
+            return await self.resume_all(await self.processes(root), quiet=quiet)
+        try:
+            return await self.resume_stopped(tree)
+        except CudaError:
+            if not quiet:
+                raise
+            log.exception("could not bring the tree of %d back to RUNNING", root)
+            return {}
+        finally:
+            for p in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGCONT)
+
+    async def resume_after(self, writer: asyncio.Task[Any], root: int,
                            durations: dict[str, float], frozen_at: float) -> None:
-        """A leave-running checkpoint (a heartbeat): the processes run again as
-        soon as ``writer`` (the dump) has their image; the upload goes on
-        behind. On a failed dump the caller resumes them."""
+        """A heartbeat: the job runs again as soon as ``writer`` (the dump,
+        which leaves it stopped) has its image; the upload goes on behind.
+        On a failed dump the caller resumes it."""
         await asyncio.wait([writer])
         if writer.exception() is None:
-            durations.update(await self.resume_all(pids))
+            durations.update(await self.resume_tree(root))
             # Wall clock from the lock to the unlock: what the job lost.
             durations["downtime"] = time.monotonic() - frozen_at
 

@@ -94,29 +94,77 @@ def for_checkpoint(pids: list[int], work_dir: Path) -> dict[str, Any] | None:
     if not pids:
         return None
     gpu = job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
-    check_room_for_checkpoint(gpu, work_dir)
+    check_room_for_checkpoint(gpu, work_dir, host=host_bytes(pids))
     return gpu
 
 
-def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path) -> None:
+def host_bytes(pids: list[int]) -> int:
+    """The resident host memory of ``pids`` (what CRIU writes besides the GPU's)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) << 10
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nvidia") -> None:
+    """Refuse, before anything is frozen, a process of the tree that maps the
+    GPU's device files without a CUDA context of its own: the driver's
+    checkpoint releases the mappings of CUDA processes only, and CRIU cannot
+    save a device mapping ('handle_device_vma plugin failed', H100, driver
+    580). A child forked from a CUDA process after CUDA started is one (a
+    PyTorch DataLoader worker under the default 'fork' start method)."""
+    for pid in tree:
+        if pid in cuda_pids:
+            continue
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue  # gone meanwhile
+        paths = (" ".join(ln.split()[5:]).removesuffix(" (deleted)") for ln in maps.splitlines())
+        held = sorted({p for p in paths if p.startswith(device)})
+        if held:
+            raise PermanentError(
+                f"process {pid} ({comm}) maps {', '.join(held)} without a CUDA context of its "
+                "own (a child forked from a CUDA process); the driver's checkpoint does not "
+                "release those mappings and CRIU cannot save them", code="gpu-forked-mapping",
+                hint="start such children with the 'spawn' or 'forkserver' start method (PyTorch: "
+                     "DataLoader(..., multiprocessing_context='spawn')), or before CUDA starts")
+
+
+def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path, host: int = 0) -> None:
     """Refuse early: the driver copies GPU memory into the job's host memory,
-    then CRIU writes it to ``work_dir``."""
-    need = int(gpu["used_bytes"] * HEADROOM)
+    then CRIU writes it and the job's own memory (``host`` bytes) to
+    ``work_dir``. A job holding most of the GPU (JAX preallocates 75 % of it)
+    has an image that size."""
+    copy = int(gpu["used_bytes"] * HEADROOM)
+    image = int((gpu["used_bytes"] + host) * HEADROOM)
+    sizes = f"{gpu['used_bytes'] >> 20} MiB of GPU memory and {host >> 20} MiB of host memory"
     work_dir.mkdir(parents=True, exist_ok=True)
-    # A dump into a tmpfs takes the same RAM again as the driver's copy.
-    in_ram = 2 if on_tmpfs(work_dir) else 1
+    # A dump into a tmpfs takes RAM again for the whole image.
+    tmpfs = on_tmpfs(work_dir)
+    need = copy + (image if tmpfs else 0)
     avail = _mem_available()
-    if avail is not None and avail < need * in_ram:
-        where = f" and again for its images in {work_dir} (a tmpfs)" if in_ram == 2 else ""
-        raise NoRoom(f"checkpointing needs about {need >> 20} MiB of free host memory for the "
-                     f"job's {gpu['used_bytes'] >> 20} MiB of GPU memory{where}; "
+    if avail is not None and avail < need:
+        where = f" and {image >> 20} MiB for its images in {work_dir} (a tmpfs)" if tmpfs else ""
+        raise NoRoom(f"checkpointing needs about {need >> 20} MiB of free host memory: "
+                     f"{copy >> 20} MiB for the driver's copy of the job's "
+                     f"{gpu['used_bytes'] >> 20} MiB of GPU memory{where}; "
                      f"{avail >> 20} MiB free",
                      hint="free host memory on this node, or give the agent a node with more "
-                     "RAM" + ("; or point SMR_WORK_DIR at a disk" if in_ram == 2 else ""))
+                     "RAM" + ("; or point SMR_WORK_DIR at a disk" if tmpfs else "")
+                     + "; a JAX job: XLA_PYTHON_CLIENT_PREALLOCATE=false (docs/gpu.md)")
     free = shutil.disk_usage(work_dir).free
-    if free < need:
-        raise NoRoom(f"{work_dir} has {free >> 20} MiB free; the GPU images alone need about "
-                     f"{need >> 20} MiB", hint="point SMR_WORK_DIR at a larger disk or tmpfs")
+    if free < image:
+        raise NoRoom(f"{work_dir} has {free >> 20} MiB free; the job's image needs about "
+                     f"{image >> 20} MiB ({sizes})",
+                     hint="point SMR_WORK_DIR at a larger disk or tmpfs; a JAX job: "
+                          "XLA_PYTHON_CLIENT_PREALLOCATE=false (docs/gpu.md)")
 
 
 def on_tmpfs(path: Path) -> bool:

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -96,8 +97,18 @@ def proc_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def own_pid_namespace(pid: int) -> bool:
+    """Does ``pid`` run in a PID namespace other than ours (a job started by
+    unshare)? Its restore then brings the namespace back, with any host PIDs."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
+
+
 def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
-    """The host PID of the namespace's init: the child that unshare forked."""
+    """The host PID of the job: the child that the wrapper (unshare, or
+    smr.reaper) forked."""
     deadline = time.monotonic() + timeout
     path = Path(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children")
     while time.monotonic() < deadline:
@@ -120,16 +131,19 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
     driver fails to initialise in a PID namespace that keeps the host's /proc
     (cudaGetDeviceCount: error 304, measured on the H100 machine), and a
     private /proc makes CRIU's dump fail. Their restore needs the dumped PIDs
-    free, which they are once the checkpointed original is gone.
+    free, which they are once the checkpointed original is reaped: they run
+    under ``smr.reaper``, a child subreaper that reaps the job and every
+    orphan of its tree (the host's PID 1 may never do it).
 
     In its own namespace the job's PID is its init's (smr-init ``--local``):
     signals to it are forwarded to the command, and its exit is the
     command's."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    prefix = []
     if own_pid_namespace:
         init = config.load().init_binary()
         prefix = ["unshare", "--pid", "--ipc", "--fork", "setsid", init, "--local", "--"]
+    else:
+        prefix = [sys.executable, "-m", "smr.reaper", "--"]
     with open(log, "ab") as out, open(os.devnull, "rb") as devnull:
         wrapper = subprocess.Popen(
             [*prefix, *cmd],
@@ -139,7 +153,7 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
     # Reap it when it ends, wherever this process lives on: a zombie would
     # keep its PID taken, and a restore needs that PID.
     threading.Thread(target=wrapper.wait, daemon=True).start()
-    pid = ns_init_pid(wrapper.pid) if own_pid_namespace else wrapper.pid
+    pid = ns_init_pid(wrapper.pid)  # the job: the wrapper's child
     ticks = proc_start_ticks(pid)
     if ticks is None:
         raise SmrError(f"job {job_id} exited at once; see {log}", code="job-start-failed")

@@ -35,7 +35,7 @@ FAILURES = Counter("smr_step_failures_total", "Failed steps, by error code",
                    ["kind", "code"], registry=REGISTRY)
 PHASE = Histogram("smr_step_phase_seconds", "Seconds each phase of a step took, by phase: "
                   "pre_dump, dump, rootfs, durable, download, restore, cuda_lock, "
-                  "cuda_checkpoint, cuda_restore, cuda_unlock, downtime, total "
+                  "cuda_checkpoint, cuda_restore, cuda_unlock, pid_wait, downtime, total "
                   "(schemas/common.json says what each times)",
                   ["kind", "phase"], registry=REGISTRY,
                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))

@@ -16,7 +16,7 @@ from services.restorer.step import RestoreStep
 from services.storage.service import StorageService
 from services.storage.settings import make_storage_service, make_store
 from services.storage.store import CheckpointStore
-from smr import cuda_checkpoint, gpuinfo, tracing
+from smr import cuda_checkpoint, gpuinfo, reaper, tracing
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
 from smr.config import Settings
 from smr.criu import Criu
@@ -55,6 +55,7 @@ class EmbeddedNode:
         self.store: CheckpointStore | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self.criu_problem: str | None = None
+        self._reaping: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -68,6 +69,11 @@ class EmbeddedNode:
         # NATS token: the data dir is its owner's alone.
         s.data_path.mkdir(parents=True, exist_ok=True)
         os.chmod(s.data_path, 0o700)
+        # The trees CRIU restores come to this process when CRIU exits, not
+        # to PID 1 (which may never reap them): see smr.reaper.
+        if not reaper.become_subreaper():
+            log.warning("cannot become a child subreaper: restored jobs are left to PID 1")
+        self._reaping = asyncio.create_task(_reap_forever())
         criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         self.criu_problem = await criu.problem()
         if self.criu_problem:
@@ -118,6 +124,8 @@ class EmbeddedNode:
         return self
 
     async def stop(self) -> None:
+        if self._reaping:
+            self._reaping.cancel()
         for w in self.workers:
             w.stop()
         if self.storage:
@@ -142,6 +150,12 @@ class EmbeddedNode:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+async def _reap_forever(interval: float = 0.5) -> None:
+    while True:
+        reaper.reap()
+        await asyncio.sleep(interval)
 
 
 async def connect(settings: Settings) -> Bus:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from smr import gpuinfo
+from smr.errors import PermanentError
 
 GIB = 1 << 30
 GPU = {"used_bytes": GIB}
@@ -34,3 +36,56 @@ def test_on_tmpfs_follows_the_deepest_mount(tmp_path: Path) -> None:
     assert gpuinfo.on_tmpfs(Path("/proc")) is False
     if gpuinfo.on_tmpfs(Path("/dev/shm")):
         assert gpuinfo.on_tmpfs(Path("/dev/shm/not/yet/made")) is True
+
+
+def test_the_room_check_counts_the_jobs_host_memory_too(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The image is the GPU memory in use plus the job's own memory: a disk
+    with room for the first alone is refused before the lock, saying so."""
+    import subprocess
+    import sys
+    import time
+
+    job = subprocess.Popen([sys.executable, "-c",
+                            "b = bytearray(256 << 20)\nimport time\ntime.sleep(60)"])
+    try:
+        for _ in range(100):  # until its 256 MiB are resident
+            if gpuinfo.host_bytes([job.pid]) >= 256 << 20:
+                break
+            time.sleep(0.05)
+        monkeypatch.setattr(gpuinfo, "job_gpus", lambda pids: {
+            "model": "H100", "count": 1, "used_bytes": 64 << 20})
+        monkeypatch.setattr(gpuinfo.shutil, "disk_usage",
+                            lambda p: type("U", (), {"free": 128 << 20})())
+        with pytest.raises(gpuinfo.NoRoom) as e:
+            gpuinfo.for_checkpoint([job.pid], tmp_path / "work")
+        assert "64 MiB of GPU memory" in e.value.message, e.value.message
+        assert "of host memory" in e.value.message, e.value.message
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_child_mapping_a_device_without_a_context_is_named(tmp_path: Path) -> None:
+    """check_mappings names the process of the tree that maps the device
+    file and is not a CUDA process (here /dev/zero stands for /dev/nvidia*,
+    which CI has not); the CUDA processes themselves may map it."""
+    import subprocess
+    import sys
+
+    code = ("import mmap, os, time\nf = os.open('/dev/zero', os.O_RDWR)\n"
+            "m = mmap.mmap(f, 4096, mmap.MAP_SHARED)\nprint('mapped', flush=True)\n"
+            "time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout and child.stdout.readline().strip() == "mapped"
+        me = os.getpid()
+        gpuinfo.check_mappings([me, child.pid], [me, child.pid], device="/dev/zero")  # CUDA ones
+        with pytest.raises(PermanentError) as e:
+            gpuinfo.check_mappings([me, child.pid], [me], device="/dev/zero")
+        assert e.value.code == "gpu-forked-mapping"
+        assert f"process {child.pid} (python" in e.value.message and "/dev/zero" in e.value.message
+        assert "spawn" in (e.value.hint or "")
+    finally:
+        child.kill()
+        child.wait()

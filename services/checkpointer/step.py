@@ -16,11 +16,11 @@ from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, gpuinfo, sockets
+from smr import __version__, frozen, gpuinfo, reaper, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.errors import PermanentError, TemporaryError
-from smr.jobs import Job, signal_tree, wait_exit
+from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 from smr.retry import retry_nats
 
@@ -97,19 +97,23 @@ class CheckpointStep(LocalJobStep):
         # A final checkpoint leaves the job stopped, not dead, until its images
         # are stored: if they cannot be, it runs on (see _give_up).
         final = not req.leave_running
+        # A GPU heartbeat leaves the job stopped too: its GPU state comes back
+        # before any of its threads runs (JAX's died touching a GPU mapping
+        # in the moment between CRIU's thaw and the driver's restore).
+        gpu_heartbeat = bool(cuda_pids and req.leave_running)
         dump: asyncio.Task[Any] | None = None
         try:
             progress.update("dump")
             # The images go up while CRIU writes them (see services/storage/upload).
             dump = asyncio.create_task(self._criu(job, self.criu.dump(
-                job.pid, work / "images", leave_running=req.leave_running, leave_stopped=final,
-                parent=parent, tcp=tcp)))
+                job.pid, work / "images", leave_running=req.leave_running and not gpu_heartbeat,
+                leave_stopped=final or gpu_heartbeat, parent=parent, tcp=tcp)))
             resumed = None
-            if cuda_pids and req.leave_running:
+            if gpu_heartbeat:
                 # A heartbeat: the job runs again as soon as its image is
                 # written; the upload goes on behind it.
                 resumed = asyncio.create_task(
-                    self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
+                    self.cuda.resume_after(dump, job.pid, durations, frozen_at))  # type: ignore[union-attr]
             try:
                 gen, durable_s = await self._store(req, job, progress, writer=dump)
             except TemporaryError as e:
@@ -125,7 +129,7 @@ class CheckpointStep(LocalJobStep):
                 # smr up stopping: the dump, its facts and a stopped job stay as
                 # they are for recover(); a heartbeat's GPU runs on meanwhile.
                 if cuda_pids and req.leave_running:
-                    await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
+                    await asyncio.shield(self.cuda.resume_tree(job.pid, quiet=True))  # type: ignore[union-attr]
                 raise
             await self._give_up(req, job, cuda_pids)
             raise
@@ -174,10 +178,11 @@ class CheckpointStep(LocalJobStep):
             return
         if req.leave_running:
             if self.cuda and job.alive():
-                await self.cuda.resume_all(await self._cuda_pids(job), quiet=True)
+                await self.cuda.resume_tree(job.pid, quiet=True)
         elif job.alive():
             signal_tree(job.pid, signal.SIGKILL)
             await wait_exit(job.pid, job.start_ticks)
+            reaper.reap()  # a restored job is ours to reap: its PIDs free at once
         shutil.rmtree(self._work(req), ignore_errors=True)
         self._facts_file(req).unlink(missing_ok=True)
         if (job.generation or 0) < gen.number or (
@@ -190,10 +195,11 @@ class CheckpointStep(LocalJobStep):
     async def _give_up(self, req: CkptRequested, job: Job, cuda_pids: list[int]) -> None:
         """Nothing was stored: the job goes on where it was (CRIU thawed it after
         a failed dump; a finished final dump left it stopped), its GPU running."""
-        if not req.leave_running and job.alive():
-            signal_tree(job.pid, signal.SIGCONT)
         if cuda_pids and job.alive():
-            await asyncio.shield(self.cuda.resume_all(cuda_pids, quiet=True))  # type: ignore[union-attr]
+            # A stopped tree gets its GPU state back before it is continued.
+            await asyncio.shield(self.cuda.resume_tree(job.pid, quiet=True))  # type: ignore[union-attr]
+        elif not req.leave_running and job.alive():
+            signal_tree(job.pid, signal.SIGCONT)
         self._facts_file(req).unlink(missing_ok=True)
         shutil.rmtree(self._work(req), ignore_errors=True)
 
@@ -218,7 +224,14 @@ class CheckpointStep(LocalJobStep):
         return None
 
     async def _cuda_pids(self, job: Job) -> list[int]:
-        return await self.cuda.processes(job.pid) if self.cuda and job.alive() else []
+        if not self.cuda or not job.alive():
+            return []
+        tree = gpuinfo.process_tree(job.pid)
+        if any(frozen.state(p) == "T" for p in tree):
+            # Left stopped by a dump: the driver's GetState would wait for the
+            # process itself; resume_tree finds the CUDA ones of the tree.
+            return tree
+        return await self.cuda.processes(job.pid)
 
     async def _prepare(self, req: CkptRequested, job: Job, work: Path
                        ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
@@ -231,7 +244,11 @@ class CheckpointStep(LocalJobStep):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
-            "sockets": held, "process": {"pid": job.pid, "start_ticks": job.start_ticks},
+            "sockets": held, "process": {
+                "pid": job.pid, "start_ticks": job.start_ticks,
+                # A restore in the host's PID namespace needs all of these free.
+                "pids": gpuinfo.process_tree(job.pid),
+                "own_pid_namespace": own_pid_namespace(job.pid)},
             "leave_running": req.leave_running}))
         return gpu, tcp
 
@@ -240,6 +257,8 @@ class CheckpointStep(LocalJobStep):
         if self.cuda is None:
             return None
         pids = await self.cuda.processes(job.pid)
+        if pids:
+            gpuinfo.check_mappings(gpuinfo.process_tree(job.pid), pids)
         gpu = gpuinfo.for_checkpoint(pids, work)
         return {**gpu, "pids": pids} if gpu else None
 

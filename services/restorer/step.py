@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -15,7 +16,7 @@ from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
-from smr import gpuinfo, sockets
+from smr import gpuinfo, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
@@ -51,6 +52,7 @@ class RestoreStep(LocalJobStep):
                 has_api=self.cuda is not None)
             shutil.rmtree(work, ignore_errors=True)
             durations: dict[str, float] = {}
+            await self._pids_free(gen.manifest.get("job") or {}, progress, durations)
             streamed = streamable(gen.manifest)
             if not streamed:
                 progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
@@ -97,30 +99,36 @@ class RestoreStep(LocalJobStep):
             fds.append(fd)
             inherit[log] = fd
         pidfile = work / "restored.pid"
+        # A GPU process stays stopped until its GPU state is back (_gpu_back).
+        gpu = bool(gen.manifest.get("gpu") and self.cuda)
         try:
             if not streamed:  # fetched first: CRIU reads the files
                 run = await self.criu.restore(work / "images", pidfile=pidfile,
-                                              inherit=inherit, tcp=tcp)
+                                              inherit=inherit, tcp=tcp, leave_stopped=gpu)
             else:
                 run = await restore_streamed(
                     self.criu, self.store, gen, work / "images", durations,
-                    pidfile=pidfile, inherit=inherit, tcp=tcp,
+                    pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
                     on_bytes=lambda n: progress.update(done_bytes=n))
         finally:
             for fd in fds:
                 os.close(fd)
         durations["restore"] = run.seconds
         pid = int(pidfile.read_text())
-        if gen.manifest.get("gpu") and self.cuda:
+        reaper.adopt(pid)  # CRIU has exited: the tree is this process's to reap
+        step = "after CRIU resumed it"
+        if gpu:
             # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
+            step = "after the driver restored its GPU state"
             try:
-                durations.update(await self.cuda.resume_all(await self.cuda.processes(pid)))
+                durations.update(await self._gpu_back(pid))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored (holding the job id, never running again).
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
+        await self._running(pid, step, spec.get("log", ""), run.log)
         try:
             return await self._record(req, gen, existing, pid)
         except Exception:
@@ -130,6 +138,59 @@ class RestoreStep(LocalJobStep):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             raise
+
+    async def _pids_free(self, dumped: dict[str, Any], progress: Progress,
+                         durations: dict[str, float]) -> None:
+        """A job in the host's PID namespace comes back with its very PIDs:
+        wait until the dumped ones are free (their zombies reaped), saying
+        so, rather than let CRIU fail on the first one taken."""
+        if dumped.get("own_pid_namespace", True) and "own_pid_namespace" in dumped:
+            return
+        pids = dumped.get("pids") or ([dumped["pid"]] if dumped.get("pid") else [])
+        t = time.monotonic()
+        deadline = t + self.pid_wait_s
+        told = None
+        while True:
+            reaper.reap()
+            held = {p: h for p in pids if (h := reaper.holder(p))}
+            if not held:
+                break
+            pid, who = next(iter(held.items()))
+            if "zombie" not in who or time.monotonic() > deadline:
+                raise PermanentError(
+                    f"pid {pid}, which the job had and gets back on restore, is held by {who}"
+                    + (f" after {self.pid_wait_s:g}s" if "zombie" in who else ""),
+                    code="pid-taken",
+                    hint="a zombie's parent must reap it (jobs `smr exec` starts and `smr up` "
+                         "restores are reaped by smr; one left to a PID 1 that does not reap "
+                         "stays); restore under another id on another node, or end that "
+                         "process")
+            if told != pid:
+                log.info("restore waits for pid %d: held by %s", pid, who)
+                progress.update("waiting-for-pids", waiting_for=f"pid {pid}: {who}")
+                told = pid
+            await asyncio.sleep(0.1)
+        if told is not None:
+            durations["pid_wait"] = time.monotonic() - t
+
+    async def _running(self, pid: int, step: str, job_log: str, criu_log: Path) -> None:
+        """The restored process still runs ``settle_s`` after it was let go;
+        if not, say how it ended, where, and its last words."""
+        deadline = time.monotonic() + self.settle_s
+        while True:  # polled: an exit is seen in /proc, nothing signals it here
+            how = reaper.how_ended(pid)
+            if how is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+                continue
+            if how is None:
+                return
+            break
+        raise PermanentError(
+            f"restored process {pid} {how} {step}", code="restore-died",
+            detail=died_detail(pid, job_log, criu_log),
+            hint="the checkpoint is kept; see the job's log"
+                 + (f" ({job_log})" if job_log else "")
+                 + "; a process that dies once restored dies the same way each time")
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
                       pid: int) -> Job:
@@ -195,10 +256,60 @@ class RestoreStep(LocalJobStep):
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
 
-    async def _gpu_back(self, pid: int) -> None:
-        """Every CUDA process under ``pid`` RUNNING again (a no-op for those that are)."""
-        if self.cuda:
-            await self.cuda.resume_all(await self.cuda.processes(pid))
+    async def _gpu_back(self, pid: int) -> dict[str, float]:
+        """Every CUDA process under ``pid`` RUNNING again (a no-op for those
+        that are), and the tree continued (CRIU left it stopped)."""
+        if not self.cuda:
+            return {}
+        return await self.cuda.resume_tree(pid)
+
+
+def died_detail(pid: int, job_log: str, criu_log: Path, lines: int = 8) -> str:
+    """What explains a restored process's death: the kernel's word on it
+    (a segfault names the library), CRIU's last step, the job's last lines."""
+    out = [f"kernel: {ln}" for ln in kernel_lines(pid)]
+    try:
+        criu = [ln for ln in criu_log.read_text(errors="replace").splitlines()
+                if "Restore finished" in ln or ("Error (" in ln and not _noise(ln))]
+    except OSError:
+        criu = []
+    out += [f"criu: {ln.strip()}" for ln in criu[-2:]]
+    if job_log:
+        try:
+            tail = Path(job_log).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        out += ["its log ends:"] + [f"  {ln}" for ln in tail]
+    return "\n".join(out)
+
+
+def _noise(line: str) -> bool:
+    return "RLIMIT_NOFILE" in line
+
+
+def kernel_lines(pid: int, limit: int = 3) -> list[str]:
+    """The kernel log's recent lines about ``pid`` (``python3[639]: segfault
+    at ...``); none where /dev/kmsg cannot be read."""
+    want = f"[{pid}]"
+    found: list[str] = []
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    try:
+        while True:
+            try:
+                rec = os.read(fd, 8192).decode(errors="replace")
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: a record overwritten while read; go on
+                continue
+            msg = rec.split(";", 1)[-1].split("\n", 1)[0]
+            if want in msg:
+                found.append(msg)
+    finally:
+        os.close(fd)
+    return found[-limit:]
 
 
 def _alive(pid: int) -> bool:

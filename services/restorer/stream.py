@@ -102,7 +102,8 @@ async def restore_streamed(criu: Criu, store: CheckpointStore, gen: Generation, 
                            durations: dict[str, float], *, pidfile: Path,
                            inherit: dict[str, int], tcp: sockets.Tcp,
                            on_bytes: Callable[[int], None] | None = None,
-                           sockets_dir: Path | None = None) -> CriuRun:
+                           sockets_dir: Path | None = None,
+                           leave_stopped: bool = False) -> CriuRun:
     """Run ``criu restore --stream`` fed from ``gen``; ``durations["download"]``
     becomes the time until CRIU had every byte (overlapped with the restore).
     ``sockets_dir``: where CRIU finds the streamer's socket, a directory it
@@ -121,7 +122,7 @@ async def restore_streamed(criu: Criu, store: CheckpointStore, gen: Generation, 
         async with ImageStreamer(sockets_dir, source, on_bytes) as streamer:
             try:
                 run = await criu.restore(images, pidfile=pidfile, inherit=inherit, tcp=tcp,
-                                         stream=sockets_dir)
+                                         stream=sockets_dir, leave_stopped=leave_stopped)
             except SmrError:
                 if cause := streamer.cause():
                     raise cause from None  # CRIU failed because an image did not arrive

@@ -1,0 +1,204 @@
+# ruff: noqa: ASYNC220, ASYNC221 - a driver: nothing else runs beside it
+"""The GPU frameworks matrix (issue #26), as a user runs it: `smr up`, each
+workload started with `smr exec --gpu`, one heartbeat (a leave-running
+checkpoint) and N migrations (checkpoint, then restore) through smr's bus,
+then the job runs to its end and its ``final=`` hash must equal that of an
+uninterrupted run of the same command on the same GPU.
+
+    python3 bench/frameworks.py [--only NAME ...] [--migrations 3] > log
+
+Prints, per workload and step, the result, the checkpoint size, the
+downtime (heartbeat: the driver's lock to its unlock; migration: from the
+checkpoint request to the restore's answer) and restore-to-running (the
+restore's own total), and a JSON line per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from smr import config
+from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+from smrctl import embedded
+
+PY = sys.executable
+DET_XLA = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "jax-noprealloc": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "400", "--gib", "1"],
+                       {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": DET_XLA}),
+    "jax-frac012": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
+                    {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.12", "XLA_FLAGS": DET_XLA}),
+    "torch-compile": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
+                       "--compile", "default"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    "torch-compile-ro": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
+                          "--compile", "reduce-overhead"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    "dataloader": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader"],
+                   {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    "dataloader-spawn": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader",
+                          "--spawn"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+}
+
+
+def steps(log: Path) -> int:
+    last = 0
+    for ln in log.read_text(errors="replace").splitlines():
+        if ln.startswith("step="):
+            last = int(ln.split()[0][5:])
+    return last
+
+
+def final(text: str) -> str | None:
+    for ln in text.splitlines():
+        if ln.startswith("final="):
+            return ln.split()[0][6:]
+    return None
+
+
+async def wait_step(log: Path, n: int, timeout: float = 240, stall: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    last, moved = steps(log), time.monotonic()
+    while time.monotonic() < deadline:
+        if (s := steps(log)) >= n:
+            return s
+        if s != last:
+            last, moved = s, time.monotonic()
+        elif s and time.monotonic() - moved > stall:
+            raise RuntimeError(f"the job stopped at step {s}: {log.read_text()[-800:]}")
+        if final(log.read_text(errors="replace")):
+            raise RuntimeError("the job ended early")
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"no step {n} within {timeout}s: {log.read_text()[-1500:]}")
+
+
+def gib(n: int | None) -> str:
+    return f"{(n or 0) / 2**30:.2f} GiB"
+
+
+async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: int,
+                  out: Path) -> dict[str, Any]:
+    res: dict[str, Any] = {"workload": name, "cmd": " ".join(cmd[1:]),
+                           "env": env, "events": []}
+    full_env = {**os.environ, **env}
+    t = time.monotonic()
+    base = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=400)
+    res["baseline_s"] = round(time.monotonic() - t, 1)
+    res["baseline"] = final(base.stdout)
+    print(f"[{name}] uninterrupted: {res['baseline']} in {res['baseline_s']}s", flush=True)
+    if not res["baseline"]:
+        res["error"] = f"baseline failed: {(base.stdout + base.stderr)[-2000:]}"
+        return res
+    data = Path(tempfile.mkdtemp(prefix=f"smr-{name}-", dir="/tmp"))
+    s_env = {**full_env, "SMR_DATA_DIR": str(data), "SMR_NODE_NAME": "h100",
+             "SMR_ACK_WAIT": "60"}
+    up_log = open(out / f"up-{name}.log", "wb")
+    up = subprocess.Popen([PY, "-m", "smrctl.cli", "up"], env=s_env, stdout=up_log,
+                          stderr=subprocess.STDOUT)
+    log = out / f"job-{name}.log"
+    try:
+        for _ in range(600):
+            if (data / "nats.url").exists() and b"Ctrl-C" in (out / f"up-{name}.log").read_bytes():
+                break
+            await asyncio.sleep(0.1)
+        settings = config.load({k: v for k, v in s_env.items() if k.startswith("SMR_")})
+        bus = await embedded.connect(settings)
+        r = subprocess.run([PY, "-m", "smrctl.cli", "exec", "--gpu", "-i", name, "--log",
+                            str(log), "--", *cmd], env=s_env, capture_output=True, text=True)
+        print(f"[{name}] {r.stdout.strip()} {r.stderr.strip()}", flush=True)
+        at = await wait_step(log, 30, timeout=300)
+
+        async def ckpt(leave_running: bool) -> CkptDone:
+            req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
+                                target=Target.job(name), node="h100", reason="api",
+                                leave_running=leave_running)
+            done = await bus.request(req, timeout=600)
+            assert isinstance(done, CkptDone)
+            return done
+
+        done = await ckpt(True)
+        ev = {"event": "heartbeat", "status": done.status, "size": gib(done.size_bytes),
+              "downtime_s": done.durations.get("downtime"), "durations": done.durations,
+              "error": done.error, "step": at}
+        res["events"].append(ev)
+        print(f"[{name}] heartbeat at step {at}: {done.status} {ev['size']} downtime "
+              f"{ev['downtime_s']} {done.error or ''}", flush=True)
+        for m in range(1, migrations + 1):
+            at = await wait_step(log, steps(log) + 10)
+            t0 = time.monotonic()
+            done = await ckpt(False)
+            ev = {"event": f"migration {m}", "checkpoint": done.status,
+                  "size": gib(done.size_bytes), "ckpt_durations": done.durations,
+                  "error": done.error, "step": at}
+            res["events"].append(ev)
+            if done.status != "succeeded":
+                print(f"[{name}] migration {m}: checkpoint failed {done.error}", flush=True)
+                break
+            req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
+                                   target=Target.job(name), node="h100", reason="api")
+            rest = await bus.request(req, timeout=600)
+            assert isinstance(rest, RestoreDone)
+            ev.update(restore=rest.status, restore_durations=rest.durations,
+                      downtime_s=round(time.monotonic() - t0, 2),
+                      restore_to_running_s=rest.durations.get("total"),
+                      restore_error=rest.error)
+            print(f"[{name}] migration {m} at step {at}: {done.status}/{rest.status} "
+                  f"{ev['size']} downtime {ev['downtime_s']}s restore-to-running "
+                  f"{ev['restore_to_running_s']} {rest.error or ''}", flush=True)
+            if rest.status != "succeeded":
+                break
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and not final(log.read_text(errors="replace")):
+            job_alive = subprocess.run([PY, "-m", "smrctl.cli", "ps"], env=s_env,
+                                       capture_output=True, text=True).stdout
+            if f"{name} " in job_alive and "exited" in job_alive.split(name, 1)[1][:30]:
+                break
+            await asyncio.sleep(1)
+        res["final"] = final(log.read_text(errors="replace"))
+        res["equal"] = res["final"] == res["baseline"]
+        print(f"[{name}] final {res['final']} equal to uninterrupted: {res['equal']}",
+              flush=True)
+        await bus.close()
+    except Exception as e:  # the log says what failed; the next workload still runs
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{name}] ERROR {res['error']}", flush=True)
+    finally:
+        subprocess.run([PY, "-m", "smrctl.cli", "kill", name], env=s_env, capture_output=True)
+        up.terminate()
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        shutil.rmtree(data, ignore_errors=True)
+        print(f"[{name}] job log tail:\n" + "\n".join(
+            log.read_text(errors="replace").splitlines()[-6:]) if log.exists() else "", flush=True)
+    return res
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--migrations", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (cmd, env) in WORKLOADS.items():
+        if a.only and name not in a.only:
+            continue
+        res = await run_one(name, cmd, env, a.migrations, out)
+        print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

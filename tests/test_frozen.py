@@ -1,0 +1,82 @@
+"""smr.frozen: one thread of a stopped process runs while the others stay
+stopped (how a restored GPU process gets its GPU state back before any of
+its threads can touch it; issue #26). A real multi-threaded process; no GPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from smr import frozen
+
+# Every thread counts in a file named by its thread id, every 2 ms.
+WORKLOAD = """
+import os, sys, threading, time
+out = sys.argv[1]
+def count():
+    path = os.path.join(out, str(threading.get_native_id()))
+    n = 0
+    while True:
+        n += 1
+        with open(path + ".tmp", "w") as f:
+            f.write(str(n))
+        os.replace(path + ".tmp", path)
+        time.sleep(0.002)
+for _ in range(3):
+    threading.Thread(target=count, daemon=True).start()
+count()
+"""
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ptrace of another process needs root")
+
+
+def counts(d: Path) -> dict[int, int]:
+    out = {}
+    for p in d.iterdir():
+        if p.name.isdigit():
+            try:
+                out[int(p.name)] = int(p.read_text() or 0)
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def test_only_the_named_thread_runs_then_all_go_on(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", WORKLOAD, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 30
+        while len(counts(tmp_path)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tids = frozen.threads(proc.pid)
+        assert len(tids) == 4 and set(counts(tmp_path)) == set(tids)
+        os.kill(proc.pid, signal.SIGSTOP)  # as CRIU's --leave-stopped leaves it
+        for t in tids:
+            frozen._until(t, "T")
+        chosen = tids[-1]
+        seen: dict[str, object] = {}
+
+        def work() -> None:
+            before = counts(tmp_path)
+            time.sleep(0.5)
+            after = counts(tmp_path)
+            seen["moved"] = {t for t in tids if after[t] != before[t]}
+            seen["states"] = {t: frozen.state(t) for t in tids}
+
+        frozen.with_only(proc.pid, chosen, work)
+        assert seen["moved"] == {chosen}, seen
+        assert all(s == "t" for t, s in seen["states"].items() if t != chosen), seen
+        os.kill(proc.pid, signal.SIGCONT)
+        # Detached and continued: every thread runs on.
+        before = counts(tmp_path)
+        time.sleep(0.5)
+        after = counts(tmp_path)
+        assert {t for t in tids if after[t] > before[t]} == set(tids), (before, after)
+    finally:
+        proc.kill()
+        proc.wait()
