@@ -536,3 +536,65 @@ async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
                   admission=CheckpointAdmission(tmp_path, estimate, limit=1000))
     assert tight.most == 1
     assert tight.started == ["b-1", "final-b", "b-2"]
+
+
+class FinalsBlock:
+    """Final requests run until the test releases them; the others at once."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.release = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id)
+        if not req.leave_running:
+            await self.release.wait()
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_a_request_that_waited_through_agent_restarts_still_runs(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A request fetched ahead while its node is busy is nak'd when the agent
+    stops, and JetStream counts each delivery, though it never ran. A busy
+    node whose agent restarts max_deliver times must still run it (once),
+    not answer it 'its worker died or stalled each time'."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    step = FinalsBlock()
+
+    async def agent() -> tuple[Worker, asyncio.Task[None]]:
+        w = Worker(bus, step, node, service="test", ahead=4,
+                   admission=CheckpointAdmission(tmp_path, estimate))
+        return w, asyncio.create_task(w.run())
+
+    for i in range(bus.config.max_deliver):
+        step.release = asyncio.Event()
+        # The node is busy: a final checkpoint runs (published before the
+        # agent starts, so that it is fetched with the waiting request).
+        await bus.publish(request(node, f"final-{i}", leave_running=False))
+        w, t = await agent()
+        for _ in range(100):
+            if f"final-{i}" in step.started:
+                break
+            await asyncio.sleep(0.1)
+        assert step.started[-1] == f"final-{i}"
+        if i == 0:
+            await bus.publish(request(node, "lr-1", leave_running=True))
+        await asyncio.sleep(0.5)  # lr-1 fetched: it waits behind the final
+        w.stop()
+        step.release.set()
+        await asyncio.wait_for(t, 10)
+        assert "lr-1" not in step.started
+    w, t = await agent()
+    try:
+        result = await bus.wait_result("lr-1", "ckpt.requested", timeout=20)
+    finally:
+        await stop(w, t)
+    assert result.status == "succeeded", result.error
+    assert step.started.count("lr-1") == 1
