@@ -598,3 +598,35 @@ async def test_a_request_that_waited_through_agent_restarts_still_runs(
         await stop(w, t)
     assert result.status == "succeeded", result.error
     assert step.started.count("lr-1") == 1
+
+
+async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A user's retry of a waiting request (same request_id, published again
+    after the dedupe window, or by hand without a message id) is a second
+    message, not a redelivery: neither may be left without keepalives to spend
+    its deliveries and be given up on while the other waits."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    bus.config.max_deliver = 2  # given up on within seconds if left without keepalives
+    step = FinalsBlock()
+    w = Worker(bus, step, node, service="test", ahead=4,
+               admission=CheckpointAdmission(tmp_path, estimate))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(request(node, "final-1", leave_running=False))
+        dup = request(node, "dup-1", leave_running=True)
+        await bus.publish(dup)
+        await bus.publish_raw(subject("ckpt.requested", node), dup.to_payload(),
+                              msg_id="dup-1-again")
+        await asyncio.sleep(6 * bus.config.max_deliver * bus.config.ack_wait)
+        step.release.set()
+        result = await bus.wait_result("dup-1", "ckpt.requested", timeout=20)
+        assert result.status == "succeeded", result.error
+        assert step.started.count("dup-1") == 1
+    finally:
+        await stop(w, t)
+    assert [x.request_id for x in await dlq_messages(bus, subject("ckpt.requested", node))] \
+        == []
