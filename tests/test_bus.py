@@ -630,3 +630,40 @@ async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
         await stop(w, t)
     assert [x.request_id for x in await dlq_messages(bus, subject("ckpt.requested", node))] \
         == []
+
+
+async def test_requests_waiting_across_nats_restarts_each_run_once(
+        tmp_path: Path, nats_server: NatsServer, bus_config: Any, node: str) -> None:
+    """NATS restarted (down past the ack wait, so every in_progress of the
+    waiting requests and of the running step is lost) again and again while
+    requests wait behind a running one: each still runs, once, and succeeds."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+    bus_config.max_deliver = 2
+    bus = await Bus.connect(srv.url, name="test", config=bus_config)
+    try:
+        step = FinalsBlock()
+        w = Worker(bus, step, node, service="test", ahead=4,
+                   admission=CheckpointAdmission(tmp_path, estimate))
+        t = asyncio.create_task(w.run())
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(request(node, "final-1", leave_running=False))
+        for rid in ("lr-1", "lr-2"):
+            await bus.publish(request(node, rid, leave_running=True))
+        await asyncio.sleep(0.5)
+        for _ in range(3):
+            await asyncio.to_thread(srv.stop)
+            await asyncio.sleep(1.5 * bus.config.ack_wait)
+            await asyncio.to_thread(srv.start)
+            await asyncio.sleep(2 * bus.config.ack_wait)
+        step.release.set()
+        for rid in ("final-1", "lr-1", "lr-2"):
+            result = await bus.wait_result(rid, "ckpt.requested", timeout=30)
+            assert result.status == "succeeded", (rid, result.error)
+        await stop(w, t)
+        assert sorted(step.started) == ["final-1", "lr-1", "lr-2"]
+    finally:
+        await bus.close()
+        srv.stop()
