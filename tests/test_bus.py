@@ -577,27 +577,27 @@ async def test_a_request_that_waited_through_agent_restarts_still_runs(
         step.release = asyncio.Event()
         # The node is busy: a final checkpoint runs (published before the
         # agent starts, so that it is fetched with the waiting request).
-        await bus.publish(request(node, f"final-{i}", leave_running=False))
+        await bus.publish(request(node, f"final-{i}-{node}", leave_running=False))
         w, t = await agent()
         for _ in range(100):
-            if f"final-{i}" in step.started:
+            if f"final-{i}-{node}" in step.started:
                 break
             await asyncio.sleep(0.1)
-        assert step.started[-1] == f"final-{i}"
+        assert step.started[-1] == f"final-{i}-{node}"
         if i == 0:
-            await bus.publish(request(node, "lr-1", leave_running=True))
+            await bus.publish(request(node, f"lr-1-{node}", leave_running=True))
         await asyncio.sleep(0.5)  # lr-1 fetched: it waits behind the final
         w.stop()
         step.release.set()
         await asyncio.wait_for(t, 10)
-        assert "lr-1" not in step.started
+        assert f"lr-1-{node}" not in step.started
     w, t = await agent()
     try:
-        result = await bus.wait_result("lr-1", "ckpt.requested", timeout=20)
+        result = await bus.wait_result(f"lr-1-{node}", "ckpt.requested", timeout=20)
     finally:
         await stop(w, t)
     assert result.status == "succeeded", result.error
-    assert step.started.count("lr-1") == 1
+    assert step.started.count(f"lr-1-{node}") == 1
 
 
 async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
@@ -616,16 +616,16 @@ async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
     t = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
-        await bus.publish(request(node, "final-1", leave_running=False))
-        dup = request(node, "dup-1", leave_running=True)
+        await bus.publish(request(node, f"final-1-{node}", leave_running=False))
+        dup = request(node, f"dup-1-{node}", leave_running=True)
         await bus.publish(dup)
         await bus.publish_raw(subject("ckpt.requested", node), dup.to_payload(),
-                              msg_id="dup-1-again")
+                              msg_id=f"dup-1-again-{node}")
         await asyncio.sleep(6 * bus.config.max_deliver * bus.config.ack_wait)
         step.release.set()
-        result = await bus.wait_result("dup-1", "ckpt.requested", timeout=20)
+        result = await bus.wait_result(f"dup-1-{node}", "ckpt.requested", timeout=20)
         assert result.status == "succeeded", result.error
-        assert step.started.count("dup-1") == 1
+        assert step.started.count(f"dup-1-{node}") == 1
     finally:
         await stop(w, t)
     assert [x.request_id for x in await dlq_messages(bus, subject("ckpt.requested", node))] \
@@ -649,8 +649,8 @@ async def test_requests_waiting_across_nats_restarts_each_run_once(
                    admission=CheckpointAdmission(tmp_path, estimate))
         t = asyncio.create_task(w.run())
         await asyncio.wait_for(w.idle.wait(), 10)
-        await bus.publish(request(node, "final-1", leave_running=False))
-        for rid in ("lr-1", "lr-2"):
+        await bus.publish(request(node, f"final-1-{node}", leave_running=False))
+        for rid in (f"lr-1-{node}", f"lr-2-{node}"):
             await bus.publish(request(node, rid, leave_running=True))
         await asyncio.sleep(0.5)
         for _ in range(3):
@@ -659,11 +659,11 @@ async def test_requests_waiting_across_nats_restarts_each_run_once(
             await asyncio.to_thread(srv.start)
             await asyncio.sleep(2 * bus.config.ack_wait)
         step.release.set()
-        for rid in ("final-1", "lr-1", "lr-2"):
+        for rid in (f"final-1-{node}", f"lr-1-{node}", f"lr-2-{node}"):
             result = await bus.wait_result(rid, "ckpt.requested", timeout=30)
             assert result.status == "succeeded", (rid, result.error)
         await stop(w, t)
-        assert sorted(step.started) == ["final-1", "lr-1", "lr-2"]
+        assert sorted(step.started) == [f"final-1-{node}", f"lr-1-{node}", f"lr-2-{node}"]
     finally:
         await bus.close()
         srv.stop()
