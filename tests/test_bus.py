@@ -536,3 +536,134 @@ async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
                   admission=CheckpointAdmission(tmp_path, estimate, limit=1000))
     assert tight.most == 1
     assert tight.started == ["b-1", "final-b", "b-2"]
+
+
+class FinalsBlock:
+    """Final requests run until the test releases them; the others at once."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.release = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id)
+        if not req.leave_running:
+            await self.release.wait()
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_a_request_that_waited_through_agent_restarts_still_runs(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A request fetched ahead while its node is busy is nak'd when the agent
+    stops, and JetStream counts each delivery, though it never ran. A busy
+    node whose agent restarts max_deliver times must still run it (once),
+    not answer it 'its worker died or stalled each time'."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    step = FinalsBlock()
+
+    async def agent() -> tuple[Worker, asyncio.Task[None]]:
+        w = Worker(bus, step, node, service="test", ahead=4,
+                   admission=CheckpointAdmission(tmp_path, estimate))
+        return w, asyncio.create_task(w.run())
+
+    for i in range(bus.config.max_deliver):
+        step.release = asyncio.Event()
+        # The node is busy: a final checkpoint runs (published before the
+        # agent starts, so that it is fetched with the waiting request).
+        await bus.publish(request(node, f"final-{i}-{node}", leave_running=False))
+        w, t = await agent()
+        for _ in range(100):
+            if f"final-{i}-{node}" in step.started:
+                break
+            await asyncio.sleep(0.1)
+        assert step.started[-1] == f"final-{i}-{node}"
+        if i == 0:
+            await bus.publish(request(node, f"lr-1-{node}", leave_running=True))
+        await asyncio.sleep(0.5)  # lr-1 fetched: it waits behind the final
+        w.stop()
+        step.release.set()
+        await asyncio.wait_for(t, 10)
+        assert f"lr-1-{node}" not in step.started
+    w, t = await agent()
+    try:
+        result = await bus.wait_result(f"lr-1-{node}", "ckpt.requested", timeout=20)
+    finally:
+        await stop(w, t)
+    assert result.status == "succeeded", result.error
+    assert step.started.count(f"lr-1-{node}") == 1
+
+
+async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A user's retry of a waiting request (same request_id, published again
+    after the dedupe window, or by hand without a message id) is a second
+    message, not a redelivery: neither may be left without keepalives to spend
+    its deliveries and be given up on while the other waits."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    bus.config.max_deliver = 2  # given up on within seconds if left without keepalives
+    step = FinalsBlock()
+    w = Worker(bus, step, node, service="test", ahead=4,
+               admission=CheckpointAdmission(tmp_path, estimate))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(request(node, f"final-1-{node}", leave_running=False))
+        dup = request(node, f"dup-1-{node}", leave_running=True)
+        await bus.publish(dup)
+        await bus.publish_raw(subject("ckpt.requested", node), dup.to_payload(),
+                              msg_id=f"dup-1-again-{node}")
+        await asyncio.sleep(6 * bus.config.max_deliver * bus.config.ack_wait)
+        step.release.set()
+        result = await bus.wait_result(f"dup-1-{node}", "ckpt.requested", timeout=20)
+        assert result.status == "succeeded", result.error
+        assert step.started.count(f"dup-1-{node}") == 1
+    finally:
+        await stop(w, t)
+    assert [x.request_id for x in await dlq_messages(bus, subject("ckpt.requested", node))] \
+        == []
+
+
+async def test_requests_waiting_across_nats_restarts_each_run_once(
+        tmp_path: Path, nats_server: NatsServer, bus_config: Any, node: str) -> None:
+    """NATS restarted (down past the ack wait, so every in_progress of the
+    waiting requests and of the running step is lost) again and again while
+    requests wait behind a running one: each still runs, once, and succeeds."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+    bus_config.max_deliver = 2
+    bus = await Bus.connect(srv.url, name="test", config=bus_config)
+    try:
+        step = FinalsBlock()
+        w = Worker(bus, step, node, service="test", ahead=4,
+                   admission=CheckpointAdmission(tmp_path, estimate))
+        t = asyncio.create_task(w.run())
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(request(node, f"final-1-{node}", leave_running=False))
+        for rid in (f"lr-1-{node}", f"lr-2-{node}"):
+            await bus.publish(request(node, rid, leave_running=True))
+        await asyncio.sleep(0.5)
+        for _ in range(3):
+            await asyncio.to_thread(srv.stop)
+            await asyncio.sleep(1.5 * bus.config.ack_wait)
+            await asyncio.to_thread(srv.start)
+            await asyncio.sleep(2 * bus.config.ack_wait)
+        step.release.set()
+        for rid in (f"final-1-{node}", f"lr-1-{node}", f"lr-2-{node}"):
+            result = await bus.wait_result(rid, "ckpt.requested", timeout=30)
+            assert result.status == "succeeded", (rid, result.error)
+        await stop(w, t)
+        assert sorted(step.started) == [f"final-1-{node}", f"lr-1-{node}", f"lr-2-{node}"]
+    finally:
+        await bus.close()
+        srv.stop()

@@ -76,16 +76,18 @@ class Ahead:
             # Bad: served at once (the worker dead-letters it).
             req = None
         rid = getattr(req, "request_id", None)
-        if rid is not None:
-            for w in self._waiting.values():
-                if w.request_id == rid:
-                    # Delivered again while it waited (an in_progress lost):
-                    # the newer delivery is the one to answer; its place stays.
-                    w.msg = m
-                    return
+        seq = getattr(getattr(m.metadata, "sequence", None), "stream", 0) or 0
+        for w in self._waiting.values():
+            if seq and w.key[1] == seq:
+                # Delivered again while it waited (an in_progress lost): the
+                # newer delivery is the one to answer; its place stays. The
+                # same request_id in another message (published again) is a
+                # message of its own: dropped here, it would get no
+                # keepalives and be given up on while this one waits.
+                w.msg = m
+                return
         urgency = -1 if req is None else \
             (self.admission.urgency(req) if self.admission else 0)
-        seq = getattr(getattr(m.metadata, "sequence", None), "stream", 0) or 0
         n = next(self._arrivals)
         self._waiting[n] = Waiting(m, rid, (urgency, seq, n))
 

@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("smr.bus")
 
+# A request JetStream gave up on that no worker ever started is published
+# again, at most this many times (header REDRIVEN): its deliveries were spent
+# waiting, fetched ahead while its node was busy (smr/bus/ahead.py) and handed
+# back as the agent stopped or redelivered when NATS lost its in_progress.
+REDRIVEN = "Smr-Redriven"
+MAX_REDRIVES = 3
+
 
 async def dead_letter(bus: Bus, subj: str, payload: bytes, error: SmrError, *, service: str,
                       deliveries: int | None = None, request_id: str | None = None) -> None:
@@ -107,6 +114,18 @@ class Exhausted:
             # the last delivery): its answer will come; look again later.
             await adv.nak(delay=self.bus.config.ack_wait)
             return
+        if not state and (n := redriven(raw.headers)) < MAX_REDRIVES:
+            # Never started: no claim (a worker's first write). Published again
+            # it is delivered afresh; its request_id still runs it once, were
+            # the old delivery still waiting somewhere.
+            await self.bus.publish_raw(raw.subject or "", raw.data or b"",
+                                       msg_id=f"{rid}.redriven.{n + 1}",
+                                       headers={REDRIVEN: str(n + 1)})
+            log.warning("%s: request %s was delivered %s times without starting (it waited "
+                        "while node %s was busy); published again", self.service, rid,
+                        info.get("deliveries"), self.node)
+            await adv.ack()
+            return
         if not state or state["state"] == "running":
             err = SmrError(
                 f"request {rid} was delivered {info.get('deliveries')} times without an "
@@ -120,3 +139,10 @@ class Exhausted:
             await self.record(RESULT_OF[self.kind].for_request(req, status="failed",
                                                                 error=err.as_dict()))
         await adv.ack()
+
+
+def redriven(headers: dict[str, str] | None) -> int:
+    """How many times a request was published again (REDRIVEN); a header
+    that is not a count counts as the most."""
+    value = (headers or {}).get(REDRIVEN, "0")
+    return int(value) if value.isdigit() else MAX_REDRIVES
