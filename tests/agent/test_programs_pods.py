@@ -416,6 +416,9 @@ def pod_kernel_client(cluster: Cluster, name: str, conn_file: Path) -> Any:
     ctx = in_netns(netns_pid(cluster, name), context)
     kc = jupyter_client.BlockingKernelClient(connection_file=str(conn_file), context=ctx)
     kc.load_connection_file()
+    # The client's heartbeat gives a kernel 1 s to answer before calling it
+    # dead: a loaded 2-core VM misses that while the kernel is alive.
+    kc.hb_channel.time_to_dead = 10.0
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
     return kc

@@ -41,6 +41,9 @@ async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
 def client(conn_file: Path) -> Any:
     kc = jupyter_client.BlockingKernelClient(connection_file=str(conn_file))
     kc.load_connection_file()
+    # The client's heartbeat gives a kernel 1 s to answer before calling it
+    # dead: a loaded 2-core VM misses that while the kernel is alive.
+    kc.hb_channel.time_to_dead = 10.0
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
     return kc
