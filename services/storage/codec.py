@@ -12,8 +12,10 @@ never the key.
 
 Each namespace has a data key of its own, derived from the master key (the
 Secret) with HKDF and the namespace's name: whoever holds one namespace's key
-reads no other's, and a checkpoint moved to another namespace is refused as
-"encrypted for another namespace", not reported as corrupt. Derived rather
+reads no other's, and a checkpoint whose manifest was made to name another
+namespace is refused as "encrypted for another namespace", not reported as
+corrupt (one copied as it is names its own namespace: the store refuses it
+for its path). Derived rather
 than wrapped and stored: no key object in the bucket that a failed write could
 lose, and so no checkpoint that one could make unreadable. Rotation: the key
 file holds several master keys, one per line, the first writing; the others

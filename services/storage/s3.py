@@ -165,6 +165,9 @@ class S3Backend:
                         "Objects": [{"Key": self.prefix + k} for k in batch], "Quiet": True})
 
 
+ABORT_WAIT_S = 30.0  # how long abort() waits for a create still in flight
+
+
 class S3Upload:
     """A multipart upload, begun at the first part. S3 wants every part but
     the last to be at least 5 MiB; the pipeline sends parts that size."""
@@ -218,8 +221,10 @@ class S3Upload:
 
     async def abort(self) -> None:
         if self._creating is not None:  # a create in flight: its id is what aborts it
+            # Bounded: on a hung S3 a failed step's answer is not held for
+            # botocore's whole retry budget (GC aborts what is left).
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._creating)
+                await asyncio.wait_for(asyncio.shield(self._creating), ABORT_WAIT_S)
         if self.upload_id is None:
             return
         with contextlib.suppress(NotFound):
