@@ -108,3 +108,25 @@ async def test_a_restore_whose_pids_are_taken_names_the_holder(h: Harness) -> No
     assert err.get("code") == "pid-taken", err
     assert f"pid {job.pid}" in err["message"] and "a running process" in err["message"], err
     assert job.alive()  # the original runs on
+
+
+async def test_a_failed_restore_leaves_no_zombie_holding_the_jobs_pids(h: Harness) -> None:
+    """A restore that fails part-way (a corrupt page image, found as it streams
+    to CRIU) leaves the processes CRIU had made to this subreaper when CRIU
+    exits. They must be reaped, or the job's next restore waits for its own
+    PIDs and fails with pid-taken (seen on the H100 with a GPU job)."""
+    from tests.test_local_smr import flip_byte
+
+    job = await h.start(64, own_pid_namespace=False)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    gen_dir = h.settings.storage_root / "local" / job.id / f"{done.generation:08d}"
+    pages = max((gen_dir / "files" / "images").glob("pages-*.img"),
+                key=lambda p: p.stat().st_size)
+    flip_byte(pages, pages.stat().st_size // 3)
+    corrupt = await h.restore(job.id)
+    assert corrupt.status == "failed" and (corrupt.error or {}).get("code") == \
+        "checkpoint-corrupt", corrupt.error
+    flip_byte(pages, pages.stat().st_size // 3)
+    again = await h.restore(job.id)
+    assert again.status == "succeeded", again.error

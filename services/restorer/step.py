@@ -110,6 +110,14 @@ class RestoreStep(LocalJobStep):
                     self.criu, self.store, gen, work / "images", durations,
                     pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
                     on_bytes=lambda n: progress.update(done_bytes=n))
+        except BaseException:
+            # CRIU failed part-way: the processes it had made, killed, came to
+            # this subreaper as it exited. Reaped here, their PIDs (the job's
+            # own, in the host's namespace) are free for the next restore.
+            for p in dumped_pids(spec):
+                reaper.adopt(p)
+            reaper.reap()
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
@@ -146,7 +154,7 @@ class RestoreStep(LocalJobStep):
         so, rather than let CRIU fail on the first one taken."""
         if dumped.get("own_pid_namespace", True) and "own_pid_namespace" in dumped:
             return
-        pids = dumped.get("pids") or ([dumped["pid"]] if dumped.get("pid") else [])
+        pids = dumped_pids(dumped)
         t = time.monotonic()
         deadline = t + self.pid_wait_s
         told = None
@@ -318,3 +326,8 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def dumped_pids(job: dict[str, Any]) -> list[int]:
+    """The PIDs a job's manifest says were dumped (and come back on restore)."""
+    return job.get("pids") or ([job["pid"]] if job.get("pid") else [])
