@@ -6,10 +6,12 @@ the program's own data checked after each.
 PostgreSQL 15 in a pod container, opted in by labels alone: the image
 holds the users, the host's /usr comes in read-only (hostPath) and the
 cluster's files in a hostPath volume both nodes mount (a network volume's
-part). The container drops to the postgres user as the official images do
-(root, then setpriv). A client writes on a connection that lives through a
-cordon's checkpoint; then 2 migrations, the committed rows (count and
-checksum) checked after each, and pg_amcheck at the end.
+part). Twice: the container drops to the postgres user as the official images
+do (root, then setpriv); and the pod runs as that user (securityContext
+runAsUser/runAsGroup/runAsNonRoot, the usual hardening), so that smr-init,
+PID 1, is not root either. A client writes on a connection that lives through
+a heartbeat; then 2 migrations, the committed rows (count and checksum)
+checked after each, and pg_amcheck at the end.
 
 What it needs of the agent: CRIU outside the container's IPC namespace, to
 save PostgreSQL's System V segment with it; the container's /dev/shm (its
@@ -37,6 +39,7 @@ import functools
 import http.client
 import json
 import os
+import pwd
 import socket
 import tempfile
 import time
@@ -48,6 +51,7 @@ from typing import Any
 import ipykernel
 import jupyter_client
 import psycopg
+import pytest
 
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
@@ -64,12 +68,18 @@ off_loop = asyncio.to_thread
 CKPT = "pg-1"
 
 
-def pg_pod(name: str, node: str, data: str) -> dict[str, Any]:
+def pg_pod(name: str, node: str, data: str, run_as_user: bool = False) -> dict[str, Any]:
+    """run_as_user: the pod's securityContext makes the container postgres's
+    (its ids in the image); else root drops to it with setpriv."""
+    server = [str(pg.BIN / "postgres"), "-D", "/pg/data", "-p", "5432", "-k", "/pg",
+              "-c", "listen_addresses=127.0.0.1"]
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
-                  env={"SMR_CHECKPOINT": CKPT}, owner="pg", command=[
-                      "/usr/bin/setpriv", *pg.as_postgres()[1:], str(pg.BIN / "postgres"),
-                      "-D", "/pg/data",
-                      "-p", "5432", "-k", "/pg", "-c", "listen_addresses=127.0.0.1"])
+                  env={"SMR_CHECKPOINT": CKPT}, owner="pg", command=server if run_as_user
+                  else ["/usr/bin/setpriv", *pg.as_postgres()[1:], *server])
+    if run_as_user:
+        pw = pwd.getpwnam(pg.USER)
+        p["spec"]["securityContext"] = {"runAsUser": pw.pw_uid, "runAsGroup": pw.pw_gid,
+                                        "runAsNonRoot": True}
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True},
         {"name": "pg", "mountPath": "/pg"}]
@@ -95,12 +105,27 @@ async def connect(cluster: Cluster, name: str, timeout: float = 30) -> psycopg.C
         await asyncio.sleep(0.3)
 
 
-async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: str) -> None:
+def assert_pid1_runs_as(conn: psycopg.Connection, user: pwd.struct_passwd) -> None:
+    """The container's PID 1 is smr-init, with the user's uid and gid (read by
+    the server, which may: superuser)."""
+    row = conn.execute("SELECT pg_read_file('/proc/1/status')").fetchone()
+    assert row is not None and "\nName:\tsmr-init\n" in row[0], row
+    uid, gid = user.pw_uid, user.pw_gid
+    assert f"\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n" in row[0], row[0]
+    assert f"\nGid:\t{gid}\t{gid}\t{gid}\t{gid}\n" in row[0], row[0]
+    conn.rollback()
+
+
+async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: str,
+                as_user: pwd.struct_passwd | None = None) -> None:
     """A new connection finds every committed row, and the server takes writes;
     the same postmaster, restored (the files alone would let a fresh start
-    find the rows too: it would recover them from its WAL)."""
+    find the rows too: it would recover them from its WAL); with ``as_user``,
+    in a container whose PID 1 is that user's."""
     conn = await connect(cluster, name)
     try:
+        if as_user:
+            await off_loop(assert_pid1_runs_as, conn, as_user)
         assert await off_loop(postmaster_started, conn) == started, "it started afresh"
         got = await off_loop(lambda: conn.execute(pg.SUMMARY).fetchone())
         assert got is not None and (int(got[0]), str(got[1])) == rows.summary()
@@ -135,12 +160,17 @@ async def migrate(cluster: Cluster, src: str, dst: str, node_a: str, node_b: str
     return {"size": done.size_bytes, "durations": done.durations}, time.monotonic() - t
 
 
+@pytest.mark.parametrize("run_as_user", [False, True], ids=["setpriv", "runAsUser"])
 async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migrations(
-        cluster: Cluster) -> None:
+        cluster: Cluster, run_as_user: bool) -> None:
     a, b = list(cluster.kubelets)
+    make = functools.partial(pg_pod, run_as_user=run_as_user)
     with pg.cluster() as top:
-        await create(cluster, pg_pod("pg-a", a, str(top)))
+        await create(cluster, make("pg-a", a, str(top)))
         conn = await connect(cluster, "pg-a")
+        as_user = pwd.getpwnam(pg.USER) if run_as_user else None
+        if as_user:  # the kubelet's doing, not a setpriv: PID 1 is postgres's too
+            await off_loop(assert_pid1_runs_as, conn, as_user)
         rows = Rows()
         await off_loop(lambda: (conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)"),
                                 conn.commit()))
@@ -158,10 +188,10 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
         assert conn.info.backend_pid == backend
         conn.close()
 
-        first, took1 = await migrate(cluster, "pg-a", "pg-b", a, b, str(top))
-        await check(cluster, "pg-b", rows, range(4000, 4500), started)
-        second, took2 = await migrate(cluster, "pg-b", "pg-c", b, a, str(top))
-        await check(cluster, "pg-c", rows, range(4500, 5000), started)
+        first, took1 = await migrate(cluster, "pg-a", "pg-b", a, b, str(top), make)
+        await check(cluster, "pg-b", rows, range(4000, 4500), started, as_user)
+        second, took2 = await migrate(cluster, "pg-b", "pg-c", b, a, str(top), make)
+        await check(cluster, "pg-c", rows, range(4500, 5000), started, as_user)
 
         amcheck = await off_loop(in_netns, netns_pid(cluster, "pg-c"),
                                  lambda: pg.amcheck(5432))
@@ -169,7 +199,9 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
         numbers = dict(heartbeat={"size": beat.size_bytes, "durations": beat.durations},
                        first=first, first_restored_s=took1, second=second,
                        second_restored_s=took2)
-        print(f"\n[compat] postgres pod non-root: {json.dumps(numbers, default=str)}")
+        mode = "runAsUser" if run_as_user else "setpriv"
+        print(f"\n[compat] postgres pod non-root ({mode}): "
+              f"{json.dumps(numbers, default=str)}")
 
 
 NODE_CKPT = "node-1"
