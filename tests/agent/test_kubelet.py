@@ -406,3 +406,61 @@ async def test_a_plain_delete_does_not_wait_for_a_final_checkpoint(cluster: Clus
     assert "final checkpoint none" in said, f"the hook said {said}"
     assert not cluster.kubelets[a].did("deleted", "KILL")
     assert await cluster.store.latest("default", "deleted.main") is None, "nothing is saved"
+
+
+def ids_of(status: str) -> dict[str, list[int]]:
+    """Uid, Gid and Groups of a /proc/PID/status."""
+    got = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Uid", "Gid", "Groups"):
+            got[key] = [int(v) for v in value.split()]
+    return got
+
+
+async def test_the_pods_user_runs_smr_init_the_workload_and_execs(cluster: Cluster) -> None:
+    """securityContext as the kubelet and CRI apply it: the container's fields
+    over the pod's; runAsGroup, then fsGroup and supplementalGroups as groups.
+    smr-init (PID 1, through the smr RuntimeClass), the command and an exec
+    (a probe's, a hook's) all run as that user. runAsNonRoot with root: the
+    kubelet's CreateContainerConfigError, and nothing runs."""
+    a, _ = list(cluster.kubelets)
+    p = plain_pod("as-user", a, labels=NODE_RESTORE, command=[
+        "/bin/sh", "-c", "cat /proc/1/status /proc/self/status; sleep 1000"])
+    p["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000,
+                                    "supplementalGroups": [4000], "runAsNonRoot": True}
+    p["spec"]["containers"][0]["securityContext"] = {"runAsGroup": 3000}
+    stored = await create(cluster, p)
+    assert stored["spec"]["runtimeClassName"] == "smr"
+    kubelet = cluster.kubelets[a]
+    want = {"Uid": [1000] * 4, "Gid": [3000] * 4, "Groups": [2000, 3000, 4000]}
+    deadline = asyncio.get_running_loop().time() + 30
+    while (log := cluster.log("as-user", a)).count("Name:") < 2:
+        assert asyncio.get_running_loop().time() < deadline, f"it never ran: {log!r}"
+        await asyncio.sleep(0.2)
+    pid1, workload_ = log.split("Name:")[1:3]
+    assert pid1.startswith("\tsmr-init\n"), log
+    assert ids_of(pid1) == want and ids_of(workload_) == want, log
+    st = kubelet.state("default", "as-user")
+    assert st is not None
+    rc, out = await kubelet._exec(st.containers["main"], ["cat", "/proc/self/status"], 10)
+    assert rc == 0 and ids_of(out) == want, out
+
+    for name, sc, why in (
+            ("as-root", {"runAsNonRoot": True},
+             "container has runAsNonRoot and image will run as root"),
+            ("as-uid-0", {"runAsNonRoot": True, "runAsUser": 0},
+             "container's runAsUser breaks non-root policy")):
+        p = plain_pod(name, a, labels=NODE_RESTORE, command=["/bin/counter"])
+        p["spec"]["securityContext"] = sc
+        await create(cluster, p)
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (got := (cluster.kube.get("pods", name, "default") or {}).get(
+                "status", {}).get("containerStatuses")):
+            assert asyncio.get_running_loop().time() < deadline, f"{name}: no status"
+            await asyncio.sleep(0.2)
+        waiting = got[0]["state"].get("waiting") or {}
+        assert waiting.get("reason") == "CreateContainerConfigError", got
+        assert waiting["message"].startswith(why) and "container: main)" in waiting["message"]
+        st = kubelet.state("default", name)
+        assert st is not None and not st.containers, "a container was created"

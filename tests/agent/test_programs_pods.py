@@ -109,7 +109,7 @@ def assert_pid1_runs_as(conn: psycopg.Connection, user: pwd.struct_passwd) -> No
     """The container's PID 1 is smr-init, with the user's uid and gid (read by
     the server, which may: superuser)."""
     row = conn.execute("SELECT pg_read_file('/proc/1/status')").fetchone()
-    assert row is not None and "\nName:\tsmr-init\n" in row[0], row
+    assert row is not None and row[0].startswith("Name:\tsmr-init\n"), row
     uid, gid = user.pw_uid, user.pw_gid
     assert f"\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n" in row[0], row[0]
     assert f"\nGid:\t{gid}\t{gid}\t{gid}\t{gid}\n" in row[0], row[0]
