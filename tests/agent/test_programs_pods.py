@@ -17,8 +17,9 @@ What it needs of the agent: CRIU outside the container's IPC namespace, to
 save PostgreSQL's System V segment with it; the container's /dev/shm (its
 dynamic shared memory) carried with the checkpoint. About 30 s here.
 
-Node.js (the host's, from /usr) as nobody: an HTTP server's Map and its
-setInterval timer, which must keep its rhythm. About 25 s here.
+Node.js (the host's, from /usr) in a pod that runs as nobody (runAsUser):
+an HTTP server's Map and its setInterval timer, which must keep its rhythm.
+About 25 s here.
 
 A Python multiprocessing pool (ProcessPoolExecutor, 4 workers, a
 multiprocessing.shared_memory block in the container's /dev/shm) as nobody:
@@ -105,15 +106,23 @@ async def connect(cluster: Cluster, name: str, timeout: float = 30) -> psycopg.C
         await asyncio.sleep(0.3)
 
 
-def assert_pid1_runs_as(conn: psycopg.Connection, user: pwd.struct_passwd) -> None:
-    """The container's PID 1 is smr-init, with the user's uid and gid (read by
-    the server, which may: superuser)."""
-    row = conn.execute("SELECT pg_read_file('/proc/1/status')").fetchone()
-    assert row is not None and row[0].startswith("Name:\tsmr-init\n"), row
-    uid, gid = user.pw_uid, user.pw_gid
-    assert f"\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n" in row[0], row[0]
-    assert f"\nGid:\t{gid}\t{gid}\t{gid}\t{gid}\n" in row[0], row[0]
-    conn.rollback()
+def assert_tree_runs_as(cluster: Cluster, name: str, uid: int, gid: int) -> None:
+    """The container's PID 1 (smr-init) and every process under it run as
+    uid:gid (read from the host's /proc)."""
+    todo, seen = [netns_pid(cluster, name)], []
+    while todo:
+        pid = todo.pop()
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a process that ended meanwhile (a backend)
+            assert seen, "the container's PID 1 is gone"
+            continue
+        ids = {k: v.split() for k, _, v in (ln.partition(":\t") for ln in status.splitlines())}
+        assert ids["Uid"] == [str(uid)] * 4 and ids["Gid"] == [str(gid)] * 4, (pid, status)
+        seen.append(ids["Name"][0])
+    assert seen[0] == "smr-init" and len(seen) > 1, seen
 
 
 async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: str,
@@ -125,7 +134,7 @@ async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: st
     conn = await connect(cluster, name)
     try:
         if as_user:
-            await off_loop(assert_pid1_runs_as, conn, as_user)
+            assert_tree_runs_as(cluster, name, as_user.pw_uid, as_user.pw_gid)
         assert await off_loop(postmaster_started, conn) == started, "it started afresh"
         got = await off_loop(lambda: conn.execute(pg.SUMMARY).fetchone())
         assert got is not None and (int(got[0]), str(got[1])) == rows.summary()
@@ -170,7 +179,7 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
         conn = await connect(cluster, "pg-a")
         as_user = pwd.getpwnam(pg.USER) if run_as_user else None
         if as_user:  # the kubelet's doing, not a setpriv: PID 1 is postgres's too
-            await off_loop(assert_pid1_runs_as, conn, as_user)
+            assert_tree_runs_as(cluster, "pg-a", as_user.pw_uid, as_user.pw_gid)
         rows = Rows()
         await off_loop(lambda: (conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)"),
                                 conn.commit()))
@@ -207,11 +216,15 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
 NODE_CKPT = "node-1"
 
 
+NOBODY = {"runAsUser": 65534, "runAsGroup": 65534, "runAsNonRoot": True}
+
+
 def node_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
+    """As nobody through the pod's securityContext: smr-init too."""
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": NODE_CKPT}, owner="node", command=[
-                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       "/usr/bin/node", "/app/server.js", "8080", "0.0.0.0"])
+    p["spec"]["securityContext"] = dict(NOBODY)
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True}]
     p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}}]
@@ -244,6 +257,7 @@ async def test_nodejs_pod_as_nobody_keeps_its_map_and_timer_through_two_migratio
     await create(cluster, node_pod("node-a", a))
     for k in ("x", "y", "x"):
         await node_get(cluster, "node-a", f"/inc/{k}")
+    assert_tree_runs_as(cluster, "node-a", 65534, 65534)
     # A client with a keep-alive connection, active through the heartbeat.
     pid = netns_pid(cluster, "node-a")
     conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
@@ -270,6 +284,7 @@ async def test_nodejs_pod_as_nobody_keeps_its_map_and_timer_through_two_migratio
         done, took = await migrate(cluster, src, dst, n_from, n_to, "", node_pod, NODE_CKPT)
         state = await node_get(cluster, dst)
         nodejs.assert_timer_kept_its_rhythm(before, state["ticks"], time.monotonic() - t)
+        assert_tree_runs_as(cluster, dst, 65534, 65534)
         assert state["counts"] == want
         want["x"] += 1
         assert (await node_get(cluster, dst, "/inc/x"))["counts"] == want
