@@ -22,7 +22,8 @@ an HTTP server's Map and its setInterval timer, which must keep its rhythm.
 About 25 s here.
 
 A Python multiprocessing pool (ProcessPoolExecutor, 4 workers, a
-multiprocessing.shared_memory block in the container's /dev/shm) as nobody:
+multiprocessing.shared_memory block in the container's /dev/shm) as nobody
+(runAsUser, as Node.js and the JVM):
 the work in flight finishes, each task's result right, the block intact.
 About 30 s here.
 
@@ -298,8 +299,8 @@ POOL_CKPT, POOL_TASKS, POOL_MIB = "pool-1", 32, 16
 def pool_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": POOL_CKPT}, owner="pool", command=[
-                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       "/usr/bin/python3", "/app/pool.py", str(POOL_TASKS), str(POOL_MIB)])
+    p["spec"]["securityContext"] = dict(NOBODY)
     p["spec"]["restartPolicy"] = "Never"
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True}]
@@ -325,6 +326,7 @@ async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
     await create(cluster, pool_pod("pool-a", a))
     runs = [("pool-a", a)]
     await until_done(cluster, runs, 1)
+    assert_tree_runs_as(cluster, "pool-a", 65534, 65534)
     beat = await cluster.bus.request(CkptRequested(
         request_id=uuid.uuid4().hex, checkpoint_id=POOL_CKPT, node=a, reason="heartbeat",
         leave_running=True, target=Target(kind="pod", namespace="default", pod="pool-a",
@@ -337,6 +339,7 @@ async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
         await until_done(cluster, runs, at)
         done, took = await migrate(cluster, src, dst, n_from, n_to, "", pool_pod, POOL_CKPT)
         runs.append((dst, n_to))
+        assert_tree_runs_as(cluster, dst, 65534, 65534)
         in_flight = POOL_TASKS - len(DONE.findall(
             "".join(cluster.log(name, node) for name, node in runs)))
         assert in_flight > 0, "the work was over before the migration: nothing in flight"
@@ -361,8 +364,8 @@ JAVA = "/usr/lib/jvm/default-java/bin/java"
 def jvm_pod(name: str, node: str, classes: str) -> dict[str, Any]:
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": JVM_CKPT}, owner="jvm", command=[
-                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       JAVA, *jvm.java_cmd(Path("/classes"), 8080, "0.0.0.0")[1:]])
+    p["spec"]["securityContext"] = dict(NOBODY)
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True},
         # Debian's JDK keeps its configuration there (lib/jvm.cfg links to it).
@@ -398,6 +401,7 @@ async def test_jvm_pod_as_nobody_keeps_its_map_and_compiled_code_through_two_mig
             return json.loads(conn.getresponse().read())  # type: ignore[no-any-return]
 
         assert (await off_loop(inc, "k0"))["counts"]["k0"] == 101
+        assert_tree_runs_as(cluster, "jvm-a", 65534, 65534)
         beat = await cluster.bus.request(CkptRequested(
             request_id=uuid.uuid4().hex, checkpoint_id=JVM_CKPT, node=a, reason="heartbeat",
             leave_running=True, target=Target(kind="pod", namespace="default", pod="jvm-a",
@@ -415,6 +419,7 @@ async def test_jvm_pod_as_nobody_keeps_its_map_and_compiled_code_through_two_mig
                                        jvm_pod, JVM_CKPT)
             first = await node_get(cluster, dst)
             assert first["counts"] == want
+            assert_tree_runs_as(cluster, dst, 65534, 65534)
             want["k1"] += 1
             assert (await node_get(cluster, dst, "/inc/k1"))["counts"] == want
             deadline = time.monotonic() + 30
