@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pwd
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.bus import KV_TIMINGS
 from smr.messages import CkptRequested, Target, epoch
-from tests.agent.cluster import Cluster, assert_continues, steps, workload
+from tests.agent.cluster import USR_IMAGE, Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
 
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
@@ -445,6 +446,20 @@ async def test_the_pods_user_runs_smr_init_the_workload_and_execs(cluster: Clust
     assert st is not None
     rc, out = await kubelet._exec(st.containers["main"], ["cat", "/proc/self/status"], 10)
     assert rc == 0 and ids_of(out) == want, out
+
+    # Not opted in (runc itself), runAsUser alone: the group is the user's in
+    # the image's /etc/passwd, as containerd resolves it.
+    pg = pwd.getpwnam("postgres")  # in the image's /etc/passwd with the same ids
+    p = plain_pod("as-postgres", a, image=USR_IMAGE, command=[
+        "/bin/sh", "-c", "cat /proc/self/status; sleep 1000"])
+    p["spec"]["containers"][0]["securityContext"] = {"runAsUser": pg.pw_uid}
+    assert "runtimeClassName" not in (await create(cluster, p))["spec"]
+    deadline = asyncio.get_running_loop().time() + 30
+    while "Name:" not in (log := cluster.log("as-postgres", a)):
+        assert asyncio.get_running_loop().time() < deadline, f"it never ran: {log!r}"
+        await asyncio.sleep(0.2)
+    assert ids_of(log) == {"Uid": [pg.pw_uid] * 4, "Gid": [pg.pw_gid] * 4,
+                           "Groups": [pg.pw_gid]}, log
 
     for name, sc, why in (
             ("as-root", {"runAsNonRoot": True},
