@@ -175,12 +175,15 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
         cluster: Cluster, run_as_user: bool) -> None:
     a, b = list(cluster.kubelets)
     make = functools.partial(pg_pod, run_as_user=run_as_user)
+    # Names of their own: the watcher's Events of one variant's pods (on the
+    # session's NATS) must not be taken for the other's.
+    pg_a, pg_b, pg_c = (f"{'pgu' if run_as_user else 'pg'}-{x}" for x in "abc")
     with pg.cluster() as top:
-        await create(cluster, make("pg-a", a, str(top)))
-        conn = await connect(cluster, "pg-a")
+        await create(cluster, make(pg_a, a, str(top)))
+        conn = await connect(cluster, pg_a)
         as_user = pwd.getpwnam(pg.USER) if run_as_user else None
         if as_user:  # the kubelet's doing, not a setpriv: PID 1 is postgres's too
-            assert_tree_runs_as(cluster, "pg-a", as_user.pw_uid, as_user.pw_gid)
+            assert_tree_runs_as(cluster, pg_a, as_user.pw_uid, as_user.pw_gid)
         rows = Rows()
         await off_loop(lambda: (conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)"),
                                 conn.commit()))
@@ -191,19 +194,19 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
         # A heartbeat: a checkpoint that leaves it running; the client goes on.
         beat = await cluster.bus.request(CkptRequested(
             request_id=uuid.uuid4().hex, checkpoint_id=CKPT, node=a, reason="heartbeat",
-            leave_running=True, target=Target(kind="pod", namespace="default", pod="pg-a",
+            leave_running=True, target=Target(kind="pod", namespace="default", pod=pg_a,
                                               container="main")), timeout=90)
         assert beat.status == "succeeded", beat.error
         await off_loop(rows.insert, conn, range(3000, 4000))
         assert conn.info.backend_pid == backend
         conn.close()
 
-        first, took1 = await migrate(cluster, "pg-a", "pg-b", a, b, str(top), make)
-        await check(cluster, "pg-b", rows, range(4000, 4500), started, as_user)
-        second, took2 = await migrate(cluster, "pg-b", "pg-c", b, a, str(top), make)
-        await check(cluster, "pg-c", rows, range(4500, 5000), started, as_user)
+        first, took1 = await migrate(cluster, pg_a, pg_b, a, b, str(top), make)
+        await check(cluster, pg_b, rows, range(4000, 4500), started, as_user)
+        second, took2 = await migrate(cluster, pg_b, pg_c, b, a, str(top), make)
+        await check(cluster, pg_c, rows, range(4500, 5000), started, as_user)
 
-        amcheck = await off_loop(in_netns, netns_pid(cluster, "pg-c"),
+        amcheck = await off_loop(in_netns, netns_pid(cluster, pg_c),
                                  lambda: pg.amcheck(5432))
         assert amcheck.returncode == 0, amcheck.stdout + amcheck.stderr
         numbers = dict(heartbeat={"size": beat.size_bytes, "durations": beat.durations},
