@@ -423,7 +423,8 @@ async def test_the_pods_user_runs_smr_init_the_workload_and_execs(cluster: Clust
     """securityContext as the kubelet and CRI apply it: the container's fields
     over the pod's; runAsGroup, then fsGroup and supplementalGroups as groups.
     smr-init (PID 1, through the smr RuntimeClass), the command and an exec
-    (a probe's, a hook's) all run as that user. runAsNonRoot with root: the
+    (a probe's, a hook's) all run as that user; so does a hand-written
+    manifest's smr-init, from the pod's emptyDir. runAsNonRoot with root: the
     kubelet's CreateContainerConfigError, and nothing runs."""
     a, _ = list(cluster.kubelets)
     p = plain_pod("as-user", a, labels=NODE_RESTORE, command=[
@@ -446,6 +447,21 @@ async def test_the_pods_user_runs_smr_init_the_workload_and_execs(cluster: Clust
     assert st is not None
     rc, out = await kubelet._exec(st.containers["main"], ["cat", "/proc/self/status"], 10)
     assert rc == 0 and ids_of(out) == want, out
+
+    # The hand-written manifest (docs/node-agent.md): smr-init from the pod's
+    # emptyDir, which the kubelet makes writable by any user.
+    p = workload("manual-user", a, labels=NODE_RESTORE)
+    p["spec"]["containers"][0]["command"] = [
+        "/smr/smr-init", "--", "/bin/sh", "-c", "cat /proc/self/status; sleep 1000"]
+    p["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000}
+    cluster.kube.put("pods", p)
+    deadline = asyncio.get_running_loop().time() + 30
+    while "Name:" not in (log := cluster.log("manual-user", a)):
+        assert asyncio.get_running_loop().time() < deadline, f"it never ran: {log!r}"
+        await asyncio.sleep(0.2)
+    assert ids_of(log) == {"Uid": [1000] * 4, "Gid": [1000] * 4, "Groups": [1000]}, log
+    st = kubelet.state("default", "manual-user")
+    assert st is not None and (st.volume / "main" / "status").stat().st_uid == 1000
 
     # Not opted in (runc itself), runAsUser alone: the group is the user's in
     # the image's /etc/passwd, as containerd resolves it.
