@@ -115,7 +115,10 @@ def run_as(pod: dict[str, Any], c: dict[str, Any], image_user: str
         return None
     if uid is None:  # the kubelet passes the image's numeric user (none: root)
         head = image_user.split(":")[0]
-        uid = int(head) if head.isdigit() else 0
+        if head and not head.isdigit():  # CRI would resolve the name: none here has one
+            raise RuntimeError(f"fake kubelet: image user {head!r} by name with a "
+                               "securityContext group is not supported")
+        uid = int(head or 0)
     return {"uid": int(uid), "gid": None if gid is None else int(gid),
             "groups": [int(g) for g in groups]}
 
