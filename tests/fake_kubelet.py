@@ -9,10 +9,20 @@ containerStatuses (containerID, imageID, state, restartCount, lastState) the
 way the kubelet does. A pod's volume named `smr` (the hand-written manifest of
 docs/node-agent.md) is an emptyDir: a directory per pod that outlives
 container restarts; smr-init is copied into it as the pod's initContainer
-would. A pod's `runtimeClassName` selects the runtime binary the way
-containerd's handler `BinaryName` does (`ctr --runc-binary`), and a
-container's args are resolved as the kubelet does: `command` replaces the
-image's ENTRYPOINT, `args` its CMD.
+would (mode 0777, as the kubelet makes an emptyDir). A pod's
+`runtimeClassName` selects the runtime binary the way containerd's handler
+`BinaryName` does (`ctr --runc-binary`), and a container's args are resolved
+as the kubelet does: `command` replaces the image's ENTRYPOINT, `args` its CMD.
+
+The container's user comes from ``securityContext`` (the container's fields
+over the pod's) as the kubelet and containerd's CRI plugin set it:
+``runAsUser`` (else the image's, here always root), ``runAsGroup`` (else the
+user's group in the image's /etc/passwd), ``supplementalGroups`` and
+``fsGroup`` as additional groups. Its PID 1 (smr-init, for a wrapped
+container) and every exec in it run as that user. ctr 1.6 cannot set a
+user, so tests/fake_cri_user.py writes it into the bundle in front of the
+handler's runtime. ``runAsNonRoot`` with uid 0 is refused with the kubelet's
+own message: the container stays waiting, ``CreateContainerConfigError``.
 
 It stops a container the way the kubelet does (killContainer), because smr's
 timing depends on it:
@@ -50,6 +60,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -58,6 +69,58 @@ from pathlib import Path
 from typing import Any
 
 from tests.fake_apiserver import FakeApiServer
+
+USER_WRAPPER = Path(__file__).with_name("fake_cri_user.py")
+
+
+class ContainerConfigError(Exception):
+    """The kubelet's CreateContainerConfigError: the container is not created
+    (the message is the kubelet's own)."""
+
+
+def _pod_ref(pod: dict[str, Any]) -> str:
+    meta = pod["metadata"]  # the kubelet's format.Pod
+    return f'"{meta["name"]}_{meta["namespace"]}({meta.get("uid", "")})"'
+
+
+def run_as(pod: dict[str, Any], c: dict[str, Any], image_user: str
+           ) -> dict[str, Any] | None:
+    """The user the container runs as, as the kubelet resolves it (each field
+    of the container's securityContext over the pod's) and its
+    verifyRunAsNonRoot checks it: None where nothing is asked (the image's
+    user, which ctr applies itself)."""
+    psc = (pod.get("spec") or {}).get("securityContext") or {}
+    csc = c.get("securityContext") or {}
+
+    def setting(key: str) -> Any:
+        return csc[key] if csc.get(key) is not None else psc.get(key)
+
+    uid, gid = setting("runAsUser"), setting("runAsGroup")
+    where = f"(pod: {_pod_ref(pod)}, container: {c['name']})"
+    if uid is None:
+        head = image_user.split(":")[0]
+        if head and not head.isdigit():
+            if setting("runAsNonRoot"):
+                raise ContainerConfigError(
+                    f"container has runAsNonRoot and image has non-numeric user ({head}), "
+                    f"cannot verify user is non-root {where}")
+        elif setting("runAsNonRoot") and int(head or 0) == 0:
+            raise ContainerConfigError(
+                f"container has runAsNonRoot and image will run as root {where}")
+    elif setting("runAsNonRoot") and int(uid) == 0:
+        raise ContainerConfigError(f"container's runAsUser breaks non-root policy {where}")
+    groups = [*([psc["fsGroup"]] if psc.get("fsGroup") is not None else []),
+              *(psc.get("supplementalGroups") or [])]
+    if uid is None and gid is None and not groups:
+        return None
+    if uid is None:  # the kubelet passes the image's numeric user (none: root)
+        head = image_user.split(":")[0]
+        if head and not head.isdigit():  # CRI would resolve the name: none here has one
+            raise RuntimeError(f"fake kubelet: image user {head!r} by name with a "
+                               "securityContext group is not supported")
+        uid = int(head or 0)
+    return {"uid": int(uid), "gid": None if gid is None else int(gid),
+            "groups": [int(g) for g in groups]}
 
 
 def _now() -> str:
@@ -175,6 +238,7 @@ class PodState:
     pod: dict[str, Any]
     containers: dict[str, Running] = field(default_factory=dict)
     stopping: asyncio.Task[None] | None = None
+    waiting: dict[str, str] = field(default_factory=dict)  # CreateContainerConfigError's
 
 
 MIN_GRACE_AFTER_HOOK = 2.0  # the kubelet's minimum after a preStop hook
@@ -199,6 +263,7 @@ class FakeKubelet:
         self._task: asyncio.Task[None] | None = None
         self._work: set[asyncio.Task[Any]] = set()
         self.digests: dict[str, str] = {}
+        self.configs: dict[str, dict[str, Any]] = {}  # image → its config (ENTRYPOINT, User)
         self.shutting_down = False
         self.actions: list[tuple[float, str, str, str]] = []
 
@@ -314,6 +379,7 @@ class FakeKubelet:
                 st = self.pods[uid] = PodState(uid, self.dir / "pods" / uid / "smr", pod)
                 if any(v.get("name") == "smr" for v in pod["spec"].get("volumes") or []):
                     st.volume.mkdir(parents=True)
+                    st.volume.chmod(0o777)  # an emptyDir, whatever the pod's user
                     shutil.copy2(self.smr_init, st.volume / "smr-init")  # the initContainer
             if st.stopping is not None:
                 continue
@@ -321,8 +387,13 @@ class FakeKubelet:
             for c in pod["spec"]["containers"]:
                 run = st.containers.get(c["name"])
                 if run is None:
-                    st.containers[c["name"]] = await self._run(pod, c, st, 0)
-                    changed = True
+                    try:
+                        st.containers[c["name"]] = await self._run(pod, c, st, 0)
+                        st.waiting.pop(c["name"], None)
+                        changed = True
+                    except ContainerConfigError as e:  # retried each sync, as with backoff
+                        changed = changed or st.waiting.get(c["name"]) != str(e)
+                        st.waiting[c["name"]] = str(e)
                 elif run.exit_code is None and status.get(run.id) == "STOPPED" \
                         and not run.stopping:
                     await self._reap(pod, run)
@@ -495,20 +566,41 @@ class FakeKubelet:
             for dev in sorted(Path("/dev").glob("nvidia*")):
                 if dev.is_char_device():
                     args += ["--device", str(dev)]
+        runtime = "runc"
         if rc := pod["spec"].get("runtimeClassName"):
             if rc not in self.runtime_classes:
                 raise RuntimeError(f"RuntimeClass {rc} not found on node {self.node}")
-            args += ["--runc-binary", self.runtime_classes[rc]]
+            runtime = self.runtime_classes[rc]
+        if c["image"] not in self.configs:
+            self.configs[c["image"]] = await self.ctd.image_config(self.ns, c["image"])
+        image = self.configs[c["image"]]
+        user = run_as(pod, c, str(image.get("User") or ""))
+        if user is not None:
+            (self.dir / "users").mkdir(parents=True, exist_ok=True)
+            (self.dir / "users" / cid).write_text(json.dumps(user))
+            runtime = self._user_runtime(runtime)
+        if runtime != "runc":
+            args += ["--runc-binary", runtime]
         for e in env:
             args += ["--env", e]
         process: list[str] = []  # empty: the image's ENTRYPOINT and CMD, as ctr reads them
         if c.get("command"):
             process = [*c["command"], *(c.get("args") or [])]
         elif c.get("args"):
-            entry = (await self.ctd.image_config(self.ns, c["image"])).get("Entrypoint") or []
-            process = [*entry, *c["args"]]
+            process = [*(image.get("Entrypoint") or []), *c["args"]]
         await self.ctd.ctr(self.ns, *args, c["image"], cid, *process)
         return Running(c["name"], cid, log, restarts, _now())
+
+    def _user_runtime(self, real: str) -> str:
+        """``real`` (a runtime binary) behind tests/fake_cri_user.py, which
+        writes the container's user into its bundle as CRI would."""
+        path = self.dir / "runtimes" / (Path(real).name + "-as-user")
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"#!/bin/sh\nexec {sys.executable} {USER_WRAPPER} "
+                            f"{self.dir / 'users'} {real} \"$@\"\n")
+            path.chmod(0o755)
+        return str(path)
 
     def _report(self, pod: dict[str, Any], st: PodState,
                 failed_because: str | None = None) -> None:
@@ -530,9 +622,16 @@ class FakeKubelet:
             if run.last:
                 status["lastState"] = {"terminated": run.last}
             statuses.append(status)
+        waiting = [{"name": c["name"], "restartCount": 0, "ready": False, "image": c["image"],
+                    "imageID": "", "state": {"waiting": {
+                        "reason": "CreateContainerConfigError",
+                        "message": st.waiting[c["name"]]}}}
+                   for c in fresh["spec"]["containers"]
+                   if c["name"] in st.waiting and c["name"] not in st.containers]
         ended = [s["state"].get("terminated") for s in statuses]
-        phase = "Running"
-        if statuses and all(ended):
+        phase = "Pending" if waiting else "Running"
+        statuses += waiting
+        if statuses and not waiting and all(ended):
             phase = "Succeeded" if all(t["exitCode"] == 0 for t in ended) else "Failed"
         new = {**(fresh.get("status") or {}), "phase": phase, "containerStatuses": statuses}
         if failed_because:  # graceful node shutdown: Failed, whatever the exit codes

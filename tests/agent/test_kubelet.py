@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pwd
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.bus import KV_TIMINGS
 from smr.messages import CkptRequested, Target, epoch
-from tests.agent.cluster import Cluster, assert_continues, steps, workload
+from tests.agent.cluster import USR_IMAGE, Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
 
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
@@ -409,3 +410,91 @@ async def test_a_plain_delete_does_not_wait_for_a_final_checkpoint(cluster: Clus
     assert "final checkpoint none" in said, f"the hook said {said}"
     assert not cluster.kubelets[a].did("deleted", "KILL")
     assert await cluster.store.latest("default", "deleted.main") is None, "nothing is saved"
+
+
+def ids_of(status: str) -> dict[str, list[int]]:
+    """Uid, Gid and Groups of a /proc/PID/status."""
+    got = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Uid", "Gid", "Groups"):
+            got[key] = [int(v) for v in value.split()]
+    return got
+
+
+async def test_the_pods_user_runs_smr_init_the_workload_and_execs(cluster: Cluster) -> None:
+    """securityContext as the kubelet and CRI apply it: the container's fields
+    over the pod's; runAsGroup, then fsGroup and supplementalGroups as groups.
+    smr-init (PID 1, through the smr RuntimeClass), the command and an exec
+    (a probe's, a hook's) all run as that user; so does a hand-written
+    manifest's smr-init, from the pod's emptyDir. runAsNonRoot with root: the
+    kubelet's CreateContainerConfigError, and nothing runs."""
+    a, _ = list(cluster.kubelets)
+    p = plain_pod("as-user", a, labels=NODE_RESTORE, command=[
+        "/bin/sh", "-c", "cat /proc/1/status /proc/self/status; sleep 1000"])
+    p["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000,
+                                    "supplementalGroups": [4000], "runAsNonRoot": True}
+    p["spec"]["containers"][0]["securityContext"] = {"runAsGroup": 3000}
+    stored = await create(cluster, p)
+    assert stored["spec"]["runtimeClassName"] == "smr"
+    kubelet = cluster.kubelets[a]
+    want = {"Uid": [1000] * 4, "Gid": [3000] * 4, "Groups": [2000, 3000, 4000]}
+    deadline = asyncio.get_running_loop().time() + 30
+    while (log := cluster.log("as-user", a)).count("Name:") < 2:
+        assert asyncio.get_running_loop().time() < deadline, f"it never ran: {log!r}"
+        await asyncio.sleep(0.2)
+    pid1, workload_ = log.split("Name:")[1:3]
+    assert pid1.startswith("\tsmr-init\n"), log
+    assert ids_of(pid1) == want and ids_of(workload_) == want, log
+    st = kubelet.state("default", "as-user")
+    assert st is not None
+    rc, out = await kubelet._exec(st.containers["main"], ["cat", "/proc/self/status"], 10)
+    assert rc == 0 and ids_of(out) == want, out
+
+    # The hand-written manifest (docs/node-agent.md): smr-init from the pod's
+    # emptyDir, which the kubelet makes writable by any user.
+    p = workload("manual-user", a, labels=NODE_RESTORE)
+    p["spec"]["containers"][0]["command"] = [
+        "/smr/smr-init", "--", "/bin/sh", "-c", "cat /proc/self/status; sleep 1000"]
+    p["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000}
+    cluster.kube.put("pods", p)
+    deadline = asyncio.get_running_loop().time() + 30
+    while "Name:" not in (log := cluster.log("manual-user", a)):
+        assert asyncio.get_running_loop().time() < deadline, f"it never ran: {log!r}"
+        await asyncio.sleep(0.2)
+    assert ids_of(log) == {"Uid": [1000] * 4, "Gid": [1000] * 4, "Groups": [1000]}, log
+    st = kubelet.state("default", "manual-user")
+    assert st is not None and (st.volume / "main" / "status").stat().st_uid == 1000
+
+    # Not opted in (runc itself), runAsUser alone: the group is the user's in
+    # the image's /etc/passwd, as containerd resolves it.
+    pg = pwd.getpwnam("postgres")  # in the image's /etc/passwd with the same ids
+    p = plain_pod("as-postgres", a, image=USR_IMAGE, command=[
+        "/bin/sh", "-c", "cat /proc/self/status; sleep 1000"])
+    p["spec"]["containers"][0]["securityContext"] = {"runAsUser": pg.pw_uid}
+    assert "runtimeClassName" not in (await create(cluster, p))["spec"]
+    deadline = asyncio.get_running_loop().time() + 30
+    while "Name:" not in (log := cluster.log("as-postgres", a)):
+        assert asyncio.get_running_loop().time() < deadline, f"it never ran: {log!r}"
+        await asyncio.sleep(0.2)
+    assert ids_of(log) == {"Uid": [pg.pw_uid] * 4, "Gid": [pg.pw_gid] * 4,
+                           "Groups": [pg.pw_gid]}, log
+
+    for name, sc, why in (
+            ("as-root", {"runAsNonRoot": True},
+             "container has runAsNonRoot and image will run as root"),
+            ("as-uid-0", {"runAsNonRoot": True, "runAsUser": 0},
+             "container's runAsUser breaks non-root policy")):
+        p = plain_pod(name, a, labels=NODE_RESTORE, command=["/bin/counter"])
+        p["spec"]["securityContext"] = sc
+        await create(cluster, p)
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (got := (cluster.kube.get("pods", name, "default") or {}).get(
+                "status", {}).get("containerStatuses")):
+            assert asyncio.get_running_loop().time() < deadline, f"{name}: no status"
+            await asyncio.sleep(0.2)
+        waiting = got[0]["state"].get("waiting") or {}
+        assert waiting.get("reason") == "CreateContainerConfigError", got
+        assert waiting["message"].startswith(why) and "container: main)" in waiting["message"]
+        st = kubelet.state("default", name)
+        assert st is not None and not st.containers, "a container was created"

@@ -6,20 +6,24 @@ the program's own data checked after each.
 PostgreSQL 15 in a pod container, opted in by labels alone: the image
 holds the users, the host's /usr comes in read-only (hostPath) and the
 cluster's files in a hostPath volume both nodes mount (a network volume's
-part). The container drops to the postgres user as the official images do
-(root, then setpriv). A client writes on a connection that lives through a
-cordon's checkpoint; then 2 migrations, the committed rows (count and
-checksum) checked after each, and pg_amcheck at the end.
+part). Twice: the container drops to the postgres user as the official images
+do (root, then setpriv); and the pod runs as that user (securityContext
+runAsUser/runAsGroup/runAsNonRoot, the usual hardening), so that smr-init,
+PID 1, is not root either. A client writes on a connection that lives through
+a heartbeat; then 2 migrations, the committed rows (count and checksum)
+checked after each, and pg_amcheck at the end.
 
 What it needs of the agent: CRIU outside the container's IPC namespace, to
 save PostgreSQL's System V segment with it; the container's /dev/shm (its
 dynamic shared memory) carried with the checkpoint. About 30 s here.
 
-Node.js (the host's, from /usr) as nobody: an HTTP server's Map and its
-setInterval timer, which must keep its rhythm. About 25 s here.
+Node.js (the host's, from /usr) in a pod that runs as nobody (runAsUser):
+an HTTP server's Map and its setInterval timer, which must keep its rhythm.
+About 25 s here.
 
 A Python multiprocessing pool (ProcessPoolExecutor, 4 workers, a
-multiprocessing.shared_memory block in the container's /dev/shm) as nobody:
+multiprocessing.shared_memory block in the container's /dev/shm) as nobody
+(runAsUser, as Node.js and the JVM):
 the work in flight finishes, each task's result right, the block intact.
 About 30 s here.
 
@@ -37,6 +41,7 @@ import functools
 import http.client
 import json
 import os
+import pwd
 import socket
 import tempfile
 import time
@@ -48,6 +53,7 @@ from typing import Any
 import ipykernel
 import jupyter_client
 import psycopg
+import pytest
 
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
@@ -64,12 +70,18 @@ off_loop = asyncio.to_thread
 CKPT = "pg-1"
 
 
-def pg_pod(name: str, node: str, data: str) -> dict[str, Any]:
+def pg_pod(name: str, node: str, data: str, run_as_user: bool = False) -> dict[str, Any]:
+    """run_as_user: the pod's securityContext makes the container postgres's
+    (its ids in the image); else root drops to it with setpriv."""
+    server = [str(pg.BIN / "postgres"), "-D", "/pg/data", "-p", "5432", "-k", "/pg",
+              "-c", "listen_addresses=127.0.0.1"]
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
-                  env={"SMR_CHECKPOINT": CKPT}, owner="pg", command=[
-                      "/usr/bin/setpriv", *pg.as_postgres()[1:], str(pg.BIN / "postgres"),
-                      "-D", "/pg/data",
-                      "-p", "5432", "-k", "/pg", "-c", "listen_addresses=127.0.0.1"])
+                  env={"SMR_CHECKPOINT": CKPT}, owner="pg", command=server if run_as_user
+                  else ["/usr/bin/setpriv", *pg.as_postgres()[1:], *server])
+    if run_as_user:
+        pw = pwd.getpwnam(pg.USER)
+        p["spec"]["securityContext"] = {"runAsUser": pw.pw_uid, "runAsGroup": pw.pw_gid,
+                                        "runAsNonRoot": True}
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True},
         {"name": "pg", "mountPath": "/pg"}]
@@ -95,12 +107,35 @@ async def connect(cluster: Cluster, name: str, timeout: float = 30) -> psycopg.C
         await asyncio.sleep(0.3)
 
 
-async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: str) -> None:
+def assert_tree_runs_as(cluster: Cluster, name: str, uid: int, gid: int) -> None:
+    """The container's PID 1 (smr-init) and every process under it run as
+    uid:gid (read from the host's /proc)."""
+    todo, seen = [netns_pid(cluster, name)], []
+    while todo:
+        pid = todo.pop()
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a process that ended meanwhile (a backend)
+            assert seen, "the container's PID 1 is gone"
+            continue
+        ids = {k: v.split() for k, _, v in (ln.partition(":\t") for ln in status.splitlines())}
+        assert ids["Uid"] == [str(uid)] * 4 and ids["Gid"] == [str(gid)] * 4, (pid, status)
+        seen.append(ids["Name"][0])
+    assert seen[0] == "smr-init" and len(seen) > 1, seen
+
+
+async def check(cluster: Cluster, name: str, rows: Rows, ids: range, started: str,
+                as_user: pwd.struct_passwd | None = None) -> None:
     """A new connection finds every committed row, and the server takes writes;
     the same postmaster, restored (the files alone would let a fresh start
-    find the rows too: it would recover them from its WAL)."""
+    find the rows too: it would recover them from its WAL); with ``as_user``,
+    in a container whose PID 1 is that user's."""
     conn = await connect(cluster, name)
     try:
+        if as_user:
+            assert_tree_runs_as(cluster, name, as_user.pw_uid, as_user.pw_gid)
         assert await off_loop(postmaster_started, conn) == started, "it started afresh"
         got = await off_loop(lambda: conn.execute(pg.SUMMARY).fetchone())
         assert got is not None and (int(got[0]), str(got[1])) == rows.summary()
@@ -135,12 +170,20 @@ async def migrate(cluster: Cluster, src: str, dst: str, node_a: str, node_b: str
     return {"size": done.size_bytes, "durations": done.durations}, time.monotonic() - t
 
 
+@pytest.mark.parametrize("run_as_user", [False, True], ids=["setpriv", "runAsUser"])
 async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migrations(
-        cluster: Cluster) -> None:
+        cluster: Cluster, run_as_user: bool) -> None:
     a, b = list(cluster.kubelets)
+    make = functools.partial(pg_pod, run_as_user=run_as_user)
+    # Names of their own: the watcher's Events of one variant's pods (on the
+    # session's NATS) must not be taken for the other's.
+    pg_a, pg_b, pg_c = (f"{'pgu' if run_as_user else 'pg'}-{x}" for x in "abc")
     with pg.cluster() as top:
-        await create(cluster, pg_pod("pg-a", a, str(top)))
-        conn = await connect(cluster, "pg-a")
+        await create(cluster, make(pg_a, a, str(top)))
+        conn = await connect(cluster, pg_a)
+        as_user = pwd.getpwnam(pg.USER) if run_as_user else None
+        if as_user:  # the kubelet's doing, not a setpriv: PID 1 is postgres's too
+            assert_tree_runs_as(cluster, pg_a, as_user.pw_uid, as_user.pw_gid)
         rows = Rows()
         await off_loop(lambda: (conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)"),
                                 conn.commit()))
@@ -151,35 +194,41 @@ async def test_postgres_pod_as_its_own_user_through_a_heartbeat_and_two_migratio
         # A heartbeat: a checkpoint that leaves it running; the client goes on.
         beat = await cluster.bus.request(CkptRequested(
             request_id=uuid.uuid4().hex, checkpoint_id=CKPT, node=a, reason="heartbeat",
-            leave_running=True, target=Target(kind="pod", namespace="default", pod="pg-a",
+            leave_running=True, target=Target(kind="pod", namespace="default", pod=pg_a,
                                               container="main")), timeout=90)
         assert beat.status == "succeeded", beat.error
         await off_loop(rows.insert, conn, range(3000, 4000))
         assert conn.info.backend_pid == backend
         conn.close()
 
-        first, took1 = await migrate(cluster, "pg-a", "pg-b", a, b, str(top))
-        await check(cluster, "pg-b", rows, range(4000, 4500), started)
-        second, took2 = await migrate(cluster, "pg-b", "pg-c", b, a, str(top))
-        await check(cluster, "pg-c", rows, range(4500, 5000), started)
+        first, took1 = await migrate(cluster, pg_a, pg_b, a, b, str(top), make)
+        await check(cluster, pg_b, rows, range(4000, 4500), started, as_user)
+        second, took2 = await migrate(cluster, pg_b, pg_c, b, a, str(top), make)
+        await check(cluster, pg_c, rows, range(4500, 5000), started, as_user)
 
-        amcheck = await off_loop(in_netns, netns_pid(cluster, "pg-c"),
+        amcheck = await off_loop(in_netns, netns_pid(cluster, pg_c),
                                  lambda: pg.amcheck(5432))
         assert amcheck.returncode == 0, amcheck.stdout + amcheck.stderr
         numbers = dict(heartbeat={"size": beat.size_bytes, "durations": beat.durations},
                        first=first, first_restored_s=took1, second=second,
                        second_restored_s=took2)
-        print(f"\n[compat] postgres pod non-root: {json.dumps(numbers, default=str)}")
+        mode = "runAsUser" if run_as_user else "setpriv"
+        print(f"\n[compat] postgres pod non-root ({mode}): "
+              f"{json.dumps(numbers, default=str)}")
 
 
 NODE_CKPT = "node-1"
 
 
+NOBODY = {"runAsUser": 65534, "runAsGroup": 65534, "runAsNonRoot": True}
+
+
 def node_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
+    """As nobody through the pod's securityContext: smr-init too."""
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": NODE_CKPT}, owner="node", command=[
-                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       "/usr/bin/node", "/app/server.js", "8080", "0.0.0.0"])
+    p["spec"]["securityContext"] = dict(NOBODY)
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True}]
     p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}}]
@@ -212,6 +261,7 @@ async def test_nodejs_pod_as_nobody_keeps_its_map_and_timer_through_two_migratio
     await create(cluster, node_pod("node-a", a))
     for k in ("x", "y", "x"):
         await node_get(cluster, "node-a", f"/inc/{k}")
+    assert_tree_runs_as(cluster, "node-a", 65534, 65534)
     # A client with a keep-alive connection, active through the heartbeat.
     pid = netns_pid(cluster, "node-a")
     conn = http.client.HTTPConnection("127.0.0.1", 8080, timeout=10)
@@ -238,6 +288,7 @@ async def test_nodejs_pod_as_nobody_keeps_its_map_and_timer_through_two_migratio
         done, took = await migrate(cluster, src, dst, n_from, n_to, "", node_pod, NODE_CKPT)
         state = await node_get(cluster, dst)
         nodejs.assert_timer_kept_its_rhythm(before, state["ticks"], time.monotonic() - t)
+        assert_tree_runs_as(cluster, dst, 65534, 65534)
         assert state["counts"] == want
         want["x"] += 1
         assert (await node_get(cluster, dst, "/inc/x"))["counts"] == want
@@ -251,8 +302,8 @@ POOL_CKPT, POOL_TASKS, POOL_MIB = "pool-1", 32, 16
 def pool_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": POOL_CKPT}, owner="pool", command=[
-                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       "/usr/bin/python3", "/app/pool.py", str(POOL_TASKS), str(POOL_MIB)])
+    p["spec"]["securityContext"] = dict(NOBODY)
     p["spec"]["restartPolicy"] = "Never"
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True}]
@@ -278,6 +329,7 @@ async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
     await create(cluster, pool_pod("pool-a", a))
     runs = [("pool-a", a)]
     await until_done(cluster, runs, 1)
+    assert_tree_runs_as(cluster, "pool-a", 65534, 65534)
     beat = await cluster.bus.request(CkptRequested(
         request_id=uuid.uuid4().hex, checkpoint_id=POOL_CKPT, node=a, reason="heartbeat",
         leave_running=True, target=Target(kind="pod", namespace="default", pod="pool-a",
@@ -290,6 +342,7 @@ async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
         await until_done(cluster, runs, at)
         done, took = await migrate(cluster, src, dst, n_from, n_to, "", pool_pod, POOL_CKPT)
         runs.append((dst, n_to))
+        assert_tree_runs_as(cluster, dst, 65534, 65534)
         in_flight = POOL_TASKS - len(DONE.findall(
             "".join(cluster.log(name, node) for name, node in runs)))
         assert in_flight > 0, "the work was over before the migration: nothing in flight"
@@ -314,8 +367,8 @@ JAVA = "/usr/lib/jvm/default-java/bin/java"
 def jvm_pod(name: str, node: str, classes: str) -> dict[str, Any]:
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": JVM_CKPT}, owner="jvm", command=[
-                      "/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       JAVA, *jvm.java_cmd(Path("/classes"), 8080, "0.0.0.0")[1:]])
+    p["spec"]["securityContext"] = dict(NOBODY)
     p["spec"]["containers"][0]["volumeMounts"] = [
         {"name": "usr", "mountPath": "/usr", "readOnly": True},
         # Debian's JDK keeps its configuration there (lib/jvm.cfg links to it).
@@ -351,6 +404,7 @@ async def test_jvm_pod_as_nobody_keeps_its_map_and_compiled_code_through_two_mig
             return json.loads(conn.getresponse().read())  # type: ignore[no-any-return]
 
         assert (await off_loop(inc, "k0"))["counts"]["k0"] == 101
+        assert_tree_runs_as(cluster, "jvm-a", 65534, 65534)
         beat = await cluster.bus.request(CkptRequested(
             request_id=uuid.uuid4().hex, checkpoint_id=JVM_CKPT, node=a, reason="heartbeat",
             leave_running=True, target=Target(kind="pod", namespace="default", pod="jvm-a",
@@ -368,6 +422,7 @@ async def test_jvm_pod_as_nobody_keeps_its_map_and_compiled_code_through_two_mig
                                        jvm_pod, JVM_CKPT)
             first = await node_get(cluster, dst)
             assert first["counts"] == want
+            assert_tree_runs_as(cluster, dst, 65534, 65534)
             want["k1"] += 1
             assert (await node_get(cluster, dst, "/inc/k1"))["counts"] == want
             deadline = time.monotonic() + 30
