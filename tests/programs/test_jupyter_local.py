@@ -9,7 +9,6 @@ import asyncio
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ import pytest
 
 from smr.jobs import launch
 from smr.natsserver import NatsServer, free_port
-from tests.test_local_smr import Harness, running
+from tests.programs.conftest import other_node
+from tests.test_local_smr import Harness
 
 pytestmark = pytest.mark.criu
 
@@ -28,14 +28,6 @@ a = np.arange(1_000_000, dtype=np.int64)
 g = (i * i for i in range(100))
 first = [next(g) for _ in range(3)]
 """
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
-                       storage_path=str(tmp_path / "store")) as harness:
-        yield harness
 
 
 def client(conn_file: Path) -> Any:
@@ -81,9 +73,7 @@ async def test_jupyter_kernel_keeps_its_variables_through_a_heartbeat_and_a_migr
     final = await h.checkpoint(job.id, reason="preemption")
     assert final.status == "succeeded", final.error
     kc.stop_channels()
-    async with running(Harness, criu_binary, nats_server, tmp_path / "b",
-                       f"node-b-{uuid.uuid4().hex[:6]}", 5.0,
-                       storage_path=str(tmp_path / "store")) as b:
+    async with other_node(criu_binary, nats_server, tmp_path) as b:
         restored = await b.restore(job.id)
         assert restored.status == "succeeded", restored.error
         again = await asyncio.to_thread(client, conn_file)  # the same ports

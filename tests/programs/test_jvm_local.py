@@ -9,8 +9,6 @@ import json
 import os
 import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,11 @@ import pytest
 from smr.natsserver import NatsServer, free_port
 from tests.programs import jvm
 from tests.programs import node as http
-from tests.test_local_smr import Harness, running
+from tests.programs.conftest import other_node
+from tests.test_local_smr import Harness
 from tests.test_sockets import start
 
 pytestmark = pytest.mark.criu
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
-                       storage_path=str(tmp_path / "store")) as harness:
-        yield harness
 
 
 def threads(pid: int) -> int:
@@ -69,9 +60,7 @@ async def test_jvm_keeps_its_map_threads_and_compiled_code_through_a_migration(
         compiled = jvm.compilations_of_work(log.read_text())
         final = await h.checkpoint(job.id, reason="preemption")
         assert final.status == "succeeded", final.error
-        async with running(Harness, criu_binary, nats_server, tmp_path / "b",
-                           f"node-b-{uuid.uuid4().hex[:6]}", 5.0,
-                           storage_path=str(tmp_path / "store")) as b:
+        async with other_node(criu_binary, nats_server, tmp_path) as b:
             restored = await b.restore(job.id)
             assert restored.status == "succeeded", restored.error
             first = http.get(port)

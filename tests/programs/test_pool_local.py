@@ -10,7 +10,6 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,14 @@ import pytest
 from smr.jobs import launch
 from smr.natsserver import NatsServer
 from tests.programs import pool
-from tests.test_local_smr import Harness, running
+from tests.programs.conftest import other_node
+from tests.test_local_smr import Harness
 
 pytestmark = pytest.mark.criu
 
 TASKS, MIB = 16, 16
 POOL = str(Path(pool.__file__).resolve())
 DONE = re.compile(r"^done (\d+) (\w+)$", re.M)
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
-                       storage_path=str(tmp_path / "store")) as harness:
-        yield harness
 
 
 async def until(log: Path, what: re.Pattern[str] | str, timeout: float = 60) -> str:
@@ -68,9 +60,7 @@ async def test_pool_finishes_its_work_in_flight_after_a_migration(
     assert final.status == "succeeded", final.error
     before = len(DONE.findall(log.read_text()))
     assert before < TASKS, "the work was over before the checkpoint: nothing in flight"
-    async with running(Harness, criu_binary, nats_server, tmp_path / "b",
-                       f"node-b-{uuid.uuid4().hex[:6]}", 5.0,
-                       storage_path=str(tmp_path / "store")) as b:
+    async with other_node(criu_binary, nats_server, tmp_path) as b:
         restored = await b.restore(job.id)
         assert restored.status == "succeeded", restored.error
         check_finished(await until(log, f"finished {TASKS}"))

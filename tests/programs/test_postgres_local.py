@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -22,18 +21,11 @@ import pytest
 from smr.criu import explain
 from smr.natsserver import NatsServer, free_port
 from tests.programs import pg
-from tests.test_local_smr import Harness, running
+from tests.programs.conftest import other_node
+from tests.test_local_smr import Harness
 from tests.test_sockets import start
 
 pytestmark = pytest.mark.criu
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
-                       storage_path=str(tmp_path / "store")) as harness:
-        yield harness
 
 
 class Rows:
@@ -91,9 +83,7 @@ async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
             conn.execute("SELECT 1")
         conn.close()
 
-        async with running(Harness, criu_binary, nats_server, tmp_path / "b",
-                           f"node-b-{uuid.uuid4().hex[:6]}", 5.0,
-                           storage_path=str(tmp_path / "store")) as b:
+        async with other_node(criu_binary, nats_server, tmp_path) as b:
             restored = await b.restore(job.id)
             assert restored.status == "succeeded", restored.error
             assert restored.node != final.node
