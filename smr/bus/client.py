@@ -58,11 +58,15 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "smr", config: BusConfig | None = None) -> Bus:
+        """``url``: one server, or a cluster's servers comma-separated; the
+        client connects to any of them and, when that one goes, reconnects to
+        another (and to those the cluster tells it of)."""
         config = config or BusConfig()
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         async for attempt in retry_nats():
             with attempt:
                 nc = await nats.connect(
-                    url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
+                    servers, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, allow_reconnect=True,
                     user_credentials=config.credentials or None,
                     # One line per event, not nats-py's traceback per reconnect attempt.
@@ -88,19 +92,29 @@ class Bus:
                 self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
 
     async def _ensure_bucket(self, bucket: str, history: int, ttl: float) -> KeyValue:
+        replicas = self.config.replicas
         try:
             return await self.js.create_key_value(js_api.KeyValueConfig(
                 bucket=bucket, history=history, ttl=ttl or None,
-                storage=js_api.StorageType.FILE))
+                storage=js_api.StorageType.FILE, replicas=replicas))
         except BadRequestError:
             # It exists with other settings (made by an older smr, before its
-            # TTL): the TTL is its stream's max_age, which can be updated.
+            # TTL, or with another replica count): both are its stream's, and
+            # JetStream updates both in place.
             info = await self.js.stream_info(f"KV_{bucket}")
+            changed = False
             if (info.config.max_age or 0) != ttl:
                 log.warning("KV bucket %s: its TTL is now %.0fs (was %s)", bucket, ttl,
                             info.config.max_age or "none")
                 info.config.max_age = ttl
-                await self.js.update_stream(info.config)
+                changed = True
+            if (info.config.num_replicas or 1) != replicas:
+                log.warning("KV bucket %s: %d replicas now (was %d; SMR_NATS_REPLICAS)",
+                            bucket, replicas, info.config.num_replicas or 1)
+                info.config.num_replicas = replicas
+                changed = True
+            if changed:
+                await self._update_stream(info.config)
             return await self.js.key_value(bucket)
 
     async def _ensure_stream(self, cfg: js_api.StreamConfig) -> None:
@@ -110,10 +124,25 @@ class Bus:
             await self.js.add_stream(cfg)
             return
         have = info.config
-        if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
-                or have.duplicate_window != cfg.duplicate_window
-                or have.max_age != cfg.max_age):
+        if (have.num_replicas or 1) != (cfg.num_replicas or 1):
+            log.warning("stream %s: %d replicas now (was %d; SMR_NATS_REPLICAS)",
+                        cfg.name, cfg.num_replicas or 1, have.num_replicas or 1)
+        elif (sorted(have.subjects or []) == sorted(cfg.subjects or [])
+                and have.duplicate_window == cfg.duplicate_window
+                and have.max_age == cfg.max_age):
+            return
+        await self._update_stream(cfg)
+
+    async def _update_stream(self, cfg: js_api.StreamConfig) -> None:
+        try:
             await self.js.update_stream(cfg)
+        except BadRequestError as e:
+            # Most often: more replicas than a single server can hold.
+            raise SmrError(
+                f"cannot update stream {cfg.name} to {cfg.num_replicas} replicas: {e}",
+                code="nats-stream-update",
+                hint="SMR_NATS_REPLICAS must not exceed the NATS cluster's servers "
+                     "(1 on a single server)") from e
 
     async def ensure_consumer(self, kind: str, node: str, concurrency: int = 1) -> str:
         """The durable consumer of ``kind`` requests for ``node``; returns its name."""

@@ -1,0 +1,142 @@
+"""smr on a 3-server NATS JetStream cluster (tests/nats_cluster.py): every
+stream and KV bucket has the replicas SMR_NATS_REPLICAS asks for, and a
+request published while its stream's leader is SIGKILLed runs exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from smr import config
+from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, subject, topology
+from smr.messages import CkptDone
+from smr.natsserver import NatsServer
+from tests.nats_cluster import NatsCluster
+from tests.test_bus import CountingStep, request, run_worker, stop
+
+EVERY_STREAM = [s.name for s in topology.streams(BusConfig())] + [
+    f"KV_{bucket}" for bucket, _, _ in topology.BUCKETS]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+            settings: config.Settings) -> Iterator[NatsCluster]:
+    c = NatsCluster(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-cluster"))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+async def r3_bus(cluster: NatsCluster) -> AsyncIterator[Bus]:
+    b = await Bus.connect(cluster.url, name="test", config=BusConfig(
+        replicas=3, max_deliver=4, ack_wait=2.0, nak_base_delay=0.2, nak_max_delay=1.0))
+    yield b
+    await b.close()
+
+
+async def replicas(bus: Bus) -> dict[str, tuple[int, int]]:
+    """Each stream's configured replicas and the peers it has (leader + followers)."""
+    out = {}
+    for name in EVERY_STREAM:
+        for _ in range(300):
+            info = await bus.js.stream_info(name)
+            assert info.cluster is not None
+            if info.cluster.leader:  # none for a moment after a scale-up
+                break
+            await asyncio.sleep(0.1)
+        peers = {info.cluster.leader, *(p.name for p in info.cluster.replicas or [])}
+        out[name] = (info.config.num_replicas or 1, len(peers))
+    return out
+
+
+async def test_replica_setting_reaches_every_stream_and_bucket(cluster: NatsCluster) -> None:
+    # First as a single-replica smr made them, then with SMR_NATS_REPLICAS=3:
+    # the existing streams and buckets are updated in place.
+    one = await Bus.connect(cluster.url, name="test", config=BusConfig(replicas=1))
+    try:
+        assert await replicas(one) == {name: (1, 1) for name in EVERY_STREAM}
+    finally:
+        await one.close()
+    three = await Bus.connect(cluster.url, name="test", config=BusConfig.from_settings(
+        config.load({"SMR_NATS_REPLICAS": "3"})))
+    try:
+        assert await replicas(three) == {name: (3, 3) for name in EVERY_STREAM}
+    finally:
+        await three.close()
+
+
+async def _server_of(cluster: NatsCluster, bus: Bus) -> NatsServer:
+    url = bus.nc.connected_url
+    assert url is not None
+    return next(s for s in cluster.servers if s.port == url.port)
+
+
+async def _leader(bus: Bus, stream: str) -> str:
+    info = await bus.js.stream_info(stream)
+    assert info.cluster is not None and info.cluster.leader
+    return info.cluster.leader
+
+
+async def _lead_from(cluster: NatsCluster, bus: Bus, stream: str, server: NatsServer) -> None:
+    """Step the stream's leader down until ``server`` leads it (each stepdown
+    elects one of the followers)."""
+    for _ in range(30):
+        leader = await _leader(bus, stream)
+        if cluster.server_named(leader) is server:
+            return
+        await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5)
+        for _ in range(100):  # until a new leader is elected
+            await asyncio.sleep(0.1)
+            try:
+                if await _leader(bus, stream) != leader:
+                    break
+            except AssertionError:
+                continue
+    pytest.fail(f"{server.url} never became the leader of {stream}")
+
+
+async def test_request_published_as_its_streams_leader_dies_runs_once(
+        cluster: NatsCluster, r3_bus: Bus) -> None:
+    bus = r3_bus
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    step = CountingStep()
+    w, task = await run_worker(bus, step, node)
+    # The server this client is connected to leads the requests stream: its
+    # death takes the leader and the connection at once.
+    victim = await _server_of(cluster, bus)
+    await _lead_from(cluster, bus, STREAM_REQUESTS, victim)
+    try:
+        cluster.kill(victim)
+        await bus.publish(request(node, "r-killed"))
+        result = await bus.wait_result("r-killed", "ckpt.requested", timeout=60)
+        assert result.status == "succeeded"
+        assert step.seen == ["r-killed"]
+        assert (await _server_of(cluster, bus)) is not victim
+        assert bus.nc.stats["reconnects"] >= 1
+        assert cluster.server_named(await _leader(bus, STREAM_REQUESTS)) is not victim
+        # Its result is recorded once on the events stream.
+        done = await _results(bus, node)
+        assert [d.request_id for d in done] == ["r-killed"]
+    finally:
+        await stop(w, task)
+        cluster.restart(victim)
+
+
+async def _results(bus: Bus, node: str) -> list[CkptDone]:
+    out = []
+    sub = await bus.js.subscribe(subject("ckpt.done", node), stream=STREAM_EVENTS,
+                                 ordered_consumer=True)
+    try:
+        while True:
+            try:
+                m = await sub.next_msg(timeout=2)
+            except TimeoutError:
+                break
+            out.append(CkptDone.from_payload(m.data))
+    finally:
+        await sub.unsubscribe()
+    return out
