@@ -11,7 +11,7 @@ import logging
 
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import ServiceUnavailableError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 from tenacity import (
     AsyncRetrying,
     before_sleep_log,
@@ -23,9 +23,11 @@ from tenacity import (
 
 log = logging.getLogger("smr.retry")
 
+# NoStreamResponseError: a publish while its stream elects a leader (a NATS
+# server of a cluster lost) finds no one to answer for a moment.
 NATS_TRANSIENT = (
-    NatsTimeout, NoRespondersError, ServiceUnavailableError, ConnectionClosedError,
-    asyncio.TimeoutError, ConnectionError,
+    NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
+    ConnectionClosedError, asyncio.TimeoutError, ConnectionError,
 )
 
 

@@ -8,12 +8,17 @@ peers); ``restart`` brings it back on the same ports and store.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import os
 import signal
 import time
 import urllib.request
+import uuid
 from pathlib import Path
+
+import nats
 
 from smr.errors import SmrError
 from smr.natsserver import NatsServer, free_port
@@ -48,15 +53,39 @@ class NatsCluster:
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Until every running server knows the JetStream meta leader (before
-        that, stream creation fails)."""
+        """Until a stream replicated on every running server can be made: the
+        meta leader is elected and knows its peers online (until then stream
+        creation fails: "no suitable peers for placement")."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(self._meta_leader(i) for i, s in enumerate(self.servers) if self.running(s)):
-                return
+                break
             time.sleep(0.1)
-        raise SmrError(f"the NATS cluster elected no JetStream meta leader in {timeout}s",
-                       code="nats-start-failed", hint=f"see the logs under {self.dir}")
+        # In a thread of its own: callers may be sync code inside an event loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            error = ex.submit(asyncio.run, self._probe(deadline)).result()
+        if error:
+            raise SmrError(f"the NATS cluster was not ready for streams in {timeout}s: {error}",
+                           code="nats-start-failed", hint=f"see the logs under {self.dir}")
+
+    async def _probe(self, deadline: float) -> str:
+        running = [s for s in self.servers if self.running(s)]
+        name = f"probe-{uuid.uuid4().hex[:8]}"
+        error = "no meta leader"
+        nc = await nats.connect([s.url for s in running], connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=5)
+            while time.monotonic() < deadline:
+                try:
+                    await js.add_stream(name=name, subjects=[name], num_replicas=len(running))
+                    await js.delete_stream(name)
+                    return ""
+                except Exception as e:
+                    error = str(e)
+                    await asyncio.sleep(0.2)
+            return error
+        finally:
+            await nc.close()
 
     def _meta_leader(self, i: int) -> str:
         try:

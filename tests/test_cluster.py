@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
@@ -140,3 +141,45 @@ async def _results(bus: Bus, node: str) -> list[CkptDone]:
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def test_event_consumer_lives_through_its_leader_dying(
+        cluster: NatsCluster, r3_bus: Bus) -> None:
+    # The watcher and the storage service consume events so; before, a fetch
+    # answered 503 during the election ended the loop, and the service died.
+    bus = r3_bus
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    durable = f"test-{uuid.uuid4().hex[:8]}"
+    seen: set[str] = set()
+    stop_consuming = asyncio.Event()
+
+    async def handle(event: CkptDone) -> None:
+        seen.add(event.request_id)
+
+    consuming = asyncio.create_task(bus.consume_events(
+        durable, "ckpt.done", handle, service="test", stop=stop_consuming))
+    before = CkptDone.for_request(request(node, "before"), status="succeeded", generation=1)
+    after = CkptDone.for_request(request(node, "after"), status="succeeded", generation=2)
+    try:
+        await bus.publish(before)
+        await _until(lambda: "before" in seen or consuming.done())
+        info = await bus.js.consumer_info(STREAM_EVENTS, durable)
+        assert info.cluster is not None and info.cluster.leader
+        victim = cluster.server_named(info.cluster.leader)
+        cluster.kill(victim)
+        await bus.publish(after)
+        await _until(lambda: "after" in seen or consuming.done())
+        if consuming.done():
+            consuming.result()  # its exception, if it died
+        assert {"before", "after"} <= seen
+    finally:
+        stop_consuming.set()
+        await asyncio.wait_for(asyncio.gather(consuming, return_exceptions=True), 10)
+        if not cluster.running(victim):
+            cluster.restart(victim)
+
+
+async def _until(cond: Any, timeout: float = 60) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():  # noqa: ASYNC110 (a condition on state callbacks change)
+            await asyncio.sleep(0.05)

@@ -42,9 +42,11 @@ from smr.messages import (
     StorageQuery,
     StorageReply,
 )
-from smr.retry import retry_nats
+from smr.retry import NATS_TRANSIENT, retry_nats
 
 log = logging.getLogger("smr.bus")
+
+FETCH_RETRY_S = 0.5  # after a fetch failed for another reason than "nothing new"
 
 
 class Bus:
@@ -171,6 +173,7 @@ class Bus:
         sub = await self.js.pull_subscribe_bind(name, STREAM_EVENTS)
         cls = SUBJECT_TYPES[kind]
         try:
+            failing = 0
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(16, timeout=0.5)
@@ -178,6 +181,18 @@ class Bus:
                     if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
                         raise
                     continue
+                except NATS_TRANSIENT as e:
+                    if self.nc.is_closed:
+                        raise
+                    # A NATS server lost: its stream or consumer elects a new
+                    # leader (503), or the client reconnects. The events wait.
+                    failing += 1
+                    if failing == 1:
+                        log.warning("%s: fetching %s events failed (%s: %s); retrying",
+                                    service, kind, type(e).__name__, e)
+                    await asyncio.sleep(FETCH_RETRY_S)
+                    continue
+                failing = 0
                 for m in msgs:
                     with tracing.tracer.start_as_current_span(
                         f"consume {kind}", context=tracing.extract(m.headers),

@@ -42,7 +42,7 @@ from smr.bus.topology import (
 )
 from smr.errors import ContractError, SmrError, StepError, TemporaryError
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
-from smr.retry import retry_nats
+from smr.retry import NATS_TRANSIENT, retry_nats
 
 log = logging.getLogger("smr.bus")
 
@@ -218,6 +218,12 @@ class Worker:
             # and recovery looks at what was done.
             log.warning("%s: handling %s was cancelled from inside; it is redelivered",
                         self.service, m.subject)
+            await quietly(m.nak(delay=self.bus.config.nak_base_delay))
+        except NATS_TRANSIENT as e:
+            # NATS away for a moment (a server of a cluster lost, a leader
+            # being elected): redelivered, and the step state says what was done.
+            log.warning("%s: NATS failed while handling %s (%s: %s); it is redelivered",
+                        self.service, m.subject, type(e).__name__, e)
             await quietly(m.nak(delay=self.bus.config.nak_base_delay))
         except Exception:
             log.exception("%s: unexpected error on %s", self.service, m.subject)
