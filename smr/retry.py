@@ -25,10 +25,11 @@ log = logging.getLogger("smr.retry")
 
 # NoStreamResponseError: a publish while its stream elects a leader (a NATS
 # server of a cluster lost) finds no one to answer for a moment.
-NATS_TRANSIENT = (
+NATS_UNAVAILABLE = (
     NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
-    ConnectionClosedError, asyncio.TimeoutError, ConnectionError,
+    ConnectionClosedError,
 )
+NATS_TRANSIENT = (*NATS_UNAVAILABLE, asyncio.TimeoutError, ConnectionError)
 
 
 def policy(

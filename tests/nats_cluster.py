@@ -87,6 +87,13 @@ class NatsCluster:
         finally:
             await nc.close()
 
+    def meta_leader(self) -> str:
+        """The JetStream meta leader's name, as a running server sees it."""
+        for i, s in enumerate(self.servers):
+            if self.running(s) and (name := self._meta_leader(i)):
+                return name
+        return ""
+
     def _meta_leader(self, i: int) -> str:
         try:
             with urllib.request.urlopen(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import nats
 import orjson
 
 from services.checkpointer.admission import CheckpointAdmission
@@ -536,3 +537,27 @@ async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
                   admission=CheckpointAdmission(tmp_path, estimate, limit=1000))
     assert tight.most == 1
     assert tight.started == ["b-1", "final-b", "b-2"]
+
+
+class NatsAwayOnceStep(CountingStep):
+    """Meets NATS away past its own retries the first time (a cluster
+    restarting: the step's KV write finds no responders)."""
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.seen.append(req.request_id)
+        if len(self.seen) == 1:
+            raise nats.errors.NoRespondersError
+        return CkptDone.for_request(req, status="succeeded", generation=len(self.seen))
+
+
+async def test_a_step_that_meets_nats_away_is_retried_not_an_internal_error(
+        bus: Bus, node: str) -> None:
+    step = NatsAwayOnceStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, "nats-away"))
+        result = await bus.wait_result("nats-away", "ckpt.requested", timeout=30)
+    finally:
+        await stop(w, t)
+    assert (result.status, result.error) == ("succeeded", None)
+    assert step.seen == ["nats-away", "nats-away"]

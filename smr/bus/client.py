@@ -87,11 +87,18 @@ class Bus:
 
     async def ensure(self) -> None:
         """Create or update the streams and KV buckets; safe to call from every service."""
+        # Each is retried: on a NATS cluster a replicated stream's creation can
+        # time out while its peers are busy (services starting at once), and
+        # creating or updating one to the same config again is a no-op.
         for cfg in topology.streams(self.config):
-            await self._ensure_stream(cfg)
+            async for attempt in retry_nats():
+                with attempt:
+                    await self._ensure_stream(cfg)
         for bucket, history, ttl in topology.BUCKETS:
             if bucket not in self._kv:
-                self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
+                async for attempt in retry_nats():
+                    with attempt:
+                        self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
 
     async def _ensure_bucket(self, bucket: str, history: int, ttl: float) -> KeyValue:
         replicas = self.config.replicas

@@ -42,7 +42,7 @@ from smr.bus.topology import (
 )
 from smr.errors import ContractError, SmrError, StepError, TemporaryError
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
-from smr.retry import NATS_TRANSIENT, retry_nats
+from smr.retry import NATS_TRANSIENT, NATS_UNAVAILABLE, retry_nats
 
 log = logging.getLogger("smr.bus")
 
@@ -337,7 +337,16 @@ class Worker:
                 progress.span = step_span
                 step_span.set_attribute("smr.checkpoint_id", req.checkpoint_id)
                 try:
-                    result = await self.step.run(req, progress)
+                    try:
+                        result = await self.step.run(req, progress)
+                    except NATS_UNAVAILABLE as e:
+                        # NATS away past the step's own retries (a whole cluster
+                        # restarting): retried like any temporary failure, and
+                        # recover() sees what was done. Before, internal-error.
+                        raise TemporaryError(
+                            f"NATS unavailable: {type(e).__name__}: {e}",
+                            code="nats-unavailable",
+                            hint="NATS was away; the step is retried") from e
                 except TemporaryError as e:
                     if deliveries < self.bus.config.max_deliver:
                         step_span.record_exception(e)
