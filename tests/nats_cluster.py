@@ -46,13 +46,17 @@ class NatsCluster:
         """The server a stream info's ``cluster.leader`` names."""
         return self.servers[int(name.removeprefix("n"))]
 
-    def start(self, timeout: float = 30.0) -> NatsCluster:
-        for s in self.servers:
-            s.start()
-        self.wait_ready(timeout)
+    def start(self, timeout: float = 60.0) -> NatsCluster:
+        try:
+            for s in self.servers:
+                s.start()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()  # none left running behind a failed start
+            raise
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 60.0) -> None:
         """Until a stream replicated on every running server can be made: the
         meta leader is elected and knows its peers online (until then stream
         creation fails: "no suitable peers for placement")."""
