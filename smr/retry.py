@@ -46,7 +46,10 @@ def policy(
 
 
 def retry_nats() -> AsyncRetrying:
-    return policy(NATS_TRANSIENT)
+    # 10 attempts wait ~21 s in all: longer than a JetStream leader election
+    # after a server of a cluster is lost (election timeouts of 4-9 s; under
+    # load, tests/test_cluster.py saw a publish outlast 6 attempts, ~3.5 s).
+    return policy(NATS_TRANSIENT, attempts=10)
 
 
 def retry_s3() -> AsyncRetrying:

@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from smr import config
 from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, subject, topology
+from smr.errors import SmrError
 from smr.messages import CkptDone
 from smr.natsserver import NatsServer
+from smr.retry import retry_nats
 from tests.nats_cluster import NatsCluster
 from tests.test_bus import CountingStep, request, run_worker, stop
 
@@ -129,8 +132,11 @@ async def test_request_published_as_its_streams_leader_dies_runs_once(
 
 async def _results(bus: Bus, node: str) -> list[CkptDone]:
     out = []
-    sub = await bus.js.subscribe(subject("ckpt.done", node), stream=STREAM_EVENTS,
-                                 ordered_consumer=True)
+    # Just after the kill the events stream may still be electing its leader.
+    async for attempt in retry_nats():
+        with attempt:
+            sub = await bus.js.subscribe(subject("ckpt.done", node), stream=STREAM_EVENTS,
+                                         ordered_consumer=True)
     try:
         while True:
             try:
@@ -183,3 +189,14 @@ async def _until(cond: Any, timeout: float = 60) -> None:
     async with asyncio.timeout(timeout):
         while not cond():  # noqa: ASYNC110 (a condition on state callbacks change)
             await asyncio.sleep(0.05)
+
+
+async def test_more_replicas_than_servers_is_refused_naming_the_setting(
+        tmp_path: Path, settings: config.Settings) -> None:
+    srv = NatsServer(settings.nats_server_binary(), tmp_path / "nats").start()
+    try:
+        with pytest.raises(SmrError) as e:
+            await Bus.connect(srv.url, name="test", config=BusConfig(replicas=3))
+        assert e.value.code == "nats-replicas" and "SMR_NATS_REPLICAS" in e.value.hint
+    finally:
+        srv.stop()

@@ -6,8 +6,9 @@ dead-letter paths (smr/bus/replies.py, smr/bus/deadletters.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import nats
@@ -15,7 +16,13 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    KeyNotFoundError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -92,13 +99,28 @@ class Bus:
         # creating or updating one to the same config again is a no-op.
         for cfg in topology.streams(self.config):
             async for attempt in retry_nats():
-                with attempt:
+                with attempt, self._replicas_refused(cfg.name or ""):
                     await self._ensure_stream(cfg)
         for bucket, history, ttl in topology.BUCKETS:
             if bucket not in self._kv:
                 async for attempt in retry_nats():
-                    with attempt:
+                    with attempt, self._replicas_refused(f"KV bucket {bucket}"):
                         self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
+
+    @contextlib.contextmanager
+    def _replicas_refused(self, what: str) -> Iterator[None]:
+        """NATS refusing the replica count (more than its servers; a single
+        server takes 1) as an error that names the setting."""
+        try:
+            yield
+        except APIError as e:
+            if self.config.replicas == 1 or isinstance(e, ServiceUnavailableError):
+                raise
+            raise SmrError(
+                f"NATS refused {what} with {self.config.replicas} replicas: {e}",
+                code="nats-replicas",
+                hint="SMR_NATS_REPLICAS must not exceed the NATS cluster's servers "
+                     "(1 on a single server)") from e
 
     async def _ensure_bucket(self, bucket: str, history: int, ttl: float) -> KeyValue:
         replicas = self.config.replicas
@@ -123,7 +145,7 @@ class Bus:
                 info.config.num_replicas = replicas
                 changed = True
             if changed:
-                await self._update_stream(info.config)
+                await self.js.update_stream(info.config)
             return await self.js.key_value(bucket)
 
     async def _ensure_stream(self, cfg: js_api.StreamConfig) -> None:
@@ -140,18 +162,9 @@ class Bus:
                 and have.duplicate_window == cfg.duplicate_window
                 and have.max_age == cfg.max_age):
             return
-        await self._update_stream(cfg)
+        await self.js.update_stream(cfg)
 
-    async def _update_stream(self, cfg: js_api.StreamConfig) -> None:
-        try:
-            await self.js.update_stream(cfg)
-        except BadRequestError as e:
-            # Most often: more replicas than a single server can hold.
-            raise SmrError(
-                f"cannot update stream {cfg.name} to {cfg.num_replicas} replicas: {e}",
-                code="nats-stream-update",
-                hint="SMR_NATS_REPLICAS must not exceed the NATS cluster's servers "
-                     "(1 on a single server)") from e
+
 
     async def ensure_consumer(self, kind: str, node: str, concurrency: int = 1) -> str:
         """The durable consumer of ``kind`` requests for ``node``; returns its name."""
