@@ -46,6 +46,13 @@ def _count(v: str) -> int:
     return n
 
 
+def _replicas(v: str) -> int:
+    n = int(v)
+    if not 1 <= n <= 5:
+        raise ValueError("expected 1 to 5 (JetStream keeps at most 5 replicas)")
+    return n
+
+
 def _seconds(v: str) -> float:
     x = float(v)
     if x < 0:
@@ -111,7 +118,12 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("NATS_URL", "", str, "NATS server URL; empty: `smr up` starts an embedded nats-server"),
+    Setting("NATS_URL", "", str, "NATS server URL, or a comma-separated list of a cluster's "
+            "servers (the client reconnects to any of them); empty: `smr up` starts an "
+            "embedded nats-server"),
+    Setting("NATS_REPLICAS", 1, _replicas, "replicas of every JetStream stream and KV bucket "
+            "smr creates (1 to 5; 3 on a 3-server NATS cluster, 1 on a single server); an "
+            "existing one is updated to it at start"),
     Setting("NATS_CREDS", "", str, "a NATS credentials file (.creds) for a NATS that "
             "requires one; empty: none"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),

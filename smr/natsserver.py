@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from smr.errors import SmrError
@@ -20,9 +21,12 @@ def free_port() -> int:
 
 class NatsServer:
     def __init__(self, binary: str, store_dir: Path, port: int | None = None,
-                 log_file: Path | None = None, token: str = "") -> None:
+                 log_file: Path | None = None, token: str = "",
+                 extra_args: Sequence[str] = ()) -> None:
         """``token``: clients must present it (in a root-only config file, not
-        in argv, which any local user reads in /proc)."""
+        in argv, which any local user reads in /proc). ``extra_args``: more
+        nats-server options (a cluster's name and routes, tests/nats_cluster.py)."""
+        self.extra_args = list(extra_args)
         self.binary = binary
         self.token = token
         self.store_dir = Path(store_dir)
@@ -55,7 +59,7 @@ class NatsServer:
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, *self._auth_args(), "-js", "-sd", str(self.store_dir),
-                 "-a", "127.0.0.1", "-p", str(self.port)],
+                 "-a", "127.0.0.1", "-p", str(self.port), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches smr, which stops the server in order
             )

@@ -11,7 +11,7 @@ import logging
 
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import ServiceUnavailableError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 from tenacity import (
     AsyncRetrying,
     before_sleep_log,
@@ -23,10 +23,13 @@ from tenacity import (
 
 log = logging.getLogger("smr.retry")
 
-NATS_TRANSIENT = (
-    NatsTimeout, NoRespondersError, ServiceUnavailableError, ConnectionClosedError,
-    asyncio.TimeoutError, ConnectionError,
+# NoStreamResponseError: a publish while its stream elects a leader (a NATS
+# server of a cluster lost) finds no one to answer for a moment.
+NATS_UNAVAILABLE = (
+    NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
+    ConnectionClosedError,
 )
+NATS_TRANSIENT = (*NATS_UNAVAILABLE, asyncio.TimeoutError, ConnectionError)
 
 
 def policy(
@@ -43,7 +46,10 @@ def policy(
 
 
 def retry_nats() -> AsyncRetrying:
-    return policy(NATS_TRANSIENT)
+    # 10 attempts wait ~21 s in all: longer than a JetStream leader election
+    # after a server of a cluster is lost (election timeouts of 4-9 s; under
+    # load, tests/test_cluster.py saw a publish outlast 6 attempts, ~3.5 s).
+    return policy(NATS_TRANSIENT, attempts=10)
 
 
 def retry_s3() -> AsyncRetrying:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import nats
 import orjson
 
 from services.checkpointer.admission import CheckpointAdmission
@@ -667,3 +668,27 @@ async def test_requests_waiting_across_nats_restarts_each_run_once(
     finally:
         await bus.close()
         srv.stop()
+
+
+class NatsAwayOnceStep(CountingStep):
+    """Meets NATS away past its own retries the first time (a cluster
+    restarting: the step's KV write finds no responders)."""
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.seen.append(req.request_id)
+        if len(self.seen) == 1:
+            raise nats.errors.NoRespondersError
+        return CkptDone.for_request(req, status="succeeded", generation=len(self.seen))
+
+
+async def test_a_step_that_meets_nats_away_is_retried_not_an_internal_error(
+        bus: Bus, node: str) -> None:
+    step = NatsAwayOnceStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, "nats-away"))
+        result = await bus.wait_result("nats-away", "ckpt.requested", timeout=30)
+    finally:
+        await stop(w, t)
+    assert (result.status, result.error) == ("succeeded", None)
+    assert step.seen == ["nats-away", "nats-away"]

@@ -66,6 +66,17 @@ def test_overlays_differ_where_they_should(kustomize: str) -> None:
     assert find(prod, "StatefulSet", "nats") is None, "prod uses the user's NATS"
     cfg = find(prod, "ConfigMap", "smr-config")
     assert cfg and cfg["data"]["SMR_NATS_CREDS"] == "/etc/smr/nats/creds"
+    # The shipped NATS is a 3-server cluster, and smr replicates onto all three.
+    for docs in (dev, gpu):
+        nats = find(docs, "StatefulSet", "nats")
+        assert nats and nats["spec"]["replicas"] == 3
+        args = nats["spec"]["template"]["spec"]["containers"][0]["args"]
+        routes = next(a for a in args if a.startswith("--routes="))
+        assert len(routes.split(",")) == 3
+        assert find(docs, "PodDisruptionBudget", "nats")
+        data = (find(docs, "ConfigMap", "smr-config") or {})["data"]
+        assert data["SMR_NATS_REPLICAS"] == "3"
+        assert len(data["SMR_NATS_URL"].split(",")) == 3
     agent = find(gpu, "DaemonSet", "smr-agent-gpu")
     assert agent is not None and find(gpu, "DaemonSet", "smr-agent") is not None
     assert find(dev, "DaemonSet", "smr-agent-gpu") is None

@@ -6,8 +6,9 @@ dead-letter paths (smr/bus/replies.py, smr/bus/deadletters.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import nats
@@ -15,7 +16,13 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    KeyNotFoundError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -42,9 +49,11 @@ from smr.messages import (
     StorageQuery,
     StorageReply,
 )
-from smr.retry import retry_nats
+from smr.retry import NATS_TRANSIENT, retry_nats
 
 log = logging.getLogger("smr.bus")
+
+FETCH_RETRY_S = 0.5  # after a fetch failed for another reason than "nothing new"
 
 
 class Bus:
@@ -58,11 +67,15 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "smr", config: BusConfig | None = None) -> Bus:
+        """``url``: one server, or a cluster's servers comma-separated; the
+        client connects to any of them and, when that one goes, reconnects to
+        another (and to those the cluster tells it of)."""
         config = config or BusConfig()
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         async for attempt in retry_nats():
             with attempt:
                 nc = await nats.connect(
-                    url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
+                    servers, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, allow_reconnect=True,
                     user_credentials=config.credentials or None,
                     # One line per event, not nats-py's traceback per reconnect attempt.
@@ -81,25 +94,57 @@ class Bus:
 
     async def ensure(self) -> None:
         """Create or update the streams and KV buckets; safe to call from every service."""
+        # Each is retried: on a NATS cluster a replicated stream's creation can
+        # time out while its peers are busy (services starting at once), and
+        # creating or updating one to the same config again is a no-op.
         for cfg in topology.streams(self.config):
-            await self._ensure_stream(cfg)
+            async for attempt in retry_nats():
+                with attempt, self._replicas_refused(cfg.name or ""):
+                    await self._ensure_stream(cfg)
         for bucket, history, ttl in topology.BUCKETS:
             if bucket not in self._kv:
-                self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
+                async for attempt in retry_nats():
+                    with attempt, self._replicas_refused(f"KV bucket {bucket}"):
+                        self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
+
+    @contextlib.contextmanager
+    def _replicas_refused(self, what: str) -> Iterator[None]:
+        """NATS refusing the replica count (more than its servers; a single
+        server takes 1) as an error that names the setting."""
+        try:
+            yield
+        except APIError as e:
+            if self.config.replicas == 1 or isinstance(e, ServiceUnavailableError):
+                raise
+            raise SmrError(
+                f"NATS refused {what} with {self.config.replicas} replicas: {e}",
+                code="nats-replicas",
+                hint="SMR_NATS_REPLICAS must not exceed the NATS cluster's servers "
+                     "(1 on a single server)") from e
 
     async def _ensure_bucket(self, bucket: str, history: int, ttl: float) -> KeyValue:
+        replicas = self.config.replicas
         try:
             return await self.js.create_key_value(js_api.KeyValueConfig(
                 bucket=bucket, history=history, ttl=ttl or None,
-                storage=js_api.StorageType.FILE))
+                storage=js_api.StorageType.FILE, replicas=replicas))
         except BadRequestError:
             # It exists with other settings (made by an older smr, before its
-            # TTL): the TTL is its stream's max_age, which can be updated.
+            # TTL, or with another replica count): both are its stream's, and
+            # JetStream updates both in place.
             info = await self.js.stream_info(f"KV_{bucket}")
+            changed = False
             if (info.config.max_age or 0) != ttl:
                 log.warning("KV bucket %s: its TTL is now %.0fs (was %s)", bucket, ttl,
                             info.config.max_age or "none")
                 info.config.max_age = ttl
+                changed = True
+            if (info.config.num_replicas or 1) != replicas:
+                log.warning("KV bucket %s: %d replicas now (was %d; SMR_NATS_REPLICAS)",
+                            bucket, replicas, info.config.num_replicas or 1)
+                info.config.num_replicas = replicas
+                changed = True
+            if changed:
                 await self.js.update_stream(info.config)
             return await self.js.key_value(bucket)
 
@@ -110,10 +155,16 @@ class Bus:
             await self.js.add_stream(cfg)
             return
         have = info.config
-        if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
-                or have.duplicate_window != cfg.duplicate_window
-                or have.max_age != cfg.max_age):
-            await self.js.update_stream(cfg)
+        if (have.num_replicas or 1) != (cfg.num_replicas or 1):
+            log.warning("stream %s: %d replicas now (was %d; SMR_NATS_REPLICAS)",
+                        cfg.name, cfg.num_replicas or 1, have.num_replicas or 1)
+        elif (sorted(have.subjects or []) == sorted(cfg.subjects or [])
+                and have.duplicate_window == cfg.duplicate_window
+                and have.max_age == cfg.max_age):
+            return
+        await self.js.update_stream(cfg)
+
+
 
     async def ensure_consumer(self, kind: str, node: str, concurrency: int = 1) -> str:
         """The durable consumer of ``kind`` requests for ``node``; returns its name."""
@@ -142,6 +193,7 @@ class Bus:
         sub = await self.js.pull_subscribe_bind(name, STREAM_EVENTS)
         cls = SUBJECT_TYPES[kind]
         try:
+            failing = 0
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(16, timeout=0.5)
@@ -149,6 +201,18 @@ class Bus:
                     if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
                         raise
                     continue
+                except NATS_TRANSIENT as e:
+                    if self.nc.is_closed:
+                        raise
+                    # A NATS server lost: its stream or consumer elects a new
+                    # leader (503), or the client reconnects. The events wait.
+                    failing += 1
+                    if failing == 1:
+                        log.warning("%s: fetching %s events failed (%s: %s); retrying",
+                                    service, kind, type(e).__name__, e)
+                    await asyncio.sleep(FETCH_RETRY_S)
+                    continue
+                failing = 0
                 for m in msgs:
                     with tracing.tracer.start_as_current_span(
                         f"consume {kind}", context=tracing.extract(m.headers),

@@ -17,7 +17,7 @@ ahead, to start the most urgent first (smr/bus/ahead.py).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.js import api as js_api
 
@@ -86,11 +86,12 @@ class BusConfig:
     nak_base_delay: float = 1.0
     nak_max_delay: float = 30.0
     credentials: str = ""  # a NATS .creds file (JWT + nkey)
+    replicas: int = 1  # of every stream and KV bucket (SMR_NATS_REPLICAS)
 
     @classmethod
     def from_settings(cls, s: Settings) -> BusConfig:
         return cls(max_deliver=s.max_deliver, ack_wait=s.ack_wait, dedupe_window=s.dedupe_window,
-                   credentials=s.nats_creds)
+                   credentials=s.nats_creds, replicas=s.nats_replicas)
 
     @property
     def keepalive(self) -> float:
@@ -107,8 +108,9 @@ class BusConfig:
 
 
 def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
-    """Every stream smr uses, as ``Bus.ensure`` creates or updates them."""
-    return (
+    """Every stream smr uses, as ``Bus.ensure`` creates or updates them, each
+    with ``config.replicas`` replicas."""
+    return tuple(replace(s, num_replicas=config.replicas) for s in (
         js_api.StreamConfig(
             name=STREAM_REQUESTS, subjects=["ckpt.requested.*", "restore.requested.*"],
             duplicate_window=config.dedupe_window, max_age=7 * DAY,
@@ -128,10 +130,11 @@ def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
             name=STREAM_EXHAUSTED, subjects=[f"{EXHAUSTED_PREFIX}.*"], max_age=7 * DAY,
             storage=js_api.StorageType.FILE,
         ),
-    )
+    ))
 
 
-# Bucket, history kept per key, TTL (seconds; 0: none). A step's state lives
+# Bucket, history kept per key, TTL (seconds; 0: none); each has
+# ``BusConfig.replicas`` replicas, as the streams. A step's state lives
 # a day longer than any request it answers can be redelivered (the requests
 # stream keeps a message 7 days): a redelivery always finds it, and the
 # bucket does not grow for ever.

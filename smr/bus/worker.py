@@ -42,7 +42,7 @@ from smr.bus.topology import (
 )
 from smr.errors import ContractError, SmrError, StepError, TemporaryError
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
-from smr.retry import retry_nats
+from smr.retry import NATS_TRANSIENT, NATS_UNAVAILABLE, retry_nats
 
 log = logging.getLogger("smr.bus")
 
@@ -219,6 +219,12 @@ class Worker:
             log.warning("%s: handling %s was cancelled from inside; it is redelivered",
                         self.service, m.subject)
             await quietly(m.nak(delay=self.bus.config.nak_base_delay))
+        except NATS_TRANSIENT as e:
+            # NATS away for a moment (a server of a cluster lost, a leader
+            # being elected): redelivered, and the step state says what was done.
+            log.warning("%s: NATS failed while handling %s (%s: %s); it is redelivered",
+                        self.service, m.subject, type(e).__name__, e)
+            await quietly(m.nak(delay=self.bus.config.nak_base_delay))
         except Exception:
             log.exception("%s: unexpected error on %s", self.service, m.subject)
             await quietly(m.nak(delay=self.bus.config.nak_base_delay))
@@ -331,7 +337,16 @@ class Worker:
                 progress.span = step_span
                 step_span.set_attribute("smr.checkpoint_id", req.checkpoint_id)
                 try:
-                    result = await self.step.run(req, progress)
+                    try:
+                        result = await self.step.run(req, progress)
+                    except NATS_UNAVAILABLE as e:
+                        # NATS away past the step's own retries (a whole cluster
+                        # restarting): retried like any temporary failure, and
+                        # recover() sees what was done. Before, internal-error.
+                        raise TemporaryError(
+                            f"NATS unavailable: {type(e).__name__}: {e}",
+                            code="nats-unavailable",
+                            hint="NATS was away; the step is retried") from e
                 except TemporaryError as e:
                     if deliveries < self.bus.config.max_deliver:
                         step_span.record_exception(e)

@@ -17,12 +17,14 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workloads", type=int, default=3)
     p.add_argument("--keep", action="store_true", help="keep the node and job logs")
+    p.add_argument("--cluster", action="store_true",
+                   help="on a 3-server NATS cluster, with NATS leader kills and pauses")
     p.add_argument("--each-fault", action="store_true",
                    help="every fault kind in turn instead of at random")
     a = p.parse_args()
     report = asyncio.run(run(a.cycles, a.seed, config.load({}).criu_binary(), a.workloads,
-                           keep=a.keep, each_fault=a.each_fault))
-    print(f"fault campaign: seed {a.seed}")
+                           keep=a.keep, each_fault=a.each_fault, cluster=a.cluster))
+    print(f"fault campaign: seed {a.seed}{', 3-server NATS cluster' if a.cluster else ''}")
     print(report.table())
     for line in report.problems:
         print("  " + line)

@@ -39,7 +39,14 @@ The oracle, after every cycle:
 and at the end, after garbage collection: no multipart upload left, no
 object outside a committed generation.
 
+With ``--cluster`` NATS is a 3-server JetStream cluster (tests/nats_cluster.py)
+with every stream and bucket replicated 3 times, and NATS faults of their own:
+SIGKILL of a stream's leader or of the JetStream meta leader (restarted after
+a pause), a server paused (SIGSTOP) for longer than the election timeout, and
+``restart-nats`` restarts the whole cluster.
+
     .venv/bin/python -m tests.chaos --cycles 200 --seed 7      # the full run
+    .venv/bin/python -m tests.chaos --cycles 200 --cluster     # on a NATS cluster
 """
 
 from __future__ import annotations
@@ -64,13 +71,14 @@ from services.storage import layout
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore
 from smr import config
-from smr.bus import KV_JOBS, Bus, BusConfig, subject
+from smr.bus import KV_JOBS, STREAM_REQUESTS, Bus, BusConfig, subject
 from smr.jobs import JobRegistry, job_key, launch
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
 from smr.workloads import counter
 from tests.chaos import gpu_standin
 from tests.chaos.proxy import FaultProxy
+from tests.nats_cluster import NatsCluster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,6 +88,8 @@ NODES = ("node-a", "node-b")
 FAULT_KINDS = ("none", "kill-node", "restart-nats", "s3-5xx", "s3-cut", "s3-slow", "s3-hang",
                "disk-full", "s3-part-fail", "s3-lost-answer", "s3-down", "kill-after-manifest",
                "kill-gpu-suspended")
+# On a NATS cluster (--cluster), besides those.
+CLUSTER_FAULT_KINDS = ("kill-stream-leader", "kill-meta-leader", "pause-nats")
 # Faults that must be on from the start of a cycle's requests to land where
 # they are meant to (the dump of a small workload takes a fraction of a second).
 AT_ONCE = ("s3-part-fail", "s3-lost-answer", "s3-down", "kill-after-manifest",
@@ -242,8 +252,12 @@ def stopped(pid: int) -> bool:
 
 
 class Campaign:
-    def __init__(self, root: Path, seed: int, criu: str) -> None:
+    def __init__(self, root: Path, seed: int, criu: str, cluster: bool = False) -> None:
         self.root = root
+        self.cluster: NatsCluster | None = None
+        # The NATS faults first: a short --each-fault run meets them.
+        self.faults = (CLUSTER_FAULT_KINDS if cluster else ()) + FAULT_KINDS
+        self.replicas = 3 if cluster else 1
         self.gpu_dir = root / "stand-in-gpu"
         self.rng = random.Random(seed)
         self.seed = seed
@@ -255,7 +269,13 @@ class Campaign:
 
     async def __aenter__(self) -> Campaign:
         settings = config.load({})
-        self.nats = NatsServer(settings.nats_server_binary(), self.root / "nats").start()
+        if self.replicas > 1:
+            self.cluster = NatsCluster(settings.nats_server_binary(), self.root / "nats")
+            await asyncio.to_thread(self.cluster.start)
+            self.nats_url = self.cluster.url
+        else:
+            self.nats = NatsServer(settings.nats_server_binary(), self.root / "nats").start()
+            self.nats_url = self.nats.url
         port = free_port()
         self.moto = start_moto(port)
         for key, value in (("AWS_ACCESS_KEY_ID", "chaos"), ("AWS_SECRET_ACCESS_KEY", "chaos"),
@@ -277,7 +297,8 @@ class Campaign:
         # Both nodes sign and check job records with one key, as nodes that
         # share a NATS must; the campaign writes its jobs' records with it.
         key_file = self.root / "job.key"
-        env = {**os.environ, "SMR_NATS_URL": self.nats.url, "SMR_STORAGE": "s3",
+        env = {**os.environ, "SMR_NATS_URL": self.nats_url, "SMR_STORAGE": "s3",
+               "SMR_NATS_REPLICAS": str(self.replicas),
                "SMR_JOB_KEY": str(key_file),
                "SMR_S3_BUCKET": self.bucket, "SMR_S3_PREFIX": "smr",
                "SMR_S3_ENDPOINT": self.proxy.url, "SMR_S3_PATH_STYLE": "true",
@@ -286,12 +307,13 @@ class Campaign:
                gpu_standin.DIR_ENV: str(self.gpu_dir),
                "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get(
                    "PYTHONPATH"))))}
+        # The topology first, made once, not by three processes racing.
+        self.bus = await Bus.connect(self.nats_url, name="smr-chaos",
+                                     config=BusConfig(ack_wait=5, replicas=self.replicas))
         self.nodes = {n: Node(n, self.root, env) for n in NODES}
         for node in self.nodes.values():
             node.mount()
             node.start()
-        self.bus = await Bus.connect(self.nats.url, name="smr-chaos",
-                                     config=BusConfig(ack_wait=5))
         self.jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(key_file, create=True))
         await self._wait_nodes()
         return self
@@ -311,7 +333,13 @@ class Campaign:
             await self.store.close()
         self.moto.terminate()
         self.moto.wait(10)
-        self.nats.stop()
+        if self.cluster:
+            for srv in self.cluster.servers:  # a paused one would not stop
+                with contextlib.suppress(ProcessLookupError, TypeError):
+                    os.kill(srv.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+            self.cluster.stop()
+        else:
+            self.nats.stop()
 
     async def _wait_nodes(self) -> None:
         """Until each node's workers consume their subjects."""
@@ -433,7 +461,7 @@ class Campaign:
         self.report.cycles += 1
         w = self.rng.choice(self.workloads)
         op = self.rng.choice(OPS)
-        fault = fault or self.rng.choice(FAULT_KINDS)
+        fault = fault or self.rng.choice(self.faults)
         self.report.faults[fault] += 1
         injector = asyncio.create_task(self.inject(fault, w))
         try:
@@ -472,10 +500,26 @@ class Campaign:
             node.kill()
             await asyncio.sleep(self.rng.uniform(0.2, 2.0))
             node.start()
+        elif fault == "restart-nats" and self.cluster:  # the whole cluster
+            for srv in self.cluster.servers:
+                srv.stop()
+            await asyncio.sleep(self.rng.uniform(0.2, 1.5))
+            await asyncio.to_thread(self.cluster.start)
         elif fault == "restart-nats":
             self.nats.stop()
             await asyncio.sleep(self.rng.uniform(0.2, 1.5))
             await asyncio.to_thread(self.nats.start)
+        elif fault in ("kill-stream-leader", "kill-meta-leader"):
+            await self.kill_nats_leader(fault)
+        elif fault == "pause-nats":
+            assert self.cluster is not None
+            srv = self.rng.choice(self.cluster.servers)
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            # Longer than the election timeout (a few seconds): its peers
+            # elect others, and it comes back to a cluster that went on.
+            await asyncio.sleep(self.rng.uniform(4.0, 8.0))
+            os.kill(srv.proc.pid, signal.SIGCONT)
         elif fault.startswith("s3-"):
             self.proxy.set(fault[3:], rate=0.5 if fault == "s3-slow" else 0.3)
             await asyncio.sleep(self.rng.uniform(1.0, 4.0))
@@ -488,6 +532,26 @@ class Campaign:
                 self.report.faults["disk-full (not filled)"] += 1
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))
             filler.unlink(missing_ok=True)
+
+    async def kill_nats_leader(self, fault: str) -> None:
+        """SIGKILL the leader of the requests stream, or the JetStream meta
+        leader, while the cycle's steps run; restarted after a pause."""
+        assert self.cluster is not None
+        name = ""
+        if fault == "kill-stream-leader":
+            with contextlib.suppress(Exception):
+                info = await asyncio.wait_for(self.bus.js.stream_info(STREAM_REQUESTS), 5)
+                name = info.cluster.leader if info.cluster else ""
+        else:
+            name = await asyncio.to_thread(self.cluster.meta_leader)
+        if not name:  # none at this moment (an election): nothing to kill
+            self.report.faults[f"{fault} (no leader)"] += 1
+            return
+        srv = self.cluster.server_named(name)
+        self.cluster.kill(srv)
+        self.report.faults[f"{fault} (fired)"] += 1
+        await asyncio.sleep(self.rng.uniform(0.5, 3.0))
+        await asyncio.to_thread(self.cluster.restart, srv)
 
     async def kill_after_manifest(self, w: Workload) -> None:
         """SIGKILL ``w``'s node the moment S3 has stored a manifest of ``w``,
@@ -678,17 +742,17 @@ class Campaign:
 
 
 async def run(cycles: int, seed: int, criu: str, workloads: int = 3,
-              root: Path | None = None, keep: bool = False, each_fault: bool = False
-              ) -> Report:
+              root: Path | None = None, keep: bool = False, each_fault: bool = False,
+              cluster: bool = False) -> Report:
     """The campaign; ``keep`` leaves its directory (node logs, job logs) in
     place; ``each_fault``: the cycles take every fault kind in turn (the short
     version in `make test` meets each at least once)."""
     root = root or Path(tempfile.mkdtemp(prefix="smr-chaos-"))
     t0 = time.monotonic()
-    async with Campaign(root, seed, criu) as c:
+    async with Campaign(root, seed, criu, cluster=cluster) as c:
         await c.start_workloads(workloads)
         for i in range(cycles):
-            await c.cycle(FAULT_KINDS[i % len(FAULT_KINDS)] if each_fault else None)
+            await c.cycle(c.faults[i % len(c.faults)] if each_fault else None)
             if (i + 1) % 20 == 0:  # long work shows progress
                 print(f"chaos: {i + 1}/{cycles} cycles, {time.monotonic() - t0:.0f}s, "
                       f"{c.report.violated()} violations", file=sys.stderr, flush=True)

@@ -1,0 +1,369 @@
+"""A reclaim wave: 50 nodes holding 20 opted-in pods each are cordoned within
+one second. How long until every ckpt.requested is consumed and every
+ckpt.done recorded, on one nats-server and on a 3-server JetStream cluster
+(SMR_NATS_REPLICAS=3)? Then the wave again on the cluster with the requests
+stream's leader SIGKILLed when half the requests have been consumed.
+
+Real: the watcher (its own process, `python -m services.watcher`, against the
+FAKE Kubernetes API server of the tests over HTTP), nats-server(s), the
+storage service, smr's Worker on each node's durable consumer. STAND-INS: the
+checkpointers; each node's is a Worker whose step sleeps a fixed delay and
+succeeds instead of dumping a pod (tests/test_bus.py's CountingStep with a
+delay), so the numbers are smr's bus and watcher, not CRIU.
+
+Latency of a request = from its node's cordon (the Node update) to the moment
+its stand-in step starts (the worker has fetched it and claimed its step
+state). Peak memory: VmHWM of the watcher's and the nats-servers' processes.
+
+    .venv/bin/python bench/wave.py [--nodes 50] [--pods 20] [--delay 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.storage.local import LocalBackend
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
+from smr import config
+from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, Progress, Worker
+from smr.messages import CkptDone, CkptRequested
+from smr.natsserver import NatsServer, free_port
+from tests.fake_apiserver import FakeApiServer, node, pod
+from tests.nats_cluster import NatsCluster
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Wave:
+    label: str
+    started: dict[str, float] = field(default_factory=dict)  # request → step start
+    runs: dict[str, int] = field(default_factory=dict)  # request → times its step ran
+    held: dict[str, float] = field(default_factory=dict)  # request → a consumer holds it
+    done: dict[str, float] = field(default_factory=dict)  # request → ckpt.done seen
+    latency: list[float] = field(default_factory=list)  # cordon → step start
+    held_latency: list[float] = field(default_factory=list)  # cordon → a consumer holds it
+    to_last_consumed: float = 0.0
+    to_last_done: float = 0.0
+    watcher_mib: float = 0.0
+    nats_mib: list[float] = field(default_factory=list)
+    killed: str = ""
+    killed_at: float = 0.0
+
+    def pause(self) -> float:
+        """The longest time after the kill in which no step started."""
+        after = sorted([self.killed_at, *(t for t in self.started.values()
+                                           if t >= self.killed_at)])
+        return max((b - a for a, b in itertools.pairwise(after)), default=0.0)
+
+
+class StandInCheckpointer:
+    """STAND-IN for a node's checkpointer: waits ``delay`` and succeeds. What
+    it finished is its "storage": ``recover`` finds a finished step there, as
+    the real checkpointer finds its checkpoint, so a step whose result was
+    not recorded (NATS away) is answered, not run again."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self, delay: float, seen: dict[str, Any]) -> None:
+        self.delay = delay
+        self.seen = seen  # started, runs, node, finished: per request
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        rid, s = req.request_id, self.seen
+        s["started"].setdefault(rid, time.time())
+        s["node"][rid] = req.node
+        s["runs"][rid] = s["runs"].get(rid, 0) + 1
+        await asyncio.sleep(self.delay)
+        result = CkptDone.for_request(req, status="succeeded", generation=1)
+        s["finished"][rid] = result.to_dict()
+        return result
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        done = self.seen["finished"].get(req.request_id)
+        return CkptDone.from_dict(done) if done else None
+
+
+async def standins(a: argparse.Namespace) -> None:
+    """The stand-in checkpointers of every node, in a process of their own (a
+    node's agent is not in the watcher's or the bench's process); on SIGTERM
+    what they saw goes to ``--out``."""
+    seen: dict[str, Any] = {"started": {}, "node": {}, "runs": {}, "finished": {}}
+    bus = await Bus.connect(a.url, name="bench-standins",
+                            config=BusConfig(replicas=a.replicas, ack_wait=5.0))
+    workers = []
+    for n in a.standin_nodes.split(","):
+        w = Worker(bus, StandInCheckpointer(a.delay, seen), n, service="standin",
+                   concurrency=a.concurrency)
+        workers.append((w, asyncio.create_task(w.run())))
+    await asyncio.gather(*(asyncio.wait_for(w.idle.wait(), 120) for w, _ in workers))
+    Path(a.out + ".ready").write_text("")
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for w, _ in workers:
+        w.stop()
+    await asyncio.gather(*(t for _, t in workers), return_exceptions=True)
+    await bus.close()
+    Path(a.out).write_bytes(orjson.dumps(seen))
+
+
+async def wait_ready(port: int, proc: asyncio.subprocess.Process, timeout: float = 120
+                     ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise RuntimeError(f"the watcher exited with {proc.returncode}")
+        try:
+            await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1))
+            return
+        except OSError:
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the watcher did not become ready")
+
+
+async def child(args: list[str], env: dict[str, str], log: Path
+                ) -> asyncio.subprocess.Process:
+    with open(log, "wb") as f:
+        return await asyncio.create_subprocess_exec(
+            *args, env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO, stdout=f,
+            stderr=asyncio.subprocess.STDOUT)
+
+
+async def end(proc: asyncio.subprocess.Process, name: str, log: Path) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 60)
+    if proc.returncode not in (0, -signal.SIGTERM):
+        tail = log.read_text(errors="replace")[-3000:]
+        print(f"# the {name} exited with {proc.returncode}:\n{tail}", flush=True)
+
+
+async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, work: Path,
+                   nats_pids: list[int], kill: Any = None) -> Wave:
+    wave = Wave(label)
+    total = a.nodes * a.pods
+    bus = await Bus.connect(url, name="bench-wave",
+                            config=BusConfig(replicas=replicas, ack_wait=5.0))
+    storage = StorageService(bus, CheckpointStore(LocalBackend(work / "store")))
+    storage_task = asyncio.create_task(storage.run())
+    kube = await FakeApiServer().start()
+    run = uuid.uuid4().hex[:6]
+    names = [f"wave-{run}-n{i:02d}" for i in range(a.nodes)]
+    for n in names:
+        kube.put("nodes", node(n))
+        for j in range(a.pods):
+            kube.put("pods", pod(f"{n}-p{j:02d}", n, labels={"smr.dev/node-restore": "true"}))
+    half = asyncio.Event()
+    all_done = asyncio.Event()
+
+    async def got_done(m: Any) -> None:
+        rid = CkptDone.from_payload(m.data).request_id
+        wave.done.setdefault(rid, time.time())
+        if len(wave.done) >= total // 2:
+            half.set()
+        if len(wave.done) >= total:
+            all_done.set()
+
+    async def got_request(m: Any) -> None:
+        wave.held.setdefault(CkptRequested.from_payload(m.data).request_id, time.time())
+
+    # What a JetStream consumer holds, as bench/watcher.py measures it.
+    subs = [await bus.js.subscribe("ckpt.done.*", stream=STREAM_EVENTS, ordered_consumer=True,
+                                   cb=got_done, deliver_policy="new"),  # type: ignore[arg-type]
+            await bus.js.subscribe("ckpt.requested.*", stream=STREAM_REQUESTS,
+                                   ordered_consumer=True, cb=got_request,
+                                   deliver_policy="new")]  # type: ignore[arg-type]
+    # The stand-ins in --standin-procs processes, each serving a share of the nodes.
+    k = max(1, min(a.standin_procs, a.nodes))
+    outs = [work / f"standins-{run}-{i}.json" for i in range(k)]
+    agents = [await child(
+        [sys.executable, str(Path(__file__).resolve()), "--standin", "--url", url,
+         "--replicas", str(replicas), "--standin-nodes", ",".join(names[i::k]),
+         "--out", str(outs[i]), "--delay", str(a.delay),
+         "--concurrency", str(a.concurrency)], {}, work / f"standins-{run}-{i}.log")
+        for i in range(k)]
+    health = free_port()
+    watcher = await child(
+        [sys.executable, "-m", "services.watcher"],
+        {"SMR_NATS_URL": url, "SMR_KUBE_API": kube.url, "SMR_NATS_REPLICAS": str(replicas),
+         "SMR_LEASE_NAME": f"wave-{run}", "SMR_HEALTH_PORT": str(health),
+         "SMR_METRICS_PORT": "0", "SMR_NODE_NAME": "watcher",
+         "SMR_DATA_DIR": str(work / f"watcher-{run}")}, work / f"watcher-{run}.log")
+    try:
+        await wait_ready(health, watcher)
+        while not all(Path(str(o) + ".ready").exists() for o in outs):
+            if any(p.returncode is not None for p in agents):
+                raise RuntimeError("stand-ins exited")
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # the watcher's watches open after ready
+        cordoned: dict[str, float] = {}
+        gap = a.spread / max(1, a.nodes - 1)
+        for n in names:  # the wave: every node cordoned within ``spread`` seconds
+            obj = kube.get("nodes", n)
+            assert obj is not None
+            obj["spec"]["unschedulable"] = True
+            cordoned[n] = time.time()
+            kube.put("nodes", obj)
+            await asyncio.sleep(gap)
+        if kill is not None:
+            await asyncio.wait_for(half.wait(), a.timeout)
+            wave.killed_at = time.time()
+            wave.killed = await kill(bus)
+        try:
+            await asyncio.wait_for(all_done.wait(), a.timeout)
+        except TimeoutError:
+            print(f"# {label}: only {len(wave.done)} of {total} ckpt.done within "
+                  f"{a.timeout}s", flush=True)
+        wave.watcher_mib = vm_hwm_mib(watcher.pid) if watcher.returncode is None else 0.0
+        wave.nats_mib = [vm_hwm_mib(p) for p in nats_pids if Path(f"/proc/{p}").exists()]
+    finally:
+        await end(watcher, "watcher", work / f"watcher-{run}.log")
+        for i, p in enumerate(agents):
+            await end(p, "stand-ins", work / f"standins-{run}-{i}.log")
+        for sub in subs:
+            await sub.unsubscribe()
+        storage.stop()
+        await storage_task
+        await kube.stop()
+        await bus.close()
+    seen: dict[str, dict[str, Any]] = {"started": {}, "node": {}, "runs": {}}
+    for o in outs:
+        if o.exists():
+            part = orjson.loads(o.read_bytes())
+            for key in seen:
+                seen[key].update(part[key])
+    wave.started, wave.runs = seen["started"], seen["runs"]
+    t0 = min(cordoned.values())
+    # A request's latency starts at its node's cordon.
+    wave.latency = [t - cordoned[seen["node"][rid]] for rid, t in wave.started.items()]
+    node_of = {rid: seen["node"].get(rid) for rid in wave.held}
+    wave.held_latency = [t - cordoned[n] for rid, t in wave.held.items()
+                         if (n := node_of[rid]) in cordoned]
+    wave.to_last_consumed = max(wave.started.values()) - t0 if wave.started else 0
+    wave.to_last_done = max(wave.done.values()) - t0 if wave.done else 0
+    return wave
+
+
+def row(w: Wave, total: int) -> list[str]:
+    lost = total - len(w.done)
+    doubled = sum(1 for n in w.runs.values() if n > 1)
+    held = w.held_latency or [float("nan")]
+    return [f"{pct(held, 50):.2f}", f"{pct(held, 99):.2f}",
+            f"{pct(w.latency, 50):.2f}", f"{pct(w.latency, 99):.2f}", f"{max(w.latency):.2f}",
+            f"{w.to_last_consumed:.2f}", f"{w.to_last_done:.2f}", f"{w.watcher_mib:.0f}",
+            "/".join(f"{m:.0f}" for m in w.nats_mib), f"{len(w.done)}/{total}", str(lost),
+            str(doubled)]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=50)
+    ap.add_argument("--pods", type=int, default=20)
+    ap.add_argument("--delay", type=float, default=0.05, help="the stand-in's step, seconds")
+    ap.add_argument("--concurrency", type=int, default=4, help="steps at once per node")
+    ap.add_argument("--standin-procs", type=int, default=4,
+                    help="processes the stand-ins are spread over")
+    ap.add_argument("--spread", type=float, default=1.0, help="seconds the cordons span")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--waves", default="single,cluster,cluster-kill")
+    ap.add_argument("--keep", default="", help="a directory for the logs and stores (kept)")
+    # The stand-ins' own process (one_wave starts it).
+    ap.add_argument("--standin", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--standin-nodes", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if a.standin:
+        await standins(a)
+        return
+    s = config.load({})
+    total = a.nodes * a.pods
+    waves: list[Wave] = []
+    todo = a.waves.split(",")
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(a.keep or d)
+        if "single" in todo:
+            srv = NatsServer(s.nats_server_binary(), work / "single").start()
+            try:
+                assert srv.proc is not None
+                waves.append(await one_wave("single", srv.url, 1, a, work, [srv.proc.pid]))
+            finally:
+                srv.stop()
+        cluster = NatsCluster(s.nats_server_binary(), work / "cluster").start()
+        try:
+            pids = [x.proc.pid for x in cluster.servers if x.proc]
+            if "cluster" in todo:
+                waves.append(await one_wave("cluster", cluster.url, 3, a, work, pids))
+
+            async def kill_leader(bus: Bus) -> str:
+                info = await bus.js.stream_info(STREAM_REQUESTS)
+                assert info.cluster is not None and info.cluster.leader
+                victim = cluster.server_named(info.cluster.leader)
+                cluster.kill(victim)
+                return f"{info.cluster.leader} (leader of {STREAM_REQUESTS})"
+
+            # The killed server's VmHWM is gone with it: the survivors' are printed.
+            if "cluster-kill" in todo:
+                waves.append(await one_wave("cluster-kill", cluster.url, 3, a, work, pids,
+                                            kill=kill_leader))
+        finally:
+            cluster.stop()
+    print(f"reclaim wave: {a.nodes} nodes x {a.pods} opted-in pods = {total} ckpt.requested, "
+          f"cordons spread over {a.spread}s; STAND-IN checkpointers: {a.delay}s per step, "
+          f"{a.concurrency} at once per node, in {a.standin_procs} processes")
+    cols = ["held p50", "held p99", "step p50", "step p99", "step max", "last step",
+            "last done", "watcher MiB", "nats MiB", "done", "lost", "doubled"]
+    print(f"{'':13}" + "".join(f"{c:>12}" for c in cols))
+    for w in waves:
+        print(f"{w.label:13}" + "".join(f"{c:>12}" for c in row(w, total)))
+    for w in waves:
+        if w.killed:
+            tail = sorted(w.latency)[-10:]
+            print(f"{w.label}: killed {w.killed} once {total // 2} ckpt.done were recorded; "
+                  f"longest time after the kill with no step starting: {w.pause():.2f}s; "
+                  f"latency tail (10 slowest, s): {' '.join(f'{x:.2f}' for x in tail)}")
+    print("seconds; held: per request, its node's cordon -> an observing JetStream consumer "
+          "holds it (as bench/watcher.py); step: its node's cordon -> its stand-in's step "
+          "starts (the node's durable consumer fetched it, the Worker claimed its step "
+          "state); last step / last done: first cordon -> the last step started / the last "
+          "ckpt.done seen; doubled: steps run twice; MiB: peak RSS (VmHWM); the cluster's "
+          "servers serve both cluster waves, the killed one is not listed")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

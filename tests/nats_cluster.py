@@ -1,0 +1,125 @@
+"""A 3-server NATS JetStream cluster on loopback: real nats-server processes,
+each with its own store, routed to the others, as a production NATS runs.
+
+``NatsCluster.url`` is the comma-separated server list smr takes as
+SMR_NATS_URL. ``kill`` SIGKILLs a server (a node lost, no goodbye to its
+peers); ``restart`` brings it back on the same ports and store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import nats
+
+from smr.errors import SmrError
+from smr.natsserver import NatsServer, free_port
+
+
+class NatsCluster:
+    def __init__(self, binary: str, store_dir: Path, size: int = 3,
+                 name: str = "smr-test") -> None:
+        self.dir = Path(store_dir)
+        cluster_ports = [free_port() for _ in range(size)]
+        routes = ",".join(f"nats-route://127.0.0.1:{p}" for p in cluster_ports)
+        self.monitor_ports = [free_port() for _ in range(size)]
+        self.servers: list[NatsServer] = []
+        for i in range(size):
+            args = ["-n", f"n{i}", "--cluster_name", name,
+                    "--cluster", f"nats://127.0.0.1:{cluster_ports[i]}", "--routes", routes,
+                    "-m", str(self.monitor_ports[i])]
+            self.servers.append(NatsServer(binary, self.dir / f"n{i}", extra_args=args))
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def server_named(self, name: str) -> NatsServer:
+        """The server a stream info's ``cluster.leader`` names."""
+        return self.servers[int(name.removeprefix("n"))]
+
+    def start(self, timeout: float = 60.0) -> NatsCluster:
+        try:
+            for s in self.servers:
+                s.start()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()  # none left running behind a failed start
+            raise
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until a stream replicated on every running server can be made: the
+        meta leader is elected and knows its peers online (until then stream
+        creation fails: "no suitable peers for placement")."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self._meta_leader(i) for i, s in enumerate(self.servers) if self.running(s)):
+                break
+            time.sleep(0.1)
+        # In a thread of its own: callers may be sync code inside an event loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            error = ex.submit(asyncio.run, self._probe(deadline)).result()
+        if error:
+            raise SmrError(f"the NATS cluster was not ready for streams in {timeout}s: {error}",
+                           code="nats-start-failed", hint=f"see the logs under {self.dir}")
+
+    async def _probe(self, deadline: float) -> str:
+        running = [s for s in self.servers if self.running(s)]
+        name = f"probe-{uuid.uuid4().hex[:8]}"
+        error = "no meta leader"
+        nc = await nats.connect([s.url for s in running], connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=5)
+            while time.monotonic() < deadline:
+                try:
+                    await js.add_stream(name=name, subjects=[name], num_replicas=len(running))
+                    await js.delete_stream(name)
+                    return ""
+                except Exception as e:
+                    error = str(e)
+                    await asyncio.sleep(0.2)
+            return error
+        finally:
+            await nc.close()
+
+    def meta_leader(self) -> str:
+        """The JetStream meta leader's name, as a running server sees it."""
+        for i, s in enumerate(self.servers):
+            if self.running(s) and (name := self._meta_leader(i)):
+                return name
+        return ""
+
+    def _meta_leader(self, i: int) -> str:
+        try:
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.monitor_ports[i]}/jsz", timeout=1) as r:
+                return json.load(r).get("meta_cluster", {}).get("leader", "")
+        except (OSError, ValueError):
+            return ""
+
+    @staticmethod
+    def running(s: NatsServer) -> bool:
+        return s.proc is not None and s.proc.poll() is None
+
+    def kill(self, s: NatsServer) -> None:
+        """SIGKILL: the server dies as with its node, mid-write if it was writing."""
+        assert s.proc is not None
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait()
+
+    def restart(self, s: NatsServer) -> None:
+        s.start()
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()

@@ -1,0 +1,202 @@
+"""smr on a 3-server NATS JetStream cluster (tests/nats_cluster.py): every
+stream and KV bucket has the replicas SMR_NATS_REPLICAS asks for, and a
+request published while its stream's leader is SIGKILLed runs exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smr import config
+from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, subject, topology
+from smr.errors import SmrError
+from smr.messages import CkptDone
+from smr.natsserver import NatsServer
+from smr.retry import retry_nats
+from tests.nats_cluster import NatsCluster
+from tests.test_bus import CountingStep, request, run_worker, stop
+
+EVERY_STREAM = [s.name for s in topology.streams(BusConfig())] + [
+    f"KV_{bucket}" for bucket, _, _ in topology.BUCKETS]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+            settings: config.Settings) -> Iterator[NatsCluster]:
+    c = NatsCluster(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-cluster"))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+async def r3_bus(cluster: NatsCluster) -> AsyncIterator[Bus]:
+    b = await Bus.connect(cluster.url, name="test", config=BusConfig(
+        replicas=3, max_deliver=4, ack_wait=2.0, nak_base_delay=0.2, nak_max_delay=1.0))
+    yield b
+    await b.close()
+
+
+async def replicas(bus: Bus) -> dict[str, tuple[int, int]]:
+    """Each stream's configured replicas and the peers it has (leader + followers)."""
+    out = {}
+    for name in EVERY_STREAM:
+        for _ in range(300):
+            info = await bus.js.stream_info(name)
+            assert info.cluster is not None
+            if info.cluster.leader:  # none for a moment after a scale-up
+                break
+            await asyncio.sleep(0.1)
+        peers = {info.cluster.leader, *(p.name for p in info.cluster.replicas or [])}
+        out[name] = (info.config.num_replicas or 1, len(peers))
+    return out
+
+
+async def test_replica_setting_reaches_every_stream_and_bucket(cluster: NatsCluster) -> None:
+    # First as a single-replica smr made them, then with SMR_NATS_REPLICAS=3:
+    # the existing streams and buckets are updated in place.
+    one = await Bus.connect(cluster.url, name="test", config=BusConfig(replicas=1))
+    try:
+        assert await replicas(one) == {name: (1, 1) for name in EVERY_STREAM}
+    finally:
+        await one.close()
+    three = await Bus.connect(cluster.url, name="test", config=BusConfig.from_settings(
+        config.load({"SMR_NATS_REPLICAS": "3"})))
+    try:
+        assert await replicas(three) == {name: (3, 3) for name in EVERY_STREAM}
+    finally:
+        await three.close()
+
+
+async def _server_of(cluster: NatsCluster, bus: Bus) -> NatsServer:
+    url = bus.nc.connected_url
+    assert url is not None
+    return next(s for s in cluster.servers if s.port == url.port)
+
+
+async def _leader(bus: Bus, stream: str) -> str:
+    info = await bus.js.stream_info(stream)
+    assert info.cluster is not None and info.cluster.leader
+    return info.cluster.leader
+
+
+async def _lead_from(cluster: NatsCluster, bus: Bus, stream: str, server: NatsServer) -> None:
+    """Step the stream's leader down until ``server`` leads it (each stepdown
+    elects one of the followers)."""
+    for _ in range(30):
+        leader = await _leader(bus, stream)
+        if cluster.server_named(leader) is server:
+            return
+        await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5)
+        for _ in range(100):  # until a new leader is elected
+            await asyncio.sleep(0.1)
+            try:
+                if await _leader(bus, stream) != leader:
+                    break
+            except AssertionError:
+                continue
+    pytest.fail(f"{server.url} never became the leader of {stream}")
+
+
+async def test_request_published_as_its_streams_leader_dies_runs_once(
+        cluster: NatsCluster, r3_bus: Bus) -> None:
+    bus = r3_bus
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    step = CountingStep()
+    w, task = await run_worker(bus, step, node)
+    # The server this client is connected to leads the requests stream: its
+    # death takes the leader and the connection at once.
+    victim = await _server_of(cluster, bus)
+    await _lead_from(cluster, bus, STREAM_REQUESTS, victim)
+    try:
+        cluster.kill(victim)
+        await bus.publish(request(node, "r-killed"))
+        result = await bus.wait_result("r-killed", "ckpt.requested", timeout=60)
+        assert result.status == "succeeded"
+        assert step.seen == ["r-killed"]
+        assert (await _server_of(cluster, bus)) is not victim
+        assert bus.nc.stats["reconnects"] >= 1
+        assert cluster.server_named(await _leader(bus, STREAM_REQUESTS)) is not victim
+        # Its result is recorded once on the events stream.
+        done = await _results(bus, node)
+        assert [d.request_id for d in done] == ["r-killed"]
+    finally:
+        await stop(w, task)
+        cluster.restart(victim)
+
+
+async def _results(bus: Bus, node: str) -> list[CkptDone]:
+    out = []
+    # Just after the kill the events stream may still be electing its leader.
+    async for attempt in retry_nats():
+        with attempt:
+            sub = await bus.js.subscribe(subject("ckpt.done", node), stream=STREAM_EVENTS,
+                                         ordered_consumer=True)
+    try:
+        while True:
+            try:
+                m = await sub.next_msg(timeout=2)
+            except TimeoutError:
+                break
+            out.append(CkptDone.from_payload(m.data))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def test_event_consumer_lives_through_its_leader_dying(
+        cluster: NatsCluster, r3_bus: Bus) -> None:
+    # The watcher and the storage service consume events so; before, a fetch
+    # answered 503 during the election ended the loop, and the service died.
+    bus = r3_bus
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    durable = f"test-{uuid.uuid4().hex[:8]}"
+    seen: set[str] = set()
+    stop_consuming = asyncio.Event()
+
+    async def handle(event: CkptDone) -> None:
+        seen.add(event.request_id)
+
+    consuming = asyncio.create_task(bus.consume_events(
+        durable, "ckpt.done", handle, service="test", stop=stop_consuming))
+    before = CkptDone.for_request(request(node, "before"), status="succeeded", generation=1)
+    after = CkptDone.for_request(request(node, "after"), status="succeeded", generation=2)
+    try:
+        await bus.publish(before)
+        await _until(lambda: "before" in seen or consuming.done())
+        info = await bus.js.consumer_info(STREAM_EVENTS, durable)
+        assert info.cluster is not None and info.cluster.leader
+        victim = cluster.server_named(info.cluster.leader)
+        cluster.kill(victim)
+        await bus.publish(after)
+        await _until(lambda: "after" in seen or consuming.done())
+        if consuming.done():
+            consuming.result()  # its exception, if it died
+        assert {"before", "after"} <= seen
+    finally:
+        stop_consuming.set()
+        await asyncio.wait_for(asyncio.gather(consuming, return_exceptions=True), 10)
+        if not cluster.running(victim):
+            cluster.restart(victim)
+
+
+async def _until(cond: Any, timeout: float = 60) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():  # noqa: ASYNC110 (a condition on state callbacks change)
+            await asyncio.sleep(0.05)
+
+
+async def test_more_replicas_than_servers_is_refused_naming_the_setting(
+        tmp_path: Path, settings: config.Settings) -> None:
+    srv = NatsServer(settings.nats_server_binary(), tmp_path / "nats").start()
+    try:
+        with pytest.raises(SmrError) as e:
+            await Bus.connect(srv.url, name="test", config=BusConfig(replicas=3))
+        assert e.value.code == "nats-replicas" and "SMR_NATS_REPLICAS" in e.value.hint
+    finally:
+        srv.stop()
