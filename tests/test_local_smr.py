@@ -81,11 +81,12 @@ class Harness:
         assert isinstance(result, CkptDone)
         return result
 
-    async def restore(self, ckpt_id: str, as_id: str | None = None, **kw: Any) -> RestoreDone:
+    async def restore(self, ckpt_id: str, as_id: str | None = None, *, timeout: float = 120,
+                      **kw: Any) -> RestoreDone:
         req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt_id,
                                target=Target.job(as_id or ckpt_id), node=self.settings.node,
                                **kw)
-        result = await self.bus.request(req, timeout=120)
+        result = await self.bus.request(req, timeout=timeout)
         assert isinstance(result, RestoreDone)
         if result.pid:
             self.pids.append(result.pid)

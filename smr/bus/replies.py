@@ -17,6 +17,7 @@ from smr import tracing
 from smr.bus.topology import RESULT_OF
 from smr.errors import TemporaryError
 from smr.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
+from smr.retry import retry_nats
 
 
 async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
@@ -25,7 +26,11 @@ async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
                       ) -> CkptDone | RestoreDone:
     """Wait until the step of ``request_id`` has a result; ``on_progress``
     sees each running state on the way."""
-    watcher = await steps.watch(request_id)
+    # Retried: the watch's consumer is created on the bucket's stream, which a
+    # cluster may be electing a new leader for (a server just lost).
+    async for attempt in retry_nats():
+        with attempt:
+            watcher = await steps.watch(request_id)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:

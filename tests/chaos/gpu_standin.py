@@ -31,6 +31,10 @@ MODEL = "stand-in GPU"
 def gpu_id(pid: int) -> str | None:
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes()
+        # A local job's init (smr-init --local) inherits the workload's
+        # environment but holds no GPU: the workload under it does.
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "smr-init":
+            return None
     except OSError:
         return None
     for item in env.split(b"\0"):
@@ -40,7 +44,7 @@ def gpu_id(pid: int) -> str | None:
 
 
 class StandInDriver:
-    """The driver's five calls over a state file per workload."""
+    """The driver's calls smr makes, over a state file per workload."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -83,6 +87,14 @@ class StandInDriver:
 
     def unlock(self, pid: int) -> None:
         self._move(pid, CudaState.LOCKED, CudaState.RUNNING, "cuCheckpointProcessUnlock")
+
+    def restore_tid(self, pid: int) -> int | None:
+        """The thread the driver restores through: the stand-in names the
+        main one; a process without a (stand-in) GPU has no CUDA context."""
+        if self._path(pid) is None:
+            raise CudaError(f"cuCheckpointProcessGetRestoreThreadId({pid}) failed: "
+                            "no CUDA context (stand-in driver)")
+        return pid
 
 
 def state_of(root: Path, workload: str) -> str:
