@@ -66,7 +66,8 @@ async def test_restore_into_another_image_is_refused(cluster: Cluster) -> None:
     cluster.kube.put("pods", workload("second", b, env=env, owner="j", image=OTHER_IMAGE))
     after = await cluster.until_steps("second", b, 3)
     assert after[0][0] == 1, "a refused restore starts the container fresh"
-    [event] = cluster.events("RestoreFailed")
+    # The watcher posts the Event from the result, on its own time: waited for.
+    event = await cluster.event("RestoreFailed", "second", timeout=60)
     assert "image-mismatch" in event["message"] or "image" in event["message"]
     assert OTHER_IMAGE in event["message"] and IMAGE in event["message"]
     # With restore-failure: fail the container does not start over.
