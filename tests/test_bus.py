@@ -66,19 +66,24 @@ async def stop(w: Worker, task: asyncio.Task[None]) -> None:
     await asyncio.wait_for(task, 10)
 
 
-async def dlq_messages(bus: Bus, subj: str) -> list[DeadLetter]:
+async def stored(bus: Bus, subj: str, stream: str, cls: Any, wait: float = 1) -> list[Any]:
+    """Every message ``stream`` holds on ``subj``, as ``cls``, in order."""
     out = []
-    sub = await bus.js.subscribe(f"dlq.{subj}", stream=STREAM_DLQ, ordered_consumer=True)
+    sub = await bus.js.subscribe(subj, stream=stream, ordered_consumer=True)
     try:
         while True:
             try:
-                m = await sub.next_msg(timeout=1)
+                m = await sub.next_msg(timeout=wait)
             except TimeoutError:
                 break
-            out.append(DeadLetter.from_payload(m.data))
+            out.append(cls.from_payload(m.data))
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def dlq_messages(bus: Bus, subj: str) -> list[DeadLetter]:
+    return await stored(bus, f"dlq.{subj}", STREAM_DLQ, DeadLetter)
 
 
 async def test_topology_is_idempotent(bus: Bus, node: str) -> None:

@@ -19,7 +19,7 @@ from smr.messages import CkptDone
 from smr.natsserver import NatsServer
 from smr.retry import retry_nats
 from tests.nats_cluster import NatsCluster
-from tests.test_bus import CountingStep, request, run_worker, stop
+from tests.test_bus import CountingStep, request, run_worker, stop, stored
 
 EVERY_STREAM = [s.name for s in topology.streams(BusConfig())] + [
     f"KV_{bucket}" for bucket, _, _ in topology.BUCKETS]
@@ -131,22 +131,12 @@ async def test_request_published_as_its_streams_leader_dies_runs_once(
 
 
 async def _results(bus: Bus, node: str) -> list[CkptDone]:
-    out = []
     # Just after the kill the events stream may still be electing its leader.
     async for attempt in retry_nats():
         with attempt:
-            sub = await bus.js.subscribe(subject("ckpt.done", node), stream=STREAM_EVENTS,
-                                         ordered_consumer=True)
-    try:
-        while True:
-            try:
-                m = await sub.next_msg(timeout=2)
-            except TimeoutError:
-                break
-            out.append(CkptDone.from_payload(m.data))
-    finally:
-        await sub.unsubscribe()
-    return out
+            return await stored(bus, subject("ckpt.done", node), STREAM_EVENTS, CkptDone,
+                                wait=2)
+    raise AssertionError("unreachable: retry_nats reraises")
 
 
 async def test_event_consumer_lives_through_its_leader_dying(
