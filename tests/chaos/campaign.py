@@ -404,7 +404,10 @@ class Campaign:
         return out
 
     def problem(self, what: str) -> None:
-        self.report.problems.append(f"cycle {self.report.cycles}: {what}")
+        line = f"cycle {self.report.cycles}: {what}"
+        self.report.problems.append(line)
+        # Also at once: a long run's table comes only at its end.
+        print(f"chaos: problem: {line}", file=sys.stderr, flush=True)
 
     def ckpt(self, w: Workload, **kw: Any) -> CkptRequested:
         return CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=w.id,
