@@ -258,11 +258,15 @@ class CudaCheckpoint:
         tree continued. A tree CRIU left stopped gets its GPU state back
         before any of its threads runs (``resume_stopped``)."""
         tree = process_tree(root)
-        if not any(frozen.state(p) == "T" for p in tree):
+        held = [p for p in tree if frozen.stopping(p)]
+        if not held:
             return await self.resume_all(await self.processes(root), quiet=quiet)
         try:
+            # CRIU's SIGSTOP may still be on its way: a thread that took it
+            # after the hold began would stop the tree again once continued.
+            await asyncio.to_thread(frozen.wait_stopped, held)
             return await self.resume_stopped(tree)
-        except CudaError:
+        except (CudaError, frozen.FrozenError):
             if not quiet:
                 raise
             log.exception("could not bring the tree of %d back to RUNNING", root)

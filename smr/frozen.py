@@ -78,6 +78,34 @@ def state(tid: int) -> str:
     return stat[stat.rindex(")") + 2]
 
 
+def stopping(pid: int) -> bool:
+    """Is ``pid`` stopped, or about to stop? CRIU leaves a tree stopped
+    (``--leave-stopped``) by sending each task SIGSTOP and detaching; the
+    task acts on it only once it runs again, so right after CRIU exits it
+    may still show R or S with the SIGSTOP pending. Judged by the state
+    alone, such a tree was taken for a running one, never continued, and
+    stopped a moment later for good (the fault campaign saw it)."""
+    if state(pid) == "T":
+        return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    stop = 1 << (signal.SIGSTOP - 1)
+    for line in status.splitlines():
+        if line.startswith(("ShdPnd:", "SigPnd:")) and int(line.split()[1], 16) & stop:
+            return True
+    return False
+
+
+def wait_stopped(pids: list[int], timeout: float = 10.0) -> None:
+    """Until every thread of each of ``pids`` is in its group stop (T)."""
+    for pid in pids:
+        for t in threads(pid):
+            if state(t):  # a thread may end meanwhile
+                _until(t, "T", timeout)
+
+
 def _until(tid: int, letters: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while (s := state(tid)) not in letters:

@@ -80,3 +80,62 @@ def test_only_the_named_thread_runs_then_all_go_on(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_tree_whose_stop_is_still_on_its_way_is_continued(tmp_path: Path) -> None:
+    """CRIU leaves a tree stopped by sending SIGSTOP to each task while it
+    still traces it, then detaching (compel's resume for TASK_STOPPED): the
+    task stops only once it runs again, so right after CRIU exits its state
+    may still say running. That exact sequence, with a tracer thread here in
+    CRIU's place; resume_tree is called in the gap, as the restore step
+    calls it once CRIU has exited. (The fault campaign found such restores
+    'succeeded' with the workload stopped for good.)"""
+    import asyncio
+    import threading
+
+    from smr.cuda_checkpoint import CudaCheckpoint
+    from tests.chaos import gpu_standin
+
+    gpu_dir = tmp_path / "gpu"
+    out = tmp_path / "counts"
+    out.mkdir()
+    env = {**os.environ, gpu_standin.ENV: "w1"}
+    proc = subprocess.Popen([sys.executable, "-c", WORKLOAD, str(out)], env=env)
+    drv = gpu_standin.StandInDriver(gpu_dir)
+    try:
+        deadline = time.monotonic() + 30
+        while len(counts(out)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tids = frozen.threads(proc.pid)
+        (gpu_dir / "w1").write_text("CHECKPOINTED")  # as CRIU brings a GPU process back
+        traced, release = threading.Event(), threading.Event()
+
+        def criu_exit() -> None:  # every ptrace call from this one thread
+            for t in tids:
+                frozen._ptrace(frozen.PTRACE_SEIZE, t, 0, 0)
+                frozen._ptrace(frozen.PTRACE_INTERRUPT, t, 0, 0)
+            for t in tids:
+                frozen._until(t, "t")
+            os.kill(proc.pid, signal.SIGSTOP)
+            traced.set()
+            release.wait(5)
+            for t in tids:
+                frozen._ptrace(frozen.PTRACE_DETACH, t, 0, 0)
+
+        tracer = threading.Thread(target=criu_exit)
+        tracer.start()
+        assert traced.wait(10)
+        assert frozen.state(proc.pid) != "T"  # the gap: the stop is only pending
+        threading.Timer(0.3, release.set).start()
+        asyncio.run(CudaCheckpoint(drv=drv).resume_tree(proc.pid))  # type: ignore[arg-type]
+        tracer.join()
+        assert drv.state(proc.pid) is not None and drv.state(proc.pid).name == "RUNNING"
+        time.sleep(0.3)
+        before = counts(out)
+        time.sleep(0.5)
+        after = counts(out)
+        assert frozen.state(proc.pid) not in ("T", "t"), frozen.state(proc.pid)
+        assert {t for t in tids if after[t] > before[t]} == set(tids), (before, after)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -227,7 +227,7 @@ class CheckpointStep(LocalJobStep):
         if not self.cuda or not job.alive():
             return []
         tree = gpuinfo.process_tree(job.pid)
-        if any(frozen.state(p) == "T" for p in tree):
+        if any(frozen.stopping(p) for p in tree):
             # Left stopped by a dump: the driver's GetState would wait for the
             # process itself; resume_tree finds the CUDA ones of the tree.
             return tree
