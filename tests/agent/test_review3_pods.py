@@ -167,3 +167,29 @@ async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
     assert not torn(shm.log("fin-2", b)), torn(shm.log("fin-2", b))[:1]
 
 
+
+
+async def test_a_restored_event_names_the_pod_it_restored_by_uid(shm: Cluster) -> None:
+    """A pod restored under the name of an earlier one (a Job's, a
+    StatefulSet's pods keep names): its Restored Event must carry its uid,
+    else it attaches to every pod of that name, and `kubectl describe pod`,
+    which asks for the uid, shows it on none."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("same", a, "same"))
+    await shm.until_steps("same", a, 5, timeout=60)
+    done = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="same", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="same", container="main")),
+        timeout=120)
+    assert done.status == "succeeded", done.error
+    first = shm.kube.get("pods", "same", "default")
+    assert first is not None
+    shm.kube.remove("pods", "same", "default")
+    shm.kube.put("pods", shm_pod("same", b, "same"))
+    await shm.until_steps("same", b, 5, timeout=60)
+    second = shm.kube.get("pods", "same", "default")
+    assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
+    event = await shm.event("Restored", "same", timeout=60)
+    assert event["involvedObject"].get("uid") == second["metadata"]["uid"], (
+        f"the Restored Event names pod uid {event['involvedObject'].get('uid')}, the "
+        f"restored pod is {second['metadata']['uid']}")
