@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.storage import download
+from services.storage import download, layout
 from services.storage.codec import Codec
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointStore, Generation, StreamedImages
+from services.storage.store import CheckpointCorrupt, CheckpointStore, Generation, StreamedImages
 from smr.imagestream import FileRange
 from tests.chaos.proxy import _HOP, _XML, FaultProxy, _drop
 from tests.test_storage import NS, meta
@@ -197,3 +197,33 @@ async def test_a_restore_cancelled_with_ranges_queued_leaves_nothing_behind(
         assert await read_all(again("pages-1.img")) == want
     finally:
         await again.aclose()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["through-memory", "staged"])
+async def test_a_held_back_range_altered_in_storage_never_completes_the_image(
+        faulty: tuple[RangeFaults, CheckpointStore], tmp_path: Path, staged: bool) -> None:
+    """One byte of a range the cap held back is altered in the bucket (the
+    frames are stored as they are: only the file's sha256 catches it): CRIU
+    is handed less than the whole image and the read fails as corrupt, so a
+    restore never runs on altered memory."""
+    _, store = faulty
+    gen, want = await committed(store, tmp_path)
+    starts = range_starts(gen)
+    key = layout.file_key(NS, gen.manifest["checkpoint_id"], gen.number, "images/pages-1.img")
+    data, _ = await store.backend.get_bytes(key)
+    at = starts[5] + 100
+    await store.backend.put_bytes(key, data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    scratch = tmp_path / "scratch" if staged else None
+    if scratch:
+        scratch.mkdir()
+    source = StreamedImages(store, gen, scratch=scratch)
+    chunks = source("pages-1.img")
+    assert chunks is not None
+    got = 0
+    try:
+        with pytest.raises(CheckpointCorrupt, match="sha256"):
+            async for piece in chunks:
+                got += piece.length if isinstance(piece, FileRange) else len(piece)
+    finally:
+        await source.aclose()
+    assert got < len(want), "the whole altered image was handed on"
