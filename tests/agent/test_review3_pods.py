@@ -193,3 +193,47 @@ async def test_a_restored_event_names_the_pod_it_restored_by_uid(shm: Cluster) -
     assert event["involvedObject"].get("uid") == second["metadata"]["uid"], (
         f"the Restored Event names pod uid {event['involvedObject'].get('uid')}, the "
         f"restored pod is {second['metadata']['uid']}")
+
+
+async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_whole(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat's tree is held stopped from its dump to the end of its
+    captures; the agent dies in between. The redelivered request's recovery
+    must not leave the workload stopped for good, and what it stores must be
+    consistent (the captures done again from the tree still stopped)."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("hbr-1", a, "hbr"))
+    await shm.until_steps("hbr-1", a, 10, timeout=60)
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real = rootfs.capture_shm
+
+    async def dies_here(pid: int, out: Path) -> None:
+        entered.set()
+        await crash.wait()
+        raise RuntimeError("the agent was killed (test)")
+
+    monkeypatch.setattr(rootfs, "capture_shm", dies_here)
+    req = CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="hbr", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="hbr-1", container="main"))
+    first = asyncio.create_task(shm.bus.request(req, timeout=120))
+    try:
+        await asyncio.wait_for(entered.wait(), 60)
+        monkeypatch.setattr(rootfs, "capture_shm", real)
+        held_at = len(steps(shm.log("hbr-1", a)))
+        await asyncio.sleep(1)
+        assert len(steps(shm.log("hbr-1", a))) == held_at, "not held stopped while captured"
+        [step] = steps_of(a)
+        done = await step.recover(req, {})
+        await shm.until_steps("hbr-1", a, held_at + 10, timeout=30)  # it runs on
+    finally:
+        crash.set()
+        await asyncio.gather(first, return_exceptions=True)
+    assert done is not None and done.status == "succeeded", done
+    gen = await shm.store.latest("default", "hbr")
+    assert gen is not None and gen.number == done.generation
+    assert shm_counter(await stored_file(shm, gen, "devshm.tar")) is not None
+    shm.kube.put("pods", shm_pod("hbr-2", b, "hbr"))
+    after = await shm.until_steps("hbr-2", b, 5, timeout=60)
+    assert after[0][0] > 1, "it started over instead of being restored"
+    assert not torn(shm.log("hbr-2", b)), torn(shm.log("hbr-2", b))[:1]
