@@ -98,3 +98,59 @@ async def test_nats_killed_after_a_final_dump_was_stored_answers_it_once(
             assert after[0] == frozen + 1, f"went on from step {after[0]}, frozen at {frozen}"
     finally:
         srv.stop()
+
+
+@pytest.mark.criu
+async def test_nats_killed_as_a_heartbeat_dump_begins_never_leaves_the_job_frozen(
+        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+    """A heartbeat (leave-running) checkpoint; NATS is killed as CRIU freezes
+    the job and stays away past the step's retries. The job must run on
+    through the outage (its thaw waits on nothing of NATS), and the request
+    is answered once NATS is back, from the one dump taken."""
+    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+    try:
+        async with running(Harness, criu_binary, srv, tmp_path, node, 5.0) as h:
+            job = await h.start(64)
+            before = copies(h.tmp)
+            step = h.node.workers[0].step
+            real = step.criu.dump
+            dumps: list[float] = []
+            restarted = asyncio.Event()
+
+            async def restart() -> None:
+                await asyncio.sleep(DOWN_S)
+                await asyncio.to_thread(srv.start)
+                restarted.set()
+
+            async def dump(*a: Any, **kw: Any) -> Any:
+                dumps.append(time.monotonic())
+                if len(dumps) == 1:
+                    assert srv.proc is not None
+                    srv.proc.kill()
+                    srv.proc.wait()
+                    asyncio.get_running_loop().create_task(restart())
+                return await real(*a, **kw)
+
+            step.criu.dump = dump  # type: ignore[method-assign]
+            rid = uuid.uuid4().hex
+            await h.bus.publish(CkptRequested(request_id=rid, checkpoint_id=job.id,
+                                              target=Target.job(job.id), node=node,
+                                              leave_running=True))
+            deadline = time.monotonic() + 30
+            while not dumps:
+                assert time.monotonic() < deadline, "the dump never began"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(3)  # the dump of 64 MiB is over by then
+            at = int(h.lines(job)[-1]["step"])
+            await h.wait_step(job, at + 20, timeout=15)  # it runs while NATS is away
+            assert not restarted.is_set(), "NATS was back already: the outage was not tried"
+            state = await step_result(h, rid, timeout=180)
+            step.criu.dump = real  # type: ignore[method-assign]
+            assert state["state"] == "done", state["result"].get("error")
+            gens = await step.store.generations("local", job.id)
+            assert len(dumps) == 1 and len(gens) == 1, f"dumped {len(dumps)} times: {gens}"
+            assert copies(h.tmp) == before, "the job does not run once, as before"
+            at = int(h.lines(job)[-1]["step"])
+            await h.wait_step(job, at + 5)
+    finally:
+        srv.stop()
