@@ -267,6 +267,14 @@ class PodCheckpointStep(PodStep):
         # CUDA processes are locked throughout instead (resume_after waits
         # for this task), and CRIU lets the tree run on.
         stopped = not (leave_running and gpu)
+        if leave_running and stopped:
+            # CRIU unlocks the connections it dumped (TCP repair mode, their
+            # packets dropped) only for a tree it lets run: one it leaves
+            # stopped keeps them locked for good. A heartbeat's connections
+            # are never restored (a restore is in a new network namespace;
+            # sockets.restore_mode), so CRIU leaves them alone (--tcp-close:
+            # neither dumped nor locked) and they go on as they are ("keep").
+            tcp = "close"
         try:
             run = await criu.dump(inner, work / "images", leave_running=not stopped,
                                   leave_stopped=stopped, tcp=tcp)
