@@ -22,7 +22,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ptrace of another pro
 HOLDER = """
 import sys, time
 from smr import frozen
-frozen.with_only(int(sys.argv[1]), int(sys.argv[2]), lambda: time.sleep(3600))
+from pathlib import Path
+frozen.with_only(int(sys.argv[1]), int(sys.argv[2]), lambda: time.sleep(3600),
+                 Path(sys.argv[3]))
 """
 
 
@@ -53,7 +55,9 @@ def killed_mid_hold(tmp_path: Path) -> tuple[str, str]:
         os.kill(proc.pid, signal.SIGSTOP)  # CRIU's --leave-stopped
         for t in tids:
             frozen._until(t, "T")
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(proc.pid), str(chosen)],
+        keep = tmp_path / "held" / f"{proc.pid}-{chosen}.sigmask"
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(proc.pid), str(chosen),
+                                   str(keep)],
                                   env={**os.environ, "PYTHONPATH": os.getcwd()})
         deadline = time.monotonic() + 30
         while moved(tmp_path, tids, 0.2) != {chosen}:
@@ -64,7 +68,8 @@ def killed_mid_hold(tmp_path: Path) -> tuple[str, str]:
         others = [t for t in tids if t != chosen]
         assert not moved(tmp_path, others), "the other threads ran once the holder died"
         # The redelivered step: its GPU restore holds the tree again, then continues it.
-        frozen.with_only(proc.pid, chosen, lambda: None)
+        frozen.with_only(proc.pid, chosen, lambda: None, keep)
+        assert not keep.exists(), "the kept mask outlived the hold that gave it back"
         os.kill(proc.pid, signal.SIGCONT)
         assert moved(tmp_path, tids) == set(tids), "the tree did not run on"
         return mask, blocked(proc.pid, chosen)
@@ -83,12 +88,11 @@ def test_a_holder_killed_mid_hold_leaves_the_tree_stopped_and_a_second_hold_free
     killed_mid_hold(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed (review3): the hold's signal mask is kept "
-                   "nowhere but in the holder; a second hold takes the first one's as original")
 def test_a_holder_killed_mid_hold_leaves_no_signal_mask_behind(tmp_path: Path) -> None:
     """The held thread runs with every signal but SIGTRAP blocked; its own
     mask is given back when the hold ends. A holder killed meanwhile never
-    gives it back, and the next hold reads the blocked mask as the thread's."""
+    gave it back, and the next hold read the blocked mask as the thread's:
+    its own is now kept in a file the next agent finds."""
     before, after = killed_mid_hold(tmp_path)
     assert after == before, (f"the held thread was left blocking signals {after} (was "
                              f"{before}): the dead holder's mask outlived it")
