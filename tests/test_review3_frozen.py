@@ -58,9 +58,13 @@ def killed_mid_hold(tmp_path: Path) -> tuple[str, str]:
         keep = tmp_path / "held" / f"{proc.pid}-{chosen}.sigmask"
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(proc.pid), str(chosen),
                                    str(keep)],
-                                  env={**os.environ, "PYTHONPATH": os.getcwd()})
+                                  env={**os.environ, "PYTHONPATH": os.getcwd()},
+                                  stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30
         while moved(tmp_path, tids, 0.2) != {chosen}:
+            if holder.poll() is not None:
+                assert holder.stderr is not None
+                raise AssertionError(f"the holder ended: {holder.stderr.read()[-2000:]!r}")
             assert time.monotonic() < deadline, "the hold never let the chosen thread run"
         holder.kill()  # the agent dies with the hold on
         holder.wait()
