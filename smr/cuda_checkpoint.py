@@ -22,6 +22,7 @@ import os
 import signal
 import time
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from smr import frozen
@@ -142,9 +143,13 @@ def available() -> bool:
 class CudaCheckpoint:
     """The async engine the checkpointer and restorer use."""
 
-    def __init__(self, drv: Driver | None = None, lock_timeout_s: float = 10.0) -> None:
+    def __init__(self, drv: Driver | None = None, lock_timeout_s: float = 10.0,
+                 hold_dir: Path | None = None) -> None:
         self._drv = drv
         self.lock_timeout_s = lock_timeout_s
+        # Where a held restore thread's own signal mask is kept (smr.frozen):
+        # a directory that outlives the agent's process.
+        self.hold_dir = hold_dir
 
     @property
     def drv(self) -> Driver:
@@ -226,8 +231,9 @@ class CudaCheckpoint:
                 os.kill(pid, signal.SIGCONT)
                 done = await self.resume(pid)
             else:
+                keep = self.hold_dir / f"{pid}-{tid}.sigmask" if self.hold_dir else None
                 done = await asyncio.to_thread(frozen.with_only, pid, tid,
-                                               lambda p=pid: self._resume(p))
+                                               lambda p=pid: self._resume(p), keep)
             for k, v in done.items():
                 total[k] = total.get(k, 0.0) + v
         return total
@@ -290,9 +296,10 @@ class CudaCheckpoint:
             durations["downtime"] = time.monotonic() - frozen_at
 
 
-def for_settings(gpu: str, lock_timeout_s: float) -> CudaCheckpoint | None:
+def for_settings(gpu: str, lock_timeout_s: float,
+                 hold_dir: Path | None = None) -> CudaCheckpoint | None:
     """The engine for a node (SMR_GPU, SMR_CUDA_LOCK_TIMEOUT); None where the
     driver has no checkpoint API or GPU checkpoints are off."""
     if gpu == "auto" and available():
-        return CudaCheckpoint(lock_timeout_s=lock_timeout_s)
+        return CudaCheckpoint(lock_timeout_s=lock_timeout_s, hold_dir=hold_dir)
     return None

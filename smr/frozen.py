@@ -130,9 +130,39 @@ def _cont(tid: int) -> None:
     raise FrozenError(f"thread {tid} stops again each time it is continued")
 
 
-def with_only(pid: int, tid: int, work: Callable[[], T]) -> T:
+def _born(tid: int) -> str:
+    """The thread's start time (ticks since boot): a reused tid differs."""
+    try:
+        stat = Path(f"/proc/{tid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2:].split()[19]
+
+
+def _own_mask(tid: int, current: int, keep: Path | None) -> int:
+    """The thread's own signal mask: ``current``, unless a holder that died
+    mid-hold left it in ``keep`` (``current`` is then that holder's blocked
+    mask, which the thread would otherwise keep for good). Kept there until
+    the hold ends, so that the next agent gives the right one back."""
+    if keep is None:
+        return current
+    born = _born(tid)
+    with contextlib.suppress(OSError, ValueError):
+        saved_born, saved = keep.read_text().split()
+        if saved_born == born:
+            return int(saved, 16)
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    tmp = keep.with_name(keep.name + ".tmp")
+    tmp.write_text(f"{born} {current:x}\n")
+    os.replace(tmp, keep)
+    return current
+
+
+def with_only(pid: int, tid: int, work: Callable[[], T], keep: Path | None = None) -> T:
     """``work()`` while thread ``tid`` of the stopped process ``pid`` alone
-    runs; then SIGCONT lets every thread go on."""
+    runs; then SIGCONT lets every thread go on. ``keep``: a file (in a
+    directory that outlives this process) where the thread's own signal mask
+    is kept while it runs with all but SIGTRAP blocked."""
     seized: list[int] = []
     mask = ctypes.c_uint64(0)
     try:
@@ -150,6 +180,7 @@ def with_only(pid: int, tid: int, work: Callable[[], T]) -> T:
         if tid not in seized:
             raise FrozenError(f"thread {tid} is not a thread of process {pid}")
         _ptrace(PTRACE_GETSIGMASK, tid, ctypes.sizeof(mask), ctypes.byref(mask))
+        mask.value = _own_mask(tid, mask.value, keep)
         only_trap = ctypes.c_uint64(~(1 << (signal.SIGTRAP - 1)) & (2**64 - 1))
         _ptrace(PTRACE_SETSIGMASK, tid, ctypes.sizeof(only_trap), ctypes.byref(only_trap))
         _cont(tid)
@@ -159,6 +190,8 @@ def with_only(pid: int, tid: int, work: Callable[[], T]) -> T:
             _ptrace(PTRACE_INTERRUPT, tid, 0, 0)
             _until(tid, "t")
             _ptrace(PTRACE_SETSIGMASK, tid, ctypes.sizeof(mask), ctypes.byref(mask))
+            if keep is not None:
+                keep.unlink(missing_ok=True)
     finally:
         for t in seized:
             with contextlib.suppress(FrozenError):

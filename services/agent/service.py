@@ -50,7 +50,8 @@ class NodeAgent:
             node=s.node, criu_timeout=s.criu_timeout, commit_deadline=s.commit_deadline,
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             work_dir=s.work_path / "pods",
-            cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout))
+            cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,
+                                              hold_dir=s.work_path / "held"))
         checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS))
         self.workers = [
             Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",

@@ -152,8 +152,10 @@ class StartRestores:
                                          runtime_id(status["containerID"])),
             checkpoint_id=mine.checkpoint_id, node=self.node, generation=gen.get("generation"),
             reason=reason,  # type: ignore[arg-type]
+            # The uid: the restore is of this pod's container alone, and its
+            # Restored Event names this pod, not every pod of its name.
             target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
-                          container=name))
+                          container=name, pod_uid=meta.get("uid") or None))
         log.info("pod %s/%s container %s starts: restoring %s generation %s",
                  meta["namespace"], meta["name"], name, mine.checkpoint_id, req.generation)
         # smr-init waits without its start timeout from here on.

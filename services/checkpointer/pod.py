@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -29,7 +30,7 @@ from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
 from services.storage.store import Generation
 from services.watcher.policy import tcp_policy
-from smr import __version__, gpuinfo, sockets
+from smr import __version__, frozen, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError, SmrError, TemporaryError
@@ -37,6 +38,8 @@ from smr.jobs import proc_start_ticks, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 
 CONTAINER_FILE = "container.json"
+# Written once the layer and /dev/shm of a finished dump are captured whole.
+CAPTURED = "captured"
 
 
 # smr-init ignores a hold not touched for HOLD_STALE_S (60 s, smr-init.c): a
@@ -54,6 +57,30 @@ async def _keep_holding(shim: Shim) -> None:
 def dumped(dump: asyncio.Task[Any]) -> bool:
     """Did the dump task end with CRIU's success (the images complete)?"""
     return dump.done() and not dump.cancelled() and dump.exception() is None
+
+
+async def capture(shim: Shim, work: Path, upper: Path | None) -> None:
+    """Read the stopped workload's writable layer and /dev/shm into ``work``,
+    and then mark them complete (CAPTURED): a dump whose captures were cut
+    short (the agent killed) is never stored as it is."""
+    (work / CAPTURED).unlink(missing_ok=True)
+    if upper is not None:
+        await rootfs.capture(upper, work / rootfs.TAR)
+    await rootfs.capture_shm(shim.pid, work / rootfs.SHM_TAR)
+    (work / CAPTURED).touch()
+
+
+def captured(work: Path) -> bool:
+    return (work / CAPTURED).is_file()
+
+
+def _dumped_in(work: Path) -> str | None:
+    """The container a dump in ``work`` was taken of (None: none is left)."""
+    try:
+        found = orjson.loads((work / CONTAINER_FILE).read_bytes()).get("container_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def _maybe_running(shim: Shim) -> bool:
@@ -136,8 +163,9 @@ class PodCheckpointStep(PodStep):
                     assert self.cuda
                     durations.update(await self.cuda.suspend_all(cuda_pids))
                 progress.update("dump")
-                dump = asyncio.create_task(self._dump(c, shim, criu, inner, work, upper,
-                                                      req.leave_running, tcp))
+                dump = asyncio.create_task(self._dump(c, shim, criu, pid, inner, work, upper,
+                                                      req.leave_running, tcp,
+                                                      gpu=bool(cuda_pids)))
                 resumed = None
                 if cuda_pids and req.leave_running:
                     assert self.cuda
@@ -157,8 +185,9 @@ class PodCheckpointStep(PodStep):
                         await resumed
                 except asyncio.CancelledError:
                     # The agent stopping: a finished dump (its workload held
-                    # stopped) stays for recover() to store and settle.
-                    keep_work = dumped(dump)
+                    # stopped) stays for recover() to store and settle, also
+                    # one whose captures were cut short (recover() does them).
+                    keep_work = dumped(dump) or dump_finished(work / "images")
                     raise
                 except BaseException:
                     if not dump.done():
@@ -225,14 +254,30 @@ class PodCheckpointStep(PodStep):
                                       "on a node with driver 560 or newer")
         return running
 
-    async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
-                    upper: Any, leave_running: bool, tcp: sockets.Tcp) -> dict[str, float]:
+    async def _dump(self, c: PodContainer, shim: Shim, criu: Any, pid: int, inner: int,
+                    work: Any, upper: Any, leave_running: bool, tcp: sockets.Tcp, *,
+                    gpu: bool = False) -> dict[str, float]:
+        # The tree stays stopped from its dump until its layer and /dev/shm are
+        # read: a final dump's until its images are durable (then it is
+        # killed) or cannot be stored (then it runs on), so that its state is
+        # never in the dump alone; a heartbeat's until the captures are done
+        # (then it runs on), since a workload running meanwhile changes its
+        # /dev/shm and layer past what its memory image saw (a restored copy
+        # would find its shared memory ahead of itself). A GPU heartbeat's
+        # CUDA processes are locked throughout instead (resume_after waits
+        # for this task), and CRIU lets the tree run on.
+        stopped = not (leave_running and gpu)
+        if leave_running and stopped:
+            # CRIU unlocks the connections it dumped (TCP repair mode, their
+            # packets dropped) only for a tree it lets run: one it leaves
+            # stopped keeps them locked for good. A heartbeat's connections
+            # are never restored (a restore is in a new network namespace;
+            # sockets.restore_mode), so CRIU leaves them alone (--tcp-close:
+            # neither dumped nor locked) and they go on as they are ("keep").
+            tcp = "close"
         try:
-            # A final dump leaves the workload stopped, not dead, until its
-            # images are durable (then it is killed) or cannot be stored
-            # (then it runs on): its state is never in the dump alone.
-            run = await criu.dump(inner, work / "images", leave_running=leave_running,
-                                  leave_stopped=not leave_running, tcp=tcp)
+            run = await criu.dump(inner, work / "images", leave_running=not stopped,
+                                  leave_stopped=stopped, tcp=tcp)
         except CriuError as e:
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
@@ -240,11 +285,11 @@ class PodCheckpointStep(PodStep):
             e.message = f"{e.message}; {c.target()} keeps running"
             raise
         t = time.monotonic()
-        # The layer is read once the dump is complete: for a final checkpoint
-        # the workload is stopped for good and the layer is exactly what it left.
-        if upper is not None:
-            await rootfs.capture(upper, work / rootfs.TAR)
-        await rootfs.capture_shm(shim.pid, work / rootfs.SHM_TAR)
+        try:
+            await capture(shim, work, upper)
+        finally:
+            if leave_running and stopped:
+                signal_tree(pid, signal.SIGCONT)  # a heartbeat: it runs on
         return {"dump": run.seconds, "rootfs": time.monotonic() - t}
 
     async def _commit(self, req: CkptRequested, c: PodContainer, shim: Shim,
@@ -313,6 +358,13 @@ class PodCheckpointStep(PodStep):
         if c is None or shim is None:
             return None  # run() reports it
         if dump_finished(work / "images"):
+            if not captured(work) and not await self._capture_again(c, shim, work):
+                # Its layer and /dev/shm can no longer be read as the dump
+                # left them: never stored without them; run again.
+                await self._settle_held(req, c, shim, work, signal.SIGCONT, "")
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                await self.lock.release(c.lock_key(), req.request_id)
+                return None
             try:
                 gen = await self._durable(req, c, shim, Progress())
             except PermanentError as e:
@@ -334,15 +386,30 @@ class PodCheckpointStep(PodStep):
         hook waits for it, and the kubelet's SIGTERM waits for the hook): only
         in the very container that was dumped, never a restored one that has
         replaced it since."""
-        if req.leave_running or c is None or shim is None:
-            return
-        try:
-            dumped_in = orjson.loads((work / CONTAINER_FILE).read_bytes()).get("container_id")
-        except (OSError, ValueError):
-            return  # nothing of that dump is left: it was settled already
-        if dumped_in != c.container_id:
-            return
+        if c is None or shim is None or _dumped_in(work) != c.container_id:
+            return  # nothing of that dump is left (settled already), or replaced
         running = await asyncio.to_thread(shim.workload)
+        if req.leave_running:
+            # A heartbeat's tree, left stopped by an agent that died before
+            # it ran on, runs on whatever the outcome (a SIGCONT to a
+            # running one changes nothing).
+            if running is not None:
+                signal_tree(running[0], signal.SIGCONT)
+            return
         if running is not None:
             signal_tree(running[0], sig)
-        await asyncio.to_thread(shim.final, outcome)
+        if outcome:
+            await asyncio.to_thread(shim.final, outcome)
+
+    async def _capture_again(self, c: PodContainer, shim: Shim, work: Path) -> bool:
+        """The captures of a finished dump, cut short (the agent died), done
+        again: only from the very container dumped, its workload still held
+        stopped as the dump left it (a running one has moved on from its
+        memory image). False where they cannot be."""
+        if _dumped_in(work) != c.container_id:
+            return False
+        running = await asyncio.to_thread(shim.workload)
+        if running is None or not all(frozen.state(p) == "T" for p in host.tree(running[0])):
+            return False
+        await capture(shim, work, host.upperdir(shim.pid))
+        return True

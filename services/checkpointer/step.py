@@ -105,9 +105,15 @@ class CheckpointStep(LocalJobStep):
         try:
             progress.update("dump")
             # The images go up while CRIU writes them (see services/storage/upload).
+            # CRIU unlocks the connections it dumped (TCP repair mode, their
+            # packets dropped) only for a tree it lets run: one it leaves
+            # stopped keeps them locked for good. A heartbeat's are never
+            # restored (sockets.restore_mode), so a GPU heartbeat leaves them
+            # alone (--tcp-close: neither dumped nor locked): they go on ("keep").
             dump = asyncio.create_task(self._criu(job, self.criu.dump(
                 job.pid, work / "images", leave_running=req.leave_running and not gpu_heartbeat,
-                leave_stopped=final or gpu_heartbeat, parent=parent, tcp=tcp)))
+                leave_stopped=final or gpu_heartbeat, parent=parent,
+                tcp="close" if gpu_heartbeat else tcp)))
             resumed = None
             if gpu_heartbeat:
                 # A heartbeat: the job runs again as soon as its image is

@@ -107,8 +107,10 @@ def state_of(root: Path, workload: str) -> str:
 
 def install(root: Path) -> None:
     """Put the stand-in where smr looks for the driver and for GPU devices."""
-    def for_settings(gpu: str, lock_timeout_s: float) -> CudaCheckpoint | None:
-        return CudaCheckpoint(StandInDriver(root), lock_timeout_s)  # type: ignore[arg-type]
+    def for_settings(gpu: str, lock_timeout_s: float,
+                     hold_dir: Path | None = None) -> CudaCheckpoint | None:
+        return CudaCheckpoint(StandInDriver(root), lock_timeout_s,  # type: ignore[arg-type]
+                              hold_dir=hold_dir)
 
     def devices() -> list[dict[str, Any]]:
         return [{"index": 0, "model": MODEL, "memory_total": 1 << 40,

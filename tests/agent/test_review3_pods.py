@@ -1,0 +1,239 @@
+"""Review of the pod data path merged for #27 (the container's /dev/shm
+carried as devshm.tar): sequences that must neither tear nor lose the
+/dev/shm a checkpoint carries. Real containerd, runc, CRIU and S3 (moto);
+the harness is tests/agent/cluster.py.
+
+The workload keeps one number twice: in its memory (a shell variable) and in
+/dev/shm/c, and checks before each step that they agree; a restored copy
+whose /dev/shm is not the one its memory was saved with says "torn".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import io
+import tarfile
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.agent import rootfs
+from services.checkpointer.pod import PodCheckpointStep
+from smr.messages import CkptDone, CkptRequested, Target
+from tests import oci_image
+from tests.agent.cluster import Cluster, steps, workload
+
+SHM_IMAGE = "smr.test/shm-counter:1"
+SHM_COUNTER = b"""#!/bin/sh
+test -f /data/born || echo "born-$$-$(cat /proc/sys/kernel/random/uuid)" > /data/born
+i=0; sum=0
+echo 0 > /dev/shm/c
+while true; do
+  c=$(cat /dev/shm/c 2>/dev/null)
+  test "$c" = "$i" || echo "torn: /dev/shm/c holds '$c', memory $i"
+  i=$((i+1)); sum=$((sum+i*i))
+  echo $i > /dev/shm/c
+  echo "step $i sum $sum born $(cat /data/born)"
+  sleep 0.02
+done
+"""
+
+
+@pytest.fixture(scope="module")
+def shm_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("shm")
+    return oci_image.build(d / "shm.tar", SHM_IMAGE, files={"/bin/counter": SHM_COUNTER})
+
+
+@pytest.fixture
+async def shm(cluster: Cluster, shm_image: Path) -> Cluster:
+    for node, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(node, shm_image)
+    return cluster
+
+
+def shm_pod(name: str, node: str, ckpt: str) -> dict[str, Any]:
+    return workload(name, node, image=SHM_IMAGE, owner="shm", restart="Never",
+                    env={"SMR_CHECKPOINT": ckpt})
+
+
+def torn(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if ln.startswith("torn")]
+
+
+async def stored_file(cluster: Cluster, gen: Any, path: str) -> bytes | None:
+    if path not in {f["path"] for f in gen.manifest["files"]}:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "gen"
+        await cluster.store.fetch(gen, d, only=lambda p: p == path)
+        return (d / path).read_bytes()
+
+
+def shm_counter(tar: bytes | None) -> str | None:
+    if tar is None:
+        return None
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        f = t.extractfile("dev/shm/c")
+        return f.read().decode().strip() if f else None
+
+
+async def test_a_pod_heartbeat_saves_dev_shm_as_its_memory_saw_it(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leave-running checkpoint: the workload must not run between its
+    memory dump and the capture of its /dev/shm, else the restored copy gets
+    a /dev/shm from later than its memory (a shared-memory counter ahead of
+    the process that writes it: PostgreSQL's dynamic shared memory, a
+    multiprocessing.shared_memory block)."""
+    a, b = list(shm.kubelets)
+    real = rootfs.capture
+
+    async def a_large_layer(upper: Path, out: Path) -> None:
+        await real(upper, out)
+        await asyncio.sleep(1)  # as long as a layer of a few hundred MiB takes
+
+    monkeypatch.setattr(rootfs, "capture", a_large_layer)
+    shm.kube.put("pods", shm_pod("hb-1", a, "hb"))
+    await shm.until_steps("hb-1", a, 10, timeout=60)
+    done = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="hb", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="hb-1", container="main")),
+        timeout=120)
+    assert isinstance(done, CkptDone) and done.status == "succeeded", done.error
+    shm.kube.put("pods", shm_pod("hb-2", b, "hb"))
+    after = await shm.until_steps("hb-2", b, 5, timeout=60)
+    assert after[0][0] > 1, "it started over instead of being restored"
+    assert not torn(shm.log("hb-2", b)), (
+        f"restored from a heartbeat, /dev/shm is not what its memory saw: "
+        f"{torn(shm.log('hb-2', b))[:1]} (it ran on between its dump and the capture)")
+    assert not torn(shm.log("hb-1", a)), "the heartbeat tore the running workload itself"
+
+
+def steps_of(node: str) -> list[PodCheckpointStep]:
+    return [o for o in gc.get_objects()
+            if isinstance(o, PodCheckpointStep) and o.node == node]
+
+
+async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent dies after CRIU finished a final dump and before /dev/shm
+    was captured (the request is delivered again, and recover() finds
+    dump.log complete in the work directory). Its recovery must store the
+    workload's /dev/shm with it, not a generation without it; it then ends
+    the workload held stopped, so nothing else has it."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("fin-1", a, "fin"))
+    await shm.until_steps("fin-1", a, 10, timeout=60)
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real = rootfs.capture_shm
+
+    async def dies_here(pid: int, out: Path) -> None:
+        entered.set()
+        await crash.wait()  # the agent's last moment: SIGKILL comes here
+        raise RuntimeError("the agent was killed (test)")
+
+    monkeypatch.setattr(rootfs, "capture_shm", dies_here)
+    req = CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="fin", node=a,
+        target=Target(kind="pod", namespace="default", pod="fin-1", container="main"))
+    first = asyncio.create_task(shm.bus.request(req, timeout=120))
+    try:
+        await asyncio.wait_for(entered.wait(), 60)
+        monkeypatch.setattr(rootfs, "capture_shm", real)  # the next agent's
+        [step] = steps_of(a)
+        # What the redelivered request's worker does on the next agent.
+        done = await step.recover(req, {})
+    finally:
+        crash.set()
+        await asyncio.gather(first, return_exceptions=True)
+    gen = await shm.store.latest("default", "fin")
+    if done is None:  # ran again instead: nothing stored without its /dev/shm
+        assert gen is None or "devshm.tar" in {f["path"] for f in gen.manifest["files"]}
+        return
+    assert done.status == "succeeded", done.error
+    assert gen is not None and gen.number == done.generation
+    counter = shm_counter(await stored_file(shm, gen, "devshm.tar"))
+    assert counter is not None, (
+        "the recovered final checkpoint was stored without the workload's /dev/shm "
+        "(and the workload was ended): its shared memory is lost")
+    before = steps(shm.log("fin-1", a))
+    shm.kube.put("pods", shm_pod("fin-2", b, "fin"))
+    after = await shm.until_steps("fin-2", b, 5, timeout=60)
+    assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
+    assert not torn(shm.log("fin-2", b)), torn(shm.log("fin-2", b))[:1]
+
+
+
+
+async def test_a_restored_event_names_the_pod_it_restored_by_uid(shm: Cluster) -> None:
+    """A pod restored under the name of an earlier one (a Job's, a
+    StatefulSet's pods keep names): its Restored Event must carry its uid,
+    else it attaches to every pod of that name, and `kubectl describe pod`,
+    which asks for the uid, shows it on none."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("same", a, "same"))
+    await shm.until_steps("same", a, 5, timeout=60)
+    done = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="same", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="same", container="main")),
+        timeout=120)
+    assert done.status == "succeeded", done.error
+    first = shm.kube.get("pods", "same", "default")
+    assert first is not None
+    shm.kube.remove("pods", "same", "default")
+    shm.kube.put("pods", shm_pod("same", b, "same"))
+    await shm.until_steps("same", b, 5, timeout=60)
+    second = shm.kube.get("pods", "same", "default")
+    assert second is not None and second["metadata"]["uid"] != first["metadata"]["uid"]
+    event = await shm.event("Restored", "same", timeout=60)
+    assert event["involvedObject"].get("uid") == second["metadata"]["uid"], (
+        f"the Restored Event names pod uid {event['involvedObject'].get('uid')}, the "
+        f"restored pod is {second['metadata']['uid']}")
+
+
+async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_whole(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat's tree is held stopped from its dump to the end of its
+    captures; the agent dies in between. The redelivered request's recovery
+    must not leave the workload stopped for good, and what it stores must be
+    consistent (the captures done again from the tree still stopped)."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("hbr-1", a, "hbr"))
+    await shm.until_steps("hbr-1", a, 10, timeout=60)
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real = rootfs.capture_shm
+
+    async def dies_here(pid: int, out: Path) -> None:
+        entered.set()
+        await crash.wait()
+        raise RuntimeError("the agent was killed (test)")
+
+    monkeypatch.setattr(rootfs, "capture_shm", dies_here)
+    req = CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="hbr", node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="hbr-1", container="main"))
+    first = asyncio.create_task(shm.bus.request(req, timeout=120))
+    try:
+        await asyncio.wait_for(entered.wait(), 60)
+        monkeypatch.setattr(rootfs, "capture_shm", real)
+        held_at = len(steps(shm.log("hbr-1", a)))
+        await asyncio.sleep(1)
+        assert len(steps(shm.log("hbr-1", a))) == held_at, "not held stopped while captured"
+        [step] = steps_of(a)
+        done = await step.recover(req, {})
+        await shm.until_steps("hbr-1", a, held_at + 10, timeout=30)  # it runs on
+    finally:
+        crash.set()
+        await asyncio.gather(first, return_exceptions=True)
+    assert done is not None and done.status == "succeeded", done
+    gen = await shm.store.latest("default", "hbr")
+    assert gen is not None and gen.number == done.generation
+    assert shm_counter(await stored_file(shm, gen, "devshm.tar")) is not None
+    shm.kube.put("pods", shm_pod("hbr-2", b, "hbr"))
+    after = await shm.until_steps("hbr-2", b, 5, timeout=60)
+    assert after[0][0] > 1, "it started over instead of being restored"
+    assert not torn(shm.log("hbr-2", b)), torn(shm.log("hbr-2", b))[:1]
