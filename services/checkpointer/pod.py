@@ -136,13 +136,20 @@ class PodCheckpointStep(PodStep):
                     assert self.cuda
                     durations.update(await self.cuda.suspend_all(cuda_pids))
                 progress.update("dump")
-                dump = asyncio.create_task(self._dump(c, shim, criu, inner, work, upper,
-                                                      req.leave_running, tcp))
+                # A GPU heartbeat leaves the tree stopped too: its GPU state
+                # comes back before any of its threads runs (smr.frozen; JAX's
+                # died touching a GPU mapping between CRIU's thaw and the
+                # driver's restore), as for a local job.
+                gpu_heartbeat = bool(cuda_pids and req.leave_running)
+                dump = asyncio.create_task(self._dump(
+                    c, shim, criu, inner, work, upper, tcp,
+                    leave_running=req.leave_running and not gpu_heartbeat,
+                    leave_stopped=not req.leave_running or gpu_heartbeat))
                 resumed = None
-                if cuda_pids and req.leave_running:
+                if gpu_heartbeat:
                     assert self.cuda
                     resumed = asyncio.create_task(
-                        self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
+                        self.cuda.resume_after(dump, pid, durations, frozen_at))
                 try:
                     try:
                         gen, durable = await self._commit(req, c, shim, progress, dump)
@@ -157,19 +164,25 @@ class PodCheckpointStep(PodStep):
                         await resumed
                 except asyncio.CancelledError:
                     # The agent stopping: a finished dump (its workload held
-                    # stopped) stays for recover() to store and settle.
+                    # stopped) stays for recover() to store and settle; a
+                    # heartbeat's GPU tree runs on meanwhile.
                     keep_work = dumped(dump)
+                    if gpu_heartbeat and keep_work:
+                        await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
+                            pid, quiet=True))
                     raise
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
-                    if not req.leave_running and dumped(dump):
+                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
+                        # Never left locked: back to running whatever failed;
+                        # a tree the dump left stopped gets its GPU state
+                        # back before it is continued.
+                        await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
+                            pid, quiet=True))
+                    elif not req.leave_running and dumped(dump):
                         # Not stored: the workload, held stopped, runs on.
                         signal_tree(pid, signal.SIGCONT)
-                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
-                        # Never left locked: back to running whatever failed.
-                        await asyncio.shield(self.cuda.resume_all(  # type: ignore[union-attr]
-                            cuda_pids, quiet=True))
                     raise
                 durations.update(dump.result())
                 durations["durable"] = durable
@@ -226,13 +239,14 @@ class PodCheckpointStep(PodStep):
         return running
 
     async def _dump(self, c: PodContainer, shim: Shim, criu: Any, inner: int, work: Any,
-                    upper: Any, leave_running: bool, tcp: sockets.Tcp) -> dict[str, float]:
+                    upper: Any, tcp: sockets.Tcp, *, leave_running: bool,
+                    leave_stopped: bool) -> dict[str, float]:
         try:
             # A final dump leaves the workload stopped, not dead, until its
             # images are durable (then it is killed) or cannot be stored
             # (then it runs on): its state is never in the dump alone.
             run = await criu.dump(inner, work / "images", leave_running=leave_running,
-                                  leave_stopped=not leave_running, tcp=tcp)
+                                  leave_stopped=leave_stopped, tcp=tcp)
         except CriuError as e:
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
