@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,27 @@ async def wait_step(log: Path, n: int, timeout: float = 240, stall: float = 60) 
     raise RuntimeError(f"no step {n} within {timeout}s: {log.read_text()[-1500:]}")
 
 
+def nvidia_maps(pid: int | None) -> str:
+    """Per process of the job's tree: its mappings of /dev/nvidia* devices
+    (what CRIU's handle_device_vma meets if the driver left any)."""
+    from collections import Counter
+
+    from smr.gpuinfo import process_tree
+
+    if not pid:
+        return "?"
+    out = []
+    for p in process_tree(pid):
+        try:
+            maps = Path(f"/proc/{p}/maps").read_text().splitlines()
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        devs = Counter(ln.split()[-1] for ln in maps if "/dev/nvidia" in ln)
+        out.append(f"{p}({comm}): {dict(devs) or '-'}")
+    return "; ".join(out)
+
+
 def gib(n: int | None) -> str:
     return f"{(n or 0) / 2**30:.2f} GiB"
 
@@ -116,6 +138,9 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
                             str(log), "--", *cmd], env=s_env, capture_output=True, text=True)
         print(f"[{name}] {r.stdout.strip()} {r.stderr.strip()}", flush=True)
         at = await wait_step(log, 30, timeout=300)
+        m_pid = re.search(r"pid (\d+)", r.stdout)
+        pid = int(m_pid.group(1)) if m_pid else None
+        print(f"[{name}] nvidia maps at the start: {nvidia_maps(pid)}", flush=True)
 
         async def ckpt(leave_running: bool) -> CkptDone:
             req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
@@ -132,6 +157,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
         res["events"].append(ev)
         print(f"[{name}] heartbeat at step {at}: {done.status} {ev['size']} downtime "
               f"{ev['downtime_s']} {done.error or ''}", flush=True)
+        print(f"[{name}] nvidia maps after the heartbeat: {nvidia_maps(pid)}", flush=True)
         for m in range(1, migrations + 1):
             at = await wait_step(log, steps(log) + 10)
             t0 = time.monotonic()
@@ -142,6 +168,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
             res["events"].append(ev)
             if done.status != "succeeded":
                 print(f"[{name}] migration {m}: checkpoint failed {done.error}", flush=True)
+                print(f"[{name}] nvidia maps now: {nvidia_maps(pid)}", flush=True)
                 break
             req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
                                    target=Target.job(name), node="h100", reason="api")
@@ -156,6 +183,8 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
                   f"{ev['restore_to_running_s']} {rest.error or ''}", flush=True)
             if rest.status != "succeeded":
                 break
+            pid = rest.pid or pid
+            print(f"[{name}] nvidia maps after the restore: {nvidia_maps(pid)}", flush=True)
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and not final(log.read_text(errors="replace")):
             job_alive = subprocess.run([PY, "-m", "smrctl.cli", "ps"], env=s_env,
