@@ -101,7 +101,9 @@ def main() -> None:
 
     for i, (x, y) in enumerate(batches, start=1):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        opt.zero_grad(set_to_none=False)
+        # CUDA graphs: a gradient is an output of the last replay, which the
+        # next overwrites; accumulating into it fails (fresh ones each step).
+        opt.zero_grad(set_to_none=a.compile == "reduce-overhead")
         loss = step_fn(x, y)
         opt.step()
         line = f"step={i} loss={float(loss):.8f}"

@@ -68,6 +68,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 def jax_pod(name: str, node: str, ckpt: str) -> dict[str, Any]:
     extra = site()
     env = {"SMR_CHECKPOINT": ckpt, **ENV, **({"PYTHONPATH": extra} if extra else {})}
+    # The CUDA tools the host's jax uses, in the image (tests/agent/cluster.py).
+    env["XLA_FLAGS"] += " --xla_gpu_cuda_data_dir=/cuda"
     p = pod(name, node, env=env, owner=ckpt)
     p.pop("status")
     c = p["spec"]["containers"][0]
