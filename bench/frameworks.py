@@ -7,6 +7,9 @@ uninterrupted run of the same command on the same GPU.
 
     python3 bench/frameworks.py [--only NAME ...] [--migrations 3] > log
 
+``--only hf-generate`` runs the Hugging Face server (smr/workloads/hf_generate.py):
+its answers over HTTP, not steps, are compared (run_hf).
+
 Prints, per workload and step, the result, the checkpoint size, the
 downtime (heartbeat: the driver's lock to its unlock; migration: from the
 checkpoint request to the restore's answer) and restore-to-running (the
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,6 +85,27 @@ async def wait_step(log: Path, n: int, timeout: float = 240, stall: float = 60) 
     raise RuntimeError(f"no step {n} within {timeout}s: {log.read_text()[-1500:]}")
 
 
+def nvidia_maps(pid: int | None) -> str:
+    """Per process of the job's tree: its mappings of /dev/nvidia* devices
+    (what CRIU's handle_device_vma meets if the driver left any)."""
+    from collections import Counter
+
+    from smr.gpuinfo import process_tree
+
+    if not pid:
+        return "?"
+    out = []
+    for p in process_tree(pid):
+        try:
+            maps = Path(f"/proc/{p}/maps").read_text().splitlines()
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        devs = Counter(ln.split()[-1] for ln in maps if "/dev/nvidia" in ln)
+        out.append(f"{p}({comm}): {dict(devs) or '-'}")
+    return "; ".join(out)
+
+
 def gib(n: int | None) -> str:
     return f"{(n or 0) / 2**30:.2f} GiB"
 
@@ -116,6 +141,9 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
                             str(log), "--", *cmd], env=s_env, capture_output=True, text=True)
         print(f"[{name}] {r.stdout.strip()} {r.stderr.strip()}", flush=True)
         at = await wait_step(log, 30, timeout=300)
+        m_pid = re.search(r"pid (\d+)", r.stdout)
+        pid = int(m_pid.group(1)) if m_pid else None
+        print(f"[{name}] nvidia maps at the start: {nvidia_maps(pid)}", flush=True)
 
         async def ckpt(leave_running: bool) -> CkptDone:
             req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
@@ -132,6 +160,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
         res["events"].append(ev)
         print(f"[{name}] heartbeat at step {at}: {done.status} {ev['size']} downtime "
               f"{ev['downtime_s']} {done.error or ''}", flush=True)
+        print(f"[{name}] nvidia maps after the heartbeat: {nvidia_maps(pid)}", flush=True)
         for m in range(1, migrations + 1):
             at = await wait_step(log, steps(log) + 10)
             t0 = time.monotonic()
@@ -142,6 +171,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
             res["events"].append(ev)
             if done.status != "succeeded":
                 print(f"[{name}] migration {m}: checkpoint failed {done.error}", flush=True)
+                print(f"[{name}] nvidia maps now: {nvidia_maps(pid)}", flush=True)
                 break
             req = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
                                    target=Target.job(name), node="h100", reason="api")
@@ -156,6 +186,8 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
                   f"{ev['restore_to_running_s']} {rest.error or ''}", flush=True)
             if rest.status != "succeeded":
                 break
+            pid = rest.pid or pid
+            print(f"[{name}] nvidia maps after the restore: {nvidia_maps(pid)}", flush=True)
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and not final(log.read_text(errors="replace")):
             job_alive = subprocess.run([PY, "-m", "smrctl.cli", "ps"], env=s_env,
@@ -184,6 +216,126 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
     return res
 
 
+HF_PROMPTS = [[1, *(100 + 37 * i + 11 * k for k in range(12))] for i in range(9)]
+
+
+def hf_ask(port: int, ids: list[int], new: int = 32) -> list[int]:
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate",
+                                 data=json.dumps({"ids": ids, "new": new}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["tokens"]
+
+
+async def wait_ready(log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and "ready port=" in log.read_text(errors="replace"):
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"the server never said ready: {log.read_text()[-1500:]}")
+
+
+async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
+    """The Hugging Face server (smr/workloads/hf_generate.py): the answers of
+    an uninterrupted server, then under smr up: three prompts before a
+    heartbeat, three between it and the first migration, three after each
+    restore; every answer's tokens must equal the uninterrupted one's."""
+    name, model_dir = "hf-generate", Path(tempfile.mkdtemp(prefix="smr-hf-model-"))
+    cmd = [PY, "-m", "smr.workloads.hf_generate", "--dir", str(model_dir)]
+    res: dict[str, Any] = {"workload": name, "events": [], "answers": {}}
+    base_log = out / "hf-baseline.log"
+    with open(base_log, "wb") as f:
+        base = subprocess.Popen([*cmd, "--port", "8730"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        await wait_ready(base_log, 600)
+        want = [await asyncio.to_thread(hf_ask, 8730, p) for p in HF_PROMPTS]
+    finally:
+        base.kill()
+        base.wait()
+    print(f"[{name}] uninterrupted answers: {[w[:4] for w in want]}", flush=True)
+    data = Path(tempfile.mkdtemp(prefix=f"smr-{name}-", dir="/tmp"))
+    s_env = {**os.environ, "SMR_DATA_DIR": str(data), "SMR_NODE_NAME": "h100",
+             "SMR_ACK_WAIT": "60"}
+    up = subprocess.Popen([PY, "-m", "smrctl.cli", "up"], env=s_env,
+                          stdout=open(out / f"up-{name}.log", "wb"), stderr=subprocess.STDOUT)
+    log = out / f"job-{name}.log"
+    got: dict[int, list[int]] = {}
+
+    async def ask(phase: str, which: range) -> None:
+        for i in which:
+            got[i] = await asyncio.to_thread(hf_ask, 8731, HF_PROMPTS[i])
+            res["answers"][f"{phase}:{i}"] = got[i] == want[i]
+        print(f"[{name}] {phase}: equal {[got[i] == want[i] for i in which]}", flush=True)
+
+    try:
+        for _ in range(600):
+            if (data / "nats.url").exists() and b"Ctrl-C" in (out / f"up-{name}.log").read_bytes():
+                break
+            await asyncio.sleep(0.1)
+        bus = await embedded.connect(config.load(
+            {k: v for k, v in s_env.items() if k.startswith("SMR_")}))
+        r = subprocess.run([PY, "-m", "smrctl.cli", "exec", "--gpu", "-i", name, "--log",
+                            str(log), "--", *cmd, "--port", "8731"], env=s_env,
+                           capture_output=True, text=True)
+        print(f"[{name}] {r.stdout.strip()} {r.stderr.strip()}", flush=True)
+        await wait_ready(log)
+        await ask("before the heartbeat", range(0, 3))
+        req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=name,
+                            target=Target.job(name), node="h100", reason="api",
+                            leave_running=True)
+        done = await bus.request(req, timeout=600)
+        assert isinstance(done, CkptDone)
+        res["events"].append({"event": "heartbeat", "status": done.status,
+                              "size": gib(done.size_bytes), "durations": done.durations,
+                              "error": done.error})
+        print(f"[{name}] heartbeat: {done.status} {gib(done.size_bytes)} downtime "
+              f"{done.durations.get('downtime')} {done.error or ''}", flush=True)
+        await ask("between the heartbeat and the migration", range(3, 6))
+        for m in range(1, migrations + 1):
+            t0 = time.monotonic()
+            done = await bus.request(CkptRequested(
+                request_id=uuid.uuid4().hex, checkpoint_id=name, target=Target.job(name),
+                node="h100", reason="api", leave_running=False), timeout=600)
+            assert isinstance(done, CkptDone)
+            ev: dict[str, Any] = {"event": f"migration {m}", "checkpoint": done.status,
+                                  "size": gib(done.size_bytes), "error": done.error}
+            res["events"].append(ev)
+            if done.status != "succeeded":
+                print(f"[{name}] migration {m}: checkpoint failed {done.error}", flush=True)
+                break
+            rest = await bus.request(RestoreRequested(
+                request_id=uuid.uuid4().hex, checkpoint_id=name, target=Target.job(name),
+                node="h100", reason="api"), timeout=600)
+            assert isinstance(rest, RestoreDone)
+            ev.update(restore=rest.status, downtime_s=round(time.monotonic() - t0, 2),
+                      restore_to_running_s=rest.durations.get("total"), error=rest.error)
+            print(f"[{name}] migration {m}: {done.status}/{rest.status} {ev['size']} downtime "
+                  f"{ev['downtime_s']}s restore-to-running {ev['restore_to_running_s']} "
+                  f"{rest.error or ''}", flush=True)
+            if rest.status != "succeeded":
+                break
+            await ask(f"after restore {m}", range(6, 9))
+        res["equal"] = bool(res["answers"]) and all(res["answers"].values())
+        print(f"[{name}] every answer equal to the uninterrupted server's: {res['equal']}",
+              flush=True)
+        await bus.close()
+    except Exception as e:  # the log says what failed
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{name}] ERROR {res['error']}", flush=True)
+    finally:
+        subprocess.run([PY, "-m", "smrctl.cli", "kill", name], env=s_env, capture_output=True)
+        up.terminate()
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
+    return res
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*")
@@ -197,6 +349,8 @@ async def main() -> int:
             continue
         res = await run_one(name, cmd, env, a.migrations, out)
         print("RESULT " + json.dumps(res), flush=True)
+    if a.only and "hf-generate" in a.only:  # only when named: it needs transformers
+        print("RESULT " + json.dumps(await run_hf(a.migrations, out)), flush=True)
     return 0
 
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine (through `device`, carrying .whl and .device): the GPU
 # frameworks matrix of issue #26 (bench/frameworks.py; FRAMEWORKS names some,
-# all by default; MIGRATIONS, 3 by default). PROBE=1 first runs
+# all by default; MIGRATIONS, 3 by default; GPU_TESTS, none by default, runs
+# those GPU tests first, as scripts/device-gpu.sh does). PROBE=1 first runs
 # bench/jax_probe.py: a GPU job's checkpoint and restore by hand, reporting
 # how the restored process ends, in the old order (the driver's restore after
 # CRIU resumed it) and as smr does it now (--frozen). Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-GPU_TESTS=none source scripts/device-gpu.sh
+GPU_TESTS=${GPU_TESTS:-none} source scripts/device-gpu.sh
 export XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tee -a "$OUT/env.txt"
 if [ -n "${PROBE:-}" ]; then

@@ -282,16 +282,15 @@ class CudaCheckpoint:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGCONT)
 
-    async def resume_after(self, writer: asyncio.Task[Any], root: int | list[int],
+    async def resume_after(self, writer: asyncio.Task[Any], root: int,
                            durations: dict[str, float], frozen_at: float) -> None:
         """A heartbeat: the job runs again as soon as ``writer`` (the dump)
         has its image; the upload goes on behind. On a failed dump the caller
-        resumes it. ``root``: the tree the dump left stopped (a local job), or
-        the CUDA processes of a tree CRIU let run on (a pod container)."""
+        resumes it. ``root``: the tree the dump left stopped (a local job's or
+        a pod container's workload, by host PID)."""
         await asyncio.wait([writer])
         if writer.exception() is None:
-            durations.update(await (self.resume_all(root) if isinstance(root, list)
-                                    else self.resume_tree(root)))
+            durations.update(await self.resume_tree(root))
             # Wall clock from the lock to the unlock: what the job lost.
             durations["downtime"] = time.monotonic() - frozen_at
 

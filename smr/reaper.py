@@ -60,7 +60,10 @@ def reap() -> None:
         try:
             got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:  # not (or no longer) ours: its parent reaps it
-            if not _alive(pid):
+            # Unless it is a zombie whose parent is still ending: a child
+            # that ended before its killed parent's last thread (a CUDA
+            # process's driver threads end last) comes here only then.
+            if _state(pid) is None:
                 _adopted.discard(pid)
             continue
         if got and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):  # not a ptrace stop

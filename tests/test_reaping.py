@@ -130,3 +130,17 @@ async def test_a_failed_restore_leaves_no_zombie_holding_the_jobs_pids(h: Harnes
     flip_byte(pages, pages.stat().st_size // 3)
     again = await h.restore(job.id)
     assert again.status == "succeeded", again.error
+
+
+def test_a_child_that_ends_before_its_dying_parent_is_reaped_once_it_comes_here() -> None:
+    """The torch.compile job on the H100: its second restore failed with
+    'pid-taken … held by a zombie (python3) that its parent … has not reaped'.
+    The job's child (Inductor's compile pool) had ended while the job, killed
+    after its dump, was still ending (its main thread gone, driver threads
+    not yet): the child was then the dying job's zombie, not `smr up`'s, and
+    was dropped from what it reaps before it came to it."""
+    out = subprocess.run([sys.executable, "-m", "tests.helpers.reap_scenario"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "B", out.stdout

@@ -163,14 +163,19 @@ class PodCheckpointStep(PodStep):
                     assert self.cuda
                     durations.update(await self.cuda.suspend_all(cuda_pids))
                 progress.update("dump")
+                # A GPU heartbeat leaves the tree stopped too: its GPU state
+                # comes back before any of its threads runs (smr.frozen; JAX's
+                # died touching a GPU mapping between CRIU's thaw and the
+                # driver's restore), as for a local job.
+                gpu_heartbeat = bool(cuda_pids and req.leave_running)
                 dump = asyncio.create_task(self._dump(c, shim, criu, pid, inner, work, upper,
                                                       req.leave_running, tcp,
                                                       gpu=bool(cuda_pids)))
                 resumed = None
-                if cuda_pids and req.leave_running:
+                if gpu_heartbeat:
                     assert self.cuda
                     resumed = asyncio.create_task(
-                        self.cuda.resume_after(dump, cuda_pids, durations, frozen_at))
+                        self.cuda.resume_after(dump, pid, durations, frozen_at))
                 try:
                     try:
                         gen, durable = await self._commit(req, c, shim, progress, dump)
@@ -186,19 +191,25 @@ class PodCheckpointStep(PodStep):
                 except asyncio.CancelledError:
                     # The agent stopping: a finished dump (its workload held
                     # stopped) stays for recover() to store and settle, also
-                    # one whose captures were cut short (recover() does them).
+                    # one whose captures were cut short (recover() does them);
+                    # a heartbeat's GPU tree runs on meanwhile.
                     keep_work = dumped(dump) or dump_finished(work / "images")
+                    if gpu_heartbeat and keep_work:
+                        await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
+                            pid, quiet=True))
                     raise
                 except BaseException:
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
-                    if not req.leave_running and dumped(dump):
+                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
+                        # Never left locked: back to running whatever failed;
+                        # a tree the dump left stopped gets its GPU state
+                        # back before it is continued.
+                        await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
+                            pid, quiet=True))
+                    elif not req.leave_running and dumped(dump):
                         # Not stored: the workload, held stopped, runs on.
                         signal_tree(pid, signal.SIGCONT)
-                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
-                        # Never left locked: back to running whatever failed.
-                        await asyncio.shield(self.cuda.resume_all(  # type: ignore[union-attr]
-                            cuda_pids, quiet=True))
                     raise
                 durations.update(dump.result())
                 durations["durable"] = durable
@@ -264,10 +275,9 @@ class PodCheckpointStep(PodStep):
         # (then it runs on), since a workload running meanwhile changes its
         # /dev/shm and layer past what its memory image saw (a restored copy
         # would find its shared memory ahead of itself). A GPU heartbeat's
-        # CUDA processes are locked throughout instead (resume_after waits
-        # for this task), and CRIU lets the tree run on.
-        stopped = not (leave_running and gpu)
-        if leave_running and stopped:
+        # tree is continued by resume_after (it waits for this task), once
+        # the driver has its GPU state back.
+        if leave_running:
             # CRIU unlocks the connections it dumped (TCP repair mode, their
             # packets dropped) only for a tree it lets run: one it leaves
             # stopped keeps them locked for good. A heartbeat's connections
@@ -276,8 +286,8 @@ class PodCheckpointStep(PodStep):
             # neither dumped nor locked) and they go on as they are ("keep").
             tcp = "close"
         try:
-            run = await criu.dump(inner, work / "images", leave_running=not stopped,
-                                  leave_stopped=stopped, tcp=tcp)
+            run = await criu.dump(inner, work / "images", leave_running=False,
+                                  leave_stopped=True, tcp=tcp)
         except CriuError as e:
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
@@ -288,7 +298,7 @@ class PodCheckpointStep(PodStep):
         try:
             await capture(shim, work, upper)
         finally:
-            if leave_running and stopped:
+            if leave_running and not gpu:
                 signal_tree(pid, signal.SIGCONT)  # a heartbeat: it runs on
         return {"dump": run.seconds, "rootfs": time.monotonic() - t}
 

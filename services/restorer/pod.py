@@ -118,6 +118,9 @@ class PodRestoreStep(PodStep):
         pidfile = work / "restored.pid"
         # A new container has a new network namespace: connections come back closed.
         tcp = sockets.restore_mode(gen.manifest, same_place=False)
+        # A GPU tree stays stopped until its GPU state is back (smr.frozen):
+        # a thread that ran before would touch GPU mappings not yet there.
+        gpu = bool(gen.manifest.get("gpu") and self.cuda)
         try:
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
@@ -125,10 +128,10 @@ class PodRestoreStep(PodStep):
                 run = await restore_streamed(
                     criu, self.store, gen, work / "images", durations, pidfile=pidfile,
                     inherit=inherit, tcp=tcp, sockets_dir=work / "stream",
-                    on_bytes=lambda n: progress.update(done_bytes=n))
+                    leave_stopped=gpu, on_bytes=lambda n: progress.update(done_bytes=n))
             else:
                 run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
-                                         tcp=tcp)
+                                         tcp=tcp, leave_stopped=gpu)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -141,9 +144,10 @@ class PodRestoreStep(PodStep):
         try:
             for p in host.tree(root):
                 host.move_to_cgroups_of(p, shim.pid)
-            if gen.manifest.get("gpu") and self.cuda:
-                # CRIU brought the tree back CHECKPOINTED: GPU memory goes back, then unlock.
-                durations.update(await self.cuda.resume_all(await self.cuda.processes(root)))
+            if gpu:
+                # CRIU brought the tree back CHECKPOINTED and stopped: GPU
+                # memory goes back, then unlock, then the tree is continued.
+                durations.update(await self.cuda.resume_tree(root))  # type: ignore[union-attr]
         except BaseException:
             # A tree whose GPU state did not come back must not linger
             # half-restored: all of it goes, not only its root.

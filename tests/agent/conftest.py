@@ -29,6 +29,7 @@ from smr import config
 from smr.bus import Bus
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
+from smr.workloads import jax_mlp
 from tests import oci_image
 from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
@@ -41,6 +42,7 @@ from tests.agent.cluster import (
     TRAIN,
     USR_IMAGE,
     Cluster,
+    jax_cuda_tools,
     webhook_configuration,
 )
 from tests.fake_apiserver import FakeApiServer
@@ -123,6 +125,9 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
              # PyTorch, the NVIDIA driver's libraries).
              oci_image.build(d / "gpu.tar", GPU_IMAGE,
                              files={"/app/train.py": TRAIN,
+                                    # The frameworks' workloads (issue #26).
+                                    "/app/jax_mlp.py": Path(jax_mlp.__file__).read_bytes(),
+                                    **jax_cuda_tools(),
                                     "/etc/passwd": b"root:x:0:0::/tmp:/bin/sh\n"},
                              links={"lib": "usr/lib", "lib64": "usr/lib64"})]
     # redis-server: a socket test's server (test_pod_sockets says if it is missing;

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smr import cuda_checkpoint, gpuinfo
+from smr import cuda_checkpoint, frozen, gpuinfo
 from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
 
 ENV = "SMR_STANDIN_GPU"  # in a workload's environment: it "holds a GPU"
@@ -44,10 +44,19 @@ def gpu_id(pid: int) -> str | None:
 
 
 class StandInDriver:
-    """The driver's calls smr makes, over a state file per workload."""
+    """The driver's calls smr makes, over a state file per workload.
 
-    def __init__(self, root: Path) -> None:
+    ``held``: the driver's restore also checks what the real one needs and
+    cannot check itself: that no thread of the process but the one it
+    restores through runs until its GPU state is back (a JAX thread that
+    touched a GPU mapping in that gap died of SIGSEGV in libcuda, H100, issue
+    #26). A restore that finds another thread running is refused; each
+    restore's count of held threads goes to ``restores``."""
+
+    def __init__(self, root: Path, *, held: bool = False) -> None:
         self.root = root
+        self.held = held
+        self.restores: list[tuple[int, int]] = []  # (pid, threads held) per restore
         root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, pid: int) -> Path | None:
@@ -83,6 +92,14 @@ class StandInDriver:
                    "cuCheckpointProcessCheckpoint")
 
     def restore(self, pid: int) -> None:
+        if self.held:
+            others = [t for t in frozen.threads(pid) if t != pid]
+            running = [t for t in others if frozen.state(t) not in ("t", "T", "")]
+            if running:
+                raise CudaError(f"cuCheckpointProcessRestore({pid}) failed: threads {running} "
+                                "run before the process's GPU state is back; on a real GPU "
+                                "one that touches a GPU mapping dies (stand-in driver)")
+            self.restores.append((pid, len(others)))
         self._move(pid, CudaState.CHECKPOINTED, CudaState.LOCKED, "cuCheckpointProcessRestore")
 
     def unlock(self, pid: int) -> None:
@@ -105,12 +122,13 @@ def state_of(root: Path, workload: str) -> str:
         return CudaState.RUNNING.name
 
 
-def install(root: Path) -> None:
-    """Put the stand-in where smr looks for the driver and for GPU devices."""
+def install(root: Path, driver: StandInDriver | None = None) -> None:
+    """Put the stand-in where smr looks for the driver and for GPU devices
+    (``driver``: one instance for every node of this process, to look at)."""
     def for_settings(gpu: str, lock_timeout_s: float,
                      hold_dir: Path | None = None) -> CudaCheckpoint | None:
-        return CudaCheckpoint(StandInDriver(root), lock_timeout_s,  # type: ignore[arg-type]
-                              hold_dir=hold_dir)
+        return CudaCheckpoint(driver or StandInDriver(root),  # type: ignore[arg-type]
+                              lock_timeout_s, hold_dir=hold_dir)
 
     def devices() -> list[dict[str, Any]]:
         return [{"index": 0, "model": MODEL, "memory_total": 1 << 40,

@@ -3,7 +3,10 @@
 namespace of its own, so its restore needs its very PIDs), checkpointed and
 restored twice through the CLI. Prints one JSON line with what happened.
 
-    python -m tests.helpers.pid1_scenario DATA_DIR
+    python -m tests.helpers.pid1_scenario DATA_DIR [--child]
+
+``--child``: the job has a child process (as PyTorch's compile workers are),
+and it goes through three rounds.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ def main() -> None:
             time.sleep(0.1)
         log = data / "job.log"
         r = smr("exec", "--gpu", "-i", "j", "--log", str(log), "--", sys.executable, "-m",
-                "smr.workloads.counter", "--mib", "8", "--interval", "0.05")
+                "smr.workloads.counter", "--mib", "8", "--interval", "0.05", *sys.argv[2:3])
         out["exec"] = r.returncode
         wait_steps(log, 3)
         results = []
-        for _ in range(2):
+        for _ in range(3 if "--child" in sys.argv else 2):
             ck = smr("checkpoint", "j", "--wait")
             last = steps(log)[-1]
             rs = smr("restore", "j", "--wait")

@@ -1,0 +1,111 @@
+"""A GPU pod's threads stay held until its GPU state is back, at a heartbeat
+and at a restore on another node (issue #26: JAX threads that ran between
+CRIU's thaw and the driver's restore died of SIGSEGV in libcuda on the H100).
+
+REAL: containerd + runc + CRIU 4.2, smr-init, the webhook, the watcher, two
+node agents, nats-server; the workload is a multi-threaded Python process in
+a pod. STAND-IN: the CUDA driver (tests/chaos/gpu_standin.py; no GPU here),
+whose restore refuses a process with a thread running besides the one it
+restores through, the order the real driver needs and cannot check.
+tests/agent/test_gpu_pods.py runs the same paths on a real GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smr import cuda_checkpoint, gpuinfo
+from smr.messages import CkptRequested, Target
+from tests.agent.cluster import USR_IMAGE, Cluster
+from tests.agent.test_injection import create, plain_pod
+from tests.agent.test_programs_pods import migrate
+from tests.chaos import gpu_standin
+
+CKPT = "gpu-order"
+# Three threads count; the main one (the stand-in's restore thread) waits.
+WORKLOAD = """
+import threading, time
+n = 0
+lock = threading.Lock()
+def count():
+    global n
+    while True:
+        with lock:
+            n += 1
+            print(f"step {n}", flush=True)
+        time.sleep(0.05)
+for _ in range(3):
+    threading.Thread(target=count, daemon=True).start()
+threading.Event().wait()
+"""
+STEP = re.compile(r"^step (\d+)$", re.M)
+
+
+@pytest.fixture
+def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> gpu_standin.StandInDriver:
+    """The stand-in driver, for the agents the ``cluster`` fixture makes next."""
+    for mod, name in ((cuda_checkpoint, "for_settings"), (gpuinfo, "devices"),
+                      (gpuinfo, "job_gpus")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # put back after the test
+    drv = gpu_standin.StandInDriver(tmp_path / "gpu-states", held=True)
+    gpu_standin.install(drv.root, drv)
+    return drv
+
+
+def gpu_pod(name: str, node: str, _: str = "") -> dict[str, Any]:
+    p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
+                  env={"SMR_CHECKPOINT": CKPT, gpu_standin.ENV: "workload-1"}, owner="gpu",
+                  command=["/usr/bin/python3", "-c", WORKLOAD])
+    p["spec"]["restartPolicy"] = "Never"
+    p["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "usr", "mountPath": "/usr", "readOnly": True}]
+    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}}]
+    return p
+
+
+def steps(cluster: Cluster, name: str, node: str) -> list[int]:
+    return [int(s) for s in STEP.findall(cluster.log(name, node))]
+
+
+async def more_steps(cluster: Cluster, name: str, node: str, than: int,
+                     timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(got := steps(cluster, name, node)) <= than:
+        assert time.monotonic() < deadline, cluster.log(name, node)[-2000:]
+        await asyncio.sleep(0.1)
+    return got
+
+
+async def test_gpu_pod_threads_are_held_until_the_gpu_state_is_back(
+        standin: gpu_standin.StandInDriver, cluster: Cluster) -> None:
+    a, b = list(cluster.kubelets)
+    await create(cluster, gpu_pod("gpu-a", a))
+    await more_steps(cluster, "gpu-a", a, 5)
+    beat = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=CKPT, node=a, reason="heartbeat",
+        leave_running=True, target=Target(kind="pod", namespace="default", pod="gpu-a",
+                                          container="main")), timeout=90)
+    assert beat.status == "succeeded", beat.error
+    assert beat.durations["cuda_restore"] >= 0 and beat.durations["downtime"] > 0
+    # The heartbeat's tree was held, then let go: the pod counts on.
+    n = len(steps(cluster, "gpu-a", a))
+    await more_steps(cluster, "gpu-a", a, n + 5)
+    assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
+
+    await migrate(cluster, "gpu-a", "gpu-b", a, b, "", gpu_pod, CKPT)
+    before = steps(cluster, "gpu-a", a)
+    after = await more_steps(cluster, "gpu-b", b, 5)
+    # The restored tree goes on from its memory (not a fresh start), its
+    # counting threads held until the stand-in's restore, then continued.
+    assert 1 < after[0] <= before[-1] + 1, (before[-3:], after[:3])
+    assert after == list(range(after[0], after[0] + len(after)))
+    assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
+    # Each restore (the heartbeat's, the migration's) held the three counters.
+    assert [held for _, held in standin.restores] == [3, 3], standin.restores
