@@ -126,6 +126,14 @@ SETTINGS: tuple[Setting, ...] = (
             "existing one is updated to it at start"),
     Setting("NATS_CREDS", "", str, "a NATS credentials file (.creds) for a NATS that "
             "requires one; empty: none"),
+    Setting("NATS_USER", "", str, "the NATS user this service connects as (each service "
+            "its own, with only the subjects it needs: deploy/kustomize/components/nats-auth); "
+            "empty: none. Its replies come to _INBOX.<user>.>"),
+    Setting("NATS_PASSWORD", "", str, "that user's password (from the Secret smr-nats-users "
+            "in the cluster overlays)"),
+    Setting("NATS_SETUP", True, _bool, "create or update smr's streams and KV buckets at "
+            "start; false: wait for them (a NATS user that may not create them: in the "
+            "cluster only the storage service does)"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
     Setting("JOB_KEY", "", str, "file of the key that signs local jobs' records (made by "

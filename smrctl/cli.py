@@ -237,7 +237,8 @@ async def cmd_service(s: config.Settings, a: argparse.Namespace) -> int:
     from smr import serve
 
     module = importlib.import_module(f"services.{a.command}.__main__")
-    await serve.serve(a.command, s, module.make, needs_bus=getattr(module, "NEEDS_BUS", True))
+    await serve.serve(a.command, s, module.make, needs_bus=getattr(module, "NEEDS_BUS", True),
+                      buckets=getattr(module, "BUCKETS", None))
     return 0
 
 
