@@ -64,8 +64,26 @@ def test_overlays_differ_where_they_should(kustomize: str) -> None:
 
     assert find(dev, "StatefulSet", "nats") and find(dev, "StatefulSet", "minio")
     assert find(prod, "StatefulSet", "nats") is None, "prod uses the user's NATS"
-    cfg = find(prod, "ConfigMap", "smr-config")
-    assert cfg and cfg["data"]["SMR_NATS_CREDS"] == "/etc/smr/nats/creds"
+    # Every overlay ships smr's NATS users (components/nats-auth); dev's
+    # servers run with them, and each service logs in as its own.
+    for docs in (dev, gpu, prod):
+        assert "accounts {" in (find(docs, "ConfigMap", "smr-nats-accounts") or {})["data"][
+            "accounts.conf"]
+        users = {}
+        for d in docs:
+            for _, c in deploy_policy.containers(d):
+                env = {e["name"]: e for e in c.get("env", [])}
+                if "SMR_NATS_USER" in env:
+                    users[d["metadata"]["name"]] = env["SMR_NATS_USER"]["value"]
+                    assert env["SMR_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] \
+                        == "smr-nats-users"
+        assert users == {"smr-watcher": "smr-watcher", "smr-storage": "smr-storage",
+                         "smr-webhook": "smr-webhook", "smr-agent": "smr-agent",
+                         **({"smr-agent-gpu": "smr-agent"} if docs is gpu else {})}
+    for docs in (dev, gpu):
+        nats = find(docs, "StatefulSet", "nats")
+        assert nats and "--config=/etc/nats/accounts.conf" in \
+            nats["spec"]["template"]["spec"]["containers"][0]["args"]
     # The shipped NATS is a 3-server cluster, and smr replicates onto all three.
     for docs in (dev, gpu):
         nats = find(docs, "StatefulSet", "nats")
