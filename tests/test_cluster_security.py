@@ -24,10 +24,10 @@ from nats.aio.client import Client as NATS
 from services.storage.codec import Codec
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
+from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
 from smr import config
 from smr.bus import (
     KV_BEATS,
-    KV_EPISODES,
     KV_JOBS,
     KV_LOCKS,
     KV_STEPS,
@@ -289,7 +289,7 @@ async def test_an_agent_cannot_consume_or_publish_for_another_node(
         assert (await admin.js.consumer_info(STREAM_REQUESTS, theirs)).num_pending >= 1
 
 
-async def test_the_watcher_publishes_requests_but_reads_no_checkpoint(
+async def test_the_watcher_publishes_requests_but_writes_no_state_and_reads_no_checkpoint(
         secured: nats_auth.SecuredNats, admin: Bus, storage: CheckpointStore,
         tmp_path: Path) -> None:
     await commit(storage, tmp_path, "team-a", "ours")
@@ -297,21 +297,26 @@ async def test_the_watcher_publishes_requests_but_reads_no_checkpoint(
     await admin.kv(KV_STEPS).put(rid, orjson.dumps({"state": "done", "result": {}}))
     # Its own work: its buckets, a node event and a checkpoint request.
     bus = await Bus.connect(secured.url, config=secured.config("smr-watcher"),
-                            buckets=(KV_BEATS, KV_EPISODES))
+                            buckets=WATCHER_BUCKETS)
     try:
         await bus.kv(KV_BEATS).put("pod-uid", b"1")
         await bus.publish(NodeDraining(request_id=rid, node=NODE, reason="cordon"))
         ack = await bus.publish(CkptRequested(request_id=rid, checkpoint_id="c",
                                               target=pod("team-a"), node=NODE))
         assert ack.stream == STREAM_REQUESTS
+        assert (await bus.step_state(rid))[0] == {"state": "done", "result": {}}
     finally:
         await bus.close()
     async with login(secured, "smr-watcher") as w:
-        await w.request_refused(f"$JS.API.DIRECT.GET.KV_{KV_STEPS}.$KV.{KV_STEPS}.{rid}")
-        await w.request_refused(f"$JS.API.STREAM.INFO.KV_{KV_STEPS}")
+        # It may read a step's state (to recreate a drained pod after its
+        # checkpoint), never write one: no forged or deleted result.
+        await w.publish_refused(f"$KV.{KV_STEPS}.{rid}", b'{"state": "failed"}')
+        await w.publish_refused(f"$KV.{KV_STEPS}.{rid}", b"", headers={"KV-Operation": "DEL"})
+        await w.request_refused(f"$JS.API.STREAM.INFO.KV_{KV_JOBS}")
         await w.request_refused(f"$JS.API.DIRECT.GET.KV_{KV_JOBS}.$KV.{KV_JOBS}.x")
-        await w.nc.subscribe(f"$KV.{KV_STEPS}.>")
-        await w.refused(f"$KV.{KV_STEPS}.>", "subscription")
+        await w.request_refused(f"$JS.API.STREAM.MSG.GET.KV_{KV_TIMINGS}")
+        await w.nc.subscribe(f"$KV.{KV_JOBS}.>")
+        await w.refused(f"$KV.{KV_JOBS}.>", "subscription")
         await w.request_refused(f"{QUERY_LATEST}.team-a",
                                 StorageQuery(checkpoint_id="ours", namespace="team-a")
                                 .to_payload())

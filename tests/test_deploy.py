@@ -80,6 +80,10 @@ def test_overlays_differ_where_they_should(kustomize: str) -> None:
         assert users == {"smr-watcher": "smr-watcher", "smr-storage": "smr-storage",
                          "smr-webhook": "smr-webhook", "smr-agent": "smr-agent",
                          **({"smr-agent-gpu": "smr-agent"} if docs is gpu else {})}
+        # The watcher can read no checkpoint: neither the bucket's credentials
+        # nor the encryption key reach its pod (its NATS user reads no images).
+        text = str(find(docs, "Deployment", "smr-watcher"))
+        assert "smr-s3" not in text and "smr-encryption-key" not in text
     for docs in (dev, gpu):
         nats = find(docs, "StatefulSet", "nats")
         assert nats and "--config=/etc/nats/accounts.conf" in \
