@@ -1,12 +1,12 @@
 """The storage service: answers queries, applies retention, collects garbage.
 
-- ``storage.latest`` / ``storage.generations`` (NATS request/reply, queue
+- ``storage.latest.<ns>`` / ``storage.generations.<ns>`` (NATS request/reply, queue
   group ``smr-storage``): a checkpoint_id's latest or every committed
   generation. A malformed query is answered with an error and dead-lettered.
 - Retention on ``ckpt.done``: after each successful checkpoint, the
   generations of that checkpoint_id beyond SMR_KEEP_GENERATIONS or older than
   SMR_MAX_AGE are removed (never the latest).
-- ``storage.checkpoints``: the latest generation of every stored checkpoint
+- ``storage.checkpoints[.<ns>]``: the latest generation of every stored checkpoint
   (``smr status`` shows them).
 - Every SMR_GC_INTERVAL: uploads and manifest-less generations older than
   SMR_GC_GRACE are removed (what crashed writers left).
