@@ -16,7 +16,7 @@ from smr.bus import BusConfig, node_token
 from smr.natsserver import NatsServer
 
 MARKER = "      # smr: tenant and per-node agent users go here"
-SERVICES = ("storage", "watcher", "agent", "webhook", "admin")
+SERVICES = ("storage", "watcher", "agent", "webhook", "admin", "natsauth")
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Shipped:
     accounts: str
     tenant: str  # tenant.conf.template
     agent_node: str  # agent-node.conf.template
+    callout: str  # auth-callout.conf
     passwords: dict[str, str]  # Secret smr-nats-users: service → password
 
 
@@ -38,7 +39,7 @@ def shipped(kustomize: str) -> Shipped:
     pw = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
     pw.update(secret.get("stringData", {}))
     return Shipped(cm["accounts.conf"], cm["tenant.conf.template"],
-                   cm["agent-node.conf.template"], pw)
+                   cm["agent-node.conf.template"], cm["auth-callout.conf"], pw)
 
 
 def _user(template: str, placeholder: str, value: str, password: str) -> str:
@@ -66,9 +67,10 @@ class SecuredNats:
 
 
 def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str] = {},
-          agents: Mapping[str, str] = {}) -> SecuredNats:
+          agents: Mapping[str, str] = {}, callout_issuer: str = "") -> SecuredNats:
     """``tenants``: namespace → password; ``agents``: node → password (a user
-    each, from the templates)."""
+    each, from the templates). ``callout_issuer``: run auth-callout.conf with
+    this issuer (an account public nkey) instead of accounts.conf alone."""
     assert MARKER in ship.accounts, "accounts.conf lost the line extra users go after"
     extra = [_user(ship.tenant, "NAMESPACE", node_token(ns), pw) for ns, pw in tenants.items()]
     extra += [_user(ship.agent_node, "NODE", node_token(n), pw) for n, pw in agents.items()]
@@ -77,6 +79,14 @@ def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str]
     conf.write_text(ship.accounts.replace(MARKER, "\n".join(extra) + "\n" + MARKER))
     env = {**os.environ, **{f"SMR_NATS_PASSWORD_{s.upper()}": ship.passwords[s]
                             for s in SERVICES}}
+    if callout_issuer:
+        names = [f"tenant-{node_token(ns)}" for ns in tenants]
+        names += [f"smr-agent-{node_token(n)}" for n in agents]
+        assert "auth_users: [" in ship.callout
+        (store / "auth-callout.conf").write_text(ship.callout.replace(
+            "auth_users: [", "auth_users: [" + "".join(f"{n}, " for n in names)))
+        conf = store / "auth-callout.conf"
+        env["SMR_NATS_CALLOUT_ISSUER"] = callout_issuer
     server = NatsServer(binary, store / "js", extra_args=["-c", str(conf)], env=env).start()
     users = {f"smr-{s}": ship.passwords[s] for s in SERVICES}
     users.update({f"tenant-{node_token(ns)}": pw for ns, pw in tenants.items()})

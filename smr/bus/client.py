@@ -85,6 +85,8 @@ class Bus:
                     reconnect_time_wait=0.5, allow_reconnect=True,
                     user_credentials=config.credentials or None,
                     user=config.user or None, password=config.password or None,
+                    token=_token_reader(config.token_file) if config.token_file
+                    else config.token or None,
                     inbox_prefix=config.inbox_prefix,
                     # One line per event, not nats-py's traceback per reconnect attempt.
                     error_cb=_connection_error, disconnected_cb=_disconnected,
@@ -353,6 +355,15 @@ class Bus:
         ``QUERY_CHECKPOINTS``) on the subject of the query's namespace."""
         return await replies.query(self.nc, topology.query_subject(what, query.namespace),
                                    query, timeout=timeout)
+
+
+def _token_reader(path: str) -> Callable[[], str]:
+    """The token as the file holds it at each (re)connect: a projected
+    ServiceAccount token is replaced before it expires."""
+    def read() -> str:
+        with open(path) as f:
+            return f.read().strip()
+    return read
 
 
 async def _connection_error(e: Exception) -> None:

@@ -135,18 +135,24 @@ class BusConfig:
     user: str = ""  # SMR_NATS_USER; its inbox prefix is _INBOX.<user>
     password: str = ""
     setup: bool = True  # create/update streams and buckets; False: wait for them
+    token: str = ""  # a NATS token: an agent's ServiceAccount token (auth callout)
+    token_file: str = ""  # where it is: read again at each (re)connect, as it rotates
+    inbox: str = ""  # the user replies come to, when it has no name (a token login)
 
     @classmethod
     def from_settings(cls, s: Settings) -> BusConfig:
         return cls(max_deliver=s.max_deliver, ack_wait=s.ack_wait, dedupe_window=s.dedupe_window,
                    credentials=s.nats_creds, replicas=s.nats_replicas, user=s.nats_user,
-                   password=s.nats_password, setup=s.nats_setup)
+                   password=s.nats_password, setup=s.nats_setup, token_file=s.nats_token_file,
+                   # What the auth callout names a token's user: its node's agent.
+                   inbox=f"smr-agent-{node_token(s.node)}" if s.nats_token_file else "")
 
     @property
     def inbox_prefix(self) -> str:
         """Where replies come: a user's own, so a permission can give each user
         its replies and no one else's (``_INBOX.<user>.>``)."""
-        return f"_INBOX.{node_token(self.user)}" if self.user else "_INBOX"
+        name = self.user or self.inbox
+        return f"_INBOX.{node_token(name)}" if name else "_INBOX"
 
     @property
     def keepalive(self) -> float:
