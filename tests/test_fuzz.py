@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 from smr import contract, metrics
-from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, subject
+from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, query_subject, subject
 from smr.errors import ContractError
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer
@@ -205,6 +205,15 @@ class Watch:
 
 
 @pytest.fixture
+
+def _namespace(payload: bytes) -> str | None:
+    """The namespace a (maybe malformed) query names, if any."""
+    try:
+        ns = orjson.loads(payload).get("namespace")
+    except Exception:
+        return None
+    return ns if isinstance(ns, str) and ns else None
+
 async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harness]:
     # A node name with a dot: its subject token ("fuzz_...") is shared by another
     # valid name, which must not pass for it.
@@ -245,7 +254,7 @@ async def test_hostile_messages_are_answered_and_harm_nothing(h: Harness, tmp_pa
 
     plan: list[tuple[str, str, str, bytes]] = []  # (subject, schema, what, payload)
     for kind in ("ckpt.requested", "restore.requested"):
-        subj = subject(kind, node)
+        subj = subject(kind, node, "local")
         plan += [(subj, kind, what, p) for what, p in cases(kind, for_node)]
         plan.append((subj, kind, "token twin", dumps({**orjson.loads(
             CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id="ghost",
@@ -253,10 +262,12 @@ async def test_hostile_messages_are_answered_and_harm_nothing(h: Harness, tmp_pa
             if kind == "ckpt.requested" else RestoreRequested(
                 request_id=uuid.uuid4().hex, checkpoint_id="ghost",
                 target=Target.job("ghost"), node=twin).to_payload())})))
-    plan += [(subject("ckpt.done", node), "ckpt.done", what, p)
+    plan += [(subject("ckpt.done", node, "local"), "ckpt.done", what, p)
              for what, p in cases("ckpt.done", for_node)]
     for q in (QUERY_LATEST, QUERY_GENERATIONS, QUERY_CHECKPOINTS):
-        plan += [(q, "storage.query", what, p) for what, p in cases("storage.query", dict)]
+        # Each on its namespace's subject (storage.latest.<ns>), as a client asks.
+        plan += [(query_subject(q, _namespace(p)), "storage.query", what, p)
+                 for what, p in cases("storage.query", dict)]
 
     unanswered: list[tuple[str, str, bytes]] = []
     wrong: list[tuple[str, str, str]] = []
