@@ -36,7 +36,14 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 from smr import contract, metrics
-from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, query_subject, subject
+from smr.bus import (
+    QUERY_CHECKPOINTS,
+    QUERY_GENERATIONS,
+    QUERY_LATEST,
+    message_subject,
+    query_subject,
+    subject,
+)
 from smr.errors import ContractError
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer
@@ -204,8 +211,6 @@ class Watch:
         return got
 
 
-@pytest.fixture
-
 def _namespace(payload: bytes) -> str | None:
     """The namespace a (maybe malformed) query names, if any."""
     try:
@@ -214,6 +219,8 @@ def _namespace(payload: bytes) -> str | None:
         return None
     return ns if isinstance(ns, str) and ns else None
 
+
+@pytest.fixture
 async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harness]:
     # A node name with a dot: its subject token ("fuzz_...") is shared by another
     # valid name, which must not pass for it.
@@ -325,7 +332,7 @@ async def test_hostile_messages_are_answered_and_harm_nothing(h: Harness, tmp_pa
                   RestoreRequested(request_id=rid, checkpoint_id="ghost-1",
                                    target=Target.job("ghost-1"), node=node)):
         seen = len(watch.letters)
-        await h.bus.publish_raw(subject(again.SCHEMA, node), again.to_payload())
+        await h.bus.publish_raw(message_subject(again), again.to_payload())
         got = await watch.until(lambda s=seen: Answer("dead letter", watch.letters[-1][1])
                                 if len(watch.letters) > s else None)
         assert got and got.body["error"]["code"] == "request-id-reused", got
