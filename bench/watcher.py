@@ -62,7 +62,7 @@ async def one_round(bus: Bus, settings: config.Settings, pods: int, concurrency:
         if len(arrived) == pods:
             done.set()
 
-    sub = await bus.js.subscribe(f"ckpt.requested.{node_token(name)}", stream=STREAM_REQUESTS,
+    sub = await bus.js.subscribe(f"ckpt.requested.{node_token(name)}.*", stream=STREAM_REQUESTS,
                                  ordered_consumer=True, cb=got)
     await asyncio.sleep(0.5)
     n = kube.get("nodes", name)

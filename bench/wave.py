@@ -201,9 +201,9 @@ async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, w
         wave.held.setdefault(CkptRequested.from_payload(m.data).request_id, time.time())
 
     # What a JetStream consumer holds, as bench/watcher.py measures it.
-    subs = [await bus.js.subscribe("ckpt.done.*", stream=STREAM_EVENTS, ordered_consumer=True,
+    subs = [await bus.js.subscribe("ckpt.done.*.*", stream=STREAM_EVENTS, ordered_consumer=True,
                                    cb=got_done, deliver_policy="new"),  # type: ignore[arg-type]
-            await bus.js.subscribe("ckpt.requested.*", stream=STREAM_REQUESTS,
+            await bus.js.subscribe("ckpt.requested.*.*", stream=STREAM_REQUESTS,
                                    ordered_consumer=True, cb=got_request,
                                    deliver_policy="new")]  # type: ignore[arg-type]
     # The stand-ins in --standin-procs processes, each serving a share of the nodes.

@@ -126,6 +126,22 @@ SETTINGS: tuple[Setting, ...] = (
             "existing one is updated to it at start"),
     Setting("NATS_CREDS", "", str, "a NATS credentials file (.creds) for a NATS that "
             "requires one; empty: none"),
+    Setting("NATS_USER", "", str, "the NATS user this service connects as (each service "
+            "its own, with only the subjects it needs: deploy/kustomize/components/nats-auth); "
+            "empty: none. Its replies come to _INBOX.<user>.>"),
+    Setting("NATS_PASSWORD", "", str, "that user's password (from the Secret smr-nats-users "
+            "in the cluster overlays)"),
+    Setting("NATS_TOKEN_FILE", "", str, "node agent: a file holding its projected "
+            "ServiceAccount token, presented to NATS as its token; the auth callout "
+            "(`smr natsauth`) gives it a user held to its node's subjects; empty: none"),
+    Setting("NATS_CALLOUT_SEED_FILE", "", str, "`smr natsauth`: the file of the issuer "
+            "account's nkey seed (SA...) it signs agents' users with; its public key is "
+            "the server's auth_callout issuer"),
+    Setting("NATS_AGENT_TEMPLATE", "", str, "`smr natsauth`: agent-node.conf.template "
+            "(components/nats-auth), the permissions it gives an agent for its node"),
+    Setting("NATS_SETUP", True, _bool, "create or update smr's streams and KV buckets at "
+            "start; false: wait for them (a NATS user that may not create them: in the "
+            "cluster only the storage service does)"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
     Setting("JOB_KEY", "", str, "file of the key that signs local jobs' records (made by "

@@ -35,6 +35,9 @@ def derive_request_id(*parts: str) -> str:
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
 
+LOCAL_NAMESPACE = "local"  # where a job of `smr up` (no pod) is stored and named
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     kind: Literal["job", "pod"]
@@ -54,6 +57,12 @@ class Target:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @property
+    def namespace_name(self) -> str:
+        """The namespace it acts in: its pod's, ``local`` for a job (storage
+        paths and subjects end in it)."""
+        return (self.namespace if self.kind == "pod" else None) or LOCAL_NAMESPACE
 
     def __str__(self) -> str:
         if self.kind == "job":

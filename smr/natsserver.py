@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from smr.errors import SmrError
@@ -22,11 +22,12 @@ def free_port() -> int:
 class NatsServer:
     def __init__(self, binary: str, store_dir: Path, port: int | None = None,
                  log_file: Path | None = None, token: str = "",
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         """``token``: clients must present it (in a root-only config file, not
         in argv, which any local user reads in /proc). ``extra_args``: more
         nats-server options (a cluster's name and routes, tests/nats_cluster.py)."""
         self.extra_args = list(extra_args)
+        self.env = dict(env) if env is not None else None  # the server's (None: ours)
         self.binary = binary
         self.token = token
         self.store_dir = Path(store_dir)
@@ -62,6 +63,7 @@ class NatsServer:
                  "-a", "127.0.0.1", "-p", str(self.port), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches smr, which stops the server in order
+                env=self.env,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

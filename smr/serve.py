@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -56,8 +56,9 @@ async def health_server(service: Service, port: int) -> web.AppRunner:
 
 
 async def serve(name: str, settings: config.Settings, make: Factory, *,
-                needs_bus: bool = True) -> None:
-    """``needs_bus``: False for a service that talks to no NATS (the webhook)."""
+                needs_bus: bool = True, buckets: Iterable[str] | None = None) -> None:
+    """``needs_bus``: False for a service that talks to no NATS (the webhook);
+    ``buckets``: the KV buckets it uses (its NATS user may read no others)."""
     if needs_bus and not settings.nats_url:
         raise SmrError(f"the {name} needs a NATS server", code="config-invalid",
                        hint="set SMR_NATS_URL (deploy/kustomize sets it)")
@@ -66,7 +67,7 @@ async def serve(name: str, settings: config.Settings, make: Factory, *,
     cleanups: list[Cleanup] = []
     if needs_bus:
         bus = await Bus.connect(settings.nats_url, name=f"smr-{name}-{settings.node}",
-                                config=BusConfig.from_settings(settings))
+                                config=BusConfig.from_settings(settings), buckets=buckets)
         cleanups.append(bus.close)
     runner = None
     try:
@@ -89,11 +90,12 @@ async def serve(name: str, settings: config.Settings, make: Factory, *,
                 await c()
 
 
-def main(name: str, make: Factory, *, needs_bus: bool = True) -> None:
+def main(name: str, make: Factory, *, needs_bus: bool = True,
+         buckets: Iterable[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
     try:
-        asyncio.run(serve(name, config.load(), make, needs_bus=needs_bus))
+        asyncio.run(serve(name, config.load(), make, needs_bus=needs_bus, buckets=buckets))
     except SmrError as e:
         print(f"smr {name}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -237,7 +237,8 @@ async def cmd_service(s: config.Settings, a: argparse.Namespace) -> int:
     from smr import serve
 
     module = importlib.import_module(f"services.{a.command}.__main__")
-    await serve.serve(a.command, s, module.make, needs_bus=getattr(module, "NEEDS_BUS", True))
+    await serve.serve(a.command, s, module.make, needs_bus=getattr(module, "NEEDS_BUS", True),
+                      buckets=getattr(module, "BUCKETS", None))
     return 0
 
 
@@ -304,6 +305,8 @@ def parser() -> argparse.ArgumentParser:
                    "retention (needs SMR_NATS_URL)")
     sub.add_parser("webhook", help="the mutating admission webhook: opted-in pods get the "
                    "smr RuntimeClass (HTTPS on SMR_WEBHOOK_PORT)")
+    sub.add_parser("natsauth", help="NATS auth callout: node agents log in with their "
+                   "ServiceAccount token, each held to its node's subjects")
     return p
 
 
@@ -312,7 +315,7 @@ COMMANDS = {
     "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill,
     "status": cmd_status, "demo": cmd_demo,
     "watcher": cmd_service, "agent": cmd_service, "storage": cmd_service,
-    "webhook": cmd_service,
+    "webhook": cmd_service, "natsauth": cmd_service,
 }
 
 

@@ -65,6 +65,7 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "runtimeclasses": ("RuntimeClass", False, "/apis/node.k8s.io/v1"),
     "poddisruptionbudgets": ("PodDisruptionBudget", True, "/apis/policy/v1"),
 }
+TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
                "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1"}
@@ -248,6 +249,8 @@ class FakeApiServer:
         # What cluster DNS would resolve: (namespace, service) → (host, port).
         self.services: dict[tuple[str, str], tuple[str, int]] = {}
         self.admission_log: list[str] = []  # what each webhook call came to
+        # TokenReview: token → (user info as the API server returns it, audiences).
+        self.tokens: dict[str, tuple[dict[str, Any], list[str]]] = {}
         self._paused = asyncio.Event()
         self._paused.set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -424,6 +427,8 @@ class FakeApiServer:
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path))
+        if request.path == TOKEN_REVIEWS and request.method == "POST":
+            return await self._token_review(request)
         route = self._route(request.path)
         if route is None:
             return status(404, "NotFound", f"the server could not find {request.path}")
@@ -455,6 +460,23 @@ class FakeApiServer:
             if m == "DELETE":
                 return await self._delete_http(request, key)
         return status(405, "MethodNotAllowed", f"{m} {request.path} is not supported")
+
+    async def _token_review(self, request: web.Request) -> web.Response:
+        """As the real one answers: 201 with the review's status; a token it
+        does not know, or not for one of the asked audiences, is not
+        authenticated (with an error), never a failed request."""
+        review = orjson.loads(await request.read())
+        spec = review.get("spec") or {}
+        user, audiences = self.tokens.get(spec.get("token", ""), ({}, []))
+        asked = spec.get("audiences") or audiences
+        if user and set(asked) & set(audiences):
+            st: dict[str, Any] = {"authenticated": True, "user": user,
+                                  "audiences": sorted(set(asked) & set(audiences))}
+        else:
+            st = {"user": {}, "error": "[invalid bearer token, token lookup failed]"}
+        return self._json({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                           "metadata": {"creationTimestamp": None}, "spec": spec,
+                           "status": st}, 201)
 
     @staticmethod
     def _json(obj: dict[str, Any], code: int = 200) -> web.Response:

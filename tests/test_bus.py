@@ -24,6 +24,7 @@ from smr.bus import (
     Bus,
     Progress,
     Worker,
+    node_filter,
     subject,
 )
 from smr.messages import CkptDone, CkptRequested, DeadLetter, Target
@@ -82,6 +83,10 @@ async def stored(bus: Bus, subj: str, stream: str, cls: Any, wait: float = 1) ->
     return out
 
 
+def LOCAL_REQUESTS(node: str) -> str:
+    return subject("ckpt.requested", node, "local")
+
+
 async def dlq_messages(bus: Bus, subj: str) -> list[DeadLetter]:
     return await stored(bus, f"dlq.{subj}", STREAM_DLQ, DeadLetter)
 
@@ -93,7 +98,7 @@ async def test_topology_is_idempotent(bus: Bus, node: str) -> None:
     b = await bus.ensure_consumer("ckpt.requested", node)
     assert a == b
     info = await bus.js.consumer_info(STREAM_REQUESTS, a)
-    assert info.config.filter_subject == subject("ckpt.requested", node)
+    assert info.config.filter_subject == node_filter("ckpt.requested", node)
     assert info.config.max_deliver == bus.config.max_deliver
     for bucket in (KV_STEPS, KV_JOBS, KV_LOCKS):
         assert (await bus.kv(bucket).status()).bucket == bucket
@@ -124,7 +129,7 @@ async def test_duplicate_publish_is_dropped(bus: Bus, node: str) -> None:
     try:
         await bus.wait_result("dup-1", "ckpt.requested", timeout=10)
         # A third publish after completion is answered from the step state, not run.
-        await bus.publish_raw(subject("ckpt.requested", node), request(node, "dup-1").to_payload())
+        await bus.publish_raw(LOCAL_REQUESTS(node), request(node, "dup-1").to_payload())
         await asyncio.sleep(1.0)
         await asyncio.wait_for(w.idle.wait(), 5)
     finally:
@@ -200,14 +205,14 @@ async def test_worker_dying_on_every_delivery_ends_in_a_dead_letter(
     assert step.seen == [], "an exhausted request must not run again"
     assert result.status == "failed" and result.error
     assert result.error["code"] == "deliveries-exhausted"
-    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    letters = await dlq_messages(bus, LOCAL_REQUESTS(node))
     assert [x.request_id for x in letters] == ["doomed-1"]
 
 
 async def test_invalid_message_is_dead_lettered_and_worker_continues(bus: Bus, node: str) -> None:
     step = CountingStep()
     w, t = await run_worker(bus, step, node)
-    subj = subject("ckpt.requested", node)
+    subj = LOCAL_REQUESTS(node)
     try:
         bad = request(node, "bad-1").to_dict()
         bad["reason"] = "whim"
@@ -232,14 +237,14 @@ async def test_raw_json_as_a_user_publishes_it(bus: Bus, node: str) -> None:
            b' "target": {"kind": "job", "job_id": "train"}, "node": "' + node.encode()
            + b'", "reason": "api"}')
     try:
-        await bus.nc.publish(subject("ckpt.requested", node), raw)
-        await bus.nc.publish(subject("ckpt.requested", node), raw.replace(b'"job_id"', b'"jobid"'))
+        await bus.nc.publish(LOCAL_REQUESTS(node), raw)
+        await bus.nc.publish(LOCAL_REQUESTS(node), raw.replace(b'"job_id"', b'"jobid"'))
         result = await bus.wait_result("by-hand-1", "ckpt.requested", timeout=10)
         await asyncio.sleep(0.5)
     finally:
         await stop(w, t)
     assert result.status == "succeeded" and step.seen == ["by-hand-1"]
-    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    letters = await dlq_messages(bus, LOCAL_REQUESTS(node))
     assert len(letters) == 1 and "target" in letters[0].error["message"]
 
 
@@ -247,13 +252,35 @@ async def test_request_for_another_node_is_refused(bus: Bus, node: str) -> None:
     step = CountingStep()
     w, t = await run_worker(bus, step, node)
     try:
-        await bus.publish(request("elsewhere", "misrouted"), subject("ckpt.requested", node))
+        await bus.publish(request("elsewhere", "misrouted"), LOCAL_REQUESTS(node))
         await asyncio.sleep(1.0)
     finally:
         await stop(w, t)
     assert step.seen == []
-    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    letters = await dlq_messages(bus, LOCAL_REQUESTS(node))
     assert letters and letters[0].error["code"] == "wrong-node"
+
+
+async def test_request_for_a_pod_of_another_namespace_than_its_subject_is_refused(
+        bus: Bus, node: str) -> None:
+    """A tenant's NATS user may publish on ckpt.requested.*.<its namespace>
+    only; a request there naming another namespace's pod is not run."""
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    theirs = CkptRequested(request_id="crafted", checkpoint_id="ck", node=node,
+                           target=Target(kind="pod", namespace="team-b", pod="p", container="c"))
+    mine = subject("ckpt.requested", node, "team-a")
+    try:
+        await bus.publish(theirs, mine)
+        await bus.publish(request(node, "a-job"), mine)  # a job is in `local`, not team-a
+        await asyncio.sleep(1.0)
+    finally:
+        await stop(w, t)
+    assert step.seen == []
+    letters = await dlq_messages(bus, mine)
+    assert sorted((lt.request_id, lt.error["code"]) for lt in letters) == [
+        ("a-job", "wrong-namespace"), ("crafted", "wrong-namespace")]
+    assert (await bus.step_state("crafted"))[0] is None
 
 
 class FlakyStep(CountingStep):
@@ -297,7 +324,7 @@ async def test_exhausted_deliveries_fail_and_dead_letter(bus: Bus, node: str) ->
         await stop(w, t)
     assert len(step.seen) == bus.config.max_deliver
     assert result.status == "failed" and "storage unreachable" in result.error["message"]
-    letters = await dlq_messages(bus, subject("ckpt.requested", node))
+    letters = await dlq_messages(bus, LOCAL_REQUESTS(node))
     assert letters[-1].error["code"] == "deliveries-exhausted"
     state, _ = await bus.step_state("down-1")
     assert state and state["state"] == "failed"
@@ -625,7 +652,7 @@ async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
         await bus.publish(request(node, f"final-1-{node}", leave_running=False))
         dup = request(node, f"dup-1-{node}", leave_running=True)
         await bus.publish(dup)
-        await bus.publish_raw(subject("ckpt.requested", node), dup.to_payload(),
+        await bus.publish_raw(LOCAL_REQUESTS(node), dup.to_payload(),
                               msg_id=f"dup-1-again-{node}")
         await asyncio.sleep(6 * bus.config.max_deliver * bus.config.ack_wait)
         step.release.set()
@@ -634,7 +661,7 @@ async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
         assert step.started.count(f"dup-1-{node}") == 1
     finally:
         await stop(w, t)
-    assert [x.request_id for x in await dlq_messages(bus, subject("ckpt.requested", node))] \
+    assert [x.request_id for x in await dlq_messages(bus, LOCAL_REQUESTS(node))] \
         == []
 
 

@@ -134,7 +134,7 @@ async def _results(bus: Bus, node: str) -> list[CkptDone]:
     # Just after the kill the events stream may still be electing its leader.
     async for attempt in retry_nats():
         with attempt:
-            return await stored(bus, subject("ckpt.done", node), STREAM_EVENTS, CkptDone,
+            return await stored(bus, subject("ckpt.done", node, "local"), STREAM_EVENTS, CkptDone,
                                 wait=2)
     raise AssertionError("unreachable: retry_nats reraises")
 

@@ -64,8 +64,30 @@ def test_overlays_differ_where_they_should(kustomize: str) -> None:
 
     assert find(dev, "StatefulSet", "nats") and find(dev, "StatefulSet", "minio")
     assert find(prod, "StatefulSet", "nats") is None, "prod uses the user's NATS"
-    cfg = find(prod, "ConfigMap", "smr-config")
-    assert cfg and cfg["data"]["SMR_NATS_CREDS"] == "/etc/smr/nats/creds"
+    # Every overlay ships smr's NATS users (components/nats-auth); dev's
+    # servers run with them, and each service logs in as its own.
+    for docs in (dev, gpu, prod):
+        assert "accounts {" in (find(docs, "ConfigMap", "smr-nats-accounts") or {})["data"][
+            "accounts.conf"]
+        users = {}
+        for d in docs:
+            for _, c in deploy_policy.containers(d):
+                env = {e["name"]: e for e in c.get("env", [])}
+                if "SMR_NATS_USER" in env:
+                    users[d["metadata"]["name"]] = env["SMR_NATS_USER"]["value"]
+                    assert env["SMR_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] \
+                        == "smr-nats-users"
+        assert users == {"smr-watcher": "smr-watcher", "smr-storage": "smr-storage",
+                         "smr-webhook": "smr-webhook", "smr-agent": "smr-agent",
+                         **({"smr-agent-gpu": "smr-agent"} if docs is gpu else {})}
+        # The watcher can read no checkpoint: neither the bucket's credentials
+        # nor the encryption key reach its pod (its NATS user reads no images).
+        text = str(find(docs, "Deployment", "smr-watcher"))
+        assert "smr-s3" not in text and "smr-encryption-key" not in text
+    for docs in (dev, gpu):
+        nats = find(docs, "StatefulSet", "nats")
+        assert nats and "--config=/etc/nats/accounts.conf" in \
+            nats["spec"]["template"]["spec"]["containers"][0]["args"]
     # The shipped NATS is a 3-server cluster, and smr replicates onto all three.
     for docs in (dev, gpu):
         nats = find(docs, "StatefulSet", "nats")
@@ -233,3 +255,37 @@ def test_nodes_without_an_agent_get_no_smr_pods(kustomize: str, overlay: str) ->
     assert p.agents["cpu-dedicated"] == [] and p.agents["gpu-1"] != []
     assert "cpu-dedicated" not in p.allowed["smr"]
     assert deploy_placement.problems(p, nodes) == []
+
+
+def test_nats_callout_component(kustomize: str, tmp_path: Path) -> None:
+    """Agents held to their node (components/nats-callout, on the gpu overlay:
+    both agents): each logs in with its projected token, not the shared
+    password; the servers run the callout; the policy checks still hold."""
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{os.path.relpath(ROOT / 'overlays' / 'gpu', tmp_path)}]\n"
+        f"components: [{os.path.relpath(ROOT / 'components' / 'nats-callout', tmp_path)}]\n")
+    out = subprocess.run([kustomize, "build", "--load-restrictor", "LoadRestrictionsNone",
+                          str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    agents = [d for d in docs if d["kind"] == "DaemonSet"]
+    assert sorted(a["metadata"]["name"] for a in agents) == ["smr-agent", "smr-agent-gpu"]
+    for a in agents:
+        spec = a["spec"]["template"]["spec"]
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        assert "SMR_NATS_USER" not in env and "SMR_NATS_PASSWORD" not in env
+        token = env["SMR_NATS_TOKEN_FILE"]["value"]
+        vol = next(v for v in spec["volumes"] if v["name"] == "nats-token")
+        sa = vol["projected"]["sources"][0]["serviceAccountToken"]
+        assert sa["audience"] == "nats" and token.endswith("/" + sa["path"])
+    nats = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats")
+    c = nats["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][0] == "--config=/etc/nats/auth-callout.conf"
+    assert any(e["name"] == "SMR_NATS_CALLOUT_ISSUER" for e in c["env"])
+    auth = next(d for d in docs if d["kind"] == "Deployment"
+                and d["metadata"]["name"] == "smr-natsauth")
+    assert auth["spec"]["template"]["spec"]["containers"][0]["args"] == ["natsauth"]
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    assert deploy_policy.violations(docs) == []

@@ -36,7 +36,14 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 from smr import contract, metrics
-from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, subject
+from smr.bus import (
+    QUERY_CHECKPOINTS,
+    QUERY_GENERATIONS,
+    QUERY_LATEST,
+    message_subject,
+    query_subject,
+    subject,
+)
 from smr.errors import ContractError
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer
@@ -204,6 +211,15 @@ class Watch:
         return got
 
 
+def _namespace(payload: bytes) -> str | None:
+    """The namespace a (maybe malformed) query names, if any."""
+    try:
+        ns = orjson.loads(payload).get("namespace")
+    except Exception:
+        return None
+    return ns if isinstance(ns, str) and ns else None
+
+
 @pytest.fixture
 async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harness]:
     # A node name with a dot: its subject token ("fuzz_...") is shared by another
@@ -245,7 +261,7 @@ async def test_hostile_messages_are_answered_and_harm_nothing(h: Harness, tmp_pa
 
     plan: list[tuple[str, str, str, bytes]] = []  # (subject, schema, what, payload)
     for kind in ("ckpt.requested", "restore.requested"):
-        subj = subject(kind, node)
+        subj = subject(kind, node, "local")
         plan += [(subj, kind, what, p) for what, p in cases(kind, for_node)]
         plan.append((subj, kind, "token twin", dumps({**orjson.loads(
             CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id="ghost",
@@ -253,10 +269,12 @@ async def test_hostile_messages_are_answered_and_harm_nothing(h: Harness, tmp_pa
             if kind == "ckpt.requested" else RestoreRequested(
                 request_id=uuid.uuid4().hex, checkpoint_id="ghost",
                 target=Target.job("ghost"), node=twin).to_payload())})))
-    plan += [(subject("ckpt.done", node), "ckpt.done", what, p)
+    plan += [(subject("ckpt.done", node, "local"), "ckpt.done", what, p)
              for what, p in cases("ckpt.done", for_node)]
     for q in (QUERY_LATEST, QUERY_GENERATIONS, QUERY_CHECKPOINTS):
-        plan += [(q, "storage.query", what, p) for what, p in cases("storage.query", dict)]
+        # Each on its namespace's subject (storage.latest.<ns>), as a client asks.
+        plan += [(query_subject(q, _namespace(p)), "storage.query", what, p)
+                 for what, p in cases("storage.query", dict)]
 
     unanswered: list[tuple[str, str, bytes]] = []
     wrong: list[tuple[str, str, str]] = []
@@ -314,7 +332,7 @@ async def test_hostile_messages_are_answered_and_harm_nothing(h: Harness, tmp_pa
                   RestoreRequested(request_id=rid, checkpoint_id="ghost-1",
                                    target=Target.job("ghost-1"), node=node)):
         seen = len(watch.letters)
-        await h.bus.publish_raw(subject(again.SCHEMA, node), again.to_payload())
+        await h.bus.publish_raw(message_subject(again), again.to_payload())
         got = await watch.until(lambda s=seen: Answer("dead letter", watch.letters[-1][1])
                                 if len(watch.letters) > s else None)
         assert got and got.body["error"]["code"] == "request-id-reused", got

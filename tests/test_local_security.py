@@ -43,8 +43,8 @@ def req(kind, subject):
             "target": {"kind": "job", "job_id": "stolen"}}
     return subject, json.dumps(body)
 sends = [("$KV.smr-jobs.stolen", json.dumps(record)),
-         req("ckpt", "ckpt.requested." + sys.argv[4]),
-         req("restore", "restore.requested." + sys.argv[4])]
+         req("ckpt", "ckpt.requested." + sys.argv[4] + ".local"),
+         req("restore", "restore.requested." + sys.argv[4] + ".local")]
 s = socket.create_connection(("127.0.0.1", port), timeout=5)
 out = [s.recv(4096).decode(errors="replace").split("\r\n")[0][:4]]  # INFO
 try:

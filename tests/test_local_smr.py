@@ -25,7 +25,7 @@ import pytest
 
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, message_subject
 from smr.criu import Criu
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
@@ -259,7 +259,7 @@ async def test_duplicate_request_runs_once(h: Harness) -> None:
     await h.bus.publish(req)
     first = await h.bus.wait_result(req.request_id, req.SCHEMA, timeout=60)
     # The same request again, bypassing the publish dedupe: answered from state.
-    await h.bus.publish_raw(f"ckpt.requested.{h.settings.node}", req.to_payload())
+    await h.bus.publish_raw(message_subject(req), req.to_payload())
     await asyncio.sleep(1.5)
     gens = await h.node.workers[0].step.store.generations(  # type: ignore[attr-defined]
         LOCAL_NAMESPACE, job.id)

@@ -65,7 +65,7 @@ async def test_metrics_move_with_a_checkpoint_a_restore_and_a_dead_letter(
     assert done.status == "succeeded", done.error
     restored = await h.restore(job.id)
     assert restored.status == "succeeded", restored.error
-    await h.bus.publish_raw(subject("ckpt.requested", h.settings.node), b"not json")
+    await h.bus.publish_raw(subject("ckpt.requested", h.settings.node, "local"), b"not json")
     deadline = time.monotonic() + 10
     while (after := await scrape(endpoint)) and value(
             after, "smr_dead_letters_total", subject="ckpt.requested") == value(
@@ -135,7 +135,7 @@ async def test_smr_status_shows_checkpoints_running_requests_and_failures(h: Har
     assert done.status == "succeeded", done.error
     failed = await h.checkpoint("no-such-job")
     assert failed.status == "failed"
-    await h.bus.publish_raw(subject("ckpt.requested", h.settings.node), b"{not json")
+    await h.bus.publish_raw(subject("ckpt.requested", h.settings.node, "local"), b"{not json")
     big = await h.start(384)
     slow = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=big.id,
                          target=Target.job(big.id), node=h.settings.node, leave_running=True)

@@ -416,7 +416,7 @@ async def _note(acted: list[str], what: str) -> None:
 async def test_a_real_result_after_a_failed_one_is_still_published(bus: Bus, node: str) -> None:
     rid = f"late-{uuid.uuid4().hex[:6]}"
     req = CkptRequested(request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node)
-    subj = f"ckpt.done.{node}"
+    subj = f"ckpt.done.{node}.local"
     before = await _count(bus, subj)
     await bus.publish(CkptDone.for_request(req, status="failed", error={
         "code": "deliveries-exhausted", "message": "gave up"}))

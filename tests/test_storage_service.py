@@ -17,7 +17,7 @@ from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from smr import metrics
 from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus
-from smr.messages import CkptDone, StorageQuery, Target, epoch
+from smr.messages import CkptDone, StorageQuery, StorageReply, Target, epoch
 from tests.test_bus import dlq_messages
 
 NS = layout.LOCAL_NAMESPACE
@@ -41,12 +41,13 @@ async def service(bus: Bus, store: CheckpointStore) -> AsyncIterator[StorageServ
     await asyncio.wait_for(task, 10)
 
 
-async def commit(store: CheckpointStore, tmp_path: Path, ckpt: str, n: int) -> None:
+async def commit(store: CheckpointStore, tmp_path: Path, ckpt: str, n: int,
+                 namespace: str = NS) -> None:
     src = tmp_path / f"src-{ckpt}"
     (src / "images").mkdir(parents=True, exist_ok=True)
     (src / "images" / "pages-1.img").write_bytes(os.urandom(2048))
     for i in range(n):
-        await store.commit(NS, ckpt, src, {
+        await store.commit(namespace, ckpt, src, {
             "request_id": f"{ckpt}-{i}", "node": "n1", "reason": "api",
             "target": Target.job(ckpt).to_dict(), "versions": {"criu": "4.1.1"}})
 
@@ -126,13 +127,32 @@ async def test_storage_metrics_follow_what_storage_holds(
 async def test_malformed_query_gets_an_error_and_a_dead_letter(
     bus: Bus, service: StorageService
 ) -> None:
-    r = await bus.nc.request(QUERY_LATEST, b'{"checkpoint_id": "../etc"}', timeout=5)
+    subj = f"{QUERY_LATEST}.local"
+    r = await bus.nc.request(subj, b'{"checkpoint_id": "../etc"}', timeout=5)
     assert b'"error"' in r.data and b"schema_version" in r.data
-    letters = await dlq_messages(bus, QUERY_LATEST)
+    letters = await dlq_messages(bus, subj)
     assert letters and letters[-1].service == "storage"
     # ... and the service still answers.
     ok = await bus.query(QUERY_LATEST, StorageQuery(checkpoint_id="still-here"))
     assert ok.error is None
+
+
+async def test_a_query_of_another_namespace_than_its_subject_is_refused(
+    bus: Bus, service: StorageService, store: CheckpointStore, tmp_path: Path
+) -> None:
+    """The subject's namespace is what a tenant's NATS user may ask on; the
+    query inside must not name another one."""
+    await commit(store, tmp_path, "secret-ckpt", 1, namespace="team-b")
+    q = StorageQuery(checkpoint_id="secret-ckpt", namespace="team-b")
+    r = StorageReply.from_payload((await bus.nc.request(
+        f"{QUERY_LATEST}.team-a", q.to_payload(), timeout=5)).data)
+    assert r.error and r.error["code"] == "wrong-namespace" and not r.generations
+    listing = StorageReply.from_payload((await bus.nc.request(
+        f"{QUERY_CHECKPOINTS}.team-a", StorageQuery(namespace="team-b").to_payload(),
+        timeout=5)).data)
+    assert listing.error and listing.error["code"] == "wrong-namespace"
+    mine = await bus.query(QUERY_LATEST, q)  # on storage.latest.team-b
+    assert mine.error is None and [g["generation"] for g in mine.generations] == [1]
 
 
 async def test_retention_runs_on_ckpt_done(

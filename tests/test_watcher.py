@@ -133,7 +133,7 @@ async def until(cond: Callable[[], bool], timeout: float = 10) -> None:
 
 
 def ckpts(bus: Bus, node_name: str) -> Collector:
-    return Collector(bus, f"ckpt.requested.{node_token(node_name)}", STREAM_REQUESTS,
+    return Collector(bus, f"ckpt.requested.{node_token(node_name)}.*", STREAM_REQUESTS,
                      CkptRequested.from_payload)
 
 
@@ -448,10 +448,10 @@ async def test_outcome_events_on_pods_once(
                       error={"code": "checkpoint-corrupt", "message": "pages-1.img is corrupt",
                              "hint": "restore another generation"})
     await bus.publish(ok)
-    await bus.publish_raw(f"ckpt.done.{node_token(node)}", ok.to_payload(),
+    await bus.publish_raw(f"ckpt.done.{node_token(node)}.ml", ok.to_payload(),
                           msg_id="another-copy")  # the same result, delivered twice
     await bus.publish(bad)
-    await bus.publish_raw(f"ckpt.done.{node_token(node)}", b'{"status": "maybe"}')
+    await bus.publish_raw(f"ckpt.done.{node_token(node)}.ml", b'{"status": "maybe"}')
     await until(lambda: len(kube.list("events", "ml")) >= 2)
     await asyncio.sleep(0.5)
     events = sorted(kube.list("events", "ml"), key=lambda e: e["reason"])
@@ -460,7 +460,7 @@ async def test_outcome_events_on_pods_once(
     assert "generation 3" in events[0]["message"] and "64 MiB" in events[0]["message"]
     assert "pages-1.img is corrupt" in events[1]["message"]
     assert events[0]["involvedObject"]["name"] == "trainer-0"
-    letters = await dlq_messages(bus, f"ckpt.done.{node_token(node)}")
+    letters = await dlq_messages(bus, f"ckpt.done.{node_token(node)}.ml")
     assert any(lt.service == "watcher" for lt in letters)
 
 

@@ -6,7 +6,10 @@ from services.agent.service import NodeAgent
 from services.storage.settings import make_store
 from services.watcher.kube import api_client
 from smr import config, serve
-from smr.bus import Bus
+from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus
+
+# The KV buckets it uses: its NATS user may read no others.
+BUCKETS = (KV_LOCKS, KV_STEPS, KV_TIMINGS)
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
@@ -16,4 +19,4 @@ async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list
 
 
 if __name__ == "__main__":
-    serve.main("agent", make)
+    serve.main("agent", make, buckets=BUCKETS)

@@ -2,10 +2,10 @@
 the host's PID namespace). It checkpoints and restores the containers of the
 pods on its node:
 
-    ckpt.requested.<node>    (pod target) ──▶ PodCheckpointStep
-    restore.requested.<node> (pod target) ──▶ PodRestoreStep
-    a container's smr-init waiting         ──▶ StartRestores (restore or fresh)
-    a preStop hook no final checkpoint answers ──▶ PreStopWaits (released)
+    ckpt.requested.<node>.<ns>    (pod target) ──▶ PodCheckpointStep
+    restore.requested.<node>.<ns> (pod target) ──▶ PodRestoreStep
+    a container's smr-init waiting              ──▶ StartRestores (restore or fresh)
+    a preStop hook no final checkpoint answers  ──▶ PreStopWaits (released)
 """
 
 from __future__ import annotations

@@ -1,2 +1,2 @@
-"""The restorer: consumes restore.requested.<node>, fetches and verifies a
+"""The restorer: consumes restore.requested.<node>.<ns>, fetches and verifies a
 generation, restores it with CRIU, answers with restore.done."""

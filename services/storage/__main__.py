@@ -6,6 +6,8 @@ from services.storage.settings import make_storage_service, make_store
 from smr import config, serve
 from smr.bus import Bus
 
+BUCKETS = ()  # it creates every stream and bucket, but reads none
+
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
     store = make_store(settings)
@@ -13,4 +15,4 @@ async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list
 
 
 if __name__ == "__main__":
-    serve.main("storage", make)
+    serve.main("storage", make, buckets=BUCKETS)

@@ -11,14 +11,14 @@ A generation exists for readers only once its manifest is committed.
 
 from __future__ import annotations
 
-from smr.messages import Target
+from smr.messages import LOCAL_NAMESPACE, Target
 
-LOCAL_NAMESPACE = "local"
+__all__ = ["LOCAL_NAMESPACE"]
 GEN_WIDTH = 8  # zero-padded so lexical order is numeric order
 
 
 def namespace_of(target: Target) -> str:
-    return (target.namespace if target.kind == "pod" else None) or LOCAL_NAMESPACE
+    return target.namespace_name
 
 
 def checkpoint_prefix(namespace: str, checkpoint_id: str) -> str:

@@ -1,12 +1,12 @@
 """The storage service: answers queries, applies retention, collects garbage.
 
-- ``storage.latest`` / ``storage.generations`` (NATS request/reply, queue
+- ``storage.latest.<ns>`` / ``storage.generations.<ns>`` (NATS request/reply, queue
   group ``smr-storage``): a checkpoint_id's latest or every committed
   generation. A malformed query is answered with an error and dead-lettered.
 - Retention on ``ckpt.done``: after each successful checkpoint, the
   generations of that checkpoint_id beyond SMR_KEEP_GENERATIONS or older than
   SMR_MAX_AGE are removed (never the latest).
-- ``storage.checkpoints``: the latest generation of every stored checkpoint
+- ``storage.checkpoints[.<ns>]``: the latest generation of every stored checkpoint
   (``smr status`` shows them).
 - Every SMR_GC_INTERVAL: uploads and manifest-less generations older than
   SMR_GC_GRACE are removed (what crashed writers left).
@@ -31,7 +31,7 @@ from services.storage.layout import LOCAL_NAMESPACE, namespace_of
 from services.storage.store import CheckpointStore, Generation, created_epoch
 from smr import metrics, tracing
 from smr.aio import wait_event
-from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus
+from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus, query_subject
 from smr.errors import ContractError, SmrError
 from smr.messages import CkptDone, StorageQuery, StorageReply
 from smr.retry import retry_nats
@@ -74,8 +74,11 @@ class StorageService:
         self._rescan.set()
 
     async def run(self) -> None:
+        # storage.<what>.<ns> (a tenant's user may ask of its namespace only),
+        # and storage.checkpoints alone: every namespace's (admin).
         subs = [await self.bus.nc.subscribe(s, queue="smr-storage", cb=self._answer)
-                for s in (QUERY_LATEST, QUERY_GENERATIONS, QUERY_CHECKPOINTS)]
+                for s in (f"{QUERY_LATEST}.*", f"{QUERY_GENERATIONS}.*",
+                          f"{QUERY_CHECKPOINTS}.*", QUERY_CHECKPOINTS)]
         async for attempt in retry_nats():  # NATS may be restarting as this starts
             with attempt:
                 await self.bus.ensure_event_consumer(self.durable, "ckpt.done")
@@ -99,7 +102,15 @@ class StorageService:
         ) as span:
             try:
                 q = StorageQuery.from_payload(m.data)
-                if m.subject == QUERY_CHECKPOINTS:
+                what = ".".join(m.subject.split(".")[:2])
+                if query_subject(what, q.namespace) != m.subject:
+                    # The subject's namespace is what NATS permitted: the
+                    # query must not name another one.
+                    raise ContractError(
+                        f"a query of namespace {q.namespace or LOCAL_NAMESPACE!r} arrived "
+                        f"on {m.subject}", code="wrong-namespace",
+                        hint=f"ask on {query_subject(what, q.namespace)}")
+                if what == QUERY_CHECKPOINTS:
                     reply = StorageReply(namespace=q.namespace, generations=[
                         {**summary(gens[-1]), "checkpoint_id": ckpt, "namespace": ns,
                          "stored_generations": len(gens)}
@@ -111,7 +122,7 @@ class StorageService:
                                             code="invalid-message",
                                             hint="storage.checkpoints lists them all")
                     ns = q.namespace or LOCAL_NAMESPACE
-                    if m.subject == QUERY_LATEST:
+                    if what == QUERY_LATEST:
                         latest = await self.store.latest(ns, q.checkpoint_id)
                         gens = [latest] if latest else []
                     else:

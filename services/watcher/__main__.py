@@ -5,7 +5,12 @@ from __future__ import annotations
 from services.watcher.kube import api_client
 from services.watcher.service import Watcher
 from smr import config, serve
-from smr.bus import Bus
+from smr.bus import KV_BEATS, KV_EPISODES, KV_STEPS, Bus
+
+# The KV buckets it uses: its NATS user may read no others. smr-steps only
+# read (its user may not write it), to recreate a drained bare pod once its
+# checkpoint is over.
+BUCKETS = (KV_BEATS, KV_EPISODES, KV_STEPS)
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
@@ -14,4 +19,4 @@ async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list
 
 
 if __name__ == "__main__":
-    serve.main("watcher", make)
+    serve.main("watcher", make, buckets=BUCKETS)

@@ -3,9 +3,9 @@ requests, exactly once in effect, whatever the API server or its own
 replicas do.
 
     Node cordoned / preemption taint / deleted ──▶ node.draining.<node>
-                                                  ckpt.requested.<node> per opted-in container
-    opted-in pod terminating on such a node   ──▶ ckpt.requested.<node>  (reason drain)
-    heartbeat label (leader only, KV schedule) ──▶ ckpt.requested.<node>  (leave running)
+                                                  ckpt.requested.<node>.<ns> per opted-in container
+    opted-in pod terminating on such a node   ──▶ ckpt.requested.<node>.<ns>  (reason drain)
+    heartbeat label (leader only, KV schedule) ──▶ ckpt.requested.<node>.<ns>  (leave running)
     bare node-restore pod gone from such node ──▶ the pod is created again (the
                                                   scheduler places it elsewhere)
     ckpt.done / restore.done of a pod          ──▶ a Kubernetes Event on the pod

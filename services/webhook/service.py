@@ -60,7 +60,8 @@ class Webhook:
 
     async def _connect(self) -> None:
         self.bus = await Bus.connect(self.s.nats_url, name="smr-webhook",
-                                     config=BusConfig.from_settings(self.s))
+                                     config=BusConfig.from_settings(self.s),
+                                     buckets=(KV_TIMINGS,))
         log.info("webhook reading checkpoint times from %s", self.s.nats_url)
 
     async def measured(self, body: bytes) -> float | None:

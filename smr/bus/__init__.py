@@ -30,7 +30,10 @@ from smr.bus.topology import (
     SUBJECT_TYPES,
     BusConfig,
     kind_of,
+    message_subject,
+    node_filter,
     node_token,
+    query_subject,
     subject,
 )
 from smr.bus.worker import Progress, Step, Worker
@@ -39,5 +42,6 @@ __all__ = [
     "KV_BEATS", "KV_EPISODES", "KV_JOBS", "KV_LOCKS", "KV_STEPS", "KV_TIMINGS", "QUERY_CHECKPOINTS",
     "QUERY_GENERATIONS", "QUERY_LATEST", "RESULT_OF", "STREAM_DLQ", "STREAM_EVENTS",
     "STREAM_EXHAUSTED", "STREAM_REQUESTS", "SUBJECT_TYPES", "Bus", "BusConfig", "Progress",
-    "Step", "Worker", "kind_of", "node_token", "subject",
+    "Step", "Worker", "kind_of", "message_subject", "node_filter",
+    "node_token", "query_subject", "subject",
 ]

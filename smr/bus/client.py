@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import nats
@@ -37,7 +37,6 @@ from smr.bus.topology import (
     SUBJECT_TYPES,
     BusConfig,
     kind_of,
-    subject,
 )
 from smr.errors import ContractError, SmrError
 from smr.messages import (
@@ -54,22 +53,29 @@ from smr.retry import NATS_TRANSIENT, retry_nats
 log = logging.getLogger("smr.bus")
 
 FETCH_RETRY_S = 0.5  # after a fetch failed for another reason than "nothing new"
+SETUP_WAIT_S = 1.0  # between looks for a stream another service creates
+ALL_BUCKETS = tuple(b for b, _, _ in topology.BUCKETS)
 
 
 class Bus:
     """One NATS connection and everything smr does over it."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, config: BusConfig) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, config: BusConfig,
+                 buckets: Iterable[str] | None = None) -> None:
         self.nc = nc
         self.js = js
         self.config = config
+        self.buckets = tuple(buckets) if buckets is not None else ALL_BUCKETS
         self._kv: dict[str, KeyValue] = {}
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "smr", config: BusConfig | None = None) -> Bus:
+    async def connect(cls, url: str, *, name: str = "smr", config: BusConfig | None = None,
+                      buckets: Iterable[str] | None = None) -> Bus:
         """``url``: one server, or a cluster's servers comma-separated; the
         client connects to any of them and, when that one goes, reconnects to
-        another (and to those the cluster tells it of)."""
+        another (and to those the cluster tells it of). ``buckets``: the KV
+        buckets this service uses (default: all); a NATS user is permitted
+        those only (deploy/kustomize/components/nats-auth)."""
         config = config or BusConfig()
         servers = [u.strip() for u in url.split(",") if u.strip()]
         async for attempt in retry_nats():
@@ -78,12 +84,20 @@ class Bus:
                     servers, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5, allow_reconnect=True,
                     user_credentials=config.credentials or None,
+                    user=config.user or None, password=config.password or None,
+                    token=_token_reader(config.token_file) if config.token_file
+                    else config.token or None,
+                    inbox_prefix=config.inbox_prefix,
                     # One line per event, not nats-py's traceback per reconnect attempt.
                     error_cb=_connection_error, disconnected_cb=_disconnected,
                     reconnected_cb=_reconnected,
                 )
-        bus = cls(nc, nc.jetstream(timeout=10), config)
-        await bus.ensure()
+        bus = cls(nc, nc.jetstream(timeout=10), config, buckets)
+        try:
+            await bus.ensure()
+        except BaseException:
+            await quietly(nc.close())
+            raise
         return bus
 
     async def close(self) -> None:
@@ -93,7 +107,12 @@ class Bus:
     # -- topology -----------------------------------------------------------------
 
     async def ensure(self) -> None:
-        """Create or update the streams and KV buckets; safe to call from every service."""
+        """Create or update the streams and KV buckets (``config.setup``), or
+        wait for them; then bind this service's buckets. Safe to call from
+        every service."""
+        if not self.config.setup:
+            await self._wait_topology()
+            return
         # Each is retried: on a NATS cluster a replicated stream's creation can
         # time out while its peers are busy (services starting at once), and
         # creating or updating one to the same config again is a no-op.
@@ -105,7 +124,32 @@ class Bus:
             if bucket not in self._kv:
                 async for attempt in retry_nats():
                     with attempt, self._replicas_refused(f"KV bucket {bucket}"):
-                        self._kv[bucket] = await self._ensure_bucket(bucket, history, ttl)
+                        kv = await self._ensure_bucket(bucket, history, ttl)
+                if bucket in self.buckets:
+                    self._kv[bucket] = kv
+
+    async def _wait_topology(self) -> None:
+        """A user that may not create the streams and buckets (SMR_NATS_SETUP
+        false) waits for the one that may (the storage service in the cluster)."""
+        names = [*(cfg.name or "" for cfg in topology.streams(self.config)),
+                 *(f"KV_{b}" for b in self.buckets)]
+        for stream in names:
+            waited = 0.0
+            while True:
+                try:
+                    async for attempt in retry_nats():
+                        with attempt:
+                            await self.js.stream_info(stream)
+                    break
+                except NotFoundError:
+                    if waited == 0.0:
+                        log.warning("stream %s does not exist yet: waiting for the service "
+                                    "that creates them (SMR_NATS_SETUP=true; in the cluster "
+                                    "the storage service)", stream)
+                    waited += SETUP_WAIT_S
+                    await asyncio.sleep(SETUP_WAIT_S)
+        for bucket in self.buckets:
+            self._kv[bucket] = await self.js.key_value(bucket)
 
     @contextlib.contextmanager
     def _replicas_refused(self, what: str) -> Iterator[None]:
@@ -237,15 +281,18 @@ class Bus:
             await quietly(sub.unsubscribe())
 
     def kv(self, bucket: str) -> KeyValue:
-        return self._kv[bucket]
+        try:
+            return self._kv[bucket]
+        except KeyError:
+            raise KeyError(f"KV bucket {bucket} is not among this Bus's buckets "
+                           f"{self.buckets}: name it in Bus.connect(buckets=...)") from None
 
     # -- publishing ---------------------------------------------------------------
 
     async def publish(self, msg: Message, subj: str | None = None) -> js_api.PubAck:
         """Validate and publish; ``Nats-Msg-Id`` makes a repeat a no-op."""
         if subj is None:
-            kind = next(k for k, t in SUBJECT_TYPES.items() if type(msg) is t)
-            subj = subject(kind, msg.node)  # type: ignore[attr-defined]
+            subj = topology.message_subject(msg)
         payload = msg.to_payload()
         msg_id = msg.request_id  # type: ignore[attr-defined]
         if isinstance(msg, CkptDone | RestoreDone):
@@ -304,8 +351,19 @@ class Bus:
 
     async def query(self, what: str, query: StorageQuery, *, timeout: float = 10.0
                     ) -> StorageReply:
-        """Ask the storage service (``QUERY_LATEST`` or ``QUERY_GENERATIONS``)."""
-        return await replies.query(self.nc, what, query, timeout=timeout)
+        """Ask the storage service (``QUERY_LATEST``, ``QUERY_GENERATIONS`` or
+        ``QUERY_CHECKPOINTS``) on the subject of the query's namespace."""
+        return await replies.query(self.nc, topology.query_subject(what, query.namespace),
+                                   query, timeout=timeout)
+
+
+def _token_reader(path: str) -> Callable[[], str]:
+    """The token as the file holds it at each (re)connect: a projected
+    ServiceAccount token is replaced before it expires."""
+    def read() -> str:
+        with open(path) as f:
+            return f.read().strip()
+    return read
 
 
 async def _connection_error(e: Exception) -> None:

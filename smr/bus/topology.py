@@ -1,12 +1,22 @@
 """The bus's names and shapes: subjects, streams, consumers, KV buckets.
 
-Subjects (``<node>`` is ``node_token(node)``)::
+Subjects (``<node>`` is ``node_token(node)``, ``<ns>`` the namespace of the
+request's target: a pod's namespace, ``local`` for a job of `smr up`)::
 
-    ckpt.requested.<node>      restore.requested.<node>     stream SMR_REQUESTS
-    ckpt.done.<node>           restore.done.<node>          stream SMR_EVENTS
-    node.draining.<node>                                    stream SMR_EVENTS
-    dlq.<original subject>                                  stream SMR_DLQ
+    ckpt.requested.<node>.<ns>  restore.requested.<node>.<ns>  stream SMR_REQUESTS
+    ckpt.done.<node>.<ns>       restore.done.<node>.<ns>       stream SMR_EVENTS
+    node.draining.<node>                                       stream SMR_EVENTS
+    dlq.<original subject>                                     stream SMR_DLQ
     $JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.SMR_REQUESTS.* stream SMR_EXHAUSTED
+    storage.{latest,generations,checkpoints}.<ns>   request/reply, storage service
+    storage.checkpoints                             every namespace's (admin)
+
+The node and the namespace are in the subject so that a NATS permission can
+match them (deploy/kustomize/components/nats-auth): a tenant's user may
+publish ``ckpt.requested.*.<its ns>`` only, an agent's consume its node's.
+A worker refuses a request whose subject names another namespace than its
+target (``wrong-namespace``), so the permission on the subject is the
+permission on the target.
 
 Requests are published with ``Nats-Msg-Id = request_id``, so JetStream drops a
 duplicate within the dedupe window. Each node has one durable pull consumer per
@@ -23,6 +33,7 @@ from nats.js import api as js_api
 
 from smr.config import Settings
 from smr.messages import (
+    LOCAL_NAMESPACE,
     CkptDone,
     CkptRequested,
     Message,
@@ -54,6 +65,8 @@ SUBJECT_TYPES: dict[str, type[Message]] = {
     "restore.done": RestoreDone,
     "node.draining": NodeDraining,
 }
+# Kinds whose subjects end in the target's namespace.
+PER_NAMESPACE = frozenset(("ckpt.requested", "restore.requested", "ckpt.done", "restore.done"))
 RESULT_OF: dict[str, type[CkptDone] | type[RestoreDone]] = {
     "ckpt.requested": CkptDone,
     "restore.requested": RestoreDone,
@@ -68,10 +81,42 @@ def node_token(node: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", node)
 
 
-def subject(kind: str, node: str) -> str:
+def subject(kind: str, node: str, namespace: str | None = None) -> str:
+    """``kind.<node>`` (node.draining), ``kind.<node>.<ns>`` (requests and
+    results: ``namespace`` is then required)."""
     if kind not in SUBJECT_TYPES:
         raise KeyError(f"unknown subject kind {kind!r}")
-    return f"{kind}.{node_token(node)}"
+    if kind not in PER_NAMESPACE:
+        return f"{kind}.{node_token(node)}"
+    if not namespace:
+        raise ValueError(f"a {kind} subject names the target's namespace")
+    return f"{kind}.{node_token(node)}.{node_token(namespace)}"
+
+
+def node_filter(kind: str, node: str) -> str:
+    """Every ``kind`` subject of ``node``: its consumer's filter."""
+    return f"{kind}.{node_token(node)}.*" if kind in PER_NAMESPACE else subject(kind, node)
+
+
+def message_subject(msg: Message) -> str:
+    kind = next(k for k, t in SUBJECT_TYPES.items() if type(msg) is t)
+    if isinstance(msg, NodeDraining):
+        return subject(kind, msg.node)
+    assert isinstance(msg, CkptRequested | RestoreRequested | CkptDone | RestoreDone)
+    return subject(kind, msg.node, msg.target.namespace_name)
+
+
+def namespace_of_subject(subj: str) -> str | None:
+    """The namespace token of a request or result subject (None: it has none)."""
+    parts = subj.split(".")
+    return parts[3] if kind_of(subj) in PER_NAMESPACE and len(parts) == 4 else None
+
+
+def query_subject(what: str, namespace: str | None) -> str:
+    """``storage.<what>.<ns>``; ``storage.checkpoints`` alone lists every namespace."""
+    if namespace is None and what == QUERY_CHECKPOINTS:
+        return what
+    return f"{what}.{node_token(namespace or LOCAL_NAMESPACE)}"
 
 
 def kind_of(subj: str) -> str:
@@ -87,11 +132,27 @@ class BusConfig:
     nak_max_delay: float = 30.0
     credentials: str = ""  # a NATS .creds file (JWT + nkey)
     replicas: int = 1  # of every stream and KV bucket (SMR_NATS_REPLICAS)
+    user: str = ""  # SMR_NATS_USER; its inbox prefix is _INBOX.<user>
+    password: str = ""
+    setup: bool = True  # create/update streams and buckets; False: wait for them
+    token: str = ""  # a NATS token: an agent's ServiceAccount token (auth callout)
+    token_file: str = ""  # where it is: read again at each (re)connect, as it rotates
+    inbox: str = ""  # the user replies come to, when it has no name (a token login)
 
     @classmethod
     def from_settings(cls, s: Settings) -> BusConfig:
         return cls(max_deliver=s.max_deliver, ack_wait=s.ack_wait, dedupe_window=s.dedupe_window,
-                   credentials=s.nats_creds, replicas=s.nats_replicas)
+                   credentials=s.nats_creds, replicas=s.nats_replicas, user=s.nats_user,
+                   password=s.nats_password, setup=s.nats_setup, token_file=s.nats_token_file,
+                   # What the auth callout names a token's user: its node's agent.
+                   inbox=f"smr-agent-{node_token(s.node)}" if s.nats_token_file else "")
+
+    @property
+    def inbox_prefix(self) -> str:
+        """Where replies come: a user's own, so a permission can give each user
+        its replies and no one else's (``_INBOX.<user>.>``)."""
+        name = self.user or self.inbox
+        return f"_INBOX.{node_token(name)}" if name else "_INBOX"
 
     @property
     def keepalive(self) -> float:
@@ -112,13 +173,13 @@ def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
     with ``config.replicas`` replicas."""
     return tuple(replace(s, num_replicas=config.replicas) for s in (
         js_api.StreamConfig(
-            name=STREAM_REQUESTS, subjects=["ckpt.requested.*", "restore.requested.*"],
+            name=STREAM_REQUESTS, subjects=["ckpt.requested.*.*", "restore.requested.*.*"],
             duplicate_window=config.dedupe_window, max_age=7 * DAY,
             storage=js_api.StorageType.FILE,
         ),
         js_api.StreamConfig(
             name=STREAM_EVENTS,
-            subjects=["ckpt.done.*", "restore.done.*", "node.draining.*"],
+            subjects=["ckpt.done.*.*", "restore.done.*.*", "node.draining.*"],
             duplicate_window=config.dedupe_window, max_age=7 * DAY,
             storage=js_api.StorageType.FILE,
         ),
@@ -151,7 +212,7 @@ def request_consumer(kind: str, node: str, config: BusConfig,
     job's lock) and those fetched ahead."""
     name = f"{kind.replace('.', '-')}-{node_token(node)}"
     return js_api.ConsumerConfig(
-        name=name, durable_name=name, filter_subject=subject(kind, node),
+        name=name, durable_name=name, filter_subject=node_filter(kind, node),
         ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
         ack_wait=config.ack_wait, max_deliver=config.max_deliver,
         max_ack_pending=concurrency,
@@ -169,10 +230,11 @@ def exhausted_consumer(consumer: str, config: BusConfig) -> js_api.ConsumerConfi
 
 
 def event_consumer(name: str, kind: str, config: BusConfig) -> js_api.ConsumerConfig:
-    """A durable consumer of ``kind`` events of every node, shared by a
-    service's replicas (each event goes to one of them)."""
+    """A durable consumer of ``kind`` events of every node (and namespace),
+    shared by a service's replicas (each event goes to one of them)."""
     return js_api.ConsumerConfig(
-        name=name, durable_name=name, filter_subject=f"{kind}.*",
+        name=name, durable_name=name,
+        filter_subject=f"{kind}.*.*" if kind in PER_NAMESPACE else f"{kind}.*",
         ack_policy=js_api.AckPolicy.EXPLICIT, deliver_policy=js_api.DeliverPolicy.ALL,
         ack_wait=config.ack_wait, max_deliver=config.max_deliver,
     )

@@ -38,7 +38,9 @@ from smr.bus.topology import (
     STREAM_REQUESTS,
     SUBJECT_TYPES,
     kind_of,
-    subject,
+    namespace_of_subject,
+    node_filter,
+    node_token,
 )
 from smr.errors import ContractError, SmrError, StepError, TemporaryError
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
@@ -127,7 +129,7 @@ class Worker:
                 psub = await self.bus.js.pull_subscribe_bind(durable, STREAM_REQUESTS)
                 exhausted = await self.bus.js.pull_subscribe_bind(
                     await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
-        log.info("%s consuming %s", self.service, subject(self.step.kind, self.node))
+        log.info("%s consuming %s", self.service, node_filter(self.step.kind, self.node))
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
@@ -201,7 +203,7 @@ class Worker:
             self._failing += 1
             if self._failing == 1:
                 log.warning("%s: fetching from %s failed (%s: %s); retrying",
-                            self.service, subject(self.step.kind, self.node),
+                            self.service, node_filter(self.step.kind, self.node),
                             type(e).__name__, e)
             await asyncio.sleep(FETCH_RETRY_S)
             return []
@@ -261,6 +263,15 @@ class Worker:
                     f"request for node {req.node} arrived on {m.subject}",  # type: ignore[attr-defined]
                     code="wrong-node", hint="publish to the subject that ends in the node's name",
                 )
+            # The subject's namespace is what NATS permitted the publisher
+            # (a tenant's user: its own only): the target must be in it.
+            if namespace_of_subject(m.subject) != node_token(
+                    req.target.namespace_name):  # type: ignore[attr-defined]
+                raise ContractError(
+                    f"request for {req.target} arrived on {m.subject}",  # type: ignore[attr-defined]
+                    code="wrong-namespace",
+                    hint="publish to the subject that ends in the target's namespace "
+                         "(`local` for a job)")
         except ContractError as e:
             rid = peek_request_id(m.data)
             await self.bus.dead_letter(m.subject, m.data, e, service=self.service,

@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
+from services.agent.__main__ import BUCKETS as AGENT_BUCKETS
 from services.agent.service import NodeAgent
 from services.storage.codec import Codec
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
+from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
 from services.watcher.kube import api_client
 from services.watcher.service import Watcher
 from services.webhook.service import Webhook
@@ -30,7 +32,7 @@ from smr.bus import Bus
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
 from smr.workloads import jax_mlp
-from tests import oci_image
+from tests import nats_auth, oci_image
 from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
     COUNTER,
@@ -49,6 +51,7 @@ from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
 from tests.programs import node, pool
+from tests.test_deploy import kustomize  # noqa: F401 (a fixture: nats_users renders the NATS users)
 
 
 @pytest.fixture(scope="session")
@@ -171,18 +174,44 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
     base = settings.replace(
         nats_url=nats_server.url, lease_name=f"smr-watcher-{run}", lease_duration=3,
         lease_renew_deadline=2, lease_retry=1, max_deliver=2, ack_wait=5)
+    # A test marked nats_users runs on a NATS of its own with the users and
+    # permissions deploy/kustomize ships, each service logged in as its own
+    # user (node a's agent as that node's user, from agent-node.conf.template;
+    # node b's as the shipped all-nodes smr-agent), the test as smr-admin.
+    secured = None
+    buses = {"storage": bus, "watcher": bus, **{n: bus for n in nodes}}
+    durables = {"storage": f"retention-{run}", "watcher": f"w-{run}"}
+    if request.node.get_closest_marker("nats_users"):
+        secured = nats_auth.start(settings.nats_server_binary(), tmp_path / "nats-auth",
+                                  nats_auth.shipped(request.getfixturevalue("kustomize")),
+                                  agents={nodes[0]: f"pw-{run}"})
+        base = base.replace(nats_url=secured.url)
+        bus = await Bus.connect(secured.url, config=secured.config("smr-admin"))
+        # The shipped permissions name the services' own durable consumers.
+        durables = {"storage": "storage-retention", "watcher": "watcher"}
+        users = {"storage": ("smr-storage", ()), "watcher": ("smr-watcher", WATCHER_BUCKETS),
+                 nodes[0]: (f"smr-agent-{nodes[0]}", AGENT_BUCKETS),
+                 nodes[1]: ("smr-agent", AGENT_BUCKETS)}
+        for who, (user, buckets) in users.items():
+            buses[who] = await Bus.connect(secured.url, config=secured.config(
+                user, max_deliver=2, ack_wait=5), buckets=buckets)
+        webhook_user = secured.config("smr-webhook")
+        base_webhook = base.replace(nats_user=webhook_user.user,
+                                    nats_password=webhook_user.password, nats_setup=False)
+    else:
+        base_webhook = base
     apis = [await api_client(kube.url) for _ in range(5)]
     # The webhook, installed as deploy/kustomize/base does: its configuration
     # (caBundle empty until the webhook fills it), reached as a Service.
     kube.put("mutatingwebhookconfigurations", webhook_configuration())
-    webhook = Webhook(apis[4], base.replace(webhook_port=0), host="127.0.0.1")
-    storage = StorageService(bus, store, durable=f"retention-{run}")
-    watcher = Watcher(bus, apis[0], base, durable_prefix=f"w-{run}")
+    webhook = Webhook(apis[4], base_webhook.replace(webhook_port=0), host="127.0.0.1")
+    storage = StorageService(buses["storage"], store, durable=durables["storage"])
+    watcher = Watcher(buses["watcher"], apis[0], base, durable_prefix=durables["watcher"])
     # A test marked agent_process(memory_limit=BYTES) gets the second node's
     # agent as a process of its own, held to that limit (tests/agent/agent_process).
     marker = request.node.get_closest_marker("agent_process")
     in_process = nodes[:1] if marker else nodes
-    agents = [NodeAgent(bus, apis[1 + i], store, base.replace(node_name=n))
+    agents = [NodeAgent(buses[n], apis[1 + i], store, base.replace(node_name=n))
               for i, n in enumerate(in_process)]
     kubelets = {}
     for n in nodes:
@@ -229,5 +258,9 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
             await a.close()
         await store.close()
         await kube.stop()
+        if secured:
+            for b in {*buses.values(), bus}:
+                await b.close()
+            secured.stop()
 
 

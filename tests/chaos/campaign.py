@@ -736,7 +736,7 @@ class Campaign:
             return time.monotonic() - t - took
 
         alone = await timed()
-        subj = subject("ckpt.requested", w.node)
+        subj = subject("ckpt.requested", w.node, "local")
         for i in range(bad):
             await self.bus.publish_raw(subj, b'{"schema_version": 1, "request_id": "bad-%d"' % i)
         behind = await timed()

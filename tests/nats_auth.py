@@ -1,0 +1,94 @@
+"""A real nats-server with the NATS users and permissions that deploy/kustomize
+ships: accounts.conf as the dev overlay renders it (the ConfigMap
+smr-nats-accounts), the passwords of its Secret smr-nats-users, and users
+rendered from its templates (tenants, per-node agents). No second copy of
+the permissions lives in the tests."""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from smr.bus import BusConfig, node_token
+from smr.natsserver import NatsServer
+
+MARKER = "      # smr: tenant and per-node agent users go here"
+SERVICES = ("storage", "watcher", "agent", "webhook", "admin", "natsauth")
+
+
+@dataclass
+class Shipped:
+    accounts: str
+    tenant: str  # tenant.conf.template
+    agent_node: str  # agent-node.conf.template
+    callout: str  # auth-callout.conf
+    passwords: dict[str, str]  # Secret smr-nats-users: service → password
+
+
+def shipped(kustomize: str) -> Shipped:
+    from tests.test_deploy import render
+
+    docs = render(kustomize, "dev")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap"
+              and d["metadata"]["name"] == "smr-nats-accounts")["data"]
+    secret = next(d for d in docs if d["kind"] == "Secret"
+                  and d["metadata"]["name"] == "smr-nats-users")
+    pw = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    pw.update(secret.get("stringData", {}))
+    return Shipped(cm["accounts.conf"], cm["tenant.conf.template"],
+                   cm["agent-node.conf.template"], cm["auth-callout.conf"], pw)
+
+
+def _user(template: str, placeholder: str, value: str, password: str) -> str:
+    body = "\n".join(line for line in template.splitlines() if not line.startswith("#"))
+    return body.replace(placeholder, value).replace("PASSWORD", password)
+
+
+@dataclass
+class SecuredNats:
+    """The server, and how each user logs in to it."""
+
+    server: NatsServer
+    passwords: dict[str, str] = field(default_factory=dict)  # user → password
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def config(self, user: str, **kw: object) -> BusConfig:
+        return BusConfig(user=user, password=self.passwords[user],
+                         setup=user in ("smr-storage", "smr-admin"), **kw)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str] = {},
+          agents: Mapping[str, str] = {}, callout_issuer: str = "") -> SecuredNats:
+    """``tenants``: namespace → password; ``agents``: node → password (a user
+    each, from the templates). ``callout_issuer``: run auth-callout.conf with
+    this issuer (an account public nkey) instead of accounts.conf alone."""
+    assert MARKER in ship.accounts, "accounts.conf lost the line extra users go after"
+    extra = [_user(ship.tenant, "NAMESPACE", node_token(ns), pw) for ns, pw in tenants.items()]
+    extra += [_user(ship.agent_node, "NODE", node_token(n), pw) for n, pw in agents.items()]
+    store.mkdir(parents=True, exist_ok=True)
+    conf = store / "accounts.conf"
+    conf.write_text(ship.accounts.replace(MARKER, "\n".join(extra) + "\n" + MARKER))
+    env = {**os.environ, **{f"SMR_NATS_PASSWORD_{s.upper()}": ship.passwords[s]
+                            for s in SERVICES}}
+    if callout_issuer:
+        names = [f"tenant-{node_token(ns)}" for ns in tenants]
+        names += [f"smr-agent-{node_token(n)}" for n in agents]
+        assert "auth_users: [" in ship.callout
+        (store / "auth-callout.conf").write_text(ship.callout.replace(
+            "auth_users: [", "auth_users: [" + "".join(f"{n}, " for n in names)))
+        conf = store / "auth-callout.conf"
+        env["SMR_NATS_CALLOUT_ISSUER"] = callout_issuer
+    server = NatsServer(binary, store / "js", extra_args=["-c", str(conf)], env=env).start()
+    users = {f"smr-{s}": ship.passwords[s] for s in SERVICES}
+    users.update({f"tenant-{node_token(ns)}": pw for ns, pw in tenants.items()})
+    users.update({f"smr-agent-{node_token(n)}": pw for n, pw in agents.items()})
+    return SecuredNats(server, users)

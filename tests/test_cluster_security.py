@@ -1,0 +1,326 @@
+"""Attacks on the cluster's bus, against a real nats-server running the users
+and permissions that deploy/kustomize ships (tests/nats_auth.py renders them
+from the dev overlay), with the storage service on moto's S3 over HTTP.
+
+Each attack is refused by the server itself: the client is told `Permissions
+Violation`, and nothing of it reaches a stream, a bucket or a service. Each
+user's own work goes through beside it, so no refusal here is vacuous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import orjson
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.storage.codec import Codec
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
+from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
+from smr import config
+from smr.bus import (
+    KV_BEATS,
+    KV_JOBS,
+    KV_LOCKS,
+    KV_STEPS,
+    KV_TIMINGS,
+    QUERY_CHECKPOINTS,
+    QUERY_LATEST,
+    STREAM_EVENTS,
+    STREAM_REQUESTS,
+    Bus,
+    Worker,
+    subject,
+)
+from smr.messages import CkptRequested, NodeDraining, RestoreRequested, StorageQuery, Target
+from tests import nats_auth
+from tests.test_bus import CountingStep
+from tests.test_deploy import kustomize  # noqa: F401 (a fixture)
+
+NODE, OTHER_NODE = "node-1", "node-2"
+TENANTS = {"team-a": "pw-team-a", "team-b": "pw-team-b"}
+AGENTS = {NODE: "pw-node-1", OTHER_NODE: "pw-node-2"}
+VIOLATION = "permissions violation"  # as nats-py reports the server's -ERR
+
+
+@pytest.fixture(scope="module")
+def secured(kustomize: str, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+            settings: config.Settings) -> Iterator[nats_auth.SecuredNats]:
+    ship = nats_auth.shipped(kustomize)
+    srv = nats_auth.start(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-auth"),
+                          ship, tenants=TENANTS, agents=AGENTS)
+    yield srv
+    srv.stop()
+
+
+class Client:
+    """A raw NATS client as a user: what a tenant or a stolen password has."""
+
+    def __init__(self, nc: NATS, errors: list[str]) -> None:
+        self.nc, self.errors = nc, errors
+        self.js = nc.jetstream(timeout=2)
+
+    async def refused(self, what: str, kind: str = "publish") -> None:
+        """The server answered ``what`` with a permissions violation (``kind``:
+        publish or subscription)."""
+        for _ in range(40):
+            if any(f'{VIOLATION} for {kind} to "{what.lower()}"' in e.lower()
+                   for e in self.errors):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no permissions violation for {what!r}: {self.errors}")
+
+    async def publish_refused(self, subj: str, payload: bytes = b"{}",
+                              headers: dict[str, str] | None = None) -> None:
+        """A JetStream publish the server drops: no ack comes, and it says why."""
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await self.js.publish(subj, payload, headers=headers, timeout=1)
+        await self.refused(subj)
+
+    async def request_refused(self, subj: str, payload: bytes = b"{}") -> None:
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await self.nc.request(subj, payload, timeout=1)
+        await self.refused(subj)
+
+
+@contextlib.asynccontextmanager
+async def login(srv: nats_auth.SecuredNats, user: str) -> AsyncIterator[Client]:
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    nc = await nats.connect(srv.url, user=user, password=srv.passwords[user],
+                            inbox_prefix=f"_INBOX.{user}", error_cb=on_error,
+                            allow_reconnect=False)
+    try:
+        yield Client(nc, errors)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def admin(secured: nats_auth.SecuredNats) -> AsyncIterator[Bus]:
+    # The storage service's user creates the streams and buckets (SMR_NATS_SETUP).
+    storage = await Bus.connect(secured.url, config=secured.config("smr-storage"), buckets=())
+    await storage.close()
+    bus = await Bus.connect(secured.url, config=secured.config("smr-admin"))
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture
+async def agent(secured: nats_auth.SecuredNats, admin: Bus
+                ) -> AsyncIterator[tuple[Bus, CountingStep, Worker]]:
+    """Node 1's worker, logged in as that node's agent user."""
+    bus = await Bus.connect(secured.url, config=secured.config(f"smr-agent-{NODE}"),
+                            buckets=(KV_LOCKS, KV_STEPS, KV_TIMINGS))
+    step = CountingStep()
+    w = Worker(bus, step, NODE, service="agent")
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(w.idle.wait(), 15)
+    try:
+        yield bus, step, w
+    finally:
+        w.stop()
+        await asyncio.wait_for(task, 30)
+        await bus.close()
+
+
+def pod(namespace: str) -> Target:
+    return Target(kind="pod", namespace=namespace, pod="trainer-0", container="main")
+
+
+async def stored(admin: Bus, stream: str, subj: str) -> int:
+    info = await admin.js.stream_info(stream, subjects_filter=subj)
+    return int((info.state.subjects or {}).get(subj, 0))
+
+
+async def test_a_tenant_cannot_ask_for_another_namespaces_checkpoint_or_restore(
+        secured: nats_auth.SecuredNats, admin: Bus,
+        agent: tuple[Bus, CountingStep, Worker]) -> None:
+    _, step, _ = agent
+    run = uuid.uuid4().hex[:6]
+    theirs = [CkptRequested(request_id=f"steal-{run}", checkpoint_id="trainer-0.main",
+                            target=pod("team-b"), node=NODE, leave_running=True),
+              RestoreRequested(request_id=f"overwrite-{run}", checkpoint_id="trainer-0.main",
+                               target=pod("team-b"), node=NODE)]
+    mine = CkptRequested(request_id=f"mine-{run}", checkpoint_id="trainer-0.main",
+                         target=pod("team-a"), node=NODE, leave_running=True)
+    # On its own subject, naming a pod of team-b: NATS lets it by; the agent not.
+    crafted = CkptRequested(request_id=f"crafted-{run}", checkpoint_id="trainer-0.main",
+                            target=pod("team-b"), node=NODE)
+    async with login(secured, "tenant-team-a") as a:
+        results: list[bytes] = []
+
+        async def got(m: Any) -> None:
+            results.append(m.data)
+        await a.nc.subscribe("ckpt.done.*.team-a", cb=got)
+        for req in theirs:
+            subj = subject(req.SCHEMA, NODE, "team-b")
+            await a.publish_refused(subj, req.to_payload())
+            assert await stored(admin, STREAM_REQUESTS, subj) == 0
+        # Its own namespace's request goes through, and its result comes back.
+        ack = await a.js.publish(subject("ckpt.requested", NODE, "team-a"), mine.to_payload())
+        assert ack.stream == STREAM_REQUESTS
+        await a.js.publish(subject("ckpt.requested", NODE, "team-a"), crafted.to_payload())
+        for _ in range(200):
+            if results:
+                break
+            await asyncio.sleep(0.05)
+        assert [orjson.loads(r)["request_id"] for r in results] == [mine.request_id]
+    await asyncio.sleep(1.0)  # the crafted one had its time too
+    assert step.seen == [mine.request_id]
+    for req in (*theirs, crafted):
+        assert (await admin.step_state(req.request_id))[0] is None, req.request_id
+
+
+@pytest.fixture
+async def storage(secured: nats_auth.SecuredNats, admin: Bus, s3_endpoint: str
+                  ) -> AsyncIterator[CheckpointStore]:
+    """The storage service as its own user, on a bucket of moto's S3 server."""
+    from services.storage.s3 import S3Backend
+
+    bucket = f"smr-{uuid.uuid4().hex[:6]}"
+    backend = S3Backend(bucket, prefix="ckpt", path_style=True, endpoint_url=s3_endpoint)
+    async with backend._client() as c:
+        await c.create_bucket(Bucket=bucket)
+    store = CheckpointStore(backend, Codec(level=1))
+    bus = await Bus.connect(secured.url, config=secured.config("smr-storage"), buckets=())
+    svc = StorageService(bus, store)
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 15)
+    try:
+        yield store
+    finally:
+        svc.stop()
+        await asyncio.wait_for(task, 15)
+        await bus.close()
+        await store.close()
+
+
+async def commit(store: CheckpointStore, tmp_path: Path, namespace: str, ckpt: str) -> None:
+    src = tmp_path / f"src-{namespace}"
+    (src / "images").mkdir(parents=True, exist_ok=True)
+    (src / "images" / "pages-1.img").write_bytes(b"secret of " + namespace.encode())
+    await store.commit(namespace, ckpt, src, {
+        "request_id": f"{namespace}-1", "node": NODE, "reason": "api",
+        "target": pod(namespace).to_dict(), "versions": {"criu": "4.2"}})
+
+
+async def test_a_tenant_cannot_list_or_read_another_namespaces_checkpoints(
+        secured: nats_auth.SecuredNats, storage: CheckpointStore, tmp_path: Path) -> None:
+    await commit(storage, tmp_path, "team-a", "ours")
+    await commit(storage, tmp_path, "team-b", "theirs")
+    q = StorageQuery(checkpoint_id="theirs", namespace="team-b").to_payload()
+    async with login(secured, "tenant-team-a") as a:
+        await a.request_refused(f"{QUERY_LATEST}.team-b", q)
+        await a.request_refused(f"{QUERY_CHECKPOINTS}.team-b",
+                                StorageQuery(namespace="team-b").to_payload())
+        await a.request_refused(QUERY_CHECKPOINTS, StorageQuery().to_payload())  # all of them
+        # Results and step state of another namespace, read directly:
+        await a.nc.subscribe("ckpt.done.*.team-b")
+        await a.refused("ckpt.done.*.team-b", "subscription")
+        await a.nc.subscribe(f"$KV.{KV_STEPS}.>")
+        await a.refused(f"$KV.{KV_STEPS}.>", "subscription")
+        await a.request_refused(f"$JS.API.DIRECT.GET.KV_{KV_STEPS}.$KV.{KV_STEPS}.x")
+        await a.request_refused(f"$JS.API.CONSUMER.CREATE.{STREAM_EVENTS}")
+        # Its own namespace's listing: its checkpoint, not team-b's.
+        r = orjson.loads((await a.nc.request(
+            f"{QUERY_CHECKPOINTS}.team-a", StorageQuery(namespace="team-a").to_payload(),
+            timeout=10)).data)
+        assert [(g["namespace"], g["checkpoint_id"]) for g in r["generations"]] == [
+            ("team-a", "ours")]
+
+
+async def test_a_tenant_cannot_delete_checkpoints_or_state(
+        secured: nats_auth.SecuredNats, admin: Bus) -> None:
+    rid = f"victim-{uuid.uuid4().hex[:6]}"
+    await admin.kv(KV_STEPS).put(rid, orjson.dumps({"state": "done", "result": {}}))
+    async with login(secured, "tenant-team-a") as a:
+        # A KV delete and purge are publishes with a header (nats-py's kv.delete).
+        await a.publish_refused(f"$KV.{KV_STEPS}.{rid}", b"", headers={"KV-Operation": "DEL"})
+        await a.publish_refused(f"$KV.{KV_JOBS}.{rid}", b"", headers={"KV-Operation": "PURGE"})
+        for api in (f"STREAM.PURGE.{STREAM_REQUESTS}", f"STREAM.DELETE.KV_{KV_STEPS}",
+                    f"STREAM.DELETE.{STREAM_EVENTS}",
+                    f"CONSUMER.DELETE.{STREAM_REQUESTS}.ckpt-requested-{NODE}"):
+            await a.request_refused(f"$JS.API.{api}")
+    state, _ = await admin.step_state(rid)
+    assert state == {"state": "done", "result": {}}
+    assert (await admin.js.stream_info(STREAM_EVENTS)).config.name == STREAM_EVENTS
+
+
+async def test_an_agent_cannot_consume_or_publish_for_another_node(
+        secured: nats_auth.SecuredNats, admin: Bus) -> None:
+    # Node 2's consumer exists (its agent made it), with a request waiting.
+    theirs = await admin.ensure_consumer("ckpt.requested", OTHER_NODE)
+    req = CkptRequested(request_id=f"n2-{uuid.uuid4().hex[:6]}", checkpoint_id="c",
+                        target=pod("team-a"), node=OTHER_NODE)
+    await admin.publish(req)
+    async with login(secured, f"smr-agent-{NODE}") as a:
+        await a.request_refused(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM_REQUESTS}.{theirs}",
+                                b'{"batch": 1}')
+        filt = f"ckpt.requested.{OTHER_NODE}.*"
+        await a.request_refused(
+            f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{theirs}.{filt}")
+        # Its own consumer's name with another node's filter: the filter is in
+        # the subject it may use, and the server holds the body to it.
+        mine = f"ckpt-requested-{NODE}"
+        body = orjson.dumps({"stream_name": STREAM_REQUESTS, "config": {
+            "name": mine, "durable_name": mine, "filter_subject": filt,
+            "ack_policy": "explicit"}})
+        r = await a.nc.request(
+            f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{mine}.ckpt.requested.{NODE}.*",
+            body, timeout=5)
+        assert orjson.loads(r.data)["error"]["err_code"] == 10131  # filter mismatch
+        for subj in (subject("ckpt.requested", OTHER_NODE, "team-a"),
+                     subject("ckpt.done", OTHER_NODE, "team-a"),  # a forged result
+                     subject("restore.done", OTHER_NODE, "team-a")):
+            await a.publish_refused(subj, req.to_payload())
+        await a.request_refused(f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}")  # ephemeral
+        assert (await admin.js.consumer_info(STREAM_REQUESTS, theirs)).num_pending >= 1
+
+
+async def test_the_watcher_publishes_requests_but_writes_no_state_and_reads_no_checkpoint(
+        secured: nats_auth.SecuredNats, admin: Bus, storage: CheckpointStore,
+        tmp_path: Path) -> None:
+    await commit(storage, tmp_path, "team-a", "ours")
+    rid = f"w-{uuid.uuid4().hex[:6]}"
+    await admin.kv(KV_STEPS).put(rid, orjson.dumps({"state": "done", "result": {}}))
+    # Its own work: its buckets, a node event and a checkpoint request.
+    bus = await Bus.connect(secured.url, config=secured.config("smr-watcher"),
+                            buckets=WATCHER_BUCKETS)
+    try:
+        await bus.kv(KV_BEATS).put("pod-uid", b"1")
+        await bus.publish(NodeDraining(request_id=rid, node=NODE, reason="cordon"))
+        ack = await bus.publish(CkptRequested(request_id=rid, checkpoint_id="c",
+                                              target=pod("team-a"), node=NODE))
+        assert ack.stream == STREAM_REQUESTS
+        assert (await bus.step_state(rid))[0] == {"state": "done", "result": {}}
+    finally:
+        await bus.close()
+    async with login(secured, "smr-watcher") as w:
+        # It may read a step's state (to recreate a drained pod after its
+        # checkpoint), never write one: no forged or deleted result.
+        await w.publish_refused(f"$KV.{KV_STEPS}.{rid}", b'{"state": "failed"}')
+        await w.publish_refused(f"$KV.{KV_STEPS}.{rid}", b"", headers={"KV-Operation": "DEL"})
+        await w.request_refused(f"$JS.API.STREAM.INFO.KV_{KV_JOBS}")
+        await w.request_refused(f"$JS.API.DIRECT.GET.KV_{KV_JOBS}.$KV.{KV_JOBS}.x")
+        await w.request_refused(f"$JS.API.STREAM.MSG.GET.KV_{KV_TIMINGS}")
+        await w.nc.subscribe(f"$KV.{KV_JOBS}.>")
+        await w.refused(f"$KV.{KV_JOBS}.>", "subscription")
+        await w.request_refused(f"{QUERY_LATEST}.team-a",
+                                StorageQuery(checkpoint_id="ours", namespace="team-a")
+                                .to_payload())
+        await w.request_refused(QUERY_CHECKPOINTS, StorageQuery().to_payload())
+        await w.request_refused(f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}")
+        await w.publish_refused(subject("ckpt.done", NODE, "team-a"))  # no forged result
+        await w.publish_refused(subject("restore.requested", NODE, "team-a"))
