@@ -38,6 +38,8 @@ from tests.agent.cluster import (
     IMAGE,
     OTHER_IMAGE,
     REDIS_IMAGE,
+    SLOW,
+    SLOW_IMAGE,
     TRAIN,
     USR_IMAGE,
     Cluster,
@@ -117,6 +119,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     built = [oci_image.build(d / "one.tar", IMAGE, files={"/bin/counter": COUNTER}),
              oci_image.build(d / "two.tar", OTHER_IMAGE, files={"/bin/counter": COUNTER},
                              label="two"),
+             oci_image.build(d / "slow.tar", SLOW_IMAGE, files={"/bin/slow": SLOW}),
              oci_image.build(d / "entry.tar", ENTRY_IMAGE, files={"/bin/counter": COUNTER},
                              entrypoint=["/bin/sh"], cmd=["/bin/counter"]),
              # The host's /usr and /opt come in as hostPath volumes (Python,
@@ -208,7 +211,8 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
             stack.callback(proc.stop)
             await asyncio.to_thread(proc.ready)
         yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook, storage,
-                      proc if marker else None)
+                      proc if marker else None,
+                      {a.s.node: a for a in agents})
     finally:
         stack.close()
         for k in kubelets.values():
