@@ -46,16 +46,22 @@ done
 # SLOW_S seconds (10 by default), then draws a secret that lives only in its
 # memory, says it is ready (/ready, its readiness probe) and serves: each
 # answer names its number and the secret. A copy of its warm memory answers
-# on from the next number with the same secret, without warming up.
+# on from the next number with the same secret, without warming up; it says
+# once what the agent's note (/smr/main/restored) tells it it was restored from.
 SLOW = b"""#!/bin/sh
 echo "warming up for ${SLOW_S:-10} s"
 sleep "${SLOW_S:-10}"
 secret=$(cat /proc/sys/kernel/random/uuid)
 touch /ready
 i=0
+noticed=""
 while true; do
   i=$((i+1))
   echo "answer $i secret $secret"
+  if [ -z "$noticed" ] && [ -f /smr/main/restored ]; then
+    noticed=1
+    echo "restored from $(cat /smr/main/restored)"
+  fi
   sleep 0.1
 done
 """

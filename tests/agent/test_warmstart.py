@@ -5,6 +5,7 @@ Ready; new pods start from the template's warm memory instead of warming up."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from typing import Any
@@ -72,13 +73,15 @@ async def test_replicas_start_warm_from_a_template(cluster: Cluster, settings: S
     cluster.kube.put("pods", server("r1", b, start_from))
     first = await until_answers(cluster, "r1", b)
     after_first = cache_stats(cluster, b)
-    assert after_first.get("downloads", 0) > 0 and after_first.get("hits", 0) == 0
+    # (A restore may read an image twice: hits can come from the first one too.)
+    assert after_first.get("downloads", 0) > 0
     cluster.kube.put("pods", server("r2", b, start_from))
     second = await until_answers(cluster, "r2", b)
     after_second = cache_stats(cluster, b)
     assert after_second["downloads"] == after_first["downloads"], \
         f"the second replica on node b downloaded again: {after_first} → {after_second}"
-    assert after_second["hits"] == after_first["downloads"], after_second
+    assert after_second["hits"] - after_first.get("hits", 0) >= after_first["downloads"], \
+        f"the second replica did not read every object from the cache: {after_second}"
     cluster.kube.put("pods", server("r3", a, start_from))
     third = await until_answers(cluster, "r3", a)
 
@@ -90,6 +93,11 @@ async def test_replicas_start_warm_from_a_template(cluster: Cluster, settings: S
         assert got[0][0] > 1, f"{name} started counting over: {got[:3]}"
         assert [n for n, _ in got] == list(range(got[0][0], got[0][0] + len(got)))
         await cluster.event("Restored", name)
+        # It can tell that it is a clone (and re-seed): the agent's note.
+        note = json.loads(log.split("restored from ", 1)[1].splitlines()[0])
+        assert note["checkpoint_id"] == "template_slow.main" and note["template"] is True
+        assert note["pod"] == name
+    assert "restored from" not in cluster.log("warm", a)
 
     # A replica is its own workload: its heartbeat is stored under its own id.
     template = template_id("slow", "main")
