@@ -69,6 +69,13 @@ class PodPolicy:
         """Checkpointed when its node goes away."""
         return bool(self.containers)
 
+    @property
+    def warm(self) -> bool:
+        """Labelled for warm starts: its containers need smr-init in front of
+        them (a template is a checkpoint of one, a replica a restore into one),
+        though nothing else opts them in."""
+        return bool(self.snapshot_when_ready or self.start_from)
+
     def restorable(self) -> tuple[ContainerPolicy, ...]:
         """The containers that resume from their latest checkpoint when they start."""
         return tuple(c for c in self.containers if self.node_restore or c.from_env)
