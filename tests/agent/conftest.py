@@ -180,7 +180,9 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
     # agent as a process of its own, held to that limit (tests/agent/agent_process).
     marker = request.node.get_closest_marker("agent_process")
     in_process = nodes[:1] if marker else nodes
-    agents = [NodeAgent(bus, apis[1 + i], store, base.replace(node_name=n))
+    # Each node its own work directory, as on real nodes (its template cache is there).
+    agents = [NodeAgent(bus, apis[1 + i], store,
+                        base.replace(node_name=n, work_dir=str(tmp_path / f"work-{n}")))
               for i, n in enumerate(in_process)]
     kubelets = {}
     for n in nodes:

@@ -84,6 +84,8 @@ async def test_replicas_start_warm_from_a_template(cluster: Cluster, settings: S
         f"the second replica did not read every object from the cache: {after_second}"
     cluster.kube.put("pods", server("r3", a, start_from))
     third = await until_answers(cluster, "r3", a)
+    # Node a has a cache of its own: it downloaded the template once, too.
+    assert cache_stats(cluster, a)["downloads"] == after_first["downloads"]
 
     for name, node, got in (("r1", b, first), ("r2", b, second), ("r3", a, third)):
         log = cluster.log(name, node)
