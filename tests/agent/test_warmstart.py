@@ -12,6 +12,7 @@ from typing import Any
 
 from services.storage import layout
 from services.storage.layout import template_id
+from services.watcher import templates
 from services.watcher.heartbeats import Beat
 from services.watcher.policy import policy_for
 from smr.config import Settings
@@ -113,6 +114,20 @@ async def test_replicas_start_warm_from_a_template(cluster: Cluster, settings: S
     gens = await cluster.store.generations("default", template)
     assert [g.number for g in gens] == [1], "the replica's heartbeat touched the template"
     assert (await cluster.latest("r1.main"))["reason"] == "heartbeat"
+
+    # A later start of the template's pod (its container killed, started
+    # again by the kubelet, Ready again) does not take the template again.
+    run = cluster.kubelets[a].state("default", "warm").containers["main"]  # type: ignore[union-attr]
+    await cluster.kubelets[a].ctd.ctr(a, "tasks", "kill", "-s", "KILL", run.id)
+    deadline = time.monotonic() + 60
+    while not ((p := cluster.kube.get("pods", "warm", "default"))
+               and p["status"]["containerStatuses"][0]["restartCount"] == 1
+               and templates.is_ready(p)):
+        assert time.monotonic() < deadline, "the template's pod did not start again"
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(3)  # the watcher has seen it Ready
+    gens = await cluster.store.generations("default", template)
+    assert [g.number for g in gens] == [1], "a restart took the template again"
 
     # Retention and GC keep a template: a second generation (an API call),
     # then retention at its tightest, and GC.
