@@ -100,7 +100,7 @@ class Watcher:
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
         self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
-        self._templated: set[str] = set()  # template requests looked at (request ids)
+        self._templated: dict[str, set[str]] = {}  # pod uid → template requests looked at
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -317,6 +317,7 @@ class Watcher:
             if kind == "DELETED":
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
+                self._templated.pop(uid, None)
             elif stopped_by_kubelet(pod) and uid not in self._replacing:
                 self._replacing.add(uid)
                 self._spawn(self._replace_failed(pod, policy))
@@ -337,7 +338,8 @@ class Watcher:
         """A warm pod's template, once (services/watcher/templates). Raising
         (storage unreachable) makes the informer call this again."""
         for req in template_requests(pod, policy, deadline_of(pod)):
-            if req.request_id in self._published or req.request_id in self._templated:
+            seen = self._templated.setdefault(req.target.pod_uid or "", set())
+            if req.request_id in self._published or req.request_id in seen:
                 continue
             ns = req.target.namespace
             reply = await self.bus.query(QUERY_LATEST, StorageQuery(
@@ -346,7 +348,7 @@ class Watcher:
                 raise TemporaryError(f"cannot ask storage whether template {req.checkpoint_id} "
                                      f"exists: {reply.error.get('message', reply.error)}",
                                      code="storage-query-failed")
-            self._templated.add(req.request_id)
+            seen.add(req.request_id)
             if reply.generations:
                 continue  # taken before (by another pod, or before a restart)
             log.info("pod %s/%s is Ready: taking template %s of container %s", ns,

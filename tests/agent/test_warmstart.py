@@ -150,8 +150,9 @@ async def test_a_missing_or_corrupt_template_follows_the_restore_failure_policy(
     cluster.kube.put("pods", server("lost", b, {"smr.dev/start-from": "nowhere"}, slow_s=1))
     event = await cluster.event("RestoreFailed", "lost", timeout=60)
     assert "template_nowhere.main" in event["message"], event["message"]
-    assert "warming up" in cluster.log("lost", b)
+    # (The Event may come before the container's fresh start: its answers are waited for.)
     await until_answers(cluster, "lost", b)
+    assert "warming up" in cluster.log("lost", b)
 
     # Corrupt: a template whose stored bytes were altered.
     cluster.kube.put("pods", server("warm2", a, {"smr.dev/snapshot-when-ready": "t2"},
@@ -167,8 +168,8 @@ async def test_a_missing_or_corrupt_template_follows_the_restore_failure_policy(
     cluster.kube.put("pods", server("bad", b, {"smr.dev/start-from": "t2"}, slow_s=1))
     event = await cluster.event("RestoreFailed", "bad", timeout=60)
     assert "corrupt" in event["message"], event["message"]
-    assert "warming up" in cluster.log("bad", b), "a failed restore starts the container cold"
     await until_answers(cluster, "bad", b)
+    assert "warming up" in cluster.log("bad", b), "a failed restore starts the container cold"
 
     # With restore-failure: fail, the container fails instead.
     cluster.kube.put("pods", server("strict", b, {"smr.dev/start-from": "t2",
