@@ -28,4 +28,6 @@ cp "$(command -v containerd)" "$(command -v ctr)" "$(command -v containerd-shim-
 cp -L "$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')" "$C/lib/"
 tar -C "$C" -cJf .device/containerd.tar.xz bin lib
 rm -rf "$C"
+# moto's S3 server and aioboto3 for bench/warmstart.py: .device/s3.tar.xz.
+PIP="$PIP" scripts/device-s3-bundle.sh
 du -sh .whl .device/*.tar.xz

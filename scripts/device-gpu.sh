@@ -2,13 +2,16 @@
 # On the GPU machine (through `device`, carrying .whl and .device, made by
 # scripts/device-bundle.sh): unpack CRIU, nats-server, containerd and the
 # wheels, then run the GPU tests, local jobs and pod containers (GPU_TESTS
-# picks others, none for none; the GPU bench with BENCH=1). Logs go to $OUT.
+# picks others, none for none; the GPU bench with BENCH=1, the warm-start
+# bench with WARMSTART=1). Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# moto's S3 server and aioboto3 (scripts/device-s3-bundle.sh), for bench/warmstart.py.
+[ -f .device/s3.tar.xz ] && { tar -C /tmp/site -xJf .device/s3.tar.xz || exit 1; }
 T=/tmp/smr-tools; mkdir -p $T && tar -C $T -xJf .device/tools.tar.xz || exit 1
 L=$T/usr/lib/x86_64-linux-gnu
 printf '#!/bin/sh\nexec %s/ld-linux-x86-64.so.2 --library-path %s %s/usr/sbin/criu "$@"\n' \
@@ -36,6 +39,9 @@ fi
 for f in /tmp/pytest-of-*/pytest-current/*/gpu-*.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }
 done > "$OUT/job_logs.txt" 2>&1
+if [ -n "${WARMSTART:-}" ]; then
+  python3 bench/warmstart.py ${WARMSTART_ARGS:-} 2>&1 | tee "$OUT/warmstart.txt"
+fi
 if [ -n "${BENCH:-}" ]; then
   python3 bench/gpu.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.txt"
 fi

@@ -207,6 +207,9 @@ SETTINGS: tuple[Setting, ...] = (
             "last dump); 0: the free space there. A dump always starts when none runs"),
     Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
             "node runs at once"),
+    Setting("TEMPLATE_CACHE_BYTES", 50 << 30, _count, "node agent: bytes of warm-start "
+            "template objects kept in its work directory, so that replicas of one template "
+            "on a node download each object once (docs/warm-start.md); 0: no cache"),
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
             "node agent: install smr-runtime and containerd's smr runtime handlers on the node "
             "at start (files), and restart containerd if they changed (restart); uninstall: "

@@ -16,7 +16,10 @@ from smr import contract
 
 SCHEMA_VERSION = 1
 
-Reason = Literal["cordon", "drain", "node-deleted", "preemption", "heartbeat", "api"]
+# "template": a warm pod's leave-running checkpoint that new replicas start
+# from (docs/warm-start.md).
+Reason = Literal["cordon", "drain", "node-deleted", "preemption", "heartbeat", "api",
+                 "template"]
 Status = Literal["succeeded", "failed"]
 
 

@@ -43,7 +43,12 @@ timing depends on it:
 - exec liveness probes (initialDelaySeconds, periodSeconds, timeoutSeconds,
   failureThreshold), held back until an exec startupProbe succeeds: a
   container that fails either is stopped as above and restarted by the pod's
-  restartPolicy.
+  restartPolicy;
+- exec readiness probes, held back the same way: a container with one is
+  ``ready: false`` until it succeeds (``successThreshold`` 1), and false again
+  after ``failureThreshold`` failures or a restart; without one it is ready
+  while it runs. The pod's ``Ready`` and ``ContainersReady`` conditions are
+  True while every container is ready, as the kubelet reports them.
 
 ``actions`` records what it did, (monotonic time, pod, container, what), for
 the tests to check (``prestop``, ``prestop-done``, ``TERM``, ``KILL``,
@@ -227,6 +232,10 @@ class Running:
     probing: bool = False
     startup_done: bool = False  # its startupProbe succeeded (liveness probes run from then)
     live_ok: bool = False  # a liveness probe has succeeded
+    ready: bool = False  # its readiness probe has succeeded (and not failed since)
+    ready_due: float = 0.0
+    ready_probing: bool = False
+    ready_failures: int = 0
     stopping: bool = False
     last: dict[str, Any] | None = None  # lastState.terminated of the run before
 
@@ -403,9 +412,12 @@ class FakeKubelet:
                         new = await self._run(pod, c, st, run.restarts + 1)
                         new.last = {"exitCode": run.exit_code, "finishedAt": _now()}
                         st.containers[c["name"]] = new
-                elif run.exit_code is None and not run.probing and not run.stopping \
-                        and (c.get("livenessProbe") or c.get("startupProbe")):
-                    self._probe(pod, c, run, st)
+                elif run.exit_code is None and not run.stopping:
+                    if not run.probing and (c.get("livenessProbe") or c.get("startupProbe")):
+                        self._probe(pod, c, run, st)
+                    if not run.ready_probing and c.get("readinessProbe") \
+                            and (run.startup_done or not c.get("startupProbe")):
+                        self._readiness(pod, c, run, st)
             if changed:
                 self._report(pod, st)
 
@@ -537,6 +549,37 @@ class FakeKubelet:
 
         self._spawn(probe_once())
 
+    def _readiness(self, pod: dict[str, Any], c: dict[str, Any], run: Running,
+                   st: PodState) -> None:
+        probe = c["readinessProbe"]
+        now = time.monotonic()
+        if not run.ready_due:
+            run.ready_due = run.started + float(probe.get("initialDelaySeconds", 0))
+        if now < run.ready_due or "exec" not in probe:
+            return
+        run.ready_probing = True
+        run.ready_due = now + float(probe.get("periodSeconds", 10))
+
+        async def probe_once() -> None:
+            try:
+                rc, _ = await self._exec(run, probe["exec"]["command"],
+                                         float(probe.get("timeoutSeconds", 1)))
+                was = run.ready
+                if rc == 0:
+                    run.ready_failures = 0
+                    run.ready = True
+                else:
+                    run.ready_failures += 1
+                    if run.ready_failures >= int(probe.get("failureThreshold", 3)):
+                        run.ready = False
+                if run.ready != was and run.exit_code is None and not run.stopping:
+                    self._did(pod, run.name, "ready" if run.ready else "not-ready")
+                    self._report(pod, st)
+            finally:
+                run.ready_probing = False
+
+        self._spawn(probe_once())
+
     async def _image(self, ref: str) -> str:
         if ref not in self.digests:
             self.digests[ref] = await self.ctd.digest(self.ns, ref)
@@ -615,8 +658,9 @@ class FakeKubelet:
             state: dict[str, Any] = {"running": {"startedAt": run.started_at}}
             if run.exit_code is not None:
                 state = {"terminated": {"exitCode": run.exit_code, "finishedAt": _now()}}
+            ready = "running" in state and (run.ready or not c.get("readinessProbe"))
             status = {
-                "name": c["name"], "restartCount": run.restarts, "ready": "running" in state,
+                "name": c["name"], "restartCount": run.restarts, "ready": ready,
                 "image": c["image"], "imageID": f"{c['image']}@{self.digests[c['image']]}",
                 "containerID": f"containerd://{run.id}", "state": state}
             if run.last:
@@ -634,6 +678,12 @@ class FakeKubelet:
         if statuses and not waiting and all(ended):
             phase = "Succeeded" if all(t["exitCode"] == 0 for t in ended) else "Failed"
         new = {**(fresh.get("status") or {}), "phase": phase, "containerStatuses": statuses}
+        all_ready = "True" if statuses and all(x["ready"] for x in statuses) else "False"
+        new["conditions"] = [
+            *[c for c in new.get("conditions") or []
+              if c["type"] not in ("Ready", "ContainersReady")],
+            *[{"type": t, "status": all_ready, "lastTransitionTime": _now()}
+              for t in ("ContainersReady", "Ready")]]
         if failed_because:  # graceful node shutdown: Failed, whatever the exit codes
             new.update(phase="Failed", reason="Terminated", message=failed_because)
             new["conditions"] = [

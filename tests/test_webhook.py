@@ -79,6 +79,20 @@ def test_a_fail_policy_reaches_smr_init() -> None:
     assert not any(e["name"] == "SMR_RESTORE_FAILURE" for e in out["spec"]["containers"][0]["env"])
 
 
+def test_warm_start_labels_alone_opt_a_pod_in() -> None:
+    """A template's pod and a replica (docs/warm-start.md) need smr-init in front
+    of their containers, even without node-restore: the template is a
+    checkpoint of it, the replica a restore into it. No preStop hook: neither
+    gets a final checkpoint."""
+    for label in ("smr.dev/snapshot-when-ready", "smr.dev/start-from"):
+        p = pod("p", None, labels={label: "llm"}, containers=("app", "sidecar"))
+        out = patched(p, review(admission(p), S))
+        assert out["spec"]["runtimeClassName"] == "smr", label
+        for c in out["spec"]["containers"]:
+            assert {"name": "SMR_CONTAINER", "value": c["name"]} in c["env"]
+            assert "lifecycle" not in c
+
+
 def test_pods_left_alone() -> None:
     plain = pod("p", None)
     assert "patch" not in review(admission(plain), S)["response"]

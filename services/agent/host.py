@@ -219,6 +219,15 @@ class Shim:
         with self.confined() as root:
             root.replace(f"{self.dir}/decision", (decision + "\n").encode())
 
+    def restored(self, note: bytes | None) -> None:
+        """Write (None: remove) the note a restored workload may read
+        (services/restorer/pod: what it was restored from)."""
+        with self.confined() as root:
+            if note is None:
+                root.unlink(f"{self.dir}/restored")
+            else:
+                root.replace(f"{self.dir}/restored", note)
+
     def workload(self) -> tuple[int, int] | None:
         """The workload's (host pid, namespace pid) once the shim runs it."""
         st = self.status()

@@ -24,6 +24,7 @@ from services.agent.starts import StartRestores
 from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.checkpointer.pod import PodCheckpointStep
 from services.restorer.pod import PodRestoreStep
+from services.storage.cache import ObjectCache
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint
 from smr.aio import ended_why, until_stopped
@@ -41,6 +42,10 @@ class NodeAgent:
                  settings: Settings) -> None:
         s = self.s = settings
         self.pods = Pods(api, s.node)
+        self.cache = ObjectCache(s.work_path / "template-cache", s.template_cache_bytes) \
+            if s.template_cache_bytes else None
+        if self.cache is not None:
+            store = store.with_cache(self.cache)
         self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         common = dict(
             bundle=CriuBundle(s.criu_root(), s.criu_preload()), criu=self.criu,

@@ -3,6 +3,9 @@
     smr-init waits (PID 1, nothing else running)
     → its container in the pod's status (container ID) → the pod's policy
     → not opted in, or no checkpoint stored: "fresh"
+    → labelled start-from, no checkpoint of its own: restore the template
+      (docs/warm-start.md); it fails like any restore when the template is
+      missing or corrupt
     → otherwise "restoring", and a restore.requested for this node whose
       request_id comes from the container ID: one restore per container start,
       whatever is repeated. The restore step answers "restored <pid>"; a
@@ -30,6 +33,7 @@ from services.agent import host
 from services.agent.confined import UnsafePath
 from services.agent.host import Shim
 from services.agent.pods import Pods, runtime_id
+from services.storage.layout import template_id
 from services.watcher.policy import policy_for
 from smr import tracing
 from smr.aio import wait_event
@@ -129,35 +133,49 @@ class StartRestores:
         meta, name = pod["metadata"], status["name"]
         policy = policy_for(pod, self.s)
         mine = next((c for c in policy.restorable() if c.name == name), None)
-        if mine is None:
+        # A replica starts from its template only while it has no checkpoint
+        # of its own (docs/warm-start.md): a replica that was drained or
+        # heartbeated resumes its own state, never the template's again.
+        template = template_id(policy.start_from, name) if policy.start_from else None
+        if mine is None and template is None:
             return "fresh"
         if policy.restore_failure == "fail":
             # Whatever follows (storage down, this agent restarting), smr-init
             # must not time out into the fresh start the policy forbids.
             await asyncio.to_thread(shim.decide, "restoring")
-        reply = await self.bus.query(QUERY_LATEST, StorageQuery(
-            checkpoint_id=mine.checkpoint_id, namespace=meta["namespace"]), timeout=10)
-        if reply.error:
-            # Not "no checkpoint": a fresh start now would become the latest
-            # checkpoint over the real one. Asked again shortly.
-            raise TemporaryError(f"cannot ask storage for checkpoint {mine.checkpoint_id}: "
-                                 f"{reply.error.get('message', reply.error)}",
-                                 code="storage-query-failed")
-        if not reply.generations:
+        gen: dict[str, Any] | None = None
+        if mine is not None:
+            reply = await self.bus.query(QUERY_LATEST, StorageQuery(
+                checkpoint_id=mine.checkpoint_id, namespace=meta["namespace"]), timeout=10)
+            if reply.error:
+                # Not "no checkpoint": a fresh start now would become the latest
+                # checkpoint over the real one. Asked again shortly.
+                raise TemporaryError(f"cannot ask storage for checkpoint {mine.checkpoint_id}: "
+                                     f"{reply.error.get('message', reply.error)}",
+                                     code="storage-query-failed")
+            gen = reply.generations[0] if reply.generations else None
+        if gen is not None:
+            assert mine is not None
+            ckpt = mine.checkpoint_id
+            reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"
+        elif template is not None:
+            # Its latest generation, picked by the restore step: a template
+            # that is missing or unreadable fails there, and that failure is
+            # a RestoreFailed Event and the pod's restore-failure policy.
+            ckpt, reason, gen = template, "template", {}
+        else:
             return "fresh"
-        gen = reply.generations[0]
-        reason = gen.get("reason") if gen.get("reason") in get_args(Reason) else "api"
         req = RestoreRequested(
             request_id=derive_request_id("restore", meta["uid"], name,
                                          runtime_id(status["containerID"])),
-            checkpoint_id=mine.checkpoint_id, node=self.node, generation=gen.get("generation"),
+            checkpoint_id=ckpt, node=self.node, generation=gen.get("generation"),
             reason=reason,  # type: ignore[arg-type]
             # The uid: the restore is of this pod's container alone, and its
             # Restored Event names this pod, not every pod of its name.
             target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
                           container=name, pod_uid=meta.get("uid") or None))
         log.info("pod %s/%s container %s starts: restoring %s generation %s",
-                 meta["namespace"], meta["name"], name, mine.checkpoint_id, req.generation)
+                 meta["namespace"], meta["name"], name, ckpt, req.generation or "latest")
         # smr-init waits without its start timeout from here on.
         await asyncio.to_thread(shim.decide, "restoring")
         # The restore joins the trace of the checkpoint it restores (a cordon's,
@@ -167,7 +185,7 @@ class StartRestores:
                 "resume from checkpoint", context=tracing.continuing(gen.get("traceparent")),
                 links=[trace.Link(here)] if here.is_valid else None,
                 attributes={"k8s.pod.name": meta["name"], "k8s.container.name": name,
-                            "smr.checkpoint_id": mine.checkpoint_id,
+                            "smr.checkpoint_id": ckpt,
                             "smr.generation": gen.get("generation") or 0}):
             result = await self.bus.request(req, timeout=RESTORE_WAIT_S)
         if result.status == "succeeded":
@@ -175,7 +193,7 @@ class StartRestores:
         error = result.error or {}
         message = f"{error.get('code', 'failed')}: {error.get('message', '')}"
         if policy.restore_failure == "fail":
-            return f"fail restore of {mine.checkpoint_id} failed ({message}); the pod's " \
+            return f"fail restore of {ckpt} failed ({message}); the pod's " \
                    f"policy {self.s.label_prefix}/restore-failure=fail forbids a fresh start"
         log.warning("pod %s/%s container %s starts fresh: restore failed (%s)",
                     meta["namespace"], meta["name"], name, message)

@@ -9,6 +9,11 @@ PID 1 of an otherwise empty PID namespace. Then:
     → CRIU, inside the container's namespaces, restores the tree; smr-init
       adopts it (the kernel reparents it to the namespace's init)
     → the tree joins the container's cgroups; smr-init is told its PID
+
+Beside smr-init's files the workload finds ``restored`` (JSON: the
+checkpoint, its generation, whether it was a template), written before the
+tree runs again: how a server started from a template learns that it is a
+clone (docs/warm-start.md).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from services.agent import host, rootfs
 from services.agent.host import Shim
 from services.agent.incontainer import set_last_pid
 from services.agent.pods import PodContainer, PodStep
 from services.restorer.stream import restore_streamed
+from services.storage import layout
 from services.storage.store import Generation, streamable
 from smr import gpuinfo, sockets
 from smr.bus import Progress
@@ -75,7 +83,16 @@ class PodRestoreStep(PodStep):
             await rootfs.apply(work / rootfs.TAR, shim.pid)
             await rootfs.apply(work / rootfs.SHM_TAR, shim.pid)
             durations["rootfs"] = time.monotonic() - t
-            pid = await self._restore(gen, shim, work, work_fd, durations, streamed, progress)
+            # Before the tree runs again: a restored server may look for it
+            # at once (it re-seeds what a clone must not share).
+            await asyncio.to_thread(shim.restored, restored_note(req, gen, self.node))
+            try:
+                pid = await self._restore(gen, shim, work, work_fd, durations, streamed,
+                                          progress)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the restore's own error is the one
+                    await asyncio.to_thread(shim.restored, None)
+                raise
             await asyncio.to_thread(shim.decide, f"restored {pid}")
         finally:
             if work_fd >= 0:
@@ -177,6 +194,17 @@ class PodRestoreStep(PodStep):
                     return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)
         return None
+
+
+def restored_note(req: RestoreRequested, gen: Generation, node: str) -> bytes:
+    """What a restored workload may read in ``/smr/<container>/restored``: which
+    checkpoint it came from, and whether it is a clone of a template (then
+    every replica holds the same random state: docs/warm-start.md)."""
+    return orjson.dumps({
+        "checkpoint_id": req.checkpoint_id, "generation": gen.number,
+        "template": layout.is_template(req.checkpoint_id), "node": node,
+        "pod": req.target.pod, "restore_id": req.request_id, "restored_at": now()},
+        option=orjson.OPT_APPEND_NEWLINE)
 
 
 def _find_ns_pid(shim: Shim, inner: int) -> int | None:

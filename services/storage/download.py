@@ -33,9 +33,8 @@ import asyncio
 import hashlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
-from services.storage.backend import Backend
 from services.storage.codec import Codec, DecodeError
 from services.storage.upload import file_digest, frame_aad
 
@@ -78,7 +77,13 @@ def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
 Sink = Callable[[int, Chunk], Any]
 
 
-async def decoded(backend: Backend, codec: Codec, key: str, entry: dict[str, Any],
+class Ranges(Protocol):
+    """Where an object's bytes come from: storage (a Backend) or a node's cache."""
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+
+async def decoded(backend: Ranges, codec: Codec, key: str, entry: dict[str, Any],
                   sink: Sink | None = None) -> AsyncIterator[Any]:
     """The object's decoded bytes in order, a frame at a time. The last range
     comes only after the file's size and sha256 matched ``entry``; otherwise

@@ -7,14 +7,37 @@
 
 A generation exists for readers only once its manifest is committed.
 ``namespace`` is the pod's namespace, or ``local`` for jobs of the embedded mode.
+
+A warm-start template (docs/warm-start.md) is a checkpoint like any other,
+under an id of its own in the pod's namespace: ``template_<name>.<container>``
+(``template_id``). Pod names and container names are DNS names, which never
+hold ``_``: no pod's default checkpoint id (``<pod>.<container>``) is a
+template's, so a replica's heartbeats and drains never write to it.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from smr.messages import LOCAL_NAMESPACE, Target
 
 __all__ = ["LOCAL_NAMESPACE"]
 GEN_WIDTH = 8  # zero-padded so lexical order is numeric order
+TEMPLATE_PREFIX = "template_"
+MAX_ID = 128
+
+
+def template_id(name: str, container: str) -> str:
+    """The checkpoint id of template ``name``'s ``container``; long names are
+    shortened with a hash (stable), as pods' default ids are."""
+    cid = f"{TEMPLATE_PREFIX}{name}.{container}"
+    if len(cid) > MAX_ID:
+        cid = cid[:MAX_ID - 17] + "-" + hashlib.sha256(cid.encode()).hexdigest()[:16]
+    return cid
+
+
+def is_template(checkpoint_id: str) -> bool:
+    return checkpoint_id.startswith(TEMPLATE_PREFIX)
 
 
 def namespace_of(target: Target) -> str:

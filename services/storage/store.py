@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import errno
 import logging
 import os
@@ -40,6 +41,7 @@ import orjson
 from services.storage import layout
 from services.storage.backend import Backend, Conflict, NotFound, StorageError
 from services.storage.buffers import keep_transfer_buffers
+from services.storage.cache import ObjectCache
 from services.storage.codec import Codec, DecodeError
 from services.storage.download import Chunk, Sink, decoded
 from services.storage.upload import Uploader
@@ -112,6 +114,13 @@ class CheckpointStore:
         # inventory()'s manifests: written once (If-None-Match), so a generation
         # still listed still has the manifest read before.
         self._seen: dict[tuple[str, str, int], Generation] = {}
+        self.cache: ObjectCache | None = None  # a node's template cache (with_cache)
+
+    def with_cache(self, cache: ObjectCache) -> CheckpointStore:
+        """This store, reading warm-start templates through ``cache`` (a node agent's)."""
+        other = copy.copy(self)
+        other.cache = cache
+        return other
 
     async def close(self) -> None:
         await self.backend.close()
@@ -512,8 +521,13 @@ class CheckpointStore:
         self.check_keys({**m, "files": [f]})
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
+        # A template's objects come through this node's cache (services/storage/cache),
+        # verified below like any read.
+        cached = None
         try:
-            async with contextlib.aclosing(decoded(self.backend,
+            if self.cache is not None and layout.is_template(m["checkpoint_id"]):
+                cached = await self.cache.open(self.backend, key, f)
+            async with contextlib.aclosing(decoded(cached or self.backend,
                                                    self.codec.for_namespace(m["namespace"]),
                                                    key, f,
                                                    sink)) as chunks:
@@ -523,13 +537,26 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{where} is missing from storage",
                                     hint="restore another generation (--generation N)") from None
         except DecodeError as e:
+            if cached is not None and self.cache is not None:
+                self.cache.forget(key, f)
+                raise CheckpointCorrupt(
+                    f"{where} is corrupt in this node's template cache or in storage: "
+                    f"{e.message}", hint="the cached copy was removed: the next start "
+                    "fetches it from storage again") from None
             raise CheckpointCorrupt(f"{where} is corrupt: {e.message}", hint=e.hint) from None
+        finally:
+            if cached is not None:
+                cached.close()
 
     async def prune(self, namespace: str, checkpoint_id: str, *, keep: int = 0,
                     max_age_s: float = 0, at: float | None = None) -> list[int]:
         """Retention: remove generations beyond the newest ``keep`` or older
         than ``max_age_s`` (0: no limit). The generation ``latest`` names is
-        always kept. Returns the numbers removed."""
+        always kept, and a warm-start template is never pruned (a replica may
+        be starting from any of its generations; it goes only when deleted).
+        Returns the numbers removed."""
+        if layout.is_template(checkpoint_id):
+            return []
         at = time.time() if at is None else at
         latest = await self.latest(namespace, checkpoint_id)
         removed = []

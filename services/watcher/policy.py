@@ -10,6 +10,12 @@
     <prefix>/tcp-connections: auto|close     established TCP connections at a
                                              checkpoint (smr/sockets.py): kept where
                                              they can go on (default), or always closed
+    <prefix>/snapshot-when-ready: "<name>"   once the pod is first Ready, one leave-
+                                             running checkpoint of each container as
+                                             template <name> (docs/warm-start.md)
+    <prefix>/start-from: "<name>"            each new container starts from template
+                                             <name> (its latest generation), unless
+                                             it has a checkpoint of its own
 
 ``<prefix>`` is SMR_LABEL_PREFIX (``smr.dev``). The seed product's names
 (``cedana.ai/...``, ``CEDANA_CHECKPOINT``) are read as aliases, so manifests
@@ -32,6 +38,10 @@ NODE_RESTORE = "node-restore"
 HEARTBEAT = "heartbeat-checkpoint"
 RESTORE_FAILURE = "restore-failure"
 TCP_CONNECTIONS = "tcp-connections"
+SNAPSHOT_WHEN_READY = "snapshot-when-ready"
+START_FROM = "start-from"
+# A label value (at most 63 characters): the template's name.
+_TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 CHECKPOINT_ENV = ("SMR_CHECKPOINT", "CEDANA_CHECKPOINT")
 _CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -51,11 +61,20 @@ class PodPolicy:
     problems: tuple[str, ...] = ()
     restore_failure: str = "fresh"  # or "fail"
     tcp: str = "auto"  # or "close" (smr.sockets.POLICIES)
+    snapshot_when_ready: str | None = None  # a template's name (docs/warm-start.md)
+    start_from: str | None = None  # a template's name
 
     @property
     def opted_in(self) -> bool:
         """Checkpointed when its node goes away."""
         return bool(self.containers)
+
+    @property
+    def warm(self) -> bool:
+        """Labelled for warm starts: its containers need smr-init in front of
+        them (a template is a checkpoint of one, a replica a restore into one),
+        though nothing else opts them in."""
+        return bool(self.snapshot_when_ready or self.start_from)
 
     def restorable(self) -> tuple[ContainerPolicy, ...]:
         """The containers that resume from their latest checkpoint when they start."""
@@ -137,6 +156,17 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
     if problem:
         problems.append(problem)
 
+    templates: dict[str, str | None] = {SNAPSHOT_WHEN_READY: None, START_FROM: None}
+    for name in templates:
+        if found := _label(labels, prefix, name):
+            key, value = found
+            if _TEMPLATE_NAME.match(value):
+                templates[name] = value
+            else:
+                problems.append(f'label {key}="{value}" is not a template name (1-63 '
+                                "letters, digits, '.', '_' or '-', starting and ending with "
+                                "a letter or digit); ignored")
+
     # The webhook could not give the pod smr's runtime (services/webhook): say so
     # on the pod, where its owner looks.
     injected = str((meta.get("annotations") or {}).get(f"{prefix}/injected", ""))
@@ -159,4 +189,5 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
                 c["name"], default_checkpoint_id(meta.get("name", ""), c["name"]),
                 from_env=False))
     return PodPolicy(node_restore, heartbeat, tuple(containers), tuple(problems),
-                     restore_failure, tcp)
+                     restore_failure, tcp, templates[SNAPSHOT_WHEN_READY],
+                     templates[START_FROM])

@@ -6,6 +6,7 @@ replicas do.
                                                   ckpt.requested.<node>.<ns> per opted-in container
     opted-in pod terminating on such a node   ──▶ ckpt.requested.<node>.<ns>  (reason drain)
     heartbeat label (leader only, KV schedule) ──▶ ckpt.requested.<node>.<ns>  (leave running)
+    snapshot-when-ready pod first Ready        ──▶ ckpt.requested.<node>.<ns>  (a template, once)
     bare node-restore pod gone from such node ──▶ the pod is created again (the
                                                   scheduler places it elsewhere)
     ckpt.done / restore.done of a pod          ──▶ a Kubernetes Event on the pod
@@ -45,14 +46,17 @@ from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
 from services.watcher.policy import PodPolicy, policy_for
+from services.watcher.templates import template_requests
 from services.watcher.triggers import FINAL, MESSAGE_REASON, node_reasons, pod_reasons
 from smr import tracing
-from smr.bus import KV_BEATS, KV_EPISODES, Bus, node_token
+from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
 from smr.config import Settings
+from smr.errors import TemporaryError
 from smr.messages import (
     CkptRequested,
     Message,
     NodeDraining,
+    StorageQuery,
     Target,
     derive_request_id,
     epoch,
@@ -96,6 +100,7 @@ class Watcher:
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
         self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
+        self._templated: dict[str, set[str]] = {}  # pod uid → template requests looked at
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -312,21 +317,43 @@ class Watcher:
             if kind == "DELETED":
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
+                self._templated.pop(uid, None)
             elif stopped_by_kubelet(pod) and uid not in self._replacing:
                 self._replacing.add(uid)
                 self._spawn(self._replace_failed(pod, policy))
             return
         if self.leadership.leading.is_set():
             await self._keep_beat(pod, policy)
-        if not node or not policy.opted_in:
-            return
-        episode = self._episodes.get(node)
+        episode = self._episodes.get(node) if node and policy.opted_in else None
         if episode is not None:
             # On a node going away: the node's reasons, and a drain if it terminates.
-            n = self.nodes.cache.get(node)
+            n = self.nodes.cache.get(node)  # type: ignore[arg-type]
             reasons = list(node_reasons(n, self.s.preemption_taints)) if n else ["node-deleted"]
             await self._publish_requests([r for reason in pod_reasons(pod, reasons)
                                           for r in self._drain_requests(pod, episode, reason)])
+        if policy.snapshot_when_ready:
+            await self._take_template(pod, policy)
+
+    async def _take_template(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        """A warm pod's template, once (services/watcher/templates). Raising
+        (storage unreachable) makes the informer call this again."""
+        for req in template_requests(pod, policy, deadline_of(pod)):
+            seen = self._templated.setdefault(req.target.pod_uid or "", set())
+            if req.request_id in self._published or req.request_id in seen:
+                continue
+            ns = req.target.namespace
+            reply = await self.bus.query(QUERY_LATEST, StorageQuery(
+                checkpoint_id=req.checkpoint_id, namespace=ns), timeout=10)
+            if reply.error:
+                raise TemporaryError(f"cannot ask storage whether template {req.checkpoint_id} "
+                                     f"exists: {reply.error.get('message', reply.error)}",
+                                     code="storage-query-failed")
+            seen.add(req.request_id)
+            if reply.generations:
+                continue  # taken before (by another pod, or before a restart)
+            log.info("pod %s/%s is Ready: taking template %s of container %s", ns,
+                     req.target.pod, req.checkpoint_id, req.target.container)
+            await self._publish_all([req])
 
     async def _publish_requests(self, reqs: list[CkptRequested]) -> None:
         """Final requests first: the agent takes a node's requests in order."""

@@ -1,7 +1,7 @@
 """What the webhook does to a pod: AdmissionReview in, AdmissionReview out.
 
 An opted-in pod (services/watcher/policy: the labels or the SMR_CHECKPOINT
-env var) gets:
+env var; the warm-start labels too, docs/warm-start.md) gets:
 
 - ``spec.runtimeClassName`` = SMR_RUNTIME_CLASS (``smr``), whose handler is
   smr-runtime (services/agent/init/smr-runtime.c). A pod that names another
@@ -132,7 +132,7 @@ def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
         log.warning("review %s: no pod in the request; allowed unchanged", req.get("uid"))
         return [], []
     policy = policy_for(pod, s)
-    if not policy.opted_in:
+    if not policy.opted_in and not policy.warm:
         return [], []
     spec = pod["spec"]
     containers = spec.get("containers") or []
@@ -152,7 +152,10 @@ def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
                "this pod is not protected by smr; map it, or start its command through "
                "smr-init (docs/node-agent.md)")
         return _annotate(meta, s, f"skipped: {why}"), [f"smr: {why}"]
-    wanted = {c.name for c in policy.containers}
+    opted = {c.name for c in policy.containers}
+    # Warm-start labels (docs/warm-start.md) put smr-init in front of every container.
+    wanted = opted | ({c.get("name") for c in containers if isinstance(c, dict)}
+                      if policy.warm else set())
     for i, c in enumerate(containers):
         if not isinstance(c, dict) or c.get("name") not in wanted:
             continue
@@ -168,7 +171,8 @@ def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
             if not any(isinstance(e, dict) and e.get("name") == entry["name"] for e in env):
                 ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
                             "value": entry})
-    ops += _final_checkpoint_hooks(spec, meta, wanted, s, measured_s)
+    # Only containers that get a final checkpoint wait for one.
+    ops += _final_checkpoint_hooks(spec, meta, opted, s, measured_s)
     ops += _startup_probes(spec, wanted, s)
     runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)
     return ops + _annotate(meta, s, str(runtime)), []

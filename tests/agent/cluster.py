@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes_asyncio import client
 
+from services.agent.service import NodeAgent
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.webhook.service import Webhook
@@ -41,6 +42,30 @@ while true; do
   sleep 0.1
 done
 """
+# A server with a slow start (tests/agent/test_warmstart.py): it warms up for
+# SLOW_S seconds (10 by default), then draws a secret that lives only in its
+# memory, says it is ready (/ready, its readiness probe) and serves: each
+# answer names its number and the secret. A copy of its warm memory answers
+# on from the next number with the same secret, without warming up; it says
+# once what the agent's note (/smr/main/restored) tells it it was restored from.
+SLOW = b"""#!/bin/sh
+echo "warming up for ${SLOW_S:-10} s"
+sleep "${SLOW_S:-10}"
+secret=$(cat /proc/sys/kernel/random/uuid)
+touch /ready
+i=0
+noticed=""
+while true; do
+  i=$((i+1))
+  echo "answer $i secret $secret"
+  if [ -z "$noticed" ] && [ -f /smr/main/restored ]; then
+    noticed=1
+    echo "restored from $(cat /smr/main/restored)"
+  fi
+  sleep 0.1
+done
+"""
+SLOW_IMAGE = "smr.test/slow-server:1"
 IMAGE = "smr.test/counter:1"
 OTHER_IMAGE = "smr.test/counter:2"  # the same files, another digest
 REDIS_IMAGE = "smr.test/redis:7"  # this machine's redis-server and its libraries
@@ -149,6 +174,7 @@ class Cluster:
     storage: StorageService
     # The second node's agent where a test runs it as a process (agent_process).
     agent_process: AgentProcess | None = None
+    agents: dict[str, NodeAgent] = field(default_factory=dict)  # those in this process
 
     def log(self, name: str, node: str) -> str:
         return self.kubelets[node].log("default", name)

@@ -41,6 +41,8 @@ from tests.agent.cluster import (
     IMAGE,
     OTHER_IMAGE,
     REDIS_IMAGE,
+    SLOW,
+    SLOW_IMAGE,
     TRAIN,
     USR_IMAGE,
     Cluster,
@@ -122,6 +124,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     built = [oci_image.build(d / "one.tar", IMAGE, files={"/bin/counter": COUNTER}),
              oci_image.build(d / "two.tar", OTHER_IMAGE, files={"/bin/counter": COUNTER},
                              label="two"),
+             oci_image.build(d / "slow.tar", SLOW_IMAGE, files={"/bin/slow": SLOW}),
              oci_image.build(d / "entry.tar", ENTRY_IMAGE, files={"/bin/counter": COUNTER},
                              entrypoint=["/bin/sh"], cmd=["/bin/counter"]),
              # The host's /usr and /opt come in as hostPath volumes (Python,
@@ -211,7 +214,9 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
     # agent as a process of its own, held to that limit (tests/agent/agent_process).
     marker = request.node.get_closest_marker("agent_process")
     in_process = nodes[:1] if marker else nodes
-    agents = [NodeAgent(buses[n], apis[1 + i], store, base.replace(node_name=n))
+    # Each node its own work directory, as on real nodes (its template cache is there).
+    agents = [NodeAgent(buses[n], apis[1 + i], store,
+                        base.replace(node_name=n, work_dir=str(tmp_path / f"work-{n}")))
               for i, n in enumerate(in_process)]
     kubelets = {}
     for n in nodes:
@@ -242,7 +247,8 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
             stack.callback(proc.stop)
             await asyncio.to_thread(proc.ready)
         yield Cluster(kube, bus, store, kubelets, client.CoreV1Api(apis[3]), webhook, storage,
-                      proc if marker else None)
+                      proc if marker else None,
+                      {a.s.node: a for a in agents})
     finally:
         stack.close()
         for k in kubelets.values():

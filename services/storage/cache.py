@@ -1,0 +1,154 @@
+"""A node's cache of warm-start template objects (docs/warm-start.md).
+
+Several replicas of one template starting on a node read the same objects:
+the first read of an object downloads it once into the node agent's own
+directory (never a tenant's: a workload must not choose the bytes a later
+restore reads), and later reads come from there. The cache holds the objects
+as stored (compressed, encrypted when storage is), and every read of them goes
+through the same decoding and sha256 check as a read from storage
+(``download.decoded``): a cached file that was altered or torn is caught
+there, removed, and fetched again by the next restore.
+
+An entry is named by what it must contain (the object's key, its frames, its
+sha256 and its encryption as the manifest says), so a template taken again
+under the same generation number never reads a stale copy.
+
+Bounded: at most ``max_bytes`` together; the least recently used entries go
+first, an object larger than the bound is read from storage as before.
+Cleaned: entries not read for ``max_idle_s`` go at each insertion, and what a
+crashed agent left half-written goes when the cache opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from services.storage.backend import Backend
+
+log = logging.getLogger("smr.storage.cache")
+
+CHUNK = 8 << 20  # stored bytes per ranged GET while filling an entry
+AT_ONCE = 4  # ranged GETs in flight for one entry
+PART = ".part"
+
+
+class CachedObject:
+    """One cached object, held open: reads stay valid while a concurrent
+    insertion evicts it (the name goes, the open file stays)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        return await asyncio.to_thread(os.pread, self.fd, length, start)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ObjectCache:
+    def __init__(self, root: Path, max_bytes: int, *, max_idle_s: float = 86400.0) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.max_idle_s = max_idle_s
+        self.stats: Counter[str] = Counter()  # downloads, hits, evicted, corrupt, too_large
+        self._locks: dict[str, asyncio.Lock] = {}
+        root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(root, 0o700)
+        for part in root.glob(f"*{PART}"):  # a crashed agent's half-written entries
+            part.unlink(missing_ok=True)
+
+    @staticmethod
+    def name_of(key: str, entry: dict[str, Any]) -> str:
+        what = [key, entry.get("sha256"), entry.get("size"), entry.get("frames"),
+                entry.get("encryption")]
+        return hashlib.sha256(orjson.dumps(what)).hexdigest()
+
+    async def open(self, backend: Backend, key: str, entry: dict[str, Any]
+                   ) -> CachedObject | None:
+        """The object, from the cache (downloaded into it first if missing),
+        or None where it is larger than the cache."""
+        stored = sum(int(f[0]) for f in entry["frames"])
+        if stored > self.max_bytes:
+            self.stats["too_large"] += 1
+            return None
+        name = self.name_of(key, entry)
+        path = self.root / name
+        # One download per object, whatever the number of replicas reading it.
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                st = None
+            if st is not None and st.st_size == stored:
+                self.stats["hits"] += 1
+                os.utime(path)
+            else:
+                await self._fill(backend, key, stored, path)
+                self.stats["downloads"] += 1
+            return CachedObject(path)
+
+    def forget(self, key: str, entry: dict[str, Any]) -> None:
+        """Drop an entry whose bytes did not verify: the next read fetches it again."""
+        self.stats["corrupt"] += 1
+        (self.root / self.name_of(key, entry)).unlink(missing_ok=True)
+
+    async def _fill(self, backend: Backend, key: str, size: int, path: Path) -> None:
+        await asyncio.to_thread(self._make_room, size)
+        part = path.with_name(path.name + PART)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        slots = asyncio.Semaphore(AT_ONCE)
+
+        async def one(start: int) -> None:
+            async with slots:
+                data = await backend.get_range(key, start, min(CHUNK, size - start))
+                await asyncio.to_thread(os.pwrite, fd, data, start)
+
+        try:
+            await asyncio.gather(*(one(s) for s in range(0, size, CHUNK)))
+            await asyncio.to_thread(os.fsync, fd)
+        except BaseException:
+            os.close(fd)
+            part.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        part.rename(path)
+
+    def _make_room(self, size: int) -> None:
+        """Evict entries idle too long, then the least recently used, until
+        ``size`` more bytes fit."""
+        now = time.time()
+        entries = []
+        for p in self.root.iterdir():
+            if p.name.endswith(PART):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = p.lstat()
+                if now - st.st_mtime > self.max_idle_s:
+                    p.unlink(missing_ok=True)
+                    self.stats["evicted"] += 1
+                else:
+                    entries.append((st.st_mtime, st.st_size, p))
+        total = sum(s for _, s, _ in entries)
+        for _, s, p in sorted(entries):
+            if total + size <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            self.stats["evicted"] += 1
+            total -= s
+        if total + size > self.max_bytes:
+            log.info("template cache: %d bytes in flight leave no room below %d", total,
+                     self.max_bytes)
