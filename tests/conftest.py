@@ -18,6 +18,7 @@ import pytest
 
 from smr import config
 from smr.bus import Bus, BusConfig
+from smr.config import REPO_TOOLS
 from smr.natsserver import NatsServer, free_port
 from tests.otlp import Processors, Receiver
 from tests.otlp import serve as serve_otlp
@@ -146,3 +147,17 @@ def otlp(span_processors: Processors) -> Iterator[Receiver]:
         finally:
             span_processors.added.remove(processor)
             processor.shutdown()
+
+
+@pytest.fixture(scope="session")
+def kustomize() -> str:
+    """The kustomize binary (``make setup`` puts it in .tools/bin): tests
+    that render the deploy use it (test_deploy, the NATS users' config)."""
+    found = REPO_TOOLS / "kustomize"
+    if found.exists():
+        return str(found)
+    if path := shutil.which("kustomize"):
+        return path
+    if os.environ.get("CI"):
+        pytest.fail("kustomize is not installed: `make setup` installs it")
+    pytest.skip("kustomize is not installed (make setup)")

@@ -43,7 +43,6 @@ from smr.bus import (
 from smr.messages import CkptRequested, NodeDraining, RestoreRequested, StorageQuery, Target
 from tests import nats_auth
 from tests.test_bus import CountingStep
-from tests.test_deploy import kustomize  # noqa: F401 (a fixture)
 
 NODE, OTHER_NODE = "node-1", "node-2"
 TENANTS = {"team-a": "pw-team-a", "team-b": "pw-team-b"}
@@ -52,7 +51,7 @@ VIOLATION = "permissions violation"  # as nats-py reports the server's -ERR
 
 
 @pytest.fixture(scope="module")
-def secured(kustomize: str, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+def secured(kustomize: str, tmp_path_factory: pytest.TempPathFactory,
             settings: config.Settings) -> Iterator[nats_auth.SecuredNats]:
     ship = nats_auth.shipped(kustomize)
     srv = nats_auth.start(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-auth"),

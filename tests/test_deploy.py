@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,24 +14,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from smr.config import REPO_TOOLS
 from tests import deploy_placement, deploy_policy
 
 ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
 OVERLAYS = ["dev", "gpu", "prod"]
 K8S_VERSION = "1.31"
-
-
-@pytest.fixture(scope="session")
-def kustomize() -> str:
-    found = REPO_TOOLS / "kustomize"
-    if found.exists():
-        return str(found)
-    if path := shutil.which("kustomize"):
-        return path
-    if os.environ.get("CI"):
-        pytest.fail("kustomize is not installed: `make setup` installs it")
-    pytest.skip("kustomize is not installed (make setup)")
 
 
 def render(kustomize: str, overlay: str) -> list[dict[str, Any]]:

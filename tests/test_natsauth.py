@@ -29,7 +29,6 @@ from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer
 from tests.test_bus import CountingStep
 from tests.test_cluster_security import Client, login, stored
-from tests.test_deploy import kustomize  # noqa: F401 (a fixture)
 
 NODE, OTHER_NODE = "node-1", "node-2"
 AGENT_SA = "system:serviceaccount:smr-system:smr-agent"
@@ -50,7 +49,7 @@ def issuer() -> KeyPair:
 
 
 @pytest.fixture(scope="module")
-def secured(kustomize: str, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+def secured(kustomize: str, tmp_path_factory: pytest.TempPathFactory,
             settings: config.Settings, issuer: KeyPair) -> Iterator[nats_auth.SecuredNats]:
     ship = nats_auth.shipped(kustomize)
     srv = nats_auth.start(settings.nats_server_binary(), tmp_path_factory.mktemp("callout"),

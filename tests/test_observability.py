@@ -19,7 +19,7 @@ import yaml
 from smr import metrics
 from smr.config import REPO_TOOLS
 from tests import deploy_policy
-from tests.test_deploy import K8S_VERSION, kustomize, render  # noqa: F401 (fixture)
+from tests.test_deploy import K8S_VERSION, render
 
 OBSERVABILITY = Path(__file__).resolve().parents[1] / "deploy" / "observability"
 OPERATOR_KINDS = {"PodMonitor", "PrometheusRule"}  # CRDs: no offline schema to check
@@ -42,7 +42,7 @@ def promtool() -> str:
     return str(binary)
 
 
-def test_monitoring_overlay_scrapes_every_smr_pod(kustomize: str) -> None:  # noqa: F811
+def test_monitoring_overlay_scrapes_every_smr_pod(kustomize: str) -> None:
     docs = render(kustomize, "monitoring")
     for d in docs:
         if d["kind"] not in OPERATOR_KINDS:

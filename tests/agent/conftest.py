@@ -53,7 +53,6 @@ from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
 from tests.programs import node, pool
-from tests.test_deploy import kustomize  # noqa: F401 (a fixture: nats_users renders the NATS users)
 
 
 @pytest.fixture(scope="session")
