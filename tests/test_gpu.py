@@ -133,7 +133,11 @@ async def test_gpu_lock_timeout_leaves_the_job_running(
     times out, the request fails with that reason, and the job never stops."""
     async with running(GpuHarness, criu_binary, nats_server, tmp_path, node, 30.0,
                        cuda_lock_timeout=0.5, max_deliver=2) as g:
-        job = await g.start_gpu(1.0, "--busy-s", "4", "--interval", "0")
+        # Kernels of 30 s, and the request sent just as one begins (a step
+        # printed): every attempt, retries included, meets a kernel running.
+        # With 4 s kernels a retry sometimes landed between two, and locked.
+        job = await g.start_gpu(1.0, "--busy-s", "30", "--interval", "0")
+        await g.wait_step(job, int(lines(job)[-1]["step"]) + 1, timeout=90)
         done = await g.checkpoint(job.id)
         print("lock-timeout result", done.status, done.error)
         assert done.status == "failed" and done.error
@@ -141,7 +145,7 @@ async def test_gpu_lock_timeout_leaves_the_job_running(
         assert "SMR_CUDA_LOCK_TIMEOUT" in done.error["hint"]
         assert cuda_checkpoint.driver().state(job.pid) is CudaState.RUNNING
         last = int(lines(job)[-1]["step"])
-        await g.wait_step(job, last + 2, timeout=60)
+        await g.wait_step(job, last + 2, timeout=150)
         assert all(ln["ok"] == "True" for ln in lines(job)), "GPU state broke"
         assert await g.node.store.latest(LOCAL_NAMESPACE, job.id) is None  # type: ignore[union-attr]
         await assert_unlocked(g, job.id)
