@@ -3,6 +3,12 @@ one second. How long until every ckpt.requested is consumed and every
 ckpt.done recorded, on one nats-server and on a 3-server JetStream cluster
 (SMR_NATS_REPLICAS=3)? Then the wave again on the cluster with the requests
 stream's leader SIGKILLed when half the requests have been consumed.
+Each wave gets a fresh nats-server or cluster.
+
+``--base REV``: the watcher and the stand-ins of commit REV (checked out in a
+temporary git worktree) and of this tree, wave by wave in turns, so the two
+share the machine's drift (the bench process itself, the fake API server and
+the storage service, is this tree's).
 
 Real: the watcher (its own process, `python -m services.watcher`, against the
 FAKE Kubernetes API server of the tests over HTTP), nats-server(s), the
@@ -15,7 +21,7 @@ Latency of a request = from its node's cordon (the Node update) to the moment
 its stand-in step starts (the worker has fetched it and claimed its step
 state). Peak memory: VmHWM of the watcher's and the nats-servers' processes.
 
-    .venv/bin/python bench/wave.py [--nodes 50] [--pods 20] [--delay 0.05]
+    .venv/bin/python bench/wave.py [--nodes 50] [--pods 20] [--delay 0.05] [--base REV]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import itertools
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,11 +161,12 @@ async def wait_ready(port: int, proc: asyncio.subprocess.Process, timeout: float
     raise RuntimeError("the watcher did not become ready")
 
 
-async def child(args: list[str], env: dict[str, str], log: Path
+async def child(args: list[str], env: dict[str, str], log: Path, tree: Path
                 ) -> asyncio.subprocess.Process:
+    """A process running ``tree``'s code."""
     with open(log, "wb") as f:
         return await asyncio.create_subprocess_exec(
-            *args, env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO, stdout=f,
+            *args, env={**os.environ, "PYTHONPATH": str(tree), **env}, cwd=tree, stdout=f,
             stderr=asyncio.subprocess.STDOUT)
 
 
@@ -172,7 +180,7 @@ async def end(proc: asyncio.subprocess.Process, name: str, log: Path) -> None:
 
 
 async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, work: Path,
-                   nats_pids: list[int], kill: Any = None) -> Wave:
+                   nats_pids: list[int], tree: Path, kill: Any = None) -> Wave:
     wave = Wave(label)
     total = a.nodes * a.pods
     bus = await Bus.connect(url, name="bench-wave",
@@ -210,10 +218,10 @@ async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, w
     k = max(1, min(a.standin_procs, a.nodes))
     outs = [work / f"standins-{run}-{i}.json" for i in range(k)]
     agents = [await child(
-        [sys.executable, str(Path(__file__).resolve()), "--standin", "--url", url,
+        [sys.executable, str(tree / "bench" / "wave.py"), "--standin", "--url", url,
          "--replicas", str(replicas), "--standin-nodes", ",".join(names[i::k]),
          "--out", str(outs[i]), "--delay", str(a.delay),
-         "--concurrency", str(a.concurrency)], {}, work / f"standins-{run}-{i}.log")
+         "--concurrency", str(a.concurrency)], {}, work / f"standins-{run}-{i}.log", tree)
         for i in range(k)]
     health = free_port()
     watcher = await child(
@@ -221,7 +229,7 @@ async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, w
         {"SMR_NATS_URL": url, "SMR_KUBE_API": kube.url, "SMR_NATS_REPLICAS": str(replicas),
          "SMR_LEASE_NAME": f"wave-{run}", "SMR_HEALTH_PORT": str(health),
          "SMR_METRICS_PORT": "0", "SMR_NODE_NAME": "watcher",
-         "SMR_DATA_DIR": str(work / f"watcher-{run}")}, work / f"watcher-{run}.log")
+         "SMR_DATA_DIR": str(work / f"watcher-{run}")}, work / f"watcher-{run}.log", tree)
     try:
         await wait_ready(health, watcher)
         while not all(Path(str(o) + ".ready").exists() for o in outs):
@@ -288,6 +296,40 @@ def row(w: Wave, total: int) -> list[str]:
             str(doubled)]
 
 
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+async def fresh_wave(kind: str, label: str, a: argparse.Namespace, work: Path, tree: Path,
+                     s: config.Settings) -> Wave:
+    """One wave of ``tree``'s watcher and stand-ins on a fresh server or cluster."""
+    store = work / f"nats-{uuid.uuid4().hex[:6]}"
+    if kind == "single":
+        srv = NatsServer(s.nats_server_binary(), store).start()
+        try:
+            assert srv.proc is not None
+            return await one_wave(label, srv.url, 1, a, work, [srv.proc.pid], tree)
+        finally:
+            srv.stop()
+    cluster = NatsCluster(s.nats_server_binary(), store).start()
+    try:
+        pids = [x.proc.pid for x in cluster.servers if x.proc]
+
+        async def kill_leader(bus: Bus) -> str:
+            info = await bus.js.stream_info(STREAM_REQUESTS)
+            assert info.cluster is not None and info.cluster.leader
+            victim = cluster.server_named(info.cluster.leader)
+            cluster.kill(victim)
+            return f"{info.cluster.leader} (leader of {STREAM_REQUESTS})"
+
+        # The killed server's VmHWM is gone with it: the survivors' are printed.
+        return await one_wave(label, cluster.url, 3, a, work, pids, tree,
+                              kill=kill_leader if kind == "cluster-kill" else None)
+    finally:
+        cluster.stop()
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=50)
@@ -300,6 +342,8 @@ async def main() -> None:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--waves", default="single,cluster,cluster-kill")
     ap.add_argument("--keep", default="", help="a directory for the logs and stores (kept)")
+    ap.add_argument("--base", default="", help="a commit whose watcher and stand-ins run "
+                    "each wave too, in turns with this tree's")
     # The stand-ins' own process (one_wave starts it).
     ap.add_argument("--standin", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -317,40 +361,29 @@ async def main() -> None:
     todo = a.waves.split(",")
     with tempfile.TemporaryDirectory() as d:
         work = Path(a.keep or d)
-        if "single" in todo:
-            srv = NatsServer(s.nats_server_binary(), work / "single").start()
-            try:
-                assert srv.proc is not None
-                waves.append(await one_wave("single", srv.url, 1, a, work, [srv.proc.pid]))
-            finally:
-                srv.stop()
-        cluster = NatsCluster(s.nats_server_binary(), work / "cluster").start()
+        trees = [("", REPO)]
+        if a.base:
+            base = Path(d) / "base"
+            git("worktree", "add", "-q", "--detach", str(base), a.base)
+            head = git("rev-parse", "--short", "HEAD")
+            dirty = git("status", "--porcelain", "--untracked-files=no")
+            trees = [(f" {a.base[:7]}", base), (f" {head}{'+' if dirty else ''}", REPO)]
         try:
-            pids = [x.proc.pid for x in cluster.servers if x.proc]
-            if "cluster" in todo:
-                waves.append(await one_wave("cluster", cluster.url, 3, a, work, pids))
-
-            async def kill_leader(bus: Bus) -> str:
-                info = await bus.js.stream_info(STREAM_REQUESTS)
-                assert info.cluster is not None and info.cluster.leader
-                victim = cluster.server_named(info.cluster.leader)
-                cluster.kill(victim)
-                return f"{info.cluster.leader} (leader of {STREAM_REQUESTS})"
-
-            # The killed server's VmHWM is gone with it: the survivors' are printed.
-            if "cluster-kill" in todo:
-                waves.append(await one_wave("cluster-kill", cluster.url, 3, a, work, pids,
-                                            kill=kill_leader))
+            for kind in [w for w in ("single", "cluster", "cluster-kill") if w in todo]:
+                for name, tree in trees:
+                    waves.append(await fresh_wave(kind, kind + name, a, work, tree, s))
         finally:
-            cluster.stop()
+            if a.base:
+                git("worktree", "remove", "--force", str(base))
     print(f"reclaim wave: {a.nodes} nodes x {a.pods} opted-in pods = {total} ckpt.requested, "
           f"cordons spread over {a.spread}s; STAND-IN checkpointers: {a.delay}s per step, "
           f"{a.concurrency} at once per node, in {a.standin_procs} processes")
     cols = ["held p50", "held p99", "step p50", "step p99", "step max", "last step",
             "last done", "watcher MiB", "nats MiB", "done", "lost", "doubled"]
-    print(f"{'':13}" + "".join(f"{c:>12}" for c in cols))
+    width = max([13, *(len(w.label) + 1 for w in waves)])
+    print(f"{'':{width}}" + "".join(f"{c:>12}" for c in cols))
     for w in waves:
-        print(f"{w.label:13}" + "".join(f"{c:>12}" for c in row(w, total)))
+        print(f"{w.label:{width}}" + "".join(f"{c:>12}" for c in row(w, total)))
     for w in waves:
         if w.killed:
             tail = sorted(w.latency)[-10:]
@@ -361,8 +394,8 @@ async def main() -> None:
           "holds it (as bench/watcher.py); step: its node's cordon -> its stand-in's step "
           "starts (the node's durable consumer fetched it, the Worker claimed its step "
           "state); last step / last done: first cordon -> the last step started / the last "
-          "ckpt.done seen; doubled: steps run twice; MiB: peak RSS (VmHWM); the cluster's "
-          "servers serve both cluster waves, the killed one is not listed")
+          "ckpt.done seen; doubled: steps run twice; MiB: peak RSS (VmHWM); each "
+          "wave has fresh servers, a killed one is not listed")
 
 
 if __name__ == "__main__":
