@@ -165,10 +165,11 @@ async def wait_ready(port: int, proc: asyncio.subprocess.Process, timeout: float
 
 async def child(args: list[str], env: dict[str, str], log: Path, tree: Path
                 ) -> asyncio.subprocess.Process:
-    """A process running ``tree``'s code."""
+    """A process running ``tree``'s code (before what PYTHONPATH has: wheels, say)."""
+    path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
     with open(log, "wb") as f:
         return await asyncio.create_subprocess_exec(
-            *args, env={**os.environ, "PYTHONPATH": str(tree), **env}, cwd=tree, stdout=f,
+            *args, env={**os.environ, "PYTHONPATH": path, **env}, cwd=tree, stdout=f,
             stderr=asyncio.subprocess.STDOUT)
 
 
@@ -353,8 +354,9 @@ async def main() -> None:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--waves", default="single,cluster,cluster-kill")
     ap.add_argument("--keep", default="", help="a directory for the logs and stores (kept)")
-    ap.add_argument("--base", default="", help="a commit whose services and stand-ins run "
-                    "each wave too, in turns with this tree's")
+    ap.add_argument("--base", default="", help="a commit (or a directory holding another "
+                    "tree) whose services and stand-ins run each wave too, in turns with "
+                    "this tree's")
     # The stand-ins' own process (one_wave starts it).
     ap.add_argument("--standin", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -373,7 +375,10 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         work = Path(a.keep or d)
         trees = [("", REPO)]
-        if a.base:
+        base = Path(a.base)
+        if a.base and base.is_dir():  # a copy of another commit (where there is no git)
+            trees = [(f" {base.name}", base), (f" {REPO.name}", REPO)]
+        elif a.base:
             base = Path(d) / "base"
             git("worktree", "add", "-q", "--detach", str(base), a.base)
             head = git("rev-parse", "--short", "HEAD")
@@ -384,7 +389,7 @@ async def main() -> None:
                 for name, tree in trees:
                     waves.append(await fresh_wave(kind, kind + name, a, work, tree, s))
         finally:
-            if a.base:
+            if a.base and not Path(a.base).is_dir():
                 git("worktree", "remove", "--force", str(base))
     print(f"reclaim wave: {a.nodes} nodes x {a.pods} opted-in pods = {total} ckpt.requested, "
           f"cordons spread over {a.spread}s; STAND-IN checkpointers: {a.delay}s per step, "
