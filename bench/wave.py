@@ -388,6 +388,9 @@ async def main() -> None:
             for kind in [w for w in ("single", "cluster", "cluster-kill") if w in todo]:
                 for name, tree in trees:
                     waves.append(await fresh_wave(kind, kind + name, a, work, tree, s))
+                    # As it ends: a run cut short still says what it measured.
+                    print(f"# {waves[-1].label}: " + " ".join(row(waves[-1], total)),
+                          flush=True)
         finally:
             if a.base and not Path(a.base).is_dir():
                 git("worktree", "remove", "--force", str(base))
