@@ -368,7 +368,8 @@ async def main() -> None:
     if a.standin:
         await standins(a)
         return
-    s = config.load({})
+    # Only the nats-server binary is read here (SMR_NATS_SERVER where it is not in .tools).
+    s = config.load({k: v for k, v in os.environ.items() if k == "SMR_NATS_SERVER"})
     total = a.nodes * a.pods
     waves: list[Wave] = []
     todo = a.waves.split(",")
