@@ -2,7 +2,10 @@
 one second. How long until every ckpt.requested is consumed and every
 ckpt.done recorded, on one nats-server and on a 3-server JetStream cluster
 (SMR_NATS_REPLICAS=3)? Then the wave again on the cluster with the requests
-stream's leader SIGKILLed when half the requests have been consumed.
+stream's leader SIGKILLed when half the requests have been consumed
+(``cluster-kill``); optionally (``--waves``) that leader SIGSTOPped for
+PAUSE_S instead (``cluster-pause``), or the whole cluster stopped and
+started again (``cluster-restart``).
 Each wave gets a fresh nats-server or cluster.
 
 ``--base REV``: the watcher, the storage service and the stand-ins of commit
@@ -59,6 +62,8 @@ from tests.fake_apiserver import FakeApiServer, node, pod
 from tests.nats_cluster import NatsCluster
 
 REPO = Path(__file__).resolve().parent.parent
+PAUSE_S = 6.0  # a paused server: longer than JetStream's election timeout (a few s)
+WAVES = ("single", "cluster", "cluster-kill", "cluster-pause", "cluster-restart")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -261,6 +266,7 @@ async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, w
         except TimeoutError:
             print(f"# {label}: only {len(wave.done)} of {total} ckpt.done within "
                   f"{a.timeout}s", flush=True)
+            await explain_missing(bus, wave, names)
         wave.watcher_mib = vm_hwm_mib(watcher.pid) if watcher.returncode is None else 0.0
         wave.nats_mib = [vm_hwm_mib(p) for p in nats_pids if Path(f"/proc/{p}").exists()]
     finally:
@@ -288,6 +294,24 @@ async def one_wave(label: str, url: str, replicas: int, a: argparse.Namespace, w
     wave.to_last_consumed = max(wave.started.values()) - t0 if wave.started else 0
     wave.to_last_done = max(wave.done.values()) - t0 if wave.done else 0
     return wave
+
+
+async def explain_missing(bus: Bus, wave: Wave, names: list[str]) -> None:
+    """Where the requests of the nodes short of ckpt.done are: in the stream
+    or not, and what each node's consumer says of them."""
+    seen = {rid for rid in wave.held}
+    consumers = {c.config.filter_subject: c for c in await bus.js.consumers_info(STREAM_REQUESTS)}
+    for n in names:
+        subj = f"ckpt.requested.{n}"
+        info = await bus.js.stream_info(STREAM_REQUESTS, subjects_filter=subj)
+        stored = (info.state.subjects or {}).get(subj, 0)
+        c = consumers.get(subj)
+        state = (f"delivered {c.delivered.stream_seq}, ack floor {c.ack_floor.stream_seq}, "
+                 f"pending {c.num_pending}, ack pending {c.num_ack_pending}, waiting "
+                 f"{c.num_waiting}, leader {c.cluster.leader if c.cluster else '-'}"
+                 if c else "no consumer")
+        print(f"#   {n}: {stored} stored; consumer: {state}", flush=True)
+    print(f"#   observed published: {len(seen)}", flush=True)
 
 
 def row(w: Wave, total: int) -> list[str]:
@@ -333,11 +357,30 @@ async def fresh_wave(kind: str, label: str, a: argparse.Namespace, work: Path, t
             assert info.cluster is not None and info.cluster.leader
             victim = cluster.server_named(info.cluster.leader)
             cluster.kill(victim)
-            return f"{info.cluster.leader} (leader of {STREAM_REQUESTS})"
+            return f"killed {info.cluster.leader} (leader of {STREAM_REQUESTS})"
 
+        async def pause_leader(bus: Bus) -> str:
+            """SIGSTOP past the election timeout (as the campaign's pause-nats)."""
+            info = await bus.js.stream_info(STREAM_REQUESTS)
+            assert info.cluster is not None and info.cluster.leader
+            pid = cluster.server_named(info.cluster.leader).proc.pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(PAUSE_S)
+            os.kill(pid, signal.SIGCONT)
+            return f"paused {info.cluster.leader} (leader of {STREAM_REQUESTS}) {PAUSE_S:.0f}s"
+
+        async def restart_all(bus: Bus) -> str:
+            """Every server stopped, then all started again on their stores."""
+            for x in cluster.servers:
+                x.stop()
+            await asyncio.to_thread(cluster.start)
+            return "restarted the whole cluster (every server stopped, then started)"
+
+        faults = {"cluster-kill": kill_leader, "cluster-pause": pause_leader,
+                  "cluster-restart": restart_all}
         # The killed server's VmHWM is gone with it: the survivors' are printed.
         return await one_wave(label, cluster.url, 3, a, work, pids, tree,
-                              kill=kill_leader if kind == "cluster-kill" else None)
+                              kill=faults.get(kind))
     finally:
         cluster.stop()
 
@@ -352,7 +395,8 @@ async def main() -> None:
                     help="processes the stand-ins are spread over")
     ap.add_argument("--spread", type=float, default=1.0, help="seconds the cordons span")
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--waves", default="single,cluster,cluster-kill")
+    ap.add_argument("--waves", default="single,cluster,cluster-kill",
+                    help=f"some of {','.join(WAVES)}")
     ap.add_argument("--keep", default="", help="a directory for the logs and stores (kept)")
     ap.add_argument("--base", default="", help="a commit (or a directory holding another "
                     "tree) whose services and stand-ins run each wave too, in turns with "
@@ -386,7 +430,7 @@ async def main() -> None:
             dirty = git("status", "--porcelain", "--untracked-files=no")
             trees = [(f" {a.base[:7]}", base), (f" {head}{'+' if dirty else ''}", REPO)]
         try:
-            for kind in [w for w in ("single", "cluster", "cluster-kill") if w in todo]:
+            for kind in [w for w in WAVES if w in todo]:
                 for name, tree in trees:
                     waves.append(await fresh_wave(kind, kind + name, a, work, tree, s))
                     # As it ends: a run cut short still says what it measured.
@@ -407,7 +451,7 @@ async def main() -> None:
     for w in waves:
         if w.killed:
             tail = sorted(w.latency)[-10:]
-            print(f"{w.label}: killed {w.killed} once {total // 2} ckpt.done were recorded; "
+            print(f"{w.label}: {w.killed} once {total // 2} ckpt.done were recorded; "
                   f"longest time after the kill with no step starting: {w.pause():.2f}s; "
                   f"latency tail (10 slowest, s): {' '.join(f'{x:.2f}' for x in tail)}")
     print("seconds; held: per request, its node's cordon -> an observing JetStream consumer "
