@@ -12,14 +12,29 @@ from typing import Any
 
 import pytest
 
+from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
+from services.storage.local import LocalBackend
+from services.storage.service import StorageService
+from services.storage.store import CheckpointStore
 from smr import config
-from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, subject, topology
+from smr.bus import (
+    QUERY_LATEST,
+    STREAM_EVENTS,
+    STREAM_REQUESTS,
+    Bus,
+    BusConfig,
+    Progress,
+    Worker,
+    subject,
+    topology,
+)
 from smr.errors import SmrError
-from smr.messages import CkptDone
+from smr.messages import CkptDone, CkptRequested, StorageQuery, Target
 from smr.natsserver import NatsServer
 from smr.retry import retry_nats
 from tests.nats_cluster import NatsCluster
 from tests.test_bus import CountingStep, request, run_worker, stop, stored
+from tests.test_storage_service import NS, commit
 
 EVERY_STREAM = [s.name for s in topology.streams(BusConfig())] + [
     f"KV_{bucket}" for bucket, _, _ in topology.BUCKETS]
@@ -190,3 +205,121 @@ async def test_more_replicas_than_servers_is_refused_naming_the_setting(
         assert e.value.code == "nats-replicas" and "SMR_NATS_REPLICAS" in e.value.hint
     finally:
         srv.stop()
+
+
+async def test_storage_service_retains_a_done_published_as_its_consumers_leader_dies(
+        cluster: NatsCluster, r3_bus: Bus, tmp_path: Path) -> None:
+    """The storage service on the cluster: the ckpt.done published as the
+    leader of its consumer is SIGKILLed is handled once (its retention
+    applied), and the service answers queries through another server."""
+    bus = r3_bus
+    store = CheckpointStore(LocalBackend(tmp_path / "store"))
+    svc = StorageService(bus, store, keep=1, gc_grace_s=600, gc_interval_s=60,
+                         durable=f"retention-{uuid.uuid4().hex[:8]}")
+    handled: list[str] = []
+    retain = svc._retain
+
+    async def counted(done: CkptDone) -> None:
+        handled.append(done.request_id)
+        await retain(done)
+
+    svc._retain = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(svc.run())
+    ckpt = f"c-{uuid.uuid4().hex[:6]}"
+    victim = None
+    try:
+        await asyncio.wait_for(svc.ready.wait(), 30)
+        await commit(store, tmp_path, ckpt, 2)
+        info = await bus.js.consumer_info(STREAM_EVENTS, svc.durable)
+        assert info.cluster is not None and info.cluster.leader
+        victim = cluster.server_named(info.cluster.leader)
+        cluster.kill(victim)
+        await bus.publish(CkptDone(request_id=f"{ckpt}-1", checkpoint_id=ckpt,
+                                   target=Target.job(ckpt), node="n1", status="succeeded",
+                                   generation=2))
+        await _until(lambda: handled or task.done())
+        if task.done():
+            task.result()  # its exception, if it died
+        await asyncio.sleep(bus.config.ack_wait + 1)  # a redelivery would have come by now
+        # (The module's earlier tests left events of their own on the stream.)
+        assert [r for r in handled if r.startswith(ckpt)] == [f"{ckpt}-1"]
+        assert [g.number for g in await store.generations(NS, ckpt)] == [2]
+        latest = await bus.query(QUERY_LATEST, StorageQuery(checkpoint_id=ckpt), timeout=30)
+        assert [g["generation"] for g in latest.generations] == [2]
+    finally:
+        svc.stop()
+        await asyncio.wait_for(task, 30)
+        if victim is not None and not cluster.running(victim):
+            cluster.restart(victim)
+
+
+class HeldFinal:
+    """The agent's checkpointer in miniature: a final request runs until
+    released; leave-running ones at once. Records every start. Like the
+    real one, it finds a finished step in its storage when a redelivery asks
+    (NATS away as the result was recorded): answered, not run again."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.finished: dict[str, CkptDone] = {}
+        self.release = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id)
+        if not req.leave_running:
+            await self.release.wait()
+        done = CkptDone.for_request(req, status="succeeded", generation=1)
+        self.finished[req.request_id] = done
+        return done
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return self.finished.get(req.request_id)
+
+
+async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
+        cluster: NatsCluster, r3_bus: Bus, tmp_path: Path) -> None:
+    """The agent's checkpointer fetches requests ahead of a free slot and
+    keeps them alive while they wait (services/agent/service.py: LOOK_AHEAD,
+    CheckpointAdmission). Its consumer's leader SIGKILLed while a final
+    runs and two leave-running requests wait, and a third is published:
+    each runs once, each ckpt.done is recorded once."""
+    bus = r3_bus
+    node = f"node-{uuid.uuid4().hex[:8]}"
+
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    step = HeldFinal()
+    w = Worker(bus, step, node, service="test", ahead=LOOK_AHEAD,
+               admission=CheckpointAdmission(tmp_path, estimate))
+    task = asyncio.create_task(w.run())
+    victim = None
+    rids = ["final", "lr-1", "lr-2", "lr-3"]
+    try:
+        await asyncio.wait_for(w.idle.wait(), 30)
+        await bus.publish(request(node, "final", leave_running=False))
+        await _until(lambda: "final" in step.started)
+        for rid in ["lr-1", "lr-2"]:
+            await bus.publish(request(node, rid, leave_running=True))
+        await asyncio.sleep(1)  # fetched ahead, waiting behind the final
+        durable = (await bus.js.consumers_info(STREAM_REQUESTS))
+        leader = next(c.cluster.leader for c in durable
+                      if c.config.filter_subject == subject("ckpt.requested", node)
+                      and c.cluster is not None)
+        assert leader
+        victim = cluster.server_named(leader)
+        cluster.kill(victim)
+        await bus.publish(request(node, "lr-3", leave_running=True))
+        step.release.set()
+        for rid in rids:
+            assert (await bus.wait_result(rid, "ckpt.requested", timeout=60)).status == \
+                "succeeded"
+        await asyncio.sleep(bus.config.ack_wait + 1)  # a redelivery would have come by now
+        assert sorted(step.started) == sorted(rids)
+        assert sorted(d.request_id for d in await _results(bus, node)) == sorted(rids)
+    finally:
+        await stop(w, task)
+        if victim is not None and not cluster.running(victim):
+            cluster.restart(victim)

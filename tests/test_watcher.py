@@ -761,6 +761,48 @@ async def test_a_failed_handler_is_retried_without_a_new_event(
             await task
 
 
+async def test_a_slow_node_does_not_hold_the_others_back(
+        kube: FakeApiServer, api: client.ApiClient) -> None:
+    """A reclaim wave cordons 50 nodes in a second: each node's handling (its
+    drain episode in KV, its pods' requests) must not wait for the nodes
+    cordoned before it. One node's handler stuck (its NATS server away, say)
+    must not delay another node's checkpoints; one node's own events are
+    still handled in order."""
+    calls: list[tuple[str, bool]] = []
+    release = asyncio.Event()
+
+    async def handler(kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        name, cordoned = obj["metadata"]["name"], bool(obj["spec"].get("unschedulable"))
+        calls.append((name, cordoned))
+        if name == "stuck" and cordoned:
+            await release.wait()
+
+    kube.put("nodes", a_node("stuck"))
+    kube.put("nodes", a_node("other"))
+    informer = Informer("nodes", client.CoreV1Api(api).list_node, handler)
+    task = asyncio.create_task(informer.run())
+    try:
+        await until(lambda: len(calls) == 2, timeout=10)
+        cordon(kube, "stuck")
+        await until(lambda: ("stuck", True) in calls, timeout=10)
+        n = kube.get("nodes", "stuck")
+        assert n is not None
+        n["spec"]["unschedulable"] = False  # uncordoned while its cordon is handled
+        kube.put("nodes", n)
+        cordon(kube, "other")
+        await until(lambda: ("other", True) in calls, timeout=10)
+        assert calls.count(("stuck", False)) == 1, "the uncordon waits for the cordon"
+        release.set()
+        await until(lambda: calls.count(("stuck", False)) == 2, timeout=10)
+        assert [c for c in calls if c[0] == "stuck"] == [
+            ("stuck", False), ("stuck", True), ("stuck", False)]
+    finally:
+        release.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def test_a_final_checkpoint_is_expected_only_of_a_pod_on_a_node_going_away() -> None:
     """What the agent asks before it releases a waiting preStop hook
     (services/agent/prestop): the watcher's own rule."""

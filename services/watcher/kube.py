@@ -2,7 +2,12 @@
 informers (list, then watch from the list's resourceVersion) over raw JSON.
 
 An informer keeps a cache of the objects and calls its handler with every
-change, in order. It survives what API servers do:
+change: one object's changes in order, different objects' at the same time
+(up to ``concurrency`` changes waiting or running; the watch waits beyond
+that). A reclaim wave cordons a whole node pool within a second, and each
+node's handling waits on NATS (its drain episode in KV, its pods'
+requests): handled one after another, the 50th node's requests waited for
+the 49 before it. It survives what API servers do:
 
 - a watch that ends (``timeoutSeconds``) or breaks (a cut connection, a half
   line) is resumed from the last resourceVersion seen, so nothing is missed
@@ -25,6 +30,7 @@ import asyncio
 import logging
 import os
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -89,7 +95,7 @@ class Informer:
     def __init__(self, name: str, list_fn: Callable[..., Awaitable[Any]], handler: Handler,
                  *, watch_timeout_s: int = 300, max_backoff_s: float = 10.0,
                  list_timeout_s: float = 60.0, handler_retries: int = 30,
-                 **list_kw: Any) -> None:
+                 concurrency: int = 64, **list_kw: Any) -> None:
         self.name = name
         self.list_fn = list_fn
         self.list_kw = list_kw
@@ -99,6 +105,11 @@ class Informer:
         self.list_timeout_s = list_timeout_s
         self.handler_retries = handler_retries
         self._retries: dict[str, asyncio.Task[None]] = {}  # key → its pending handler retry
+        # key → its changes not yet handled (the first is being handled): an
+        # object's changes in order, other objects' beside them.
+        self._queues: dict[str, deque[tuple[str, dict[str, Any], dict[str, Any] | None]]] = {}
+        self._handling: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(concurrency)  # changes queued or being handled
         self.cache: dict[str, dict[str, Any]] = {}
         self.rv: str | None = None
         self.synced = asyncio.Event()
@@ -109,7 +120,7 @@ class Informer:
         try:
             await self._run()
         finally:
-            for t in self._retries.values():
+            for t in [*self._retries.values(), *self._handling]:
                 t.cancel()
 
     async def _run(self) -> None:
@@ -201,10 +212,37 @@ class Informer:
                 await self._emit(kind, obj, old)
 
     async def _emit(self, kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """Hand the change to its object's queue; wait only when ``concurrency``
+        changes are already queued or being handled."""
         self.stats["events"] += 1
+        await self._slots.acquire()
         k = key_of(obj)
+        if (queue := self._queues.get(k)) is not None:
+            queue.append((kind, obj, old))  # after the change of k being handled now
+            return
+        self._queues[k] = deque([(kind, obj, old)])
+        task = asyncio.create_task(self._handle_all(k))
+        self._handling.add(task)
+        task.add_done_callback(self._handling.discard)
+
+    async def _handle_all(self, k: str) -> None:
+        queue = self._queues[k]
+        try:
+            while queue:
+                kind, obj, old = queue[0]
+                try:
+                    await self._handle(k, kind, obj, old)
+                finally:
+                    queue.popleft()
+                    self._slots.release()
+        finally:
+            if self._queues.get(k) is queue:
+                del self._queues[k]
+
+    async def _handle(self, k: str, kind: str, obj: dict[str, Any],
+                      old: dict[str, Any] | None) -> None:
         if (pending := self._retries.pop(k, None)) is not None:
-            pending.cancel()  # this newer event supersedes it
+            pending.cancel()  # this newer change supersedes it
         try:
             await self.handler(kind, obj, old)
         except Exception:
