@@ -45,6 +45,12 @@ WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
                     {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.12", "XLA_FLAGS": DET_XLA}),
     "torch-compile": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
                        "--compile", "default"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    # Inductor's compile workers forked after a restore map /dev/nvidia*
+    # without a CUDA context, and the next dump fails (handle_device_vma):
+    # with one compile thread, Inductor compiles in the process itself.
+    "torch-compile-1t": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
+                          "--compile", "default"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                                                    "TORCHINDUCTOR_COMPILE_THREADS": "1"}),
     "torch-compile-ro": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
                           "--compile", "reduce-overhead"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "dataloader": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader"],
