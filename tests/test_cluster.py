@@ -25,6 +25,7 @@ from smr.bus import (
     BusConfig,
     Progress,
     Worker,
+    node_filter,
     subject,
     topology,
 )
@@ -308,7 +309,7 @@ async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
         await asyncio.sleep(1)  # fetched ahead, waiting behind the final
         durable = (await bus.js.consumers_info(STREAM_REQUESTS))
         leader = next(c.cluster.leader for c in durable
-                      if c.config.filter_subject == subject("ckpt.requested", node)
+                      if c.config.filter_subject == node_filter("ckpt.requested", node)
                       and c.cluster is not None)
         assert leader
         victim = cluster.server_named(leader)
