@@ -37,16 +37,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +61,7 @@ from smr.messages import derive_request_id  # noqa: E402
 from smr.natsserver import free_port  # noqa: E402
 from tests import oci_image  # noqa: E402
 from tests.fake_apiserver import pod  # noqa: E402
+from tests.helpers.netns import in_netns  # noqa: E402
 
 IMAGE = "smr.test/llm-server:1"
 PORT = 8000
@@ -115,31 +114,6 @@ server.serve_forever()
 '''
 
 
-def in_netns(pid: int, fn: Callable[[], T]) -> T:
-    """``fn()`` in the network namespace of ``pid`` (a container's), in a
-    short-lived thread: a socket made there stays in that namespace (as in
-    tests/agent/test_pod_sockets.py)."""
-    made: list[Any] = []
-
-    def run() -> None:
-        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-        try:
-            if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-                made.append(OSError(ctypes.get_errno(), "setns"))
-                return
-        finally:
-            os.close(fd)
-        try:
-            made.append(fn())
-        except Exception as e:
-            made.append(e)
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if isinstance(made[0], Exception):
-        raise made[0]
-    return made[0]  # type: ignore[no-any-return]
 
 
 def ask_once(pid: int, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
