@@ -248,7 +248,7 @@ _RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
 
 
 # Failures that pass: the step is retried rather than failed.
-TEMPORARY = frozenset({"scratch-full"})
+TEMPORARY = frozenset({"scratch-full", "criu-proc-mountpoint-taken"})
 
 
 def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
@@ -279,6 +279,16 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "a local job started by `smr exec` without --gpu has its own, and the node "
                 "agent saves a pod container's; a GPU job (`smr exec --gpu`) shares the "
                 "host's: detach the memory before the checkpoint (docs/compatibility.md)")
+    if "Can't create a directory (-17)" in text:
+        # The parasite mounts a /proc of the tree's PID namespace at
+        # proc.crtools in the tree root's working directory and removes it
+        # at once; EEXIST means another dump of a tree working in that
+        # directory held it (seen once in CI), or one was cut short there.
+        return ("CRIU could not make its /proc mount point, proc.crtools, in the working "
+                "directory of the tree's first process: it exists",
+                "criu-proc-mountpoint-taken",
+                "the step is retried; if it fails again and no other checkpoint of a process "
+                "working in that directory is running, remove the empty proc.crtools there")
     if "can't dump unprivileged task whose /proc" in text:
         return ("the root of the process tree dropped root in a PID namespace whose /proc "
                 "is not its own, and cannot mount one for CRIU (criu/pie/parasite.c)",

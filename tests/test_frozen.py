@@ -69,7 +69,10 @@ def test_only_the_named_thread_runs_then_all_go_on(tmp_path: Path) -> None:
             seen["states"] = {t: frozen.state(t) for t in tids}
 
         frozen.with_only(proc.pid, chosen, work)
-        assert seen["moved"] == {chosen}, seen
+        # By state as well as by count: the chosen thread may wait for the
+        # GIL that a stopped thread holds, but no other thread may move.
+        assert seen["moved"] <= {chosen}, seen  # type: ignore[operator]
+        assert seen["states"][chosen] not in ("t", "T"), seen  # type: ignore[index]
         assert all(s == "t" for t, s in seen["states"].items() if t != chosen), seen
         os.kill(proc.pid, signal.SIGCONT)
         # Detached and continued: every thread runs on.

@@ -61,15 +61,20 @@ def killed_mid_hold(tmp_path: Path) -> tuple[str, str]:
                                   env={**os.environ, "PYTHONPATH": os.getcwd()},
                                   stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30
-        while moved(tmp_path, tids, 0.2) != {chosen}:
+        others = [t for t in tids if t != chosen]
+        # Held: the chosen thread out of any stop, every other one in a
+        # ptrace stop. (By state, not by its count moving: a Python thread
+        # can wait for the GIL that a stopped thread holds.)
+        while frozen.state(chosen) in "tT" or any(frozen.state(t) != "t" for t in others):
             if holder.poll() is not None:
                 assert holder.stderr is not None
                 raise AssertionError(f"the holder ended: {holder.stderr.read()[-2000:]!r}")
             assert time.monotonic() < deadline, "the hold never let the chosen thread run"
+            time.sleep(0.05)
+        assert not moved(tmp_path, others, 0.2), "a held thread ran"
         holder.kill()  # the agent dies with the hold on
         holder.wait()
         time.sleep(0.2)
-        others = [t for t in tids if t != chosen]
         assert not moved(tmp_path, others), "the other threads ran once the holder died"
         # The redelivered step: its GPU restore holds the tree again, then continues it.
         frozen.with_only(proc.pid, chosen, lambda: None, keep)

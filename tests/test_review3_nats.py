@@ -86,8 +86,8 @@ async def test_nats_killed_after_a_final_dump_was_stored_answers_it_once(
             gens = await store.generations("local", job.id)
             assert [g.number for g in gens] == killed, f"dumped again: {gens}"
             assert copies(h.tmp) == [], "the job still runs after its final checkpoint"
-            answers = await stored(h.bus, subject("ckpt.done", node), STREAM_EVENTS, CkptDone,
-                                   wait=2)
+            answers = await stored(h.bus, subject("ckpt.done", node, "local"), STREAM_EVENTS,
+                                   CkptDone, wait=2)
             mine = [a for a in answers if a.request_id == rid]
             assert len(mine) == 1 and mine[0].status == "succeeded", mine
             frozen = int(h.lines(job)[-1]["step"])

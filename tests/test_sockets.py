@@ -294,3 +294,19 @@ def test_explain_quotes_the_external_socket(tmp_path: Path) -> None:
                    "unix: External socket is used. Consider using --ext-unix-sk option.\n")
     what, code, hint = explain(log) or ("", "", "")
     assert code == "external-unix-socket" and "/run/app.sock" in what and hint
+
+
+
+def test_a_taken_proc_mount_point_is_named_and_retried(tmp_path: Path) -> None:
+    """CRIU's parasite mounts a /proc at proc.crtools in the working directory
+    of a tree whose first process does not see its own namespace's /proc (a
+    local job under smr-init --local); the fresh-clone CI saw that name taken
+    once, as a bare permanent `criu-dump-failed`. The log line is CRIU 4.2's
+    (criu/pie/parasite.c:634), as the CI's dump.log quoted it."""
+    from smr.criu import TEMPORARY
+
+    log = tmp_path / "dump.log"
+    log.write_text("pie: 1: Error (criu/pie/parasite.c:634): Can't create a directory (-17)\n")
+    what, code, hint = explain(log) or ("", "", "")
+    assert code == "criu-proc-mountpoint-taken" and code in TEMPORARY
+    assert "proc.crtools" in what and "proc.crtools" in hint
