@@ -23,15 +23,14 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from smr import cuda_checkpoint
-from smr.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import GPU_IMAGE, Cluster
+from tests.agent.test_gpu_pods import checkpoint
 from tests.fake_apiserver import pod
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -104,17 +103,6 @@ async def until(cluster: Cluster, name: str, node: str, n: int, timeout: float =
         assert time.monotonic() < deadline, cluster.log(name, node)[-3000:]
         await asyncio.sleep(0.2)
     return got
-
-
-async def checkpoint(cluster: Cluster, name: str, node: str, ckpt: str, *, reason: str,
-                     leave_running: bool) -> CkptDone:
-    done = await cluster.bus.request(CkptRequested(
-        request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=node, reason=reason,  # type: ignore[arg-type]
-        leave_running=leave_running,
-        target=Target(kind="pod", namespace="default", pod=name, container="main")),
-        timeout=300)
-    assert isinstance(done, CkptDone) and done.status == "succeeded", done
-    return done
 
 
 async def test_jax_pod_heartbeat_and_three_drains_end_with_the_same_hash(
