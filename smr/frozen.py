@@ -84,8 +84,10 @@ def stopping(pid: int) -> bool:
     task acts on it only once it runs again, so right after CRIU exits it
     may still show R or S with the SIGSTOP pending. Judged by the state
     alone, such a tree was taken for a running one, never continued, and
-    stopped a moment later for good (the fault campaign saw it)."""
-    if state(pid) == "T":
+    stopped a moment later for good (the fault campaign saw it).
+    Any thread counts: a leader that ended (pthread_exit) stays Z while
+    its other threads stop."""
+    if any(state(t) == "T" for t in threads(pid) or [pid]):
         return True
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -102,7 +104,7 @@ def wait_stopped(pids: list[int], timeout: float = 10.0) -> None:
     """Until every thread of each of ``pids`` is in its group stop (T)."""
     for pid in pids:
         for t in threads(pid):
-            if state(t):  # a thread may end meanwhile
+            if state(t) not in ("", "Z", "X"):  # ended, or a zombie leader: never stops
                 _until(t, "T", timeout)
 
 
@@ -168,7 +170,9 @@ def with_only(pid: int, tid: int, work: Callable[[], T], keep: Path | None = Non
     try:
         for _ in range(2):  # a thread CRIU is still creating shows up the second time
             for t in threads(pid):
-                if t not in seized:
+                # A zombie leader (its main thread ended) never runs, and
+                # cannot be seized (EPERM): only the threads that live.
+                if t not in seized and state(t) not in ("", "Z", "X"):
                     # A stopped thread is held in a ptrace stop once seized;
                     # a pending interrupt would stop it again after its CONT.
                     _ptrace(PTRACE_SEIZE, t, 0, 0)

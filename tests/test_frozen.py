@@ -142,3 +142,76 @@ def test_a_tree_whose_stop_is_still_on_its_way_is_continued(tmp_path: Path) -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+# A process whose main thread has ended (pthread_exit) while its other
+# threads run on: the leader stays a zombie thread (Z) for good.
+ZOMBIE_LEADER = r"""
+#include <pthread.h>
+#include <unistd.h>
+static void *spin(void *a) { for (;;) usleep(2000); return a; }
+int main(void) {
+    pthread_t t;
+    for (int i = 0; i < 3; i++) pthread_create(&t, 0, spin, 0);
+    pthread_exit(0);
+}
+"""
+
+
+def test_a_stopped_process_whose_main_thread_ended_is_continued(tmp_path: Path) -> None:
+    """Its leader shows Z, never T, and once the group stop is done no
+    SIGSTOP is pending: judged by the leader alone it was taken for a
+    running process, never continued, and the job stayed stopped for good."""
+    import asyncio
+
+    from smr.cuda_checkpoint import CudaCheckpoint
+    from tests.chaos import gpu_standin
+
+    src, exe = tmp_path / "zl.c", tmp_path / "zl"
+    src.write_text(ZOMBIE_LEADER)
+    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
+    (tmp_path / "gpu").mkdir()
+    proc = subprocess.Popen([str(exe)])
+    try:
+        deadline = time.monotonic() + 30
+        while (len(frozen.threads(proc.pid)) < 4 or frozen.state(proc.pid) != "Z") \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        workers = [t for t in frozen.threads(proc.pid) if t != proc.pid]
+        assert len(workers) == 3 and frozen.state(proc.pid) == "Z"
+        os.kill(proc.pid, signal.SIGSTOP)  # as CRIU's --leave-stopped leaves it
+        for t in workers:
+            frozen._until(t, "T")
+        drv = gpu_standin.StandInDriver(tmp_path / "gpu")
+        asyncio.run(CudaCheckpoint(drv=drv).resume_tree(proc.pid))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        while any(frozen.state(t) == "T" for t in workers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {t: frozen.state(t) for t in workers if frozen.state(t) == "T"} == {}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_one_thread_runs_in_a_process_whose_main_thread_ended(tmp_path: Path) -> None:
+    """The zombie leader cannot be seized (EPERM) and never runs: the hold
+    takes the threads that live, and the GPU restore goes on."""
+    src, exe = tmp_path / "zl.c", tmp_path / "zl"
+    src.write_text(ZOMBIE_LEADER)
+    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
+    proc = subprocess.Popen([str(exe)])
+    try:
+        deadline = time.monotonic() + 30
+        while (len(frozen.threads(proc.pid)) < 4 or frozen.state(proc.pid) != "Z") \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        workers = [t for t in frozen.threads(proc.pid) if t != proc.pid]
+        os.kill(proc.pid, signal.SIGSTOP)
+        frozen.wait_stopped([proc.pid], timeout=10)
+        chosen = workers[-1]
+        seen = frozen.with_only(proc.pid, chosen, lambda: {t: frozen.state(t) for t in workers})
+        assert seen[chosen] not in ("t", "T") and all(
+            s == "t" for t, s in seen.items() if t != chosen), seen
+    finally:
+        proc.kill()
+        proc.wait()
