@@ -17,13 +17,14 @@ STAMP=$PREFIX/.installed-v3
 CRIU_MIN=4.2
 
 # From the system's own (bookworm) sources: containerd and runc for the node
-# agent's container tests, iptables-restore for CRIU's network lock, busybox
+# agent's container tests, iptables-restore for CRIU's network lock, nft to undo
+# that lock when a final checkpoint cannot be stored (smr/netlock.py), busybox
 # for test images, gcc to build smr-init, and redis-server, PostgreSQL 15,
 # Node.js and a JDK, programs nobody here wrote, that the socket and program
 # tests checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).
 NEED=""
 for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
-            gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev \
+            gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev nft:nftables \
             node:nodejs javac:default-jdk-headless; do
   command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"
 done

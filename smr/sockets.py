@@ -81,14 +81,7 @@ def inventory(pids: list[int]) -> dict[str, Any]:
     """The sockets the processes ``pids`` hold, by kind: listening TCP
     addresses, and counts of established TCP, UDP and unix sockets. Read from
     /proc in the processes' own network namespace."""
-    inodes: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.scandir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd.path)
-                    if target.startswith("socket:["):
-                        inodes.add(target[8:-1])
+    inodes = _socket_inodes(pids)
     out: dict[str, Any] = {"listening": [], "established": 0, "udp": 0, "unix": 0}
     if not pids:
         return out
@@ -107,6 +100,29 @@ def inventory(pids: list[int]) -> dict[str, Any]:
     out["unix"] = sum(1 for (inode,) in _rows(net / "unix", (6,)) if inode in inodes)
     out["listening"] = sorted(set(out["listening"]))
     return out
+
+
+def established_inodes(pids: list[int]) -> set[str]:
+    """The socket inodes of the established TCP connections ``pids`` hold."""
+    if not pids:
+        return set()
+    inodes = _socket_inodes(pids)
+    net = Path(f"/proc/{pids[0]}/net")
+    return {inode for proto in ("tcp", "tcp6")
+            for state, inode in _rows(net / proto, (3, 9))
+            if inode in inodes and _TCP_STATES.get(state) == "established"}
+
+
+def _socket_inodes(pids: list[int]) -> set[str]:
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd.path)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    return inodes
 
 
 def _rows(path: Path, cols: tuple[int, ...]) -> list[tuple[str, ...]]:

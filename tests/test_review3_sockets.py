@@ -8,6 +8,7 @@ redis-server; the CUDA driver is the stand-in of tests/test_nothing_lost.py
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -53,9 +54,6 @@ async def test_a_gpu_jobs_connection_goes_on_after_a_heartbeat(h: Harness) -> No
     r.close()
 
 
-@pytest.mark.xfail(strict=True, reason="found by review3, not fixed: CRIU leaves a stopped "
-                   "tree's dumped connections in repair mode behind its packet filter, and "
-                   "nothing unlocks them when the dump cannot be stored")
 async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_connections_working(
         criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
     """Storage stays down past the commit deadline after a final dump that
@@ -80,4 +78,15 @@ async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_connections_w
             raise AssertionError(f"the job runs on, its client's connection does not: "
                                  f"{type(e).__name__}: {e}") from None
         assert n == 2
+        # Nor is the connection left in CRIU's lock table on the node (its
+        # packets dropped should the 4-tuple come back, the table kept for ever).
+        mine = r.connection._sock.getsockname()[1]  # type: ignore[union-attr]
+        assert f". {mine} ." not in locked(), f"port {mine} still in CRIU's lock: {locked()}"
         r.close()
+
+
+def locked() -> str:
+    """The connections CRIU's lock tables on this node drop (their set elements)."""
+    out = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True,
+                         check=True).stdout
+    return "\n".join(line for line in out.splitlines() if "elements" in line or ". " in line)

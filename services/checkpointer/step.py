@@ -16,7 +16,7 @@ from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, frozen, gpuinfo, reaper, sockets
+from smr import __version__, frozen, gpuinfo, netlock, reaper, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.errors import PermanentError, TemporaryError
@@ -201,6 +201,11 @@ class CheckpointStep(LocalJobStep):
     async def _give_up(self, req: CkptRequested, job: Job, cuda_pids: list[int]) -> None:
         """Nothing was stored: the job goes on where it was (CRIU thawed it after
         a failed dump; a finished final dump left it stopped), its GPU running."""
+        if not req.leave_running and job.alive():
+            # A final dump that kept connections left them in repair mode
+            # behind CRIU's lock, for a restore that now never comes: undone
+            # before the tree runs again.
+            await asyncio.shield(netlock.release(job.pid, self._work(req) / "images" / "dump.log"))
         if cuda_pids and job.alive():
             # A stopped tree gets its GPU state back before it is continued.
             await asyncio.shield(self.cuda.resume_tree(job.pid, quiet=True))  # type: ignore[union-attr]
