@@ -53,10 +53,10 @@ sys.path.insert(0, str(REPO))
 
 import pytest  # noqa: E402
 
-from services.agent import host  # noqa: E402
-from services.agent.pods import runtime_id  # noqa: E402
+from services.containers import host  # noqa: E402
+from services.containers.pods import runtime_id  # noqa: E402
+from services.policy import policy_for  # noqa: E402
 from services.storage.layout import template_id  # noqa: E402
-from services.watcher.policy import policy_for  # noqa: E402
 from smr.messages import derive_request_id  # noqa: E402
 from smr.natsserver import free_port  # noqa: E402
 from tests import oci_image  # noqa: E402

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.kubeapi import api_client
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
-from services.watcher.kube import api_client
 from services.watcher.service import Watcher
 from smr import config
 from smr.bus import STREAM_REQUESTS, Bus, node_token

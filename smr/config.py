@@ -299,7 +299,7 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
     ReadElsewhere("OTEL_SERVICE_NAME", "smr/tracing.py", "the traces' service.name; default "
                   "smr-<service>"),
     ReadElsewhere("KUBERNETES_SERVICE_HOST", "the watcher, agent and webhook "
-                  "(services/watcher/kube.py)", "set by Kubernetes in every pod: with "
+                  "(services/kubeapi.py)", "set by Kubernetes in every pod: with "
                   "SMR_KUBE_API empty, the in-cluster API is used"),
     ReadElsewhere("XDG_DATA_HOME", "smr/config.py", "the default SMR_DATA_DIR is "
                   "$XDG_DATA_HOME/smr (else ~/.local/share/smr)"),

@@ -31,7 +31,7 @@ from services.restorer.step import RestoreStep
 from services.storage.backend import StorageError
 from services.storage.layout import LOCAL_NAMESPACE
 from smr.bus import KV_LOCKS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, Progress, Worker
-from smr.bus.deadletters import Exhausted
+from smr.bus.exhausted import Exhausted
 from smr.cuda_checkpoint import CudaCheckpoint, CudaState
 from smr.jobs import JobLock
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.agent import rootfs
-from services.agent.confined import Root
+from services.containers import rootfs
+from services.containers.confined import Root
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.watcher.policy import pod_policy
+from services.policy import pod_policy
 from services.watcher.templates import template_requests
 from smr import contract
 from tests.fake_apiserver import pod

@@ -20,11 +20,12 @@ import orjson
 import pytest
 from kubernetes_asyncio import client
 
+from services.kubeapi import api_client
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.watcher.heartbeats import HeartbeatSchedule
-from services.watcher.kube import Informer, api_client
+from services.watcher.kube import Informer
 from services.watcher.service import Watcher
 from smr import config, metrics
 from smr.bus import KV_BEATS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
@@ -806,7 +807,7 @@ async def test_a_slow_node_does_not_hold_the_others_back(
 def test_a_final_checkpoint_is_expected_only_of_a_pod_on_a_node_going_away() -> None:
     """What the agent asks before it releases a waiting preStop hook
     (services/agent/prestop): the watcher's own rule."""
-    from services.watcher.triggers import final_expected
+    from services.triggers import final_expected
 
     deleted = pod("p", "n")
     deleted["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"

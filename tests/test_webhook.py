@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from services.watcher.kube import api_client
+from services.kubeapi import api_client
 from services.webhook.admission import review
 from services.webhook.certs import CertKeeper, issue, service_names
 from services.webhook.service import MAX_BODY, Webhook
@@ -200,7 +200,7 @@ async def test_certificate_is_kept_in_a_secret_and_renewed_before_it_expires(
 
 def test_a_pod_the_webhook_could_not_protect_gets_a_policy_problem() -> None:
     """The watcher posts each policy problem as a Warning Event on the pod."""
-    from services.watcher.policy import policy_for
+    from services.policy import policy_for
 
     kata = opted()
     kata["spec"]["runtimeClassName"] = "kata"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.agent.service import NodeAgent
+from services.kubeapi import api_client
 from services.storage.settings import make_store
-from services.watcher.kube import api_client
 from smr import config, serve
 from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus
 

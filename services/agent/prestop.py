@@ -1,7 +1,7 @@
 """PreStop hooks no final checkpoint will answer: released at once.
 
 The watcher asks for a final checkpoint only of a pod on a node going away
-(services/watcher/triggers: ``final_expected``). A plain ``kubectl delete``
+(services/triggers: ``final_expected``). A plain ``kubectl delete``
 of an opted-in pod on a node that stays gets none, and its preStop hook
 (``smr-init --wait-final``) would wait its whole time (60 s by default)
 before the kubelet's SIGTERM. The agent sees each hook that waits (its
@@ -26,12 +26,12 @@ from typing import Any
 import orjson
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from services.agent import host
-from services.agent.confined import UnsafePath
-from services.agent.host import Shim
-from services.agent.pods import Pods
 from services.agent.starts import _claim
-from services.watcher.triggers import final_expected
+from services.containers import host
+from services.containers.confined import UnsafePath
+from services.containers.host import Shim
+from services.containers.pods import Pods
+from services.triggers import final_expected
 from smr.aio import wait_event
 from smr.errors import SmrError
 from smr.jobs import proc_start_ticks

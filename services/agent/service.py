@@ -17,12 +17,12 @@ import logging
 from kubernetes_asyncio import client
 
 from services.agent import nodelabel
-from services.agent.incontainer import CriuBundle
-from services.agent.pods import Fresh, Pods
 from services.agent.prestop import PreStopWaits
 from services.agent.starts import StartRestores
 from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.checkpointer.pod import PodCheckpointStep
+from services.containers.incontainer import CriuBundle
+from services.containers.pods import Fresh, Pods
 from services.restorer.pod import PodRestoreStep
 from services.storage.cache import ObjectCache
 from services.storage.store import CheckpointStore

@@ -29,12 +29,12 @@ from typing import Any, get_args
 
 from opentelemetry import trace
 
-from services.agent import host
-from services.agent.confined import UnsafePath
-from services.agent.host import Shim
-from services.agent.pods import Pods, runtime_id
+from services.containers import host
+from services.containers.confined import UnsafePath
+from services.containers.host import Shim
+from services.containers.pods import Pods, runtime_id
+from services.policy import policy_for
 from services.storage.layout import template_id
-from services.watcher.policy import policy_for
 from smr import tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_LATEST, Bus

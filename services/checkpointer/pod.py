@@ -21,15 +21,15 @@ from typing import Any
 import orjson
 from nats.js.kv import KeyValue
 
-from services.agent import host, rootfs
-from services.agent.host import Shim
-from services.agent.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
-from services.agent.pods import PodContainer, PodStep
-from services.checkpointer import timings
+from services import timings
 from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
+from services.containers import host, rootfs
+from services.containers.host import Shim
+from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
+from services.containers.pods import PodContainer, PodStep
+from services.policy import tcp_policy
 from services.storage.store import Generation
-from services.watcher.policy import tcp_policy
 from smr import __version__, frozen, gpuinfo, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished

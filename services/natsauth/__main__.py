@@ -10,9 +10,9 @@ from typing import Any
 import nats
 from kubernetes_asyncio import client
 
+from services.kubeapi import api_client
 from services.natsauth.callout import Callout
 from services.natsauth.nkeys import KeyPair
-from services.watcher.kube import api_client
 from smr import config, serve
 from smr.errors import ConfigError
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import orjson
 
-from services.agent import host, rootfs
-from services.agent.host import Shim
-from services.agent.incontainer import set_last_pid
-from services.agent.pods import PodContainer, PodStep
+from services.containers import host, rootfs
+from services.containers.host import Shim
+from services.containers.incontainer import set_last_pid
+from services.containers.pods import PodContainer, PodStep
 from services.restorer.stream import restore_streamed
 from services.storage import layout
 from services.storage.store import Generation, streamable

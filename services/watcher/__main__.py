@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.watcher.kube import api_client
+from services.kubeapi import api_client
 from services.watcher.service import Watcher
 from smr import config, serve
 from smr.bus import KV_BEATS, KV_EPISODES, KV_STEPS, Bus

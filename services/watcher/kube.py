@@ -1,5 +1,5 @@
-"""The Kubernetes API as the watcher uses it: a client from the settings, and
-informers (list, then watch from the list's resourceVersion) over raw JSON.
+"""The Kubernetes API as the watcher uses it: informers (list, then watch from
+the list's resourceVersion) over raw JSON, on a client from services/kubeapi.py.
 
 An informer keeps a cache of the objects and calls its handler with every
 change: one object's changes in order, different objects' at the same time
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -36,32 +35,14 @@ from typing import Any
 
 import aiohttp
 import orjson
-from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.aio import cancelling
-from smr.errors import ConfigError
 
 log = logging.getLogger("smr.watcher.kube")
 
 Handler = Callable[[str, dict[str, Any], dict[str, Any] | None], Awaitable[None]]
-
-
-async def api_client(url: str = "") -> client.ApiClient:
-    """``url`` (tests, ``kubectl proxy``); else in-cluster; else ~/.kube/config."""
-    cfg = client.Configuration()
-    if url:
-        cfg.host = url
-    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=cfg)
-    else:
-        try:
-            await config.load_kube_config(client_configuration=cfg)
-        except Exception as e:
-            raise ConfigError(f"no Kubernetes API to talk to: {e}",
-                              hint="run in a cluster, provide ~/.kube/config, or set "
-                                   "SMR_KUBE_API") from None
-    return client.ApiClient(configuration=cfg)
 
 
 def key_of(obj: dict[str, Any]) -> str:

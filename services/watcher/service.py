@@ -41,13 +41,13 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from services.policy import PodPolicy, policy_for
+from services.triggers import FINAL, MESSAGE_REASON, node_reasons, pod_reasons
 from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
-from services.watcher.policy import PodPolicy, policy_for
 from services.watcher.templates import template_requests
-from services.watcher.triggers import FINAL, MESSAGE_REASON, node_reasons, pod_reasons
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
 from smr.config import Settings

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.policy import PodPolicy
 from services.storage.layout import template_id
-from services.watcher.policy import PodPolicy
 from smr.messages import CkptRequested, Target, derive_request_id
 
 

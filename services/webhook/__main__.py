@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.watcher.kube import api_client
+from services.kubeapi import api_client
 from services.webhook.service import Webhook
 from smr import config, serve
 

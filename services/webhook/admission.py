@@ -1,6 +1,6 @@
 """What the webhook does to a pod: AdmissionReview in, AdmissionReview out.
 
-An opted-in pod (services/watcher/policy: the labels or the SMR_CHECKPOINT
+An opted-in pod (services/policy: the labels or the SMR_CHECKPOINT
 env var; the warm-start labels too, docs/warm-start.md) gets:
 
 - ``spec.runtimeClassName`` = SMR_RUNTIME_CLASS (``smr``), whose handler is
@@ -20,7 +20,7 @@ env var; the warm-start labels too, docs/warm-start.md) gets:
   so a drain or a graceful node shutdown stops the workload only after it
   is saved; and ``terminationGracePeriodSeconds`` raised to make room for
   it: by the time the agent last measured for a checkpoint of the pod's
-  containers (from the freeze to stored; services/checkpointer/timings),
+  containers (from the freeze to stored; services/timings),
   doubled and 10 s added, or by SMR_FINAL_CHECKPOINT_SECONDS if that is
   more (the floor, and all there is before a first checkpoint), never
   above SMR_MAX_GRACE_SECONDS nor the pod's ``smr.dev/max-grace-seconds``. The
@@ -49,7 +49,7 @@ from typing import Any
 
 import orjson
 
-from services.watcher.policy import policy_for
+from services.policy import policy_for
 from smr.config import Settings
 
 log = logging.getLogger("smr.webhook")

@@ -5,7 +5,7 @@ files (SMR_WEBHOOK_CERT_DIR), and is re-read every few hours: a renewed one
 is served without a restart.
 
 With SMR_NATS_URL set it also reads the checkpoint times the agents measured
-(services/checkpointer/timings) to size a pod's grace period. It connects in
+(services/timings) to size a pod's grace period. It connects in
 the background and serves meanwhile: pods are never held up for NATS."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 from kubernetes_asyncio import client
 
-from services.checkpointer import timings
+from services import timings
 from services.webhook.admission import checkpoints, response, review, uid_of
 from services.webhook.certs import CertKeeper, Tls
 from smr.aio import quietly, stop_task, wait_event

@@ -6,7 +6,8 @@
 - ``worker``: ``Worker``, the loop that turns a request into exactly one
   executed step (``Step``, ``Progress``);
 - ``replies``: waiting for a step's result, storage queries;
-- ``deadletters``: dead letters and the requests JetStream gave up on.
+- ``deadletters``: dead letters;
+- ``exhausted``: the requests JetStream gave up on, answered.
 
 Everything a service needs is importable from ``smr.bus``.
 """

@@ -319,8 +319,9 @@ class Bus:
     async def dead_letter(self, subj: str, payload: bytes, error: SmrError, *, service: str,
                           deliveries: int | None = None, request_id: str | None = None) -> None:
         """Publish ``payload`` to ``dlq.<subj>`` with the reason (smr/bus/deadletters.py)."""
-        await deadletters.dead_letter(self, subj, payload, error, service=service,
-                                      deliveries=deliveries, request_id=request_id)
+        await deadletters.dead_letter(self.publish_raw, self.nc.max_payload, subj, payload,
+                                      error, service=service, deliveries=deliveries,
+                                      request_id=request_id)
 
     # -- step state -----------------------------------------------------------------
 

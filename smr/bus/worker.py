@@ -30,7 +30,8 @@ from smr import metrics, tracing
 from smr.aio import cancelling, quietly, stop_task
 from smr.bus.ahead import Admission, Ahead
 from smr.bus.client import Bus
-from smr.bus.deadletters import Exhausted, peek_request_id
+from smr.bus.deadletters import peek_request_id
+from smr.bus.exhausted import Exhausted
 from smr.bus.topology import (
     KV_STEPS,
     RESULT_OF,

@@ -19,12 +19,12 @@ from kubernetes_asyncio import client
 
 from services.agent.__main__ import BUCKETS as AGENT_BUCKETS
 from services.agent.service import NodeAgent
+from services.kubeapi import api_client
 from services.storage.codec import Codec
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
-from services.watcher.kube import api_client
 from services.watcher.service import Watcher
 from services.webhook.service import Webhook
 from smr import config

@@ -303,8 +303,8 @@ async def _stored(cluster: Cluster, gen: Any, path: str) -> bytes:
 
 async def _caps(cluster: Cluster, pod: str, node: str) -> str:
     """The workload's effective capabilities (from /proc, the host's view)."""
-    from services.agent import host
-    from services.agent.pods import runtime_id
+    from services.containers import host
+    from services.containers.pods import runtime_id
 
     st = cluster.kube.get("pods", pod, "default")
     assert st is not None

@@ -1,4 +1,4 @@
-"""services/agent/confined: opening a tenant's files from a root held open,
+"""services/containers/confined: opening a tenant's files from a root held open,
 with openat2 and with its fallback (each component O_NOFOLLOW), on a
 directory laid out as a hostile container's would be."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.agent import confined
-from services.agent.confined import Root, UnsafePath
+from services.containers import confined
+from services.containers.confined import Root, UnsafePath
 
 
 @pytest.fixture(params=["openat2", "fallback"])

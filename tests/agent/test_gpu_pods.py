@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from services.agent import host
+from services.containers import host
 from smr import cuda_checkpoint, gpuinfo
 from smr.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import GPU_IMAGE, TRAIN, Cluster

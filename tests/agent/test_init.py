@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.host import Shim
+from services.containers.host import Shim
 from smr.criu import kill_tree
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)

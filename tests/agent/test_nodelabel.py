@@ -15,10 +15,10 @@ import pytest
 
 from services.agent import install, nodelabel
 from services.agent.service import NodeAgent
+from services.kubeapi import api_client
 from services.storage.codec import Codec
 from services.storage.local import LocalBackend
 from services.storage.store import CheckpointStore
-from services.watcher.kube import api_client
 from smr import config
 from smr.bus import Bus
 from tests.fake_apiserver import FakeApiServer

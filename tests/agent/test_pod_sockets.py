@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from services.agent import host
+from services.containers import host
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import REDIS_IMAGE, Cluster, workload
 from tests.helpers.netns import in_netns

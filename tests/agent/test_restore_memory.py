@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.agent import host
-from services.agent.pods import runtime_id
+from services.containers import host
+from services.containers.pods import runtime_id
 from tests import oci_image
 from tests.agent.agent_process import oom_kills, peak
 from tests.agent.cluster import COUNTER, Cluster, assert_continues, steps, workload

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from services.agent import rootfs
 from services.checkpointer.pod import PodCheckpointStep
+from services.containers import rootfs
 from smr.messages import CkptDone, CkptRequested, Target
 from tests import oci_image
 from tests.agent.cluster import Cluster, steps, workload

@@ -10,11 +10,11 @@ import re
 import time
 from typing import Any
 
+from services.policy import policy_for
 from services.storage import layout
 from services.storage.layout import template_id
 from services.watcher import templates
 from services.watcher.heartbeats import Beat
-from services.watcher.policy import policy_for
 from smr.config import Settings
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import SLOW_IMAGE, Cluster, workload

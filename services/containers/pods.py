@@ -13,9 +13,9 @@ import orjson
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from services.agent import host
-from services.agent.host import Shim
-from services.agent.incontainer import CriuBundle
+from services.containers import host
+from services.containers.host import Shim
+from services.containers.incontainer import CriuBundle
 from services.storage.store import CheckpointStore
 from smr.bus import Progress
 from smr.criu import Criu
@@ -126,7 +126,7 @@ class PodStep:
         self.node = node
         self.criu_timeout = criu_timeout
         self.init_binary = init_binary  # the agent's own smr-init
-        self.label_prefix = label_prefix  # for the pod's labels (services/watcher/policy)
+        self.label_prefix = label_prefix  # for the pod's labels (services/policy)
         self.cuda = cuda  # None on a node without the CUDA checkpoint API
         self.commit_deadline = commit_deadline  # see services/checkpointer/durable
         # The agent's own directory, never the pod's volume: CRIU's images

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.agent.confined import Root, UnsafePath
+from services.containers.confined import Root, UnsafePath
 from smr.errors import SmrError, TemporaryError
 from smr.gpuinfo import process_tree as tree
 

@@ -20,8 +20,8 @@ import asyncio
 import os
 from pathlib import Path
 
-from services.agent import host
-from services.agent.host import Shim
+from services.containers import host
+from services.containers.host import Shim
 from smr.criu import Criu
 from smr.errors import PermanentError
 

@@ -27,7 +27,7 @@ import stat
 import tarfile
 from pathlib import Path
 
-from services.agent.confined import Root, UnsafePath
+from services.containers.confined import Root, UnsafePath
 from smr.errors import PermanentError
 
 TAR = "rootfs.tar"

@@ -1,0 +1,110 @@
+"""The requests JetStream gave up on: a request whose worker died on its last
+delivery would vanish, as JetStream only announces it with a core-NATS
+advisory. Those advisories are kept in a stream of their own (SMR_EXHAUSTED),
+and each worker answers its consumer's with a failed result and a dead letter
+(smr/bus/deadletters.py), even when it starts after the fact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import orjson
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from smr.aio import cancelling
+from smr.bus.client import Bus
+from smr.bus.topology import RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES
+from smr.errors import ContractError, SmrError
+from smr.messages import CkptDone, RestoreDone
+
+log = logging.getLogger("smr.bus")
+
+# A request JetStream gave up on that no worker ever started is published
+# again, at most this many times (header REDRIVEN): its deliveries were spent
+# waiting, fetched ahead while its node was busy (smr/bus/ahead.py) and handed
+# back as the agent stopped or redelivered when NATS lost its in_progress.
+REDRIVEN = "Smr-Redriven"
+MAX_REDRIVES = 3
+
+
+class Exhausted:
+    """Answers the requests JetStream gave up on for one worker's consumer."""
+
+    def __init__(self, bus: Bus, kind: str, service: str, node: str,
+                 record: Callable[[CkptDone | RestoreDone], Awaitable[None]]) -> None:
+        self.bus = bus
+        self.kind = kind
+        self.service = service
+        self.node = node
+        self.record = record
+
+    async def answer(self, sub: Any) -> None:
+        """Answer the requests JetStream gave up on (worker died on the last delivery)."""
+        while True:
+            try:
+                advisories = await sub.fetch(8, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
+                    raise
+                continue
+            for adv in advisories:
+                try:
+                    await self._answer_one(adv)
+                except Exception:
+                    log.exception("%s: cannot answer an exhausted request", self.service)
+
+    async def _answer_one(self, adv: Msg) -> None:
+        """Fail and dead-letter one request, unless it was answered after all."""
+        info = orjson.loads(adv.data)
+        try:
+            raw = await self.bus.js.get_msg(STREAM_REQUESTS, info["stream_seq"])
+            req = SUBJECT_TYPES[self.kind].from_payload(raw.data or b"")
+        except (NotFoundError, ContractError):
+            await adv.ack()  # gone (aged out) or never valid (already dead-lettered)
+            return
+        rid = req.request_id  # type: ignore[attr-defined]
+        state, _ = await self.bus.step_state(rid)
+        if state and state["state"] == "running" and \
+                time.time() - float(state.get("heartbeat", 0)) < self.bus.config.stale_after:
+            # A worker is alive on it (another consumer of the same durable got
+            # the last delivery): its answer will come; look again later.
+            await adv.nak(delay=self.bus.config.ack_wait)
+            return
+        if not state and (n := redriven(raw.headers)) < MAX_REDRIVES:
+            # Never started: no claim (a worker's first write). Published again
+            # it is delivered afresh; its request_id still runs it once, were
+            # the old delivery still waiting somewhere.
+            await self.bus.publish_raw(raw.subject or "", raw.data or b"",
+                                       msg_id=f"{rid}.redriven.{n + 1}",
+                                       headers={REDRIVEN: str(n + 1)})
+            log.warning("%s: request %s was delivered %s times without starting (it waited "
+                        "while node %s was busy); published again", self.service, rid,
+                        info.get("deliveries"), self.node)
+            await adv.ack()
+            return
+        if not state or state["state"] == "running":
+            err = SmrError(
+                f"request {rid} was delivered {info.get('deliveries')} times without an "
+                "answer: its worker died or stalled each time; it was not completed",
+                code="deliveries-exhausted",
+                hint=f"see the {self.service} log on node {self.node}; to try again, "
+                     "publish the request with a new request_id")
+            await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
+                                       service=self.service, deliveries=info.get("deliveries"),
+                                       request_id=rid)
+            await self.record(RESULT_OF[self.kind].for_request(req, status="failed",
+                                                                error=err.as_dict()))
+        await adv.ack()
+
+
+def redriven(headers: dict[str, str] | None) -> int:
+    """How many times a request was published again (REDRIVEN); a header
+    that is not a count counts as the most."""
+    value = (headers or {}).get(REDRIVEN, "0")
+    return int(value) if value.isdigit() else MAX_REDRIVES
