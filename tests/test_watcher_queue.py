@@ -16,13 +16,14 @@ import random
 from typing import Any
 
 from kubernetes_asyncio import client
+from nats.js.errors import KeyNotFoundError
 
 from services.watcher.kube import Informer
-from smr.bus import Bus
+from smr.bus import KV_EPISODES, Bus, node_token
 from tests import test_watcher
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_apiserver import node as a_node
-from tests.test_watcher import Watchers, cordon, until
+from tests.test_watcher import Watchers, ckpts, cordon, drains, until
 
 # test_watcher's fixtures, shared (not copied).
 kube, api = test_watcher.kube, test_watcher.api
@@ -295,3 +296,26 @@ async def test_a_handler_raising_cancelled_error_loses_no_change(
     finally:
         hold.set()
         await stop(task)
+
+
+async def test_a_node_flapping_ends_as_it_is_with_one_episode_per_cordon(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """Cordon, uncordon, cordon, uncordon at once (an operator's script, a
+    controller flapping): each cordon is an episode of its own, its requests
+    once; the node ends uncordoned, so no episode stays open (else every pod
+    later stopped on it would get a final drain checkpoint)."""
+    kube.put("nodes", a_node(node))
+    kube.put("pods", pod("flapper", node, labels={"smr.dev/node-restore": "true"}))
+    w = await watchers.start()
+    async with ckpts(bus, node) as c, drains(bus, node) as d:
+        for _ in range(2):
+            cordon(kube, node)
+            uncordon(kube, node)
+        await d.wait(2, settle=1.0)
+        assert len(d.items) == 2, "one node.draining per cordon"
+        reqs = await c.wait(2, settle=0.5)
+        assert len(reqs) == 2 and len({r.request_id for r in reqs}) == 2, reqs
+    assert node not in w._episodes, "an episode stayed open after the last uncordon"
+    with contextlib.suppress(KeyNotFoundError):
+        e = await bus.kv(KV_EPISODES).get(f"node.{node_token(node)}")
+        assert not e.value, f"the episode is still open in KV: {e.value!r}"
