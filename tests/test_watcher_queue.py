@@ -319,3 +319,32 @@ async def test_a_node_flapping_ends_as_it_is_with_one_episode_per_cordon(
     with contextlib.suppress(KeyNotFoundError):
         e = await bus.kv(KV_EPISODES).get(f"node.{node_token(node)}")
         assert not e.value, f"the episode is still open in KV: {e.value!r}"
+
+
+async def test_a_node_recreated_while_unwatched_does_not_stop_the_new_ones_pods(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """A Node deleted and registered again under its name (a cloud reusing
+    the name, a kubelet registering again) while the watcher's node watch was
+    away: its re-list hears the old Node's deletion. The pods then on that
+    name run on the new one, which is not going away: no checkpoint, no
+    node.draining for them."""
+    kube.put("nodes", a_node(node))
+    labels = {"smr.dev/node-restore": "true"}
+    kube.put("pods", pod("before", node, labels=labels))
+    w = await watchers.start()
+    await kube.watching(2)
+    async with ckpts(bus, node) as c, drains(bus, node) as d:
+        kube.pause_watches()
+        assert kube.cut_watches(mid_line=False, plural="nodes") == 1  # pods still watched
+        kube.remove("nodes", node)  # the pod GC deletes "before"
+        await until(lambda: "default/before" not in w.pods.cache, timeout=10)
+        kube.put("nodes", a_node(node))
+        kube.put("pods", pod("after", node, labels=labels))
+        await until(lambda: "default/after" in w.pods.cache, timeout=10)
+        kube.compact()
+        kube.resume_watches()
+        await until(lambda: w.nodes.stats["expired"] >= 1, timeout=10)
+        await asyncio.sleep(1.5)
+        asked = [(r.target.pod, r.reason) for r in c.items]
+        assert asked == [], f"pods on the new Node were checkpointed: {asked}"
+        assert d.items == [], f"the new Node was said to drain: {d.items}"
