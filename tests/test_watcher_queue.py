@@ -18,12 +18,14 @@ from typing import Any
 from kubernetes_asyncio import client
 from nats.js.errors import KeyNotFoundError
 
-from services.watcher.kube import Informer
-from smr.bus import KV_EPISODES, Bus, node_token
+from services.watcher.kube import Informer, api_client
+from services.watcher.service import Watcher
+from smr.bus import KV_EPISODES, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
+from smr.messages import CkptRequested, NodeDraining
 from tests import test_watcher
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_apiserver import node as a_node
-from tests.test_watcher import Watchers, ckpts, cordon, drains, until
+from tests.test_watcher import Collector, Watchers, ckpts, cordon, drains, until
 
 # test_watcher's fixtures, shared (not copied).
 kube, api = test_watcher.kube, test_watcher.api
@@ -348,3 +350,53 @@ async def test_a_node_recreated_while_unwatched_does_not_stop_the_new_ones_pods(
         asked = [(r.target.pod, r.reason) for r in c.items]
         assert asked == [], f"pods on the new Node were checkpointed: {asked}"
         assert d.items == [], f"the new Node was said to drain: {d.items}"
+
+
+async def test_a_cordon_wave_with_pod_churn_and_full_queues_checkpoints_each_pod_once(
+        kube: FakeApiServer, bus: Bus, watch_settings: Any, node: str) -> None:
+    """The real watcher with 4 slots per informer (so the watches wait): 50
+    nodes cordoned at once, an opted-in pod added on each meanwhile, pods
+    that did not opt in created and deleted, and both watches cut and
+    expired (410) in the middle. Each opted-in pod gets exactly one cordon
+    checkpoint, each node one node.draining, the others nothing."""
+    names = [f"{node}-{i:02d}" for i in range(50)]
+    opted = {"smr.dev/node-restore": "true"}
+    for n in names:
+        kube.put("nodes", a_node(n))
+        kube.put("pods", pod(f"{n}-a", n, labels=opted))
+    a = await api_client(kube.url)
+    w = Watcher(bus, a, watch_settings, durable_prefix=f"w-{node}")
+    w.nodes._slots = asyncio.Semaphore(4)
+    w.pods._slots = asyncio.Semaphore(4)
+    task = asyncio.create_task(w.run())
+    ours = set(names)
+    async with Collector(bus, "ckpt.requested.*.*", STREAM_REQUESTS,
+                         CkptRequested.from_payload) as c, \
+            Collector(bus, "node.draining.*", STREAM_EVENTS, NodeDraining.from_payload) as d:
+        try:
+            await asyncio.wait_for(w.ready.wait(), 30)
+            await kube.watching(2)
+            for i, n in enumerate(names):
+                cordon(kube, n)
+                kube.put("pods", pod(f"{n}-b", n, labels=opted))
+                kube.put("pods", pod(f"{n}-plain", n))
+                if i % 2:
+                    kube.remove("pods", f"{n}-plain", "default")
+                if i == 25:
+                    kube.pause_watches()
+                    kube.cut_watches(mid_line=True)
+            kube.compact()
+            kube.resume_watches()
+            await until(lambda: w.nodes.stats["expired"] >= 1
+                        and w.pods.stats["expired"] >= 1, timeout=30)
+            await until(lambda: len([r for r in c.items if r.node in ours]) >= 100, timeout=60)
+            await asyncio.sleep(1.5)
+        finally:
+            w.stop()
+            await asyncio.wait_for(task, 30)
+            await a.close()
+        reqs = [r for r in c.items if r.node in ours]
+        got = sorted((r.node, r.target.pod) for r in reqs)
+        assert got == sorted((n, f"{n}-{x}") for n in names for x in "ab"), got
+        assert all(r.reason == "cordon" and r.leave_running for r in reqs)
+        assert sorted(x.node for x in d.items if x.node in ours) == names
