@@ -280,11 +280,15 @@ class FakeApiServer:
 
     # -- test controls ---------------------------------------------------------------
 
-    def cut_watches(self, *, mid_line: bool = True) -> int:
-        """Drop every open watch connection, as a network fault would: with
-        ``mid_line`` half of a JSON line is sent first. Returns how many."""
+    def cut_watches(self, *, mid_line: bool = True, plural: str | None = None) -> int:
+        """Drop every open watch connection (of ``plural`` only, if given: a
+        client's connections break one at a time too), as a network fault
+        would: with ``mid_line`` half of a JSON line is sent first. Returns
+        how many."""
         n = 0
         for w in list(self.watches):
+            if plural is not None and w.plural != plural:
+                continue
             if w.response is not None and w.response._payload_writer is not None:
                 transport = w.response._payload_writer.transport
                 if transport is not None:

@@ -14,12 +14,21 @@ the 49 before it. It survives what API servers do:
   and nothing is replayed;
 - bookmarks move that resourceVersion on while nothing changes;
 - 410 Gone (the version was compacted away) means a new list; the list is
-  compared with the cache and only real differences reach the handler;
+  compared with the cache and only real differences reach the handler; an
+  object deleted and created again under its name meanwhile (a new uid) is
+  the old one's DELETED, then the new one's ADDED;
 - other failures are retried with capped exponential backoff;
 - a handler that fails is called again for that object (its latest state)
   with backoff, not only at the object's next change (a Node changes about
   every 5 minutes in a real cluster); a newer event for it supersedes the
-  retry. Handlers must be idempotent (the watcher's are: derived request ids).
+  retry, and is handled only once the retry has ended: one object's
+  handlers never run at the same time (nats-py can drop a cancellation, so
+  a retry is cancelled until it ends). Handlers must be idempotent (the
+  watcher's are: derived request ids);
+- a handler that raises CancelledError without the informer being stopped
+  (a future cancelled by its owner) has failed like any other;
+- when ``run`` ends, so have all its handlers: a stopped watcher publishes
+  nothing more.
 
 Objects stay dicts (no model deserialisation): it is the JSON the server sent.
 """
@@ -38,7 +47,7 @@ import orjson
 from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from smr.aio import cancelling
+from smr.aio import cancelling, stop_task
 
 log = logging.getLogger("smr.watcher.kube")
 
@@ -53,6 +62,10 @@ def key_of(obj: dict[str, Any]) -> str:
 
 def rv_of(obj: dict[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion", ""))
+
+
+def uid_of(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid", ""))
 
 
 class _RawWatch(watch.Watch):
@@ -101,8 +114,11 @@ class Informer:
         try:
             await self._run()
         finally:
-            for t in [*self._retries.values(), *self._handling]:
-                t.cancel()
+            # Waited for, not only cancelled: a handler that outlived its
+            # informer would act for a watcher that has stopped.
+            while pending := [t for t in (*self._retries.values(), *self._handling)
+                              if not t.done()]:
+                await asyncio.gather(*(stop_task(t, again_every=1.0) for t in pending))
 
     async def _run(self) -> None:
         failures = 0
@@ -158,6 +174,12 @@ class Informer:
             if old is not None and rv_of(old) == rv_of(obj):
                 continue
             self.cache[k] = obj
+            if old is not None and uid_of(old) != uid_of(obj):
+                # Deleted and created again while unwatched: two objects, not
+                # one that changed (the old one's heartbeats, its drain
+                # bookkeeping, its recreation hang on its deletion).
+                await self._emit("DELETED", old, old)
+                old = None
             await self._emit("MODIFIED" if old else "ADDED", obj, old)
         self.rv = doc["metadata"]["resourceVersion"]
         self.synced.set()
@@ -217,17 +239,27 @@ class Informer:
                     queue.popleft()
                     self._slots.release()
         finally:
+            # Only a stop ends this with changes left: their slots go back.
+            for _ in queue:
+                self._slots.release()
+            queue.clear()
             if self._queues.get(k) is queue:
                 del self._queues[k]
 
     async def _handle(self, k: str, kind: str, obj: dict[str, Any],
                       old: dict[str, Any] | None) -> None:
-        if (pending := self._retries.pop(k, None)) is not None:
-            pending.cancel()  # this newer change supersedes it
+        if (pending := self._retries.get(k)) is not None:
+            # This newer change supersedes it, once it has ended: else the
+            # two run beside each other (an uncordon handled before its
+            # cordon's retried requests are out). It stays in _retries until
+            # then, for run() to stop should this task be stopped meanwhile.
+            await stop_task(pending, again_every=1.0)
+            if self._retries.get(k) is pending:
+                del self._retries[k]
         try:
             await self.handler(kind, obj, old)
-        except Exception:
-            _still_running()
+        except (Exception, asyncio.CancelledError):
+            _still_running()  # the informer's stop: not a failure
             # One bad object must not stop the informer; it is retried.
             log.exception("%s: handling %s %s failed; retrying with backoff", self.name,
                           kind, k)
@@ -242,7 +274,7 @@ class Informer:
             self.stats["handler_retries"] += 1
             try:
                 await self.handler(kind, obj, old)
-            except Exception as e:
+            except (Exception, asyncio.CancelledError) as e:
                 _still_running()
                 log.warning("%s: handling %s %s failed again (attempt %d of %d): %r",
                             self.name, kind, k, attempt, self.handler_retries, e)

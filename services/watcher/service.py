@@ -178,6 +178,13 @@ class Watcher:
         await self.pods.synced.wait()  # the pods on it must be known
         name = node["metadata"]["name"]
         if kind == "DELETED":
+            now = self.nodes.cache.get(name)
+            if now is not None and now["metadata"].get("uid") != node["metadata"].get("uid"):
+                # Registered again under its name (a re-list hands on the old
+                # one's deletion once the new one is known): the pods on that
+                # name run on the new Node, which is not going away. The new
+                # one's own change, next, closes any episode of the old.
+                return
             self._gone.add(name)
             reasons = {"node-deleted": "the Node was deleted"}
         else:
