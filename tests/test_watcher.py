@@ -822,3 +822,33 @@ def test_a_final_checkpoint_is_expected_only_of_a_pod_on_a_node_going_away() -> 
     assert final_expected(pod("p", "n"), shutting), "graceful shutdown: no deletion, a final"
     assert not final_expected(pod("p", "n"), a_node("n", unschedulable=True)), \
         "a cordon alone takes a leave-running checkpoint"
+
+
+async def test_replicas_ready_together_take_one_template(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        node: str) -> None:
+    """Two replicas of a Deployment labelled snapshot-when-ready turn Ready at
+    once, before any template is stored: one template checkpoint, of the
+    replica created first, not one per replica (#28; the review of #29 saw
+    `[('template_tpl.main', 'web-0'), ('template_tpl.main', 'web-1')]`)."""
+    kube.put("nodes", a_node(node))
+    labels = {"smr.dev/snapshot-when-ready": "tpl"}
+    for name in ("web-0", "web-1"):
+        p = pod(name, node, labels=labels, owner="web")
+        p["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+        for st in p["status"]["containerStatuses"]:
+            st["ready"] = False
+        kube.put("pods", p)
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        await asyncio.sleep(0.5)
+        for name in ("web-0", "web-1"):  # Ready together
+            p = kube.get("pods", name, "default")
+            assert p is not None
+            p["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+            for st in p["status"]["containerStatuses"]:
+                st["ready"] = True
+            kube.put("pods", p)
+        await c.wait(1, settle=2.0)
+        assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
+            [("template_tpl.main", "web-0")]

@@ -47,7 +47,7 @@ from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
-from services.watcher.templates import template_requests
+from services.watcher.templates import takes_template, template_requests
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
 from smr.config import Settings
@@ -344,6 +344,9 @@ class Watcher:
     async def _take_template(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         """A warm pod's template, once (services/watcher/templates). Raising
         (storage unreachable) makes the informer call this again."""
+        if not takes_template(pod, list(self.pods.cache.values()),
+                              lambda p: self._policy(p).snapshot_when_ready):
+            return  # a replica created before it takes the template
         for req in template_requests(pod, policy, deadline_of(pod)):
             seen = self._templated.setdefault(req.target.pod_uid or "", set())
             if req.request_id in self._published or req.request_id in seen:

@@ -7,11 +7,15 @@ Taken once: a template that storage already holds is not taken again (a
 restarted container, a second replica of the same Deployment, a restarted
 watcher), until it is deleted. The request id comes from the pod's uid and
 the container's restart count, so the watcher's replicas and a repeated
-event publish it once (JetStream drops the duplicates).
+event publish it once (JetStream drops the duplicates). Replicas that turn
+Ready together would each pass the storage check before either template is
+stored: only the first of them to have been created takes it
+(``takes_template``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from services.policy import PodPolicy
@@ -51,3 +55,23 @@ def template_requests(pod: dict[str, Any], policy: PodPolicy, deadline: str
             target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
                           container=st["name"], pod_uid=meta["uid"])))
     return out
+
+
+def takes_template(pod: dict[str, Any], pods: Iterable[dict[str, Any]],
+                   template_of: Callable[[dict[str, Any]], str | None]) -> bool:
+    """Whether ``pod`` is the one of its namespace's Ready pods labelled for
+    the same template that takes it: the first created (then the least uid),
+    the same answer on every watcher replica. The others are skipped, not
+    marked done: should that pod go away before its template is stored, the
+    next one's next change takes it."""
+    meta = pod["metadata"]
+    name = template_of(pod)
+
+    def order(p: dict[str, Any]) -> tuple[str, str]:
+        m = p["metadata"]
+        return (m.get("creationTimestamp") or "", m.get("uid") or "")
+
+    rivals = [p for p in pods
+              if p["metadata"].get("namespace") == meta.get("namespace") and is_ready(p)
+              and template_of(p) == name]
+    return not rivals or min([*rivals, pod], key=order)["metadata"].get("uid") == meta.get("uid")
