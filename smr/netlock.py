@@ -1,5 +1,5 @@
-"""Undoing what a final dump that kept TCP connections leaves behind, for a
-tree that runs on instead of being restored.
+"""Undoing what a dump that kept TCP connections leaves behind, for a tree
+that runs on instead of being restored.
 
 A dump with ``--tcp-established`` that leaves the tree stopped (or kills it)
 expects a restore on this node: CRIU keeps each dumped socket in TCP repair
@@ -9,11 +9,12 @@ see a pause until the restore, which unlocks both. If the checkpoint cannot be
 stored, no restore comes: smr continues the stopped tree, and without this the
 connections stay dead for good (the process writes into a socket that never
 sends; its peer's packets are dropped) and the table stays in the node's
-network namespace for ever.
+network namespace for ever. So does a CRIU killed before it ends (past its
+timeout, by the OOM killer), whatever the dump: it never unlocks.
 
 Both are undone the way CRIU's restore does: repair mode off on each of the
-tree's established TCP sockets (a copy of the descriptor through
-pidfd_getfd(2); the socket is the process's, unchanged otherwise), then the
+tree's TCP sockets in it (a copy of the descriptor through pidfd_getfd(2);
+the socket is the process's, unchanged otherwise), then the
 table deleted (the nft command; `make setup` and the agent image install it).
 Only the table of this dump's CRIU run is touched: another job's dump may be
 holding its own at the same moment.
@@ -32,7 +33,6 @@ import socket
 from pathlib import Path
 
 from smr.gpuinfo import process_tree
-from smr.sockets import established_inodes
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,14 @@ async def release(root: int, dump_log: Path) -> bool:
 
 
 def repair_off(pids: list[int]) -> int:
-    """Turn TCP repair mode off on each established TCP socket the processes
-    ``pids`` hold; how many. A socket not in repair mode only sends a window
-    probe, as CRIU's own unlock does."""
-    inodes = established_inodes(pids)
+    """Turn TCP repair mode off on each TCP socket the processes ``pids``
+    hold that is in it; how many. Not only established ones: CRIU keeps a
+    half-closed connection too (CLOSE_WAIT: the peer has sent all it will and
+    waits for the answer; FIN_WAIT, LAST_ACK, CLOSING), and one left in
+    repair mode sends nothing, not even its close. A socket not in repair
+    mode is left as it is (turning it off would reset its SO_REUSEADDR and
+    send a window probe), so is every socket of a process that only took a
+    listed pid meanwhile."""
     done = 0
     for pid in pids:
         try:
@@ -93,14 +97,17 @@ def repair_off(pids: list[int]) -> int:
         except OSError:
             continue  # gone meanwhile
         try:
-            for fd in _socket_fds(pid, inodes):
+            for fd in _socket_fds(pid):
                 with contextlib.suppress(OSError):
                     copy = _pidfd_getfd(pidfd, fd)
                     try:
                         s = socket.socket(fileno=copy)
                         try:
-                            s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF)
-                            done += 1
+                            if s.family in (socket.AF_INET, socket.AF_INET6) \
+                                    and s.type == socket.SOCK_STREAM \
+                                    and s.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR):
+                                s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF)
+                                done += 1
                         finally:
                             s.detach()
                     finally:
@@ -110,15 +117,14 @@ def repair_off(pids: list[int]) -> int:
     return done
 
 
-def _socket_fds(pid: int, inodes: set[str]) -> list[int]:
+def _socket_fds(pid: int) -> list[int]:
     fds = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError, ValueError):
                 # readlink of a /proc fd entry is the kernel's text, never a
                 # path of the tenant's that would be followed.
-                target = os.readlink(entry.path)
-                if target.startswith("socket:[") and target[8:-1] in inodes:
+                if os.readlink(entry.path).startswith("socket:["):
                     fds.append(int(entry.name))
     return fds
 

@@ -102,17 +102,6 @@ def inventory(pids: list[int]) -> dict[str, Any]:
     return out
 
 
-def established_inodes(pids: list[int]) -> set[str]:
-    """The socket inodes of the established TCP connections ``pids`` hold."""
-    if not pids:
-        return set()
-    inodes = _socket_inodes(pids)
-    net = Path(f"/proc/{pids[0]}/net")
-    return {inode for proto in ("tcp", "tcp6")
-            for state, inode in _rows(net / proto, (3, 9))
-            if inode in inodes and _TCP_STATES.get(state) == "established"}
-
-
 def _socket_inodes(pids: list[int]) -> set[str]:
     inodes: set[str] = set()
     for pid in pids:

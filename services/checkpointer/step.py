@@ -201,10 +201,11 @@ class CheckpointStep(LocalJobStep):
     async def _give_up(self, req: CkptRequested, job: Job, cuda_pids: list[int]) -> None:
         """Nothing was stored: the job goes on where it was (CRIU thawed it after
         a failed dump; a finished final dump left it stopped), its GPU running."""
-        if not req.leave_running and job.alive():
+        if job.alive():
             # A final dump that kept connections left them in repair mode
-            # behind CRIU's lock, for a restore that now never comes: undone
-            # before the tree runs again.
+            # behind CRIU's lock, for a restore that now never comes; so did
+            # any dump whose CRIU was killed (a heartbeat's too, its tree
+            # running again already): undone before the tree runs again.
             await asyncio.shield(netlock.release(job.pid, self._work(req) / "images" / "dump.log"))
         if cuda_pids and job.alive():
             # A stopped tree gets its GPU state back before it is continued.

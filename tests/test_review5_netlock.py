@@ -1,0 +1,150 @@
+"""Review of 054ec21 (smr.netlock): a checkpoint that stores nothing gives
+the job its kept connections back, every one of them, whatever kind of dump
+locked them. Real CRIU, real redis-server and a real Python server, real
+clients on the other end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from smr.natsserver import NatsServer, free_port
+from tests.test_local_smr import Harness, running
+from tests.test_nothing_lost import FailingPuts, ckpt_step
+from tests.test_review3_sockets import locked
+from tests.test_sockets import client, h, start, start_redis  # noqa: F401
+
+pytestmark = pytest.mark.criu
+
+# Answers each request once its client has sent all of it (shut its writing
+# side: the server's socket is in CLOSE_WAIT meanwhile), and only once told
+# to (the file "go"), like a server still working on a request.
+HALF_CLOSED_SERVER = """
+import os, socket, sys, time
+port, where = int(sys.argv[1]), sys.argv[2]
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(("127.0.0.1", port))
+l.listen()
+while True:
+    s, _ = l.accept()
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    if not data:  # a probe
+        s.close()
+        continue
+    open(os.path.join(where, "got"), "w").close()
+    while not os.path.exists(os.path.join(where, "go")):
+        time.sleep(0.05)
+    s.sendall(b"reply to " + data)
+    s.close()
+"""
+
+
+def drop_locks(port: int) -> None:
+    """Delete the CRIU lock tables that hold a connection to ``port`` (this
+    test's own server: a failing run leaves no table on the node; another
+    test's tables are not touched)."""
+    out = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
+    table, ours = "", set()
+    for line in out.splitlines():
+        if line.startswith("table inet CRIU-"):
+            table = line.split()[2]
+        elif table and f". {port} ." in line:
+            ours.add(table)
+    for t in ours:
+        subprocess.run(["nft", "delete", "table", "inet", t], check=False)
+
+
+async def wait_file(path: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_half_closed_connection_is_answered_after_a_final_checkpoint_that_cannot_be_stored(
+        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+    """A client sent its request and shut its side (HTTP/1.0 style, rsync,
+    a `nc -N`); the server's socket is in CLOSE_WAIT, not ESTABLISHED, when
+    a final checkpoint keeps it and cannot be stored. CRIU put it in repair
+    mode like the established ones: the server's answer must still reach
+    the client once the job runs on."""
+    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+                       storage_path=str(tmp_path / "store"), commit_deadline=4.0) as node_h:
+        script = tmp_path / "server.py"
+        script.write_text(HALF_CLOSED_SERVER)
+        port = free_port()
+        job = await start(node_h, [sys.executable, str(script), str(port), str(tmp_path)],
+                          port=port)
+        c = socket.create_connection(("127.0.0.1", port), timeout=10)
+        stack = contextlib.ExitStack()
+        stack.callback(drop_locks, port)
+        stack.callback(c.close)
+        c.sendall(b"hello")
+        c.shutdown(socket.SHUT_WR)
+        await wait_file(tmp_path / "got")
+        fault = FailingPuts(ckpt_step(node_h).store.backend, "manifest.json", times=None)
+        try:
+            done = await node_h.checkpoint(job.id)
+        finally:
+            fault.restore()
+        assert done.status == "failed" and done.error, done
+        assert done.error["code"] == "storage-unavailable", done.error
+        (tmp_path / "go").touch()
+        got = b""
+        with stack:
+            try:
+                while chunk := await asyncio.to_thread(c.recv, 4096):
+                    got += chunk
+            except OSError as e:
+                raise AssertionError(f"the server ran on, its answer never came: "
+                                     f"{type(e).__name__}: {e} (got {got!r})") from None
+        assert got == b"reply to hello"
+
+
+# A post-dump action script that hangs the first dump only: CRIU has dumped
+# and locked the connections, then is killed at its timeout before it
+# unlocks them (as a CRIU killed by the OOM killer, or past SMR_CRIU_TIMEOUT).
+HANG_ONCE = """#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0
+[ -e {marker} ] && exit 0
+touch {marker}
+exec sleep 1000
+"""
+
+
+async def test_a_heartbeat_whose_criu_was_killed_leaves_the_connections_working(
+        h: Harness) -> None:  # noqa: F811
+    step = ckpt_step(h)
+    script = h.tmp / "hang-once"
+    script.write_text(HANG_ONCE.format(marker=h.tmp / "hung"))
+    script.chmod(0o755)
+    step.criu.options = ["--action-script", str(script)]
+    step.criu.timeout = 3.0
+    job, port = await start_redis(h, keys=1000)
+    r = client(port)
+    try:
+        assert r.incr("n") == 1
+        mine = r.connection._sock.getsockname()[1]  # type: ignore[union-attr]
+        beat = await h.checkpoint(job.id, leave_running=True)
+        assert (h.tmp / "hung").exists(), "the first dump never reached its post-dump script"
+        assert beat.status == "succeeded", beat.error  # its retry
+        try:
+            n = r.incr("n")
+        except Exception as e:
+            raise AssertionError(f"the job runs on, its client's connection does not: "
+                                 f"{type(e).__name__}: {e}") from None
+        assert n == 2
+        assert f". {mine} ." not in locked(), f"port {mine} still in CRIU's lock: {locked()}"
+    finally:
+        r.close()
+        drop_locks(port)
