@@ -13,6 +13,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -850,5 +851,103 @@ async def test_replicas_ready_together_take_one_template(
                 st["ready"] = True
             kube.put("pods", p)
         await c.wait(1, settle=2.0)
+        # Created and Ready in the same second (the API server's and the
+        # kubelet's resolution): the least uid, not always web-0 (the test
+        # asserted web-0 and failed one run in four).
+        def created(name: str) -> tuple[str, str]:
+            m = (kube.get("pods", name, "default") or {})["metadata"]
+            return m["creationTimestamp"], m["uid"]
+
+        first = min(("web-0", "web-1"), key=created)
         assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
-            [("template_tpl.main", "web-0")]
+            [("template_tpl.main", first)]
+
+
+def ago(seconds: float) -> str:
+    return datetime.fromtimestamp(time.time() - seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def replica(name: str, node_name: str, *, created: str, ready_at: str | None) -> dict[str, Any]:
+    """A replica of Deployment web labelled snapshot-when-ready "tpl", Ready
+    since ``ready_at`` (as its kubelet records it), or not Ready yet."""
+    p = pod(name, node_name, labels={"smr.dev/snapshot-when-ready": "tpl"}, owner="web")
+    p["metadata"]["creationTimestamp"] = created
+    set_ready(p, ready_at)
+    return p
+
+
+def set_ready(p: dict[str, Any], ready_at: str | None) -> None:
+    p["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready_at else "False",
+                                  "lastTransitionTime": ready_at or p["metadata"].get(
+                                      "creationTimestamp") or ago(0)}]
+    for st in p["status"]["containerStatuses"]:
+        st["ready"] = ready_at is not None
+
+
+async def test_a_replica_ready_after_the_one_taking_the_template_takes_none(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        node: str) -> None:
+    """The replica created second turns Ready first and takes the template;
+    the one created first turns Ready a moment later, its template still being
+    taken: one template, not two (#28 ordered by creation, so the first
+    created took a second one)."""
+    kube.put("nodes", a_node(node))
+    kube.put("pods", replica("web-0", node, created=ago(60), ready_at=None))
+    kube.put("pods", replica("web-1", node, created=ago(30), ready_at=None))
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        await asyncio.sleep(0.5)
+        p1 = kube.get("pods", "web-1", "default")
+        assert p1 is not None
+        set_ready(p1, ago(2))
+        kube.put("pods", p1)
+        await c.wait(1, settle=0.5)
+        p0 = kube.get("pods", "web-0", "default")
+        assert p0 is not None
+        set_ready(p0, ago(0))
+        kube.put("pods", p0)
+        await c.wait(1, settle=3.0)
+        assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
+            [("template_tpl.main", "web-1")]
+
+
+async def test_a_template_deleted_from_storage_is_taken_by_a_restarted_replica(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        node: str, tmp_path: Path) -> None:
+    """docs/warm-start.md: to take a template again, delete it from storage
+    and restart a labelled pod. The replicas Ready for an hour had their turn;
+    the restarted one, Ready now, takes it (#28 let the one created first, long
+    done with its turn, stand in its way for ever)."""
+    kube.put("nodes", a_node(node))
+    await stored(storage, tmp_path, "default", "template_tpl.main", reason="template")
+    for name in ("web-0", "web-1"):
+        kube.put("pods", replica(name, node, created=ago(3600), ready_at=ago(3500)))
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        await asyncio.sleep(1.0)
+        assert c.items == [], "the template is stored: none taken"
+        assert await storage.delete_checkpoint("default", "template_tpl.main")
+        kube.remove("pods", "web-1", "default")  # `kubectl delete pod web-1`
+        kube.put("pods", replica("web-2", node, created=ago(20), ready_at=ago(1)))
+        await c.wait(1, settle=1.0)
+        assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
+            [("template_tpl.main", "web-2")]
+
+
+async def test_the_next_replica_takes_the_template_when_the_one_taking_it_goes(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        node: str) -> None:
+    """The replica taking the template is deleted before it is stored: the
+    other Ready one takes it, without a change of its own (#28 waited for
+    one, which a Ready pod left alone may never have)."""
+    kube.put("nodes", a_node(node))
+    kube.put("pods", replica("web-0", node, created=ago(60), ready_at=ago(5)))
+    kube.put("pods", replica("web-1", node, created=ago(30), ready_at=ago(4)))
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        await c.wait(1, settle=1.0)
+        assert [r.target.pod for r in c.items] == ["web-0"]
+        kube.remove("pods", "web-0", "default")
+        await c.wait(2, settle=1.0)
+        assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
+            [("template_tpl.main", "web-0"), ("template_tpl.main", "web-1")]

@@ -47,7 +47,12 @@ from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
-from services.watcher.templates import takes_template, template_requests
+from services.watcher.templates import (
+    is_ready,
+    ready_since,
+    takes_template,
+    template_requests,
+)
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
 from smr.config import Settings
@@ -67,6 +72,7 @@ log = logging.getLogger("smr.watcher")
 MEMO_SIZE = 200_000
 RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
 REQUEST_TTL_S = 900.0  # a node signal's requests: refused by the agent after this
+READY_SETTLE_S = 2.0  # a Ready pod waits this past its Ready second before taking a template
 API_TIMEOUT_S = 30.0  # one Kubernetes API call (a hung connection must not hold a handler)
 STOP_WAIT_S = 10.0  # how long a stopping watcher waits for its tasks
 
@@ -321,6 +327,8 @@ class Watcher:
         if kind == "DELETED" or finished:
             if self.leadership.leading.is_set():
                 await self.schedule.remove(uid)
+            if policy.snapshot_when_ready:
+                await self._template_turn_ended(pod, policy)
             if kind == "DELETED":
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
@@ -339,14 +347,23 @@ class Watcher:
             await self._publish_requests([r for reason in pod_reasons(pod, reasons)
                                           for r in self._drain_requests(pod, episode, reason)])
         if policy.snapshot_when_ready:
-            await self._take_template(pod, policy)
+            if is_ready(pod):
+                await self._take_template(pod, policy)
+            elif old is not None and is_ready(old):
+                await self._template_turn_ended(pod, policy)
 
     async def _take_template(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         """A warm pod's template, once (services/watcher/templates). Raising
         (storage unreachable) makes the informer call this again."""
+        # Replicas Ready in the same second (the kubelet's resolution) are
+        # ordered once every one of them is seen Ready, not as each comes.
+        wait = ready_since(pod) + READY_SETTLE_S - time.time()
+        if 0 < wait <= READY_SETTLE_S:
+            await asyncio.sleep(wait)
         if not takes_template(pod, list(self.pods.cache.values()),
-                              lambda p: self._policy(p).snapshot_when_ready):
-            return  # a replica created before it takes the template
+                              lambda p: self._policy(p).snapshot_when_ready,
+                              now=time.time(), turn_s=REQUEST_TTL_S):
+            return  # a replica Ready before it takes the template
         for req in template_requests(pod, policy, deadline_of(pod)):
             seen = self._templated.setdefault(req.target.pod_uid or "", set())
             if req.request_id in self._published or req.request_id in seen:
@@ -364,6 +381,29 @@ class Watcher:
             log.info("pod %s/%s is Ready: taking template %s of container %s", ns,
                      req.target.pod, req.checkpoint_id, req.target.container)
             await self._publish_all([req])
+
+    async def _template_turn_ended(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        """``pod`` went or is no longer Ready: should it have been the one
+        taking its template, the next Ready replica takes it now (one left
+        alone may see no change of its own for ever); the storage check
+        skips it where the template was stored meanwhile. Only replicas
+        Ready within a template's turn: one Ready for longer had its turn (a
+        template deleted since is for a replica restarted to take)."""
+        meta = pod["metadata"]
+        for other in list(self.pods.cache.values()):
+            m = other["metadata"]
+            if m.get("uid") == meta.get("uid") or m.get("namespace") != meta.get("namespace") \
+                    or not is_ready(other) or ready_since(other) < time.time() - REQUEST_TTL_S:
+                continue
+            theirs = self._policy(other)
+            if theirs.snapshot_when_ready != policy.snapshot_when_ready:
+                continue
+            try:
+                await self._take_template(other, theirs)
+            except TemporaryError as e:
+                # Its own next change (or the informer's retry of it) asks again.
+                log.warning("pod %s/%s: template %s not reconsidered: %s", m.get("namespace"),
+                            m.get("name"), policy.snapshot_when_ready, e.message)
 
     async def _publish_requests(self, reqs: list[CkptRequested]) -> None:
         """Final requests first: the agent takes a node's requests in order."""

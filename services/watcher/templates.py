@@ -9,8 +9,7 @@ watcher), until it is deleted. The request id comes from the pod's uid and
 the container's restart count, so the watcher's replicas and a repeated
 event publish it once (JetStream drops the duplicates). Replicas that turn
 Ready together would each pass the storage check before either template is
-stored: only the first of them to have been created takes it
-(``takes_template``).
+stored: only the first of them to turn Ready takes it (``takes_template``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Any
 
 from services.policy import PodPolicy
 from services.storage.layout import template_id
-from smr.messages import CkptRequested, Target, derive_request_id
+from smr.messages import CkptRequested, Target, derive_request_id, epoch
 
 
 def is_ready(pod: dict[str, Any]) -> bool:
@@ -57,21 +56,49 @@ def template_requests(pod: dict[str, Any], policy: PodPolicy, deadline: str
     return out
 
 
+def ready_since(pod: dict[str, Any]) -> float:
+    """When the pod turned Ready, as its kubelet recorded it (whole seconds);
+    its creation where no transition is recorded."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("lastTransitionTime"):
+            return _epoch_or_zero(c["lastTransitionTime"])
+    return _epoch_or_zero((pod.get("metadata") or {}).get("creationTimestamp") or "")
+
+
+def _epoch_or_zero(ts: str) -> float:
+    try:
+        return epoch(ts)
+    except ValueError:
+        return 0.0
+
+
 def takes_template(pod: dict[str, Any], pods: Iterable[dict[str, Any]],
-                   template_of: Callable[[dict[str, Any]], str | None]) -> bool:
+                   template_of: Callable[[dict[str, Any]], str | None], *,
+                   now: float, turn_s: float) -> bool:
     """Whether ``pod`` is the one of its namespace's Ready pods labelled for
-    the same template that takes it: the first created (then the least uid),
-    the same answer on every watcher replica. The others are skipped, not
-    marked done: should that pod go away before its template is stored, the
-    next one's next change takes it."""
+    the same template that takes it: the first to have turned Ready (then
+    the first created, then the least uid: the same answer on every watcher
+    replica), among those that turned Ready within ``turn_s`` (the time a
+    template request may take), or among all if none did.
+
+    The first Ready, not the first created: its event comes first, so it
+    may already be taking the template when an older replica turns Ready
+    (which must not take another). Within ``turn_s`` only: a replica Ready
+    for longer had its turn (found the template stored, or took it), and
+    one restarted after the template was deleted takes it again. The others
+    are skipped, not marked done: the watcher reconsiders them when the one
+    taking it goes or stops being Ready (``Watcher._on_pod``)."""
     meta = pod["metadata"]
     name = template_of(pod)
 
-    def order(p: dict[str, Any]) -> tuple[str, str]:
+    def order(p: dict[str, Any]) -> tuple[float, str, str]:
         m = p["metadata"]
-        return (m.get("creationTimestamp") or "", m.get("uid") or "")
+        return (ready_since(p), m.get("creationTimestamp") or "", m.get("uid") or "")
 
-    rivals = [p for p in pods
-              if p["metadata"].get("namespace") == meta.get("namespace") and is_ready(p)
-              and template_of(p) == name]
-    return not rivals or min([*rivals, pod], key=order)["metadata"].get("uid") == meta.get("uid")
+    ready = [p for p in pods
+             if p["metadata"].get("namespace") == meta.get("namespace") and is_ready(p)
+             and template_of(p) == name and p["metadata"].get("uid") != meta.get("uid")]
+    ready.append(pod)
+    pool = [p for p in ready if ready_since(p) >= now - turn_s] or ready
+    first = min(pool, key=order)
+    return first["metadata"].get("uid") == meta.get("uid")
