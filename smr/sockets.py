@@ -43,11 +43,17 @@ def dump_mode(*, policy: str, leave_running: bool, reason: str, requested: str |
               same_netns_possible: bool = True) -> Tcp:
     """What a checkpoint does with established connections.
 
-    ``requested``: the request names a mode (``smr checkpoint --close-connections``).
+    ``requested``: the request names a mode (``smr checkpoint --close-connections``);
+    ``keep`` is not followed for a final dump that no restore could keep.
     ``same_netns_possible``: False where a restore always gets a new network
     namespace (pod containers)."""
-    if requested in ("keep", "close"):
-        return requested  # type: ignore[return-value]
+    if requested == "close":
+        return "close"
+    if requested == "keep":
+        # Not for a final dump where the restore always gets a new network
+        # namespace: its connections could never come back, only stay locked
+        # (dead for good should the dump not be stored and the tree run on).
+        return "keep" if leave_running or same_netns_possible else "close"
     if policy == "close":
         return "close"
     if leave_running:

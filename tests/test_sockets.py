@@ -247,6 +247,18 @@ def test_dump_mode(policy: str, leave_running: bool, reason: str, netns: bool,
                              requested="close") == "close"
 
 
+def test_a_final_pod_checkpoint_asked_to_keep_its_connections_closes_them() -> None:
+    """A pod is restored in a new network namespace (restore_mode closes its
+    connections whatever the checkpoint did): connections kept by its final
+    dump would only stay locked, their peers waiting for a TCP timeout
+    instead of a reset, and if the dump cannot be stored the workload runs on
+    with them dead (nothing unlocks a pod's: smr.netlock is local jobs')."""
+    assert sockets.dump_mode(policy="auto", leave_running=False, reason="api",
+                             requested="keep", same_netns_possible=False) == "close"
+    assert sockets.dump_mode(policy="auto", leave_running=False, reason="drain",
+                             requested="keep") == "keep", "a local job's choice"
+
+
 def test_restore_mode() -> None:
     final_kept = {"sockets": {"tcp": "keep"}, "leave_running": False}
     assert sockets.restore_mode(final_kept, same_place=True) == "keep"
