@@ -951,3 +951,25 @@ async def test_the_next_replica_takes_the_template_when_the_one_taking_it_goes(
         await c.wait(2, settle=1.0)
         assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
             [("template_tpl.main", "web-0"), ("template_tpl.main", "web-1")]
+
+
+async def test_the_next_replica_takes_the_template_when_the_takers_request_fails(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        node: str) -> None:
+    """The template request of the replica taking it fails (its node's agent
+    answers with an error, as for a workload CRIU refuses): the other Ready
+    replica takes it (#28 left it to the failed one, which never asks again)."""
+    kube.put("nodes", a_node(node))
+    kube.put("pods", replica("web-0", node, created=ago(60), ready_at=ago(5)))
+    kube.put("pods", replica("web-1", node, created=ago(30), ready_at=ago(4)))
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        (req,) = await c.wait(1, settle=1.0)
+        assert req.target.pod == "web-0"
+        failed = CkptDone.for_request(req, status="failed", error={
+            "code": "external-unix-socket", "message": "a test's refusal"})
+        await bus.kv(KV_STEPS).put(req.request_id, orjson.dumps(
+            {"state": "failed", "result": failed.to_dict()}))
+        await c.wait(2, settle=1.0)
+        assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
+            [("template_tpl.main", "web-0"), ("template_tpl.main", "web-1")]

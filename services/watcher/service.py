@@ -107,6 +107,7 @@ class Watcher:
         self._reported: set[str] = set()  # policy problems already posted
         self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
         self._templated: dict[str, set[str]] = {}  # pod uid → template requests looked at
+        self._template_failed: set[str] = set()  # pod uids whose template request failed
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -333,6 +334,7 @@ class Watcher:
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
                 self._templated.pop(uid, None)
+                self._template_failed.discard(uid)
             elif stopped_by_kubelet(pod) and uid not in self._replacing:
                 self._replacing.add(uid)
                 self._spawn(self._replace_failed(pod, policy))
@@ -362,7 +364,8 @@ class Watcher:
             await asyncio.sleep(wait)
         if not takes_template(pod, list(self.pods.cache.values()),
                               lambda p: self._policy(p).snapshot_when_ready,
-                              now=time.time(), turn_s=REQUEST_TTL_S):
+                              now=time.time(), turn_s=REQUEST_TTL_S,
+                              failed=self._template_failed):
             return  # a replica Ready before it takes the template
         for req in template_requests(pod, policy, deadline_of(pod)):
             seen = self._templated.setdefault(req.target.pod_uid or "", set())
@@ -381,19 +384,43 @@ class Watcher:
             log.info("pod %s/%s is Ready: taking template %s of container %s", ns,
                      req.target.pod, req.checkpoint_id, req.target.container)
             await self._publish_all([req])
+            self._spawn(self._follow_template(pod, policy, req))
 
-    async def _template_turn_ended(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+    async def _follow_template(self, pod: dict[str, Any], policy: PodPolicy,
+                               req: CkptRequested) -> None:
+        """The template request of the replica taking it failed, or has no
+        result within its lifetime (its node's agent down): the next Ready
+        replica takes it. Every watcher replica follows it and sees the
+        same result (a restarted one too: the step's result stays)."""
+        try:
+            done = await self.bus.wait_result(req.request_id, "ckpt.requested",
+                                              timeout=REQUEST_TTL_S + 60)
+            if done.status == "succeeded":
+                return
+            why = (done.error or {}).get("message", done.status)
+        except TimeoutError:
+            why = "no result within its lifetime"
+        meta = pod["metadata"]
+        self._template_failed.add(meta.get("uid", ""))
+        log.warning("pod %s/%s: template %s not taken (%s); the next Ready replica takes it",
+                    meta.get("namespace"), meta.get("name"), req.checkpoint_id, why)
+        await self._template_turn_ended(pod, policy, any_age=True)
+
+    async def _template_turn_ended(self, pod: dict[str, Any], policy: PodPolicy, *,
+                                   any_age: bool = False) -> None:
         """``pod`` went or is no longer Ready: should it have been the one
         taking its template, the next Ready replica takes it now (one left
         alone may see no change of its own for ever); the storage check
         skips it where the template was stored meanwhile. Only replicas
         Ready within a template's turn: one Ready for longer had its turn (a
-        template deleted since is for a replica restarted to take)."""
+        template deleted since is for a replica restarted to take); any
+        (``any_age``) when the template was never taken (its request failed)."""
         meta = pod["metadata"]
         for other in list(self.pods.cache.values()):
             m = other["metadata"]
             if m.get("uid") == meta.get("uid") or m.get("namespace") != meta.get("namespace") \
-                    or not is_ready(other) or ready_since(other) < time.time() - REQUEST_TTL_S:
+                    or not is_ready(other) or (
+                        not any_age and ready_since(other) < time.time() - REQUEST_TTL_S):
                 continue
             theirs = self._policy(other)
             if theirs.snapshot_when_ready != policy.snapshot_when_ready:

@@ -14,7 +14,7 @@ stored: only the first of them to turn Ready takes it (``takes_template``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from services.policy import PodPolicy
@@ -74,7 +74,7 @@ def _epoch_or_zero(ts: str) -> float:
 
 def takes_template(pod: dict[str, Any], pods: Iterable[dict[str, Any]],
                    template_of: Callable[[dict[str, Any]], str | None], *,
-                   now: float, turn_s: float) -> bool:
+                   now: float, turn_s: float, failed: Collection[str] = ()) -> bool:
     """Whether ``pod`` is the one of its namespace's Ready pods labelled for
     the same template that takes it: the first to have turned Ready (then
     the first created, then the least uid: the same answer on every watcher
@@ -87,9 +87,12 @@ def takes_template(pod: dict[str, Any], pods: Iterable[dict[str, Any]],
     for longer had its turn (found the template stored, or took it), and
     one restarted after the template was deleted takes it again. The others
     are skipped, not marked done: the watcher reconsiders them when the one
-    taking it goes or stops being Ready (``Watcher._on_pod``)."""
+    taking it goes, stops being Ready, or its request fails (``Watcher``).
+    A pod whose template request failed (uids in ``failed``) is out."""
     meta = pod["metadata"]
     name = template_of(pod)
+    if meta.get("uid") in failed:
+        return False
 
     def order(p: dict[str, Any]) -> tuple[float, str, str]:
         m = p["metadata"]
@@ -97,7 +100,8 @@ def takes_template(pod: dict[str, Any], pods: Iterable[dict[str, Any]],
 
     ready = [p for p in pods
              if p["metadata"].get("namespace") == meta.get("namespace") and is_ready(p)
-             and template_of(p) == name and p["metadata"].get("uid") != meta.get("uid")]
+             and template_of(p) == name and p["metadata"].get("uid") != meta.get("uid")
+             and p["metadata"].get("uid") not in failed]
     ready.append(pod)
     pool = [p for p in ready if ready_since(p) >= now - turn_s] or ready
     first = min(pool, key=order)
