@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from smr import netlock
 from smr.natsserver import NatsServer, free_port
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import FailingPuts, ckpt_step
@@ -148,3 +150,27 @@ async def test_a_heartbeat_whose_criu_was_killed_leaves_the_connections_working(
     finally:
         r.close()
         drop_locks(port)
+
+
+def test_repair_off_leaves_a_socket_not_in_repair_mode_as_it_is() -> None:
+    """A pid listed in the tree may be a stranger's by the time it is opened
+    (a child killed from outside, its pid taken again): only sockets in
+    repair mode, which only CRIU's dump put there, are touched. Turning it
+    off on any other would clear its SO_REUSEADDR and send a window probe.
+    This process stands in for the stranger, its sockets real."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(listener.getsockname())
+    s, _ = listener.accept()
+    locked_one = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    try:
+        for x in (c, s, locked_one):
+            x.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        locked_one.setsockopt(socket.IPPROTO_TCP, netlock.TCP_REPAIR, 1)  # as CRIU does
+        assert netlock.repair_off([os.getpid()]) == 1
+        assert locked_one.getsockopt(socket.IPPROTO_TCP, netlock.TCP_REPAIR) == 0
+        assert [x.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) for x in (c, s)] \
+            == [1, 1], "a socket not in repair mode was changed"
+    finally:
+        for x in (c, s, locked_one, peer, listener):
+            x.close()
