@@ -973,3 +973,33 @@ async def test_the_next_replica_takes_the_template_when_the_takers_request_fails
         await c.wait(2, settle=1.0)
         assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
             [("template_tpl.main", "web-0"), ("template_tpl.main", "web-1")]
+
+
+async def test_a_template_request_whose_publish_failed_is_published_on_the_retry(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        node: str) -> None:
+    """NATS refuses the template request's publish once (away past the
+    client's retries): the informer calls the handler again, and the request
+    goes out then (it was marked looked at before its publish, so the retry
+    skipped it and the template was never taken)."""
+    kube.put("nodes", a_node(node))
+    kube.put("pods", replica("web-0", node, created=ago(60), ready_at=ago(5)))
+    real = bus.publish
+    refused: list[str] = []
+
+    async def publish_once_refused(msg: Any, *a: Any, **kw: Any) -> Any:
+        if isinstance(msg, CkptRequested) and msg.reason == "template" and not refused:
+            refused.append(msg.request_id)
+            raise ConnectionError("nats: the bus is away (a test's fault)")
+        return await real(msg, *a, **kw)
+
+    bus.publish = publish_once_refused  # type: ignore[method-assign]
+    try:
+        await watchers.start()
+        async with ckpts(bus, node) as c:
+            await c.wait(1, settle=1.0)
+            assert refused, "the fault never fired"
+            assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
+                [("template_tpl.main", "web-0")]
+    finally:
+        bus.publish = real  # type: ignore[method-assign]

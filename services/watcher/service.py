@@ -378,12 +378,15 @@ class Watcher:
                 raise TemporaryError(f"cannot ask storage whether template {req.checkpoint_id} "
                                      f"exists: {reply.error.get('message', reply.error)}",
                                      code="storage-query-failed")
-            seen.add(req.request_id)
             if reply.generations:
+                seen.add(req.request_id)
                 continue  # taken before (by another pod, or before a restart)
             log.info("pod %s/%s is Ready: taking template %s of container %s", ns,
                      req.target.pod, req.checkpoint_id, req.target.container)
             await self._publish_all([req])
+            # Looked at once published: a publish that raised is tried again
+            # when the informer calls this again.
+            seen.add(req.request_id)
             self._spawn(self._follow_template(pod, policy, req))
 
     async def _follow_template(self, pod: dict[str, Any], policy: PodPolicy,
