@@ -59,11 +59,11 @@ def table_of(dump_log: Path) -> str | None:
 
 
 async def release(root: int, dump_log: Path) -> bool:
-    """Give the stopped tree under ``root`` its kept connections back after
-    the dump logged in ``dump_log``: repair mode off, the dump's lock table
-    deleted. True if there was a lock to undo. Call it before the tree runs
-    again: a process continued first would write into a socket that sends
-    nothing."""
+    """Give the tree under ``root`` its kept connections back after the dump
+    logged in ``dump_log``: repair mode off, the dump's lock table deleted.
+    True if there was a lock to undo (none where CRIU unlocked itself). Call
+    it before a stopped tree runs again: a process continued first would
+    write into a socket that sends nothing."""
     table = table_of(dump_log)
     if table is None:
         return False
