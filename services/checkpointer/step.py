@@ -16,7 +16,7 @@ from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, frozen, gpuinfo, reaper, sockets
+from smr import __version__, frozen, gpuinfo, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.errors import PermanentError, TemporaryError
@@ -113,7 +113,7 @@ class CheckpointStep(LocalJobStep):
             dump = asyncio.create_task(self._criu(job, self.criu.dump(
                 job.pid, work / "images", leave_running=req.leave_running and not gpu_heartbeat,
                 leave_stopped=final or gpu_heartbeat, parent=parent,
-                tcp="close" if gpu_heartbeat else tcp)))
+                tcp="close" if gpu_heartbeat else tcp, carry=work / linkremap.CARRY)))
             resumed = None
             if gpu_heartbeat:
                 # A heartbeat: the job runs again as soon as its image is
