@@ -46,7 +46,6 @@ from tests.agent.cluster import (
     TRAIN,
     USR_IMAGE,
     Cluster,
-    jax_cuda_tools,
     webhook_configuration,
 )
 from tests.fake_apiserver import FakeApiServer
@@ -132,7 +131,6 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
                              files={"/app/train.py": TRAIN,
                                     # The frameworks' workloads (issue #26).
                                     "/app/jax_mlp.py": Path(jax_mlp.__file__).read_bytes(),
-                                    **jax_cuda_tools(),
                                     "/etc/passwd": b"root:x:0:0::/tmp:/bin/sh\n"},
                              links={"lib": "usr/lib", "lib64": "usr/lib64"})]
     # redis-server: a socket test's server (test_pod_sockets says if it is missing;

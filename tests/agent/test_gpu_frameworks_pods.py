@@ -11,7 +11,8 @@ REAL: containerd + runc + CRIU 4.2, the CUDA driver's checkpoint API, the
 webhook, smr-runtime, nats-server, the watcher and two agents. FAKE: the API
 server and kubelets (tests/agent/cluster.py). The framework reaches the
 container as the host's /usr and /opt (and its site directory if elsewhere),
-as hostPath volumes.
+as hostPath volumes, with the host's /etc/alternatives (the CUDA toolkit's
+link: ALTERNATIVES).
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ STEPS = 300
 ARGS = ["--steps", str(STEPS), "--gib", "1"]
 ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
        "XLA_FLAGS": "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"}
+# XLA compiles with the CUDA toolkit's ptxas and nvlink, found on the H100
+# machine as /usr/local/cuda/bin/*: /usr/local/cuda is a link through
+# Debian's alternatives (/etc/alternatives/cuda -> /usr/local/cuda-13.0),
+# which a pod given only the host's /usr and /opt cannot follow ('Couldn't
+# find a suitable version of ptxas'; copies under /cuda named by
+# --xla_gpu_cuda_data_dir were not looked at either). jax's own CUDA path is
+# None there (its venv has no nvidia/cu13/bin, no CUDA_ROOT is set). So the
+# pod gets the host's alternatives too, as an image built FROM a CUDA base
+# has its own.
+ALTERNATIVES = "/etc/alternatives"
 STEP = re.compile(r"^step=(\d+) ", re.M)
 FINAL = re.compile(r"^final=([0-9a-f]{64}) ballast_ok=True", re.M)
 
@@ -67,8 +78,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 def jax_pod(name: str, node: str, ckpt: str) -> dict[str, Any]:
     extra = site()
     env = {"SMR_CHECKPOINT": ckpt, **ENV, **({"PYTHONPATH": extra} if extra else {})}
-    # The CUDA tools the host's jax uses, in the image (tests/agent/cluster.py).
-    env["XLA_FLAGS"] += " --xla_gpu_cuda_data_dir=/cuda"
     p = pod(name, node, env=env, owner=ckpt)
     p.pop("status")
     c = p["spec"]["containers"][0]
@@ -76,6 +85,8 @@ def jax_pod(name: str, node: str, ckpt: str) -> dict[str, Any]:
     c["command"] = [sys.executable, "/app/jax_mlp.py", *ARGS]
     c["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     mounts = {"usr": "/usr", "opt": "/opt", **({"site": extra} if extra else {})}
+    if Path(ALTERNATIVES).is_dir():
+        mounts["alternatives"] = ALTERNATIVES
     c["volumeMounts"] = [{"name": k, "mountPath": v, "readOnly": True} for k, v in mounts.items()]
     p["spec"]["volumes"] = [{"name": k, "hostPath": {"path": v}} for k, v in mounts.items()]
     p["spec"]["restartPolicy"] = "Never"
