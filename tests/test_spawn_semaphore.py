@@ -151,3 +151,36 @@ async def test_a_job_with_spawn_workers_and_semaphores_migrates(h: Harness,
         await killed(again.pid)
         log.write_text("")
     assert link_remaps_in_shm() == before
+
+
+HOLDS_DELETED_NAME = """
+import os, sys, time
+d = sys.argv[1]
+f = open(os.path.join(d, "first"), "w")
+os.link(os.path.join(d, "first"), os.path.join(d, "second"))
+os.unlink(os.path.join(d, "first"))  # open under a deleted name, linked as 'second'
+n = 0
+while True:
+    n += 1
+    print(f"step={n}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+async def test_a_link_remap_outside_dev_shm_is_refused_and_the_job_runs_on(
+        h: Harness, tmp_path: Path) -> None:
+    """CRIU would leave its link in the job's own directory, which smr does
+    not carry: the dump is refused with a code of its own, naming the file."""
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDS_DELETED_NAME)
+    job = launch("holder", [sys.executable, str(script), str(tmp_path)],
+                 log=tmp_path / "holder.log", cwd=tmp_path, node=h.settings.node)
+    h.pids.append(job.pid)
+    await h.jobs.put(job)
+    log = Path(job.log)
+    await until(log, 3)
+    done = await h.checkpoint(job.id)
+    assert done.status == "failed" and done.error["code"] == "link-remap-unsupported", done.error
+    assert f"{tmp_path}/first" in done.error["message"], done.error
+    assert not list(tmp_path.glob("link_remap.*")), "CRIU's link is gone with the failed dump"
+    await until(log, steps(log)[-1] + 3)  # it runs on
