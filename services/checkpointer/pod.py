@@ -139,6 +139,10 @@ class PodCheckpointStep(PodStep):
                                     requested=req.tcp, same_netns_possible=False)
             # Host PIDs: the driver's checkpoint API takes them from outside.
             cuda_pids = await self.cuda.processes(pid) if self.cuda else []
+            if cuda_pids:
+                # Before anything is frozen, as for a local job: CRIU would
+                # fail on such a mapping ('handle_device_vma plugin failed').
+                await asyncio.to_thread(gpuinfo.check_mappings, host.tree(pid), cuda_pids)
             gpu = gpuinfo.for_checkpoint(cuda_pids, work)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({

@@ -109,3 +109,47 @@ async def test_gpu_pod_threads_are_held_until_the_gpu_state_is_back(
     assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
     # Each restore (the heartbeat's, the migration's) held the three counters.
     assert [held for _, held in standin.restores] == [3, 3], standin.restores
+
+
+# The GPU process starts a helper without the stand-in's mark (no CUDA
+# context), which maps a file named as a GPU device file: what a worker
+# forked from a CUDA process is to the real driver (Inductor's compile pool
+# after a restore: docs/compatibility.md).
+FORKED = """
+import os, subprocess, sys, time
+env = {k: v for k, v in os.environ.items() if k != "MARK"}
+subprocess.Popen([sys.executable, "-c", '''
+import mmap, time
+f = open("/dev/nvidia-standin", "w+b")
+f.write(bytes(4096))
+f.flush()
+m = mmap.mmap(f.fileno(), 4096)
+time.sleep(3600)
+'''], env=env)
+n = 0
+while True:
+    n += 1
+    print(f"step {n}", flush=True)
+    time.sleep(0.05)
+""".replace("MARK", gpu_standin.ENV)
+
+
+async def test_a_gpu_pod_with_a_device_mapping_outside_cuda_is_refused_before_freezing(
+        standin: gpu_standin.StandInDriver, cluster: Cluster) -> None:
+    a, _ = list(cluster.kubelets)
+    p = gpu_pod("gpu-forked", a)
+    p["spec"]["containers"][0]["command"] = ["/usr/bin/python3", "-c", FORKED]
+    await create(cluster, p)
+    await more_steps(cluster, "gpu-forked", a, 5)
+    await asyncio.sleep(1)  # the helper has mapped its file
+    beat = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="gpu-forked", node=a, reason="heartbeat",
+        leave_running=True, target=Target(kind="pod", namespace="default", pod="gpu-forked",
+                                          container="main")), timeout=90)
+    assert beat.status == "failed" and beat.error["code"] == "gpu-forked-mapping", beat.error
+    assert "/dev/nvidia-standin" in beat.error["message"], beat.error
+    # Nothing was frozen or locked: the pod counts on, its "GPU" never left RUNNING.
+    assert not standin.restores
+    assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
+    n = len(steps(cluster, "gpu-forked", a))
+    await more_steps(cluster, "gpu-forked", a, n + 5)
