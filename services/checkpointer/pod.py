@@ -406,8 +406,13 @@ class PodCheckpointStep(PodStep):
         if req.leave_running:
             # A heartbeat's tree, left stopped by an agent that died before
             # it ran on, runs on whatever the outcome (a SIGCONT to a
-            # running one changes nothing).
-            if running is not None:
+            # running one changes nothing). A GPU tree gets its GPU state
+            # back first, its threads held meanwhile, as the resume would
+            # have done: continued without it, they run on a GPU state that
+            # is not there.
+            if running is not None and self.cuda:
+                await self.cuda.resume_tree(running[0], quiet=True)
+            elif running is not None:
                 signal_tree(running[0], signal.SIGCONT)
             return
         if running is not None:
