@@ -303,6 +303,9 @@ def _link_one(d: int, carry: Path, r: dict[str, Any]) -> tuple[int, int]:
         st = os.fstat(fd)
         for other in r["names"]:
             _rename_to(d, fd, other, r["uid"])
+    except BaseException:
+        _unlink_if(d, name, (os.fstat(fd).st_dev, os.fstat(fd).st_ino))
+        raise
     finally:
         os.close(fd)
     return st.st_dev, st.st_ino
@@ -314,6 +317,8 @@ def _rename_to(d: int, fd: int, other: str, uid: int) -> None:
     get the file the restored tree maps. The name is the job's own (random,
     made by its sem_open) unless it is now another user's or not a regular
     file: then it stays."""
+    if "/" in other or other in ("", ".", ".."):
+        raise LinkRemapError(f"checkpoint names {other!r} as a file in {SHM}")
     try:
         s = os.stat(other, dir_fd=d, follow_symlinks=False)
         if s.st_uid != uid or not stat.S_ISREG(s.st_mode):

@@ -66,3 +66,13 @@ async def test_a_tenant_link_or_file_in_the_way_is_neither_followed_nor_taken(
         for n in (link, name):
             (SHM / n).unlink(missing_ok=True)
     assert not os.path.lexists(SHM / link)
+
+
+async def test_a_name_out_of_dev_shm_in_the_checkpoint_is_refused(tmp_path: Path,
+                                                                  unique: str) -> None:
+    link = f"link_remap.9{int(unique, 16)}"
+    outside = tmp_path / "outside"
+    with pytest.raises(linkremap.LinkRemapError):
+        async with linkremap.put_back(carry_of(tmp_path, link, [f"../..{outside}"])):
+            pass
+    assert not outside.exists() and not os.path.lexists(SHM / link)

@@ -189,6 +189,9 @@ class CheckpointStep(LocalJobStep):
             signal_tree(job.pid, signal.SIGKILL)
             await wait_exit(job.pid, job.start_ticks)
             reaper.reap()  # a restored job is ours to reap: its PIDs free at once
+        # CRIU's links in /dev/shm, if smr died before the dump's own cleanup:
+        # the checkpoint has them.
+        await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
         shutil.rmtree(self._work(req), ignore_errors=True)
         self._facts_file(req).unlink(missing_ok=True)
         if (job.generation or 0) < gen.number or (
@@ -207,6 +210,7 @@ class CheckpointStep(LocalJobStep):
         elif not req.leave_running and job.alive():
             signal_tree(job.pid, signal.SIGCONT)
         self._facts_file(req).unlink(missing_ok=True)
+        await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
         shutil.rmtree(self._work(req), ignore_errors=True)
 
     def _held_for(self, req: CkptRequested, job: Job) -> str | None:
