@@ -127,7 +127,8 @@ class Criu:
 
     async def dump(self, pid: int, images: Path, *, leave_running: bool = False,
                    leave_stopped: bool = False, parent: Path | None = None,
-                   tcp: Tcp = "close", carry: Path | None = None) -> CriuRun:
+                   tcp: Tcp = "close", carry: Path | None = None,
+                   link_remap: bool = False) -> CriuRun:
         """Freeze and dump the tree rooted at ``pid``; CRIU kills it unless
         ``leave_running``, or ``leave_stopped`` (every task left in SIGSTOP,
         for the caller to kill once the images are stored, or to continue if
@@ -141,7 +142,8 @@ class Criu:
         through a link CRIU makes beside it (--link-remap), which is copied
         into ``carry`` while the tree is frozen and taken out of the file
         system (smr.linkremap: a local job's /dev/shm is the host's). Without
-        it such a dump fails."""
+        it (or ``link_remap``: CRIU's links left where it makes them, for a
+        caller that carries that directory) such a dump fails."""
         # --skip-in-flight: a server under load has half-open connections that
         # no process has accepted yet; their peers retry the handshake.
         args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight", *self._tcp(tcp)]
@@ -153,6 +155,8 @@ class Criu:
             # Incremental: pages already in the pre-dump are referenced, not copied.
             args += ["--track-mem", "--prev-images-dir", os.path.relpath(parent, images)]
         if carry is None:
+            if link_remap:
+                args.append("--link-remap")
             return await self._run(args, images, "dump.log", code="criu-dump-failed")
         scripts = Path(tempfile.mkdtemp(prefix="smr-criu-"))
         try:

@@ -59,7 +59,7 @@ FAILED = "smr: cannot carry CRIU's link remaps: "  # the action's error line in 
 SCRIPT = "linkremap-action.sh"
 # One restore at a time puts links back on this host: the names repeat across jobs.
 LOCK = Path("/run/lock/smr-link-remaps.lock")
-_REMAP_NAME = re.compile(r"link_remap\.\d+")
+REMAP_NAME = re.compile(r"link_remap\.\d+")
 
 # CRIU image files: a magic (two for most: the common one, then the image's
 # own), then records, each a little-endian u32 size and a protobuf message.
@@ -184,7 +184,7 @@ def capture(images: Path, carry: Path) -> list[dict[str, Any]]:
 def _other_names(d: int, link: str, st: os.stat_result) -> list[str]:
     found = []
     for entry in os.scandir(d):
-        if entry.name == link or _REMAP_NAME.fullmatch(entry.name):
+        if entry.name == link or REMAP_NAME.fullmatch(entry.name):
             continue
         with contextlib.suppress(OSError):
             s = entry.stat(follow_symlinks=False)
@@ -269,7 +269,7 @@ def _link_all(carry: Path, records: list[dict[str, Any]]) -> list[tuple[str, tup
     try:
         for r in records:
             name = r["link"]
-            if not _REMAP_NAME.fullmatch(name):
+            if not REMAP_NAME.fullmatch(name):
                 raise LinkRemapError(f"checkpoint names {name!r} as a link remap")
             try:
                 made.append((name, _link_one(d, carry, r)))

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import orjson
 from nats.js.kv import KeyValue
 
 from services.agent import host, rootfs
+from services.agent.confined import Root, UnsafePath
 from services.agent.host import Shim
 from services.agent.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.agent.pods import PodContainer, PodStep
@@ -30,7 +32,7 @@ from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
 from services.storage.store import Generation
 from services.watcher.policy import tcp_policy
-from smr import __version__, frozen, gpuinfo, sockets
+from smr import __version__, frozen, gpuinfo, linkremap, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError, SmrError, TemporaryError
@@ -81,6 +83,23 @@ def _dumped_in(work: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, str) else None
+
+
+def _drop_link_remaps(pid: int, remaps: list[tuple[str, str]]) -> None:
+    """CRIU's link remaps (``linkremap.linked``), in the captures now, out of
+    the container of ``pid`` (its smr-init): one that runs on would keep
+    them, and its next dump would meet them. Through the container's root,
+    no link followed; only regular files of CRIU's names."""
+    if not remaps:
+        return
+    with Root.of_pid(pid) as root:
+        for link, _ in remaps:
+            parent, name = os.path.split(link)
+            if not linkremap.REMAP_NAME.fullmatch(name):
+                continue
+            with contextlib.suppress(FileNotFoundError, UnsafePath), root.dir(parent) as d:
+                if stat.S_ISREG(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=d)
 
 
 def _maybe_running(shim: Shim) -> bool:
@@ -290,8 +309,10 @@ class PodCheckpointStep(PodStep):
             # neither dumped nor locked) and they go on as they are ("keep").
             tcp = "close"
         try:
+            # CRIU's link remaps (a 'spawn' semaphore's mapping) go in the
+            # container's /dev/shm or layer, which the captures carry.
             run = await criu.dump(inner, work / "images", leave_running=False,
-                                  leave_stopped=True, tcp=tcp)
+                                  leave_stopped=True, tcp=tcp, link_remap=True)
         except CriuError as e:
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
@@ -299,11 +320,37 @@ class PodCheckpointStep(PodStep):
             e.message = f"{e.message}; {c.target()} keeps running"
             raise
         t = time.monotonic()
+        remaps = await asyncio.to_thread(linkremap.linked, work / "images")
+        failed = cancelled = False
         try:
+            if outside := [orig for link, orig in remaps
+                           if os.path.dirname(link) != linkremap.SHM]:
+                # Its link would be in a volume or the layer: a volume is not
+                # carried, so such an image would not restore elsewhere.
+                raise linkremap.LinkRemapError(
+                    f"{c.target()} maps or holds open {', '.join(outside)}, whose name was "
+                    "deleted while the file still has another: CRIU can save it only through "
+                    f"a link beside it, which smr carries only in {linkremap.SHM}; "
+                    f"{c.target()} keeps running",
+                    hint="close or unmap that file before the checkpoint, or keep it in "
+                         "/dev/shm")
             await capture(shim, work, upper)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
-            if leave_running and not gpu:
-                signal_tree(pid, signal.SIGCONT)  # a heartbeat: it runs on
+            # A final dump cut short stays as it is, links and all, for
+            # recover() to capture again from the tree still stopped.
+            if not (cancelled and not leave_running):
+                _drop_link_remaps(shim.pid, remaps)
+            if (leave_running or failed) and not gpu:
+                # A heartbeat runs on; so does a final dump's tree when its
+                # captures failed (nothing is stored; a GPU tree is resumed
+                # by the caller, its GPU state first).
+                signal_tree(pid, signal.SIGCONT)
         return {"dump": run.seconds, "rootfs": time.monotonic() - t}
 
     async def _commit(self, req: CkptRequested, c: PodContainer, shim: Shim,
