@@ -57,6 +57,8 @@ CARRY = "linkremaps"  # the checkpoint's directory beside images/: remaps.json, 
 RECORDS = "remaps.json"
 FAILED = "smr: cannot carry CRIU's link remaps: "  # the action's error line in CRIU's log
 SCRIPT = "linkremap-action.sh"
+# A pod's: each link's other names in its /dev/shm (a pod's links travel in devshm.tar).
+POD_NAMES = "linkremap-names.json"
 # One restore at a time puts links back on this host: the names repeat across jobs.
 LOCK = Path("/run/lock/smr-link-remaps.lock")
 REMAP_NAME = re.compile(r"link_remap\.\d+")
@@ -174,14 +176,14 @@ def capture(images: Path, carry: Path) -> list[dict[str, Any]]:
             records.append({
                 "link": name, "deleted": orig, "uid": st.st_uid, "gid": st.st_gid,
                 "mode": stat.S_IMODE(st.st_mode), "dev": st.st_dev, "ino": st.st_ino,
-                "names": _other_names(d, name, st)})
+                "names": other_names(d, name, st)})
     finally:
         os.close(d)
     (carry / RECORDS).write_bytes(orjson.dumps(records))
     return records
 
 
-def _other_names(d: int, link: str, st: os.stat_result) -> list[str]:
+def other_names(d: int, link: str, st: os.stat_result) -> list[str]:
     found = []
     for entry in os.scandir(d):
         if entry.name == link or REMAP_NAME.fullmatch(entry.name):
@@ -302,7 +304,7 @@ def _link_one(d: int, carry: Path, r: dict[str, Any]) -> tuple[int, int]:
         os.fchmod(fd, r["mode"])
         st = os.fstat(fd)
         for other in r["names"]:
-            _rename_to(d, fd, other, r["uid"])
+            point_name(d, fd, other, r["uid"])
     except BaseException:
         _unlink_if(d, name, (os.fstat(fd).st_dev, os.fstat(fd).st_ino))
         raise
@@ -311,7 +313,7 @@ def _link_one(d: int, carry: Path, r: dict[str, Any]) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _rename_to(d: int, fd: int, other: str, uid: int) -> None:
+def point_name(d: int, fd: int, other: str, uid: int) -> None:
     """``other`` names the restored file: a process that opens the
     semaphore by its name after the restore (a worker started then) must
     get the file the restored tree maps. The name is the job's own (random,

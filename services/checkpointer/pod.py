@@ -85,6 +85,27 @@ def _dumped_in(work: Path) -> str | None:
     return found if isinstance(found, str) else None
 
 
+def _note_link_names(pid: int, remaps: list[tuple[str, str]], work: Path) -> None:
+    """Each link's other names in the container's /dev/shm (a semaphore's),
+    for the restore to point them at the file the link restores: devshm.tar
+    holds every name as a file of its own (services/restorer/pod.py)."""
+    if not remaps:
+        return
+    records = []
+    with Root.of_pid(pid) as root:
+        d = root.open(linkremap.SHM, os.O_RDONLY | os.O_DIRECTORY)  # listed: not O_PATH
+        try:
+            for link, _ in remaps:
+                name = os.path.basename(link)
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    records.append({"link": name, "uid": st.st_uid,
+                                    "names": linkremap.other_names(d, name, st)})
+        finally:
+            os.close(d)
+    (work / linkremap.POD_NAMES).write_bytes(orjson.dumps(records))
+
+
 def _drop_link_remaps(pid: int, remaps: list[tuple[str, str]]) -> None:
     """CRIU's link remaps (``linkremap.linked``), in the captures now, out of
     the container of ``pid`` (its smr-init): one that runs on would keep
@@ -334,6 +355,7 @@ class PodCheckpointStep(PodStep):
                     f"{c.target()} keeps running",
                     hint="close or unmap that file before the checkpoint, or keep it in "
                          "/dev/shm")
+            await asyncio.to_thread(_note_link_names, shim.pid, remaps, work)
             await capture(shim, work, upper)
         except asyncio.CancelledError:
             cancelled = True

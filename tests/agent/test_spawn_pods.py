@@ -33,12 +33,21 @@ CKPT = "spawn-pod"
 # The job of tests/test_spawn_semaphore.py (two semaphores ping-pong between
 # the main process and its worker), saying how many of CRIU's links its
 # /dev/shm holds.
-POD_PROGRAM = PROGRAM.replace("import multiprocessing as mp, sys, time",
-                              "import multiprocessing as mp, os, sys, time").replace(
+# /dev/shm holds, and whether each semaphore file it maps is the one its name
+# opens (a worker started now would share it).
+POD_PROGRAM = PROGRAM.replace("import multiprocessing as mp, sys, time", """
+import multiprocessing as mp, os, sys, time
+
+def named():
+    mapped = {int(ln.split()[4]) for ln in open("/proc/self/maps") if "/dev/shm/sem." in ln}
+    names = {os.stat("/dev/shm/" + f).st_ino for f in os.listdir("/dev/shm")
+             if f.startswith("sem.")}
+    return int(bool(mapped) and mapped <= names)
+""").replace(
     'print(f"step={n}", flush=True)',
     'links = sum(f.startswith("link_remap.") for f in os.listdir("/dev/shm"))\n'
-    '        print(f"step={n} links={links}", flush=True)')
-STEP = re.compile(r"^step=(\d+) links=(\d+)$", re.M)
+    '        print(f"step={n} links={links} named={named()}", flush=True)')
+STEP = re.compile(r"^step=(\d+) links=(\d+) named=(\d)$", re.M)
 
 
 def spawn_pod(name: str, node: str, app: str) -> dict[str, Any]:
@@ -54,12 +63,12 @@ def spawn_pod(name: str, node: str, app: str) -> dict[str, Any]:
     return p
 
 
-def steps(cluster: Cluster, name: str, node: str) -> list[tuple[int, int]]:
-    return [(int(s), int(n)) for s, n in STEP.findall(cluster.log(name, node))]
+def steps(cluster: Cluster, name: str, node: str) -> list[tuple[int, int, int]]:
+    return [(int(s), int(n), int(k)) for s, n, k in STEP.findall(cluster.log(name, node))]
 
 
 async def more(cluster: Cluster, name: str, node: str, than: int,
-               timeout: float = 60) -> list[tuple[int, int]]:
+               timeout: float = 60) -> list[tuple[int, int, int]]:
     deadline = time.monotonic() + timeout
     while not (got := steps(cluster, name, node)) or got[-1][0] <= than:
         assert time.monotonic() < deadline, cluster.log(name, node)[-2000:]
@@ -82,15 +91,15 @@ async def test_a_pod_with_spawn_workers_and_semaphores_through_a_heartbeat_and_t
         assert beat.status == "succeeded", beat.error
         at = steps(cluster, "spawn-a", a)[-1][0]
         got = await more(cluster, "spawn-a", a, at + 3)
-        assert got[-1][1] == 0, "CRIU's links left in the running container's /dev/shm"
+        assert got[-1][1:] == (0, 1), "CRIU's links left in the running container's /dev/shm"
     for src, dst, n_from, n_to in (("spawn-a", "spawn-b", a, b), ("spawn-b", "spawn-c", b, a)):
         await migrate(cluster, src, dst, n_from, n_to, app, spawn_pod, CKPT)
         before = steps(cluster, src, n_from)[-1][0]
         after = [s for s in await more(cluster, dst, n_to, before + 3)]
         # Where it stopped, its semaphores shared (it would be 'stuck' otherwise),
         # CRIU's links consumed by the restore.
-        assert [s for s, _ in after[:4]] == list(range(before + 1, before + 5)), after[:4]
-        assert after[-1][1] == 0, after[-3:]
+        assert [s for s, _, _ in after[:4]] == list(range(before + 1, before + 5)), after[:4]
+        assert after[-1][1:] == (0, 1), after[-3:]  # no link left; the names are its files
 
 
 async def test_a_pod_holding_a_deleted_name_outside_dev_shm_is_refused_and_runs_on(
@@ -101,7 +110,7 @@ async def test_a_pod_holding_a_deleted_name_outside_dev_shm_is_refused_and_runs_
     a, _ = list(cluster.kubelets)
     (tmp_path / "spawner.py").write_text(
         HOLDS_DELETED_NAME.replace("d = sys.argv[1]", 'd = "/tmp"').replace(
-            'print(f"step={n}", flush=True)', 'print(f"step={n} links=0", flush=True)'))
+            'print(f"step={n}", flush=True)', 'print(f"step={n} links=0 named=0", flush=True)'))
     await create(cluster, spawn_pod("held-a", a, str(tmp_path)))
     await more(cluster, "held-a", a, 3)
     for leave_running in (True, False):
