@@ -27,6 +27,10 @@ semaphore the tree uses. (A restore beside a job still running on this
 host takes its semaphores' names over: the copies share no file, and the
 one started later wins the names.)
 
+A pod's /dev/shm is its own and carried whole (devshm.tar): there CRIU's
+links travel with it, and only ``linked``, ``other_names`` and
+``point_name`` serve (services/checkpointer/pod.py, services/restorer/pod.py).
+
 Everything in /dev/shm is the tenants': nothing here follows a link, and a
 file is used only if it is a regular file of the owner recorded at the dump.
 """
@@ -184,6 +188,8 @@ def capture(images: Path, carry: Path) -> list[dict[str, Any]]:
 
 
 def other_names(d: int, link: str, st: os.stat_result) -> list[str]:
+    """The names in directory ``d`` (a readable descriptor) of the file
+    ``st`` besides ``link`` and CRIU's other links: the semaphore's."""
     found = []
     for entry in os.scandir(d):
         if entry.name == link or REMAP_NAME.fullmatch(entry.name):
@@ -337,7 +343,7 @@ def point_name(d: int, fd: int, other: str, uid: int) -> None:
 def main(argv: list[str]) -> int:
     try:
         capture(Path(argv[0]), Path(argv[1]))
-    except (OSError, ValueError, LinkRemapError) as e:
+    except (OSError, ValueError, KeyError, IndexError, struct.error, LinkRemapError) as e:
         # CRIU fails the dump on a non-zero exit and lets the tree run on.
         print(f"{FAILED}{e}", file=sys.stderr)
         return 1
