@@ -13,12 +13,15 @@ import itertools
 import os
 import platform
 import re
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from smr import linkremap
 from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 from smr.sockets import Tcp
@@ -124,14 +127,23 @@ class Criu:
 
     async def dump(self, pid: int, images: Path, *, leave_running: bool = False,
                    leave_stopped: bool = False, parent: Path | None = None,
-                   tcp: Tcp = "close") -> CriuRun:
+                   tcp: Tcp = "close", carry: Path | None = None,
+                   link_remap: bool = False) -> CriuRun:
         """Freeze and dump the tree rooted at ``pid``; CRIU kills it unless
         ``leave_running``, or ``leave_stopped`` (every task left in SIGSTOP,
         for the caller to kill once the images are stored, or to continue if
         they cannot be). On failure CRIU thaws the tree: it keeps running.
 
         ``tcp`` (smr.sockets): keep the established connections, or close
-        them (not saved; peers see the close once the tree is gone)."""
+        them (not saved; peers see the close once the tree is gone).
+
+        ``carry``: a file the tree maps under a deleted name while another
+        name still links it (a 'spawn' multiprocessing semaphore) is saved
+        through a link CRIU makes beside it (--link-remap), which is copied
+        into ``carry`` while the tree is frozen and taken out of the file
+        system (smr.linkremap: a local job's /dev/shm is the host's). Without
+        it (or ``link_remap``: CRIU's links left where it makes them, for a
+        caller that carries that directory) such a dump fails."""
         # --skip-in-flight: a server under load has half-open connections that
         # no process has accepted yet; their peers retry the handshake.
         args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight", *self._tcp(tcp)]
@@ -142,7 +154,20 @@ class Criu:
         if parent:
             # Incremental: pages already in the pre-dump are referenced, not copied.
             args += ["--track-mem", "--prev-images-dir", os.path.relpath(parent, images)]
-        return await self._run(args, images, "dump.log", code="criu-dump-failed")
+        if carry is None:
+            if link_remap:
+                args.append("--link-remap")
+            return await self._run(args, images, "dump.log", code="criu-dump-failed")
+        scripts = Path(tempfile.mkdtemp(prefix="smr-criu-"))
+        try:
+            script = linkremap.action_script(scripts, images, carry)
+            args += ["--link-remap", "--action-script", self.view(script)]
+            run = await self._run(args, images, "dump.log", code="criu-dump-failed")
+        finally:
+            shutil.rmtree(scripts, ignore_errors=True)
+        if not leave_running:
+            await asyncio.to_thread(linkremap.discard_left, carry)
+        return run
 
     async def restore(self, images: Path, *, pidfile: Path,
                       inherit: dict[str, int] | None = None, tcp: Tcp = "close",
@@ -279,6 +304,9 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "a local job started by `smr exec` without --gpu has its own, and the node "
                 "agent saves a pod container's; a GPU job (`smr exec --gpu`) shares the "
                 "host's: detach the memory before the checkpoint (docs/compatibility.md)")
+    if m := re.search(re.escape(linkremap.FAILED) + "(.*)", text):
+        return (m.group(1), "link-remap-unsupported",
+                "the job runs on; see docs/compatibility.md (spawn DataLoader workers)")
     if "Can't create a directory (-17)" in text:
         # The parasite mounts a /proc of the tree's PID namespace at
         # proc.crtools in the tree root's working directory and removes it

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,13 @@ from services import timings
 from services.checkpointer.admission import resident_bytes
 from services.checkpointer.durable import until_stored
 from services.containers import host, rootfs
+from services.containers.confined import Root, UnsafePath
 from services.containers.host import Shim
 from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.containers.pods import PodContainer, PodStep
 from services.policy import tcp_policy
 from services.storage.store import Generation
-from smr import __version__, frozen, gpuinfo, sockets
+from smr import __version__, frozen, gpuinfo, linkremap, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.errors import PermanentError, SmrError, TemporaryError
@@ -81,6 +83,44 @@ def _dumped_in(work: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, str) else None
+
+
+def _note_link_names(pid: int, remaps: list[tuple[str, str]], work: Path) -> None:
+    """Each link's other names in the container's /dev/shm (a semaphore's),
+    for the restore to point them at the file the link restores: devshm.tar
+    holds every name as a file of its own (services/restorer/pod.py)."""
+    if not remaps:
+        return
+    records = []
+    with Root.of_pid(pid) as root:
+        d = root.open(linkremap.SHM, os.O_RDONLY | os.O_DIRECTORY)  # listed: not O_PATH
+        try:
+            for link, _ in remaps:
+                name = os.path.basename(link)
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    records.append({"link": name, "uid": st.st_uid,
+                                    "names": linkremap.other_names(d, name, st)})
+        finally:
+            os.close(d)
+    (work / linkremap.POD_NAMES).write_bytes(orjson.dumps(records))
+
+
+def _drop_link_remaps(pid: int, remaps: list[tuple[str, str]]) -> None:
+    """CRIU's link remaps (``linkremap.linked``), in the captures now, out of
+    the container of ``pid`` (its smr-init): one that runs on would keep
+    them, and its next dump would meet them. Through the container's root,
+    no link followed; only regular files of CRIU's names."""
+    if not remaps:
+        return
+    with Root.of_pid(pid) as root:
+        for link, _ in remaps:
+            parent, name = os.path.split(link)
+            if not linkremap.REMAP_NAME.fullmatch(name):
+                continue
+            with contextlib.suppress(FileNotFoundError, UnsafePath), root.dir(parent) as d:
+                if stat.S_ISREG(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=d)
 
 
 def _maybe_running(shim: Shim) -> bool:
@@ -139,6 +179,10 @@ class PodCheckpointStep(PodStep):
                                     requested=req.tcp, same_netns_possible=False)
             # Host PIDs: the driver's checkpoint API takes them from outside.
             cuda_pids = await self.cuda.processes(pid) if self.cuda else []
+            if cuda_pids:
+                # Before anything is frozen, as for a local job: CRIU would
+                # fail on such a mapping ('handle_device_vma plugin failed').
+                await asyncio.to_thread(gpuinfo.check_mappings, host.tree(pid), cuda_pids)
             gpu = gpuinfo.for_checkpoint(cuda_pids, work)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({
@@ -286,8 +330,10 @@ class PodCheckpointStep(PodStep):
             # neither dumped nor locked) and they go on as they are ("keep").
             tcp = "close"
         try:
+            # CRIU's link remaps (a 'spawn' semaphore's mapping) go in the
+            # container's /dev/shm or layer, which the captures carry.
             run = await criu.dump(inner, work / "images", leave_running=False,
-                                  leave_stopped=True, tcp=tcp)
+                                  leave_stopped=True, tcp=tcp, link_remap=True)
         except CriuError as e:
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
@@ -295,11 +341,38 @@ class PodCheckpointStep(PodStep):
             e.message = f"{e.message}; {c.target()} keeps running"
             raise
         t = time.monotonic()
+        remaps = await asyncio.to_thread(linkremap.linked, work / "images")
+        failed = cancelled = False
         try:
+            if outside := [orig for link, orig in remaps
+                           if os.path.dirname(link) != linkremap.SHM]:
+                # Its link would be in a volume or the layer: a volume is not
+                # carried, so such an image would not restore elsewhere.
+                raise linkremap.LinkRemapError(
+                    f"{c.target()} maps or holds open {', '.join(outside)}, whose name was "
+                    "deleted while the file still has another: CRIU can save it only through "
+                    f"a link beside it, which smr carries only in {linkremap.SHM}; "
+                    f"{c.target()} keeps running",
+                    hint="close or unmap that file before the checkpoint, or keep it in "
+                         "/dev/shm")
+            await asyncio.to_thread(_note_link_names, shim.pid, remaps, work)
             await capture(shim, work, upper)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
-            if leave_running and not gpu:
-                signal_tree(pid, signal.SIGCONT)  # a heartbeat: it runs on
+            # A final dump cut short stays as it is, links and all, for
+            # recover() to capture again from the tree still stopped.
+            if not (cancelled and not leave_running):
+                _drop_link_remaps(shim.pid, remaps)
+            if (leave_running or failed) and not gpu:
+                # A heartbeat runs on; so does a final dump's tree when its
+                # captures failed (nothing is stored; a GPU tree is resumed
+                # by the caller, its GPU state first).
+                signal_tree(pid, signal.SIGCONT)
         return {"dump": run.seconds, "rootfs": time.monotonic() - t}
 
     async def _commit(self, req: CkptRequested, c: PodContainer, shim: Shim,
@@ -402,8 +475,13 @@ class PodCheckpointStep(PodStep):
         if req.leave_running:
             # A heartbeat's tree, left stopped by an agent that died before
             # it ran on, runs on whatever the outcome (a SIGCONT to a
-            # running one changes nothing).
-            if running is not None:
+            # running one changes nothing). A GPU tree gets its GPU state
+            # back first, its threads held meanwhile, as the resume would
+            # have done: continued without it, they run on a GPU state that
+            # is not there.
+            if running is not None and self.cuda:
+                await self.cuda.resume_tree(running[0], quiet=True)
+            elif running is not None:
                 signal_tree(running[0], signal.SIGCONT)
             return
         if running is not None:

@@ -16,7 +16,7 @@ from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, frozen, gpuinfo, netlock, reaper, sockets
+from smr import __version__, frozen, gpuinfo, linkremap, netlock, reaper, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.errors import PermanentError, TemporaryError
@@ -113,7 +113,7 @@ class CheckpointStep(LocalJobStep):
             dump = asyncio.create_task(self._criu(job, self.criu.dump(
                 job.pid, work / "images", leave_running=req.leave_running and not gpu_heartbeat,
                 leave_stopped=final or gpu_heartbeat, parent=parent,
-                tcp="close" if gpu_heartbeat else tcp)))
+                tcp="close" if gpu_heartbeat else tcp, carry=work / linkremap.CARRY)))
             resumed = None
             if gpu_heartbeat:
                 # A heartbeat: the job runs again as soon as its image is
@@ -189,6 +189,9 @@ class CheckpointStep(LocalJobStep):
             signal_tree(job.pid, signal.SIGKILL)
             await wait_exit(job.pid, job.start_ticks)
             reaper.reap()  # a restored job is ours to reap: its PIDs free at once
+        # CRIU's links in /dev/shm, if smr died before the dump's own cleanup:
+        # the checkpoint has them.
+        await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
         shutil.rmtree(self._work(req), ignore_errors=True)
         self._facts_file(req).unlink(missing_ok=True)
         if (job.generation or 0) < gen.number or (
@@ -213,6 +216,7 @@ class CheckpointStep(LocalJobStep):
         elif not req.leave_running and job.alive():
             signal_tree(job.pid, signal.SIGCONT)
         self._facts_file(req).unlink(missing_ok=True)
+        await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
         shutil.rmtree(self._work(req), ignore_errors=True)
 
     def _held_for(self, req: CkptRequested, job: Job) -> str | None:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,14 @@ from typing import Any
 import orjson
 
 from services.containers import host, rootfs
+from services.containers.confined import Root
 from services.containers.host import Shim
 from services.containers.incontainer import set_last_pid
 from services.containers.pods import PodContainer, PodStep
 from services.restorer.stream import restore_streamed
 from services.storage import layout
 from services.storage.store import Generation, streamable
-from smr import gpuinfo, sockets
+from smr import gpuinfo, linkremap, sockets
 from smr.bus import Progress
 from smr.criu import kill_tree
 from smr.errors import PermanentError
@@ -82,6 +84,7 @@ class PodRestoreStep(PodStep):
             t = time.monotonic()
             await rootfs.apply(work / rootfs.TAR, shim.pid)
             await rootfs.apply(work / rootfs.SHM_TAR, shim.pid)
+            await asyncio.to_thread(_point_link_names, shim.pid, work / linkremap.POD_NAMES)
             durations["rootfs"] = time.monotonic() - t
             # Before the tree runs again: a restored server may look for it
             # at once (it re-seeds what a clone must not share).
@@ -218,3 +221,29 @@ def _find_ns_pid(shim: Shim, inner: int) -> int | None:
             if host.ns_pid(p) == inner and os.readlink(f"/proc/{p}/ns/pid") == ns:
                 return p
     return None
+
+
+def _point_link_names(pid: int, records_file: Path) -> None:
+    """A semaphore's names in the restored container's /dev/shm pointed at
+    the file CRIU's link restores (the tree's own mapping of it): devshm.tar
+    made each a file of its own, and a worker started after the restore,
+    opening the semaphore by its name, would not share the tree's. Through
+    the container's root; no link followed (smr.linkremap.point_name)."""
+    try:
+        records = orjson.loads(records_file.read_bytes())
+    except FileNotFoundError:
+        return
+    with Root.of_pid(pid) as root, root.dir(linkremap.SHM) as d:
+        for r in records:
+            if not linkremap.REMAP_NAME.fullmatch(r["link"]):
+                raise linkremap.LinkRemapError(f"checkpoint names {r['link']!r} as a link remap")
+            try:
+                fd = os.open(r["link"], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+            except FileNotFoundError:
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    for other in r["names"]:
+                        linkremap.point_name(d, fd, other, r["uid"])
+            finally:
+                os.close(fd)

@@ -16,7 +16,7 @@ from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
-from smr import gpuinfo, reaper, sockets
+from smr import gpuinfo, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
@@ -81,6 +81,17 @@ class RestoreStep(LocalJobStep):
             size_bytes=gen.size_bytes, pid=job.pid, durations=durations, started_at=started,
             sockets=sockets.outcome(gen.manifest, tcp))
 
+    async def _link_remaps(self, gen: Generation, work: Path, streamed: bool) -> Path:
+        """Where the checkpoint's link remaps (smr.linkremap) are on disk: a
+        streamed restore fetches them alone (they are small: semaphores)."""
+        if not streamed:
+            return work / linkremap.CARRY
+        prefix = linkremap.CARRY + "/"
+        if not any(f["path"].startswith(prefix) for f in gen.manifest["files"]):
+            return work / linkremap.CARRY  # none
+        await self.store.fetch(gen, work / "remaps", only=lambda p: p.startswith(prefix))
+        return work / "remaps" / linkremap.CARRY
+
     async def _generation(self, req: RestoreRequested) -> Generation:
         return await self.store.pick(LOCAL_NAMESPACE, req.checkpoint_id, req.generation,
                                      hint=f"take one first: smr checkpoint {req.checkpoint_id}")
@@ -102,14 +113,16 @@ class RestoreStep(LocalJobStep):
         # A GPU process stays stopped until its GPU state is back (_gpu_back).
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
         try:
-            if not streamed:  # fetched first: CRIU reads the files
-                run = await self.criu.restore(work / "images", pidfile=pidfile,
-                                              inherit=inherit, tcp=tcp, leave_stopped=gpu)
-            else:
-                run = await restore_streamed(
-                    self.criu, self.store, gen, work / "images", durations,
-                    pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
-                    on_bytes=lambda n: progress.update(done_bytes=n))
+            carry = await self._link_remaps(gen, work, streamed)
+            async with linkremap.put_back(carry):
+                if not streamed:  # fetched first: CRIU reads the files
+                    run = await self.criu.restore(work / "images", pidfile=pidfile,
+                                                  inherit=inherit, tcp=tcp, leave_stopped=gpu)
+                else:
+                    run = await restore_streamed(
+                        self.criu, self.store, gen, work / "images", durations,
+                        pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
+                        on_bytes=lambda n: progress.update(done_bytes=n))
         except BaseException:
             # CRIU failed part-way: the processes it had made, killed, came to
             # this subreaper as it exited. Reaped here, their PIDs (the job's

@@ -127,34 +127,6 @@ if __name__ == "__main__":
         h.update(p.detach().cpu().numpy().tobytes())
     print(f"final {h.hexdigest()}", flush=True)
 """
-def jax_cuda_tools() -> dict[str, bytes]:
-    """The ptxas, nvlink and libdevice this host's jax compiles with, for the
-    GPU image under /cuda (the pod's XLA_FLAGS name it): in a pod, jax found
-    none where it looks (H100: a venv's files can link outside the /usr and
-    /opt the pod mounts). Empty where jax is not installed."""
-    import importlib.util
-    import shutil
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("jax")
-    if spec is None or not spec.origin:
-        return {}
-    site = Path(spec.origin).parents[1]
-    dirs = [site / "nvidia" / "cu13" / "bin", site / "jax_plugins" / "xla_cuda13" / "cuda" / "bin",
-            Path("/usr/local/cuda/bin"), Path("/opt/cuda/bin")]
-    if which := shutil.which("ptxas"):
-        dirs.append(Path(which).parent)
-    for d in dirs:
-        if (d / "ptxas").is_file():
-            out = {f"/cuda/bin/{t}": (d / t).resolve().read_bytes()
-                   for t in ("ptxas", "nvlink") if (d / t).is_file()}
-            lib = d.parent / "nvvm" / "libdevice" / "libdevice.10.bc"
-            if lib.is_file():
-                out["/cuda/nvvm/libdevice/libdevice.10.bc"] = lib.resolve().read_bytes()
-            return out
-    return {}
-
-
 CMD = ["/smr/smr-init", "--", "/bin/counter"]
 STEP = re.compile(r"^step (\d+) sum (\d+) born (\S+)$", re.M)
 

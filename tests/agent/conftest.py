@@ -31,7 +31,7 @@ from smr import config
 from smr.bus import Bus
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
-from smr.workloads import jax_mlp
+from smr.workloads import jax_mlp, torch_train
 from tests import nats_auth, oci_image
 from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
@@ -46,7 +46,6 @@ from tests.agent.cluster import (
     TRAIN,
     USR_IMAGE,
     Cluster,
-    jax_cuda_tools,
     webhook_configuration,
 )
 from tests.fake_apiserver import FakeApiServer
@@ -132,9 +131,12 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
                              files={"/app/train.py": TRAIN,
                                     # The frameworks' workloads (issue #26).
                                     "/app/jax_mlp.py": Path(jax_mlp.__file__).read_bytes(),
-                                    **jax_cuda_tools(),
+                                    "/app/torch_train.py":
+                                        Path(torch_train.__file__).read_bytes(),
                                     "/etc/passwd": b"root:x:0:0::/tmp:/bin/sh\n"},
-                             links={"lib": "usr/lib", "lib64": "usr/lib64"})]
+                             # merged /usr, as the host: /sbin/ldconfig and the like
+                             links={"lib": "usr/lib", "lib64": "usr/lib64",
+                                    "sbin": "usr/sbin"})]
     # redis-server: a socket test's server (test_pod_sockets says if it is missing;
     # the GPU machine has none).
     if redis_server := shutil.which("redis-server"):

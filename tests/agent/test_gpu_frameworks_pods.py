@@ -3,15 +3,19 @@ machine with an NVIDIA GPU and the framework installed (the H100 device
 machine; skipped elsewhere; tests/agent/test_gpu_pod_order.py runs the same
 order of steps in CI with a stand-in driver).
 
-A jitted JAX training loop (smr/workloads/jax_mlp.py) in a pod: one heartbeat,
-then three drains, each resumed on the other node; its final hash must equal
-that of the same loop run once without interruption on this GPU.
+Each workload in a pod: one heartbeat, then three drains, each resumed on the
+other node; its final hash must equal that of the same loop run once without
+interruption on this GPU. The workloads: a jitted JAX training loop
+(smr/workloads/jax_mlp.py), and a PyTorch loop under
+``torch.compile(mode="reduce-overhead")`` (Inductor's Triton kernels, CUDA
+graphs; smr/workloads/torch_train.py).
 
 REAL: containerd + runc + CRIU 4.2, the CUDA driver's checkpoint API, the
 webhook, smr-runtime, nats-server, the watcher and two agents. FAKE: the API
 server and kubelets (tests/agent/cluster.py). The framework reaches the
 container as the host's /usr and /opt (and its site directory if elsewhere),
-as hostPath volumes.
+as hostPath volumes, with the host's /etc/alternatives (the CUDA toolkit's
+link: ALTERNATIVES).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,48 +39,110 @@ from tests.agent.test_gpu_pods import checkpoint
 from tests.fake_apiserver import pod
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API"),
-    pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="no jax here")]
+    not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API")]
 
 STEPS = 300
 ARGS = ["--steps", str(STEPS), "--gib", "1"]
-ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
-       "XLA_FLAGS": "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"}
+COMMON = {"PYTHONUNBUFFERED": "1", "HOME": "/tmp"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    module: str  # the framework
+    script: str  # in the GPU image as /app/<script>.py (tests/agent/conftest.py)
+    args: list[str]
+    env: dict[str, str]
+
+
+WORKLOADS = {
+    "jax": Workload("jax", "jax_mlp", ARGS, {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_FLAGS": "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"}),
+    # Inductor's compile cache in /tmp (HOME), the container's writable layer,
+    # which the checkpoint carries: the compiled kernels the process maps.
+    # Triton builds its launchers with the host's gcc: PATH names /usr/bin
+    # (the image's own PATH is its busybox /bin). One compile thread: with
+    # Inductor's pool, the second drain's dump failed ('handle_device_vma
+    # plugin failed': workers forked after the restore map /dev/nvidia*
+    # without a CUDA context; docs/compatibility.md, the torch.compile rows).
+    "torch-compile-ro": Workload("torch", "torch_train",
+                                 [*ARGS, "--compile", "reduce-overhead"],
+                                 {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                                  "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                  "PATH": "/usr/local/bin:/usr/bin:/bin"}),
+}
+# XLA compiles with the CUDA toolkit's ptxas and nvlink, found on the H100
+# machine as /usr/local/cuda/bin/*: /usr/local/cuda is a link through
+# Debian's alternatives (/etc/alternatives/cuda -> /usr/local/cuda-13.0),
+# which a pod given only the host's /usr and /opt cannot follow ('Couldn't
+# find a suitable version of ptxas'; copies under /cuda named by
+# --xla_gpu_cuda_data_dir were not looked at either). jax's own CUDA path is
+# None there (its venv has no nvidia/cu13/bin, no CUDA_ROOT is set). So the
+# pod gets the host's alternatives too, as an image built FROM a CUDA base
+# has its own.
+ALTERNATIVES = "/etc/alternatives"
 STEP = re.compile(r"^step=(\d+) ", re.M)
 FINAL = re.compile(r"^final=([0-9a-f]{64}) ballast_ok=True", re.M)
 
 
-def site() -> str | None:
-    """jax's site directory where it is not under /usr or /opt (the pod
-    mounts it too)."""
-    spec = importlib.util.find_spec("jax")
+def site(module: str) -> str | None:
+    """The framework's site directory where it is not under /usr or /opt
+    (the pod mounts it too)."""
+    spec = importlib.util.find_spec(module)
     assert spec and spec.origin
     d = str(Path(spec.origin).parents[1])
     return None if d.startswith(("/usr/", "/opt/")) else d
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+@pytest.fixture(params=list(WORKLOADS))
+def workload(request: pytest.FixtureRequest) -> tuple[str, Workload]:
+    w = WORKLOADS[request.param]
+    if importlib.util.find_spec(w.module) is None:
+        pytest.skip(f"no {w.module} here")
+    return request.param, w
+
+
+@pytest.fixture
+def reference(workload: tuple[str, Workload]) -> str:
     """The final hash after STEPS uninterrupted steps on this GPU."""
-    out = subprocess.run([sys.executable, "-m", "smr.workloads.jax_mlp", *ARGS],
-                         capture_output=True, text=True, env={**os.environ, **ENV}, timeout=300)
+    w = workload[1]
+    out = subprocess.run([sys.executable, "-m", f"smr.workloads.{w.script}", *w.args],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **COMMON, **w.env})
     m = FINAL.search(out.stdout)
     assert m, out.stdout[-2000:] + out.stderr[-2000:]
     return m.group(1)
 
 
-def jax_pod(name: str, node: str, ckpt: str) -> dict[str, Any]:
-    extra = site()
-    env = {"SMR_CHECKPOINT": ckpt, **ENV, **({"PYTHONPATH": extra} if extra else {})}
-    # The CUDA tools the host's jax uses, in the image (tests/agent/cluster.py).
-    env["XLA_FLAGS"] += " --xla_gpu_cuda_data_dir=/cuda"
+def libcuda_dir() -> str | None:
+    """Where the host's libcuda.so.1 is. Triton asks `/sbin/ldconfig -p`,
+    which in the pod reads the image's /etc/ld.so.cache (none): the pod
+    names it in TRITON_LIBCUDA_PATH instead."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    for line in out.splitlines():
+        if line.strip().startswith("libcuda.so.1 ") and "x86-64" in line:
+            return os.path.dirname(line.split()[-1])
+    return None
+
+
+def gpu_pod(w: Workload, name: str, node: str, ckpt: str) -> dict[str, Any]:
+    extra = site(w.module)
+    env = {"SMR_CHECKPOINT": ckpt, **COMMON, **w.env,
+           **({"PYTHONPATH": extra} if extra else {})}
+    if w.module == "torch" and (libcuda := libcuda_dir()):
+        env["TRITON_LIBCUDA_PATH"] = libcuda
     p = pod(name, node, env=env, owner=ckpt)
     p.pop("status")
     c = p["spec"]["containers"][0]
     c["image"] = GPU_IMAGE
-    c["command"] = [sys.executable, "/app/jax_mlp.py", *ARGS]
+    c["command"] = [sys.executable, f"/app/{w.script}.py", *w.args]
     c["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     mounts = {"usr": "/usr", "opt": "/opt", **({"site": extra} if extra else {})}
+    if Path(ALTERNATIVES).is_dir():
+        mounts["alternatives"] = ALTERNATIVES
     c["volumeMounts"] = [{"name": k, "mountPath": v, "readOnly": True} for k, v in mounts.items()]
     p["spec"]["volumes"] = [{"name": k, "hostPath": {"path": v}} for k, v in mounts.items()]
     p["spec"]["restartPolicy"] = "Never"
@@ -86,9 +153,9 @@ def steps(cluster: Cluster, name: str, node: str) -> list[int]:
     return [int(s) for s in STEP.findall(cluster.log(name, node))]
 
 
-async def start(cluster: Cluster, name: str, node: str, ckpt: str, at_least: int,
-                timeout: float = 180) -> list[int]:
-    await cluster.core.create_namespaced_pod("default", jax_pod(name, node, ckpt))
+async def start(cluster: Cluster, w: Workload, name: str, node: str, ckpt: str,
+                at_least: int, timeout: float = 180) -> list[int]:
+    await cluster.core.create_namespaced_pod("default", gpu_pod(w, name, node, ckpt))
     stored = cluster.kube.get("pods", name, "default")
     assert stored is not None and stored["spec"]["runtimeClassName"] == "smr"
     stored["status"] = {"phase": "Pending"}
@@ -105,38 +172,39 @@ async def until(cluster: Cluster, name: str, node: str, n: int, timeout: float =
     return got
 
 
-async def test_jax_pod_heartbeat_and_three_drains_end_with_the_same_hash(
-        cluster: Cluster, reference: str) -> None:
+async def test_pod_heartbeat_and_three_drains_end_with_the_same_hash(
+        cluster: Cluster, workload: tuple[str, Workload], reference: str) -> None:
+    tag, w = workload
     nodes = list(cluster.kubelets)
-    ckpt = "jax-pod"
+    ckpt = f"{tag}-pod"
     node = nodes[0]
-    await start(cluster, "jax-0", node, ckpt, at_least=20)
+    await start(cluster, w, f"{tag}-0", node, ckpt, at_least=20)
     t = time.monotonic()
-    beat = await checkpoint(cluster, "jax-0", node, ckpt, reason="heartbeat",
+    beat = await checkpoint(cluster, f"{tag}-0", node, ckpt, reason="heartbeat",
                             leave_running=True)
-    n = len(steps(cluster, "jax-0", node))
-    await until(cluster, "jax-0", node, n + 5)  # a heartbeat leaves it running
-    print(f"[jax-pod] heartbeat: size {beat.size_bytes / 2**30:.2f} GiB downtime "
+    n = len(steps(cluster, f"{tag}-0", node))
+    await until(cluster, f"{tag}-0", node, n + 5)  # a heartbeat leaves it running
+    print(f"[{tag}-pod] heartbeat: size {beat.size_bytes / 2**30:.2f} GiB downtime "
           f"{beat.durations['downtime']:.2f}s (request {time.monotonic() - t:.1f}s) "
           f"{beat.durations}", flush=True)
     for i in range(1, 4):
-        name = f"jax-{i - 1}"
+        name = f"{tag}-{i - 1}"
         await until(cluster, name, node, len(steps(cluster, name, node)) + 10)
         t = time.monotonic()
         done = await checkpoint(cluster, name, node, ckpt, reason="drain", leave_running=False)
         before = steps(cluster, name, node)
         cluster.kube.remove("pods", name, "default")
         node = nodes[i % 2]  # the replacement lands on the other node
-        after = await start(cluster, f"jax-{i}", node, ckpt, at_least=1)
+        after = await start(cluster, w, f"{tag}-{i}", node, ckpt, at_least=1)
         took = time.monotonic() - t
         assert after[0] == before[-1] + 1, f"not resumed where it stopped: {before[-2:]} " \
                                            f"then {after[:2]}"
-        print(f"[jax-pod] drain {i}: size {done.size_bytes / 2**30:.2f} GiB, checkpoint "
+        print(f"[{tag}-pod] drain {i}: size {done.size_bytes / 2**30:.2f} GiB, checkpoint "
               f"{done.durations}, drain to first step on the other node {took:.1f}s",
               flush=True)
     deadline = time.monotonic() + 300
-    while not (m := FINAL.search(cluster.log("jax-3", node))):
-        assert time.monotonic() < deadline, cluster.log("jax-3", node)[-3000:]
+    while not (m := FINAL.search(cluster.log(f"{tag}-3", node))):
+        assert time.monotonic() < deadline, cluster.log(f"{tag}-3", node)[-3000:]
         await asyncio.sleep(0.5)
-    print(f"[jax-pod] final {m.group(1)} uninterrupted {reference}", flush=True)
+    print(f"[{tag}-pod] final {m.group(1)} uninterrupted {reference}", flush=True)
     assert m.group(1) == reference

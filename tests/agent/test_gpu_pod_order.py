@@ -26,6 +26,7 @@ from smr.messages import CkptRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_programs_pods import migrate
+from tests.agent.test_review3_pods import steps_of
 from tests.chaos import gpu_standin
 
 CKPT = "gpu-order"
@@ -109,3 +110,92 @@ async def test_gpu_pod_threads_are_held_until_the_gpu_state_is_back(
     assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
     # Each restore (the heartbeat's, the migration's) held the three counters.
     assert [held for _, held in standin.restores] == [3, 3], standin.restores
+
+
+# The GPU process starts a helper without the stand-in's mark (no CUDA
+# context), which maps a file named as a GPU device file: what a worker
+# forked from a CUDA process is to the real driver (Inductor's compile pool
+# after a restore: docs/compatibility.md).
+FORKED = """
+import os, subprocess, sys, time
+env = {k: v for k, v in os.environ.items() if k != "MARK"}
+subprocess.Popen([sys.executable, "-c", '''
+import mmap, time
+f = open("/dev/nvidia-standin", "w+b")
+f.write(bytes(4096))
+f.flush()
+m = mmap.mmap(f.fileno(), 4096)
+time.sleep(3600)
+'''], env=env)
+n = 0
+while True:
+    n += 1
+    print(f"step {n}", flush=True)
+    time.sleep(0.05)
+""".replace("MARK", gpu_standin.ENV)
+
+
+async def test_a_gpu_pod_with_a_device_mapping_outside_cuda_is_refused_before_freezing(
+        standin: gpu_standin.StandInDriver, cluster: Cluster) -> None:
+    a, _ = list(cluster.kubelets)
+    p = gpu_pod("gpu-forked", a)
+    p["spec"]["containers"][0]["command"] = ["/usr/bin/python3", "-c", FORKED]
+    await create(cluster, p)
+    await more_steps(cluster, "gpu-forked", a, 5)
+    await asyncio.sleep(1)  # the helper has mapped its file
+    beat = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="gpu-forked", node=a, reason="heartbeat",
+        leave_running=True, target=Target(kind="pod", namespace="default", pod="gpu-forked",
+                                          container="main")), timeout=90)
+    assert beat.status == "failed" and beat.error["code"] == "gpu-forked-mapping", beat.error
+    assert "/dev/nvidia-standin" in beat.error["message"], beat.error
+    # Nothing was frozen or locked: the pod counts on, its "GPU" never left RUNNING.
+    assert not standin.restores
+    assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
+    n = len(steps(cluster, "gpu-forked", a))
+    await more_steps(cluster, "gpu-forked", a, n + 5)
+
+
+async def test_a_gpu_heartbeat_whose_agent_died_before_the_resume_gets_its_gpu_back_first(
+        standin: gpu_standin.StandInDriver, cluster: Cluster,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent dies after the heartbeat's dump (the tree held stopped, its
+    GPU state checkpointed) and before the resume. The redelivered request's
+    recovery stores nothing twice and must bring the GPU state back before
+    any thread runs, as the resume would have: continued without it, the
+    threads run on a GPU state that is not there (JAX died of SIGSEGV)."""
+    a, _ = list(cluster.kubelets)
+    await create(cluster, gpu_pod("gpu-hb", a))
+    await more_steps(cluster, "gpu-hb", a, 5)
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real = cuda_checkpoint.CudaCheckpoint.resume_after
+
+    async def dies_here(self: Any, writer: asyncio.Task[Any], *_: Any) -> None:
+        await asyncio.wait([writer])
+        entered.set()
+        await crash.wait()
+        raise RuntimeError("the agent was killed (test)")
+
+    monkeypatch.setattr(cuda_checkpoint.CudaCheckpoint, "resume_after", dies_here)
+    req = CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="gpu-hb", node=a, reason="heartbeat",
+        leave_running=True, target=Target(kind="pod", namespace="default", pod="gpu-hb",
+                                          container="main"))
+    first = asyncio.create_task(cluster.bus.request(req, timeout=120))
+    try:
+        await asyncio.wait_for(entered.wait(), 60)
+        monkeypatch.setattr(cuda_checkpoint.CudaCheckpoint, "resume_after", real)
+        held_at = len(steps(cluster, "gpu-hb", a))
+        await asyncio.sleep(1)
+        assert len(steps(cluster, "gpu-hb", a)) == held_at, "not held stopped after its dump"
+        assert gpu_standin.state_of(standin.root, "workload-1") == "CHECKPOINTED"
+        [step] = steps_of(a)
+        done = await step.recover(req, {})
+        await more_steps(cluster, "gpu-hb", a, held_at + 5)  # it runs on
+    finally:
+        crash.set()
+        await asyncio.gather(first, return_exceptions=True)
+    assert done is not None and done.status == "succeeded", done
+    assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
+    # The recovery restored the GPU state with the three counters held.
+    assert [held for _, held in standin.restores] == [3], standin.restores
