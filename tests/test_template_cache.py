@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,8 @@ from services.storage import layout
 from services.storage.backend import Backend
 from services.storage.cache import ObjectCache
 from services.storage.codec import Codec
-from services.storage.store import CheckpointCorrupt, CheckpointStore
+from services.storage.store import CheckpointCorrupt, CheckpointStore, Generation
+from smr.errors import TemporaryError
 from tests.test_storage import backend, images, meta  # noqa: F401  (backend: a fixture)
 
 NS = "default"
@@ -57,28 +59,83 @@ async def test_a_node_downloads_a_template_object_once(backend: Backend,  # noqa
     assert cache.stats["downloads"] == files
 
 
-async def test_a_cached_object_is_verified_like_any_read(backend: Backend,  # noqa: F811
-                                                         tmp_path: Path) -> None:
+def cached_entry(root: Path, gen: Generation, path: str) -> tuple[str, dict[str, Any], Path]:
+    key = layout.file_key(NS, TPL, gen.number, path)
+    f = next(f for f in gen.manifest["files"] if f["path"] == path)
+    return key, f, root / ObjectCache.name_of(key, f)
+
+
+def alter(where: Path, at: int) -> None:
+    """One bit flipped in place: the same size, other bytes."""
+    data = bytearray(where.read_bytes())
+    data[at] ^= 0x40
+    where.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("key", [None, os.urandom(32)], ids=["clear", "encrypted"])
+async def test_an_altered_cached_object_is_read_from_storage_again(
+        backend: Backend, tmp_path: Path, key: bytes | None) -> None:  # noqa: F811
+    writer = CheckpointStore(backend, Codec(level=1, key=key))
+    gen = await writer.commit(NS, TPL, images(tmp_path), meta("r1"))
+    cache = ObjectCache(tmp_path / "cache", 64 << 20)
+    node = CheckpointStore(backend, writer.codec).with_cache(cache)
+    await node.fetch(gen, tmp_path / "one")
+    good = (tmp_path / "one" / "images" / "pages-1.img").read_bytes()
+    # Something on the node alters a cached file (same size): its sha256
+    # catches it; the read falls back to storage's good bytes once, and the
+    # cache holds them again.
+    _, _, entry = cached_entry(tmp_path / "cache", gen, "images/pages-1.img")
+    stored = entry.read_bytes()
+    alter(entry, 1000)
+    await node.fetch(gen, tmp_path / "two")
+    assert (tmp_path / "two" / "images" / "pages-1.img").read_bytes() == good
+    assert cache.stats["corrupt"] == 1
+    assert entry.read_bytes() == stored, "the cache was not filled again with storage's bytes"
+    hits = cache.stats["hits"]
+    await node.fetch(gen, tmp_path / "three")
+    assert cache.stats["hits"] > hits and cache.stats["corrupt"] == 1
+
+
+async def test_a_template_altered_in_storage_and_in_the_cache_fails(
+        backend: Backend, tmp_path: Path) -> None:  # noqa: F811
     writer = CheckpointStore(backend, Codec(level=1))
     gen = await writer.commit(NS, TPL, images(tmp_path), meta("r1"))
     cache = ObjectCache(tmp_path / "cache", 64 << 20)
     node = CheckpointStore(backend, writer.codec).with_cache(cache)
     await node.fetch(gen, tmp_path / "one")
-    # Someone on the node alters a cached file: the read fails, names it, and
-    # the entry goes; the next read fetches it from storage again.
-    key = layout.file_key(NS, TPL, gen.number, "images/pages-1.img")
-    f = next(f for f in gen.manifest["files"] if f["path"] == "images/pages-1.img")
-    entry = tmp_path / "cache" / ObjectCache.name_of(key, f)
-    data = bytearray(entry.read_bytes())
-    data[1000] ^= 0x40
-    entry.write_bytes(bytes(data))
+    key, _, entry = cached_entry(tmp_path / "cache", gen, "images/pages-1.img")
+    data, _ = await backend.get_bytes(key)
+    await backend.put_bytes(key, data[:-64] + bytes(64))
+    alter(entry, 1000)
     with pytest.raises(CheckpointCorrupt) as e:
         await node.fetch(gen, tmp_path / "two")
-    assert "pages-1.img" in e.value.message and "cache" in e.value.message
-    assert not entry.exists()
-    await node.fetch(gen, tmp_path / "three")
-    assert (tmp_path / "three" / "images" / "pages-1.img").read_bytes() == \
-        (tmp_path / "one" / "images" / "pages-1.img").read_bytes()
+    assert "pages-1.img" in e.value.message and "storage" in e.value.message
+    assert not entry.exists(), "a copy known to be bad stayed in the cache"
+
+
+async def test_an_altered_cached_object_already_streamed_in_part_is_retried(
+        backend: Backend, tmp_path: Path) -> None:  # noqa: F811
+    """A streamed read (to CRIU) has handed on the object's first ranges
+    when a later one shows the cached copy altered: what it handed on cannot
+    be taken back, so the restore fails for now (retried), never runs on
+    those bytes; the retry reads the good copy the cache holds again."""
+    writer = CheckpointStore(backend, Codec(level=0))  # stored as is: no frame check
+    gen = await writer.commit(NS, TPL, images(tmp_path, size=24 << 20), meta("r1"))
+    cache = ObjectCache(tmp_path / "cache", 64 << 20)
+    node = CheckpointStore(backend, writer.codec).with_cache(cache)
+    m, path = gen.manifest, "images/pages-1.img"
+    f = next(f for f in m["files"] if f["path"] == path)
+    good = b"".join([bytes(c) async for c in node.read_file(m, f)])
+    _, _, entry = cached_entry(tmp_path / "cache", gen, path)
+    alter(entry, 100)  # in the first range
+    got = bytearray()
+    with pytest.raises(TemporaryError) as e:
+        async for c in node.read_file(m, f):
+            got += c
+    assert path in e.value.message and "cache" in e.value.message
+    assert len(got) < len(good), "the whole altered file was handed on"
+    again = b"".join([bytes(c) async for c in node.read_file(m, f)])
+    assert again == good
 
 
 async def test_the_cache_stays_within_its_bound(backend: Backend,  # noqa: F811

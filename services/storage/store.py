@@ -43,7 +43,7 @@ from services.storage.backend import Backend, Conflict, NotFound, StorageError
 from services.storage.buffers import keep_transfer_buffers
 from services.storage.cache import ObjectCache
 from services.storage.codec import Codec, DecodeError
-from services.storage.download import Chunk, Sink, decoded
+from services.storage.download import Chunk, Diverged, Sink, decoded
 from services.storage.upload import Uploader
 from smr import contract, tracing
 from smr.errors import ContractError, PermanentError, TemporaryError
@@ -521,29 +521,67 @@ class CheckpointStore:
         self.check_keys({**m, "files": [f]})
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
-        # A template's objects come through this node's cache (services/storage/cache),
-        # verified below like any read.
-        cached = None
+        codec = self.codec.for_namespace(m["namespace"])
         try:
-            if self.cache is not None and layout.is_template(m["checkpoint_id"]):
-                cached = await self.cache.open(self.backend, key, f)
-            async with contextlib.aclosing(decoded(cached or self.backend,
-                                                   self.codec.for_namespace(m["namespace"]),
-                                                   key, f,
-                                                   sink)) as chunks:
+            if self.cache is None or not layout.is_template(m["checkpoint_id"]):
+                async with contextlib.aclosing(decoded(self.backend, codec, key, f,
+                                                       sink)) as chunks:
+                    async for data in chunks:
+                        yield data
+                return
+            async with contextlib.aclosing(self._read_cached(key, f, codec, sink,
+                                                             where)) as chunks:
                 async for data in chunks:
                     yield data
         except NotFound:
             raise CheckpointCorrupt(f"{where} is missing from storage",
                                     hint="restore another generation (--generation N)") from None
         except DecodeError as e:
-            if cached is not None and self.cache is not None:
-                self.cache.forget(key, f)
-                raise CheckpointCorrupt(
-                    f"{where} is corrupt in this node's template cache or in storage: "
-                    f"{e.message}", hint="the cached copy was removed: the next start "
-                    "fetches it from storage again") from None
             raise CheckpointCorrupt(f"{where} is corrupt: {e.message}", hint=e.hint) from None
+
+    async def _read_cached(self, key: str, f: dict[str, Any], codec: Codec, sink: Sink | None,
+                           where: str) -> AsyncIterator[Any]:
+        """A template's object through this node's cache (services/storage/cache),
+        verified like any read. A cached copy that does not verify (altered or
+        torn on the node's disk) is dropped and the object is read from
+        storage once more, filling the cache again; only bytes that storage
+        itself holds wrong fail the read."""
+        assert self.cache is not None
+        handed: list[bytes] = []
+        cached = await self.cache.open(self.backend, key, f)
+        try:
+            async with contextlib.aclosing(decoded(cached or self.backend, codec, key, f, sink,
+                                                   handed=handed)) as chunks:
+                async for data in chunks:
+                    yield data
+            return
+        except DecodeError as e:
+            if cached is None:
+                raise
+            log.warning("%s: the node's cached copy is corrupt (%s); removed, read from "
+                        "storage again", where, e.message)
+            self.cache.forget(key, f)
+        finally:
+            if cached is not None:
+                cached.close()
+        cached = await self.cache.open(self.backend, key, f)  # downloaded again
+        try:
+            # What the first read handed on is checked, not handed on again.
+            async with contextlib.aclosing(decoded(cached or self.backend, codec, key, f, sink,
+                                                   skip=handed)) as chunks:
+                async for data in chunks:
+                    yield data
+        except Diverged:
+            raise TemporaryError(
+                f"{where}: the node's template cache held an altered copy, and part of it "
+                "was already handed on before that showed", code="template-cache-corrupt",
+                hint="the copy was replaced by storage's; the restore is tried again") from None
+        except DecodeError as e:
+            if cached is not None:
+                self.cache.forget(key, f)
+            raise CheckpointCorrupt(
+                f"{where} is corrupt in storage (and was in this node's template cache): "
+                f"{e.message}", hint=e.hint) from None
         finally:
             if cached is not None:
                 cached.close()
