@@ -4,6 +4,7 @@ directory; moto's S3 server over HTTP)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import Counter
 from pathlib import Path
@@ -170,3 +171,49 @@ async def test_retention_never_removes_a_template(backend: Backend,  # noqa: F81
     assert await store.prune(NS, "r1.main", keep=1) == [1, 2]  # a replica's own: as before
     await store.gc(grace_s=0)
     assert [g.number for g in await store.generations(NS, TPL)] == [1, 2, 3]
+
+
+class Held:
+    """The backend, holding every ranged GET until ``go`` is set: an entry
+    being written stays half-written meanwhile."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.go = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.waiting.set()
+        await self.go.wait()
+        return await self.inner.get_range(key, start, length)
+
+
+async def test_a_restarting_agent_leaves_the_entry_the_old_one_still_writes(
+        backend: Backend, tmp_path: Path) -> None:  # noqa: F811
+    """An agent starting while the one it replaces still writes an entry (a
+    DaemonSet rollout overlaps them): its start-up cleanup removes only what
+    no live writer holds."""
+    writer = CheckpointStore(backend, Codec(level=1))
+    gen = await writer.commit(NS, TPL, images(tmp_path), meta("r1"))
+    held = Held(backend)
+    old = ObjectCache(tmp_path / "cache", 64 << 20)
+    old_node = CheckpointStore(held, writer.codec).with_cache(old)  # type: ignore[arg-type]
+    fetch = asyncio.create_task(old_node.fetch(gen, tmp_path / "old"))
+    await asyncio.wait_for(held.waiting.wait(), 30)
+    parts = list((tmp_path / "cache").glob("*.part"))
+    assert parts, "no entry being written"
+    # A crashed agent's leftover, which no one holds: removed.
+    (tmp_path / "cache" / f"{'0' * 64}.part").write_bytes(b"torn")
+    new = ObjectCache(tmp_path / "cache", 64 << 20)
+    assert all(p.exists() for p in parts), "the new agent removed an entry still being written"
+    assert not (tmp_path / "cache" / f"{'0' * 64}.part").exists()
+    held.go.set()
+    await asyncio.wait_for(fetch, 60)
+    assert (tmp_path / "old" / "images" / "inventory.img").read_bytes() == b"inventory"
+    new_node = CheckpointStore(backend, writer.codec).with_cache(new)
+    await new_node.fetch(gen, tmp_path / "new")
+    assert new.stats["hits"] == len(gen.manifest["files"]) and not new.stats["downloads"]
+    assert not list((tmp_path / "cache").glob("*.part"))

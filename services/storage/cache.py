@@ -17,12 +17,20 @@ Bounded: at most ``max_bytes`` together; the least recently used entries go
 first, an object larger than the bound is read from storage as before.
 Cleaned: entries not read for ``max_idle_s`` go at each insertion, and what a
 crashed agent left half-written goes when the cache opens.
+
+An entry is written as ``<name>.part`` under an exclusive flock, then renamed:
+the lock says a live writer holds it (the kernel drops it when the writer
+dies). An agent starting while the one it replaces still writes (a DaemonSet
+rollout overlaps them) removes only the ``.part`` files no one holds, and
+waits for an entry the other is writing rather than write it over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -68,7 +76,7 @@ class ObjectCache:
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         os.chmod(root, 0o700)
         for part in root.glob(f"*{PART}"):  # a crashed agent's half-written entries
-            part.unlink(missing_ok=True)
+            _remove_unheld(part)
 
     @staticmethod
     def name_of(key: str, entry: dict[str, Any]) -> str:
@@ -95,9 +103,10 @@ class ObjectCache:
             if st is not None and st.st_size == stored:
                 self.stats["hits"] += 1
                 os.utime(path)
-            else:
-                await self._fill(backend, key, stored, path)
+            elif await self._fill(backend, key, stored, path):
                 self.stats["downloads"] += 1
+            else:
+                self.stats["hits"] += 1  # another agent on this node wrote it meanwhile
             return CachedObject(path)
 
     def forget(self, key: str, entry: dict[str, Any]) -> None:
@@ -105,27 +114,34 @@ class ObjectCache:
         self.stats["corrupt"] += 1
         (self.root / self.name_of(key, entry)).unlink(missing_ok=True)
 
-    async def _fill(self, backend: Backend, key: str, size: int, path: Path) -> None:
-        await asyncio.to_thread(self._make_room, size)
+    async def _fill(self, backend: Backend, key: str, size: int, path: Path) -> bool:
+        """Download the entry; False where another agent wrote it meanwhile."""
         part = path.with_name(path.name + PART)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
-        slots = asyncio.Semaphore(AT_ONCE)
-
-        async def one(start: int) -> None:
-            async with slots:
-                data = await backend.get_range(key, start, min(CHUNK, size - start))
-                await asyncio.to_thread(os.pwrite, fd, data, start)
-
+        fd = await asyncio.to_thread(_locked, part)  # waits for another writer of it
         try:
-            await asyncio.gather(*(one(s) for s in range(0, size, CHUNK)))
-            await asyncio.to_thread(os.fsync, fd)
-        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                if path.lstat().st_size == size:
+                    part.unlink(missing_ok=True)
+                    return False
+            await asyncio.to_thread(self._make_room, size)
+            os.ftruncate(fd, 0)
+            slots = asyncio.Semaphore(AT_ONCE)
+
+            async def one(start: int) -> None:
+                async with slots:
+                    data = await backend.get_range(key, start, min(CHUNK, size - start))
+                    await asyncio.to_thread(os.pwrite, fd, data, start)
+
+            try:
+                await asyncio.gather(*(one(s) for s in range(0, size, CHUNK)))
+                await asyncio.to_thread(os.fsync, fd)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
+            part.rename(path)  # still locked: no one takes it for a crashed writer's
+            return True
+        finally:
             os.close(fd)
-            part.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        part.rename(path)
 
     def _make_room(self, size: int) -> None:
         """Evict entries idle too long, then the least recently used, until
@@ -152,3 +168,43 @@ class ObjectCache:
         if total + size > self.max_bytes:
             log.info("template cache: %d bytes in flight leave no room below %d", total,
                      self.max_bytes)
+
+
+def _locked(part: Path) -> int:
+    """``part`` opened (created if missing) and exclusively flocked: blocks
+    while another writer holds it. The file locked is the one at ``part``
+    then (a writer that finished renamed it away, one that failed removed it)."""
+    while True:
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == part.lstat().st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _remove_unheld(part: Path) -> None:
+    """Remove a half-written entry unless a live writer holds its lock."""
+    try:
+        fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone, or not a file of ours (a link): left alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno != errno.EWOULDBLOCK:
+            log.warning("template cache: cannot lock %s: %s", part, e)
+        os.close(fd)
+        return
+    try:
+        if os.fstat(fd).st_ino == part.lstat().st_ino:
+            part.unlink()
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
