@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
+from services.agent.prepull import Prepull
 from services.storage import layout
 from services.storage.backend import Backend
 from services.storage.cache import ObjectCache
 from services.storage.codec import Codec
 from services.storage.store import CheckpointCorrupt, CheckpointStore, Generation
-from smr.errors import TemporaryError
+from smr.errors import SmrError, TemporaryError
 from tests.test_storage import backend, images, meta  # noqa: F401  (backend: a fixture)
 
 NS = "default"
@@ -217,3 +218,52 @@ async def test_a_restarting_agent_leaves_the_entry_the_old_one_still_writes(
     await new_node.fetch(gen, tmp_path / "new")
     assert new.stats["hits"] == len(gen.manifest["files"]) and not new.stats["downloads"]
     assert not list((tmp_path / "cache").glob("*.part"))
+
+
+async def test_a_prepulled_template_is_read_from_the_node_decoded(
+        backend: Backend, tmp_path: Path) -> None:  # noqa: F811
+    """Pre-pulled (before any replica starts), a template's objects lie on
+    the node decoded (no zstd or AES on a restore) and verified; the replica
+    that starts later downloads nothing."""
+    counting = Counting(backend)
+    writer = CheckpointStore(backend, Codec(level=3, key=os.urandom(32)))
+    src = images(tmp_path)
+    (src / "images" / "pages-2.img").write_bytes(b"compressible " * 100_000)
+    gen = await writer.commit(NS, TPL, src, meta("r1"))
+    cache = ObjectCache(tmp_path / "cache", 64 << 20)
+    node = CheckpointStore(counting, writer.codec).with_cache(cache)  # type: ignore[arg-type]
+    files = len(gen.manifest["files"])
+    assert await node.prepull(gen) == files
+    assert await node.prepull(gen) == 0, "a second pre-pull downloaded again"
+    _, _, entry = cached_entry(tmp_path / "cache", gen, "images/pages-2.img")
+    assert entry.read_bytes() == (src / "images" / "pages-2.img").read_bytes()
+    assert oct(entry.stat().st_mode & 0o777) == "0o600"
+    gets = sum(counting.gets.values())
+    await node.fetch(gen, tmp_path / "r1")
+    assert sum(counting.gets.values()) == gets, "the replica read storage"
+    assert cache.stats["hits"] == files
+    assert (tmp_path / "r1" / "images" / "pages-2.img").read_bytes() == \
+        (src / "images" / "pages-2.img").read_bytes()
+
+
+async def test_the_agent_prepulls_the_templates_it_is_told_to(
+        backend: Backend, tmp_path: Path) -> None:  # noqa: F811
+    """SMR_TEMPLATE_PREPULL: a named template is read into the node's cache
+    when storage holds it, once, and again when it is taken anew; other
+    templates are not."""
+    writer = CheckpointStore(backend, Codec(level=1))
+    cache = ObjectCache(tmp_path / "cache", 64 << 20)
+    node = CheckpointStore(backend, writer.codec).with_cache(cache)
+    pull = Prepull(node, ("default/llm",))
+    assert await pull.once() == 0  # nothing stored yet
+    first = await writer.commit(NS, TPL, images(tmp_path, "a"), meta("r1"))
+    await writer.commit(NS, layout.template_id("other", "main"), images(tmp_path, "b"),
+                        meta("r2"))
+    files = len(first.manifest["files"])
+    assert await pull.once() == files
+    assert await pull.once() == 0, "pulled again though nothing changed"
+    await writer.commit(NS, TPL, images(tmp_path, "c"), meta("r3"))  # taken anew
+    assert await pull.once() == files
+    assert len(list((tmp_path / "cache").iterdir())) == 2 * files
+    with pytest.raises(SmrError):
+        Prepull(node, ("llm",))

@@ -3,11 +3,16 @@
 Several replicas of one template starting on a node read the same objects:
 the first read of an object downloads it once into the node agent's own
 directory (never a tenant's: a workload must not choose the bytes a later
-restore reads), and later reads come from there. The cache holds the objects
-as stored (compressed, encrypted when storage is), and every read of them goes
-through the same decoding and sha256 check as a read from storage
-(``download.decoded``): a cached file that was altered or torn is caught
-there, removed, and fetched again by the next restore.
+restore reads), and later reads come from there.
+
+The cache holds each object *decoded* (decompressed, decrypted) and
+verified: the store fills an entry by reading the object from storage as
+any read does (``download.decoded``: AES-GCM, zstd, the file's sha256), so a
+restore from the cache pays neither zstd nor AES again, only the sha256 of
+what it reads (checked like any read: an entry altered or torn on the node's
+disk is caught there, removed, and read from storage again). Plaintext of a
+tenant's memory therefore lies on the node: the directory is 0700, the
+agent's own (docs/security.md).
 
 An entry is named by what it must contain (the object's key, its frames, its
 sha256 and its encryption as the manifest says), so a template taken again
@@ -36,18 +41,18 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from services.storage.backend import Backend
-
 log = logging.getLogger("smr.storage.cache")
 
-CHUNK = 8 << 20  # stored bytes per ranged GET while filling an entry
-AT_ONCE = 4  # ranged GETs in flight for one entry
 PART = ".part"
+FORM = "decoded-v1"  # what an entry holds; part of its name
+
+Fill = Callable[[int], Awaitable[None]]  # writes the decoded object into a file descriptor
 
 
 class CachedObject:
@@ -80,15 +85,19 @@ class ObjectCache:
 
     @staticmethod
     def name_of(key: str, entry: dict[str, Any]) -> str:
-        what = [key, entry.get("sha256"), entry.get("size"), entry.get("frames"),
+        what = [FORM, key, entry.get("sha256"), entry.get("size"), entry.get("frames"),
                 entry.get("encryption")]
         return hashlib.sha256(orjson.dumps(what)).hexdigest()
 
-    async def open(self, backend: Backend, key: str, entry: dict[str, Any]
-                   ) -> CachedObject | None:
-        """The object, from the cache (downloaded into it first if missing),
-        or None where it is larger than the cache."""
-        stored = sum(int(f[0]) for f in entry["frames"])
+    def has(self, key: str, entry: dict[str, Any]) -> bool:
+        with contextlib.suppress(FileNotFoundError):
+            return (self.root / self.name_of(key, entry)).lstat().st_size == int(entry["size"])
+        return False
+
+    async def open(self, key: str, entry: dict[str, Any], fill: Fill) -> CachedObject | None:
+        """The decoded object, from the cache (``fill`` writes it there first
+        if missing), or None where it is larger than the cache."""
+        stored = int(entry["size"])
         if stored > self.max_bytes:
             self.stats["too_large"] += 1
             return None
@@ -103,7 +112,7 @@ class ObjectCache:
             if st is not None and st.st_size == stored:
                 self.stats["hits"] += 1
                 os.utime(path)
-            elif await self._fill(backend, key, stored, path):
+            elif await self._fill(fill, stored, path):
                 self.stats["downloads"] += 1
             else:
                 self.stats["hits"] += 1  # another agent on this node wrote it meanwhile
@@ -114,8 +123,8 @@ class ObjectCache:
         self.stats["corrupt"] += 1
         (self.root / self.name_of(key, entry)).unlink(missing_ok=True)
 
-    async def _fill(self, backend: Backend, key: str, size: int, path: Path) -> bool:
-        """Download the entry; False where another agent wrote it meanwhile."""
+    async def _fill(self, fill: Fill, size: int, path: Path) -> bool:
+        """Write the entry; False where another agent wrote it meanwhile."""
         part = path.with_name(path.name + PART)
         fd = await asyncio.to_thread(_locked, part)  # waits for another writer of it
         try:
@@ -125,15 +134,8 @@ class ObjectCache:
                     return False
             await asyncio.to_thread(self._make_room, size)
             os.ftruncate(fd, 0)
-            slots = asyncio.Semaphore(AT_ONCE)
-
-            async def one(start: int) -> None:
-                async with slots:
-                    data = await backend.get_range(key, start, min(CHUNK, size - start))
-                    await asyncio.to_thread(os.pwrite, fd, data, start)
-
             try:
-                await asyncio.gather(*(one(s) for s in range(0, size, CHUNK)))
+                await fill(fd)
                 await asyncio.to_thread(os.fsync, fd)
             except BaseException:
                 part.unlink(missing_ok=True)

@@ -81,6 +81,16 @@ def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
 Sink = Callable[[int, Chunk], Any]
 
 
+PLAIN = Codec(level=0)  # frames stored as they are: a node cache's decoded copy
+
+
+def plain(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` as its decoded copy holds it (services/storage/cache): each
+    frame as is, at its place in the file; the same frames' sha256."""
+    return {**entry, "frames": [[raw, raw, 0] for _, raw, _ in entry["frames"]],
+            "encryption": None}
+
+
 class Ranges(Protocol):
     """Where an object's bytes come from: storage (a Backend) or a node's cache."""
 
