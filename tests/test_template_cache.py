@@ -182,11 +182,13 @@ class Held:
         self.inner = inner
         self.go = asyncio.Event()
         self.waiting = asyncio.Event()
+        self.keys: set[str] = set()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.keys.add(key)
         self.waiting.set()
         await self.go.wait()
         return await self.inner.get_range(key, start, length)
@@ -204,8 +206,10 @@ async def test_a_restarting_agent_leaves_the_entry_the_old_one_still_writes(
     old_node = CheckpointStore(held, writer.codec).with_cache(old)  # type: ignore[arg-type]
     fetch = asyncio.create_task(old_node.fetch(gen, tmp_path / "old"))
     await asyncio.wait_for(held.waiting.wait(), 30)
-    parts = list((tmp_path / "cache").glob("*.part"))
-    assert parts, "no entry being written"
+    # The entries whose bytes are being fetched (their writer holds them).
+    by_key = {layout.file_key(NS, TPL, gen.number, f["path"]): f for f in gen.manifest["files"]}
+    parts = [tmp_path / "cache" / f"{ObjectCache.name_of(k, by_key[k])}.part" for k in held.keys]
+    assert parts and all(p.exists() for p in parts), "no entry being written"
     # A crashed agent's leftover, which no one holds: removed.
     (tmp_path / "cache" / f"{'0' * 64}.part").write_bytes(b"torn")
     new = ObjectCache(tmp_path / "cache", 64 << 20)
@@ -267,3 +271,24 @@ async def test_the_agent_prepulls_the_templates_it_is_told_to(
     assert len(list((tmp_path / "cache").iterdir())) == 2 * files
     with pytest.raises(SmrError):
         Prepull(node, ("llm",))
+
+
+async def test_a_cached_template_is_linked_for_criu_only_whole_and_verified(
+        backend: Backend, tmp_path: Path) -> None:  # noqa: F811
+    """A template the node holds is handed to CRIU as local files (linked
+    from the cache, verified); one not wholly cached, or altered, is not."""
+    writer = CheckpointStore(backend, Codec(level=1, key=os.urandom(32)))
+    src = images(tmp_path)
+    gen = await writer.commit(NS, TPL, src, meta("r1"))
+    cache = ObjectCache(tmp_path / "cache", 64 << 20)
+    node = CheckpointStore(backend, writer.codec).with_cache(cache)
+    assert not await node.link_cached(gen, tmp_path / "none"), "linked what is not cached"
+    await node.prepull(gen)
+    assert await node.link_cached(gen, tmp_path / "one")
+    assert (tmp_path / "one" / "pages-1.img").read_bytes() == \
+        (src / "images" / "pages-1.img").read_bytes()
+    _, _, entry = cached_entry(tmp_path / "cache", gen, "images/pages-1.img")
+    alter(entry, 1000)
+    assert not await node.link_cached(gen, tmp_path / "two"), "linked an altered copy"
+    assert not (tmp_path / "two").exists() and not entry.exists()
+    assert cache.stats["corrupt"] == 1

@@ -41,6 +41,10 @@ from smr.criu import kill_tree
 from smr.errors import PermanentError
 from smr.messages import RestoreDone, RestoreRequested, now
 
+# Restore a template's images from the node's cached files where it holds them
+# all (False: stream them, as any checkpoint; bench/warmstart.py measures both).
+FROM_CACHED_FILES = True
+
 
 class ImageMismatch(PermanentError):
     code = "image-mismatch"
@@ -76,6 +80,12 @@ class PodRestoreStep(PodStep):
             await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n),
                                    only=(lambda p: not p.startswith("images/")) if streamed
                                    else None)
+            # A template this node holds (pre-pulled, or read by an earlier
+            # replica): CRIU reads its images as local files, linked from the
+            # node's cache and verified, rather than through a stream.
+            if streamed and FROM_CACHED_FILES and \
+                    await self.store.link_cached(gen, work / "images"):
+                streamed = False
             durations = {"download": time.monotonic() - t}
             work_fd = self.open_work(work)  # the directory fetch made
             progress.update("restore")

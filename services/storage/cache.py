@@ -76,7 +76,7 @@ class ObjectCache:
         self.root = root
         self.max_bytes = max_bytes
         self.max_idle_s = max_idle_s
-        self.stats: Counter[str] = Counter()  # downloads, hits, evicted, corrupt, too_large
+        self.stats: Counter[str] = Counter()  # downloads, hits, evicted, corrupt, too_large, linked
         self._locks: dict[str, asyncio.Lock] = {}
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         os.chmod(root, 0o700)
@@ -88,6 +88,9 @@ class ObjectCache:
         what = [FORM, key, entry.get("sha256"), entry.get("size"), entry.get("frames"),
                 entry.get("encryption")]
         return hashlib.sha256(orjson.dumps(what)).hexdigest()
+
+    def path_of(self, key: str, entry: dict[str, Any]) -> Path:
+        return self.root / self.name_of(key, entry)
 
     def has(self, key: str, entry: dict[str, Any]) -> bool:
         with contextlib.suppress(FileNotFoundError):

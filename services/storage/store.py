@@ -606,6 +606,57 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{f['path']} ({key}) is corrupt in storage: {e.message}",
                                     hint=e.hint) from None
 
+    async def link_cached(self, gen: Generation, dst: Path, prefix: str = "images/") -> bool:
+        """Every file of template generation ``gen`` under ``prefix``, linked
+        from this node's cache into ``dst`` (its path less ``prefix``) and
+        verified there (sha256: the inode linked is the one checked), so that
+        CRIU reads them as local files. False, with nothing left in ``dst``,
+        unless all of them are cached, on this file system, and verify: the
+        caller then reads storage (through the cache) as before."""
+        m = gen.manifest
+        if self.cache is None or not layout.is_template(m["checkpoint_id"]):
+            return False
+        check_paths(m)
+        self.check_keys(m)
+        files = [f for f in m["files"] if f["path"].startswith(prefix)]
+        keys = {f["path"]: layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"],
+                                           f["path"]) for f in files}
+        if not files or not all(self.cache.has(keys[f["path"]], f) for f in files):
+            return False
+        dst.mkdir(parents=True, exist_ok=True)
+        slots = asyncio.Semaphore(FILES_AT_ONCE)
+
+        async def one(f: dict[str, Any]) -> None:
+            key = keys[f["path"]]
+            at = dst / f["path"][len(prefix):]
+            at.parent.mkdir(parents=True, exist_ok=True)
+            os.link(self.cache.path_of(key, f), at)  # type: ignore[union-attr]
+            async with slots:
+                linked = CachedObject(at)
+                try:
+                    reader = decoded(linked, PLAIN, key, plain(f))
+                    async with contextlib.aclosing(reader) as chunks:
+                        async for _ in chunks:
+                            pass
+                except DecodeError:
+                    self.cache.forget(key, f)  # type: ignore[union-attr]
+                    raise
+                finally:
+                    linked.close()
+
+        try:
+            await asyncio.gather(*(one(f) for f in files))
+        except (OSError, DecodeError) as e:
+            # Evicted meanwhile, another file system, or altered: the files
+            # are read as before (an altered entry is caught and read again).
+            log.info("template %s: not restored from the node's cached files (%s)",
+                     m["checkpoint_id"], getattr(e, "message", e))
+            await asyncio.to_thread(shutil.rmtree, dst, True)
+            return False
+        self.cache.stats["hits"] += len(files)
+        self.cache.stats["linked"] += 1
+        return True
+
     async def prepull(self, gen: Generation) -> int:
         """Every object of template generation ``gen`` into this node's cache
         (an image pre-pull: the replicas that start here later read local
