@@ -350,6 +350,7 @@ async def test_warmstart(cluster: Any, settings: Any, tmp_path: Path) -> None:
     got = await asyncio.gather(*(warm(f"r{i}", a) for i in range(1, replicas + 1)))
     after = stats_of(cluster, a)
     for name, took, rd in got:
+        print(f"{name} (4 at once) restore durations:", {k: round(v, 3) for k, v in rd.items()})
         own = [c.checkpoint_id for c in policy_for(
             cluster.kube.get("pods", name, "default"), settings).containers]
         rows.append((f"{replicas} at once (pre-pulled): {name} pod created → first answer",

@@ -276,19 +276,31 @@ async def test_the_agent_prepulls_the_templates_it_is_told_to(
 async def test_a_cached_template_is_linked_for_criu_only_whole_and_verified(
         backend: Backend, tmp_path: Path) -> None:  # noqa: F811
     """A template the node holds is handed to CRIU as local files (linked
-    from the cache, verified); one not wholly cached, or altered, is not."""
+    from the cache); one not wholly cached is not; an altered image is
+    caught, before CRIU for the small ones, by the task the restore awaits
+    before the tree runs for the page images."""
     writer = CheckpointStore(backend, Codec(level=1, key=os.urandom(32)))
     src = images(tmp_path)
     gen = await writer.commit(NS, TPL, src, meta("r1"))
     cache = ObjectCache(tmp_path / "cache", 64 << 20)
     node = CheckpointStore(backend, writer.codec).with_cache(cache)
-    assert not await node.link_cached(gen, tmp_path / "none"), "linked what is not cached"
+    assert await node.link_cached(gen, tmp_path / "none") is None, "linked what is not cached"
     await node.prepull(gen)
-    assert await node.link_cached(gen, tmp_path / "one")
+    pages_ok = await node.link_cached(gen, tmp_path / "one")
+    assert pages_ok is not None
+    await pages_ok
     assert (tmp_path / "one" / "pages-1.img").read_bytes() == \
         (src / "images" / "pages-1.img").read_bytes()
     _, _, entry = cached_entry(tmp_path / "cache", gen, "images/pages-1.img")
     alter(entry, 1000)
-    assert not await node.link_cached(gen, tmp_path / "two"), "linked an altered copy"
-    assert not (tmp_path / "two").exists() and not entry.exists()
-    assert cache.stats["corrupt"] == 1
+    pages_ok = await node.link_cached(gen, tmp_path / "two")
+    assert pages_ok is not None
+    with pytest.raises(TemporaryError) as e:
+        await pages_ok
+    assert "pages-1.img" in e.value.message and not entry.exists()
+    assert await node.prepull(gen) == 1  # the page image again
+    _, _, small = cached_entry(tmp_path / "cache", gen, "images/inventory.img")
+    alter(small, 1)
+    assert await node.link_cached(gen, tmp_path / "three") is None, "linked an altered copy"
+    assert not (tmp_path / "three").exists() and not small.exists()
+    assert cache.stats["corrupt"] == 2

@@ -138,8 +138,11 @@ class ObjectCache:
             await asyncio.to_thread(self._make_room, size)
             os.ftruncate(fd, 0)
             try:
+                # Not fsynced: every read checks the sha256, so an entry torn
+                # by a crash is caught and read again, and the replica that
+                # waits for the fill reads it back from the page cache
+                # instead of waiting for GiBs to reach the disk.
                 await fill(fd)
-                await asyncio.to_thread(os.fsync, fd)
             except BaseException:
                 part.unlink(missing_ok=True)
                 raise

@@ -606,56 +606,77 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{f['path']} ({key}) is corrupt in storage: {e.message}",
                                     hint=e.hint) from None
 
-    async def link_cached(self, gen: Generation, dst: Path, prefix: str = "images/") -> bool:
+    async def link_cached(self, gen: Generation, dst: Path, prefix: str = "images/"
+                          ) -> asyncio.Task[None] | None:
         """Every file of template generation ``gen`` under ``prefix``, linked
-        from this node's cache into ``dst`` (its path less ``prefix``) and
-        verified there (sha256: the inode linked is the one checked), so that
-        CRIU reads them as local files. False, with nothing left in ``dst``,
-        unless all of them are cached, on this file system, and verify: the
-        caller then reads storage (through the cache) as before."""
+        from this node's cache into ``dst`` (its path less ``prefix``), so that
+        CRIU reads them as local files. None, with nothing left in ``dst``,
+        unless all of them are cached on this file system and those that are
+        not page images verify (sha256 of the inode linked). The page images
+        are verified by the task returned, so that CRIU may read them
+        meanwhile: the caller awaits it before the restored tree runs (as a
+        streamed restore's last range waits for its sha256). The task raises
+        TemporaryError if one was altered (its entry removed: the retry reads
+        storage)."""
         m = gen.manifest
         if self.cache is None or not layout.is_template(m["checkpoint_id"]):
-            return False
+            return None
         check_paths(m)
         self.check_keys(m)
+        cache = self.cache
         files = [f for f in m["files"] if f["path"].startswith(prefix)]
         keys = {f["path"]: layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"],
                                            f["path"]) for f in files}
-        if not files or not all(self.cache.has(keys[f["path"]], f) for f in files):
-            return False
-        dst.mkdir(parents=True, exist_ok=True)
+        if not files or not all(cache.has(keys[f["path"]], f) for f in files):
+            return None
         slots = asyncio.Semaphore(FILES_AT_ONCE)
 
-        async def one(f: dict[str, Any]) -> None:
+        def at(f: dict[str, Any]) -> Path:
+            return dst / f["path"][len(prefix):]
+
+        async def verify(f: dict[str, Any]) -> None:
             key = keys[f["path"]]
-            at = dst / f["path"][len(prefix):]
-            at.parent.mkdir(parents=True, exist_ok=True)
-            os.link(self.cache.path_of(key, f), at)  # type: ignore[union-attr]
             async with slots:
-                linked = CachedObject(at)
+                linked = CachedObject(at(f))
                 try:
                     reader = decoded(linked, PLAIN, key, plain(f))
                     async with contextlib.aclosing(reader) as chunks:
                         async for _ in chunks:
                             pass
-                except DecodeError:
-                    self.cache.forget(key, f)  # type: ignore[union-attr]
-                    raise
+                except DecodeError as e:
+                    cache.forget(key, f)
+                    raise DecodeError(f"{f['path']}: {e.message}", hint=e.hint) from None
                 finally:
                     linked.close()
 
+        pages = [f for f in files if Path(f["path"]).name.startswith("pages-")]
         try:
-            await asyncio.gather(*(one(f) for f in files))
+            for f in files:
+                at(f).parent.mkdir(parents=True, exist_ok=True)
+                os.link(cache.path_of(keys[f["path"]], f), at(f))
+            await asyncio.gather(*(verify(f) for f in files if f not in pages))
         except (OSError, DecodeError) as e:
             # Evicted meanwhile, another file system, or altered: the files
             # are read as before (an altered entry is caught and read again).
             log.info("template %s: not restored from the node's cached files (%s)",
                      m["checkpoint_id"], getattr(e, "message", e))
             await asyncio.to_thread(shutil.rmtree, dst, True)
-            return False
-        self.cache.stats["hits"] += len(files)
-        self.cache.stats["linked"] += 1
-        return True
+            return None
+        cache.stats["hits"] += len(files)
+        cache.stats["linked"] += 1
+
+        async def verify_pages() -> None:
+            try:
+                await asyncio.gather(*(verify(f) for f in pages))
+            except DecodeError as e:
+                raise TemporaryError(
+                    f"a page image of {m['checkpoint_id']} generation {m['generation']} in "
+                    f"this node's template cache was altered ({e.message})",
+                    code="template-cache-corrupt",
+                    hint="the copy was removed; the restore is tried again from storage"
+                ) from None
+
+        return asyncio.create_task(verify_pages())
 
     async def prepull(self, gen: Generation) -> int:
         """Every object of template generation ``gen`` into this node's cache
