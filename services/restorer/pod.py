@@ -85,7 +85,13 @@ class PodRestoreStep(PodStep):
             # node's cache, rather than through a stream; the page images are
             # verified meanwhile (``pages_ok``), before the tree runs.
             pages_ok = None
-            if streamed and FROM_CACHED_FILES:
+            if streamed and FROM_CACHED_FILES and self.store.cache is not None \
+                    and layout.is_template(req.checkpoint_id):
+                # Not cached yet (the first replica on this node): filled now,
+                # as a streamed read fills each object before its first byte;
+                # CRIU then reads local files, which it restores about twice
+                # as fast as a stream (bench/warmstart.py).
+                await self.store.prepull(gen)
                 pages_ok = await self.store.link_cached(gen, work / "images")
                 streamed = pages_ok is None
             durations = {"download": time.monotonic() - t}
