@@ -304,3 +304,16 @@ async def test_a_cached_template_is_linked_for_criu_only_whole_and_verified(
     assert await node.link_cached(gen, tmp_path / "three") is None, "linked an altered copy"
     assert not (tmp_path / "three").exists() and not small.exists()
     assert cache.stats["corrupt"] == 2
+
+
+async def test_a_failing_prepull_never_ends_the_agent(tmp_path: Path) -> None:
+    """Storage away or a full disk: the pre-pull logs and tries again later;
+    an exception out of its loop would end the agent (a worker ending)."""
+
+    class Away:
+        async def list(self, prefix: str) -> list[str]:
+            raise OSError(28, "No space left on device")
+
+    cache = ObjectCache(tmp_path / "cache", 1 << 20)
+    node = CheckpointStore(Away(), Codec()).with_cache(cache)  # type: ignore[arg-type]
+    assert await Prepull(node, ("default/llm",)).once() == 0

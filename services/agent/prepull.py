@@ -54,9 +54,9 @@ class Prepull:
                     got += n
                     log.info("template pre-pull: %s/%s generation %d on this node "
                              "(%d objects downloaded)", ns, ckpt, gen.number, n)
-            except SmrError as e:
+            except Exception as e:  # storage away, a full disk: never the agent's end
                 log.warning("template pre-pull of %s/%s failed (tried again in %gs): %s",
-                            ns, name, INTERVAL_S, e.message)
+                            ns, name, INTERVAL_S, getattr(e, "message", None) or repr(e))
         return got
 
 
