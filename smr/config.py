@@ -210,6 +210,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TEMPLATE_CACHE_BYTES", 50 << 30, _count, "node agent: bytes of warm-start "
             "template objects kept in its work directory, so that replicas of one template "
             "on a node download each object once (docs/warm-start.md); 0: no cache"),
+    Setting("TEMPLATE_PREPULL", (), _names, "node agent: warm-start templates "
+            "(comma-separated `namespace/name`, as in the label smr.dev/start-from) it reads "
+            "into its template cache as soon as storage holds them, and again when one is "
+            "taken anew, before any replica starts (as an image pre-pull): a replica then "
+            "restores from the node's disk (docs/warm-start.md)"),
     Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
             "node agent: install smr-runtime and containerd's smr runtime handlers on the node "
             "at start (files), and restart containerd if they changed (restart); uninstall: "

@@ -34,7 +34,8 @@ STEPS = Counter("smr_steps_total", "Checkpoint and restore steps finished, by ou
 FAILURES = Counter("smr_step_failures_total", "Failed steps, by error code",
                    ["kind", "code"], registry=REGISTRY)
 PHASE = Histogram("smr_step_phase_seconds", "Seconds each phase of a step took, by phase: "
-                  "pre_dump, dump, rootfs, durable, download, restore, cuda_lock, "
+                  "pre_dump, dump, rootfs, durable, download, restore, verify, "
+                  "verify_after_criu, cuda_lock, "
                   "cuda_checkpoint, cuda_restore, cuda_unlock, pid_wait, downtime, total "
                   "(schemas/common.json says what each times)",
                   ["kind", "phase"], registry=REGISTRY,

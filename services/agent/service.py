@@ -6,6 +6,7 @@ pods on its node:
     restore.requested.<node>.<ns> (pod target) ──▶ PodRestoreStep
     a container's smr-init waiting              ──▶ StartRestores (restore or fresh)
     a preStop hook no final checkpoint answers  ──▶ PreStopWaits (released)
+    SMR_TEMPLATE_PREPULL's templates in storage ──▶ Prepull (into the template cache)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from kubernetes_asyncio import client
 
 from services.agent import nodelabel
+from services.agent.prepull import Prepull
 from services.agent.prestop import PreStopWaits
 from services.agent.starts import StartRestores
 from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
@@ -46,6 +48,7 @@ class NodeAgent:
             if s.template_cache_bytes else None
         if self.cache is not None:
             store = store.with_cache(self.cache)
+        self.prepull = Prepull(store, s.template_prepull if self.cache is not None else ())
         self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         common = dict(
             bundle=CriuBundle(s.criu_root(), s.criu_preload()), criu=self.criu,
@@ -83,6 +86,7 @@ class NodeAgent:
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
         tasks.append(asyncio.create_task(self.prestop.run(self._stop)))
+        tasks.append(asyncio.create_task(self.prepull.run(self._stop)))
         try:
             await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
             self.ready.set()

@@ -43,6 +43,10 @@ from smr.criu import kill_tree
 from smr.errors import PermanentError
 from smr.messages import RestoreDone, RestoreRequested, now
 
+# Restore a template's images from the node's cached files where it holds them
+# all (False: stream them, as any checkpoint; bench/warmstart.py measures both).
+FROM_CACHED_FILES = True
+
 
 class ImageMismatch(PermanentError):
     code = "image-mismatch"
@@ -78,6 +82,20 @@ class PodRestoreStep(PodStep):
             await self.store.fetch(gen, work, on_bytes=lambda n: progress.update(done_bytes=n),
                                    only=(lambda p: not p.startswith("images/")) if streamed
                                    else None)
+            # A template this node holds (pre-pulled, or read by an earlier
+            # replica): CRIU reads its images as local files, linked from the
+            # node's cache, rather than through a stream; the page images are
+            # verified meanwhile (``pages_ok``), before the tree runs.
+            pages_ok = None
+            if streamed and FROM_CACHED_FILES and self.store.cache is not None \
+                    and layout.is_template(req.checkpoint_id):
+                # Not cached yet (the first replica on this node): filled now,
+                # as a streamed read fills each object before its first byte;
+                # CRIU then reads local files, which it restores about twice
+                # as fast as a stream (bench/warmstart.py).
+                await self.store.prepull(gen)
+                pages_ok = await self.store.link_cached(gen, work / "images")
+                streamed = pages_ok is None
             durations = {"download": time.monotonic() - t}
             work_fd = self.open_work(work)  # the directory fetch made
             progress.update("restore")
@@ -91,7 +109,7 @@ class PodRestoreStep(PodStep):
             await asyncio.to_thread(shim.restored, restored_note(req, gen, self.node))
             try:
                 pid = await self._restore(gen, shim, work, work_fd, durations, streamed,
-                                          progress)
+                                          progress, pages_ok)
             except BaseException:
                 with contextlib.suppress(Exception):  # the restore's own error is the one
                     await asyncio.to_thread(shim.restored, None)
@@ -123,7 +141,21 @@ class PodRestoreStep(PodStep):
         gpuinfo.check_restorable(gen.manifest.get("gpu"), what, has_api=has_gpu_api)
 
     async def _restore(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
-                       durations: dict[str, float], streamed: bool, progress: Progress) -> int:
+                       durations: dict[str, float], streamed: bool, progress: Progress,
+                       pages_ok: asyncio.Task[None] | None = None) -> int:
+        try:
+            return await self._restore_verified(gen, shim, work, work_fd, durations, streamed,
+                                                progress, pages_ok)
+        finally:
+            if pages_ok is not None and not pages_ok.done():
+                pages_ok.cancel()
+            if pages_ok is not None:
+                await asyncio.gather(pages_ok, return_exceptions=True)
+
+    async def _restore_verified(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
+                                durations: dict[str, float], streamed: bool,
+                                progress: Progress, pages_ok: asyncio.Task[None] | None
+                                ) -> int:
         criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
@@ -141,6 +173,12 @@ class PodRestoreStep(PodStep):
         # A GPU tree stays stopped until its GPU state is back (smr.frozen):
         # a thread that ran before would touch GPU mappings not yet there.
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
+        if pages_ok is not None and not gpu:
+            # CRIU lets a tree without GPU state run as it finishes: the pages
+            # it reads are verified first.
+            t = time.monotonic()
+            await pages_ok
+            durations["verify"] = time.monotonic() - t
         try:
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
@@ -164,6 +202,12 @@ class PodRestoreStep(PodStep):
         try:
             for p in host.tree(root):
                 host.move_to_cgroups_of(p, shim.pid)
+            if pages_ok is not None:
+                # Stopped (GPU) until the pages CRIU read from the node's
+                # cache are known to be the stored ones.
+                t = time.monotonic()
+                await pages_ok
+                durations["verify_after_criu"] = time.monotonic() - t
             if gpu:
                 # CRIU brought the tree back CHECKPOINTED and stopped: GPU
                 # memory goes back, then unlock, then the tree is continued.

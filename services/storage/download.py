@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from services.storage.codec import Codec, DecodeError
@@ -53,6 +53,10 @@ Chunk = bytes | memoryview
 
 class Mismatch(DecodeError):
     """Every frame decoded, but the file is not the one the manifest names."""
+
+
+class Diverged(DecodeError):
+    """A read again (``skip``) found other bytes than those already handed on."""
 
 
 def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
@@ -77,6 +81,16 @@ def ranges(frames: list[list[int]]) -> list[tuple[int, int, list[Frame]]]:
 Sink = Callable[[int, Chunk], Any]
 
 
+PLAIN = Codec(level=0)  # frames stored as they are: a node cache's decoded copy
+
+
+def plain(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` as its decoded copy holds it (services/storage/cache): each
+    frame as is, at its place in the file; the same frames' sha256."""
+    return {**entry, "frames": [[raw, raw, 0] for _, raw, _ in entry["frames"]],
+            "encryption": None}
+
+
 class Ranges(Protocol):
     """Where an object's bytes come from: storage (a Backend) or a node's cache."""
 
@@ -84,14 +98,20 @@ class Ranges(Protocol):
 
 
 async def decoded(backend: Ranges, codec: Codec, key: str, entry: dict[str, Any],
-                  sink: Sink | None = None) -> AsyncIterator[Any]:
+                  sink: Sink | None = None, *, handed: list[bytes] | None = None,
+                  skip: Sequence[bytes] = ()) -> AsyncIterator[Any]:
     """The object's decoded bytes in order, a frame at a time. The last range
     comes only after the file's size and sha256 matched ``entry``; otherwise
     Mismatch (or DecodeError for a frame that does not decode) is raised.
 
     ``sink(index, frame)``: called in the worker thread that decoded frame
     ``index`` (frames of a range in parallel, out of order); what it returns
-    is yielded in the frame's place, in order and held back alike."""
+    is yielded in the frame's place, in order and held back alike.
+
+    ``handed``: each frame's sha256 is appended as the frame is yielded.
+    ``skip``: those of an earlier read that handed frames on before it
+    failed; this read yields only the frames after them, and raises Diverged
+    where a frame differs from the one handed on (it cannot be taken back)."""
     enc = entry.get("encryption")
 
     async def get(start: int, length: int, group: list[Frame]) -> list[tuple[Any, int, bytes]]:
@@ -117,7 +137,7 @@ async def decoded(backend: Ranges, codec: Codec, key: str, entry: dict[str, Any]
     size, digests = 0, []
     todo = deque(ranges(entry["frames"]))
     ahead: deque[tuple[asyncio.Task[list[tuple[Any, int, bytes]]], int]] = deque()
-    held: list[Any] = []
+    held: list[tuple[Any, bytes]] = []
     held_raw = 0
     try:
         while todo or ahead:
@@ -129,13 +149,20 @@ async def decoded(backend: Ranges, codec: Codec, key: str, entry: dict[str, Any]
                 ahead.append((asyncio.create_task(get(*r)), raw(r)))
             task, held_next = ahead.popleft()
             decoded_range = await task
-            for chunk in held:
+            for chunk, d in held:
+                if handed is not None:
+                    handed.append(d)
                 yield chunk
             held, held_raw = [], held_next
             for piece, n, digest in decoded_range:
+                i = len(digests)
                 digests.append(digest)
                 size += n
-                held.append(piece)
+                if i >= len(skip):
+                    held.append((piece, digest))
+                elif digest != skip[i]:
+                    raise Diverged(f"frame {i} of {key} differs from the one read before",
+                                   hint="read the object again from its start")
         digest = file_digest(digests)
         if size != entry["size"]:
             raise Mismatch(f"it holds {size} bytes, the manifest says {entry['size']}",
@@ -144,7 +171,9 @@ async def decoded(backend: Ranges, codec: Codec, key: str, entry: dict[str, Any]
             raise Mismatch(f"sha256 {digest[:16]}… expected {entry['sha256'][:16]}…",
                            hint="restore another generation (--generation N); "
                                 "this one is unusable")
-        for chunk in held:
+        for chunk, d in held:
+            if handed is not None:
+                handed.append(d)
             yield chunk
     finally:
         for t, _ in ahead:

@@ -41,9 +41,9 @@ import orjson
 from services.storage import layout
 from services.storage.backend import Backend, Conflict, NotFound, StorageError
 from services.storage.buffers import keep_transfer_buffers
-from services.storage.cache import ObjectCache
+from services.storage.cache import CachedObject, ObjectCache
 from services.storage.codec import Codec, DecodeError
-from services.storage.download import Chunk, Sink, decoded
+from services.storage.download import PLAIN, Chunk, Diverged, Sink, decoded, plain
 from services.storage.upload import Uploader
 from smr import contract, tracing
 from smr.errors import ContractError, PermanentError, TemporaryError
@@ -340,6 +340,14 @@ class CheckpointStore:
                         out.append(await self.get(namespace, checkpoint_id, gen))
         return sorted(out, key=lambda g: g.number)
 
+    async def checkpoint_ids(self, namespace: str, prefix: str) -> list[str]:
+        """The checkpoint ids of ``namespace`` that begin with ``prefix``."""
+        ids = set()
+        for key in await self.backend.list(f"{namespace}/{prefix}"):
+            if (where := layout.parse(key)) and where[1].startswith(prefix):
+                ids.add(where[1])
+        return sorted(ids)
+
     async def inventory(self) -> dict[tuple[str, str], list[Generation]]:
         """Every committed generation in storage, by (namespace, checkpoint_id),
         oldest first: one listing, then each manifest not read by an earlier call."""
@@ -521,32 +529,178 @@ class CheckpointStore:
         self.check_keys({**m, "files": [f]})
         key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
         where = f"{f['path']} of {m['checkpoint_id']} generation {m['generation']}"
-        # A template's objects come through this node's cache (services/storage/cache),
-        # verified below like any read.
-        cached = None
+        codec = self.codec.for_namespace(m["namespace"])
         try:
-            if self.cache is not None and layout.is_template(m["checkpoint_id"]):
-                cached = await self.cache.open(self.backend, key, f)
-            async with contextlib.aclosing(decoded(cached or self.backend,
-                                                   self.codec.for_namespace(m["namespace"]),
-                                                   key, f,
-                                                   sink)) as chunks:
+            if self.cache is None or not layout.is_template(m["checkpoint_id"]):
+                async with contextlib.aclosing(decoded(self.backend, codec, key, f,
+                                                       sink)) as chunks:
+                    async for data in chunks:
+                        yield data
+                return
+            async with contextlib.aclosing(self._read_cached(key, f, codec, sink,
+                                                             where)) as chunks:
                 async for data in chunks:
                     yield data
         except NotFound:
             raise CheckpointCorrupt(f"{where} is missing from storage",
                                     hint="restore another generation (--generation N)") from None
         except DecodeError as e:
-            if cached is not None and self.cache is not None:
-                self.cache.forget(key, f)
-                raise CheckpointCorrupt(
-                    f"{where} is corrupt in this node's template cache or in storage: "
-                    f"{e.message}", hint="the cached copy was removed: the next start "
-                    "fetches it from storage again") from None
             raise CheckpointCorrupt(f"{where} is corrupt: {e.message}", hint=e.hint) from None
-        finally:
-            if cached is not None:
-                cached.close()
+
+    async def _read_cached(self, key: str, f: dict[str, Any], codec: Codec, sink: Sink | None,
+                           where: str) -> AsyncIterator[Any]:
+        """A template's object through this node's cache (services/storage/cache),
+        which holds it decoded; its sha256 is checked as on any read. A cached
+        copy that does not verify (altered or torn on the node's disk) is
+        dropped and the object is read from storage once more, filling the
+        cache again; only bytes that storage itself holds wrong fail the read."""
+        assert self.cache is not None
+        handed: list[bytes] = []
+        skip: list[bytes] = []
+        for attempt in (1, 2):
+            cached = await self._cached(key, f, codec)
+            try:
+                # The second time, what the first read handed on is checked,
+                # not handed on again.
+                reader = decoded(cached, PLAIN, key, plain(f), sink, handed=handed, skip=skip) \
+                    if cached is not None else \
+                    decoded(self.backend, codec, key, f, sink, handed=handed, skip=skip)
+                async with contextlib.aclosing(reader) as chunks:
+                    async for data in chunks:
+                        yield data
+                return
+            except Diverged:
+                raise TemporaryError(
+                    f"{where}: the node's template cache held an altered copy, and part of it "
+                    "was already handed on before that showed", code="template-cache-corrupt",
+                    hint="the copy was replaced by storage's; the restore is tried again"
+                ) from None
+            except DecodeError as e:
+                if cached is None:
+                    raise
+                self.cache.forget(key, f)
+                if attempt == 2:
+                    raise
+                log.warning("%s: the node's cached copy is corrupt (%s); removed, read from "
+                            "storage again", where, e.message)
+                skip, handed = handed, []
+            finally:
+                if cached is not None:
+                    cached.close()
+
+    async def _cached(self, key: str, f: dict[str, Any], codec: Codec) -> CachedObject | None:
+        """The object's decoded copy in this node's cache, read from storage
+        (decoded and verified) into it first if missing; a copy whose stored
+        bytes do not verify never enters it (CheckpointCorrupt)."""
+        assert self.cache is not None
+
+        async def fill(fd: int) -> None:
+            out = Scatter([fd], f["frames"])
+            async with contextlib.aclosing(decoded(self.backend, codec, key, f, out)) as pieces:
+                async for _ in pieces:
+                    pass
+
+        try:
+            return await self.cache.open(key, f, fill)
+        except DecodeError as e:
+            raise CheckpointCorrupt(f"{f['path']} ({key}) is corrupt in storage: {e.message}",
+                                    hint=e.hint) from None
+
+    async def link_cached(self, gen: Generation, dst: Path, prefix: str = "images/"
+                          ) -> asyncio.Task[None] | None:
+        """Every file of template generation ``gen`` under ``prefix``, linked
+        from this node's cache into ``dst`` (its path less ``prefix``), so that
+        CRIU reads them as local files. None, with nothing left in ``dst``,
+        unless all of them are cached on this file system and those that are
+        not page images verify (sha256 of the inode linked). The page images
+        are verified by the task returned, so that CRIU may read them
+        meanwhile: the caller awaits it before the restored tree runs (as a
+        streamed restore's last range waits for its sha256). The task raises
+        TemporaryError if one was altered (its entry removed: the retry reads
+        storage)."""
+        m = gen.manifest
+        if self.cache is None or not layout.is_template(m["checkpoint_id"]):
+            return None
+        check_paths(m)
+        self.check_keys(m)
+        cache = self.cache
+        files = [f for f in m["files"] if f["path"].startswith(prefix)]
+        keys = {f["path"]: layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"],
+                                           f["path"]) for f in files}
+        if not files or not all(cache.has(keys[f["path"]], f) for f in files):
+            return None
+        slots = asyncio.Semaphore(FILES_AT_ONCE)
+
+        def at(f: dict[str, Any]) -> Path:
+            return dst / f["path"][len(prefix):]
+
+        async def verify(f: dict[str, Any]) -> None:
+            key = keys[f["path"]]
+            async with slots:
+                linked = CachedObject(at(f))
+                try:
+                    reader = decoded(linked, PLAIN, key, plain(f))
+                    async with contextlib.aclosing(reader) as chunks:
+                        async for _ in chunks:
+                            pass
+                except DecodeError as e:
+                    cache.forget(key, f)
+                    raise DecodeError(f"{f['path']}: {e.message}", hint=e.hint) from None
+                finally:
+                    linked.close()
+
+        pages = [f for f in files if Path(f["path"]).name.startswith("pages-")]
+        try:
+            for f in files:
+                at(f).parent.mkdir(parents=True, exist_ok=True)
+                os.link(cache.path_of(keys[f["path"]], f), at(f))
+            await asyncio.gather(*(verify(f) for f in files if f not in pages))
+        except (OSError, DecodeError) as e:
+            # Evicted meanwhile, another file system, or altered: the files
+            # are read as before (an altered entry is caught and read again).
+            log.info("template %s: not restored from the node's cached files (%s)",
+                     m["checkpoint_id"], getattr(e, "message", e))
+            await asyncio.to_thread(shutil.rmtree, dst, True)
+            return None
+        cache.stats["hits"] += len(files)
+        cache.stats["linked"] += 1
+
+        async def verify_pages() -> None:
+            try:
+                await asyncio.gather(*(verify(f) for f in pages))
+            except DecodeError as e:
+                raise TemporaryError(
+                    f"a page image of {m['checkpoint_id']} generation {m['generation']} in "
+                    f"this node's template cache was altered ({e.message})",
+                    code="template-cache-corrupt",
+                    hint="the copy was removed; the restore is tried again from storage"
+                ) from None
+
+        return asyncio.create_task(verify_pages())
+
+    async def prepull(self, gen: Generation) -> int:
+        """Every object of template generation ``gen`` into this node's cache
+        (an image pre-pull: the replicas that start here later read local
+        disk); the number of objects it had to download."""
+        if self.cache is None:
+            return 0
+        m = gen.manifest
+        check_paths(m)
+        self.check_keys(m)
+        codec = self.codec.for_namespace(m["namespace"])
+        slots = asyncio.Semaphore(FILES_AT_ONCE)
+        before = self.cache.stats["downloads"]
+
+        async def one(f: dict[str, Any]) -> None:
+            key = layout.file_key(m["namespace"], m["checkpoint_id"], m["generation"], f["path"])
+            async with slots:
+                if not self.cache.has(key, f):  # type: ignore[union-attr]
+                    cached = await self._cached(key, f, codec)
+                    if cached is not None:
+                        cached.close()
+
+        await asyncio.gather(*(one(f) for f in m["files"]))
+        return self.cache.stats["downloads"] - before
 
     async def prune(self, namespace: str, checkpoint_id: str, *, keep: int = 0,
                     max_age_s: float = 0, at: float | None = None) -> list[int]:

@@ -83,6 +83,8 @@ async def test_replicas_start_warm_from_a_template(cluster: Cluster, settings: S
         f"the second replica on node b downloaded again: {after_first} → {after_second}"
     assert after_second["hits"] - after_first.get("hits", 0) >= after_first["downloads"], \
         f"the second replica did not read every object from the cache: {after_second}"
+    assert (after_first.get("linked", 0), after_second.get("linked", 0)) == (1, 2), \
+        "CRIU did not read each replica's images as the node's cached files"
     cluster.kube.put("pods", server("r3", a, start_from))
     third = await until_answers(cluster, "r3", a)
     # Node a has a cache of its own: it downloaded the template once, too.
@@ -184,3 +186,34 @@ async def test_a_missing_or_corrupt_template_follows_the_restore_failure_policy(
     assert p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 70
     assert "warming up" not in cluster.log("strict", b)
     await cluster.event("RestoreFailed", "strict", timeout=30)
+
+
+async def test_a_replica_restores_when_its_nodes_cached_copy_was_altered(
+        cluster: Cluster) -> None:
+    """The node's cached copy of a template object altered on disk (same
+    size): storage still holds good bytes, so the replica restores from them
+    (and the cache is filled again), not a RestoreFailed."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", server("warm3", a, {"smr.dev/snapshot-when-ready": "t3"},
+                                    slow_s=1))
+    manifest = await templated(cluster, "t3")
+    secret = answers(cluster.log("warm3", a))[0][1]
+    start_from = {"smr.dev/start-from": "t3", "smr.dev/node-restore": "true"}
+    cluster.kube.put("pods", server("c1", b, start_from, slow_s=1))
+    await until_answers(cluster, "c1", b)
+    cache = cluster.agents[b].cache
+    assert cache is not None
+    f = max(manifest["files"], key=lambda f: f["size"])
+    key = layout.file_key("default", manifest["checkpoint_id"], manifest["generation"],
+                          f["path"])
+    entry = cache.root / cache.name_of(key, f)
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    entry.write_bytes(bytes(data))
+    cluster.kube.put("pods", server("c2", b, start_from, slow_s=1))
+    got = await until_answers(cluster, "c2", b)
+    assert "warming up" not in cluster.log("c2", b), "the replica started cold"
+    assert {s for _, s in got} == {secret}
+    await cluster.event("Restored", "c2")
+    assert cache.stats["corrupt"] >= 1
+    assert entry.read_bytes() != bytes(data), "the altered copy stayed in the cache"
