@@ -9,11 +9,11 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from smr.bus import BusConfig, node_token
+from smr.bus import Bus, BusConfig, node_token
 from smr.config import REPO_TOOLS
 from smr.errors import SmrError
 from smr.natsserver import NatsServer
@@ -76,6 +76,15 @@ class SecuredNats:
 
     def config(self, user: str, **kw: object) -> BusConfig:
         return config(user, self.passwords[user], **kw)
+
+    async def connect(self, user: str, base: BusConfig | None = None,
+                      buckets: Iterable[str] | None = None) -> Bus:
+        """A Bus logged in as ``user``, with ``base``'s other settings;
+        ``buckets``: those its service binds (the others it may not read)."""
+        cfg = config(user, self.passwords[user])
+        if base:
+            cfg = replace(base, user=cfg.user, password=cfg.password, setup=cfg.setup)
+        return await Bus.connect(self.url, name=user, config=cfg, buckets=buckets)
 
     def violations(self) -> list[str]:
         """The server's log lines for what it refused a client (publish,

@@ -130,6 +130,19 @@ class NatsCluster:
         s.start()
         self.wait_ready()
 
+    def violations(self) -> list[str]:
+        """What the servers refused a client (their logs): with the shipped
+        users, a permission one of smr's services lacks."""
+        found = []
+        for s in self.servers:
+            try:
+                text = s.log_file.read_text(errors="replace")
+            except FileNotFoundError:
+                continue
+            found += [f"{s.store_dir.name}: {line}" for line in text.splitlines()
+                      if "Violation" in line]
+        return found
+
     def stop(self) -> None:
         for s in self.servers:
             s.stop()

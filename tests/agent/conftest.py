@@ -27,7 +27,7 @@ from services.watcher.kube import api_client
 from services.watcher.service import Watcher
 from services.webhook.service import Webhook
 from smr import config
-from smr.bus import Bus
+from smr.bus import BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
 from smr.workloads import jax_mlp
@@ -153,9 +153,9 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 @pytest.fixture
 async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
-                  smr_runtime: Path, tmp_path: Path, kustomize: str,
-                  request: pytest.FixtureRequest, settings: config.Settings
-                  ) -> AsyncIterator[Cluster]:
+                  smr_runtime: Path, tmp_path: Path, shipped_nats_users: nats_auth.Shipped,
+                  bus_config: BusConfig, request: pytest.FixtureRequest,
+                  settings: config.Settings) -> AsyncIterator[Cluster]:
     run = uuid.uuid4().hex[:6]
     nodes = [f"node-a-{run}", f"node-b-{run}"]
     # The kubelets end terminating pods; node and pod events come in no set order.
@@ -180,19 +180,18 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
     # A permission a service lacks fails the test at its end (the server's log
     # names it), even where the service got by without it.
     secured = nats_auth.start(settings.nats_server_binary(), tmp_path / "nats-auth",
-                              nats_auth.shipped(kustomize), agents={nodes[0]: f"pw-{run}"})
+                              shipped_nats_users, agents={nodes[0]: f"pw-{run}"})
     base = settings.replace(
         nats_url=secured.url, lease_name=f"smr-watcher-{run}", lease_duration=3,
         lease_renew_deadline=2, lease_retry=1, max_deliver=2, ack_wait=5)
-    bus = await Bus.connect(secured.url, config=secured.config("smr-admin"))
+    bus = await secured.connect("smr-admin", bus_config)
     # The shipped permissions name the services' own durable consumers.
     durables = {"storage": "storage-retention", "watcher": "watcher"}
     users = {"storage": ("smr-storage", ()), "watcher": ("smr-watcher", WATCHER_BUCKETS),
              nodes[0]: (f"smr-agent-{nodes[0]}", AGENT_BUCKETS),
              nodes[1]: ("smr-agent", AGENT_BUCKETS)}
-    buses = {who: await Bus.connect(secured.url, config=secured.config(
-        user, max_deliver=2, ack_wait=5), buckets=buckets)
-        for who, (user, buckets) in users.items()}
+    buses = {who: await secured.connect(user, bus_config, buckets=buckets)
+             for who, (user, buckets) in users.items()}
     webhook_user = secured.config("smr-webhook")
     base_webhook = base.replace(nats_user=webhook_user.user,
                                 nats_password=webhook_user.password, nats_setup=False)
