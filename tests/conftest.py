@@ -158,14 +158,15 @@ def shipped_nats_users(kustomize: str) -> nats_auth.Shipped:
 
 @pytest.fixture
 def nats_users(shipped_nats_users: nats_auth.Shipped, settings: config.Settings,
-               tmp_path: Path) -> Iterator[nats_auth.SecuredNats]:
+               tmp_path: Path, node: str) -> Iterator[nats_auth.SecuredNats]:
     """A nats-server of this test's own, run as a deployed cluster's: the
-    shipped users and permissions (tests/nats_auth.py). A test gives each
-    service under test its own user (``.connect``) and plays the rest as
+    shipped users and permissions (tests/nats_auth.py), and ``node``'s user
+    for `smr up` on a shared NATS (local-node.conf.template). A test gives
+    each service under test its own user (``.connect``) and plays the rest as
     smr-admin. At its end the test fails if the server refused anything: a
     permission the shipped users lack, which a deployed cluster would refuse too."""
     secured = nats_auth.start(settings.nats_server_binary(), tmp_path / "nats-users",
-                              shipped_nats_users)
+                              shipped_nats_users, nodes={node: uuid.uuid4().hex})
     yield secured
     secured.stop()
     refused = secured.violations()

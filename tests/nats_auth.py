@@ -139,11 +139,12 @@ def config(user: str, password: str, **kw: object) -> BusConfig:
 
 
 def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str] = {},
-          agents: Mapping[str, str] = {}, callout_issuer: str = "") -> SecuredNats:
-    """``tenants``: namespace → password; ``agents``: node → password (a user
-    each, from the templates). ``callout_issuer``: run auth-callout.conf with
-    this issuer (an account public nkey) instead of accounts.conf alone."""
-    r = render(store, ship, tenants=tenants, agents=agents)
+          agents: Mapping[str, str] = {}, nodes: Mapping[str, str] = {},
+          callout_issuer: str = "") -> SecuredNats:
+    """``tenants``, ``agents``, ``nodes``: as for ``render``. ``callout_issuer``:
+    run auth-callout.conf with this issuer (an account public nkey) instead
+    of accounts.conf alone."""
+    r = render(store, ship, tenants=tenants, agents=agents, nodes=nodes)
     conf, env = r.conf, r.env
     if callout_issuer:
         names = [f"tenant-{node_token(ns)}" for ns in tenants]
