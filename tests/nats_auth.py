@@ -17,6 +17,7 @@ from smr.bus import Bus, BusConfig, node_token
 from smr.config import REPO_TOOLS
 from smr.errors import SmrError
 from smr.natsserver import NatsServer
+from tests import deploy_render
 
 MARKER = "      # smr: tenant and per-node agent users go here"
 SERVICES = ("storage", "watcher", "agent", "webhook", "admin", "natsauth")
@@ -44,9 +45,7 @@ def kustomize() -> str:
 
 
 def shipped(kustomize: str) -> Shipped:
-    from tests.test_deploy import render
-
-    docs = render(kustomize, "dev")
+    docs = deploy_render.render(kustomize, "dev")
     cm = next(d for d in docs if d["kind"] == "ConfigMap"
               and d["metadata"]["name"] == "smr-nats-accounts")["data"]
     secret = next(d for d in docs if d["kind"] == "Secret"
