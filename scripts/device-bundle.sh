@@ -11,7 +11,7 @@ rm -rf .whl && mkdir -p .whl .device
 for pkg in nats-py orjson tenacity opentelemetry-api opentelemetry-sdk \
     opentelemetry-semantic-conventions importlib-metadata jsonschema \
     jsonschema-specifications referencing rpds-py zstandard cryptography cffi pycparser \
-    pytest-asyncio kubernetes_asyncio opentelemetry-proto protobuf; do
+    pytest-asyncio kubernetes_asyncio opentelemetry-proto protobuf pyyaml; do
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "$pkg"
@@ -20,11 +20,13 @@ tar -C .tools/root -cJf .device/tools.tar.xz usr/sbin/criu usr/sbin/nats-server 
   usr/lib/x86_64-linux-gnu
 # The node's container runtime for the agent's GPU pod tests (Debian 12's
 # containerd 1.6 and runc, as here), busybox for test images, smr-init and
-# smr-runtime.
+# smr-runtime, and kustomize: their NATS runs with the users it renders from
+# deploy/kustomize (tests/nats_auth.py, with PyYAML above).
 C=$(mktemp -d)
 mkdir -p "$C/bin" "$C/lib"
 cp "$(command -v containerd)" "$(command -v ctr)" "$(command -v containerd-shim-runc-v2)" \
-   "$(command -v runc)" "$(command -v busybox)" .tools/bin/smr-init .tools/bin/smr-runtime "$C/bin/"
+   "$(command -v runc)" "$(command -v busybox)" .tools/bin/smr-init .tools/bin/smr-runtime \
+   .tools/bin/kustomize "$C/bin/"
 cp -L "$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')" "$C/lib/"
 tar -C "$C" -cJf .device/containerd.tar.xz bin lib
 rm -rf "$C"

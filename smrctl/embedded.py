@@ -28,6 +28,9 @@ log = logging.getLogger("smr.embedded")
 
 
 READY_S = 90.0  # NATS restarting as this starts is retried for up to a minute
+# The KV buckets a node uses: its NATS user on a shared NATS may read no others
+# (local-node.conf.template).
+BUCKETS = (KV_JOBS, KV_LOCKS, KV_STEPS)
 
 
 def url_file(settings: Settings) -> Path:
@@ -87,7 +90,7 @@ class EmbeddedNode:
         tracing.setup("node")
         self.bus = await Bus.connect(self.server.client_url if self.server else s.nats_url,
                                      name=f"smr-node-{s.node}",
-                                     config=BusConfig.from_settings(s))
+                                     config=BusConfig.from_settings(s), buckets=BUCKETS)
         jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(s.job_key_path, create=True))
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=s.lock_wait,
                        stale_after=self.bus.config.stale_after)

@@ -20,6 +20,7 @@ from smr import config
 from smr.bus import Bus, BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import NatsServer, free_port
+from tests import nats_auth
 from tests.otlp import Processors, Receiver
 from tests.otlp import serve as serve_otlp
 
@@ -147,6 +148,40 @@ def otlp(span_processors: Processors) -> Iterator[Receiver]:
         finally:
             span_processors.added.remove(processor)
             processor.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shipped_nats_users(kustomize: str) -> nats_auth.Shipped:
+    """deploy/kustomize's NATS users and permissions, as the dev overlay renders them."""
+    return nats_auth.shipped(kustomize)
+
+
+@pytest.fixture
+def nats_users(shipped_nats_users: nats_auth.Shipped, settings: config.Settings,
+               tmp_path: Path, node: str) -> Iterator[nats_auth.SecuredNats]:
+    """A nats-server of this test's own, run as a deployed cluster's: the
+    shipped users and permissions (tests/nats_auth.py), and ``node``'s user
+    for `smr up` on a shared NATS (local-node.conf.template). A test gives
+    each service under test its own user (``.connect``) and plays the rest as
+    smr-admin. At its end the test fails if the server refused anything: a
+    permission the shipped users lack, which a deployed cluster would refuse too."""
+    secured = nats_auth.start(settings.nats_server_binary(), tmp_path / "nats-users",
+                              shipped_nats_users, nodes={node: uuid.uuid4().hex})
+    yield secured
+    secured.stop()
+    refused = secured.violations()
+    assert not refused, ("the server refused a permission the shipped NATS users lack "
+                         f"(deploy/kustomize/components/nats-auth): {refused[:5]}")
+
+
+@pytest.fixture
+async def admin_bus(nats_users: nats_auth.SecuredNats, bus_config: BusConfig
+                    ) -> AsyncIterator[Bus]:
+    """On ``nats_users``: the test itself, playing the services not under
+    test and the operator, as smr-admin (it creates the streams and buckets)."""
+    b = await nats_users.connect("smr-admin", bus_config)
+    yield b
+    await b.close()
 
 
 @pytest.fixture(scope="session")

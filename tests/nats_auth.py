@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from smr.bus import BusConfig, node_token
+from smr.bus import Bus, BusConfig, node_token
+from smr.config import REPO_TOOLS
+from smr.errors import SmrError
 from smr.natsserver import NatsServer
+from tests import deploy_render
 
 MARKER = "      # smr: tenant and per-node agent users go here"
 SERVICES = ("storage", "watcher", "agent", "webhook", "admin", "natsauth")
@@ -25,13 +29,23 @@ class Shipped:
     tenant: str  # tenant.conf.template
     agent_node: str  # agent-node.conf.template
     callout: str  # auth-callout.conf
+    local_node: str  # local-node.conf.template: `smr up` on a shared NATS
     passwords: dict[str, str]  # Secret smr-nats-users: service → password
 
 
-def shipped(kustomize: str) -> Shipped:
-    from tests.test_deploy import render
+def kustomize() -> str:
+    """The kustomize binary (`make setup` puts it in .tools/bin)."""
+    found = REPO_TOOLS / "kustomize"
+    if found.exists():
+        return str(found)
+    if path := shutil.which("kustomize"):
+        return path
+    raise SmrError("kustomize is not installed: it renders the shipped NATS users",
+                   code="config-invalid", hint="make setup")
 
-    docs = render(kustomize, "dev")
+
+def shipped(kustomize: str) -> Shipped:
+    docs = deploy_render.render(kustomize, "dev")
     cm = next(d for d in docs if d["kind"] == "ConfigMap"
               and d["metadata"]["name"] == "smr-nats-accounts")["data"]
     secret = next(d for d in docs if d["kind"] == "Secret"
@@ -39,7 +53,8 @@ def shipped(kustomize: str) -> Shipped:
     pw = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
     pw.update(secret.get("stringData", {}))
     return Shipped(cm["accounts.conf"], cm["tenant.conf.template"],
-                   cm["agent-node.conf.template"], cm["auth-callout.conf"], pw)
+                   cm["agent-node.conf.template"], cm["auth-callout.conf"],
+                   cm["local-node.conf.template"], pw)
 
 
 def _user(template: str, placeholder: str, value: str, password: str) -> str:
@@ -59,26 +74,77 @@ class SecuredNats:
         return self.server.url
 
     def config(self, user: str, **kw: object) -> BusConfig:
-        return BusConfig(user=user, password=self.passwords[user],
-                         setup=user in ("smr-storage", "smr-admin"), **kw)  # type: ignore[arg-type]
+        return config(user, self.passwords[user], **kw)
+
+    async def connect(self, user: str, base: BusConfig | None = None,
+                      buckets: Iterable[str] | None = None) -> Bus:
+        """A Bus logged in as ``user``, with ``base``'s other settings;
+        ``buckets``: those its service binds (the others it may not read)."""
+        cfg = config(user, self.passwords[user])
+        if base:
+            cfg = replace(base, user=cfg.user, password=cfg.password, setup=cfg.setup)
+        return await Bus.connect(self.url, name=user, config=cfg, buckets=buckets)
+
+    def violations(self) -> list[str]:
+        """The server's log lines for what it refused a client (publish,
+        subscribe, login): where the test's own clients are smr's services,
+        each is a permission a deployed cluster would refuse them too."""
+        try:
+            text = self.server.log_file.read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        return [line for line in text.splitlines() if "Violation" in line]
 
     def stop(self) -> None:
         self.server.stop()
 
 
-def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str] = {},
-          agents: Mapping[str, str] = {}, callout_issuer: str = "") -> SecuredNats:
+@dataclass
+class Rendered:
+    """accounts.conf with the extra users, where a server reads it, and the
+    environment it reads the services' passwords from."""
+
+    conf: Path
+    env: dict[str, str]
+    passwords: dict[str, str]  # user → password
+
+
+def render(store: Path, ship: Shipped, *, tenants: Mapping[str, str] = {},
+           agents: Mapping[str, str] = {}, nodes: Mapping[str, str] = {}) -> Rendered:
     """``tenants``: namespace → password; ``agents``: node → password (a user
-    each, from the templates). ``callout_issuer``: run auth-callout.conf with
-    this issuer (an account public nkey) instead of accounts.conf alone."""
+    each, from the templates); ``nodes``: machine → password, a user each from
+    local-node.conf.template (`smr up` on a shared NATS)."""
     assert MARKER in ship.accounts, "accounts.conf lost the line extra users go after"
     extra = [_user(ship.tenant, "NAMESPACE", node_token(ns), pw) for ns, pw in tenants.items()]
     extra += [_user(ship.agent_node, "NODE", node_token(n), pw) for n, pw in agents.items()]
+    extra += [_user(ship.local_node, "NODE", node_token(n), pw) for n, pw in nodes.items()]
     store.mkdir(parents=True, exist_ok=True)
     conf = store / "accounts.conf"
     conf.write_text(ship.accounts.replace(MARKER, "\n".join(extra) + "\n" + MARKER))
     env = {**os.environ, **{f"SMR_NATS_PASSWORD_{s.upper()}": ship.passwords[s]
                             for s in SERVICES}}
+    users = {f"smr-{s}": ship.passwords[s] for s in SERVICES}
+    users.update({f"tenant-{node_token(ns)}": pw for ns, pw in tenants.items()})
+    users.update({f"smr-agent-{node_token(n)}": pw for n, pw in agents.items()})
+    users.update({f"smr-node-{node_token(n)}": pw for n, pw in nodes.items()})
+    return Rendered(conf, env, users)
+
+
+def config(user: str, password: str, **kw: object) -> BusConfig:
+    """How ``user`` logs in: only the storage service and operators create
+    the streams and buckets (SMR_NATS_SETUP), as deployed."""
+    return BusConfig(user=user, password=password,
+                     setup=user in ("smr-storage", "smr-admin"), **kw)  # type: ignore[arg-type]
+
+
+def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str] = {},
+          agents: Mapping[str, str] = {}, nodes: Mapping[str, str] = {},
+          callout_issuer: str = "") -> SecuredNats:
+    """``tenants``, ``agents``, ``nodes``: as for ``render``. ``callout_issuer``:
+    run auth-callout.conf with this issuer (an account public nkey) instead
+    of accounts.conf alone."""
+    r = render(store, ship, tenants=tenants, agents=agents, nodes=nodes)
+    conf, env = r.conf, r.env
     if callout_issuer:
         names = [f"tenant-{node_token(ns)}" for ns in tenants]
         names += [f"smr-agent-{node_token(n)}" for n in agents]
@@ -88,7 +154,4 @@ def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str]
         conf = store / "auth-callout.conf"
         env["SMR_NATS_CALLOUT_ISSUER"] = callout_issuer
     server = NatsServer(binary, store / "js", extra_args=["-c", str(conf)], env=env).start()
-    users = {f"smr-{s}": ship.passwords[s] for s in SERVICES}
-    users.update({f"tenant-{node_token(ns)}": pw for ns, pw in tenants.items()})
-    users.update({f"smr-agent-{node_token(n)}": pw for n, pw in agents.items()})
-    return SecuredNats(server, users)
+    return SecuredNats(server, r.passwords)

@@ -22,12 +22,19 @@ import nats
 
 from smr.errors import SmrError
 from smr.natsserver import NatsServer, free_port
+from tests import nats_auth
 
 
 class NatsCluster:
     def __init__(self, binary: str, store_dir: Path, size: int = 3,
-                 name: str = "smr-test") -> None:
+                 name: str = "smr-test", users: nats_auth.Rendered | None = None) -> None:
+        """``users``: every server runs with that accounts.conf (the shipped
+        NATS users, tests/nats_auth.py); this class's own probes log in as
+        smr-admin."""
         self.dir = Path(store_dir)
+        self.login: dict[str, str] = {}
+        if users:
+            self.login = {"user": "smr-admin", "password": users.passwords["smr-admin"]}
         cluster_ports = [free_port() for _ in range(size)]
         routes = ",".join(f"nats-route://127.0.0.1:{p}" for p in cluster_ports)
         self.monitor_ports = [free_port() for _ in range(size)]
@@ -36,7 +43,10 @@ class NatsCluster:
             args = ["-n", f"n{i}", "--cluster_name", name,
                     "--cluster", f"nats://127.0.0.1:{cluster_ports[i]}", "--routes", routes,
                     "-m", str(self.monitor_ports[i])]
-            self.servers.append(NatsServer(binary, self.dir / f"n{i}", extra_args=args))
+            if users:
+                args += ["-c", str(users.conf)]
+            self.servers.append(NatsServer(binary, self.dir / f"n{i}", extra_args=args,
+                                           env=users.env if users else None))
 
     @property
     def url(self) -> str:
@@ -76,7 +86,7 @@ class NatsCluster:
         running = [s for s in self.servers if self.running(s)]
         name = f"probe-{uuid.uuid4().hex[:8]}"
         error = "no meta leader"
-        nc = await nats.connect([s.url for s in running], connect_timeout=2)
+        nc = await nats.connect([s.url for s in running], connect_timeout=2, **self.login)
         try:
             js = nc.jetstream(timeout=5)
             while time.monotonic() < deadline:
@@ -119,6 +129,19 @@ class NatsCluster:
     def restart(self, s: NatsServer) -> None:
         s.start()
         self.wait_ready()
+
+    def violations(self) -> list[str]:
+        """What the servers refused a client (their logs): with the shipped
+        users, a permission one of smr's services lacks."""
+        found = []
+        for s in self.servers:
+            try:
+                text = s.log_file.read_text(errors="replace")
+            except FileNotFoundError:
+                continue
+            found += [f"{s.store_dir.name}: {line}" for line in text.splitlines()
+                      if "Violation" in line]
+        return found
 
     def stop(self) -> None:
         for s in self.servers:

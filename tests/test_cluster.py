@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.agent.__main__ import BUCKETS as AGENT_BUCKETS
 from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
@@ -33,6 +35,7 @@ from smr.errors import SmrError
 from smr.messages import CkptDone, CkptRequested, StorageQuery, Target
 from smr.natsserver import NatsServer
 from smr.retry import retry_nats
+from tests import nats_auth
 from tests.nats_cluster import NatsCluster
 from tests.test_bus import CountingStep, request, run_worker, stop, stored
 from tests.test_storage_service import NS, commit
@@ -41,19 +44,50 @@ EVERY_STREAM = [s.name for s in topology.streams(BusConfig())] + [
     f"KV_{bucket}" for bucket, _, _ in topology.BUCKETS]
 
 
+R3 = BusConfig(replicas=3, max_deliver=4, ack_wait=2.0, nak_base_delay=0.2, nak_max_delay=1.0)
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory,
-            settings: config.Settings) -> Iterator[NatsCluster]:
-    c = NatsCluster(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-cluster"))
+def users(tmp_path_factory: pytest.TempPathFactory,
+          shipped_nats_users: nats_auth.Shipped) -> nats_auth.Rendered:
+    return nats_auth.render(tmp_path_factory.mktemp("nats-users"), shipped_nats_users)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, settings: config.Settings,
+            users: nats_auth.Rendered) -> Iterator[NatsCluster]:
+    """As deployed: every server with the shipped users and permissions; the
+    test logs in as smr-admin, the services it runs as their own users. At the
+    end, the servers must have refused none of them anything."""
+    c = NatsCluster(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-cluster"),
+                    users=users)
     c.start()
     yield c
     c.stop()
+    refused = c.violations()
+    assert not refused, ("the servers refused a permission the shipped NATS users lack "
+                         f"(deploy/kustomize/components/nats-auth): {refused[:5]}")
+
+
+async def login(cluster: NatsCluster, users: nats_auth.Rendered, user: str,
+                base: BusConfig = R3, buckets: tuple[str, ...] | None = None) -> Bus:
+    cfg = nats_auth.config(user, users.passwords[user])
+    return await Bus.connect(cluster.url, name=user, buckets=buckets, config=replace(
+        base, user=cfg.user, password=cfg.password, setup=cfg.setup))
 
 
 @pytest.fixture
-async def r3_bus(cluster: NatsCluster) -> AsyncIterator[Bus]:
-    b = await Bus.connect(cluster.url, name="test", config=BusConfig(
-        replicas=3, max_deliver=4, ack_wait=2.0, nak_base_delay=0.2, nak_max_delay=1.0))
+async def r3_bus(cluster: NatsCluster, users: nats_auth.Rendered) -> AsyncIterator[Bus]:
+    b = await login(cluster, users, "smr-admin")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def agent_bus(cluster: NatsCluster, users: nats_auth.Rendered, r3_bus: Bus
+                    ) -> AsyncIterator[Bus]:
+    """The agent's user, for its Worker."""
+    b = await login(cluster, users, "smr-agent", buckets=AGENT_BUCKETS)
     yield b
     await b.close()
 
@@ -73,15 +107,17 @@ async def replicas(bus: Bus) -> dict[str, tuple[int, int]]:
     return out
 
 
-async def test_replica_setting_reaches_every_stream_and_bucket(cluster: NatsCluster) -> None:
+async def test_replica_setting_reaches_every_stream_and_bucket(
+        cluster: NatsCluster, users: nats_auth.Rendered) -> None:
     # First as a single-replica smr made them, then with SMR_NATS_REPLICAS=3:
-    # the existing streams and buckets are updated in place.
-    one = await Bus.connect(cluster.url, name="test", config=BusConfig(replicas=1))
+    # the existing streams and buckets are updated in place (by smr-storage,
+    # the one service that may).
+    one = await login(cluster, users, "smr-storage", BusConfig(replicas=1))
     try:
         assert await replicas(one) == {name: (1, 1) for name in EVERY_STREAM}
     finally:
         await one.close()
-    three = await Bus.connect(cluster.url, name="test", config=BusConfig.from_settings(
+    three = await login(cluster, users, "smr-storage", BusConfig.from_settings(
         config.load({"SMR_NATS_REPLICAS": "3"})))
     try:
         assert await replicas(three) == {name: (3, 3) for name in EVERY_STREAM}
@@ -120,11 +156,11 @@ async def _lead_from(cluster: NatsCluster, bus: Bus, stream: str, server: NatsSe
 
 
 async def test_request_published_as_its_streams_leader_dies_runs_once(
-        cluster: NatsCluster, r3_bus: Bus) -> None:
+        cluster: NatsCluster, r3_bus: Bus, agent_bus: Bus) -> None:
     bus = r3_bus
     node = f"node-{uuid.uuid4().hex[:8]}"
     step = CountingStep()
-    w, task = await run_worker(bus, step, node)
+    w, task = await run_worker(agent_bus, step, node)
     # The server this client is connected to leads the requests stream: its
     # death takes the leader and the connection at once.
     victim = await _server_of(cluster, bus)
@@ -209,14 +245,14 @@ async def test_more_replicas_than_servers_is_refused_naming_the_setting(
 
 
 async def test_storage_service_retains_a_done_published_as_its_consumers_leader_dies(
-        cluster: NatsCluster, r3_bus: Bus, tmp_path: Path) -> None:
+        cluster: NatsCluster, users: nats_auth.Rendered, r3_bus: Bus, tmp_path: Path) -> None:
     """The storage service on the cluster: the ckpt.done published as the
     leader of its consumer is SIGKILLed is handled once (its retention
     applied), and the service answers queries through another server."""
     bus = r3_bus
     store = CheckpointStore(LocalBackend(tmp_path / "store"))
-    svc = StorageService(bus, store, keep=1, gc_grace_s=600, gc_interval_s=60,
-                         durable=f"retention-{uuid.uuid4().hex[:8]}")
+    storage_bus = await login(cluster, users, "smr-storage", buckets=())
+    svc = StorageService(storage_bus, store, keep=1, gc_grace_s=600, gc_interval_s=60)
     handled: list[str] = []
     retain = svc._retain
 
@@ -252,6 +288,7 @@ async def test_storage_service_retains_a_done_published_as_its_consumers_leader_
     finally:
         svc.stop()
         await asyncio.wait_for(task, 30)
+        await storage_bus.close()
         if victim is not None and not cluster.running(victim):
             cluster.restart(victim)
 
@@ -282,7 +319,7 @@ class HeldFinal:
 
 
 async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
-        cluster: NatsCluster, r3_bus: Bus, tmp_path: Path) -> None:
+        cluster: NatsCluster, r3_bus: Bus, agent_bus: Bus, tmp_path: Path) -> None:
     """The agent's checkpointer fetches requests ahead of a free slot and
     keeps them alive while they wait (services/agent/service.py: LOOK_AHEAD,
     CheckpointAdmission). Its consumer's leader SIGKILLed while a final
@@ -295,7 +332,7 @@ async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
         return 0
 
     step = HeldFinal()
-    w = Worker(bus, step, node, service="test", ahead=LOOK_AHEAD,
+    w = Worker(agent_bus, step, node, service="test", ahead=LOOK_AHEAD,
                admission=CheckpointAdmission(tmp_path, estimate))
     task = asyncio.create_task(w.run())
     victim = None

@@ -33,6 +33,7 @@ from smr.bus import (
     KV_STEPS,
     KV_TIMINGS,
     QUERY_CHECKPOINTS,
+    QUERY_GENERATIONS,
     QUERY_LATEST,
     STREAM_EVENTS,
     STREAM_REQUESTS,
@@ -304,6 +305,10 @@ async def test_the_watcher_publishes_requests_but_writes_no_state_and_reads_no_c
                                               target=pod("team-a"), node=NODE))
         assert ack.stream == STREAM_REQUESTS
         assert (await bus.step_state(rid))[0] == {"state": "done", "result": {}}
+        # Whether a warm-start template exists: the latest generation, answered.
+        latest = await bus.query(QUERY_LATEST, StorageQuery(checkpoint_id="ours",
+                                                            namespace="team-a"))
+        assert latest.error is None and latest.generations
     finally:
         await bus.close()
     async with login(secured, "smr-watcher") as w:
@@ -316,7 +321,9 @@ async def test_the_watcher_publishes_requests_but_writes_no_state_and_reads_no_c
         await w.request_refused(f"$JS.API.STREAM.MSG.GET.KV_{KV_TIMINGS}")
         await w.nc.subscribe(f"$KV.{KV_JOBS}.>")
         await w.refused(f"$KV.{KV_JOBS}.>", "subscription")
-        await w.request_refused(f"{QUERY_LATEST}.team-a",
+        # It asks whether a warm-start template exists (storage.latest), and
+        # lists nothing.
+        await w.request_refused(f"{QUERY_GENERATIONS}.team-a",
                                 StorageQuery(checkpoint_id="ours", namespace="team-a")
                                 .to_payload())
         await w.request_refused(QUERY_CHECKPOINTS, StorageQuery().to_payload())

@@ -15,17 +15,10 @@ import pytest
 import yaml
 
 from tests import deploy_placement, deploy_policy
+from tests.deploy_render import ROOT, render
 
-ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kustomize"
 OVERLAYS = ["dev", "gpu", "prod"]
 K8S_VERSION = "1.31"
-
-
-def render(kustomize: str, overlay: str) -> list[dict[str, Any]]:
-    out = subprocess.run([kustomize, "build", str(ROOT / "overlays" / overlay)],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, f"kustomize build {overlay}: {out.stderr}"
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -25,13 +25,14 @@ import pytest
 
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, message_subject
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, message_subject, node_token
 from smr.criu import Criu
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
 from smrctl.embedded import EmbeddedNode
+from tests import nats_auth
 
 pytestmark = pytest.mark.criu
 
@@ -39,10 +40,12 @@ H = TypeVar("H", bound="Harness")
 
 
 class Harness:
-    def __init__(self, node: EmbeddedNode, settings: config.Settings, tmp: Path) -> None:
+    def __init__(self, node: EmbeddedNode, settings: config.Settings, tmp: Path,
+                 bus: Bus | None = None) -> None:
         assert node.bus is not None
         self.node = node
-        self.bus: Bus = node.bus
+        self.bus: Bus = bus or node.bus  # the test's own, where it has one
+        self.node_bus: Bus = node.bus  # the node's own: a fault on its writes goes here
         self.settings = settings
         self.tmp = tmp
         self.jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(settings.job_key_path))
@@ -99,24 +102,39 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running(cls: type[H], criu_binary: str, nats_server: NatsServer, tmp_path: Path,
+async def running(cls: type[H], criu_binary: str,
+                  nats_server: NatsServer | nats_auth.SecuredNats, tmp_path: Path,
                   node: str, ack_wait: float, **settings: Any) -> AsyncIterator[H]:
-    """An embedded node on the session's nats-server, and a harness on it."""
+    """An embedded node on a shared nats-server, and a harness on it. On one
+    with the shipped users (``nats_users``) the node logs in as its own user
+    (local-node.conf.template), as `smr up` on a NATS several machines share
+    does, and the harness (playing `smr exec`, `smr checkpoint` and the
+    operator) as smr-admin, which makes the streams first."""
     s = config.load({}).replace(
         nats_url=nats_server.url, node_name=node, data_dir=str(tmp_path / "data"),
         criu=criu_binary, ack_wait=ack_wait, **settings)
-    async with EmbeddedNode(s) as n:
-        harness = cls(n, s, tmp_path)
-        try:
-            yield harness
-        finally:
-            harness.cleanup()
+    admin = None
+    if isinstance(nats_server, nats_auth.SecuredNats):
+        admin = await nats_server.connect("smr-admin", BusConfig.from_settings(s))
+        user = f"smr-node-{node_token(node)}"
+        s = s.replace(nats_user=user, nats_password=nats_server.passwords[user],
+                      nats_setup=False)
+    try:
+        async with EmbeddedNode(s) as n:
+            harness = cls(n, s, tmp_path, admin)
+            try:
+                yield harness
+            finally:
+                harness.cleanup()
+    finally:
+        if admin:
+            await admin.close()
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
         yield harness
 
 

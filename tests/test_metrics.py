@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from smr import metrics
 from smr.bus import subject
 from smr.messages import CkptRequested, Target
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_observability import dashboard_exprs
 
@@ -32,9 +33,9 @@ TOOLS = Path(__file__).resolve().parents[1] / ".tools" / "bin"
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
         yield harness
 
 

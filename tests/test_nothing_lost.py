@@ -35,16 +35,16 @@ from smr.bus.exhausted import Exhausted
 from smr.cuda_checkpoint import CudaCheckpoint, CudaState
 from smr.jobs import JobLock
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.test_local_smr import Harness, assert_continues, running
 
 pytestmark = pytest.mark.criu
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
                        commit_deadline=20.0) as harness:
         yield harness
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from smr.jobs import launch, ns_init_pid
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 
 pytestmark = pytest.mark.criu
@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
         yield harness
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import FailingPuts, StandInDriver, ckpt_step
 from tests.test_sockets import client, h, start_redis  # noqa: F401
@@ -55,12 +55,12 @@ async def test_a_gpu_jobs_connection_goes_on_after_a_heartbeat(h: Harness) -> No
 
 
 async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_connections_working(
-        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str) -> None:
     """Storage stays down past the commit deadline after a final dump that
     kept the job's connections (held stopped, for a restore on this node):
     the request fails and the job runs on where it was (#32's promise), and
     so must its clients' connections."""
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
                        storage_path=str(tmp_path / "store"), commit_deadline=6.0) as node_h:
         job, port = await start_redis(node_h, keys=1000)
         r = client(port)

@@ -23,7 +23,7 @@ import pytest
 
 from smr.bus import KV_STEPS, Bus, Progress, Worker
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 
 
@@ -130,9 +130,9 @@ async def test_a_lost_keepalive_answer_neither_stops_the_heartbeat_nor_reruns_th
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
         try:
             yield harness
         finally:
@@ -198,7 +198,7 @@ async def test_a_restore_whose_keepalive_answer_was_lost_runs_the_job_once(
     stop = asyncio.Event()
     holder = asyncio.create_task(hold_lock(h, job.id, "long-step", stop))
     rid = uuid.uuid4().hex
-    lost = LostAnswer(h.bus.kv(KV_STEPS), rid)
+    lost = LostAnswer(h.node_bus.kv(KV_STEPS), rid)
     step = h.node.workers[1].step
     real_run = step.run
     attempts: list[str] = []  # how each run of the step ended
@@ -278,7 +278,7 @@ async def test_the_recovery_of_a_checkpoint_never_kills_the_restore_made_after_i
     job = await h.start(32)
     rid = uuid.uuid4().hex
     restored = asyncio.Event()
-    lost = AnswerLost(h.bus.kv(KV_STEPS), rid, restored)
+    lost = AnswerLost(h.node_bus.kv(KV_STEPS), rid, restored)
     try:
         ask = asyncio.create_task(h.bus.request(CkptRequested(
             request_id=rid, checkpoint_id=job.id, target=Target.job(job.id),
@@ -381,7 +381,7 @@ async def test_a_restore_whose_record_write_fails_leaves_no_unknown_copy(
     job = await h.start(32)
     done = await h.checkpoint(job.id)
     assert done.status == "succeeded", done.error
-    fault = FailsOnce(h.bus.kv(KV_JOBS), job.id, times)
+    fault = FailsOnce(h.node_bus.kv(KV_JOBS), job.id, times)
     try:
         # NATS away for good: each delivery retries its writes for ~20 s
         # (the NATS retry budget) before the step gives up, until

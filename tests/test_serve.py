@@ -12,20 +12,28 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.storage.__main__ import make
+from services.storage.__main__ import BUCKETS, make
 from services.storage.local import LocalBackend
 from services.storage.store import CheckpointStore
 from smr import config, serve
 from smr.messages import Target, epoch
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
+
+
+def as_deployed(nats: nats_auth.SecuredNats, **kw: object) -> config.Settings:
+    """The storage service's settings as its Deployment gives them: NATS with
+    the shipped users, logged in as smr-storage (SMR_NATS_USER, SMR_NATS_PASSWORD)."""
+    return config.load({}).replace(nats_url=nats.url, nats_user="smr-storage",
+                                   nats_password=nats.passwords["smr-storage"], **kw)
 
 
 async def test_storage_service_answers_probes_and_stops_on_sigterm(
-        nats_server: NatsServer, tmp_path: Path) -> None:
+        nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     port = free_port()
-    s = config.load({}).replace(nats_url=nats_server.url, health_port=port,
-                                storage_path=str(tmp_path / "store"), node_name="probe-test")
-    task = asyncio.create_task(serve.serve("storage", s, make))
+    s = as_deployed(nats_users, health_port=port, storage_path=str(tmp_path / "store"),
+                    node_name="probe-test")
+    task = asyncio.create_task(serve.serve("storage", s, make, buckets=BUCKETS))
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:
         for _ in range(100):
@@ -46,7 +54,7 @@ async def test_storage_service_answers_probes_and_stops_on_sigterm(
 
 
 async def test_a_service_serves_its_metrics_on_the_metrics_port(
-        nats_server: NatsServer, tmp_path: Path) -> None:
+        nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     """The storage service as its Deployment runs it: /metrics on
     SMR_METRICS_PORT, with what storage holds (read from storage at start)."""
     store = CheckpointStore(LocalBackend(tmp_path / "store"))
@@ -57,9 +65,9 @@ async def test_a_service_serves_its_metrics_on_the_metrics_port(
         "request_id": "served-1", "node": "n1", "reason": "api",
         "target": Target.job("served").to_dict(), "versions": {"criu": "4.2.1"}})
     port = free_port()
-    s = config.load({}).replace(nats_url=nats_server.url, metrics_port=port,
-                                storage_path=str(tmp_path / "store"), node_name="metrics-test")
-    task = asyncio.create_task(serve.serve("storage", s, make))
+    s = as_deployed(nats_users, metrics_port=port, storage_path=str(tmp_path / "store"),
+                    node_name="metrics-test")
+    task = asyncio.create_task(serve.serve("storage", s, make, buckets=BUCKETS))
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     async with aiohttp.ClientSession() as http:
         for _ in range(100):

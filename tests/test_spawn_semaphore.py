@@ -31,7 +31,7 @@ from services.restorer import step as restorer_step
 from smr import reaper
 from smr.gpuinfo import process_tree
 from smr.jobs import launch, proc_start_ticks, signal_tree
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 
 pytestmark = pytest.mark.criu
@@ -61,9 +61,9 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
         yield harness
 
 

@@ -16,8 +16,9 @@ from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from smr import metrics
-from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus
+from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus, BusConfig
 from smr.messages import CkptDone, StorageQuery, StorageReply, Target, epoch
+from tests import nats_auth
 from tests.test_bus import dlq_messages
 
 NS = layout.LOCAL_NAMESPACE
@@ -29,16 +30,26 @@ def store(tmp_path: Path) -> CheckpointStore:
 
 
 @pytest.fixture
-async def service(bus: Bus, store: CheckpointStore) -> AsyncIterator[StorageService]:
+def bus(admin_bus: Bus) -> Bus:
+    """NATS as deployed, with the shipped users (tests/nats_auth.py): the
+    storage service logs in as smr-storage, the test (asking it, publishing
+    results as the agents would) as smr-admin."""
+    return admin_bus
+
+
+@pytest.fixture
+async def service(nats_users: nats_auth.SecuredNats, bus: Bus, bus_config: BusConfig,
+                  store: CheckpointStore) -> AsyncIterator[StorageService]:
+    storage_bus = await nats_users.connect("smr-storage", bus_config, buckets=())
     # A grace of 0 would take the tests' own commits in flight for dead
     # writers (ClaimLost, seen under load); the GC test lowers it itself.
-    svc = StorageService(bus, store, keep=2, gc_grace_s=600, gc_interval_s=0.3,
-                         durable=f"retention-{uuid.uuid4().hex[:8]}")
+    svc = StorageService(storage_bus, store, keep=2, gc_grace_s=600, gc_interval_s=0.3)
     task = asyncio.create_task(svc.run())
     await asyncio.wait_for(svc.ready.wait(), 10)
     yield svc
     svc.stop()
     await asyncio.wait_for(task, 10)
+    await storage_bus.close()
 
 
 async def commit(store: CheckpointStore, tmp_path: Path, ckpt: str, n: int,

@@ -25,12 +25,14 @@ from services.kubeapi import api_client
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
+from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer
 from services.watcher.service import Watcher
 from smr import config, metrics
-from smr.bus import KV_BEATS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
+from smr.bus import KV_BEATS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, node_token
 from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
+from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_apiserver import node as a_node
 from tests.test_bus import dlq_messages
@@ -51,6 +53,22 @@ async def api(kube: FakeApiServer) -> AsyncIterator[client.ApiClient]:
 
 
 @pytest.fixture
+def bus(admin_bus: Bus) -> Bus:
+    """NATS as deployed, with the shipped users (tests/nats_auth.py): the
+    watcher logs in as smr-watcher (``watcher_bus``), the storage service as
+    smr-storage, and the test, playing the agents and operators, as smr-admin."""
+    return admin_bus
+
+
+@pytest.fixture
+async def watcher_bus(nats_users: nats_auth.SecuredNats, bus: Bus, bus_config: BusConfig
+                      ) -> AsyncIterator[Bus]:
+    b = await nats_users.connect("smr-watcher", bus_config, buckets=WATCHER_BUCKETS)
+    yield b
+    await b.close()
+
+
+@pytest.fixture
 def watch_settings() -> config.Settings:
     return config.load({}).replace(
         heartbeat_min=1, lease_duration=3, lease_renew_deadline=2, lease_retry=1,
@@ -62,7 +80,9 @@ class Watchers:
 
     def __init__(self, bus: Bus, api: client.ApiClient, settings: config.Settings) -> None:
         self.bus, self.api, self.settings = bus, api, settings
-        self.prefix = f"w-{uuid.uuid4().hex[:6]}"
+        # The durable consumers' names the shipped permissions give smr-watcher
+        # (each test has a NATS of its own).
+        self.prefix = "watcher"
         self.running: list[tuple[Watcher, asyncio.Task[None]]] = []
 
     async def start(self, **overrides: Any) -> Watcher:
@@ -87,9 +107,9 @@ class Watchers:
 
 
 @pytest.fixture
-async def watchers(bus: Bus, api: client.ApiClient, watch_settings: config.Settings
+async def watchers(watcher_bus: Bus, api: client.ApiClient, watch_settings: config.Settings
                    ) -> AsyncIterator[Watchers]:
-    ws = Watchers(bus, api, watch_settings)
+    ws = Watchers(watcher_bus, api, watch_settings)
     yield ws
     await ws.stop_all()
 
@@ -531,7 +551,7 @@ async def test_heartbeat_schedule_survives_restart_and_stops_with_the_pod(
     assert second.schedule.entries == {}
 
 
-async def test_heartbeat_lateness_is_measured_from_the_slot_it_fires(bus: Bus,
+async def test_heartbeat_lateness_is_measured_from_the_slot_it_fires(watcher_bus: Bus,
                                                                       node: str) -> None:
     """On a clock the test sets: 23.5 s after a 10 s beat fell due, two beats
     were missed and the latest slot is 3.5 s old."""
@@ -541,7 +561,7 @@ async def test_heartbeat_lateness_is_measured_from_the_slot_it_fires(bus: Bus,
     async def publish(reqs: list[CkptRequested]) -> None:
         sent.extend(reqs)
 
-    schedule = HeartbeatSchedule(bus.kv(KV_BEATS), publish, clock=lambda: now[0])
+    schedule = HeartbeatSchedule(watcher_bus.kv(KV_BEATS), publish, clock=lambda: now[0])
     uid = f"uid-{uuid.uuid4().hex[:8]}"
     await schedule.upsert(uid, "default", "late", node, 10, [["main", "late-ckpt"]])
     now[0] = schedule.entries[uid][0].next_due + 23.5
@@ -594,14 +614,17 @@ async def test_beats_missed_while_no_leader_ran_are_counted_and_fired_once(
 # -- restores ------------------------------------------------------------------------
 
 @pytest.fixture
-async def storage(bus: Bus, tmp_path: Path) -> AsyncIterator[CheckpointStore]:
+async def storage(nats_users: nats_auth.SecuredNats, bus: Bus, bus_config: BusConfig,
+                  tmp_path: Path) -> AsyncIterator[CheckpointStore]:
     store = CheckpointStore(LocalBackend(tmp_path / "store"))
-    svc = StorageService(bus, store, durable=f"retention-{uuid.uuid4().hex[:6]}")
+    storage_bus = await nats_users.connect("smr-storage", bus_config, buckets=())
+    svc = StorageService(storage_bus, store)
     task = asyncio.create_task(svc.run())
     await asyncio.wait_for(svc.ready.wait(), 10)
     yield store
     svc.stop()
     await asyncio.wait_for(task, 10)
+    await storage_bus.close()
 
 
 async def stored(store: CheckpointStore, tmp_path: Path, namespace: str, ckpt_id: str,

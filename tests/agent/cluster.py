@@ -2,8 +2,10 @@
 machine, their workload images, and what a resumed workload must show.
 
 Real: containerd 1.6 with runc running the workload containers, CRIU 4.2
-inside them, nats-server, moto's S3 server over HTTP, the watcher, the
-storage service, two node agents. FAKE: the Kubernetes API server
+inside them, nats-server with the NATS users and permissions deploy/kustomize
+ships (each service logged in as its own user, tests/nats_auth.py), moto's S3
+server over HTTP, the watcher, the storage service, the webhook, two node
+agents. FAKE: the Kubernetes API server
 (tests/fake_apiserver.py) and the kubelets (tests/fake_kubelet.py), since
 neither can run here; the test plays the scheduler and the Job controller.
 

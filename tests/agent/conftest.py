@@ -12,7 +12,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
@@ -28,7 +27,7 @@ from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
 from services.watcher.service import Watcher
 from services.webhook.service import Webhook
 from smr import config
-from smr.bus import Bus
+from smr.bus import BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
 from smr.workloads import jax_mlp, torch_train
@@ -155,10 +154,10 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 @pytest.fixture
-async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
-                  smr_init: Path, smr_runtime: Path, tmp_path: Path, bus: Bus,
-                  request: pytest.FixtureRequest, settings: config.Settings
-                  ) -> AsyncIterator[Cluster]:
+async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
+                  smr_runtime: Path, tmp_path: Path, shipped_nats_users: nats_auth.Shipped,
+                  bus_config: BusConfig, request: pytest.FixtureRequest,
+                  settings: config.Settings) -> AsyncIterator[Cluster]:
     run = uuid.uuid4().hex[:6]
     nodes = [f"node-a-{run}", f"node-b-{run}"]
     # The kubelets end terminating pods; node and pod events come in no set order.
@@ -175,35 +174,29 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
         async with backend._client() as c:
             await c.create_bucket(Bucket=bucket)
         store = CheckpointStore(backend, Codec(level=1))
+    # NATS as a deployed cluster runs it: the users and permissions
+    # deploy/kustomize ships (tests/nats_auth.py), each service logged in as
+    # its own user (node a's agent as that node's user, from
+    # agent-node.conf.template; node b's as the shipped all-nodes smr-agent,
+    # the one a separate agent process logs in as), the test as smr-admin.
+    # A permission a service lacks fails the test at its end (the server's log
+    # names it), even where the service got by without it.
+    secured = nats_auth.start(settings.nats_server_binary(), tmp_path / "nats-auth",
+                              shipped_nats_users, agents={nodes[0]: f"pw-{run}"})
     base = settings.replace(
-        nats_url=nats_server.url, lease_name=f"smr-watcher-{run}", lease_duration=3,
+        nats_url=secured.url, lease_name=f"smr-watcher-{run}", lease_duration=3,
         lease_renew_deadline=2, lease_retry=1, max_deliver=2, ack_wait=5)
-    # A test marked nats_users runs on a NATS of its own with the users and
-    # permissions deploy/kustomize ships, each service logged in as its own
-    # user (node a's agent as that node's user, from agent-node.conf.template;
-    # node b's as the shipped all-nodes smr-agent), the test as smr-admin.
-    secured = None
-    buses = {"storage": bus, "watcher": bus, **{n: bus for n in nodes}}
-    durables = {"storage": f"retention-{run}", "watcher": f"w-{run}"}
-    if request.node.get_closest_marker("nats_users"):
-        secured = nats_auth.start(settings.nats_server_binary(), tmp_path / "nats-auth",
-                                  nats_auth.shipped(request.getfixturevalue("kustomize")),
-                                  agents={nodes[0]: f"pw-{run}"})
-        base = base.replace(nats_url=secured.url)
-        bus = await Bus.connect(secured.url, config=secured.config("smr-admin"))
-        # The shipped permissions name the services' own durable consumers.
-        durables = {"storage": "storage-retention", "watcher": "watcher"}
-        users = {"storage": ("smr-storage", ()), "watcher": ("smr-watcher", WATCHER_BUCKETS),
-                 nodes[0]: (f"smr-agent-{nodes[0]}", AGENT_BUCKETS),
-                 nodes[1]: ("smr-agent", AGENT_BUCKETS)}
-        for who, (user, buckets) in users.items():
-            buses[who] = await Bus.connect(secured.url, config=secured.config(
-                user, max_deliver=2, ack_wait=5), buckets=buckets)
-        webhook_user = secured.config("smr-webhook")
-        base_webhook = base.replace(nats_user=webhook_user.user,
-                                    nats_password=webhook_user.password, nats_setup=False)
-    else:
-        base_webhook = base
+    bus = await secured.connect("smr-admin", bus_config)
+    # The shipped permissions name the services' own durable consumers.
+    durables = {"storage": "storage-retention", "watcher": "watcher"}
+    users = {"storage": ("smr-storage", ()), "watcher": ("smr-watcher", WATCHER_BUCKETS),
+             nodes[0]: (f"smr-agent-{nodes[0]}", AGENT_BUCKETS),
+             nodes[1]: ("smr-agent", AGENT_BUCKETS)}
+    buses = {who: await secured.connect(user, bus_config, buckets=buckets)
+             for who, (user, buckets) in users.items()}
+    webhook_user = secured.config("smr-webhook")
+    base_webhook = base.replace(nats_user=webhook_user.user,
+                                nats_password=webhook_user.password, nats_setup=False)
     apis = [await api_client(kube.url) for _ in range(5)]
     # The webhook, installed as deploy/kustomize/base does: its configuration
     # (caBundle empty until the webhook fills it), reached as a Service.
@@ -240,7 +233,10 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
                 where = {"STORAGE": "s3", "S3_BUCKET": bucket, "S3_PREFIX": "ckpt",
                          "S3_PATH_STYLE": "true",
                          "S3_ENDPOINT": request.getfixturevalue("s3_endpoint")}
-            env = env_of(base.replace(node_name=nodes[1]), **where, ZSTD_LEVEL="1",
+            agent_user = secured.config("smr-agent")
+            env = env_of(base.replace(node_name=nodes[1], nats_user=agent_user.user,
+                                      nats_password=agent_user.password, nats_setup=False),
+                         **where, ZSTD_LEVEL="1",
                          KUBE_API=kube.url, WORK_DIR=str(tmp_path / f"work-{nodes[1]}"),
                          HEALTH_PORT=str(free_port()), METRICS_PORT="0")
             cgroup = stack.enter_context(memory_cgroup(marker.kwargs["memory_limit"]))
@@ -265,9 +261,11 @@ async def cluster(nats_server: Any, containerd: Containerd, images: list[Path],
             await a.close()
         await store.close()
         await kube.stop()
-        if secured:
-            for b in {*buses.values(), bus}:
-                await b.close()
-            secured.stop()
+        for b in (*buses.values(), bus):
+            await b.close()
+        secured.stop()
+    refused = secured.violations()
+    assert not refused, ("a service was refused a permission the shipped NATS users lack "
+                         f"(deploy/kustomize/components/nats-auth): {refused[:5]}")
 
 

@@ -8,19 +8,22 @@ from __future__ import annotations
 import asyncio
 import shutil
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from services.agent import install, nodelabel
+from services.agent.__main__ import BUCKETS as AGENT_BUCKETS
 from services.agent.service import NodeAgent
 from services.kubeapi import api_client
 from services.storage.codec import Codec
 from services.storage.local import LocalBackend
 from services.storage.store import CheckpointStore
 from smr import config
-from smr.bus import Bus
+from smr.bus import Bus, BusConfig
+from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 
@@ -54,6 +57,15 @@ async def run_agent(bus: Bus, kube: FakeApiServer, store: CheckpointStore,
 def events(kube: FakeApiServer, node: str) -> list[dict[str, Any]]:
     return [e for e in kube.list("events", "default")
             if e["involvedObject"] == {"kind": "Node", "apiVersion": "v1", "name": node}]
+
+
+@pytest.fixture
+async def bus(nats_users: nats_auth.SecuredNats, admin_bus: Bus, bus_config: BusConfig
+              ) -> AsyncIterator[Bus]:
+    """The agent's own NATS user, as deployed (the streams made by admin_bus)."""
+    b = await nats_users.connect("smr-agent", bus_config, buckets=AGENT_BUCKETS)
+    yield b
+    await b.close()
 
 
 async def test_agent_labels_its_node_once_installed_and_unlabels_on_uninstall(

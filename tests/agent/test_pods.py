@@ -16,12 +16,7 @@ from tests.agent.cluster import IMAGE, OTHER_IMAGE, Cluster, assert_continues, s
 from tests.fake_apiserver import pod
 
 
-@pytest.mark.parametrize("users", [
-    pytest.param(False, id="open-bus"),
-    # Each service as its own NATS user, with only the permissions shipped in
-    # deploy/kustomize/components/nats-auth: they suffice for the whole path.
-    pytest.param(True, id="nats-users", marks=pytest.mark.nats_users)])
-async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster, users: bool) -> None:
+async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster) -> None:
     a, b = list(cluster.kubelets)
     cluster.kube.put("pods", workload("counter", a, labels={"smr.dev/node-restore": "true"}))
     await cluster.until_steps("counter", a, 5)

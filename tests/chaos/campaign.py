@@ -43,7 +43,12 @@ With ``--cluster`` NATS is a 3-server JetStream cluster (tests/nats_cluster.py)
 with every stream and bucket replicated 3 times, and NATS faults of their own:
 SIGKILL of a stream's leader or of the JetStream meta leader (restarted after
 a pause), a server paused (SIGSTOP) for longer than the election timeout, and
-``restart-nats`` restarts the whole cluster.
+``restart-nats`` restarts the whole cluster. There NATS runs, as deployed, with
+the users and permissions deploy/kustomize ships (tests/nats_auth.py): each
+node's `smr up` logs in as its own user (local-node.conf.template), the
+campaign (playing `smr exec` and the operator) as smr-admin, and any refusal
+in a server's log is a violation (a permission the shipped users lack).
+``nats_users=False`` (``--no-nats-users``) runs it without users.
 
     .venv/bin/python -m tests.chaos --cycles 200 --seed 7      # the full run
     .venv/bin/python -m tests.chaos --cycles 200 --cluster     # on a NATS cluster
@@ -63,7 +68,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +76,12 @@ from services.storage import layout
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore
 from smr import config
-from smr.bus import KV_JOBS, STREAM_REQUESTS, Bus, BusConfig, subject
+from smr.bus import KV_JOBS, STREAM_REQUESTS, Bus, BusConfig, node_token, subject
 from smr.jobs import JobRegistry, job_key, launch
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
 from smr.workloads import counter
+from tests import nats_auth
 from tests.chaos import gpu_standin
 from tests.chaos.proxy import FaultProxy
 from tests.nats_cluster import NatsCluster
@@ -116,6 +122,7 @@ class Report:
     left_stopped: int = 0  # a workload's process left in SIGSTOP
     gpu_suspended: int = 0  # a running workload whose (stand-in) GPU is not RUNNING
     kv_disagreements: int = 0
+    nats_refused: int = 0  # what a NATS server refused one of smr's users (its log)
     crashes: int = 0  # a node's `smr up` exited without being killed
     s3_injected: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
@@ -125,7 +132,7 @@ class Report:
     def violated(self) -> int:
         return (self.lost + self.corrupt + self.double_running + self.stuck + self.orphans
                 + self.kv_disagreements + self.crashes + self.latest_behind + self.dumps_left
-                + self.left_stopped + self.gpu_suspended)
+                + self.left_stopped + self.gpu_suspended + self.nats_refused)
 
     def table(self) -> str:
         rows = [("cycles", self.cycles), ("seconds", f"{self.seconds:.0f}")]
@@ -142,6 +149,7 @@ class Report:
                  ("workloads left stopped", self.left_stopped),
                  ("GPUs left suspended (stand-in)", self.gpu_suspended),
                  ("KV disagreements", self.kv_disagreements),
+                 ("NATS permissions refused", self.nats_refused),
                  ("node crashes", self.crashes)]
         rows += [(f"head-of-line: {k}", f"{v:.2f}") for k, v in self.hol.items()]
         width = max(len(str(k)) for k, _ in rows)
@@ -252,8 +260,12 @@ def stopped(pid: int) -> bool:
 
 
 class Campaign:
-    def __init__(self, root: Path, seed: int, criu: str, cluster: bool = False) -> None:
+    def __init__(self, root: Path, seed: int, criu: str, cluster: bool = False,
+                 nats_users: bool | None = None) -> None:
         self.root = root
+        # The shipped NATS users (default: on a cluster, as deployed).
+        self.nats_users = cluster if nats_users is None else nats_users
+        self.users: nats_auth.Rendered | None = None
         self.cluster: NatsCluster | None = None
         # The NATS faults first: a short --each-fault run meets them.
         self.faults = (CLUSTER_FAULT_KINDS if cluster else ()) + FAULT_KINDS
@@ -269,12 +281,22 @@ class Campaign:
 
     async def __aenter__(self) -> Campaign:
         settings = config.load({})
+        login = BusConfig()
+        if self.nats_users:
+            self.users = nats_auth.render(
+                self.root / "nats-auth", nats_auth.shipped(nats_auth.kustomize()),
+                nodes={n: f"chaos-{n}-{uuid.uuid4().hex[:8]}" for n in NODES})
+            login = nats_auth.config("smr-admin", self.users.passwords["smr-admin"])
         if self.replicas > 1:
-            self.cluster = NatsCluster(settings.nats_server_binary(), self.root / "nats")
+            self.cluster = NatsCluster(settings.nats_server_binary(), self.root / "nats",
+                                       users=self.users)
             await asyncio.to_thread(self.cluster.start)
             self.nats_url = self.cluster.url
         else:
-            self.nats = NatsServer(settings.nats_server_binary(), self.root / "nats").start()
+            self.nats = NatsServer(
+                settings.nats_server_binary(), self.root / "nats",
+                extra_args=["-c", str(self.users.conf)] if self.users else (),
+                env=self.users.env if self.users else None).start()
             self.nats_url = self.nats.url
         port = free_port()
         self.moto = start_moto(port)
@@ -308,15 +330,38 @@ class Campaign:
                "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get(
                    "PYTHONPATH"))))}
         # The topology first, made once, not by three processes racing.
-        self.bus = await Bus.connect(self.nats_url, name="smr-chaos",
-                                     config=BusConfig(ack_wait=5, replicas=self.replicas))
-        self.nodes = {n: Node(n, self.root, env) for n in NODES}
+        self.bus = await Bus.connect(self.nats_url, name="smr-chaos", config=replace(
+            login, ack_wait=5, replicas=self.replicas))
+        self.nodes = {n: Node(n, self.root, {**env, **self.login_env(n)}) for n in NODES}
         for node in self.nodes.values():
             node.mount()
             node.start()
         self.jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(key_file, create=True))
         await self._wait_nodes()
         return self
+
+    def login_env(self, node: str) -> dict[str, str]:
+        """How ``node``'s `smr up` logs in: its own user, which may not create
+        the streams (the campaign's smr-admin made them)."""
+        if not self.users:
+            return {}
+        user = f"smr-node-{node_token(node)}"
+        return {"SMR_NATS_USER": user, "SMR_NATS_PASSWORD": self.users.passwords[user],
+                "SMR_NATS_SETUP": "false"}
+
+    def check_refusals(self) -> None:
+        """Each new refusal in the NATS servers' logs is a violation: with the
+        shipped users, a permission smr needs and does not have."""
+        servers = self.cluster.servers if self.cluster else [self.nats]
+        found = []
+        for srv in servers:
+            with contextlib.suppress(FileNotFoundError):
+                found += [f"{srv.store_dir.name}: {line}" for line in
+                          srv.log_file.read_text(errors="replace").splitlines()
+                          if "Violation" in line]
+        for line in found[self.report.nats_refused:]:
+            self.problem(f"NATS refused: {line}")
+        self.report.nats_refused = max(self.report.nats_refused, len(found))
 
     async def __aexit__(self, *exc: object) -> None:
         for w in self.workloads:
@@ -746,22 +791,24 @@ class Campaign:
 
 async def run(cycles: int, seed: int, criu: str, workloads: int = 3,
               root: Path | None = None, keep: bool = False, each_fault: bool = False,
-              cluster: bool = False) -> Report:
+              cluster: bool = False, nats_users: bool | None = None) -> Report:
     """The campaign; ``keep`` leaves its directory (node logs, job logs) in
     place; ``each_fault``: the cycles take every fault kind in turn (the short
     version in `make test` meets each at least once)."""
     root = root or Path(tempfile.mkdtemp(prefix="smr-chaos-"))
     t0 = time.monotonic()
-    async with Campaign(root, seed, criu, cluster=cluster) as c:
+    async with Campaign(root, seed, criu, cluster=cluster, nats_users=nats_users) as c:
         await c.start_workloads(workloads)
         for i in range(cycles):
             await c.cycle(c.faults[i % len(c.faults)] if each_fault else None)
+            c.check_refusals()
             if (i + 1) % 20 == 0:  # long work shows progress
                 print(f"chaos: {i + 1}/{cycles} cycles, {time.monotonic() - t0:.0f}s, "
                       f"{c.report.violated()} violations", file=sys.stderr, flush=True)
         c.proxy.set(None)
         await c.head_of_line()
         await c.orphans()
+        c.check_refusals()
         c.report.seconds = time.monotonic() - t0
         report = c.report
     if keep:
