@@ -1007,16 +1007,18 @@ async def test_a_template_request_whose_publish_failed_is_published_on_the_retry
     skipped it and the template was never taken)."""
     kube.put("nodes", a_node(node))
     kube.put("pods", replica("web-0", node, created=ago(60), ready_at=ago(5)))
-    real = bus.publish
+    # On the class: the watcher publishes through a bus of its own (its own
+    # NATS user), not the test's.
+    real = Bus.publish
     refused: list[str] = []
 
-    async def publish_once_refused(msg: Any, *a: Any, **kw: Any) -> Any:
+    async def publish_once_refused(self: Bus, msg: Any, *a: Any, **kw: Any) -> Any:
         if isinstance(msg, CkptRequested) and msg.reason == "template" and not refused:
             refused.append(msg.request_id)
             raise ConnectionError("nats: the bus is away (a test's fault)")
-        return await real(msg, *a, **kw)
+        return await real(self, msg, *a, **kw)
 
-    bus.publish = publish_once_refused  # type: ignore[method-assign]
+    Bus.publish = publish_once_refused  # type: ignore[method-assign]
     try:
         await watchers.start()
         async with ckpts(bus, node) as c:
@@ -1025,4 +1027,4 @@ async def test_a_template_request_whose_publish_failed_is_published_on_the_retry
             assert [(r.checkpoint_id, r.target.pod) for r in c.items] == \
                 [("template_tpl.main", "web-0")]
     finally:
-        bus.publish = real  # type: ignore[method-assign]
+        Bus.publish = real  # type: ignore[method-assign]
