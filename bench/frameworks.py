@@ -57,6 +57,16 @@ WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
                    {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "dataloader-spawn": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader",
                           "--spawn"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    # Two processes on two GPUs, NCCL all-reducing every step (nvidia-h200-x2):
+    # as NCCL picks its transports (P2P over NVLink, shared memory), and over
+    # sockets only (no CUDA IPC between the two processes).
+    "ddp-nccl": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                  "-m", "smr.workloads.ddp_train", "--steps", "300"],
+                 {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    "ddp-nccl-net": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                      "2", "-m", "smr.workloads.ddp_train", "--steps", "300"],
+                     {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_P2P_DISABLE": "1",
+                      "NCCL_SHM_DISABLE": "1"}),
 }
 
 

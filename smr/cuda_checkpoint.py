@@ -166,19 +166,7 @@ class CudaCheckpoint:
 
     async def suspend(self, pid: int) -> dict[str, float]:
         """RUNNING → CHECKPOINTED; on failure the process is left RUNNING."""
-        st = await self.state(pid)
-        if st is not CudaState.RUNNING:
-            raise CudaError(f"process {pid} is in CUDA state {st and st.name}, not RUNNING",
-                            hint="a previous checkpoint did not finish; see the agent's log")
-        t = time.monotonic()
-        await asyncio.to_thread(self.drv.lock, pid, self.lock_timeout_s)
-        locked = time.monotonic()
-        try:
-            await asyncio.to_thread(self.drv.checkpoint, pid)
-        except BaseException:
-            await self.resume(pid, quiet=True)
-            raise
-        return {"cuda_lock": locked - t, "cuda_checkpoint": time.monotonic() - locked}
+        return await self.suspend_all([pid])
 
     async def resume(self, pid: int, *, quiet: bool = False) -> dict[str, float]:
         """Whatever state it is in → RUNNING (restore if checkpointed, unlock
@@ -239,16 +227,35 @@ class CudaCheckpoint:
         return total
 
     async def suspend_all(self, pids: list[int]) -> dict[str, float]:
-        """Every CUDA process of a job, or none: a failure resumes those done."""
-        total: dict[str, float] = {}
-        done: list[int] = []
+        """Every CUDA process of a job, or none: a failure resumes those done.
+
+        Every process is locked before any is checkpointed. Processes that
+        wait on one another's GPU work (NCCL's collectives across ranks) may
+        not all be lockable: a rank's lock waits for a collective its locked
+        peer will never join (CUDA_ERROR_NOT_READY). Had that peer been
+        checkpointed already, the driver could refuse to restore it
+        (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED, measured on
+        two H200s with a DDP job) and the job would hang for good; a peer
+        only locked is always unlocked."""
+        total: dict[str, float] = {"cuda_lock": 0.0, "cuda_checkpoint": 0.0}
+        touched: list[int] = []
         try:
             for pid in pids:
-                for k, v in (await self.suspend(pid)).items():
-                    total[k] = total.get(k, 0.0) + v
-                done.append(pid)
+                st = await self.state(pid)
+                if st is not CudaState.RUNNING:
+                    raise CudaError(
+                        f"process {pid} is in CUDA state {st and st.name}, not RUNNING",
+                        hint="a previous checkpoint did not finish; see the agent's log")
+                touched.append(pid)
+                t = time.monotonic()
+                await asyncio.to_thread(self.drv.lock, pid, self.lock_timeout_s)
+                total["cuda_lock"] += time.monotonic() - t
+            for pid in pids:
+                t = time.monotonic()
+                await asyncio.to_thread(self.drv.checkpoint, pid)
+                total["cuda_checkpoint"] += time.monotonic() - t
         except BaseException:
-            await asyncio.shield(self.resume_all(done, quiet=True))
+            await asyncio.shield(self.resume_all(touched, quiet=True))
             raise
         return total
 
