@@ -65,13 +65,7 @@ async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_connections_w
         job, port = await start_redis(node_h, keys=1000)
         r = client(port)
         assert r.incr("n") == 1
-        fault = FailingPuts(ckpt_step(node_h).store.backend, "manifest.json", times=None)
-        try:
-            done = await node_h.checkpoint(job.id)
-        finally:
-            fault.restore()
-        assert done.status == "failed" and done.error, done
-        assert done.error["code"] == "storage-unavailable", done.error
+        await unstorable_final_checkpoint(node_h, job.id)
         try:
             n = r.incr("n")
         except Exception as e:
@@ -83,6 +77,18 @@ async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_connections_w
         mine = r.connection._sock.getsockname()[1]  # type: ignore[union-attr]
         assert f". {mine} ." not in locked(), f"port {mine} still in CRIU's lock: {locked()}"
         r.close()
+
+
+async def unstorable_final_checkpoint(node_h: Harness, job_id: str) -> None:
+    """A final checkpoint of ``job_id`` whose manifest storage refuses past
+    the commit deadline: it fails as storage-unavailable."""
+    fault = FailingPuts(ckpt_step(node_h).store.backend, "manifest.json", times=None)
+    try:
+        done = await node_h.checkpoint(job_id)
+    finally:
+        fault.restore()
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "storage-unavailable", done.error
 
 
 def locked() -> str:

@@ -19,8 +19,8 @@ import pytest
 from smr import netlock
 from smr.natsserver import NatsServer, free_port
 from tests.test_local_smr import Harness, running
-from tests.test_nothing_lost import FailingPuts, ckpt_step
-from tests.test_review3_sockets import locked
+from tests.test_nothing_lost import ckpt_step
+from tests.test_review3_sockets import locked, unstorable_final_checkpoint
 from tests.test_sockets import client, h, start, start_redis  # noqa: F401
 
 pytestmark = pytest.mark.criu
@@ -94,13 +94,7 @@ async def test_a_half_closed_connection_is_answered_after_a_final_checkpoint_tha
         c.sendall(b"hello")
         c.shutdown(socket.SHUT_WR)
         await wait_file(tmp_path / "got")
-        fault = FailingPuts(ckpt_step(node_h).store.backend, "manifest.json", times=None)
-        try:
-            done = await node_h.checkpoint(job.id)
-        finally:
-            fault.restore()
-        assert done.status == "failed" and done.error, done
-        assert done.error["code"] == "storage-unavailable", done.error
+        await unstorable_final_checkpoint(node_h, job.id)
         (tmp_path / "go").touch()
         got = b""
         with stack:
