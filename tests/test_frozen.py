@@ -158,6 +158,20 @@ int main(void) {
 """
 
 
+
+def zombie_leader(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """ZOMBIE_LEADER built and started, once its main thread has ended
+    (leader Z) and its three workers run: the process and the workers."""
+    src, exe = tmp_path / "zl.c", tmp_path / "zl"
+    src.write_text(ZOMBIE_LEADER)
+    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
+    proc = subprocess.Popen([str(exe)])
+    deadline = time.monotonic() + 30
+    while (len(frozen.threads(proc.pid)) < 4 or frozen.state(proc.pid) != "Z") \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc, [t for t in frozen.threads(proc.pid) if t != proc.pid]
+
 def test_a_stopped_process_whose_main_thread_ended_is_continued(tmp_path: Path) -> None:
     """Its leader shows Z, never T, and once the group stop is done no
     SIGSTOP is pending: judged by the leader alone it was taken for a
@@ -167,17 +181,9 @@ def test_a_stopped_process_whose_main_thread_ended_is_continued(tmp_path: Path) 
     from smr.cuda_checkpoint import CudaCheckpoint
     from tests.chaos import gpu_standin
 
-    src, exe = tmp_path / "zl.c", tmp_path / "zl"
-    src.write_text(ZOMBIE_LEADER)
-    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
     (tmp_path / "gpu").mkdir()
-    proc = subprocess.Popen([str(exe)])
+    proc, workers = zombie_leader(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while (len(frozen.threads(proc.pid)) < 4 or frozen.state(proc.pid) != "Z") \
-                and time.monotonic() < deadline:
-            time.sleep(0.01)
-        workers = [t for t in frozen.threads(proc.pid) if t != proc.pid]
         assert len(workers) == 3 and frozen.state(proc.pid) == "Z"
         os.kill(proc.pid, signal.SIGSTOP)  # as CRIU's --leave-stopped leaves it
         for t in workers:
@@ -196,16 +202,8 @@ def test_a_stopped_process_whose_main_thread_ended_is_continued(tmp_path: Path) 
 def test_one_thread_runs_in_a_process_whose_main_thread_ended(tmp_path: Path) -> None:
     """The zombie leader cannot be seized (EPERM) and never runs: the hold
     takes the threads that live, and the GPU restore goes on."""
-    src, exe = tmp_path / "zl.c", tmp_path / "zl"
-    src.write_text(ZOMBIE_LEADER)
-    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(exe), str(src)], check=True)
-    proc = subprocess.Popen([str(exe)])
+    proc, workers = zombie_leader(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while (len(frozen.threads(proc.pid)) < 4 or frozen.state(proc.pid) != "Z") \
-                and time.monotonic() < deadline:
-            time.sleep(0.01)
-        workers = [t for t in frozen.threads(proc.pid) if t != proc.pid]
         os.kill(proc.pid, signal.SIGSTOP)
         frozen.wait_stopped([proc.pid], timeout=10)
         chosen = workers[-1]
