@@ -140,6 +140,20 @@ def available() -> bool:
     return True
 
 
+async def _finished(fn: Any, *args: Any) -> None:
+    """``fn(*args)`` in a thread; a cancel waits for the driver call to end
+    before it propagates, so a rollback never runs beside a lock or a
+    checkpoint still landing (it found the process RUNNING, did nothing, and
+    the lock landed after: the job stayed LOCKED for good)."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(fut)
+        raise
+
+
 class CudaCheckpoint:
     """The async engine the checkpointer and restorer use."""
 
@@ -248,11 +262,11 @@ class CudaCheckpoint:
                         hint="a previous checkpoint did not finish; see the agent's log")
                 touched.append(pid)
                 t = time.monotonic()
-                await asyncio.to_thread(self.drv.lock, pid, self.lock_timeout_s)
+                await _finished(self.drv.lock, pid, self.lock_timeout_s)
                 total["cuda_lock"] += time.monotonic() - t
             for pid in pids:
                 t = time.monotonic()
-                await asyncio.to_thread(self.drv.checkpoint, pid)
+                await _finished(self.drv.checkpoint, pid)
                 total["cuda_checkpoint"] += time.monotonic() - t
         except BaseException:
             await asyncio.shield(self.resume_all(touched, quiet=True))

@@ -61,3 +61,35 @@ async def test_ranks_all_locked_are_all_checkpointed_and_all_come_back() -> None
     assert drv.states == {201: CudaState.CHECKPOINTED, 202: CudaState.CHECKPOINTED}
     await cuda.resume_all([201, 202])
     assert drv.states == {201: CudaState.RUNNING, 202: CudaState.RUNNING}
+
+
+async def test_a_cancel_during_a_lock_leaves_the_process_running() -> None:
+    """The checkpoint is cancelled (the request's deadline, a shutdown) while
+    the driver is still locking: the driver call runs on in its thread, so
+    the rollback must wait for it. Before, the rollback found the process
+    still RUNNING, did nothing, and the lock then landed: the job was left
+    LOCKED, frozen for good."""
+    import asyncio
+    import threading
+
+    entered, release, locked = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowLock(StandInDriver):
+        def lock(self, pid: int, timeout_s: float) -> None:
+            entered.set()
+            release.wait(10)
+            super().lock(pid, timeout_s)
+            locked.set()
+
+    drv = SlowLock()
+    drv.states[301] = CudaState.RUNNING
+    cuda = CudaCheckpoint(drv, lock_timeout_s=0.1)  # type: ignore[arg-type]
+    task = asyncio.create_task(cuda.suspend_all([301]))
+    await asyncio.to_thread(entered.wait, 10)
+    task.cancel()
+    await asyncio.wait([task], timeout=1.0)  # the old code's rollback is done by then
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(locked.wait, 10)  # the driver's lock has landed
+    assert drv.states == {301: CudaState.RUNNING}
