@@ -602,3 +602,15 @@ def test_a_page_image_larger_than_the_agents_memory_limit_is_staged_on_disk(
     assert stream.scratch_for(gen, tmp_path / "disk") == tmp_path / "disk"
     monkeypatch.setattr(stream, "memory_headroom", lambda: float("inf"))
     assert stream.scratch_for(gen, tmp_path / "disk") == stream.SHM
+
+
+async def test_a_store_nothing_was_written_to_lists_nothing(backend: Backend,
+                                                           tmp_path: Path) -> None:
+    """The storage service's GC and metrics list the whole store from their
+    first pass, often before any checkpoint made its directory. The local
+    backend then took the empty prefix as a name within its parent and walked
+    the files beside the store: both loops died on it, silently, for good."""
+    (tmp_path / "beside.conf").write_bytes(b"not the store's")
+    assert await backend.list("") == []
+    assert await backend.list(NS[:2]) == []
+    assert await backend.pending_uploads("") == []

@@ -31,6 +31,7 @@ from tests.test_watcher import Collector, Watchers, ckpts, cordon, drains, until
 # test_watcher's fixtures, shared (not copied).
 kube, api = test_watcher.kube, test_watcher.api
 watch_settings, watchers = test_watcher.watch_settings, test_watcher.watchers
+bus, watcher_bus = test_watcher.bus, test_watcher.watcher_bus
 
 Change = tuple[str, str, str, bool]  # kind, name, uid, cordoned
 

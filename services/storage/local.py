@@ -79,7 +79,7 @@ class LocalBackend:
 
     async def list(self, prefix: str) -> list[str]:
         base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        if not prefix.endswith("/") and not base.is_dir():
+        if base != self.root and not prefix.endswith("/") and not base.is_dir():
             base = base.parent  # a prefix within a name, as S3 takes it
         if not base.exists():
             return []

@@ -164,6 +164,8 @@ class StorageService:
                         len(report.generations_removed))
                 except SmrError as e:
                     log.warning("garbage collection failed, will retry: %s", e)
+                except Exception:  # a bug must not end GC for the service's life
+                    log.exception("garbage collection failed unexpectedly, will retry")
             if await wait_event(self._stop, self.gc_interval_s):
                 return
 
@@ -173,6 +175,8 @@ class StorageService:
                 await self.scan()
             except SmrError as e:
                 log.warning("reading storage for metrics failed, will retry: %s", e)
+            except Exception:  # a bug must not freeze the metrics for good
+                log.exception("reading storage for metrics failed unexpectedly, will retry")
             await wait_event(self._rescan, self.scan_interval_s)
             if self._stop.is_set():
                 return
