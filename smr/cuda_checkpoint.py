@@ -37,6 +37,10 @@ CUDA_ERROR_TIMEOUT = 909
 # the H100 answers NOT_READY (measured with a kernel spinning past the
 # timeout), not the TIMEOUT its documentation suggests: both mean "try later".
 LOCK_TIMED_OUT = (CUDA_ERROR_NOT_READY, CUDA_ERROR_TIMEOUT)
+LOCK_TIMEOUT_HINT = ("the job keeps running; try again, or raise SMR_CUDA_LOCK_TIMEOUT if "
+                     "its kernels run long")
+# Rounds at locking a job's CUDA processes together (CudaCheckpoint._lock_all).
+LOCK_ROUNDS = 3
 
 
 class CudaState(enum.IntEnum):
@@ -99,8 +103,7 @@ class Driver:
             raise CudaLockTimeout(
                 f"process {pid} did not reach a point where its GPU work could be locked "
                 f"within {timeout_s:g}s ({self._name(rc)})",
-                hint="the job keeps running; try again, or raise SMR_CUDA_LOCK_TIMEOUT if "
-                     "its kernels run long")
+                hint=LOCK_TIMEOUT_HINT)
         if rc != 0:
             raise CudaError(f"cuCheckpointProcessLock({pid}) failed: {self._name(rc)} ({rc})")
 
@@ -243,35 +246,69 @@ class CudaCheckpoint:
     async def suspend_all(self, pids: list[int]) -> dict[str, float]:
         """Every CUDA process of a job, or none: a failure resumes those done.
 
-        Every process is locked before any is checkpointed. Processes that
-        wait on one another's GPU work (NCCL's collectives across ranks) may
-        not all be lockable: a rank's lock waits for a collective its locked
-        peer will never join (CUDA_ERROR_NOT_READY). Had that peer been
-        checkpointed already, the driver could refuse to restore it
-        (cuCheckpointProcessRestore: CUDA_ERROR_NOT_SUPPORTED, measured on
-        two H200s with a DDP job) and the job would hang for good; a peer
-        only locked is always unlocked."""
+        Every process is locked before any is checkpointed. Had a rank been
+        checkpointed while a peer ran on, the driver could refuse to restore
+        it (CUDA_ERROR_NOT_SUPPORTED, two H200s, DDP) and the job would hang
+        for good; a rank only locked is always unlocked. See ``_lock_all``
+        for why the locks may take more than one round."""
         total: dict[str, float] = {"cuda_lock": 0.0, "cuda_checkpoint": 0.0}
-        touched: list[int] = []
+        for pid in pids:
+            st = await self.state(pid)
+            if st is not CudaState.RUNNING:
+                raise CudaError(
+                    f"process {pid} is in CUDA state {st and st.name}, not RUNNING",
+                    hint="a previous checkpoint did not finish; see the agent's log")
         try:
-            for pid in pids:
-                st = await self.state(pid)
-                if st is not CudaState.RUNNING:
-                    raise CudaError(
-                        f"process {pid} is in CUDA state {st and st.name}, not RUNNING",
-                        hint="a previous checkpoint did not finish; see the agent's log")
-                touched.append(pid)
-                t = time.monotonic()
-                await _finished(self.drv.lock, pid, self.lock_timeout_s)
-                total["cuda_lock"] += time.monotonic() - t
+            t = time.monotonic()
+            await self._lock_all(pids)
+            total["cuda_lock"] = time.monotonic() - t
             for pid in pids:
                 t = time.monotonic()
                 await _finished(self.drv.checkpoint, pid)
                 total["cuda_checkpoint"] += time.monotonic() - t
         except BaseException:
-            await asyncio.shield(self.resume_all(touched, quiet=True))
+            await asyncio.shield(self.resume_all(pids, quiet=True))
             raise
         return total
+
+    async def _lock_all(self, pids: list[int]) -> None:
+        """Lock ``pids`` one after another; raises with each left RUNNING or
+        LOCKED, for the caller's rollback.
+
+        Processes that wait on one another's GPU work (NCCL's ranks: each
+        collective completes once every rank has launched it) lock together
+        only where none has launched a collective the others have not: a lock
+        stops the process's launches at once, then waits for what it launched
+        (the driver's documented order). A rank ahead of a peer locked before
+        it waits for that peer for good, and its lock times out. Locked first,
+        it waits only until the peers, still running, catch up; then they
+        lock at once. So a round where a process's lock timed out unlocks the
+        others and starts again with that one first (``LOCK_ROUNDS`` rounds,
+        within the one lock timeout)."""
+        rounds = 1 if len(pids) == 1 else LOCK_ROUNDS
+        timeout_s = self.lock_timeout_s / rounds
+        order = list(pids)
+        for n in range(1, rounds + 1):
+            locked: list[int] = []
+            try:
+                for pid in order:
+                    await _finished(self.drv.lock, pid, timeout_s)
+                    locked.append(pid)
+                return
+            except CudaLockTimeout as e:
+                late = order[len(locked)]
+                if rounds == 1:
+                    raise
+                if n == rounds:
+                    raise CudaLockTimeout(
+                        f"the job's CUDA processes {pids} could not all be locked in {rounds} "
+                        f"rounds of {timeout_s:g}s; the last to time out: {e.message}",
+                        hint=LOCK_TIMEOUT_HINT) from None
+                # The others go back to work, so the collective it waits on completes.
+                await asyncio.shield(self.resume_all(locked, quiet=True))
+                log.info("CUDA process %d of %s did not lock after %s (round %d of %d); "
+                         "trying again with it first", late, pids, locked, n, rounds)
+                order = [late, *(p for p in order if p != late)]
 
     async def resume_all(self, pids: list[int], *, quiet: bool = False) -> dict[str, float]:
         total: dict[str, float] = {}

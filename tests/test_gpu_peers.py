@@ -9,45 +9,130 @@ checkpointed while its peer runs cannot be restored
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaLockTimeout, CudaState
 from tests.test_nothing_lost import StandInDriver
 
 
-class PeersDriver(StandInDriver):
-    """Ranks ``peers``: a lock waits for a collective that a locked or
-    checkpointed peer will never join; a restore is refused while a peer is
-    not checkpointed too."""
+class CollectiveRanks(StandInDriver):
+    """**Stand-in** ranks of an NCCL job, in time: rank ``i`` launches
+    collective ``k`` at ``k * period + offsets[i]`` (a rank with the smaller
+    offset runs ahead, as a rank that never syncs its CPU with the GPU
+    does). As the driver documents its lock: it stops the rank's launches at
+    once, then waits (up to its timeout) for what the rank launched to
+    complete, that is, for every peer to launch as many; a collective a peer
+    never launches is never waited out (CUDA_ERROR_NOT_READY). ``stuck``:
+    ranks that launch nothing more (a rank hung in its own code). A rank
+    checkpointed while a peer ran cannot be restored (as measured)."""
 
-    def __init__(self, peers: list[int]) -> None:
+    def __init__(self, offsets: dict[int, float], period: float = 0.05,
+                 stuck: frozenset[int] = frozenset()) -> None:
         super().__init__()
-        self.peers = peers
-        for p in peers:
+        self.launched = dict.fromkeys(offsets, 0)
+        self.blocked: set[int] = set()
+        self.unrestorable: set[int] = set()  # checkpointed while a peer ran
+        self.cv = threading.Condition()
+        self.done = threading.Event()
+        for p in offsets:
             self.states[p] = CudaState.RUNNING
+        start = time.monotonic()
+        for p, offset in offsets.items():
+            if p not in stuck:
+                threading.Thread(target=self._launch, args=(p, start + offset, period),
+                                 daemon=True).start()
+
+    def _launch(self, pid: int, first: float, period: float) -> None:
+        k = 0
+        while not self.done.wait(max(0.0, first + k * period - time.monotonic())):
+            with self.cv:
+                while pid in self.blocked and not self.done.is_set():
+                    self.cv.wait(0.05)
+                self.launched[pid] += 1
+                self.cv.notify_all()
+            k += 1
 
     def lock(self, pid: int, timeout_s: float) -> None:
-        if any(self.states[p] is not CudaState.RUNNING for p in self.peers if p != pid):
-            raise CudaLockTimeout(f"process {pid} did not reach a point where its GPU work "
-                                  f"could be locked within {timeout_s:g}s (CUDA_ERROR_NOT_READY)")
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            self.blocked.add(pid)
+            while self.launched[pid] > min(self.launched.values()):
+                if not self.cv.wait(max(0.0, deadline - time.monotonic())):
+                    self.blocked.discard(pid)
+                    self.cv.notify_all()
+                    raise CudaLockTimeout(
+                        f"process {pid} did not reach a point where its GPU work could be "
+                        f"locked within {timeout_s:g}s (CUDA_ERROR_NOT_READY)")
         super().lock(pid, timeout_s)
 
+    def unlock(self, pid: int) -> None:
+        super().unlock(pid)
+        with self.cv:
+            self.blocked.discard(pid)
+            self.cv.notify_all()
+
+    def checkpoint(self, pid: int) -> None:
+        super().checkpoint(pid)
+        if any(st is CudaState.RUNNING for st in self.states.values()):
+            self.unrestorable.add(pid)
+
     def restore(self, pid: int) -> None:
-        if any(self.states[p] is not CudaState.CHECKPOINTED for p in self.peers if p != pid):
+        if pid in self.unrestorable:
             raise CudaError("cuCheckpointProcessRestore failed: CUDA_ERROR_NOT_SUPPORTED (801)")
         super().restore(pid)
 
 
-async def test_a_rank_that_cannot_be_locked_leaves_every_rank_running() -> None:
-    """The checkpoint fails (the job's GPU work cannot be locked), and every
-    rank is RUNNING after it: the job goes on. Before, the first rank was
-    checkpointed before the second was locked, its restore was refused, and
-    the job hung for good on the H200s."""
-    drv = PeersDriver([101, 102])
-    cuda = CudaCheckpoint(drv, lock_timeout_s=0.1)  # type: ignore[arg-type]
-    with pytest.raises(CudaLockTimeout, match="102"):
+@pytest.fixture
+def ranks() -> Iterator[list[CollectiveRanks]]:
+    made: list[CollectiveRanks] = []
+    yield made
+    for r in made:
+        r.done.set()
+
+
+async def test_a_rank_that_cannot_be_locked_leaves_every_rank_running(
+        ranks: list[CollectiveRanks]) -> None:
+    """The checkpoint fails (a rank waits on a collective its hung peer never
+    launches), and every rank is RUNNING after it: the job goes on. Before
+    dd6c6f2 the first rank was checkpointed before the second was locked,
+    its restore was refused, and the job hung for good on the H200s."""
+    drv = CollectiveRanks({101: 0.0, 102: 0.0}, stuck=frozenset({101}))
+    ranks.append(drv)
+    await asyncio.sleep(0.03)  # 102 has launched a collective 101 never will
+    cuda = CudaCheckpoint(drv, lock_timeout_s=0.3)  # type: ignore[arg-type]
+    with pytest.raises(CudaLockTimeout, match="could not all be locked in 3 rounds"):
         await cuda.suspend_all([101, 102])
     assert drv.states == {101: CudaState.RUNNING, 102: CudaState.RUNNING}
+
+
+@pytest.mark.parametrize("offsets", [
+    {201: 0.048, 202: 0.0},  # 202 runs ahead nearly always: its lock waits on 201
+    {301: 0.045, 302: 0.030, 303: 0.0},
+], ids=["two-ranks", "three-ranks"])
+async def test_ranks_running_ahead_of_one_another_lock_together(
+        ranks: list[CollectiveRanks], offsets: dict[int, float]) -> None:
+    """Ranks whose collectives are launched at different moments, the later
+    ranks locked first by the old order: every rank is locked, checkpointed
+    and restored, and each had launched as many collectives as the others
+    (none was left waiting on a peer). Before, one round of locks in the
+    job's order: the rank ahead waited on its locked peer and timed out
+    (nine runs in ten, for the two ranks' offsets here)."""
+    drv = CollectiveRanks(offsets)
+    ranks.append(drv)
+    await asyncio.sleep(0.12)
+    cuda = CudaCheckpoint(drv, lock_timeout_s=0.6)  # type: ignore[arg-type]
+    pids = list(offsets)
+    took = await cuda.suspend_all(pids)
+    assert set(took) == {"cuda_lock", "cuda_checkpoint"}
+    assert drv.states == dict.fromkeys(pids, CudaState.CHECKPOINTED)
+    assert len(set(drv.launched.values())) == 1, drv.launched
+    await cuda.resume_all(pids)
+    assert drv.states == dict.fromkeys(pids, CudaState.RUNNING)
 
 
 async def test_ranks_all_locked_are_all_checkpointed_and_all_come_back() -> None:
@@ -69,9 +154,6 @@ async def test_a_cancel_during_a_lock_leaves_the_process_running() -> None:
     the rollback must wait for it. Before, the rollback found the process
     still RUNNING, did nothing, and the lock then landed: the job was left
     LOCKED, frozen for good."""
-    import asyncio
-    import threading
-
     entered, release, locked = threading.Event(), threading.Event(), threading.Event()
 
     class SlowLock(StandInDriver):
