@@ -63,6 +63,25 @@ class _LockArgs(ctypes.Structure):
                 ("reserved1", ctypes.c_uint64 * 7)]
 
 
+class _GpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", ctypes.c_ubyte * 16), ("newUuid", ctypes.c_ubyte * 16)]
+
+
+class _RestoreArgs(ctypes.Structure):
+    """CUcheckpointRestoreArgs: 64 bytes, the pairs first, the rest zero."""
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_ubyte * 52)]
+
+
+def gpu_uuid_bytes(uuid: str) -> bytes:
+    """NVML's ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` as the driver's 16 bytes."""
+    raw = bytes.fromhex(uuid.removeprefix("GPU-").replace("-", ""))
+    if len(raw) != 16:
+        raise CudaError(f"{uuid!r} is not a GPU UUID", code="invalid-gpu",
+                        hint="name GPUs by the UUID nvidia-smi -L prints")
+    return raw
+
+
 class Driver:
     """Thin synchronous wrapper; every method raises CudaError naming the call."""
 
@@ -110,8 +129,19 @@ class Driver:
     def checkpoint(self, pid: int) -> None:
         self._call("cuCheckpointProcessCheckpoint", pid, None)
 
-    def restore(self, pid: int) -> None:
-        self._call("cuCheckpointProcessRestore", pid, None)
+    def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
+        """``gpu_pairs``: (checkpointed GPU's UUID, GPU to restore onto), one
+        for every GPU the process had; the driver documents that both must be
+        the same chip, with room for the memory (driver 580 and newer)."""
+        if not gpu_pairs:
+            self._call("cuCheckpointProcessRestore", pid, None)
+            return
+        pairs = (_GpuPair * len(gpu_pairs))()
+        for pair, (old, new) in zip(pairs, gpu_pairs, strict=True):
+            pair.oldUuid[:] = list(gpu_uuid_bytes(old))
+            pair.newUuid[:] = list(gpu_uuid_bytes(new))
+        args = _RestoreArgs(gpuPairs=pairs, gpuPairsCount=len(gpu_pairs))
+        self._call("cuCheckpointProcessRestore", pid, ctypes.byref(args))
 
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, None)

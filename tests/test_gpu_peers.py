@@ -13,6 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -175,3 +176,35 @@ async def test_a_cancel_during_a_lock_leaves_the_process_running() -> None:
         await task
     await asyncio.to_thread(locked.wait, 10)  # the driver's lock has landed
     assert drv.states == {301: CudaState.RUNNING}
+
+
+def test_a_restore_onto_other_gpus_hands_the_driver_its_documented_arguments() -> None:
+    """``Driver.restore`` with GPU pairs builds CUcheckpointRestoreArgs as
+    cuda.h lays it out (64 bytes: the pairs' address, their count, zeros),
+    each pair the old GPU's 16 UUID bytes then the new one's. Checked against
+    a recording **stand-in** for libcuda; no GPU here."""
+    import ctypes
+
+    from smr.cuda_checkpoint import Driver
+
+    got: list[bytes] = []
+
+    class Lib:
+        def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:
+            raw = ctypes.string_at(ctypes.addressof(args._obj), 64)
+            ptr = int.from_bytes(raw[:8], "little")
+            count = int.from_bytes(raw[8:12], "little")
+            got.extend([raw[12:], ctypes.string_at(ptr, 32 * count)])
+            return 0
+
+    drv = Driver.__new__(Driver)
+    drv.cu = Lib()  # type: ignore[assignment]
+    a, b = "GPU-00112233-4455-6677-8899-aabbccddeeff", "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
+    drv.restore(7, [(a, b), (b, a)])
+    rest, pairs = got
+    assert rest == bytes(52), "the reserved bytes must be zero"
+    assert pairs == bytes.fromhex("00112233445566778899aabbccddeeff"
+                                  + "ffeeddccbbaa99887766554433221100" * 2
+                                  + "00112233445566778899aabbccddeeff")
+    with pytest.raises(CudaError, match="not a GPU UUID"):
+        drv.restore(7, [("GPU-1234", b)])

@@ -1,0 +1,128 @@
+"""What the CUDA driver's checkpoint API does with an NCCL job (issue #26), at
+the driver's level only (no CRIU), on a machine with two GPUs:
+
+    python3 bench/nccl_probe.py --variant p2p|net [--interval 0.05] [--steps 300]
+
+It starts smr/workloads/ddp_train.py under torchrun (two ranks, NCCL
+all-reduce every step; ``net``: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, so the
+ranks share no GPU memory), prints what each rank holds (descriptors,
+mappings of the GPU's and shared-memory files, NVML's view), then suspends
+every rank as smr does (smr.cuda_checkpoint: all locked, in rounds, then all
+checkpointed), restores and unlocks them, and lets the job finish. ``--ref``
+runs the job uninterrupted and prints its final hash. Every driver answer is
+printed as the driver gave it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from smr.cuda_checkpoint import CudaCheckpoint, CudaError, driver
+from smr.gpuinfo import process_tree
+
+
+def nvidia_smi() -> str:
+    return subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                           "--format=csv,noheader"], capture_output=True, text=True
+                          ).stdout.strip() or "(no GPU processes)"
+
+
+def holdings(pid: int) -> tuple[dict[str, int], dict[str, int]]:
+    """What a rank holds: its descriptors' targets and its mappings of the
+    GPU's device files and of shared memory, counted by name."""
+    fds: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds[re.sub(r"\[\d+\]", "[N]", os.readlink(f"/proc/{pid}/fd/{fd}"))] += 1
+        except OSError:
+            continue
+    maps: collections.Counter[str] = collections.Counter()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and re.search(r"nvidia|/dev/shm|memfd|SYSV", parts[5]):
+            maps[re.sub(r"\d{3,}", "N", parts[5])] += 1
+    return dict(fds), dict(maps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", choices=["p2p", "net"], required=True)
+    ap.add_argument("--interval", default="0.05")
+    ap.add_argument("--steps", default="300")
+    ap.add_argument("--ref", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    a = ap.parse_args()
+    env = dict(os.environ, NCCL_DEBUG="INFO")
+    if a.variant == "net":
+        env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+    tag = f"{a.variant}-{a.interval}{'-ref' if a.ref else ''}"
+    job_log = a.out / f"nccl-{tag}-job.log"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "smr.workloads.ddp_train", "--steps", a.steps, "--interval", a.interval],
+        env=env, stdout=job_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def step() -> int:
+        m = re.findall(r"step=(\d+)", job_log.read_text())
+        return int(m[-1]) if m else 0
+
+    def say(*what: object) -> None:
+        print(f"[nccl {tag}]", *what, flush=True)
+
+    if not a.ref:
+        t0 = time.monotonic()
+        while step() < 20 and job.poll() is None and time.monotonic() - t0 < 180:
+            time.sleep(0.5)
+        drv = driver()
+        ranks = [p for p in process_tree(job.pid) if drv.state(p) is not None]
+        say(f"at step {step()}: ranks {ranks}")
+        for r in ranks:
+            fds, maps = holdings(r)
+            say(f"rank {r} descriptors: {fds}")
+            say(f"rank {r} mappings: {maps}")
+        say("nvidia-smi:", nvidia_smi())
+        cuda = CudaCheckpoint(drv, lock_timeout_s=10)
+        at = step()
+        t = time.monotonic()
+        try:
+            took = asyncio.run(cuda.suspend_all(ranks))
+            say(f"suspended: {took} in {time.monotonic() - t:.2f}s; states "
+                f"{[drv.state(r) for r in ranks]}; nvidia-smi: {nvidia_smi()}")
+            time.sleep(2)
+            for r in ranks:
+                t = time.monotonic()
+                try:
+                    drv.restore(r)
+                    say(f"restore {r}: ok {time.monotonic() - t:.2f}s")
+                except CudaError as e:
+                    say(f"restore {r}: {e.message}; state {drv.state(r)}")
+            for r in ranks:
+                try:
+                    drv.unlock(r)
+                    say(f"unlock {r}: ok")
+                except CudaError as e:
+                    say(f"unlock {r}: {e.message}; state {drv.state(r)}")
+        except CudaError as e:
+            say(f"suspend failed after {time.monotonic() - t:.2f}s: {e.code}: {e.message}; "
+                f"states {[drv.state(r) for r in ranks]}")
+        say(f"steps while held: {step() - at}")
+    try:
+        job.wait(240)
+    except subprocess.TimeoutExpired:
+        say(f"the job still runs at step {step()} 240 s on: killed")
+        os.killpg(job.pid, 9)
+    text = job_log.read_text()
+    say("final:", re.findall(r"final=\S+ ranks_agree=\S+", text), "exit", job.returncode)
+    say("NCCL transports:", sorted(set(re.findall(r"via (\S+)", text)))[:10])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
