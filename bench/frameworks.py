@@ -34,6 +34,7 @@ from typing import Any
 
 from smr import config
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+from smr.workloads import hf_generate
 from smrctl import embedded
 
 PY = sys.executable
@@ -232,18 +233,6 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
     return res
 
 
-HF_PROMPTS = [[1, *(100 + 37 * i + 11 * k for k in range(12))] for i in range(9)]
-
-
-def hf_ask(port: int, ids: list[int], new: int = 32) -> list[int]:
-    import urllib.request
-
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate",
-                                 data=json.dumps({"ids": ids, "new": new}).encode())
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["tokens"]
-
-
 async def wait_ready(log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -266,7 +255,7 @@ async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
         base = subprocess.Popen([*cmd, "--port", "8730"], stdout=f, stderr=subprocess.STDOUT)
     try:
         await wait_ready(base_log, 600)
-        want = [await asyncio.to_thread(hf_ask, 8730, p) for p in HF_PROMPTS]
+        want = [await asyncio.to_thread(hf_generate.ask, 8730, p) for p in hf_generate.PROMPTS]
     finally:
         base.kill()
         base.wait()
@@ -281,7 +270,7 @@ async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
 
     async def ask(phase: str, which: range) -> None:
         for i in which:
-            got[i] = await asyncio.to_thread(hf_ask, 8731, HF_PROMPTS[i])
+            got[i] = await asyncio.to_thread(hf_generate.ask, 8731, hf_generate.PROMPTS[i])
             res["answers"][f"{phase}:{i}"] = got[i] == want[i]
         print(f"[{name}] {phase}: equal {[got[i] == want[i] for i in which]}", flush=True)
 

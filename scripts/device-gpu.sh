@@ -33,8 +33,11 @@ export PATH=$C/bin:$PATH SMR_TEST_STORAGE=local
   cat /sys/kernel/mm/transparent_hugepage/enabled
 } 2>&1 | tee "$OUT/env.txt"
 if [ "${GPU_TESTS:-}" != none ]; then
+  # Split into words, not globbed: a node id's [param] (test.py::test[torch-compile]).
+  set -f
   python3 -m pytest ${GPU_TESTS:-tests/test_gpu.py tests/agent/test_gpu_pods.py} ${TESTS:-} \
     -v -s -rs -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log"
+  set +f
 fi
 for f in /tmp/pytest-of-*/pytest-current/*/gpu-*.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }

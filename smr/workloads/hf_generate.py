@@ -10,19 +10,48 @@ uninterrupted server (bench/frameworks.py ``hf-generate``).
     python -m smr.workloads.hf_generate --dir /tmp/hf-model --port 8731
 
 POST /generate {"ids": [int, ...], "new": N} -> {"tokens": [int, ...]}
-GET /health -> "ok". Prints ``ready port=P`` once it serves.
+GET /health -> "ok". Prints ``ready port=P`` once it serves. ``ask`` is its
+client and ``PROMPTS`` the prompts the checks send (bench/frameworks.py,
+tests/agent/test_gpu_frameworks_pods.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
+import socket
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
 SEED = 20261126
+# Nine prompts of 13 token ids: three for each phase a check asks in.
+PROMPTS = [[1, *(100 + 37 * i + 11 * k for k in range(12))] for i in range(9)]
+NEW = 32  # tokens generated per answer
+
+
+def ask(port: int, ids: list[int], new: int = NEW,
+        connect: Callable[[], socket.socket] | None = None, timeout: float = 120) -> list[int]:
+    """The server's greedy answer to ``ids`` (the generated tokens alone).
+    ``connect``: a socket already connected to it (in a pod's network
+    namespace); else 127.0.0.1:``port``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    if connect:
+        conn.sock = connect()
+        conn.sock.settimeout(timeout)  # a restored server's first answer can be slow
+    try:
+        conn.request("POST", "/generate", body=json.dumps({"ids": ids, "new": new}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"the server answered {resp.status}: {body[:200]!r}")
+        return json.loads(body)["tokens"]  # type: ignore[no-any-return]
+    finally:
+        conn.close()
 
 
 def build(directory: Path) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from services.agent.service import NodeAgent
+from services.containers import host
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from services.webhook.service import Webhook
@@ -135,6 +136,16 @@ STEP = re.compile(r"^step (\d+) sum (\d+) born (\S+)$", re.M)
 
 def steps(log: str) -> list[tuple[int, int, str]]:
     return [(int(a), int(b), c) for a, b, c in STEP.findall(log)]
+
+
+def netns_pid(cluster: Cluster, name: str) -> int:
+    """A process in the network namespace of pod ``name``'s container (its
+    shim's workload side), for a client that reaches it as a Service would."""
+    p = cluster.kube.get("pods", name, "default")
+    assert p is not None
+    shim = host.find_shim(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+    assert shim is not None
+    return shim.pid
 
 
 @dataclass

@@ -30,7 +30,7 @@ from smr import config
 from smr.bus import BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
-from smr.workloads import jax_mlp, torch_train
+from smr.workloads import hf_generate, jax_mlp, torch_train
 from tests import nats_auth, oci_image
 from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
@@ -132,6 +132,8 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
                                     "/app/jax_mlp.py": Path(jax_mlp.__file__).read_bytes(),
                                     "/app/torch_train.py":
                                         Path(torch_train.__file__).read_bytes(),
+                                    "/app/hf_generate.py":
+                                        Path(hf_generate.__file__).read_bytes(),
                                     "/etc/passwd": b"root:x:0:0::/tmp:/bin/sh\n"},
                              # merged /usr, as the host: /sbin/ldconfig and the like
                              links={"lib": "usr/lib", "lib64": "usr/lib64",

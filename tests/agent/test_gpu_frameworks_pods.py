@@ -6,9 +6,19 @@ order of steps in CI with a stand-in driver).
 Each workload in a pod: one heartbeat, then three drains, each resumed on the
 other node; its final hash must equal that of the same loop run once without
 interruption on this GPU. The workloads: a jitted JAX training loop
-(smr/workloads/jax_mlp.py), and a PyTorch loop under
-``torch.compile(mode="reduce-overhead")`` (Inductor's Triton kernels, CUDA
-graphs; smr/workloads/torch_train.py).
+(smr/workloads/jax_mlp.py); PyTorch loops (smr/workloads/torch_train.py)
+under ``torch.compile`` (Inductor's Triton kernels), with
+``mode="reduce-overhead"`` (CUDA graphs too) and without, and fed by a
+DataLoader whose two workers are started by 'spawn' (pinned memory,
+persistent workers).
+
+A Hugging Face ``transformers`` generation server (smr/workloads/hf_generate.py:
+a Llama-shaped causal LM of 1.4 GiB bf16 weights, loaded with
+``from_pretrained`` from a hostPath volume, greedy ``generate`` with the KV
+cache over HTTP), asked in the pod's network namespace: before a heartbeat,
+between it and the first drain and after each of three drains, each resumed
+on the other node; every answer must be token for token that of an
+uninterrupted server on this GPU.
 
 REAL: containerd + runc + CRIU 4.2, the CUDA driver's checkpoint API, the
 webhook, smr-runtime, nats-server, the watcher and two agents. FAKE: the API
@@ -21,9 +31,12 @@ link: ALTERNATIVES).
 from __future__ import annotations
 
 import asyncio
+import functools
+import http.client
 import importlib.util
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -34,9 +47,12 @@ from typing import Any
 import pytest
 
 from smr import cuda_checkpoint
-from tests.agent.cluster import GPU_IMAGE, Cluster
+from smr.natsserver import free_port
+from smr.workloads import hf_generate
+from tests.agent.cluster import GPU_IMAGE, Cluster, netns_pid
 from tests.agent.test_gpu_pods import checkpoint
 from tests.fake_apiserver import pod
+from tests.helpers.netns import in_netns
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API")]
@@ -44,6 +60,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 STEPS = 300
 ARGS = ["--steps", str(STEPS), "--gib", "1"]
 COMMON = {"PYTHONUNBUFFERED": "1", "HOME": "/tmp"}
+TORCH = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 @dataclass(frozen=True)
@@ -67,10 +84,25 @@ WORKLOADS = {
     # without a CUDA context; docs/compatibility.md, the torch.compile rows).
     "torch-compile-ro": Workload("torch", "torch_train",
                                  [*ARGS, "--compile", "reduce-overhead"],
-                                 {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-                                  "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                 {**TORCH, "TORCHINDUCTOR_COMPILE_THREADS": "1",
                                   "PATH": "/usr/local/bin:/usr/bin:/bin"}),
+    # The default mode: Inductor's Triton kernels, no CUDA graphs; one compile
+    # thread for the same reason (the local job's third checkpoint failed
+    # with the pool: docs/compatibility.md).
+    "torch-compile": Workload("torch", "torch_train", [*ARGS, "--compile", "default"],
+                              {**TORCH, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                               "PATH": "/usr/local/bin:/usr/bin:/bin"}),
+    # num_workers=2, pin_memory=True, persistent_workers=True, 'spawn': the
+    # workers' semaphores in the pod's /dev/shm go through CRIU's link remaps
+    # (tests/agent/test_spawn_pods.py); forked workers are refused
+    # (gpu-forked-mapping).
+    "dataloader-spawn": Workload("torch", "torch_train", [*ARGS, "--loader", "--spawn"], TORCH),
 }
+# The generation server: its port in the pod's own network namespace; the
+# model in a hostPath volume at MODEL (the reference server saved it there).
+HF_PORT, MODEL = 8731, "/model"
+HF = Workload("transformers", "hf_generate", ["--dir", MODEL, "--port", str(HF_PORT)],
+              {**TORCH, "HF_HUB_OFFLINE": "1"})
 # XLA compiles with the CUDA toolkit's ptxas and nvlink, found on the H100
 # machine as /usr/local/cuda/bin/*: /usr/local/cuda is a link through
 # Debian's alternatives (/etc/alternatives/cuda -> /usr/local/cuda-13.0),
@@ -128,7 +160,9 @@ def libcuda_dir() -> str | None:
     return None
 
 
-def gpu_pod(w: Workload, name: str, node: str, ckpt: str) -> dict[str, Any]:
+def gpu_pod(w: Workload, name: str, node: str, ckpt: str,
+            volumes: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """volumes: more read-only hostPath volumes, name: (host path, mount path)."""
     extra = site(w.module)
     env = {"SMR_CHECKPOINT": ckpt, **COMMON, **w.env,
            **({"PYTHONPATH": extra} if extra else {})}
@@ -140,11 +174,14 @@ def gpu_pod(w: Workload, name: str, node: str, ckpt: str) -> dict[str, Any]:
     c["image"] = GPU_IMAGE
     c["command"] = [sys.executable, f"/app/{w.script}.py", *w.args]
     c["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
-    mounts = {"usr": "/usr", "opt": "/opt", **({"site": extra} if extra else {})}
+    mounts = {"usr": ("/usr", "/usr"), "opt": ("/opt", "/opt"),
+              **({"site": (extra, extra)} if extra else {})}
     if Path(ALTERNATIVES).is_dir():
-        mounts["alternatives"] = ALTERNATIVES
-    c["volumeMounts"] = [{"name": k, "mountPath": v, "readOnly": True} for k, v in mounts.items()]
-    p["spec"]["volumes"] = [{"name": k, "hostPath": {"path": v}} for k, v in mounts.items()]
+        mounts["alternatives"] = (ALTERNATIVES, ALTERNATIVES)
+    mounts.update(volumes or {})
+    c["volumeMounts"] = [{"name": k, "mountPath": at, "readOnly": True}
+                         for k, (_, at) in mounts.items()]
+    p["spec"]["volumes"] = [{"name": k, "hostPath": {"path": d}} for k, (d, _) in mounts.items()]
     p["spec"]["restartPolicy"] = "Never"
     return p
 
@@ -153,13 +190,18 @@ def steps(cluster: Cluster, name: str, node: str) -> list[int]:
     return [int(s) for s in STEP.findall(cluster.log(name, node))]
 
 
-async def start(cluster: Cluster, w: Workload, name: str, node: str, ckpt: str,
-                at_least: int, timeout: float = 180) -> list[int]:
-    await cluster.core.create_namespaced_pod("default", gpu_pod(w, name, node, ckpt))
+async def create(cluster: Cluster, w: Workload, name: str, node: str, ckpt: str,
+                 volumes: dict[str, tuple[str, str]] | None = None) -> None:
+    await cluster.core.create_namespaced_pod("default", gpu_pod(w, name, node, ckpt, volumes))
     stored = cluster.kube.get("pods", name, "default")
     assert stored is not None and stored["spec"]["runtimeClassName"] == "smr"
     stored["status"] = {"phase": "Pending"}
     cluster.kube.put("pods", stored)
+
+
+async def start(cluster: Cluster, w: Workload, name: str, node: str, ckpt: str,
+                at_least: int, timeout: float = 180) -> list[int]:
+    await create(cluster, w, name, node, ckpt)
     return await until(cluster, name, node, at_least, timeout)
 
 
@@ -208,3 +250,100 @@ async def test_pod_heartbeat_and_three_drains_end_with_the_same_hash(
         await asyncio.sleep(0.5)
     print(f"[{tag}-pod] final {m.group(1)} uninterrupted {reference}", flush=True)
     assert m.group(1) == reference
+
+
+@pytest.fixture
+def hf_reference(tmp_path: Path) -> tuple[Path, list[list[int]]]:
+    """The model, saved once (save_pretrained) by a server run uninterrupted
+    on this GPU, and that server's answers to hf_generate.PROMPTS. The pods
+    load the same files (from_pretrained, a read-only hostPath volume)."""
+    if importlib.util.find_spec(HF.module) is None:
+        pytest.skip(f"no {HF.module} here")
+    model, log, port = tmp_path / "hf-model", tmp_path / "hf-reference.log", free_port()
+    with open(log, "wb") as f:
+        server = subprocess.Popen(
+            [sys.executable, "-m", f"smr.workloads.{HF.script}", "--dir", str(model),
+             "--port", str(port)], stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, **COMMON, **HF.env})
+    try:
+        deadline = time.monotonic() + 300
+        while "ready port=" not in log.read_text(errors="replace"):
+            assert server.poll() is None and time.monotonic() < deadline, \
+                log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        return model, [hf_generate.ask(port, ids) for ids in hf_generate.PROMPTS]
+    finally:
+        server.kill()
+        server.wait()
+
+
+def pod_socket(pid: int) -> socket.socket:
+    """A connection to the server in the network namespace of ``pid``."""
+    return in_netns(pid, lambda: socket.create_connection(("127.0.0.1", HF_PORT), timeout=10))
+
+
+async def answer(cluster: Cluster, name: str, node: str, ids: list[int],
+                 timeout: float = 120) -> list[int]:
+    """The answer of the server in pod ``name``, asked in the pod's network
+    namespace (as a Service would reach it) until it listens. In a thread:
+    the agents run on this loop, and a connection that reaches the restored
+    socket while CRIU still restores waits (tests/agent/test_pod_sockets.py)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            connect = functools.partial(pod_socket, netns_pid(cluster, name))
+            return await asyncio.to_thread(hf_generate.ask, HF_PORT, ids, connect=connect)
+        except (OSError, KeyError, IndexError, AssertionError, http.client.HTTPException) as e:
+            assert time.monotonic() < deadline, \
+                f"the server in {name} never answered ({e!r}): {cluster.log(name, node)[-3000:]}"
+        await asyncio.sleep(0.2)
+
+
+async def test_hf_generation_pod_answers_alike_through_a_heartbeat_and_three_drains(
+        hf_reference: tuple[Path, list[list[int]]], cluster: Cluster) -> None:
+    model, want = hf_reference
+    nodes = list(cluster.kubelets)
+    ckpt, volumes = "hf-pod", {"model": (str(model), MODEL)}
+    node = nodes[0]
+
+    async def ask(name: str, which: range) -> tuple[float, dict[int, list[int]]]:
+        """The answers to PROMPTS[which], and when the first came."""
+        got = {which.start: await answer(cluster, name, node, hf_generate.PROMPTS[which.start])}
+        first = time.monotonic()
+        for i in which[1:]:
+            got[i] = await answer(cluster, name, node, hf_generate.PROMPTS[i])
+        return first, got
+
+    def check(phase: str, got: dict[int, list[int]]) -> None:
+        equal = {i: tokens == want[i] for i, tokens in got.items()}
+        print(f"[hf-pod] {phase}: equal {list(equal.values())}", flush=True)
+        assert all(equal.values()), \
+            f"{phase}: {got} where the uninterrupted server said {[want[i] for i in got]}"
+
+    await create(cluster, HF, "hf-0", node, ckpt, volumes)
+    deadline = time.monotonic() + 300
+    while "ready port=" not in cluster.log("hf-0", node):
+        assert time.monotonic() < deadline, cluster.log("hf-0", node)[-3000:]
+        await asyncio.sleep(0.5)
+    check("before the heartbeat", (await ask("hf-0", range(0, 3)))[1])
+    t = time.monotonic()
+    beat = await checkpoint(cluster, "hf-0", node, ckpt, reason="heartbeat", leave_running=True)
+    print(f"[hf-pod] heartbeat: size {beat.size_bytes / 2**30:.2f} GiB downtime "
+          f"{beat.durations['downtime']:.2f}s (request {time.monotonic() - t:.1f}s) "
+          f"{beat.durations}", flush=True)
+    check("between the heartbeat and the first drain", (await ask("hf-0", range(3, 6)))[1])
+    for i in range(1, 4):
+        name = f"hf-{i - 1}"
+        t = time.monotonic()
+        done = await checkpoint(cluster, name, node, ckpt, reason="drain", leave_running=False)
+        cluster.kube.remove("pods", name, "default")
+        node = nodes[i % 2]  # the replacement lands on the other node
+        await create(cluster, HF, f"hf-{i}", node, ckpt, volumes)
+        first, got = await ask(f"hf-{i}", range(6, 9))
+        print(f"[hf-pod] drain {i}: size {done.size_bytes / 2**30:.2f} GiB, checkpoint "
+              f"{done.durations}, drain to the first answer on the other node "
+              f"{first - t:.1f}s", flush=True)
+        # Restored, not started anew (which would answer alike too).
+        assert "ready port=" not in cluster.log(f"hf-{i}", node), \
+            f"the server in hf-{i} started anew: {cluster.log(f'hf-{i}', node)[-2000:]}"
+        check(f"after drain {i}", got)

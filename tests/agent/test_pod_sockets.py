@@ -22,23 +22,12 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from services.containers import host
 from smr.messages import CkptRequested, Target
-from tests.agent.cluster import REDIS_IMAGE, Cluster, workload
+from tests.agent.cluster import REDIS_IMAGE, Cluster, netns_pid, workload
 from tests.helpers.netns import in_netns
 
 T = TypeVar("T")
 off_loop = asyncio.to_thread
-
-
-
-
-def netns_pid(cluster: Cluster, name: str) -> int:
-    p = cluster.kube.get("pods", name, "default")
-    assert p is not None
-    shim = host.find_shim(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
-    assert shim is not None
-    return shim.pid
 
 
 class PodNetConnection(redis.Connection):

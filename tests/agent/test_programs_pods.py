@@ -56,9 +56,9 @@ import psycopg
 import pytest
 
 from smr.messages import CkptRequested, Target
-from tests.agent.cluster import USR_IMAGE, Cluster
+from tests.agent.cluster import USR_IMAGE, Cluster, netns_pid
 from tests.agent.test_injection import create, plain_pod
-from tests.agent.test_pod_sockets import in_netns, netns_pid
+from tests.helpers.netns import in_netns
 from tests.programs import jvm, pg, pool
 from tests.programs import node as nodejs
 from tests.programs.test_jupyter_local import CELLS
