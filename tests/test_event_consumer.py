@@ -18,8 +18,9 @@ import pytest
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
+from smr import frozen
 from smr.aio import ended_why
-from smr.bus import Bus, BusConfig
+from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig
 from smr.messages import CkptDone
 from smr.natsserver import NatsServer
 from tests.test_bus import CountingStep, request, run_worker, stop
@@ -118,6 +119,11 @@ async def test_an_event_consumer_started_while_nats_is_away_consumes_once_it_is_
     seen: list[str] = []
     try:
         os.kill(srv.proc.pid, signal.SIGSTOP)  # away: its answers do not come
+        # Every thread stopped (on a busy machine a running one takes a moment).
+        for _ in range(200):
+            if all(frozen.state(t) == "T" for t in frozen.threads(srv.proc.pid)):
+                break
+            await asyncio.sleep(0.01)
         stopping, task = consume(bus, ours(rid, seen))
         await asyncio.sleep(2.5)
         os.kill(srv.proc.pid, signal.SIGCONT)
@@ -133,14 +139,16 @@ async def test_an_event_consumer_started_while_nats_is_away_consumes_once_it_is_
         srv.stop()
 
 
-def fetch_fails_once(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list[int]:
-    """The next pull fetch raises ``error`` (what nats-py raises), the rest
-    are real; returns the count of fetches that raised."""
+def fetch_fails_once(monkeypatch: pytest.MonkeyPatch, stream: str,
+                     error: BaseException) -> list[int]:
+    """The next pull fetch on ``stream`` raises ``error`` (what nats-py
+    raises), the rest are real (others' too: a worker's dead-letter answerer
+    fetches beside it); returns the count of fetches that raised."""
     real = JetStreamContext.PullSubscription.fetch
     raised: list[int] = []
 
     async def fetch(self: Any, *a: Any, **kw: Any) -> Any:
-        if not raised:
+        if not raised and self._stream == stream:
             raised.append(1)
             raise error
         return await real(self, *a, **kw)
@@ -153,7 +161,8 @@ async def test_a_fetch_error_outside_the_transient_ones_is_retried(
         bus: Bus, node: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """nats-py raises a bare APIError for a pull answered with a status it
     does not know: retried like NATS being away, not the consumer's end."""
-    raised = fetch_fails_once(monkeypatch, APIError(code=400, description="injected"))
+    raised = fetch_fails_once(monkeypatch, STREAM_EVENTS,
+                              APIError(code=400, description="injected"))
     rid = f"ev-{uuid.uuid4().hex[:8]}"
     seen: list[str] = []
     stopping, task = consume(bus, ours(rid, seen))
@@ -173,7 +182,7 @@ async def test_a_workers_fetch_cancelled_from_inside_is_retried(
     ended the worker before, and `smr up` with it."""
     step = CountingStep()
     w, task = await run_worker(bus, step, node)
-    raised = fetch_fails_once(monkeypatch, asyncio.CancelledError())
+    raised = fetch_fails_once(monkeypatch, STREAM_REQUESTS, asyncio.CancelledError())
     await until(lambda: bool(raised), task, 10)
     await bus.publish(request(node, f"after-{uuid.uuid4().hex[:8]}"))
     await until(lambda: bool(step.seen), task, 20)
