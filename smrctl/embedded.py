@@ -5,7 +5,6 @@ and storage layout as in a cluster."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -17,6 +16,7 @@ from services.storage.service import StorageService
 from services.storage.settings import make_storage_service, make_store
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint, gpuinfo, reaper, tracing
+from smr.aio import ended_why, stop_task
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
 from smr.config import Settings
 from smr.criu import Criu
@@ -112,15 +112,17 @@ class EmbeddedNode:
         self.tasks.append(asyncio.create_task(self.storage.run()))
         ready = asyncio.ensure_future(asyncio.gather(
             *(w.idle.wait() for w in self.workers), self.storage.ready.wait()))
+        # Cancelled when the start fails: its end is not news (nor a warning).
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         # A service that fails to start says why, rather than a bare timeout.
         await asyncio.wait([ready, *self.tasks], timeout=READY_S,
                            return_when=asyncio.FIRST_COMPLETED)
         for t in self.tasks:
-            if t.done() and (e := t.exception()):
+            if t.done():  # failed, or cancelled from inside (t.exception() would raise)
                 ready.cancel()
-                raise SmrError(f"a service of node {s.node} failed to start: "
-                               f"{type(e).__name__}: {e}", code="start-failed",
-                               hint="is NATS reachable? see the log above") from e
+                raise SmrError(f"a service of node {s.node} failed to start: {ended_why(t)}",
+                               code="start-failed", hint="is NATS reachable? see the log above"
+                               ) from (None if t.cancelled() else t.exception())
         if not ready.done():
             ready.cancel()
             raise SmrError(f"node {s.node} did not start within {READY_S:.0f}s",
@@ -135,8 +137,10 @@ class EmbeddedNode:
         if self.storage:
             self.storage.stop()
         for t in self.tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(t, 30)
+            await asyncio.wait([t], timeout=30)  # a graceful end first
+            # Past that, cancelled. Whatever its end (an error, or cancelled
+            # from inside: awaited, that CancelledError would escape here).
+            await stop_task(t)
         if self.store:
             await self.store.close()
         if self.bus:

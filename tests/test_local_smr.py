@@ -513,3 +513,24 @@ def test_local_init_runs_the_command_forwards_signals_and_exits_with_its_status(
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 3 and marker.read_text() == "term\n"
+
+
+async def test_a_service_that_ends_cancelled_as_the_node_starts_is_a_start_failure(
+        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`smr up` says which service did not start and exits 2; a service whose
+    task ended cancelled (a cancel a library handed back) made the check of
+    its error raise that CancelledError instead: a traceback and exit 1."""
+    from services.storage.service import StorageService
+    from smr.errors import SmrError
+
+    async def cancelled(self: StorageService) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(StorageService, "run", cancelled)
+    s = config.load({}).replace(nats_url=nats_server.url, node_name=node,
+                                data_dir=str(tmp_path / "data"), criu=criu_binary)
+    with pytest.raises(SmrError) as failed:
+        async with EmbeddedNode(s):
+            pass
+    assert failed.value.code == "start-failed" and "cancelled" in failed.value.message

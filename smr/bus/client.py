@@ -48,7 +48,7 @@ from smr.messages import (
     StorageQuery,
     StorageReply,
 )
-from smr.retry import NATS_TRANSIENT, retry_nats
+from smr.retry import retry_nats
 
 log = logging.getLogger("smr.bus")
 
@@ -232,8 +232,13 @@ class Bus:
 
         A malformed event is dead-lettered and dropped; one whose handler
         raises is redelivered after ``retry_s``. Replicas sharing ``durable``
-        share the work."""
-        name = await self.ensure_event_consumer(durable, kind)
+        share the work. Only ``stop``, this task's own cancel, or a connection
+        closed for good end it: it is a service's loop (in `smr up`, the
+        storage service's), and a service whose loop ended serves no more."""
+        # NATS may be restarting as this starts (as a node is restarted with it).
+        async for attempt in retry_nats():
+            with attempt:
+                name = await self.ensure_event_consumer(durable, kind)
         sub = await self.js.pull_subscribe_bind(name, STREAM_EVENTS)
         cls = SUBJECT_TYPES[kind]
         try:
@@ -245,11 +250,13 @@ class Bus:
                     if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
                         raise
                     continue
-                except NATS_TRANSIENT as e:
-                    if self.nc.is_closed:
+                except (Exception, asyncio.CancelledError) as e:
+                    if cancelling() or self.nc.is_closed:
                         raise
                     # A NATS server lost: its stream or consumer elects a new
-                    # leader (503), or the client reconnects. The events wait.
+                    # leader (503), or the client reconnects; or what else
+                    # nats-py raises for a pull (an APIError for a status it
+                    # does not know, a cancel it hands back). The events wait.
                     failing += 1
                     if failing == 1:
                         log.warning("%s: fetching %s events failed (%s: %s); retrying",
@@ -258,27 +265,42 @@ class Bus:
                     continue
                 failing = 0
                 for m in msgs:
-                    with tracing.tracer.start_as_current_span(
-                        f"consume {kind}", context=tracing.extract(m.headers),
-                        kind=SpanKind.CONSUMER, attributes={"smr.service": service},
-                    ) as span:
-                        try:
-                            event = cls.from_payload(m.data)
-                        except ContractError as e:
-                            await self.dead_letter(m.subject, m.data, e, service=service)
-                            await m.term()
-                            continue
-                        try:
-                            await handle(event)
-                        except Exception as e:
-                            span.set_status(Status(StatusCode.ERROR, str(e)))
-                            log.warning("%s: handling %s failed, will retry: %s", service,
-                                        m.subject, e)
-                            await quietly(m.nak(delay=retry_s))
-                            continue
-                        await m.ack()
+                    await self._consume_event(m, kind, cls, handle, service=service,
+                                              retry_s=retry_s)
         finally:
             await quietly(sub.unsubscribe())
+
+    async def _consume_event(self, m: Any, kind: str, cls: Any,
+                             handle: Callable[[Any], Awaitable[None]], *, service: str,
+                             retry_s: float) -> None:
+        """One event: nothing but this task's own cancel escapes it, so the
+        loop goes on. A handling that failed, or whose ack NATS lost, comes again."""
+        with tracing.tracer.start_as_current_span(
+            f"consume {kind}", context=tracing.extract(m.headers),
+            kind=SpanKind.CONSUMER, attributes={"smr.service": service},
+        ) as span:
+            try:
+                try:
+                    event = cls.from_payload(m.data)
+                except ContractError as e:
+                    await self.dead_letter(m.subject, m.data, e, service=service)
+                    await m.term()
+                    return
+                await handle(event)
+                await m.ack()
+            except asyncio.CancelledError:
+                if cancelling():
+                    raise
+                # Not this loop's cancel: a library gave up a call that way
+                # (aiohttp, nats-py). A failure like any other.
+                span.set_status(Status(StatusCode.ERROR, "cancelled from inside"))
+                log.warning("%s: handling %s was cancelled from inside, will retry",
+                            service, m.subject)
+                await quietly(m.nak(delay=retry_s))
+            except Exception as e:
+                span.set_status(Status(StatusCode.ERROR, str(e)))
+                log.warning("%s: handling %s failed, will retry: %s", service, m.subject, e)
+                await quietly(m.nak(delay=retry_s))
 
     def kv(self, bucket: str) -> KeyValue:
         try:

@@ -196,9 +196,10 @@ class Worker:
             if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
                 raise
             return []
-        except Exception as e:
+        except (Exception, asyncio.CancelledError) as e:
             # NATS restarting (connection closed, JetStream not ready
-            # yet): the node keeps being served once it is back.
+            # yet), or a cancel nats-py hands back that is not this fetch's
+            # (stop_task's is raised): the node keeps being served once it is back.
             if cancelling():
                 raise
             self._failing += 1

@@ -171,6 +171,7 @@ class Node:
         self.env = {**env, "SMR_NODE_NAME": name, "SMR_DATA_DIR": str(self.data)}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / f"{name}.log"
+        self.log_from = 0  # where the running process's output begins in the log
 
     def mount(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
@@ -182,10 +183,19 @@ class Node:
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
+            self.log_from = out.tell()
             # `smr up`, with the stand-in GPU driver (tests/chaos/gpu_standin.py).
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.chaos.gpu_standin"], env=self.env, stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def last_words(self, lines: int = 25) -> str:
+        """The end of the running (or ended) process's output: why a crashed
+        node exited, in the report itself (CI keeps no campaign directory)."""
+        with open(self.log, "rb") as f:
+            f.seek(self.log_from)
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -646,7 +656,7 @@ class Campaign:
             if node.proc and node.proc.poll() is not None:
                 self.report.crashes += 1
                 self.problem(f"{node.name}'s smr up exited with {node.proc.returncode}; see "
-                             f"{node.log}")
+                             f"{node.log}; it ended with:\n{node.last_words()}")
                 node.start()
 
     async def settle(self) -> None:
@@ -811,7 +821,7 @@ async def run(cycles: int, seed: int, criu: str, workloads: int = 3,
         c.check_refusals()
         c.report.seconds = time.monotonic() - t0
         report = c.report
-    if keep:
+    if keep or report.problems:  # the node logs the problems name
         print(f"campaign directory kept: {root}", file=sys.stderr)
     else:
         shutil.rmtree(root, ignore_errors=True)
