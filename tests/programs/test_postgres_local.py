@@ -10,8 +10,10 @@ Each test takes about 10 s here (initdb, start, two dumps, a restore).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -54,6 +56,19 @@ def summary(port: int) -> tuple[int, str]:
     return int(row[0]), str(row[1])
 
 
+async def first_connection(port: int, timeout: float = 30) -> psycopg.Connection:
+    """PostgreSQL listens before it takes connections ("the database system is
+    starting up"), and ``start`` waits for the port only."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return psycopg.connect(pg.dsn(port))
+        except psycopg.OperationalError as e:
+            if "starting up" not in str(e) or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.1)
+
+
 def report(what: str, **numbers: object) -> None:
     print(f"\n[compat] {what}: {json.dumps(numbers, default=str)}")
 
@@ -64,7 +79,7 @@ async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
         port = free_port()
         job = await start(h, pg.server_cmd(top, port), port=port)
         rows = Rows()
-        conn = psycopg.connect(pg.dsn(port))
+        conn = await first_connection(port)
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL)")
         conn.commit()
         rows.insert(conn, range(0, 5000))
@@ -103,7 +118,7 @@ async def test_postgres_checkpointed_mid_transaction_restores_consistent(h: Harn
         port = free_port()
         job = await start(h, pg.server_cmd(top, port), port=port)
         rows = Rows()
-        conn = psycopg.connect(pg.dsn(port))
+        conn = await first_connection(port)
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL)")
         conn.commit()
         rows.insert(conn, range(0, 3000))
