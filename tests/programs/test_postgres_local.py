@@ -21,7 +21,8 @@ import psycopg
 import pytest
 
 from smr.criu import explain
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.programs import pg
 from tests.programs.conftest import other_node
 from tests.test_local_smr import Harness
@@ -74,7 +75,7 @@ def report(what: str, **numbers: object) -> None:
 
 
 async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     with pg.cluster() as top:
         port = free_port()
         job = await start(h, pg.server_cmd(top, port), port=port)
@@ -98,7 +99,7 @@ async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
             conn.execute("SELECT 1")
         conn.close()
 
-        async with other_node(criu_binary, nats_server, tmp_path) as b:
+        async with other_node(criu_binary, nats_users, tmp_path) as b:
             restored = await b.restore(job.id)
             assert restored.status == "succeeded", restored.error
             assert restored.node != final.node
