@@ -512,3 +512,34 @@ def test_local_init_runs_the_command_forwards_signals_and_exits_with_its_status(
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 3 and marker.read_text() == "term\n"
+
+
+# -- the CLI on a NATS several machines share ------------------------------------------
+
+async def smr_cli(h: Harness, *args: str) -> tuple[int, str]:
+    """``smr ARGS`` on the node's machine, logged in as the node's `smr up`
+    is (SMR_NATS_USER, its node's user): a process of its own, so the node
+    serving it (in this event loop) runs on."""
+    s = h.settings
+    env = {**os.environ, "SMR_NATS_URL": s.nats_url, "SMR_NATS_USER": s.values["NATS_USER"],
+           "SMR_NATS_PASSWORD": s.values["NATS_PASSWORD"], "SMR_NATS_SETUP": "false",
+           "SMR_NODE_NAME": s.node, "SMR_DATA_DIR": str(s.data_path),
+           "SMR_STORAGE_PATH": str(s.storage_root), "SMR_METRICS_PORT": "0"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smrctl.cli", *args, env=env, cwd=h.tmp,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def test_smr_demo_on_a_shared_nats_runs_as_its_nodes_user(h: Harness) -> None:
+    """`smr demo` (and `smr exec`, `smr checkpoint`, `smr ps`: the same login)
+    on a machine whose `smr up` runs on a shared NATS as its node's user: it
+    logs in as that user and uses the running node, refused nothing (the
+    ``nats_users`` fixture fails the test on any refusal)."""
+    rc, out = await smr_cli(h, "demo", "--mib", "16")
+    assert rc == 0, out
+    assert "starting an embedded node" not in out, f"it did not reach the running node:\n{out}"
+    assert "demo passed" in out, out
+    rc, out = await smr_cli(h, "ps")
+    assert rc == 0, out
