@@ -533,13 +533,23 @@ async def smr_cli(h: Harness, *args: str) -> tuple[int, str]:
 
 
 async def test_smr_demo_on_a_shared_nats_runs_as_its_nodes_user(h: Harness) -> None:
-    """`smr demo` (and `smr exec`, `smr checkpoint`, `smr ps`: the same login)
-    on a machine whose `smr up` runs on a shared NATS as its node's user: it
-    logs in as that user and uses the running node, refused nothing (the
-    ``nats_users`` fixture fails the test on any refusal)."""
+    """`smr demo`, `smr exec`, `smr checkpoint`, `smr restore`, `smr ps` and
+    `smr kill` on a machine whose `smr up` runs on a shared NATS as its node's
+    user: they log in as that user and use the running node, refused nothing
+    (the ``nats_users`` fixture fails the test on any refusal)."""
     rc, out = await smr_cli(h, "demo", "--mib", "16")
     assert rc == 0, out
     assert "starting an embedded node" not in out, f"it did not reach the running node:\n{out}"
     assert "demo passed" in out, out
-    rc, out = await smr_cli(h, "ps")
-    assert rc == 0, out
+    job_id = f"cli-{uuid.uuid4().hex[:6]}"
+    for args in (["exec", "-i", job_id, "--", sys.executable, "-m", "smr.workloads.counter",
+                  "--mib", "8", "--interval", "0.05"],
+                 ["checkpoint", job_id], ["restore", job_id], ["ps"], ["kill", job_id]):
+        rc, out = await smr_cli(h, *args)
+        assert rc == 0, f"smr {args[0]}: {out}"
+        if args[0] == "exec":
+            record, _ = await h.jobs.get(job_id)
+            h.pids.append(record.pid)
+            await h.wait_step(record, 3)
+        if args[0] == "ps":
+            assert job_id in out, out
