@@ -22,11 +22,17 @@ def free_port() -> int:
 class NatsServer:
     def __init__(self, binary: str, store_dir: Path, port: int | None = None,
                  log_file: Path | None = None, token: str = "",
-                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 jetstream_flags: bool = True) -> None:
         """``token``: clients must present it (in a root-only config file, not
         in argv, which any local user reads in /proc). ``extra_args``: more
-        nats-server options (a cluster's name and routes, tests/nats_cluster.py)."""
+        nats-server options (a cluster's name and routes, tests/nats_cluster.py).
+        ``jetstream_flags``: False where the configuration file (``-c`` in
+        ``extra_args``) enables JetStream on ``store_dir`` itself, for a server
+        that reloads it: nats-server 2.10 forgets the command line's -js and -sd
+        on a reload and shuts JetStream down (nats-io/nats-server#6606)."""
         self.extra_args = list(extra_args)
+        self.jetstream_flags = jetstream_flags
         self.env = dict(env) if env is not None else None  # the server's (None: ours)
         self.binary = binary
         self.token = token
@@ -55,11 +61,14 @@ class NatsServer:
             f.write(f"authorization {{ token: {json.dumps(self.token)} }}\n")
         return ["-c", str(conf)]
 
+    def _jetstream_args(self) -> list[str]:
+        return ["-js", "-sd", str(self.store_dir)] if self.jetstream_flags else []
+
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, *self._auth_args(), "-js", "-sd", str(self.store_dir),
+                [self.binary, *self._auth_args(), *self._jetstream_args(),
                  "-a", "127.0.0.1", "-p", str(self.port), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches smr, which stops the server in order

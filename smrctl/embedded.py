@@ -178,8 +178,11 @@ async def connect(settings: Settings) -> Bus:
         raise SmrError("smr is not running on this machine", code="not-running",
                        hint="start it with `smr up` (or set SMR_NATS_URL)")
     try:
+        # The node's buckets only: on a shared NATS the CLI logs in as its
+        # node's `smr up` (SMR_NATS_USER), which may read no others.
         return await asyncio.wait_for(Bus.connect(url, name="smr-cli",
-                                                  config=BusConfig.from_settings(settings)), 10)
+                                                  config=BusConfig.from_settings(settings),
+                                                  buckets=BUCKETS), 10)
     except (TimeoutError, OSError) as e:
         raise SmrError(f"cannot reach smr's NATS at {url}: {e}", code="not-running",
                        hint="start it with `smr up` (or fix SMR_NATS_URL)") from None

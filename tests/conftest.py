@@ -161,7 +161,8 @@ def nats_users(shipped_nats_users: nats_auth.Shipped, settings: config.Settings,
                tmp_path: Path, node: str) -> Iterator[nats_auth.SecuredNats]:
     """A nats-server of this test's own, run as a deployed cluster's: the
     shipped users and permissions (tests/nats_auth.py), and ``node``'s user
-    for `smr up` on a shared NATS (local-node.conf.template). A test gives
+    for `smr up` on a shared NATS (local-node.conf.template; ``.node_user``
+    adds one for any other node the test starts). A test gives
     each service under test its own user (``.connect``) and plays the rest as
     smr-admin. At its end the test fails if the server refused anything: a
     permission the shipped users lack, which a deployed cluster would refuse too."""

@@ -7,8 +7,12 @@ the permissions lives in the tests."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
+import signal
+import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,6 +72,7 @@ class SecuredNats:
 
     server: NatsServer
     passwords: dict[str, str] = field(default_factory=dict)  # user → password
+    users: _Users | None = None  # what it was started with (``start``)
 
     @property
     def url(self) -> str:
@@ -84,6 +89,38 @@ class SecuredNats:
         if base:
             cfg = replace(base, user=cfg.user, password=cfg.password, setup=cfg.setup)
         return await Bus.connect(self.url, name=user, config=cfg, buckets=buckets)
+
+    def node_user(self, node: str) -> str:
+        """The user `smr up` on machine ``node`` logs in as
+        (local-node.conf.template, held to that node), added to the running
+        server where the test did not start it with one: a second node of a
+        migration, a node a test names itself. The server reloads its
+        configuration (SIGHUP), as an operator's does on adding a machine."""
+        user = f"smr-node-{node_token(node)}"
+        if user in self.passwords:
+            return user
+        assert self.users is not None, "a server of nats_auth.start adds users"
+        assert self.server.proc is not None and self.server.proc.poll() is None
+        self.users.nodes[node] = uuid.uuid4().hex
+        _, _, self.passwords = self.users.write()
+        before = self._reloads()
+        self.server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while self._reloads() == before:
+            if time.monotonic() > deadline:
+                raise SmrError(f"nats-server did not reload its users to add {user}",
+                               code="nats-start-failed", hint=f"see {self.server.log_file}")
+            time.sleep(0.02)
+        return user
+
+    def _reloads(self) -> int:
+        """How many reloads the server's log reports; one that failed is an error."""
+        text = self.server.log_file.read_text(errors="replace")
+        if "Failed to reload" in text:
+            bad = [ln for ln in text.splitlines() if "Failed to reload" in ln]
+            raise SmrError("nats-server refused its reloaded configuration",
+                           code="config-invalid", detail=bad[-1])
+        return text.count("Reloaded server configuration")
 
     def violations(self) -> list[str]:
         """The server's log lines for what it refused a client (publish,
@@ -143,15 +180,47 @@ def start(binary: str, store: Path, ship: Shipped, *, tenants: Mapping[str, str]
     """``tenants``, ``agents``, ``nodes``: as for ``render``. ``callout_issuer``:
     run auth-callout.conf with this issuer (an account public nkey) instead
     of accounts.conf alone."""
-    r = render(store, ship, tenants=tenants, agents=agents, nodes=nodes)
-    conf, env = r.conf, r.env
-    if callout_issuer:
-        names = [f"tenant-{node_token(ns)}" for ns in tenants]
-        names += [f"smr-agent-{node_token(n)}" for n in agents]
-        assert "auth_users: [" in ship.callout
-        (store / "auth-callout.conf").write_text(ship.callout.replace(
-            "auth_users: [", "auth_users: [" + "".join(f"{n}, " for n in names)))
-        conf = store / "auth-callout.conf"
-        env["SMR_NATS_CALLOUT_ISSUER"] = callout_issuer
-    server = NatsServer(binary, store / "js", extra_args=["-c", str(conf)], env=env).start()
-    return SecuredNats(server, r.passwords)
+    users = _Users(store, ship, dict(tenants), dict(agents), dict(nodes), callout_issuer)
+    conf, env, passwords = users.write()
+    server = NatsServer(binary, users.js, extra_args=["-c", str(conf)], env=env,
+                        jetstream_flags=False).start()
+    return SecuredNats(server, passwords, users)
+
+
+@dataclass
+class _Users:
+    """The users a server was started with, to render its configuration again
+    with one more (``SecuredNats.node_user``)."""
+
+    store: Path
+    ship: Shipped
+    tenants: dict[str, str]
+    agents: dict[str, str]
+    nodes: dict[str, str]
+    callout_issuer: str
+
+    def write(self) -> tuple[Path, dict[str, str], dict[str, str]]:
+        """The configuration the server reads, its environment, and each user's password."""
+        r = render(self.store, self.ship, tenants=self.tenants, agents=self.agents,
+                   nodes=self.nodes)
+        conf, env = r.conf, r.env
+        if self.callout_issuer:
+            names = [f"tenant-{node_token(ns)}" for ns in self.tenants]
+            names += [f"smr-agent-{node_token(n)}" for n in self.agents]
+            assert "auth_users: [" in self.ship.callout
+            (self.store / "auth-callout.conf").write_text(self.ship.callout.replace(
+                "auth_users: [", "auth_users: [" + "".join(f"{n}, " for n in names)))
+            conf = self.store / "auth-callout.conf"
+            env["SMR_NATS_CALLOUT_ISSUER"] = self.callout_issuer
+        # JetStream in the file, not on the command line (-js, as the deploy
+        # runs it): nats-server 2.10 forgets the flags on a reload and shuts
+        # JetStream down (nats-io/nats-server#6606), and node_user reloads.
+        server = self.store / "server.conf"
+        server.write_text(f"include ./{conf.name}\n"
+                          f"jetstream {{ store_dir: {json.dumps(str(self.js))} }}\n")
+        return server, env, r.passwords
+
+    @property
+    def js(self) -> Path:
+        """The server's store directory (and its log's)."""
+        return self.store / "js"

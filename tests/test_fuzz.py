@@ -46,8 +46,8 @@ from smr.bus import (
 )
 from smr.errors import ContractError
 from smr.messages import CkptRequested, RestoreRequested, Target
-from smr.natsserver import NatsServer
 from smr.workloads import counter
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 
 pytestmark = pytest.mark.criu
@@ -221,11 +221,13 @@ def _namespace(payload: bytes) -> str | None:
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harness]:
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path
+            ) -> AsyncIterator[Harness]:
     # A node name with a dot: its subject token ("fuzz_...") is shared by another
-    # valid name, which must not pass for it.
+    # valid name, which must not pass for it. The node logs in as its own user;
+    # the fuzzer, publishing on every subject, as smr-admin.
     node = f"fuzz.{uuid.uuid4().hex[:8]}"
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0) as harness:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
         yield harness
 
 

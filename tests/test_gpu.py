@@ -24,8 +24,8 @@ from smr import cuda_checkpoint, gpuinfo
 from smr.cuda_checkpoint import CudaState
 from smr.jobs import Job, launch, proc_start_ticks, wait_exit
 from smr.messages import CkptRequested, Target
-from smr.natsserver import NatsServer
 from smr.workloads import counter
+from tests import nats_auth
 from tests.test_local_smr import Harness, assert_unlocked, flip_byte, running
 
 GIB = float(os.environ.get("SMR_TEST_GPU_GIB", "8"))
@@ -56,10 +56,10 @@ class GpuHarness(Harness):
 
 
 @pytest.fixture
-async def g(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def g(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[GpuHarness]:
     # A long ack wait: dumping 8 GiB takes longer than the CPU tests' 5 s.
-    async with running(GpuHarness, criu_binary, nats_server, tmp_path, node, 30.0) as harness:
+    async with running(GpuHarness, criu_binary, nats_users, tmp_path, node, 30.0) as harness:
         yield harness
 
 
@@ -128,10 +128,10 @@ def holds_gpu(pid: int) -> bool:
 
 
 async def test_gpu_lock_timeout_leaves_the_job_running(
-        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str) -> None:
     """A job whose kernels run longer than the lock timeout: every attempt
     times out, the request fails with that reason, and the job never stops."""
-    async with running(GpuHarness, criu_binary, nats_server, tmp_path, node, 30.0,
+    async with running(GpuHarness, criu_binary, nats_users, tmp_path, node, 30.0,
                        cuda_lock_timeout=0.5, max_deliver=2) as g:
         # Kernels of 30 s, and the request sent just as one begins (a step
         # printed): every attempt, retries included, meets a kernel running.

@@ -1,7 +1,8 @@
 """Save, migrate and resume on one machine with real CRIU, driven through NATS.
 
 Each test runs an embedded node (checkpointer + restorer + local storage) on
-the session's real nats-server, launches real processes, and judges the result
+a real nats-server with the shipped users, logged in as its node's, launches
+real processes, and judges the result
 by what the processes print: the step they continue from and the digest of
 their memory, recomputed independently.
 """
@@ -25,11 +26,10 @@ import pytest
 
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, message_subject, node_token
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, message_subject
 from smr.criu import Criu
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
-from smr.natsserver import NatsServer
 from smr.workloads import counter
 from smrctl.embedded import EmbeddedNode
 from tests import nats_auth
@@ -102,23 +102,22 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running(cls: type[H], criu_binary: str,
-                  nats_server: NatsServer | nats_auth.SecuredNats, tmp_path: Path,
-                  node: str, ack_wait: float, **settings: Any) -> AsyncIterator[H]:
-    """An embedded node on a shared nats-server, and a harness on it. On one
-    with the shipped users (``nats_users``) the node logs in as its own user
-    (local-node.conf.template), as `smr up` on a NATS several machines share
-    does, and the harness (playing `smr exec`, `smr checkpoint` and the
-    operator) as smr-admin, which makes the streams first."""
+async def running(cls: type[H], criu_binary: str, nats: nats_auth.SecuredNats,
+                  tmp_path: Path, node: str, ack_wait: float, **settings: Any
+                  ) -> AsyncIterator[H]:
+    """An embedded node on a shared nats-server with the shipped users
+    (``nats_users``), and a harness on it. The node logs in as its own user
+    (local-node.conf.template, added to the server for a node it has none
+    for), as `smr up` on a NATS several machines share does; the harness
+    (playing `smr exec`, `smr checkpoint` and the operator) as smr-admin,
+    which makes the streams first. No node runs on an open server: what the
+    shipped permissions refuse it fails its test (``nats_users``)."""
+    user = await asyncio.to_thread(nats.node_user, node)
     s = config.load({}).replace(
-        nats_url=nats_server.url, node_name=node, data_dir=str(tmp_path / "data"),
+        nats_url=nats.url, node_name=node, data_dir=str(tmp_path / "data"),
         criu=criu_binary, ack_wait=ack_wait, **settings)
-    admin = None
-    if isinstance(nats_server, nats_auth.SecuredNats):
-        admin = await nats_server.connect("smr-admin", BusConfig.from_settings(s))
-        user = f"smr-node-{node_token(node)}"
-        s = s.replace(nats_user=user, nats_password=nats_server.passwords[user],
-                      nats_setup=False)
+    admin = await nats.connect("smr-admin", BusConfig.from_settings(s))
+    s = s.replace(nats_user=user, nats_password=nats.passwords[user], nats_setup=False)
     try:
         async with EmbeddedNode(s) as n:
             harness = cls(n, s, tmp_path, admin)
@@ -127,8 +126,7 @@ async def running(cls: type[H], criu_binary: str,
             finally:
                 harness.cleanup()
     finally:
-        if admin:
-            await admin.close()
+        await admin.close()
 
 
 @pytest.fixture
@@ -373,11 +371,12 @@ async def test_corrupted_checkpoint_is_refused(h: Harness) -> None:
 
 
 async def test_streamed_restore_never_resumes_on_a_byte_only_sha256_catches(
-        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
+        ) -> None:
     """Stored uncompressed, a flipped byte decodes fine: only the file's sha256,
     known at its last frame, catches it. CRIU has read the frames before it by
     then; the restore must still fail and the process never run."""
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
                        zstd_level=0) as h:
         job = await h.start(64)
         done = await h.checkpoint(job.id)
@@ -534,3 +533,44 @@ async def test_a_service_that_ends_cancelled_as_the_node_starts_is_a_start_failu
         async with EmbeddedNode(s):
             pass
     assert failed.value.code == "start-failed" and "cancelled" in failed.value.message
+
+
+# -- the CLI on a NATS several machines share ------------------------------------------
+
+async def smr_cli(h: Harness, *args: str) -> tuple[int, str]:
+    """``smr ARGS`` on the node's machine, logged in as the node's `smr up`
+    is (SMR_NATS_USER, its node's user): a process of its own, so the node
+    serving it (in this event loop) runs on."""
+    s = h.settings
+    env = {**os.environ, "SMR_NATS_URL": s.nats_url, "SMR_NATS_USER": s.values["NATS_USER"],
+           "SMR_NATS_PASSWORD": s.values["NATS_PASSWORD"], "SMR_NATS_SETUP": "false",
+           "SMR_NODE_NAME": s.node, "SMR_DATA_DIR": str(s.data_path),
+           "SMR_STORAGE_PATH": str(s.storage_root), "SMR_METRICS_PORT": "0"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smrctl.cli", *args, env=env, cwd=h.tmp,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def test_smr_demo_on_a_shared_nats_runs_as_its_nodes_user(h: Harness) -> None:
+    """`smr demo`, `smr exec`, `smr checkpoint`, `smr restore`, `smr ps` and
+    `smr kill` on a machine whose `smr up` runs on a shared NATS as its node's
+    user: they log in as that user and use the running node, refused nothing
+    (the ``nats_users`` fixture fails the test on any refusal)."""
+    rc, out = await smr_cli(h, "demo", "--mib", "16")
+    assert rc == 0, out
+    assert "starting an embedded node" not in out, f"it did not reach the running node:\n{out}"
+    assert "demo passed" in out, out
+    job_id = f"cli-{uuid.uuid4().hex[:6]}"
+    for args in (["exec", "-i", job_id, "--", sys.executable, "-m", "smr.workloads.counter",
+                  "--mib", "8", "--interval", "0.05"],
+                 ["checkpoint", job_id], ["restore", job_id], ["ps"], ["kill", job_id]):
+        rc, out = await smr_cli(h, *args)
+        assert rc == 0, f"smr {args[0]}: {out}"
+        if args[0] == "exec":
+            record, _ = await h.jobs.get(job_id)
+            h.pids.append(record.pid)
+            await h.wait_step(record, 3)
+        if args[0] == "ps":
+            assert job_id in out, out

@@ -23,7 +23,7 @@ import pytest
 
 from smr.bus.topology import STREAM_EVENTS, subject
 from smr.messages import CkptDone, CkptRequested, Target
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.test_bus import stored
 from tests.test_local_smr import Harness, running
 from tests.test_review_32 import copies
@@ -44,10 +44,11 @@ async def step_result(h: Harness, rid: str, timeout: float) -> dict[str, Any]:
 
 @pytest.mark.criu
 async def test_nats_killed_after_a_final_dump_was_stored_answers_it_once(
-        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
-    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
+        ) -> None:
+    srv = nats_users.server  # killed and started again, with its users
     try:
-        async with running(Harness, criu_binary, srv, tmp_path, node, 5.0) as h:
+        async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as h:
             job = await h.start(64)
             step = h.node.workers[0].step
             store = step.store
@@ -102,14 +103,15 @@ async def test_nats_killed_after_a_final_dump_was_stored_answers_it_once(
 
 @pytest.mark.criu
 async def test_nats_killed_as_a_heartbeat_dump_begins_never_leaves_the_job_frozen(
-        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
+        ) -> None:
     """A heartbeat (leave-running) checkpoint; NATS is killed as CRIU freezes
     the job and stays away past the step's retries. The job must run on
     through the outage (its thaw waits on nothing of NATS), and the request
     is answered once NATS is back, from the one dump taken."""
-    srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
+    srv = nats_users.server  # killed and started again, with its users
     try:
-        async with running(Harness, criu_binary, srv, tmp_path, node, 5.0) as h:
+        async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as h:
             job = await h.start(64)
             before = copies(h.tmp)
             step = h.node.workers[0].step

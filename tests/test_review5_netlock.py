@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from smr import netlock
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import ckpt_step
 from tests.test_review3_sockets import assert_counts_on, locked, unstorable_final_checkpoint
@@ -74,13 +75,13 @@ async def wait_file(path: Path, timeout: float = 20) -> None:
 
 
 async def test_a_half_closed_connection_is_answered_after_a_final_checkpoint_that_cannot_be_stored(
-        criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str) -> None:
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str) -> None:
     """A client sent its request and shut its side (HTTP/1.0 style, rsync,
     a `nc -N`); the server's socket is in CLOSE_WAIT, not ESTABLISHED, when
     a final checkpoint keeps it and cannot be stored. CRIU put it in repair
     mode like the established ones: the server's answer must still reach
     the client once the job runs on."""
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
                        storage_path=str(tmp_path / "store"), commit_deadline=4.0) as node_h:
         script = tmp_path / "server.py"
         script.write_text(HALF_CLOSED_SERVER)

@@ -31,7 +31,8 @@ import redis
 from smr import sockets
 from smr.criu import Criu, explain
 from smr.jobs import Job, launch
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.test_local_smr import Harness, running
 
 pytestmark = pytest.mark.criu
@@ -40,9 +41,9 @@ REDIS = shutil.which("redis-server")
 
 
 @pytest.fixture
-async def h(criu_binary: str, nats_server: NatsServer, tmp_path: Path, node: str
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
             ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_server, tmp_path, node, 5.0,
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
                        storage_path=str(tmp_path / "store")) as harness:
         yield harness
 
@@ -158,7 +159,8 @@ async def test_client_connection_survives_leave_running_checkpoint_and_same_node
 
 
 async def test_migration_closes_connections_and_clients_reconnect(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path
+        ) -> None:
     job, port = await start_redis(h)
     r = client(port)
     for _ in range(5):
@@ -172,7 +174,7 @@ async def test_migration_closes_connections_and_clients_reconnect(
         r.incr("n")
 
     # Node b (another embedded node, the same storage) restores it.
-    async with running(Harness, criu_binary, nats_server, tmp_path / "b",
+    async with running(Harness, criu_binary, nats_users, tmp_path / "b",
                        f"node-b-{uuid.uuid4().hex[:6]}", 5.0,
                        storage_path=str(tmp_path / "store")) as b:
         restored = await b.restore(job.id)

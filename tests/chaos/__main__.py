@@ -20,15 +20,15 @@ def main() -> int:
     p.add_argument("--cluster", action="store_true",
                    help="on a 3-server NATS cluster, with NATS leader kills and pauses")
     p.add_argument("--no-nats-users", action="store_true",
-                   help="with --cluster: NATS without the shipped users and permissions "
+                   help="NATS without the shipped users and permissions "
                         "(the default runs each node as its own user, as deployed)")
     p.add_argument("--each-fault", action="store_true",
                    help="every fault kind in turn instead of at random")
     a = p.parse_args()
     report = asyncio.run(run(a.cycles, a.seed, config.load({}).criu_binary(), a.workloads,
                            keep=a.keep, each_fault=a.each_fault, cluster=a.cluster,
-                           nats_users=False if a.no_nats_users else None))
-    users = a.cluster and not a.no_nats_users
+                           nats_users=not a.no_nats_users))
+    users = not a.no_nats_users
     print(f"fault campaign: seed {a.seed}{', 3-server NATS cluster' if a.cluster else ''}"
           f"{' with the shipped NATS users' if users else ''}")
     print(report.table())

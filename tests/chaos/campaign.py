@@ -43,12 +43,13 @@ With ``--cluster`` NATS is a 3-server JetStream cluster (tests/nats_cluster.py)
 with every stream and bucket replicated 3 times, and NATS faults of their own:
 SIGKILL of a stream's leader or of the JetStream meta leader (restarted after
 a pause), a server paused (SIGSTOP) for longer than the election timeout, and
-``restart-nats`` restarts the whole cluster. There NATS runs, as deployed, with
-the users and permissions deploy/kustomize ships (tests/nats_auth.py): each
-node's `smr up` logs in as its own user (local-node.conf.template), the
-campaign (playing `smr exec` and the operator) as smr-admin, and any refusal
-in a server's log is a violation (a permission the shipped users lack).
-``nats_users=False`` (``--no-nats-users``) runs it without users.
+``restart-nats`` restarts the whole cluster. NATS runs (one server or a
+cluster), as deployed, with the users and permissions deploy/kustomize ships
+(tests/nats_auth.py): each node's `smr up` logs in as its own user
+(local-node.conf.template), the campaign (playing `smr exec` and the operator)
+as smr-admin, and any refusal in a server's log is a violation (a permission
+the shipped users lack). ``nats_users=False`` (``--no-nats-users``) runs it
+without users.
 
     .venv/bin/python -m tests.chaos --cycles 200 --seed 7      # the full run
     .venv/bin/python -m tests.chaos --cycles 200 --cluster     # on a NATS cluster
@@ -271,10 +272,9 @@ def stopped(pid: int) -> bool:
 
 class Campaign:
     def __init__(self, root: Path, seed: int, criu: str, cluster: bool = False,
-                 nats_users: bool | None = None) -> None:
+                 nats_users: bool = True) -> None:
         self.root = root
-        # The shipped NATS users (default: on a cluster, as deployed).
-        self.nats_users = cluster if nats_users is None else nats_users
+        self.nats_users = nats_users  # the shipped NATS users, as deployed
         self.users: nats_auth.Rendered | None = None
         self.cluster: NatsCluster | None = None
         # The NATS faults first: a short --each-fault run meets them.
@@ -801,7 +801,7 @@ class Campaign:
 
 async def run(cycles: int, seed: int, criu: str, workloads: int = 3,
               root: Path | None = None, keep: bool = False, each_fault: bool = False,
-              cluster: bool = False, nats_users: bool | None = None) -> Report:
+              cluster: bool = False, nats_users: bool = True) -> Report:
     """The campaign; ``keep`` leaves its directory (node logs, job logs) in
     place; ``each_fault``: the cycles take every fault kind in turn (the short
     version in `make test` meets each at least once)."""

@@ -16,7 +16,8 @@ import jupyter_client
 import pytest
 
 from smr.jobs import launch
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.programs.conftest import other_node
 from tests.test_local_smr import Harness
 
@@ -51,7 +52,7 @@ def run(kc: Any, code: str, **expressions: str) -> dict[str, str]:
 
 
 async def test_jupyter_kernel_keeps_its_variables_through_a_heartbeat_and_a_migration(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     conn_file = h.tmp / "kernel.json"
     jupyter_client.connect.write_connection_file(
         str(conn_file), ip="127.0.0.1", key=uuid.uuid4().hex.encode(),
@@ -73,7 +74,7 @@ async def test_jupyter_kernel_keeps_its_variables_through_a_heartbeat_and_a_migr
     final = await h.checkpoint(job.id, reason="preemption")
     assert final.status == "succeeded", final.error
     kc.stop_channels()
-    async with other_node(criu_binary, nats_server, tmp_path) as b:
+    async with other_node(criu_binary, nats_users, tmp_path) as b:
         restored = await b.restore(job.id)
         assert restored.status == "succeeded", restored.error
         again = await asyncio.to_thread(client, conn_file)  # the same ports

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.programs import jvm
 from tests.programs import node as http
 from tests.programs.conftest import other_node
@@ -33,7 +34,7 @@ def threads(pid: int) -> int:
 
 
 async def test_jvm_keeps_its_map_threads_and_compiled_code_through_a_migration(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="smr-jvm-") as d:  # nobody reads it
         os.chmod(d, 0o755)
         classes = jvm.compile_server(Path(d) / "classes")
@@ -60,7 +61,7 @@ async def test_jvm_keeps_its_map_threads_and_compiled_code_through_a_migration(
         compiled = jvm.compilations_of_work(log.read_text())
         final = await h.checkpoint(job.id, reason="preemption")
         assert final.status == "succeeded", final.error
-        async with other_node(criu_binary, nats_server, tmp_path) as b:
+        async with other_node(criu_binary, nats_users, tmp_path) as b:
             restored = await b.restore(job.id)
             assert restored.status == "succeeded", restored.error
             first = http.get(port)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.programs import node as nodejs
 from tests.programs.conftest import other_node
 from tests.test_local_smr import Harness
@@ -22,16 +23,16 @@ pytestmark = pytest.mark.criu
 
 
 async def test_nodejs_keeps_its_map_and_its_timer_through_a_heartbeat_and_a_migration(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="smr-node-") as d:  # nobody reads it
         os.chmod(d, 0o755)
         script = Path(d) / "server.js"
         script.write_bytes(nodejs.SERVER)
         script.chmod(0o644)
-        await run_through(h, script, criu_binary, nats_server, tmp_path)
+        await run_through(h, script, criu_binary, nats_users, tmp_path)
 
 
-async def run_through(h: Harness, script: Path, criu_binary: str, nats_server: NatsServer,
+async def run_through(h: Harness, script: Path, criu_binary: str, nats_users: nats_auth.SecuredNats,
                       tmp_path: Path) -> None:
     port = free_port()
     job = await start(h, ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
@@ -45,7 +46,7 @@ async def run_through(h: Harness, script: Path, criu_binary: str, nats_server: N
     before, t = nodejs.get(port)["ticks"], time.monotonic()
     final = await h.checkpoint(job.id, reason="preemption")
     assert final.status == "succeeded", final.error
-    async with other_node(criu_binary, nats_server, tmp_path) as b:
+    async with other_node(criu_binary, nats_users, tmp_path) as b:
         restored = await b.restore(job.id)
         assert restored.status == "succeeded", restored.error
         state = nodejs.get(port)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from smr.jobs import launch
-from smr.natsserver import NatsServer
+from tests import nats_auth
 from tests.programs import pool
 from tests.programs.conftest import other_node
 from tests.test_local_smr import Harness
@@ -46,7 +46,7 @@ def check_finished(text: str) -> None:
 
 
 async def test_pool_finishes_its_work_in_flight_after_a_migration(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     log = h.tmp / "pool.log"
     job = launch(f"pool-{uuid.uuid4().hex[:6]}", [
         "setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
@@ -60,7 +60,7 @@ async def test_pool_finishes_its_work_in_flight_after_a_migration(
     assert final.status == "succeeded", final.error
     before = len(DONE.findall(log.read_text()))
     assert before < TASKS, "the work was over before the checkpoint: nothing in flight"
-    async with other_node(criu_binary, nats_server, tmp_path) as b:
+    async with other_node(criu_binary, nats_users, tmp_path) as b:
         restored = await b.restore(job.id)
         assert restored.status == "succeeded", restored.error
         check_finished(await until(log, f"finished {TASKS}"))

@@ -10,8 +10,10 @@ Each test takes about 10 s here (initdb, start, two dumps, a restore).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +21,8 @@ import psycopg
 import pytest
 
 from smr.criu import explain
-from smr.natsserver import NatsServer, free_port
+from smr.natsserver import free_port
+from tests import nats_auth
 from tests.programs import pg
 from tests.programs.conftest import other_node
 from tests.test_local_smr import Harness
@@ -54,17 +57,30 @@ def summary(port: int) -> tuple[int, str]:
     return int(row[0]), str(row[1])
 
 
+async def first_connection(port: int, timeout: float = 30) -> psycopg.Connection:
+    """PostgreSQL listens before it takes connections ("the database system is
+    starting up"), and ``start`` waits for the port only."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return psycopg.connect(pg.dsn(port))
+        except psycopg.OperationalError as e:
+            if "starting up" not in str(e) or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.1)
+
+
 def report(what: str, **numbers: object) -> None:
     print(f"\n[compat] {what}: {json.dumps(numbers, default=str)}")
 
 
 async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
-        h: Harness, criu_binary: str, nats_server: NatsServer, tmp_path: Path) -> None:
+        h: Harness, criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     with pg.cluster() as top:
         port = free_port()
         job = await start(h, pg.server_cmd(top, port), port=port)
         rows = Rows()
-        conn = psycopg.connect(pg.dsn(port))
+        conn = await first_connection(port)
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL)")
         conn.commit()
         rows.insert(conn, range(0, 5000))
@@ -83,7 +99,7 @@ async def test_postgres_as_its_own_user_survives_a_heartbeat_and_a_migration(
             conn.execute("SELECT 1")
         conn.close()
 
-        async with other_node(criu_binary, nats_server, tmp_path) as b:
+        async with other_node(criu_binary, nats_users, tmp_path) as b:
             restored = await b.restore(job.id)
             assert restored.status == "succeeded", restored.error
             assert restored.node != final.node
@@ -103,7 +119,7 @@ async def test_postgres_checkpointed_mid_transaction_restores_consistent(h: Harn
         port = free_port()
         job = await start(h, pg.server_cmd(top, port), port=port)
         rows = Rows()
-        conn = psycopg.connect(pg.dsn(port))
+        conn = await first_connection(port)
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL)")
         conn.commit()
         rows.insert(conn, range(0, 3000))
