@@ -58,7 +58,9 @@ def devices() -> list[dict[str, Any]]:
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         mem = nv.nvmlDeviceGetMemoryInfo(h)
+        # minor: N of /dev/nvidiaN, how a container's device nodes name the GPU.
         out.append({"index": i, "uuid": nv.nvmlDeviceGetUUID(h), "model": nv.nvmlDeviceGetName(h),
+                    "minor": int(nv.nvmlDeviceGetMinorNumber(h)),
                     "memory_total": int(mem.total), "memory_free": int(mem.free),
                     "processes": {p.pid: int(p.usedGpuMemory or 0)
                                   for p in nv.nvmlDeviceGetComputeRunningProcesses(h)}})
