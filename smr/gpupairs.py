@@ -81,11 +81,16 @@ def node_targets(chosen: list[str] | None = None) -> list[dict[str, Any]]:
 def for_restore(record: dict[str, Any] | None, what: str, *, has_api: bool,
                 targets: list[dict[str, Any]] | None) -> Pairs | None:
     """Everything a restore checks of the GPU before any byte moves: the node
-    can restore GPU state at all and has the model with room
-    (smr.gpuinfo.check_restorable), and which GPUs it goes onto (``decide``;
-    ``targets`` None: unknown, the driver restores onto the checkpointed GPUs)."""
-    gpuinfo.check_restorable(record, what, has_api=has_api)
-    if not record or targets is None:
+    can restore GPU state at all, and which of ``targets`` it goes onto
+    (``decide``). Where the targets are unknown (None), or the manifest names
+    no GPU by UUID, the node-wide check of before (smr.gpuinfo.check_fits: a
+    GPU of the model with room) and no pairs: the driver restores onto the
+    checkpointed GPUs."""
+    if not record:
+        return None
+    if targets is None or not has_api or not any(
+            d.get("uuid") for d in record.get("devices") or []):
+        gpuinfo.check_restorable(record, what, has_api=has_api)
         return None
     return decide(record, targets, what)
 

@@ -259,8 +259,9 @@ class RestoreStep(LocalJobStep):
             return None
         if gen.manifest.get("gpu"):
             try:
-                # Decided again as run() did: the process holds no GPU memory meanwhile.
-                await self._gpu_back(pid, self._gpu_pairs(req, gen))
+                # Decided again as run() did (its checks passed then): the
+                # process holds no GPU memory meanwhile.
+                await self._gpu_back(pid, self._gpu_pairs(req, gen, checked=True))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored; the restore runs again.
@@ -277,15 +278,19 @@ class RestoreStep(LocalJobStep):
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
 
-    def _gpu_pairs(self, req: RestoreRequested, gen: Generation) -> gpupairs.Pairs | None:
+    def _gpu_pairs(self, req: RestoreRequested, gen: Generation, *, checked: bool = False
+                   ) -> gpupairs.Pairs | None:
         """Refuse GPU state this node cannot take back, and say which of its
         GPUs it goes onto (smr.gpupairs): those ``req.gpus`` names, else the
         checkpointed ones where this node has them with room, else others
-        of their model. None: onto the checkpointed GPUs, as before pairs."""
+        of their model. None: onto the checkpointed GPUs, as before pairs.
+        ``checked``: the node's checks passed before (a recovery)."""
         gpu = gen.manifest.get("gpu")
         targets = gpupairs.node_targets(req.gpus) if (gpu and self.cuda) or req.gpus else None
-        return gpupairs.for_restore(gpu, f"generation {gen.number} of {req.checkpoint_id}",
-                                    has_api=self.cuda is not None, targets=targets)
+        what = f"generation {gen.number} of {req.checkpoint_id}"
+        if checked:
+            return gpupairs.decide(gpu, targets, what) if targets is not None else None
+        return gpupairs.for_restore(gpu, what, has_api=self.cuda is not None, targets=targets)
 
     async def _gpu_back(self, pid: int, pairs: gpupairs.Pairs | None = None
                         ) -> dict[str, float]:
