@@ -7,13 +7,18 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 
 from services.containers import gpus
+from services.restorer.pod import PodRestoreStep
 from smr import gpuinfo, gpupairs
+from smr.errors import ContractError, PermanentError
 from smr.gpuinfo import GpuMismatch
+from smr.messages import RestoreRequested, Target
 from smrctl.cli import gpu_list
 
 MIB = 1 << 20
@@ -148,3 +153,30 @@ def test_a_bundle_is_found_only_through_a_root_runtime_outside_the_container() -
     # This test's process: its parent is in its own PID namespace, so no bundle.
     assert gpus.runtime_spec(os.getpid(), "abc") is None
     assert gpus.runtime_spec(os.getpid(), "../etc") is None
+
+
+# -- the request ------------------------------------------------------------------------
+
+def local_restore(**kw: Any) -> RestoreRequested:
+    return RestoreRequested(request_id="r1", checkpoint_id="ck", target=Target.job("ck"),
+                            node="n1", **kw)
+
+
+def test_a_restore_request_carries_gpu_uuids_only() -> None:
+    req = local_restore(gpus=[U[1], U[0]])
+    assert RestoreRequested.from_payload(req.to_payload()).gpus == [U[1], U[0]]
+    assert "gpus" not in orjson.loads(local_restore().to_payload())  # absent: the node chooses
+    for bad in (["0"], [U[0], U[0]], [], [f"{U[0]}/.."]):
+        with pytest.raises(ContractError):
+            local_restore(gpus=bad).to_payload()
+
+
+async def test_a_pod_restore_naming_gpus_is_refused() -> None:
+    """A tenant may publish restore requests for its own pods: the GPUs a
+    pod's state goes onto are its container's, never the request's."""
+    req = RestoreRequested(request_id="r1", checkpoint_id="ck", node="n1", gpus=[U[1]],
+                           target=Target(kind="pod", namespace="t", pod="p", container="main"))
+    with pytest.raises(PermanentError) as e:
+        await PodRestoreStep.gpu_pairs(SimpleNamespace(cuda=None), req,  # type: ignore[arg-type]
+                                       None, None, None)  # type: ignore[arg-type]
+    assert e.value.code == "gpus-not-for-pods"

@@ -34,6 +34,7 @@ from smr import cuda_checkpoint, gpuinfo
 from smr.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import GPU_IMAGE, TRAIN, Cluster
 from tests.fake_apiserver import pod
+from tests.fake_kubelet import node_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API")]
@@ -207,3 +208,45 @@ async def test_a_pod_on_two_gpus_migrates(cluster: Cluster, reference: str) -> N
     after = await start(cluster, "wide-2", b, ckpt, at_least=5, gpus=2)
     assert_resumed(before, after)
     assert await finish(cluster, "wide-2", b) == reference
+
+
+def gpu_of(cluster: Cluster, name: str) -> set[str]:
+    """The UUIDs of the GPUs NVML shows the pod's workload process on."""
+    p = cluster.kube.get("pods", name, "default")
+    assert p is not None
+    shim = host.find_shim(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+    running = shim.workload() if shim else None
+    assert running, f"{name}: the training process is not running"
+    return {d["uuid"] for d in gpuinfo.devices() if running[0] in d["processes"]}
+
+
+@pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
+async def test_a_pod_migrates_onto_the_other_gpu(cluster: Cluster, reference: str) -> None:
+    """Issue #28: node a's (fake) device plugin has GPU 0, node b's GPU 1.
+    The pod's process is checkpointed on GPU 0 by a drain; the new pod on
+    node b is given GPU 1 only (its device node, NVIDIA_VISIBLE_DEVICES), and
+    the agent restores the GPU state onto it (the driver's gpuPairs, 0→1).
+    NVML shows the process on GPU 1 after, and it ends with the weights of an
+    uninterrupted run."""
+    a, b = list(cluster.kubelets)
+    gpu0, gpu1 = node_gpus()[:2]
+    cluster.kubelets[a].gpus, cluster.kubelets[b].gpus = [gpu0], [gpu1]
+    ckpt = "train-other-gpu"
+    await start(cluster, "other-1", a, ckpt, at_least=5)
+    assert gpu_of(cluster, "other-1") == {gpu0.uuid}
+    done = await checkpoint(cluster, "other-1", a, ckpt, reason="drain", leave_running=False)
+    manifest = (await cluster.store.latest("default", ckpt)).manifest  # type: ignore[union-attr]
+    assert [d["uuid"] for d in manifest["gpu"]["devices"]] == [gpu0.uuid], manifest["gpu"]
+    before = steps(cluster.log("other-1", a))
+    cluster.kube.remove("pods", "other-1", "default")
+    t = time.monotonic()
+    after = await start(cluster, "other-2", b, ckpt, at_least=5)
+    print(f"onto the other GPU: drain checkpoint {done.durations}; new pod created to its "
+          f"5th step after the restore {time.monotonic() - t:.2f}s (timings, not asserted)")
+    assert_resumed(before, after)
+    assert after[0][0] == before[-1][0] + 1, "a final checkpoint loses no step"
+    deadline = time.monotonic() + 10
+    while (where := gpu_of(cluster, "other-2")) != {gpu1.uuid}:  # NVML's list may lag
+        assert time.monotonic() < deadline, f"the restored process is on {where}, not GPU 1"
+        await asyncio.sleep(0.5)
+    assert await finish(cluster, "other-2", b) == reference
