@@ -125,7 +125,7 @@ def granted(spec: dict[str, Any], node: list[dict[str, Any]], init_pid: int | No
     else:
         chosen = []
         for item in (x.strip() for x in named.split(",") if x.strip()):
-            d = next((d for d in node if item in (d["uuid"], str(d["index"]))), None)
+            d = next((d for d in node if item in (d.get("uuid"), str(d.get("index")))), None)
             if d is None:
                 log.warning("NVIDIA_VISIBLE_DEVICES names %r, not a GPU of this node; the "
                             "container's GPUs are not known", item)
