@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from services.containers import host
+from services.storage.layout import template_id
 from smr import cuda_checkpoint, gpuinfo
 from smr.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import GPU_IMAGE, TRAIN, Cluster
@@ -59,14 +60,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def train_pod(name: str, node: str, checkpoint: str, helpers: int = 0,
-              gpus: int = 1) -> dict[str, Any]:
-    p = pod(name, node, env={"SMR_CHECKPOINT": checkpoint, **ENV}, owner=checkpoint)
+              gpus: int = 1, labels: dict[str, str] | None = None,
+              ready: bool = False) -> dict[str, Any]:
+    """``ready``: Ready (its readiness probe) once it has made 5 steps."""
+    p = pod(name, node, env={"SMR_CHECKPOINT": checkpoint, **ENV}, owner=checkpoint,
+            labels=labels)
     p.pop("status")
     c = p["spec"]["containers"][0]
     c["image"] = GPU_IMAGE
     # The interpreter PyTorch is installed for, as the image would name it.
     c["command"] = [sys.executable, "/app/train.py", str(STEPS), str(GIB), str(PAUSE),
-                    str(helpers), str(gpus)]
+                    str(helpers), str(gpus), *(["/tmp/ready"] if ready else [])]
+    if ready:  # the image has no /bin: the host's /usr comes as a volume
+        c["readinessProbe"] = {"exec": {"command": ["/usr/bin/test", "-f", "/tmp/ready"]},
+                               "periodSeconds": 1}
     c["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
     c["volumeMounts"] = [{"name": "usr", "mountPath": "/usr", "readOnly": True},
                          {"name": "opt", "mountPath": "/opt", "readOnly": True}]
@@ -81,10 +88,11 @@ def steps(log: str) -> list[tuple[int, str]]:
 
 
 async def start(cluster: Cluster, name: str, node: str, checkpoint: str,
-                at_least: int = 3, timeout: float = 120, helpers: int = 0, gpus: int = 1
+                at_least: int = 3, timeout: float = 120, helpers: int = 0, gpus: int = 1,
+                labels: dict[str, str] | None = None, ready: bool = False
                 ) -> list[tuple[int, str]]:
-    await cluster.core.create_namespaced_pod("default",
-                                             train_pod(name, node, checkpoint, helpers, gpus))
+    await cluster.core.create_namespaced_pod(
+        "default", train_pod(name, node, checkpoint, helpers, gpus, labels, ready))
     stored = cluster.kube.get("pods", name, "default")
     assert stored is not None and stored["spec"]["runtimeClassName"] == "smr"
     stored["status"] = {"phase": "Pending"}
@@ -250,3 +258,33 @@ async def test_a_pod_migrates_onto_the_other_gpu(cluster: Cluster, reference: st
         assert time.monotonic() < deadline, f"the restored process is on {where}, not GPU 1"
         await asyncio.sleep(0.5)
     assert await finish(cluster, "other-2", b) == reference
+
+
+@pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
+async def test_a_replica_starts_on_the_other_gpu_from_a_template(cluster: Cluster,
+                                                                 reference: str) -> None:
+    """Issue #28, warm starts: the template is taken on node a's GPU 0 once
+    the pod is Ready; a replica on node b, whose device plugin has GPU 1
+    only, starts from it there (the driver's gpuPairs, 0→1). Both end with
+    the weights of an uninterrupted run."""
+    a, b = list(cluster.kubelets)
+    gpu0, gpu1 = node_gpus()[:2]
+    cluster.kubelets[a].gpus, cluster.kubelets[b].gpus = [gpu0], [gpu1]
+    await start(cluster, "tpl", a, "tpl-own", at_least=5, ready=True,
+                labels={"smr.dev/snapshot-when-ready": "train"})
+    manifest = await cluster.latest(template_id("train", "main"), timeout=120)
+    assert manifest["reason"] == "template", manifest["reason"]
+    assert [d["uuid"] for d in manifest["gpu"]["devices"]] == [gpu0.uuid], manifest["gpu"]
+    t = time.monotonic()
+    got = await start(cluster, "replica", b, "replica-own", at_least=5,
+                      labels={"smr.dev/start-from": "train", "smr.dev/node-restore": "true"})
+    print(f"replica onto the other GPU: created to its 5th step after the restore "
+          f"{time.monotonic() - t:.2f}s (a timing, not asserted)")
+    assert got[0][0] > 1, f"the replica started over, not from the template: {got[:2]}"
+    assert all(ok == "True" for _, ok in got), "GPU memory changed across the restore"
+    deadline = time.monotonic() + 10
+    while (where := gpu_of(cluster, "replica")) != {gpu1.uuid}:  # NVML's list may lag
+        assert time.monotonic() < deadline, f"the replica is on {where}, not GPU 1"
+        await asyncio.sleep(0.5)
+    assert await finish(cluster, "replica", b) == reference
+    assert await finish(cluster, "tpl", a) == reference
