@@ -550,6 +550,8 @@ async def test_the_fake_device_plugin_gives_each_pod_its_own_gpus(
 def gpu_workload(name: str, node: str) -> dict[str, Any]:
     p = workload(name, node)
     p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    # Behind smr-runtime, as the GPU pods of tests/agent/test_gpu_pods.py are.
+    p["spec"]["runtimeClassName"] = "smr"
     return p
 
 
