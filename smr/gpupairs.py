@@ -16,11 +16,14 @@ downloaded or CRIU runs.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 from smr import gpuinfo
 from smr.gpuinfo import GpuMismatch
+
+log = logging.getLogger("smr.gpu")
 
 Pairs = list[tuple[str, str]]  # (checkpointed GPU's UUID, GPU to restore onto)
 # A GPU's UUID as NVML and nvidia-smi -L give it (schemas/restore.requested.json).
@@ -55,6 +58,8 @@ def decide(record: dict[str, Any] | None, targets: list[dict[str, Any]],
             raise _mismatch(what, saved, targets, why)
         left.remove(fit)
         pairs.append((d["uuid"], fit["uuid"]))
+    log.info("%s: GPU state restored onto other GPUs: %s", what,
+             ", ".join(f"{old} -> {new}" for old, new in pairs))
     return pairs
 
 
