@@ -132,6 +132,11 @@ def granted(spec: dict[str, Any], node: list[dict[str, Any]], init_pid: int | No
                 return None
             chosen.append(d)
     if init_pid is not None:
+        if any(d.get("minor") is None for d in chosen):
+            log.warning("NVML gives no minor number for a GPU NVIDIA_VISIBLE_DEVICES names: "
+                        "its device node cannot be checked; the container's GPUs are not "
+                        "known")
+            return None
         for d in chosen:
             _check_node(init_pid, d)
     return [d for d in node if d in chosen]
