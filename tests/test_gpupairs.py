@@ -134,6 +134,12 @@ def test_without_device_nodes_the_env_names_them() -> None:
     last = gpus.granted(spec(env=["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=1"]),
                         NODE)
     assert last is not None and [d["uuid"] for d in last] == [U[1]]
+    # The device plugin's volume-mounts strategy: a mount named for each GPU.
+    mounted = spec(env=[f"NVIDIA_VISIBLE_DEVICES={gpus.VOLUME_MOUNTS}"])
+    mounted["mounts"] = [{"destination": "/proc"},
+                         {"destination": f"{gpus.VOLUME_MOUNTS}/{U[1]}", "source": "/dev/null"}]
+    got = gpus.granted(mounted, NODE)
+    assert got is not None and [d["uuid"] for d in got] == [U[1]]
     # What this cannot tell (a MIG device): unknown, not guessed.
     assert gpus.granted(spec(env=["NVIDIA_VISIBLE_DEVICES=MIG-abc"]), NODE) is None
 

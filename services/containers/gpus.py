@@ -18,8 +18,10 @@ What counts, and why a tenant gains nothing by naming a GPU:
   container's /dev and lets its device cgroup open exactly these. A pod spec
   cannot add one (a privileged pod gets every device: it has every GPU
   anyway). Where there are any, they are the container's GPUs.
-- otherwise ``NVIDIA_VISIBLE_DEVICES`` of the spec's process: the NVIDIA
-  runtime hook (legacy mode) gives the container the GPUs it names. A pod
+- otherwise ``NVIDIA_VISIBLE_DEVICES`` of the spec's process (or, where it
+  is /var/run/nvidia-container-devices, the device plugin's volume-mounts
+  strategy, the spec's mounts under that directory, one named for each GPU):
+  the NVIDIA runtime hook (legacy mode) gives the container the GPUs it names. A pod
   spec can set that variable too (the kubelet puts a container's own env
   after the device plugin's), and the hook honours it unless told not to
   (``accept-nvidia-visible-devices-envvar-when-unprivileged = false``): that
@@ -53,6 +55,8 @@ log = logging.getLogger("smr.agent")
 
 NVIDIA_MAJOR = 195  # /dev/nvidiaN, nvidiactl (255), nvidia-modeset (254)
 SPEC_CAP = 4 << 20  # a config.json is some KiB; a bigger one is not the runtime's
+# NVIDIA_VISIBLE_DEVICES under the device plugin's volume-mounts strategy.
+VOLUME_MOUNTS = "/var/run/nvidia-container-devices"
 CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -115,9 +119,15 @@ def granted(spec: dict[str, Any], node: list[dict[str, Any]], init_pid: int | No
         return [d for d in node if d.get("minor") in minors]
     env = [e for e in (spec.get("process") or {}).get("env") or [] if isinstance(e, str)]
     named = None
-    for e in env:  # the last one counts, as for execve
+    for e in env:  # the last one counts, as the NVIDIA hook reads them
         if e.startswith("NVIDIA_VISIBLE_DEVICES="):
             named = e.split("=", 1)[1].strip()
+    if named == VOLUME_MOUNTS:
+        # The device plugin's volume-mounts strategy: a mount per GPU, named
+        # by it, under that directory.
+        named = ",".join(m["destination"].removeprefix(VOLUME_MOUNTS + "/")
+                         for m in spec.get("mounts") or []
+                         if str(m.get("destination", "")).startswith(VOLUME_MOUNTS + "/"))
     if named is None or named in ("", "void", "none"):
         return []
     if named == "all":
