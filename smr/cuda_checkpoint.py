@@ -29,6 +29,10 @@ from smr import frozen
 from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 
+# (checkpointed GPU's UUID, GPU to restore onto), one for every GPU the
+# process had: smr.gpupairs decides them; None restores onto the same GPUs.
+GpuPairs = list[tuple[str, str]] | None
+
 log = logging.getLogger("smr.cuda")
 
 CUDA_ERROR_NOT_READY = 600
@@ -215,23 +219,29 @@ class CudaCheckpoint:
         """RUNNING → CHECKPOINTED; on failure the process is left RUNNING."""
         return await self.suspend_all([pid])
 
-    async def resume(self, pid: int, *, quiet: bool = False) -> dict[str, float]:
+    async def resume(self, pid: int, *, quiet: bool = False,
+                     gpu_pairs: GpuPairs = None) -> dict[str, float]:
         """Whatever state it is in → RUNNING (restore if checkpointed, unlock
-        if locked). ``quiet``: a best-effort recovery that logs instead of raising."""
+        if locked). ``quiet``: a best-effort recovery that logs instead of
+        raising. ``gpu_pairs``: where a checkpointed process's GPU state goes
+        (None: onto the GPUs it had)."""
         try:
-            return await asyncio.to_thread(self._resume, pid)
+            return await asyncio.to_thread(self._resume, pid, gpu_pairs)
         except CudaError:
             if not quiet:
                 raise
             log.exception("could not bring process %d back to RUNNING", pid)
         return {}
 
-    def _resume(self, pid: int) -> dict[str, float]:
+    def _resume(self, pid: int, gpu_pairs: GpuPairs = None) -> dict[str, float]:
         out: dict[str, float] = {}
         st = self.drv.state(pid)
         t = time.monotonic()
         if st is CudaState.CHECKPOINTED:
-            self.drv.restore(pid)
+            if gpu_pairs:
+                self.drv.restore(pid, gpu_pairs)
+            else:  # the call as it was before pairs: onto the same GPUs
+                self.drv.restore(pid)
             out["cuda_restore"] = time.monotonic() - t
             st = self.drv.state(pid)
         t = time.monotonic()
@@ -245,7 +255,8 @@ class CudaCheckpoint:
                             "state may be lost, restore the last checkpoint")
         return out
 
-    async def resume_stopped(self, tree: list[int]) -> dict[str, float]:
+    async def resume_stopped(self, tree: list[int],
+                             gpu_pairs: GpuPairs = None) -> dict[str, float]:
         """Like ``resume_all``, for a tree CRIU left stopped: each CUDA
         process gets its GPU state back while only the driver's restore
         thread runs, so none of its other threads can touch a GPU mapping
@@ -264,11 +275,11 @@ class CudaCheckpoint:
                 continue  # no CUDA context in this one
             if tid is None:  # a driver before 570: the threads run during the restore
                 os.kill(pid, signal.SIGCONT)
-                done = await self.resume(pid)
+                done = await self.resume(pid, gpu_pairs=gpu_pairs)
             else:
                 keep = self.hold_dir / f"{pid}-{tid}.sigmask" if self.hold_dir else None
                 done = await asyncio.to_thread(frozen.with_only, pid, tid,
-                                               lambda p=pid: self._resume(p), keep)
+                                               lambda p=pid: self._resume(p, gpu_pairs), keep)
             for k, v in done.items():
                 total[k] = total.get(k, 0.0) + v
         return total
@@ -340,26 +351,31 @@ class CudaCheckpoint:
                          "trying again with it first", late, pids, locked, n, rounds)
                 order = [late, *(p for p in order if p != late)]
 
-    async def resume_all(self, pids: list[int], *, quiet: bool = False) -> dict[str, float]:
+    async def resume_all(self, pids: list[int], *, quiet: bool = False,
+                         gpu_pairs: GpuPairs = None) -> dict[str, float]:
         total: dict[str, float] = {}
         for pid in pids:
-            for k, v in (await self.resume(pid, quiet=quiet)).items():
+            for k, v in (await self.resume(pid, quiet=quiet, gpu_pairs=gpu_pairs)).items():
                 total[k] = total.get(k, 0.0) + v
         return total
 
-    async def resume_tree(self, root: int, *, quiet: bool = False) -> dict[str, float]:
+    async def resume_tree(self, root: int, *, quiet: bool = False,
+                          gpu_pairs: GpuPairs = None) -> dict[str, float]:
         """Every CUDA process of the tree under ``root`` RUNNING again, and the
         tree continued. A tree CRIU left stopped gets its GPU state back
-        before any of its threads runs (``resume_stopped``)."""
+        before any of its threads runs (``resume_stopped``). ``gpu_pairs``:
+        a restore's, for every CUDA process of the tree (the manifest records
+        the job's GPUs, not each process's)."""
         tree = process_tree(root)
         held = [p for p in tree if frozen.stopping(p)]
         if not held:
-            return await self.resume_all(await self.processes(root), quiet=quiet)
+            return await self.resume_all(await self.processes(root), quiet=quiet,
+                                         gpu_pairs=gpu_pairs)
         try:
             # CRIU's SIGSTOP may still be on its way: a thread that took it
             # after the hold began would stop the tree again once continued.
             await asyncio.to_thread(frozen.wait_stopped, held)
-            return await self.resume_stopped(tree)
+            return await self.resume_stopped(tree, gpu_pairs)
         except (CudaError, frozen.FrozenError):
             if not quiet:
                 raise

@@ -58,11 +58,22 @@ def devices() -> list[dict[str, Any]]:
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         mem = nv.nvmlDeviceGetMemoryInfo(h)
+        # minor: N of /dev/nvidiaN, how a container's device nodes name the GPU.
         out.append({"index": i, "uuid": nv.nvmlDeviceGetUUID(h), "model": nv.nvmlDeviceGetName(h),
+                    "minor": _minor(nv, h),
                     "memory_total": int(mem.total), "memory_free": int(mem.free),
                     "processes": {p.pid: int(p.usedGpuMemory or 0)
                                   for p in nv.nvmlDeviceGetComputeRunningProcesses(h)}})
     return out
+
+
+def _minor(nv: Any, handle: Any) -> int | None:
+    """N of the GPU's /dev/nvidiaN; None where NVML does not say (it must not
+    cost the rest of what devices() reports)."""
+    try:
+        return int(nv.nvmlDeviceGetMinorNumber(handle))
+    except Exception:
+        return None
 
 
 def versions() -> dict[str, str]:

@@ -136,6 +136,9 @@ class CkptRequested(_Request):
 class RestoreRequested(_Request):
     SCHEMA: ClassVar[str] = "restore.requested"
     generation: int | None = None
+    # A local job's GPUs to restore onto (UUIDs; smr restore --gpus). A pod's
+    # are those its new container was given, never a request's.
+    gpus: list[str] | None = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -23,6 +23,7 @@ from smr import config, metrics, sockets
 from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
+from smr.gpupairs import GPU_UUID
 from smr.jobs import JobRegistry, job_key, launch
 from smr.messages import (
     CkptDone,
@@ -178,7 +179,20 @@ async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
     return await _request(s, a, RestoreRequested(
         request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
         target=Target.job(a.as_id or a.id), node=s.node, reason="api",
-        generation=a.generation), "restore")
+        generation=a.generation, gpus=a.gpus), "restore")
+
+
+def gpu_list(text: str) -> list[str]:
+    """``--gpus UUID[,UUID]``: GPU UUIDs as nvidia-smi -L prints them, each once."""
+    uuids = [u.strip() for u in text.split(",") if u.strip()]
+    bad = [u for u in uuids if not GPU_UUID.fullmatch(u)]
+    if not uuids or bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-"
+            "xxxxxxxxxxxx, as nvidia-smi -L prints it)")
+    if len(set(uuids)) != len(uuids):
+        raise argparse.ArgumentTypeError(f"{text}: a GPU named twice")
+    return uuids
 
 
 async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
@@ -277,6 +291,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("id", help="the checkpoint id (the job id it was taken from)")
     r.add_argument("--generation", type=int, help="default: the latest")
     r.add_argument("--as", dest="as_id", help="run the restored job under this id")
+    r.add_argument("--gpus", type=gpu_list, metavar="UUID[,UUID]",
+                   help="restore its GPU state onto these GPUs of this node, paired in "
+                   "order with the GPUs it was checkpointed on (default: those, where this "
+                   "node has them with room; else others of the same model); driver 580")
     for q in (c, r):
         q.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
                        help="wait for the result, showing progress (default)")

@@ -50,6 +50,22 @@ timing depends on it:
   while it runs. The pod's ``Ready`` and ``ContainersReady`` conditions are
   True while every container is ready, as the kubelet reports them.
 
+GPUs (``nvidia.com/gpu`` in a container's limits) come from a FAKE of the
+NVIDIA device plugin and container toolkit, where the kubelet is given
+``gpus`` (``FakeGpu``: a UUID and its /dev/nvidiaN; ``node_gpus()`` lists
+this machine's): a container asking for N gets N GPUs no other running pod's
+container holds, in the order listed, kept across its restarts and freed
+once its pod has terminated or is stopped (as the kubelet's device manager
+does). It gets their
+device nodes only, plus nvidiactl, nvidia-uvm, nvidia-uvm-tools and
+nvidia-modeset (those of them the host has), as the real plugin and toolkit
+do, and ``NVIDIA_VISIBLE_DEVICES=<their UUIDs>`` ahead of the pod's own env
+(the kubelet puts the device plugin's env first, so a pod spec that sets it
+comes last). Too few free: the container is not created and the pod waits
+(``UnexpectedAdmissionError``'s message; the real kubelet fails such a pod at
+admission instead). Without ``gpus`` (the default), a container asking for
+any gets every /dev/nvidia* of the host and no variable, as before.
+
 ``actions`` records what it did, (monotonic time, pod, container, what), for
 the tests to check (``prestop``, ``prestop-done``, ``TERM``, ``KILL``,
 ``exited``, ``liveness-ok`` (the first), ``liveness-failed``,
@@ -126,6 +142,26 @@ def run_as(pod: dict[str, Any], c: dict[str, Any], image_user: str
         uid = int(head or 0)
     return {"uid": int(uid), "gid": None if gid is None else int(gid),
             "groups": [int(g) for g in groups]}
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    """A GPU the FAKE device plugin hands out: its UUID and its device node
+    (/dev/nvidiaN on a GPU machine; a test without one makes a node of the
+    NVIDIA major elsewhere)."""
+    uuid: str
+    device: Path
+
+
+# What the NVIDIA toolkit adds beside the GPUs' own device nodes.
+GPU_COMPANIONS = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+
+
+def node_gpus() -> list[FakeGpu]:
+    """This machine's GPUs as a device plugin lists them (NVML's order)."""
+    from smr import gpuinfo
+
+    return [FakeGpu(d["uuid"], Path(f"/dev/nvidia{d['minor']}")) for d in gpuinfo.devices()]
 
 
 def _now() -> str:
@@ -270,8 +306,13 @@ def grace_of(pod: dict[str, Any]) -> float:
 
 class FakeKubelet:
     def __init__(self, kube: FakeApiServer, containerd: Containerd, node: str, workdir: Path,
-                 smr_init: Path, runtime_classes: dict[str, str] | None = None) -> None:
+                 smr_init: Path, runtime_classes: dict[str, str] | None = None,
+                 gpus: list[FakeGpu] | None = None, gpu_dev: Path = Path("/dev")) -> None:
         self.kube, self.ctd, self.node = kube, containerd, node
+        # The fake device plugin's GPUs (None: every /dev/nvidia* to a pod
+        # that asks); gpu_dev: where the toolkit's companion nodes are.
+        self.gpus, self.gpu_dev = gpus, gpu_dev
+        self.gpus_given: dict[tuple[str, str], list[FakeGpu]] = {}  # (pod uid, container)
         self.runtime_classes = runtime_classes or {}  # RuntimeClass name → runtime binary
         self.ns = node
         self.dir = workdir / node
@@ -448,6 +489,7 @@ class FakeKubelet:
                                for run in st.containers.values() if run.exit_code is None))
         for run in st.containers.values():
             await self.ctd.ctr(self.ns, "containers", "rm", run.id, check=False)
+        self._free_gpus(st.uid)
         fresh = self.kube.get("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
         if fresh is not None and fresh["metadata"]["uid"] == st.uid:
             self._report(fresh, st, failed_because=reason or None)
@@ -613,10 +655,19 @@ class FakeKubelet:
                                     f"options=rbind:{mode}"]
         # nvidia.com/gpu: the device nodes, as the NVIDIA device plugin and
         # runtime give them (the driver's libraries come with a hostPath here).
-        if int(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0)):
+        want = int(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+        if want and self.gpus is None:
             for dev in sorted(Path("/dev").glob("nvidia*")):
                 if dev.is_char_device():
                     args += ["--device", str(dev)]
+        elif want:
+            given = self._allocate_gpus(pod, c, want)
+            devs = [g.device for g in given] + [self.gpu_dev / n for n in GPU_COMPANIONS]
+            for dev in devs:
+                if dev.is_char_device():
+                    args += ["--device", str(dev)]
+            # The device plugin's env goes ahead of the pod's own.
+            env = [f"NVIDIA_VISIBLE_DEVICES={','.join(g.uuid for g in given)}", *env]
         runtime = "runc"
         if rc := pod["spec"].get("runtimeClassName"):
             if rc not in self.runtime_classes:
@@ -641,6 +692,27 @@ class FakeKubelet:
             process = [*(image.get("Entrypoint") or []), *c["args"]]
         await self.ctd.ctr(self.ns, *args, c["image"], cid, *process)
         return Running(c["name"], cid, log, restarts, _now())
+
+    def _allocate_gpus(self, pod: dict[str, Any], c: dict[str, Any], want: int
+                       ) -> list[FakeGpu]:
+        """The fake device plugin's Allocate: ``want`` GPUs no other running
+        container holds; a restarted container keeps its own."""
+        key = (pod["metadata"]["uid"], c["name"])
+        if key in self.gpus_given:
+            return self.gpus_given[key]
+        held = {g.uuid for gs in self.gpus_given.values() for g in gs}
+        free = [g for g in self.gpus or [] if g.uuid not in held]
+        if len(free) < want:
+            raise ContainerConfigError(
+                "UnexpectedAdmissionError: Allocate failed due to requested number of devices "
+                f"unavailable for nvidia.com/gpu. Requested: {want}, Available: {len(free)}, "
+                "which is unexpected")
+        self.gpus_given[key] = free[:want]
+        return free[:want]
+
+    def _free_gpus(self, uid: str) -> None:
+        for key in [k for k in self.gpus_given if k[0] == uid]:
+            del self.gpus_given[key]
 
     def _user_runtime(self, real: str) -> str:
         """``real`` (a runtime binary) behind tests/fake_cri_user.py, which
@@ -700,6 +772,8 @@ class FakeKubelet:
                  "message": failed_because, "lastTransitionTime": _now()}]
         fresh["status"] = new
         self.kube.put("pods", fresh)
+        if new["phase"] in ("Succeeded", "Failed"):  # terminated: its devices are free
+            self._free_gpus(st.uid)
 
     async def _kill_now(self, st: PodState) -> None:
         """The node loses power: SIGKILL, no hook, no grace."""
@@ -710,6 +784,7 @@ class FakeKubelet:
         for run in st.containers.values():
             await self.ctd.ctr(self.ns, "tasks", "delete", "-f", run.id, check=False)
             await self.ctd.ctr(self.ns, "containers", "rm", run.id, check=False)
+        self._free_gpus(st.uid)
 
 
 def containerd_missing() -> str | None:

@@ -82,10 +82,10 @@ class CollectiveRanks(StandInDriver):
         if any(st is CudaState.RUNNING for st in self.states.values()):
             self.unrestorable.add(pid)
 
-    def restore(self, pid: int) -> None:
+    def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
         if pid in self.unrestorable:
             raise CudaError("cuCheckpointProcessRestore failed: CUDA_ERROR_NOT_SUPPORTED (801)")
-        super().restore(pid)
+        super().restore(pid, gpu_pairs)
 
 
 @pytest.fixture
@@ -146,6 +146,22 @@ async def test_ranks_all_locked_are_all_checkpointed_and_all_come_back() -> None
     assert set(took) == {"cuda_lock", "cuda_checkpoint"}
     assert drv.states == {201: CudaState.CHECKPOINTED, 202: CudaState.CHECKPOINTED}
     await cuda.resume_all([201, 202])
+    assert drv.states == {201: CudaState.RUNNING, 202: CudaState.RUNNING}
+    assert drv.restored_onto == [(201, None), (202, None)]  # no pairs: the same GPUs
+
+
+async def test_every_process_of_a_job_is_restored_with_the_restores_gpu_pairs() -> None:
+    """A restore onto other GPUs (smr.gpupairs) hands each CUDA process of
+    the job the same pairs (the manifest records the job's GPUs); a
+    suspend's own rollback passes none."""
+    drv = StandInDriver()
+    drv.states.update({201: CudaState.RUNNING, 202: CudaState.RUNNING})
+    cuda = CudaCheckpoint(drv, lock_timeout_s=0.1)  # type: ignore[arg-type]
+    await cuda.suspend_all([201, 202])
+    pairs = [("GPU-00000000-0000-0000-0000-000000000000",
+              "GPU-11111111-0000-0000-0000-000000000001")]
+    await cuda.resume_all([201, 202], gpu_pairs=pairs)
+    assert drv.restored_onto == [(201, pairs), (202, pairs)]
     assert drv.states == {201: CudaState.RUNNING, 202: CudaState.RUNNING}
 
 

@@ -30,9 +30,10 @@ from services.checkpointer.step import CheckpointStep
 from services.restorer.step import RestoreStep
 from services.storage.backend import StorageError
 from services.storage.layout import LOCAL_NAMESPACE
+from smr import gpuinfo
 from smr.bus import KV_LOCKS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, Progress, Worker
 from smr.bus.exhausted import Exhausted
-from smr.cuda_checkpoint import CudaCheckpoint, CudaState
+from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
 from smr.jobs import JobLock
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
@@ -194,10 +195,13 @@ class StandInDriver:
     """A **stand-in** for the CUDA driver's checkpoint API (smr.cuda_checkpoint.
     Driver): per-process states with the real state machine (RUNNING →
     LOCKED → CHECKPOINTED → LOCKED → RUNNING), for processes registered as
-    holding a CUDA context. No GPU is touched."""
+    holding a CUDA context. No GPU is touched. ``restored_onto`` records
+    each restore's pid and the GPU pairs it was given (None: none, the
+    checkpointed GPUs)."""
 
     def __init__(self) -> None:
         self.states: dict[int, CudaState] = {}
+        self.restored_onto: list[tuple[int, list[tuple[str, str]] | None]] = []
 
     def state(self, pid: int) -> CudaState | None:
         return self.states.get(pid)
@@ -212,11 +216,20 @@ class StandInDriver:
     def checkpoint(self, pid: int) -> None:
         self._move(pid, CudaState.LOCKED, CudaState.CHECKPOINTED)
 
-    def restore(self, pid: int) -> None:
+    def restore(self, pid: int, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
         self._move(pid, CudaState.CHECKPOINTED, CudaState.LOCKED)
+        self.restored_onto.append((pid, gpu_pairs))
 
     def unlock(self, pid: int) -> None:
         self._move(pid, CudaState.LOCKED, CudaState.RUNNING)
+
+    def restore_tid(self, pid: int) -> int | None:
+        """The thread the driver restores through (the main one, as driver
+        580's); a process not registered has no CUDA context."""
+        if pid not in self.states:
+            raise CudaError(f"cuCheckpointProcessGetRestoreThreadId({pid}) failed: no CUDA "
+                            "context (stand-in driver)")
+        return pid
 
 
 def with_stand_in_gpu(step: Any) -> StandInDriver:
@@ -317,6 +330,97 @@ async def test_recovery_of_a_restore_brings_the_gpu_back_to_running(h: Harness) 
     result = await rs.recover(req, {"state": "running"})
     assert result is not None and result.status == "succeeded" and result.pid == pid
     assert drv.states[pid] is CudaState.RUNNING, "left checkpointed: it would hang"
+
+
+# -- 6b. which GPU a restore puts GPU state onto (issue #28; stand-in driver) -----------
+
+MIB = 1 << 20
+H200 = "NVIDIA H200"
+GPU_UUIDS = [f"GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-00000000000{i}" for i in range(2)]
+
+
+def a_gpu(i: int, model: str = H200) -> dict[str, Any]:
+    return {"index": i, "uuid": GPU_UUIDS[i], "model": model, "minor": i,
+            "memory_total": 1 << 40, "memory_free": 1 << 39, "processes": {}}
+
+
+async def restore_after_gpu_checkpoint(h: Harness, monkeypatch: pytest.MonkeyPatch,
+                                       here: list[dict[str, Any]], **kw: Any
+                                       ) -> tuple[Any, Any, StandInDriver, list[Path], int]:
+    """A job whose (stand-in) GPU state was on GPU 0, checkpointed, then
+    restored on a node whose GPUs are ``here`` (real CRIU; the process comes
+    back CHECKPOINTED, as the driver's checkpoint left it)."""
+    ck, rs = ckpt_step(h), restore_step(h)
+    drv = with_stand_in_gpu(ck)
+    rs.cuda = ck.cuda
+    record = {"model": H200, "count": 1, "used_bytes": 64 * MIB, "devices": [
+        {"uuid": GPU_UUIDS[0], "model": H200, "memory_total": 1 << 40,
+         "used_bytes": 64 * MIB}]}
+    monkeypatch.setattr(gpuinfo, "job_gpus", lambda pids: record if pids else None)
+    job = await h.start(32)
+    drv.states[job.pid] = CudaState.RUNNING
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    frozen = int(h.lines(job)[-1]["step"])
+    criu_ran: list[Path] = []
+    real = rs.criu.restore
+
+    async def criu_restore(images: Path, *, pidfile: Path, **kw: Any) -> Any:
+        criu_ran.append(pidfile)
+        run = await real(images, pidfile=pidfile, **kw)
+        drv.states[int(pidfile.read_text())] = CudaState.CHECKPOINTED
+        return run
+
+    monkeypatch.setattr(rs.criu, "restore", criu_restore)
+    monkeypatch.setattr(gpuinfo, "devices", lambda: here)
+    restored = await h.restore(job.id, **kw)
+    return job, restored, drv, criu_ran, frozen
+
+
+async def test_a_restore_onto_the_gpu_it_was_checkpointed_on_passes_no_pairs(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    job, restored, drv, _, frozen = await restore_after_gpu_checkpoint(
+        h, monkeypatch, [a_gpu(0), a_gpu(1)])
+    assert restored.status == "succeeded", restored.error
+    assert drv.restored_onto == [(restored.pid, None)]  # the driver's call as before pairs
+    assert drv.states[restored.pid] is CudaState.RUNNING
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 32)
+
+
+@pytest.mark.parametrize("how", ["node", "--gpus"])
+async def test_a_restore_onto_another_gpu_passes_the_pairs(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """``node``: this node lacks the GPU it was checkpointed on; ``--gpus``:
+    it has it, and the user names the other."""
+    here, kw = ([a_gpu(1)], {}) if how == "node" else (
+        [a_gpu(0), a_gpu(1)], {"gpus": [GPU_UUIDS[1]]})
+    job, restored, drv, _, frozen = await restore_after_gpu_checkpoint(h, monkeypatch, here,
+                                                                       **kw)
+    assert restored.status == "succeeded", restored.error
+    assert drv.restored_onto == [(restored.pid, [(GPU_UUIDS[0], GPU_UUIDS[1])])]
+    assert drv.states[restored.pid] is CudaState.RUNNING
+    await h.wait_step(job, frozen + 2)
+    assert_continues(h.lines(job), frozen, 32)
+
+
+@pytest.mark.parametrize("how", ["model", "--gpus"])
+async def test_a_gpu_mismatch_is_refused_before_criu_runs(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """``model``: the node's GPU is another model; ``--gpus``: names a GPU
+    this node lacks. Refused before CRIU restores anything; nothing runs."""
+    here, kw = ([a_gpu(1, model="NVIDIA H100 80GB HBM3")], {}) if how == "model" else (
+        [a_gpu(0)], {"gpus": [GPU_UUIDS[1]]})
+    job, restored, drv, criu_ran, _ = await restore_after_gpu_checkpoint(h, monkeypatch,
+                                                                         here, **kw)
+    assert restored.status == "failed"
+    assert restored.error and restored.error["code"] == (
+        "gpu-mismatch" if how == "model" else "invalid-gpu"), restored.error
+    assert GPU_UUIDS[1] in restored.error["message"], restored.error
+    assert criu_ran == [] and drv.restored_onto == []
+    record = await h.jobs.find(job.id)
+    assert record is not None and not record.alive()
+    assert not (restore_step(h).work_dir / restored.request_id).exists()
 
 
 # -- 10. a restore during a long checkpoint --------------------------------------------

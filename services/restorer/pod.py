@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from services.containers import host, rootfs
+from services.containers import gpus, host, rootfs
 from services.containers.confined import Root
 from services.containers.host import Shim
 from services.containers.incontainer import set_last_pid
@@ -37,7 +37,7 @@ from services.containers.pods import PodContainer, PodStep
 from services.restorer.stream import restore_streamed
 from services.storage import layout
 from services.storage.store import Generation, streamable
-from smr import gpuinfo, linkremap, sockets
+from smr import gpuinfo, gpupairs, linkremap, sockets
 from smr.bus import Progress
 from smr.criu import kill_tree
 from smr.errors import PermanentError
@@ -72,7 +72,8 @@ class PodRestoreStep(PodStep):
                     hint="a container is restored only as it starts; delete the pod to "
                          "start it again from its latest checkpoint")
             gen = await self.store.pick(c.namespace, req.checkpoint_id, req.generation)
-            self.check_fits(gen, c, has_gpu_api=self.cuda is not None)  # before any byte moves
+            self.check_fits(gen, c)  # before any byte moves
+            pairs = await self.gpu_pairs(req, gen, c, shim)
             progress.update("download", done_bytes=0, total_bytes=gen.size_bytes)
             t = time.monotonic()
             await asyncio.to_thread(shutil.rmtree, work, True)
@@ -109,7 +110,7 @@ class PodRestoreStep(PodStep):
             await asyncio.to_thread(shim.restored, restored_note(req, gen, self.node))
             try:
                 pid = await self._restore(gen, shim, work, work_fd, durations, streamed,
-                                          progress, pages_ok)
+                                          progress, pages_ok, pairs)
             except BaseException:
                 with contextlib.suppress(Exception):  # the restore's own error is the one
                     await asyncio.to_thread(shim.restored, None)
@@ -127,7 +128,7 @@ class PodRestoreStep(PodStep):
             sockets=sockets.outcome(gen.manifest, "close"))
 
     @staticmethod
-    def check_fits(gen: Generation, c: PodContainer, *, has_gpu_api: bool) -> None:
+    def check_fits(gen: Generation, c: PodContainer) -> None:
         saved = (gen.manifest.get("container") or {}).get("image_id", "")
         if saved and c.image_id and saved != c.image_id:
             was = (gen.manifest.get("container") or {}).get("image", "")
@@ -137,15 +138,35 @@ class PodRestoreStep(PodStep):
                 f"{c.namespace}/{c.pod['metadata']['name']} runs {c.image} ({c.image_id})",
                 hint="a process only resumes on the image it was frozen with: run that image, "
                      "or use another checkpoint id for the new one")
+
+    async def gpu_pairs(self, req: RestoreRequested, gen: Generation, c: PodContainer,
+                        shim: Shim) -> gpupairs.Pairs | None:
+        """Refuse GPU state this node cannot take back, and say which GPUs it
+        goes onto: those the new container was given, as its runtime's spec
+        says (services/containers/gpus), never what the request names."""
+        if req.gpus:
+            raise PermanentError(
+                f"{req.target}: a restore request names GPUs ({', '.join(req.gpus)}); a pod "
+                "container's GPU state goes onto the GPUs its device plugin gave it",
+                code="gpus-not-for-pods",
+                hint="leave `gpus` out; ask for GPUs in the pod's resources (nvidia.com/gpu)")
+        record = gen.manifest.get("gpu")
+        targets = None
+        if record and self.cuda is not None:
+            node = await asyncio.to_thread(gpuinfo.devices)
+            targets = await asyncio.to_thread(gpus.container_gpus, shim.pid, c.container_id,
+                                              node)
         what = f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number}"
-        gpuinfo.check_restorable(gen.manifest.get("gpu"), what, has_api=has_gpu_api)
+        return gpupairs.for_restore(record, what, has_api=self.cuda is not None,
+                                    targets=targets)
 
     async def _restore(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
                        durations: dict[str, float], streamed: bool, progress: Progress,
-                       pages_ok: asyncio.Task[None] | None = None) -> int:
+                       pages_ok: asyncio.Task[None] | None = None,
+                       pairs: gpupairs.Pairs | None = None) -> int:
         try:
             return await self._restore_verified(gen, shim, work, work_fd, durations, streamed,
-                                                progress, pages_ok)
+                                                progress, pages_ok, pairs)
         finally:
             if pages_ok is not None and not pages_ok.done():
                 pages_ok.cancel()
@@ -154,8 +175,8 @@ class PodRestoreStep(PodStep):
 
     async def _restore_verified(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
                                 durations: dict[str, float], streamed: bool,
-                                progress: Progress, pages_ok: asyncio.Task[None] | None
-                                ) -> int:
+                                progress: Progress, pages_ok: asyncio.Task[None] | None,
+                                pairs: gpupairs.Pairs | None = None) -> int:
         criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
@@ -210,8 +231,10 @@ class PodRestoreStep(PodStep):
                 durations["verify_after_criu"] = time.monotonic() - t
             if gpu:
                 # CRIU brought the tree back CHECKPOINTED and stopped: GPU
-                # memory goes back, then unlock, then the tree is continued.
-                durations.update(await self.cuda.resume_tree(root))  # type: ignore[union-attr]
+                # memory goes back (onto the GPUs ``pairs`` names), then
+                # unlock, then the tree is continued.
+                durations.update(await self.cuda.resume_tree(  # type: ignore[union-attr]
+                    root, gpu_pairs=pairs))
         except BaseException:
             # A tree whose GPU state did not come back must not linger
             # half-restored: all of it goes, not only its root.

@@ -16,7 +16,7 @@ from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
-from smr import gpuinfo, linkremap, reaper, sockets
+from smr import gpupairs, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
@@ -47,9 +47,7 @@ class RestoreStep(LocalJobStep):
                          f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
                 )
             gen = await self._generation(req)
-            gpuinfo.check_restorable(  # before any byte moves
-                gen.manifest.get("gpu"), f"generation {gen.number} of {req.checkpoint_id}",
-                has_api=self.cuda is not None)
+            pairs = self._gpu_pairs(req, gen)  # before any byte moves
             shutil.rmtree(work, ignore_errors=True)
             durations: dict[str, float] = {}
             await self._pids_free(gen.manifest.get("job") or {}, progress, durations)
@@ -65,7 +63,7 @@ class RestoreStep(LocalJobStep):
             # connections can come back on the node that took them.
             tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
             job = await self._restore(req, gen, work, existing, durations, tcp, progress,
-                                      streamed)
+                                      streamed, pairs)
             shutil.rmtree(work, ignore_errors=True)
         except Exception:
             # A failed restore leaves nothing behind. Not on a cancel: a worker
@@ -98,7 +96,8 @@ class RestoreStep(LocalJobStep):
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
                        existing: Job | None, durations: dict[str, float],
-                       tcp: sockets.Tcp, progress: Progress, streamed: bool) -> Job:
+                       tcp: sockets.Tcp, progress: Progress, streamed: bool,
+                       pairs: gpupairs.Pairs | None = None) -> Job:
         spec = gen.manifest.get("job") or {}
         log = spec.get("log", "")
         inherit, fds = {}, []
@@ -142,7 +141,7 @@ class RestoreStep(LocalJobStep):
             # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
             step = "after the driver restored its GPU state"
             try:
-                durations.update(await self._gpu_back(pid))
+                durations.update(await self._gpu_back(pid, pairs))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored (holding the job id, never running again).
@@ -260,7 +259,9 @@ class RestoreStep(LocalJobStep):
             return None
         if gen.manifest.get("gpu"):
             try:
-                await self._gpu_back(pid)
+                # Decided again as run() did (its checks passed then): the
+                # process holds no GPU memory meanwhile.
+                await self._gpu_back(pid, self._gpu_pairs(req, gen, checked=True))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored; the restore runs again.
@@ -277,12 +278,28 @@ class RestoreStep(LocalJobStep):
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
 
-    async def _gpu_back(self, pid: int) -> dict[str, float]:
+    def _gpu_pairs(self, req: RestoreRequested, gen: Generation, *, checked: bool = False
+                   ) -> gpupairs.Pairs | None:
+        """Refuse GPU state this node cannot take back, and say which of its
+        GPUs it goes onto (smr.gpupairs): those ``req.gpus`` names, else the
+        checkpointed ones where this node has them with room, else others
+        of their model. None: onto the checkpointed GPUs, as before pairs.
+        ``checked``: the node's checks passed before (a recovery)."""
+        gpu = gen.manifest.get("gpu")
+        targets = gpupairs.node_targets(req.gpus) if (gpu and self.cuda) or req.gpus else None
+        what = f"generation {gen.number} of {req.checkpoint_id}"
+        if checked:
+            return gpupairs.decide(gpu, targets, what) if targets is not None else None
+        return gpupairs.for_restore(gpu, what, has_api=self.cuda is not None, targets=targets)
+
+    async def _gpu_back(self, pid: int, pairs: gpupairs.Pairs | None = None
+                        ) -> dict[str, float]:
         """Every CUDA process under ``pid`` RUNNING again (a no-op for those
-        that are), and the tree continued (CRIU left it stopped)."""
+        that are), its GPU state onto the GPUs ``pairs`` names, and the tree
+        continued (CRIU left it stopped)."""
         if not self.cuda:
             return {}
-        return await self.cuda.resume_tree(pid)
+        return await self.cuda.resume_tree(pid, gpu_pairs=pairs)
 
 
 def died_detail(pid: int, job_log: str, criu_log: Path, lines: int = 8) -> str:

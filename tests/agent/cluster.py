@@ -82,7 +82,8 @@ TRAIN = b"""
 # ballast of GPU memory the checkpoint must carry. argv: steps, GiB, pause;
 # optionally a count of helper processes, each a second CUDA process holding
 # its own GPU memory, asked every step (through a pipe) whether it is intact;
-# and the number of GPUs the ballast is spread over (the model is on the first).
+# and the number of GPUs the ballast is spread over (the model is on the first);
+# and a file it creates after its 5th step (a readiness probe's, for a template).
 import hashlib, multiprocessing as mp, sys, time
 import torch
 
@@ -124,6 +125,8 @@ if __name__ == "__main__":
             h.send(True)
             ok = ok and h.recv()
         print(f"step {step} loss {loss.item():.6f} ballast_ok {ok}", flush=True)
+        if step == 5 and len(sys.argv) > 6:  # warm: a readiness probe may look for it
+            open(sys.argv[6], "w").close()
         time.sleep(pause)
     h = hashlib.sha256()
     for p in model.parameters():

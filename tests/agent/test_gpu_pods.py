@@ -30,10 +30,12 @@ from typing import Any
 import pytest
 
 from services.containers import host
+from services.storage.layout import template_id
 from smr import cuda_checkpoint, gpuinfo
 from smr.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import GPU_IMAGE, TRAIN, Cluster
 from tests.fake_apiserver import pod
+from tests.fake_kubelet import node_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API")]
@@ -58,14 +60,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def train_pod(name: str, node: str, checkpoint: str, helpers: int = 0,
-              gpus: int = 1) -> dict[str, Any]:
-    p = pod(name, node, env={"SMR_CHECKPOINT": checkpoint, **ENV}, owner=checkpoint)
+              gpus: int = 1, labels: dict[str, str] | None = None,
+              ready: bool = False) -> dict[str, Any]:
+    """``ready``: Ready (its readiness probe) once it has made 5 steps."""
+    p = pod(name, node, env={"SMR_CHECKPOINT": checkpoint, **ENV}, owner=checkpoint,
+            labels=labels)
     p.pop("status")
     c = p["spec"]["containers"][0]
     c["image"] = GPU_IMAGE
     # The interpreter PyTorch is installed for, as the image would name it.
     c["command"] = [sys.executable, "/app/train.py", str(STEPS), str(GIB), str(PAUSE),
-                    str(helpers), str(gpus)]
+                    str(helpers), str(gpus), *(["/tmp/ready"] if ready else [])]
+    if ready:  # the image has no /bin: the host's /usr comes as a volume
+        c["readinessProbe"] = {"exec": {"command": ["/usr/bin/test", "-f", "/tmp/ready"]},
+                               "periodSeconds": 1}
     c["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
     c["volumeMounts"] = [{"name": "usr", "mountPath": "/usr", "readOnly": True},
                          {"name": "opt", "mountPath": "/opt", "readOnly": True}]
@@ -80,10 +88,11 @@ def steps(log: str) -> list[tuple[int, str]]:
 
 
 async def start(cluster: Cluster, name: str, node: str, checkpoint: str,
-                at_least: int = 3, timeout: float = 120, helpers: int = 0, gpus: int = 1
+                at_least: int = 3, timeout: float = 120, helpers: int = 0, gpus: int = 1,
+                labels: dict[str, str] | None = None, ready: bool = False
                 ) -> list[tuple[int, str]]:
-    await cluster.core.create_namespaced_pod("default",
-                                             train_pod(name, node, checkpoint, helpers, gpus))
+    await cluster.core.create_namespaced_pod(
+        "default", train_pod(name, node, checkpoint, helpers, gpus, labels, ready))
     stored = cluster.kube.get("pods", name, "default")
     assert stored is not None and stored["spec"]["runtimeClassName"] == "smr"
     stored["status"] = {"phase": "Pending"}
@@ -207,3 +216,75 @@ async def test_a_pod_on_two_gpus_migrates(cluster: Cluster, reference: str) -> N
     after = await start(cluster, "wide-2", b, ckpt, at_least=5, gpus=2)
     assert_resumed(before, after)
     assert await finish(cluster, "wide-2", b) == reference
+
+
+def gpu_of(cluster: Cluster, name: str) -> set[str]:
+    """The UUIDs of the GPUs NVML shows the pod's workload process on."""
+    p = cluster.kube.get("pods", name, "default")
+    assert p is not None
+    shim = host.find_shim(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+    running = shim.workload() if shim else None
+    assert running, f"{name}: the training process is not running"
+    return {d["uuid"] for d in gpuinfo.devices() if running[0] in d["processes"]}
+
+
+@pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
+async def test_a_pod_migrates_onto_the_other_gpu(cluster: Cluster, reference: str) -> None:
+    """Issue #28: node a's (fake) device plugin has GPU 0, node b's GPU 1.
+    The pod's process is checkpointed on GPU 0 by a drain; the new pod on
+    node b is given GPU 1 only (its device node, NVIDIA_VISIBLE_DEVICES), and
+    the agent restores the GPU state onto it (the driver's gpuPairs, 0→1).
+    NVML shows the process on GPU 1 after, and it ends with the weights of an
+    uninterrupted run."""
+    a, b = list(cluster.kubelets)
+    gpu0, gpu1 = node_gpus()[:2]
+    cluster.kubelets[a].gpus, cluster.kubelets[b].gpus = [gpu0], [gpu1]
+    ckpt = "train-other-gpu"
+    await start(cluster, "other-1", a, ckpt, at_least=5)
+    assert gpu_of(cluster, "other-1") == {gpu0.uuid}
+    done = await checkpoint(cluster, "other-1", a, ckpt, reason="drain", leave_running=False)
+    manifest = (await cluster.store.latest("default", ckpt)).manifest  # type: ignore[union-attr]
+    assert [d["uuid"] for d in manifest["gpu"]["devices"]] == [gpu0.uuid], manifest["gpu"]
+    before = steps(cluster.log("other-1", a))
+    cluster.kube.remove("pods", "other-1", "default")
+    t = time.monotonic()
+    after = await start(cluster, "other-2", b, ckpt, at_least=5)
+    print(f"onto the other GPU: drain checkpoint {done.durations}; new pod created to its "
+          f"5th step after the restore {time.monotonic() - t:.2f}s (timings, not asserted)")
+    assert_resumed(before, after)
+    assert after[0][0] == before[-1][0] + 1, "a final checkpoint loses no step"
+    deadline = time.monotonic() + 10
+    while (where := gpu_of(cluster, "other-2")) != {gpu1.uuid}:  # NVML's list may lag
+        assert time.monotonic() < deadline, f"the restored process is on {where}, not GPU 1"
+        await asyncio.sleep(0.5)
+    assert await finish(cluster, "other-2", b) == reference
+
+
+@pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
+async def test_a_replica_starts_on_the_other_gpu_from_a_template(cluster: Cluster,
+                                                                 reference: str) -> None:
+    """Issue #28, warm starts: the template is taken on node a's GPU 0 once
+    the pod is Ready; a replica on node b, whose device plugin has GPU 1
+    only, starts from it there (the driver's gpuPairs, 0→1). Both end with
+    the weights of an uninterrupted run."""
+    a, b = list(cluster.kubelets)
+    gpu0, gpu1 = node_gpus()[:2]
+    cluster.kubelets[a].gpus, cluster.kubelets[b].gpus = [gpu0], [gpu1]
+    await start(cluster, "tpl", a, "tpl-own", at_least=5, ready=True,
+                labels={"smr.dev/snapshot-when-ready": "train"})
+    manifest = await cluster.latest(template_id("train", "main"), timeout=120)
+    assert manifest["reason"] == "template", manifest["reason"]
+    assert [d["uuid"] for d in manifest["gpu"]["devices"]] == [gpu0.uuid], manifest["gpu"]
+    t = time.monotonic()
+    got = await start(cluster, "replica", b, "replica-own", at_least=5,
+                      labels={"smr.dev/start-from": "train", "smr.dev/node-restore": "true"})
+    print(f"replica onto the other GPU: created to its 5th step after the restore "
+          f"{time.monotonic() - t:.2f}s (a timing, not asserted)")
+    assert got[0][0] > 1, f"the replica started over, not from the template: {got[:2]}"
+    assert all(ok == "True" for _, ok in got), "GPU memory changed across the restore"
+    deadline = time.monotonic() + 10
+    while (where := gpu_of(cluster, "replica")) != {gpu1.uuid}:  # NVML's list may lag
+        assert time.monotonic() < deadline, f"the replica is on {where}, not GPU 1"
+        await asyncio.sleep(0.5)
+    assert await finish(cluster, "replica", b) == reference
+    assert await finish(cluster, "tpl", a) == reference

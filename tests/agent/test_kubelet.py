@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import pwd
+import stat
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import orjson
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from services.containers import gpus, host
 from smr.bus import KV_TIMINGS
 from smr.messages import CkptRequested, Target, epoch
 from tests.agent.cluster import USR_IMAGE, Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
+from tests.fake_kubelet import FakeGpu
 
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
 
@@ -498,3 +504,70 @@ async def test_the_pods_user_runs_smr_init_the_workload_and_execs(cluster: Clust
         assert waiting["message"].startswith(why) and "container: main)" in waiting["message"]
         st = kubelet.state("default", name)
         assert st is not None and not st.containers, "a container was created"
+
+
+async def test_the_fake_device_plugin_gives_each_pod_its_own_gpus(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The FAKE NVIDIA device plugin (tests/fake_kubelet.py), without a GPU:
+    two device nodes of the NVIDIA major stand for the node's GPUs. A pod
+    asking for one gets one no other pod holds: its node (and nvidiactl)
+    in its runtime's spec, NVIDIA_VISIBLE_DEVICES naming it; a third waits
+    until one is freed. The agent reads the container's GPUs back from that
+    spec as a restore does (services/containers/gpus)."""
+    a = next(iter(cluster.kubelets))
+    kubelet = cluster.kubelets[a]
+    uuids = [f"GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-00000000000{i}" for i in range(2)]
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)):
+        os.mknod(tmp_path / name, 0o600 | stat.S_IFCHR, os.makedev(gpus.NVIDIA_MAJOR, minor))
+    kubelet.gpus = [FakeGpu(uuids[i], tmp_path / f"nvidia{i}") for i in range(2)]
+    kubelet.gpu_dev = tmp_path
+    node = [{"index": i, "uuid": u, "model": "fake", "minor": i} for i, u in enumerate(uuids)]
+    names = ["gpu-a", "gpu-b", "gpu-c"]
+    for n in names[:2]:
+        cluster.kube.put("pods", gpu_workload(n, a))
+        await cluster.until_steps(n, a, 2)
+    given = {n: container_spec(cluster, n) for n in names[:2]}
+    for n, i in zip(names[:2], range(2), strict=True):
+        spec = given[n]
+        nodes = {(d["major"], d["minor"]) for d in spec["linux"]["devices"]
+                 if d["major"] == gpus.NVIDIA_MAJOR}
+        assert nodes == {(gpus.NVIDIA_MAJOR, i), (gpus.NVIDIA_MAJOR, 255)}, spec["linux"]
+        assert f"NVIDIA_VISIBLE_DEVICES={uuids[i]}" in spec["process"]["env"]
+        got = gpus.granted(spec, node)
+        assert got is not None and [d["uuid"] for d in got] == [uuids[i]]
+    # None left: the third waits, as the kubelet's admission says.
+    cluster.kube.put("pods", gpu_workload(names[2], a))
+    deadline = time.monotonic() + 15
+    while "Available: 0" not in waiting_message(cluster, names[2]):
+        assert time.monotonic() < deadline, cluster.kube.get("pods", names[2], "default")
+        await asyncio.sleep(0.2)
+    cluster.kube.remove("pods", names[0], "default")  # its GPU is freed once it stops
+    await cluster.until_steps(names[2], a, 2)
+    assert f"NVIDIA_VISIBLE_DEVICES={uuids[0]}" in container_spec(cluster, names[2])[
+        "process"]["env"]
+
+
+def gpu_workload(name: str, node: str) -> dict[str, Any]:
+    p = workload(name, node)
+    p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    # Behind smr-runtime, as the GPU pods of tests/agent/test_gpu_pods.py are.
+    p["spec"]["runtimeClassName"] = "smr"
+    return p
+
+
+def container_spec(cluster: Cluster, name: str) -> dict[str, Any]:
+    """The runtime's spec of the pod's container, found as the agent finds it."""
+    p = cluster.kube.get("pods", name, "default")
+    assert p is not None
+    cid = p["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+    shim = host.find_shim(cid)
+    assert shim is not None, f"{name}: no smr-init"
+    spec = gpus.runtime_spec(shim.pid, cid)
+    assert spec is not None, f"{name}: its runtime's spec was not found"
+    return spec
+
+
+def waiting_message(cluster: Cluster, name: str) -> str:
+    p = cluster.kube.get("pods", name, "default") or {}
+    return " ".join(((s.get("state") or {}).get("waiting") or {}).get("message", "")
+                    for s in (p.get("status") or {}).get("containerStatuses") or [])
