@@ -30,6 +30,7 @@ from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, message_subject
 from smr.criu import Criu
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
+from smr.natsserver import NatsServer
 from smr.workloads import counter
 from smrctl.embedded import EmbeddedNode
 from tests import nats_auth
