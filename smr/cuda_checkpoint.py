@@ -45,6 +45,17 @@ LOCK_TIMEOUT_HINT = ("the job keeps running; try again, or raise SMR_CUDA_LOCK_T
                      "its kernels run long")
 # Rounds at locking a job's CUDA processes together (CudaCheckpoint._lock_all).
 LOCK_ROUNDS = 3
+# What cuCheckpointProcessRestore answers (driver 580, H100) for a process that
+# mapped another process's GPU memory through CUDA IPC, as NCCL's P2P transport
+# and PyTorch's CUDA tensors shared between processes do: NOT_SUPPORTED for
+# the virtual memory API's exported handles, INVALID_VALUE for legacy ones,
+# OPERATING_SYSTEM when tried again. The lock and the checkpoint accept such a
+# process; it stays CHECKPOINTED for good (bench/cuda_ipc_probe.py,
+# docs/compatibility.md), and nothing outside it tells it apart beforehand.
+CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OPERATING_SYSTEM = 1, 304
+CUDA_ERROR_NOT_SUPPORTED = 801
+RESTORE_REFUSED_IPC = (CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE,
+                       CUDA_ERROR_OPERATING_SYSTEM)
 
 
 class CudaState(enum.IntEnum):
@@ -138,14 +149,28 @@ class Driver:
         for every GPU the process had; the driver documents that both must be
         the same chip, with room for the memory (driver 580 and newer)."""
         if not gpu_pairs:
-            self._call("cuCheckpointProcessRestore", pid, None)
+            rc = self.cu.cuCheckpointProcessRestore(pid, None)
+        else:
+            pairs = (_GpuPair * len(gpu_pairs))()
+            for pair, (old, new) in zip(pairs, gpu_pairs, strict=True):
+                pair.oldUuid[:] = list(gpu_uuid_bytes(old))
+                pair.newUuid[:] = list(gpu_uuid_bytes(new))
+            args = _RestoreArgs(gpuPairs=pairs, gpuPairsCount=len(gpu_pairs))
+            rc = self.cu.cuCheckpointProcessRestore(pid, ctypes.byref(args))
+        if rc == 0:
             return
-        pairs = (_GpuPair * len(gpu_pairs))()
-        for pair, (old, new) in zip(pairs, gpu_pairs, strict=True):
-            pair.oldUuid[:] = list(gpu_uuid_bytes(old))
-            pair.newUuid[:] = list(gpu_uuid_bytes(new))
-        args = _RestoreArgs(gpuPairs=pairs, gpuPairsCount=len(gpu_pairs))
-        self._call("cuCheckpointProcessRestore", pid, ctypes.byref(args))
+        said = f"cuCheckpointProcessRestore({pid}) failed: {self._name(rc)} ({rc})"
+        if rc in RESTORE_REFUSED_IPC and not (gpu_pairs and rc == CUDA_ERROR_INVALID_VALUE):
+            raise CudaError(
+                f"{said}: the driver's answer for a process that maps another process's GPU "
+                "memory through CUDA IPC (NCCL's P2P transport between ranks, PyTorch CUDA "
+                "tensors shared between processes), which driver 580 checkpoints but never "
+                "gives back; its GPU state is lost",
+                code="cuda-ipc-not-restorable", detail=str(rc),
+                hint="start it again from the application's own checkpoint; keep GPU memory "
+                     "out of CUDA IPC for smr (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, tensors "
+                     "shared through host memory): docs/compatibility.md")
+        raise CudaError(said, detail=str(rc))
 
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, None)

@@ -224,3 +224,54 @@ def test_a_restore_onto_other_gpus_hands_the_driver_its_documented_arguments() -
                                   + "00112233445566778899aabbccddeeff")
     with pytest.raises(CudaError, match="not a GPU UUID"):
         drv.restore(7, [("GPU-1234", b)])
+
+
+@pytest.mark.parametrize("rc", [801, 1, 304])
+def test_a_restore_the_driver_refuses_as_it_does_cuda_ipc_memory_says_so(rc: int) -> None:
+    """The driver's answers to restoring a process that mapped another's GPU
+    memory through CUDA IPC (measured, bench/cuda_ipc_probe.py on the H100)
+    give an error of their own, naming the process, the driver's answer and
+    the cause, not only the call that failed. A recording **stand-in** for
+    libcuda; no GPU here."""
+    from smr.cuda_checkpoint import Driver
+
+    class Lib:
+        def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:
+            return rc
+
+        def cuGetErrorName(self, rc: int, out: Any) -> int:
+            return 1  # unnamed: the number is shown
+
+    drv = Driver.__new__(Driver)
+    drv.cu = Lib()  # type: ignore[assignment]
+    with pytest.raises(CudaError) as failed:
+        drv.restore(4242)
+    assert failed.value.code == "cuda-ipc-not-restorable"
+    assert f"cuCheckpointProcessRestore(4242) failed: {rc} ({rc})" in failed.value.message
+    assert "CUDA IPC" in failed.value.message and "NCCL_P2P_DISABLE" in (failed.value.hint or "")
+
+
+def test_a_restore_refused_for_another_reason_is_not_blamed_on_cuda_ipc() -> None:
+    """Another answer (out of memory), or INVALID_VALUE where GPU pairs were
+    given (the pairs may be what is wrong), keeps the plain error."""
+    from smr.cuda_checkpoint import Driver
+
+    answer = 2
+
+    class Lib:
+        def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:
+            return answer
+
+        def cuGetErrorName(self, rc: int, out: Any) -> int:
+            return 1
+
+    drv = Driver.__new__(Driver)
+    drv.cu = Lib()  # type: ignore[assignment]
+    with pytest.raises(CudaError) as failed:
+        drv.restore(7)
+    assert failed.value.code == "cuda-checkpoint-failed", failed.value.message
+    answer = 1
+    a = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+    with pytest.raises(CudaError) as failed:
+        drv.restore(7, [(a, a)])
+    assert failed.value.code == "cuda-checkpoint-failed", failed.value.message
