@@ -5,6 +5,7 @@ node can take a checkpoint or a restore. Everything here is read-only.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -130,15 +131,16 @@ def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nv
     580). A child forked from a CUDA process after CUDA started is one (a
     PyTorch DataLoader worker under the default 'fork' start method)."""
     for pid in tree:
-        if pid in cuda_pids:
-            continue
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue  # gone meanwhile
-        paths = (" ".join(ln.split()[5:]).removesuffix(" (deleted)") for ln in maps.splitlines())
-        held = sorted({p for p in paths if p.startswith(device)})
+        paths = {" ".join(ln.split()[5:]).removesuffix(" (deleted)") for ln in maps.splitlines()}
+        if pid in cuda_pids:
+            _check_ipc(pid, comm, paths)
+            continue
+        held = sorted(p for p in paths if p.startswith(device))
         if held:
             raise PermanentError(
                 f"process {pid} ({comm}) maps {', '.join(held)} without a CUDA context of its "
@@ -146,6 +148,43 @@ def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nv
                 "release those mappings and CRIU cannot save them", code="gpu-forked-mapping",
                 hint="start such children with the 'spawn' or 'forkserver' start method (PyTorch: "
                      "DataLoader(..., multiprocessing_context='spawn')), or before CUDA starts")
+
+
+# The driver's file for a process's CUDA IPC, named after its creator's PID (in
+# hex, as the PID namespace it runs in sees it); a process that mapped another
+# process's GPU memory maps its creator's too (H100, driver 580:
+# bench/cuda_ipc_probe.py).
+_CUDA_IPC_SHM = re.compile(r"/dev/shm/cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
+
+
+def _ns_pid(pid: int) -> int | None:
+    """``pid`` as its own PID namespace sees it (a container's process)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _check_ipc(pid: int, comm: str, paths: set[str]) -> None:
+    """Refuse a CUDA process that maps another process's GPU memory through
+    CUDA IPC (CUDA tensors shared by torch.multiprocessing; NCCL's P2P
+    transport between ranks): driver 580 locks and checkpoints it, then never
+    restores it, and it stays CHECKPOINTED for good. The names are the
+    tenant's: a forged one refuses only its own job."""
+    own = _ns_pid(pid)
+    foreign = sorted(p for p in paths if (m := _CUDA_IPC_SHM.fullmatch(p))
+                     and own is not None and int(m.group(1), 16) != own)
+    if foreign:
+        raise PermanentError(
+            f"process {pid} ({comm}) maps GPU memory of another process through CUDA IPC "
+            f"({', '.join(foreign)}, that process's): the NVIDIA driver checkpoints such a "
+            "process but cannot restore it (driver 580), so it is not frozen",
+            code="cuda-ipc-mapping",
+            hint="share GPU tensors between processes through host memory, or for NCCL set "
+                 "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1; docs/compatibility.md")
 
 
 def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path, host: int = 0) -> None:

@@ -89,3 +89,40 @@ def test_a_child_mapping_a_device_without_a_context_is_named(tmp_path: Path) -> 
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_cuda_process_mapping_another_ones_ipc_file_is_refused() -> None:
+    """A CUDA process that maps the driver's IPC file of another process (as
+    one that opened another's GPU memory through CUDA IPC does: measured on
+    the H100, bench/cuda_ipc_probe.py) is refused before the lock, named; its
+    own IPC file (an exporter's) is let through. Real processes mapping real
+    files named as the driver names them; no GPU here."""
+    import subprocess
+    import sys
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    code = ("import mmap, os, sys, time\nname = sys.argv[1].replace('SELF', '%x' % os.getpid())\n"
+            "f = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)\nos.ftruncate(f, 4096)\n"
+            "m = mmap.mmap(f, 4096, mmap.MAP_SHARED)\nprint(name, flush=True)\ntime.sleep(60)")
+    other = f"{os.getpid() + 1_000_000:x}"  # a PID no process here has
+    procs = [subprocess.Popen([sys.executable, "-c", code, f"/dev/shm/cuda.shm.0.{who}.1"],
+                              stdout=subprocess.PIPE, text=True) for who in ("SELF", other)]
+    names = []
+    try:
+        for p in procs:
+            assert p.stdout
+            names.append(p.stdout.readline().strip())
+        exporter, importer = procs
+        gpuinfo.check_mappings([exporter.pid], [exporter.pid])
+        with pytest.raises(PermanentError) as e:
+            gpuinfo.check_mappings([exporter.pid, importer.pid], [exporter.pid, importer.pid])
+        assert e.value.code == "cuda-ipc-mapping"
+        assert f"process {importer.pid} (python" in e.value.message
+        assert names[1] in e.value.message and "NCCL_P2P_DISABLE" in (e.value.hint or "")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for n in names:
+            Path(n).unlink(missing_ok=True)
