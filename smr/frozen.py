@@ -100,6 +100,25 @@ def stopping(pid: int) -> bool:
     return False
 
 
+def held(pids: list[int], timeout: float = 2.0) -> bool:
+    """Is the tree of ``pids`` held stopped, as CRIU's --leave-stopped left
+    it: every thread that can stop in its group stop (T), one at least? A
+    zombie never stops: a child that had ended, not yet reaped, when CRIU
+    froze the tree is saved as one and stays one while its parent is held (a
+    shell's ``$(cat ...)``; such a tree was taken for a running one). A
+    thread whose SIGSTOP is still pending is waited for, up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    found = False
+    for pid in pids:
+        for t in threads(pid) or [pid]:
+            while (s := state(t)) not in ("T", "Z", "X", ""):
+                if not stopping(pid) or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+            found = found or s == "T"
+    return found
+
+
 def wait_stopped(pids: list[int], timeout: float = 10.0) -> None:
     """Until every thread of each of ``pids`` is in its group stop (T)."""
     for pid in pids:

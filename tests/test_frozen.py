@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from smr import frozen
+from smr.gpuinfo import process_tree
 
 # Every thread counts in a file named by its thread id, every 2 ms.
 WORKLOAD = """
@@ -210,6 +212,95 @@ def test_one_thread_runs_in_a_process_whose_main_thread_ended(tmp_path: Path) ->
         seen = frozen.with_only(proc.pid, chosen, lambda: {t: frozen.state(t) for t in workers})
         assert seen[chosen] not in ("t", "T") and all(
             s == "t" for t, s in seen.items() if t != chosen), seen
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _tree_with_a_zombie() -> tuple[subprocess.Popen[bytes], int]:
+    """A process whose child has ended and is never reaped (sleep never
+    waits for the child it inherits from the shell it replaced)."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 0 & exec sleep 60"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        zombies = [p for p in process_tree(proc.pid) if frozen.state(p) == "Z"]
+        if zombies and Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
+            return proc, zombies[0]
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("no zombie child appeared")
+
+
+def test_a_stopped_tree_holding_a_zombie_is_held() -> None:
+    """A zombie never stops: CRIU saves a child caught between its exit and
+    its parent's wait as one, and it stays one while the tree is held. Taken
+    for a running process, it made a pod's recovery run a heartbeat again
+    instead of storing the dump it had (the CI flake of
+    test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_whole)."""
+    proc, zombie = _tree_with_a_zombie()
+    try:
+        tree = process_tree(proc.pid)
+        assert zombie in tree and not frozen.held(tree, timeout=0.2)  # running: not held
+        os.kill(proc.pid, signal.SIGSTOP)
+        frozen._until(proc.pid, "T")
+        assert frozen.held(tree, timeout=0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_tree_with_a_running_process_or_none_stopped_is_not_held() -> None:
+    proc, _ = _tree_with_a_zombie()
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        frozen._until(proc.pid, "T")
+        assert not frozen.held([proc.pid, child.pid], timeout=0.2)
+        assert not frozen.held([p for p in process_tree(proc.pid) if p != proc.pid])  # zombie
+        assert not frozen.held([child.pid + 10_000_000])  # gone
+    finally:
+        for p in (proc, child):
+            p.kill()
+            p.wait()
+
+
+def test_a_held_process_whose_main_thread_ended_is_held(tmp_path: Path) -> None:
+    proc, _ = zombie_leader(tmp_path)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        frozen.wait_stopped([proc.pid], timeout=10)
+        assert frozen.held([proc.pid], timeout=0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_tree_whose_stop_is_still_pending_is_held() -> None:
+    """Right after CRIU's --leave-stopped detach a task may still run to
+    its SIGSTOP: waited for, not taken for a running one."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        frozen._until(proc.pid, "S")
+        detached = threading.Event()
+
+        def criu_exit() -> None:  # every ptrace call from this one thread
+            frozen._ptrace(frozen.PTRACE_SEIZE, proc.pid, 0, 0)
+            frozen._ptrace(frozen.PTRACE_INTERRUPT, proc.pid, 0, 0)
+            frozen._until(proc.pid, "t")
+            os.kill(proc.pid, signal.SIGSTOP)
+            detached.wait(5)
+            frozen._ptrace(frozen.PTRACE_DETACH, proc.pid, 0, 0)
+
+        tracer = threading.Thread(target=criu_exit)
+        tracer.start()
+        deadline = time.monotonic() + 10
+        while not frozen.stopping(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert frozen.state(proc.pid) == "t"  # the gap: the stop is only pending
+        threading.Timer(0.3, detached.set).start()
+        assert frozen.held([proc.pid], timeout=5)
+        tracer.join()
+        assert frozen.state(proc.pid) == "T"
     finally:
         proc.kill()
         proc.wait()

@@ -497,7 +497,7 @@ class PodCheckpointStep(PodStep):
         if _dumped_in(work) != c.container_id:
             return False
         running = await asyncio.to_thread(shim.workload)
-        if running is None or not all(frozen.state(p) == "T" for p in host.tree(running[0])):
+        if running is None or not await asyncio.to_thread(frozen.held, host.tree(running[0])):
             return False
         await capture(shim, work, host.upperdir(shim.pid))
         return True

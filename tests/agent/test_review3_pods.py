@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 
 from services.checkpointer.pod import PodCheckpointStep
-from services.containers import rootfs
+from services.containers import host, rootfs
+from services.containers.host import Shim
+from smr import frozen
 from smr.messages import CkptDone, CkptRequested, Target
 from tests import oci_image
-from tests.agent.cluster import Cluster, steps, workload
+from tests.agent.cluster import CMD, Cluster, steps, workload
 
 SHM_IMAGE = "smr.test/shm-counter:1"
 SHM_COUNTER = b"""#!/bin/sh
@@ -41,12 +43,21 @@ while true; do
   sleep 0.02
 done
 """
+# The counter beside a child that has ended and is never reaped (busybox's
+# sleep never waits for the child it inherits): a zombie in every dump of its
+# tree, as a shell's `$(cat ...)` is when frozen between its exit and the wait.
+WITH_ZOMBIE = b"""#!/bin/sh
+/bin/counter &
+sleep 0.2 &
+exec sleep 1000000
+"""
 
 
 @pytest.fixture(scope="module")
 def shm_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("shm")
-    return oci_image.build(d / "shm.tar", SHM_IMAGE, files={"/bin/counter": SHM_COUNTER})
+    return oci_image.build(d / "shm.tar", SHM_IMAGE, files={"/bin/counter": SHM_COUNTER,
+                                                                "/bin/with-zombie": WITH_ZOMBIE})
 
 
 @pytest.fixture
@@ -56,9 +67,11 @@ async def shm(cluster: Cluster, shm_image: Path) -> Cluster:
     return cluster
 
 
-def shm_pod(name: str, node: str, ckpt: str) -> dict[str, Any]:
-    return workload(name, node, image=SHM_IMAGE, owner="shm", restart="Never",
-                    env={"SMR_CHECKPOINT": ckpt})
+def shm_pod(name: str, node: str, ckpt: str, run: str = "/bin/counter") -> dict[str, Any]:
+    p = workload(name, node, image=SHM_IMAGE, owner="shm", restart="Never",
+                 env={"SMR_CHECKPOINT": ckpt})
+    p["spec"]["containers"][0]["command"] = [*CMD[:-1], run]  # CMD itself is shared
+    return p
 
 
 def torn(log: str) -> list[str]:
@@ -116,6 +129,12 @@ async def test_a_pod_heartbeat_saves_dev_shm_as_its_memory_saw_it(
 def steps_of(node: str) -> list[PodCheckpointStep]:
     return [o for o in gc.get_objects()
             if isinstance(o, PodCheckpointStep) and o.node == node]
+
+
+def tree_states(shim: Shim) -> list[str]:
+    """The state letter of each process of the container's workload tree."""
+    running = shim.workload()
+    return [frozen.state(p) for p in host.tree(running[0])] if running else []
 
 
 async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
@@ -200,10 +219,19 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
     """A heartbeat's tree is held stopped from its dump to the end of its
     captures; the agent dies in between. The redelivered request's recovery
     must not leave the workload stopped for good, and what it stores must be
-    consistent (the captures done again from the tree still stopped)."""
+    consistent (the captures done again from the tree still stopped). Its
+    tree holds a zombie, which never stops: the recovery took such a tree,
+    held, for a running one and ran the request again instead."""
     a, b = list(shm.kubelets)
-    shm.kube.put("pods", shm_pod("hbr-1", a, "hbr"))
+    shm.kube.put("pods", shm_pod("hbr-1", a, "hbr", run="/bin/with-zombie"))
     await shm.until_steps("hbr-1", a, 10, timeout=60)
+    [step] = steps_of(a)
+    shim = step.shim_of(await step.pods.container(
+        Target(kind="pod", namespace="default", pod="hbr-1", container="main")))
+    deadline = asyncio.get_running_loop().time() + 30
+    while "Z" not in (seen := await asyncio.to_thread(tree_states, shim)):
+        assert asyncio.get_running_loop().time() < deadline, f"no zombie in its tree: {seen}"
+        await asyncio.sleep(0.05)
     entered, crash = asyncio.Event(), asyncio.Event()
     real = rootfs.capture_shm
 
@@ -223,7 +251,6 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
         held_at = len(steps(shm.log("hbr-1", a)))
         await asyncio.sleep(1)
         assert len(steps(shm.log("hbr-1", a))) == held_at, "not held stopped while captured"
-        [step] = steps_of(a)
         done = await step.recover(req, {})
         await shm.until_steps("hbr-1", a, held_at + 10, timeout=30)  # it runs on
     finally:
@@ -233,7 +260,7 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
     gen = await shm.store.latest("default", "hbr")
     assert gen is not None and gen.number == done.generation
     assert shm_counter(await stored_file(shm, gen, "devshm.tar")) is not None
-    shm.kube.put("pods", shm_pod("hbr-2", b, "hbr"))
+    shm.kube.put("pods", shm_pod("hbr-2", b, "hbr", run="/bin/with-zombie"))
     after = await shm.until_steps("hbr-2", b, 5, timeout=60)
     assert after[0][0] > 1, "it started over instead of being restored"
     assert not torn(shm.log("hbr-2", b)), torn(shm.log("hbr-2", b))[:1]
