@@ -83,6 +83,16 @@ def node_targets(chosen: list[str] | None = None) -> list[dict[str, Any]]:
     return [by_uuid[u] for u in chosen]
 
 
+def holding(targets: list[dict[str, Any]], pids: list[int]) -> list[dict[str, Any]]:
+    """``targets`` with the GPU memory ``pids`` hold counted as free: a
+    recovery's restored processes may hold theirs already (the driver's
+    restore done before the worker died), and that is room for them."""
+    mine = set(pids)
+    return [{**t, "memory_free": t.get("memory_free", 0) + sum(
+        used for pid, used in (t.get("processes") or {}).items() if pid in mine)}
+        for t in targets]
+
+
 def for_restore(record: dict[str, Any] | None, what: str, *, has_api: bool,
                 targets: list[dict[str, Any]] | None) -> Pairs | None:
     """Everything a restore checks of the GPU before any byte moves: the node

@@ -20,7 +20,7 @@ from nats.js.errors import APIError
 
 from smr import frozen
 from smr.aio import ended_why
-from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig
+from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, node_token
 from smr.messages import CkptDone
 from smr.natsserver import NatsServer
 from tests.test_bus import CountingStep, request, run_worker, stop
@@ -188,4 +188,49 @@ async def test_a_workers_fetch_cancelled_from_inside_is_retried(
     await until(lambda: bool(step.seen), task, 20)
     assert raised and not task.done(), still_running(task)
     assert len(step.seen) == 1
+    await stop(w, task)
+
+
+async def test_an_event_consumer_whose_durable_was_deleted_consumes_again(
+        bus: Bus, node: str) -> None:
+    """Its durable consumer gone (an operator's `nats consumer rm`, a stream
+    made again): the events after that are still handled, or the loop ends
+    (its node restarts and makes it again); never a loop that fetches from
+    nothing for good while the events wait unseen."""
+    first, second = f"ev-{uuid.uuid4().hex[:8]}", f"ev-{uuid.uuid4().hex[:8]}"
+    seen: list[str] = []
+
+    async def handle(ev: CkptDone) -> None:
+        if ev.request_id in (first, second):
+            seen.append(ev.request_id)
+
+    durable = f"test-{uuid.uuid4().hex[:8]}"
+    stopping = asyncio.Event()
+    task = asyncio.create_task(bus.consume_events(durable, "ckpt.done", handle, service="test",
+                                                  stop=stopping, retry_s=0.2))
+    await bus.publish(done(node, first))
+    await until(lambda: bool(seen), task, 20)
+    assert seen == [first], still_running(task)
+    await bus.js.delete_consumer(STREAM_EVENTS, durable)
+    await bus.publish(done(node, second))
+    await until(lambda: second in seen, task, 20)
+    assert second in seen or task.done(), "deleted consumer: the loop fetches from nothing"
+    stopping.set()
+    await asyncio.wait([task], timeout=10)
+
+
+async def test_a_worker_whose_consumer_was_deleted_serves_its_node_again(
+        bus: Bus, node: str) -> None:
+    """The same for a worker's request consumer: deleted, the node's
+    requests were never fetched again while the worker ran on."""
+    step = CountingStep()
+    w, task = await run_worker(bus, step, node)
+    await bus.publish(request(node, f"before-{uuid.uuid4().hex[:8]}"))
+    await until(lambda: len(step.seen) == 1, task, 20)
+    assert len(step.seen) == 1, still_running(task)
+    await bus.js.delete_consumer(STREAM_REQUESTS, f"{step.kind.replace('.', '-')}-"
+                                 f"{node_token(node)}")
+    await bus.publish(request(node, f"after-{uuid.uuid4().hex[:8]}"))
+    await until(lambda: len(step.seen) == 2, task, 20)
+    assert len(step.seen) == 2 and not task.done(), still_running(task) or "never served"
     await stop(w, task)

@@ -423,6 +423,49 @@ async def test_a_gpu_mismatch_is_refused_before_criu_runs(
     assert not (restore_step(h).work_dir / restored.request_id).exists()
 
 
+async def test_recovery_of_a_restore_whose_gpu_state_is_back_keeps_the_process(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker died after the driver put the GPU state back (the process
+    RUNNING, holding its GPU memory), before the job was recorded (`smr up`
+    stopped there): recovery records that process. The GPU's free memory
+    it holds itself is room for it, not a reason to refuse: refused, it was
+    killed and restored a second time from the checkpoint."""
+    ck, rs = ckpt_step(h), restore_step(h)
+    drv = with_stand_in_gpu(ck)
+    rs.cuda = ck.cuda
+    used = 64 * MIB  # of a GPU of 80 MiB: too much for the 16 MiB it leaves free
+    record = {"model": H200, "count": 1, "used_bytes": used, "devices": [
+        {"uuid": GPU_UUIDS[0], "model": H200, "memory_total": 80 * MIB, "used_bytes": used}]}
+    monkeypatch.setattr(gpuinfo, "job_gpus", lambda pids: record if pids else None)
+    job = await h.start(32)
+    drv.states[job.pid] = CudaState.RUNNING
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    gen = await ck.store.latest(LOCAL_NAMESPACE, job.id)
+    assert gen is not None and gen.manifest["gpu"]["devices"][0]["uuid"] == GPU_UUIDS[0]
+    rid = uuid.uuid4().hex
+    work = rs.work_dir / rid
+    await ck.store.fetch(gen, work)
+    await rs.criu.restore(work / "images", pidfile=work / "restored.pid",
+                          inherit={job.log: os.open(job.log, os.O_WRONLY | os.O_APPEND)})
+    pid = int((work / "restored.pid").read_text())
+    h.pids.append(pid)
+    drv.states[pid] = CudaState.RUNNING  # the driver's restore and unlock were done
+    # The node's one GPU, as NVML shows it now: the restored process holds its memory.
+    gpu = {**a_gpu(0), "memory_total": 80 * MIB, "memory_free": 16 * MIB,
+           "processes": {pid: used}}
+    monkeypatch.setattr(gpuinfo, "devices", lambda: [gpu])
+    req = RestoreRequested(request_id=rid, checkpoint_id=job.id, target=Target.job(job.id),
+                           node=h.settings.node)
+
+    result = await rs.recover(req, {"state": "running"})
+    assert result is not None and result.status == "succeeded" and result.pid == pid, result
+    assert proc_state(pid) not in ("gone", "Z"), "the restored process was killed"
+    assert drv.restored_onto == []  # nothing restored twice
+    record_now = await h.jobs.find(job.id)
+    assert record_now is not None and record_now.pid == pid
+
+
 # -- 10. a restore during a long checkpoint --------------------------------------------
 
 async def hold_lock(h: Harness, job_id: str, holder: str, stop: asyncio.Event) -> None:

@@ -20,6 +20,7 @@ from smr import gpupairs, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
+from smr.gpuinfo import process_tree
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
 from smr.retry import retry_nats
@@ -259,9 +260,8 @@ class RestoreStep(LocalJobStep):
             return None
         if gen.manifest.get("gpu"):
             try:
-                # Decided again as run() did (its checks passed then): the
-                # process holds no GPU memory meanwhile.
-                await self._gpu_back(pid, self._gpu_pairs(req, gen, checked=True))
+                # Decided again as run() did (its checks passed then).
+                await self._gpu_back(pid, self._gpu_pairs(req, gen, restored=pid))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored; the restore runs again.
@@ -278,18 +278,23 @@ class RestoreStep(LocalJobStep):
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
         return RestoreDone.for_request(req, status="succeeded", generation=gen.number, pid=job.pid)
 
-    def _gpu_pairs(self, req: RestoreRequested, gen: Generation, *, checked: bool = False
+    def _gpu_pairs(self, req: RestoreRequested, gen: Generation, *, restored: int | None = None
                    ) -> gpupairs.Pairs | None:
         """Refuse GPU state this node cannot take back, and say which of its
         GPUs it goes onto (smr.gpupairs): those ``req.gpus`` names, else the
         checkpointed ones where this node has them with room, else others
         of their model. None: onto the checkpointed GPUs, as before pairs.
-        ``checked``: the node's checks passed before (a recovery)."""
+        ``restored``: a recovery's restored process, whose checks passed
+        before; its tree's GPU memory is its own (it may hold it again).
+        Refused, a process already running again would be killed and
+        restored a second time."""
         gpu = gen.manifest.get("gpu")
         targets = gpupairs.node_targets(req.gpus) if (gpu and self.cuda) or req.gpus else None
         what = f"generation {gen.number} of {req.checkpoint_id}"
-        if checked:
-            return gpupairs.decide(gpu, targets, what) if targets is not None else None
+        if restored is not None:
+            if targets is None:
+                return None
+            return gpupairs.decide(gpu, gpupairs.holding(targets, process_tree(restored)), what)
         return gpupairs.for_restore(gpu, what, has_api=self.cuda is not None, targets=targets)
 
     async def _gpu_back(self, pid: int, pairs: gpupairs.Pairs | None = None

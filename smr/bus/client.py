@@ -262,6 +262,9 @@ class Bus:
                         log.warning("%s: fetching %s events failed (%s: %s); retrying",
                                     service, kind, type(e).__name__, e)
                     await asyncio.sleep(FETCH_RETRY_S)
+                    # Or its consumer is gone (deleted, its stream made
+                    # again): every fetch fails until it is made again.
+                    await quietly(self.ensure_event_consumer(durable, kind))
                     continue
                 failing = 0
                 for m in msgs:

@@ -208,6 +208,10 @@ class Worker:
                             self.service, node_filter(self.step.kind, self.node),
                             type(e).__name__, e)
             await asyncio.sleep(FETCH_RETRY_S)
+            # Or the consumer is gone (deleted, its stream made again): no
+            # fetch succeeds, and the node is not served, until it is made again.
+            await quietly(self.bus.ensure_consumer(self.step.kind, self.node,
+                                                   self.concurrency + self.ahead))
             return []
 
     async def _serve(self, m: Msg) -> None:
