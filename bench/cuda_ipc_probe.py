@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import ctypes
 import os
 import re
@@ -192,22 +191,8 @@ def raw_worker(log: str, kind: str) -> None:
             time.sleep(0.05)
 
 
-def holdings(pid: int) -> tuple[dict[str, int], dict[str, int]]:
-    fds: collections.Counter[str] = collections.Counter()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            fds[re.sub(r"\[\d+\]", "[N]", os.readlink(f"/proc/{pid}/fd/{fd}"))] += 1
-        except OSError:
-            continue
-    maps: collections.Counter[str] = collections.Counter()
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 6 and re.search(r"nvidia|/dev/shm|memfd|SYSV", parts[5]):
-            maps[re.sub(r"\d{3,}", "N", parts[5])] += 1
-    return dict(fds), dict(maps)
-
-
 def probe(kind: str, which: str, out: Path) -> None:
+    from bench.nccl_probe import holdings  # what a process holds, printed alike
     from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState, driver
     from smr.errors import PermanentError
     from smr.gpuinfo import check_mappings

@@ -377,28 +377,22 @@ async def restore_after_gpu_checkpoint(h: Harness, monkeypatch: pytest.MonkeyPat
     return job, restored, drv, criu_ran, frozen
 
 
-async def test_a_restore_onto_the_gpu_it_was_checkpointed_on_passes_no_pairs(
-        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    job, restored, drv, _, frozen = await restore_after_gpu_checkpoint(
-        h, monkeypatch, [a_gpu(0), a_gpu(1)])
-    assert restored.status == "succeeded", restored.error
-    assert drv.restored_onto == [(restored.pid, None)]  # the driver's call as before pairs
-    assert drv.states[restored.pid] is CudaState.RUNNING
-    await h.wait_step(job, frozen + 2)
-    assert_continues(h.lines(job), frozen, 32)
-
-
-@pytest.mark.parametrize("how", ["node", "--gpus"])
-async def test_a_restore_onto_another_gpu_passes_the_pairs(
+@pytest.mark.parametrize("how", ["same", "node", "--gpus"])
+async def test_a_restore_passes_the_driver_pairs_only_onto_another_gpu(
         h: Harness, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """``node``: this node lacks the GPU it was checkpointed on; ``--gpus``:
-    it has it, and the user names the other."""
-    here, kw = ([a_gpu(1)], {}) if how == "node" else (
-        [a_gpu(0), a_gpu(1)], {"gpus": [GPU_UUIDS[1]]})
+    """``same``: the node has the GPU it was checkpointed on: no pairs, the
+    driver's call as before pairs; ``node``: this node lacks that GPU;
+    ``--gpus``: it has it, and the user names the other."""
+    here, kw, pairs = {
+        "same": ([a_gpu(0), a_gpu(1)], {}, None),
+        "node": ([a_gpu(1)], {}, [(GPU_UUIDS[0], GPU_UUIDS[1])]),
+        "--gpus": ([a_gpu(0), a_gpu(1)], {"gpus": [GPU_UUIDS[1]]},
+                   [(GPU_UUIDS[0], GPU_UUIDS[1])]),
+    }[how]
     job, restored, drv, _, frozen = await restore_after_gpu_checkpoint(h, monkeypatch, here,
                                                                        **kw)
     assert restored.status == "succeeded", restored.error
-    assert drv.restored_onto == [(restored.pid, [(GPU_UUIDS[0], GPU_UUIDS[1])])]
+    assert drv.restored_onto == [(restored.pid, pairs)]
     assert drv.states[restored.pid] is CudaState.RUNNING
     await h.wait_step(job, frozen + 2)
     assert_continues(h.lines(job), frozen, 32)
