@@ -303,6 +303,21 @@ async def test_a_cancelled_commit_keeps_the_facts_for_its_recovery(h: Harness) -
     assert not step._facts_file(req).exists()
 
 
+async def restored_by_criu_alone(h: Harness, ck: Any, rs: Any, gen: Any,
+                                 job: Any) -> tuple[str, int]:
+    """A restore's request id and the process CRIU brought back for it from
+    ``gen``, as a worker that died right after CRIU leaves it."""
+    rid = uuid.uuid4().hex
+    work = rs.work_dir / rid
+    await ck.store.fetch(gen, work)
+    await rs.criu.restore(work / "images", pidfile=work / "restored.pid",
+                          inherit={job.log: os.open(job.log, os.O_WRONLY | os.O_APPEND)})
+    pid = int((work / "restored.pid").read_text())
+    h.pids.append(pid)
+    return rid, pid
+
+
+
 async def test_recovery_of_a_restore_brings_the_gpu_back_to_running(h: Harness) -> None:
     """The worker died after CRIU restored a GPU job, before the driver's
     restore: recovery finds the process and brings its GPU state back."""
@@ -316,13 +331,7 @@ async def test_recovery_of_a_restore_brings_the_gpu_back_to_running(h: Harness) 
     gen = await ck.store.latest(LOCAL_NAMESPACE, job.id)
     assert gen is not None and gen.manifest["gpu"] is not None
     # CRIU brings the process back CHECKPOINTED; the worker dies there.
-    rid = uuid.uuid4().hex
-    work = rs.work_dir / rid
-    await ck.store.fetch(gen, work)
-    await rs.criu.restore(work / "images", pidfile=work / "restored.pid",
-                          inherit={job.log: os.open(job.log, os.O_WRONLY | os.O_APPEND)})
-    pid = int((work / "restored.pid").read_text())
-    h.pids.append(pid)
+    rid, pid = await restored_by_criu_alone(h, ck, rs, gen, job)
     drv.states[pid] = CudaState.CHECKPOINTED
     req = RestoreRequested(request_id=rid, checkpoint_id=job.id, target=Target.job(job.id),
                            node=h.settings.node)
@@ -437,13 +446,7 @@ async def test_recovery_of_a_restore_whose_gpu_state_is_back_keeps_the_process(
     assert done.status == "succeeded", done.error
     gen = await ck.store.latest(LOCAL_NAMESPACE, job.id)
     assert gen is not None and gen.manifest["gpu"]["devices"][0]["uuid"] == GPU_UUIDS[0]
-    rid = uuid.uuid4().hex
-    work = rs.work_dir / rid
-    await ck.store.fetch(gen, work)
-    await rs.criu.restore(work / "images", pidfile=work / "restored.pid",
-                          inherit={job.log: os.open(job.log, os.O_WRONLY | os.O_APPEND)})
-    pid = int((work / "restored.pid").read_text())
-    h.pids.append(pid)
+    rid, pid = await restored_by_criu_alone(h, ck, rs, gen, job)
     drv.states[pid] = CudaState.RUNNING  # the driver's restore and unlock were done
     # The node's one GPU, as NVML shows it now: the restored process holds its memory.
     gpu = {**a_gpu(0), "memory_total": 80 * MIB, "memory_free": 16 * MIB,
