@@ -192,7 +192,7 @@ def raw_worker(log: str, kind: str) -> None:
 
 
 def probe(kind: str, which: str, out: Path) -> None:
-    from bench.nccl_probe import holdings  # what a process holds, printed alike
+    from bench.nccl_probe import holdings, restore_each  # printed alike
     from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState, driver
     from smr.errors import PermanentError
     from smr.gpuinfo import check_mappings
@@ -246,18 +246,7 @@ def probe(kind: str, which: str, out: Path) -> None:
         say(f"suspended {pids}: {took} in {time.monotonic() - t:.2f}s; states "
             f"{[drv.state(p) for p in pids]}")
         time.sleep(1)
-        for p in pids:
-            try:
-                drv.restore(p)
-                say(f"restore {p}: ok")
-            except CudaError as e:
-                say(f"restore {p}: {e.message}; state {drv.state(p)!r}")
-        for p in pids:
-            try:
-                drv.unlock(p)
-                say(f"unlock {p}: ok")
-            except CudaError as e:
-                say(f"unlock {p}: {e.message}; state {drv.state(p)!r}")
+        restore_each(drv, pids, say)
         time.sleep(1)
         for p in pids:  # once more, every other one running again
             if drv.state(p) is CudaState.CHECKPOINTED:

@@ -22,9 +22,10 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, driver
+from smr.cuda_checkpoint import CudaCheckpoint, CudaError, Driver, driver
 from smr.gpuinfo import process_tree
 
 
@@ -49,6 +50,19 @@ def holdings(pid: int) -> tuple[dict[str, int], dict[str, int]]:
         if len(parts) >= 6 and re.search(r"nvidia|/dev/shm|memfd|SYSV", parts[5]):
             maps[re.sub(r"\d{3,}", "N", parts[5])] += 1
     return dict(fds), dict(maps)
+
+
+def restore_each(drv: Driver, pids: list[int], say: Callable[..., None]) -> None:
+    """The driver's restore of each process, then its unlock, each answer
+    printed as the driver gave it (a failure does not stop the others)."""
+    for step, call in (("restore", drv.restore), ("unlock", drv.unlock)):
+        for p in pids:
+            t = time.monotonic()
+            try:
+                call(p)
+                say(f"{step} {p}: ok {time.monotonic() - t:.2f}s")
+            except CudaError as e:
+                say(f"{step} {p}: {e.message}; state {drv.state(p)!r}")
 
 
 def main() -> int:
@@ -96,19 +110,7 @@ def main() -> int:
             say(f"suspended: {took} in {time.monotonic() - t:.2f}s; states "
                 f"{[drv.state(r) for r in ranks]}; nvidia-smi: {nvidia_smi()}")
             time.sleep(2)
-            for r in ranks:
-                t = time.monotonic()
-                try:
-                    drv.restore(r)
-                    say(f"restore {r}: ok {time.monotonic() - t:.2f}s")
-                except CudaError as e:
-                    say(f"restore {r}: {e.message}; state {drv.state(r)}")
-            for r in ranks:
-                try:
-                    drv.unlock(r)
-                    say(f"unlock {r}: ok")
-                except CudaError as e:
-                    say(f"unlock {r}: {e.message}; state {drv.state(r)}")
+            restore_each(drv, ranks, say)
         except CudaError as e:
             say(f"suspend failed after {time.monotonic() - t:.2f}s: {e.code}: {e.message}; "
                 f"states {[drv.state(r) for r in ranks]}")
