@@ -418,7 +418,9 @@ class CudaCheckpoint:
         resumes it. ``root``: the tree the dump left stopped (a local job's or
         a pod container's workload, by host PID)."""
         await asyncio.wait([writer])
-        if writer.exception() is None:
+        # A cancelled dump is a failed one (the caller resumes the tree);
+        # asking its exception would raise the cancel here instead.
+        if not writer.cancelled() and writer.exception() is None:
             durations.update(await self.resume_tree(root))
             # Wall clock from the lock to the unlock: what the job lost.
             durations["downtime"] = time.monotonic() - frozen_at

@@ -275,3 +275,26 @@ def test_a_restore_refused_for_another_reason_is_not_blamed_on_cuda_ipc() -> Non
     with pytest.raises(CudaError) as failed:
         drv.restore(7, [(a, a)])
     assert failed.value.code == "cuda-checkpoint-failed", failed.value.message
+
+
+async def test_a_heartbeat_whose_dump_was_cancelled_is_left_to_its_caller() -> None:
+    """``resume_after`` waits for the dump: a cancelled dump is a failed one,
+    left for the caller to resume; before, asking its exception raised the
+    dump's cancel in the heartbeat as if the heartbeat itself were cancelled."""
+    cuda = CudaCheckpoint(StandInDriver(), lock_timeout_s=1)
+    resumed: list[int] = []
+
+    async def resume_tree(root: int, **kw: Any) -> dict[str, float]:
+        resumed.append(root)
+        return {}
+
+    cuda.resume_tree = resume_tree  # type: ignore[method-assign]
+    dump = asyncio.create_task(asyncio.sleep(60))
+    await asyncio.sleep(0)
+    dump.cancel()
+    durations: dict[str, float] = {}
+    await cuda.resume_after(dump, 4242, durations, 0.0)
+    assert resumed == [] and "downtime" not in durations
+    done = asyncio.create_task(asyncio.sleep(0))
+    await cuda.resume_after(done, 4242, durations, 0.0)
+    assert resumed == [4242] and "downtime" in durations

@@ -1028,3 +1028,28 @@ async def test_a_template_request_whose_publish_failed_is_published_on_the_retry
                 [("template_tpl.main", "web-0")]
     finally:
         Bus.publish = real  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("how", ["cancelled", "returned"])
+async def test_a_watcher_loop_that_ends_unasked_ends_the_watcher_by_name(
+        watchers: Watchers, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The watcher's loops end only on a stop. Leader election ending on its
+    own, or cancelled by a library, ends the watcher with an error that names
+    it (its Deployment starts it again); before, a cancelled loop raised its
+    CancelledError out of run(), as if the watcher had been cancelled, and a
+    loop that returned ended the watcher silently."""
+    from services.watcher.leader import Leadership
+
+    async def ends(self: Leadership) -> None:
+        await asyncio.sleep(0.5)
+        if how == "cancelled":
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(Leadership, "run", ends)
+    w = await watchers.start()
+    [(_, task)] = watchers.running
+    said = "cancelled" if how == "cancelled" else "on its own"
+    with pytest.raises(RuntimeError, match=f"its leader election ended {said}"):
+        await asyncio.wait_for(task, 20)
+    watchers.running.clear()
+    assert not w._stop.is_set()

@@ -121,6 +121,8 @@ class Watcher:
                  self.bus.consume_events(f"{durable_prefix}-restore-done", "restore.done",
                                          self.events.outcome, service="watcher",
                                          stop=self._stop)]
+        names = ["pod informer", "node informer", "leader election", "ckpt.done consumer",
+                 "restore.done consumer"]
         tasks = [asyncio.create_task(c) for c in loops]
         try:
             await self.pods.synced.wait()
@@ -130,9 +132,17 @@ class Watcher:
                      len(self.pods.cache))
             stopped = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not stopped and t.exception():
-                    raise t.exception()  # type: ignore[misc]
+            for name, t in zip(names, tasks, strict=True):
+                if t not in done or self._stop.is_set():
+                    continue
+                # A loop ends only on a stop: any other end (an error, a
+                # cancel a library handed it, a return) ends the watcher,
+                # named, for its Deployment to start it again.
+                if not t.cancelled() and (e := t.exception()) is not None:
+                    raise e
+                raise RuntimeError(f"watcher {self.identity}: its {name} ended "
+                                   f"{'cancelled' if t.cancelled() else 'on its own'} "
+                                   "while the watcher was not stopping")
             stopped.cancel()
         finally:
             pending = [*tasks, *self._tasks]
