@@ -270,6 +270,8 @@ class PodRestoreStep(PodStep):
             # restored", a restore beside the tree; redelivered, it is tried again.
             await self._gpu_back(req, c, shim, root)
             await asyncio.to_thread(shim.decide, f"restored {inner}")
+            # run()'s finally never ran: its files (the writable layer) go now.
+            await asyncio.to_thread(shutil.rmtree, pidfile.parent, True)
             await self.lock.release(c.lock_key(), req.request_id)
             return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)
