@@ -186,3 +186,24 @@ async def test_a_pod_restore_naming_gpus_is_refused() -> None:
         await PodRestoreStep.gpu_pairs(SimpleNamespace(cuda=None), req,  # type: ignore[arg-type]
                                        None, None, None)  # type: ignore[arg-type]
     assert e.value.code == "gpus-not-for-pods"
+
+
+async def test_a_pod_restore_recovery_counts_the_restored_trees_gpu_memory_as_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recovery decides the pairs again for the tree CRIU restored, whose
+    GPU state the driver may already have put back: that memory is the
+    tree's own (here this test's process holds 990 MiB of the 1000 MiB the
+    checkpoint needs). Counted as taken, the recovery refuses with 'too little
+    free memory' and the tree, running again, is ended and restored twice."""
+    held = {**gpu(0, free=10 * MIB), "processes": {os.getpid(): 990 * MIB}}
+    monkeypatch.setattr(gpuinfo, "devices", lambda: [held])
+    monkeypatch.setattr(gpus, "container_gpus", lambda pid, cid, node: node)
+    step = SimpleNamespace(cuda=object())
+    req = RestoreRequested(request_id="r1", checkpoint_id="ck", node="n1",
+                           target=Target(kind="pod", namespace="t", pod="p", container="main"))
+    gen = SimpleNamespace(manifest={"checkpoint_id": "ck", "gpu": record((0, 1000))}, number=1)
+    c, shim = SimpleNamespace(container_id="abc"), SimpleNamespace(pid=1)
+    with pytest.raises(GpuMismatch, match="too little free memory"):  # run(): it is taken
+        await PodRestoreStep.gpu_pairs(step, req, gen, c, shim)  # type: ignore[arg-type]
+    assert await PodRestoreStep.gpu_pairs(step, req, gen, c, shim,  # type: ignore[arg-type]
+                                          restored=os.getpid()) is None  # onto its own GPU

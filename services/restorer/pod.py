@@ -140,10 +140,11 @@ class PodRestoreStep(PodStep):
                      "or use another checkpoint id for the new one")
 
     async def gpu_pairs(self, req: RestoreRequested, gen: Generation, c: PodContainer,
-                        shim: Shim) -> gpupairs.Pairs | None:
+                        shim: Shim, *, restored: int | None = None) -> gpupairs.Pairs | None:
         """Refuse GPU state this node cannot take back, and say which GPUs it
         goes onto: those the new container was given, as its runtime's spec
-        says (services/containers/gpus), never what the request names."""
+        says (services/containers/gpus), never what the request names.
+        ``restored``: a recovery's restored tree, whose GPU memory is its own."""
         if req.gpus:
             raise PermanentError(
                 f"{req.target}: a restore request names GPUs ({', '.join(req.gpus)}); a pod "
@@ -156,6 +157,8 @@ class PodRestoreStep(PodStep):
             node = await asyncio.to_thread(gpuinfo.devices)
             targets = await asyncio.to_thread(gpus.container_gpus, shim.pid, c.container_id,
                                               node)
+            if targets is not None and restored is not None:
+                targets = gpupairs.holding(targets, list(host.tree(restored)))
         what = f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number}"
         return gpupairs.for_restore(record, what, has_api=self.cuda is not None,
                                     targets=targets)
@@ -243,8 +246,10 @@ class PodRestoreStep(PodStep):
         return inner
 
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
-        """A worker died mid-restore: if the container already runs the
-        restored tree, answer; a restore never runs twice."""
+        """A worker died mid-restore: if the container already holds the
+        restored tree, its GPU state is brought back (CRIU left a GPU tree
+        stopped and CHECKPOINTED) and it is answered; a restore never runs
+        twice."""
         try:
             c = await self.pods.container(req.target)
             shim = self.shim_of(c)
@@ -255,15 +260,44 @@ class PodRestoreStep(PodStep):
         except PermanentError:  # a status the workload replaced: run() reports it
             st = []
         pidfile = self.work(req.request_id) / "restored.pid"
+        inner, root = 0, None
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
-                if _find_ns_pid(shim, inner):
-                    await asyncio.to_thread(shim.decide, f"restored {inner}")
-                    await self.lock.release(c.lock_key(), req.request_id)
-                    return RestoreDone.for_request(req, status="succeeded", pid=inner)
+                root = _find_ns_pid(shim, inner)
+        if root:
+            # Outside the suppress: storage away must not pass for "nothing
+            # restored", a restore beside the tree; redelivered, it is tried again.
+            await self._gpu_back(req, c, shim, root)
+            await asyncio.to_thread(shim.decide, f"restored {inner}")
+            # run()'s finally never ran: its files (the writable layer) go now.
+            await asyncio.to_thread(shutil.rmtree, pidfile.parent, True)
+            await self.lock.release(c.lock_key(), req.request_id)
+            return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)
         return None
+
+    async def _gpu_back(self, req: RestoreRequested, c: PodContainer, shim: Shim,
+                        root: int) -> None:
+        """The restored tree under ``root`` RUNNING and continued, as run()
+        would have left it: its GPU state onto the GPUs decided again as
+        run() did (its own GPU memory counted as room: the driver's restore
+        may be done), unlocked, then SIGCONT. A no-op for a tree already
+        running (a second recovery restores nothing twice); a tree without
+        GPU state was never left stopped (CRIU continues it)."""
+        if self.cuda is None:
+            return
+        gen = await self.store.pick(c.namespace, req.checkpoint_id, req.generation)
+        if not gen.manifest.get("gpu"):
+            return
+        try:
+            pairs = await self.gpu_pairs(req, gen, c, shim, restored=root)
+            await self.cuda.resume_tree(root, gpu_pairs=pairs)
+        except BaseException:
+            # Half-restored it must not linger: the next recovery finds no
+            # tree and the restore runs again, as after run()'s failure.
+            kill_tree(root)
+            raise
 
 
 def restored_note(req: RestoreRequested, gen: Generation, node: str) -> bytes:

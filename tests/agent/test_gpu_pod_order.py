@@ -13,6 +13,7 @@ tests/agent/test_gpu_pods.py runs the same paths on a real GPU.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
 import uuid
@@ -21,8 +22,10 @@ from typing import Any
 
 import pytest
 
+from services.containers.host import Shim
+from services.restorer.pod import PodRestoreStep
 from smr import cuda_checkpoint, gpuinfo
-from smr.messages import CkptRequested, Target
+from smr.messages import CkptRequested, RestoreRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_programs_pods import migrate
@@ -198,4 +201,80 @@ async def test_a_gpu_heartbeat_whose_agent_died_before_the_resume_gets_its_gpu_b
     assert done is not None and done.status == "succeeded", done
     assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING"
     # The recovery restored the GPU state with the three counters held.
+    assert [held for _, held in standin.restores] == [3], standin.restores
+
+
+def restore_steps_of(node: str) -> list[PodRestoreStep]:
+    return [o for o in gc.get_objects() if isinstance(o, PodRestoreStep) and o.node == node]
+
+
+async def test_a_gpu_pod_restore_whose_agent_died_before_the_resume_gets_its_gpu_back(
+        standin: gpu_standin.StandInDriver, cluster: Cluster,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent dies after CRIU restored a GPU pod's tree (left stopped, its
+    GPU state CHECKPOINTED) and before the driver's restore, unlock and
+    SIGCONT. The redelivered request's recovery finds the tree in the
+    container: answered succeeded as it was, with nothing resumed, the pod
+    stayed stopped for good. It must bring the GPU state back and continue
+    the tree first; a recovery that dies after that and is itself recovered
+    must not restore the GPU state twice."""
+    a, b = list(cluster.kubelets)
+    await create(cluster, gpu_pod("gpr-a", a))
+    await more_steps(cluster, "gpr-a", a, 5)
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    drain = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=CKPT, node=a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod="gpr-a", container="main")),
+        timeout=90)
+    assert drain.status == "succeeded", drain.error
+    assert gpu_standin.state_of(standin.root, "workload-1") == "CHECKPOINTED"
+
+    reqs: list[RestoreRequested] = []
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real_run, real_resume = PodRestoreStep.run, cuda_checkpoint.CudaCheckpoint.resume_tree
+
+    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
+        reqs.append(req)
+        return await real_run(self, req, progress)
+
+    async def dies_here(self: Any, root: int, **_: Any) -> dict[str, float]:
+        entered.set()
+        await crash.wait()  # the agent's last moment: SIGKILL comes here
+        raise RuntimeError("the agent was killed (test)")
+
+    monkeypatch.setattr(PodRestoreStep, "run", run)
+    monkeypatch.setattr(cuda_checkpoint.CudaCheckpoint, "resume_tree", dies_here)
+    await create(cluster, gpu_pod("gpr-b", b))
+    try:
+        await asyncio.wait_for(entered.wait(), 90)
+        monkeypatch.setattr(cuda_checkpoint.CudaCheckpoint, "resume_tree", real_resume)
+        await asyncio.sleep(1)
+        assert not steps(cluster, "gpr-b", b), "CRIU let the GPU tree run before its GPU state"
+        assert gpu_standin.state_of(standin.root, "workload-1") == "CHECKPOINTED"
+        [step], [req] = restore_steps_of(b), reqs
+        # What the redelivered request's worker does on the next agent; that
+        # worker dies too, after the GPU resume, before smr-init is told.
+        real_decide = Shim.decide
+
+        def recovery_dies(self: Shim, decision: str) -> None:
+            raise RuntimeError("the agent was killed again (test)")
+
+        monkeypatch.setattr(Shim, "decide", recovery_dies)
+        with pytest.raises(RuntimeError, match="killed again"):
+            await step.recover(req, {})
+        monkeypatch.setattr(Shim, "decide", real_decide)
+        assert gpu_standin.state_of(standin.root, "workload-1") == "RUNNING", (
+            "recovery left the restored tree's GPU state "
+            f"{gpu_standin.state_of(standin.root, 'workload-1')} (the tree stopped)")
+        after = await more_steps(cluster, "gpr-b", b, 5, timeout=30)  # it runs on
+        done = await step.recover(req, {})
+    finally:
+        crash.set()
+    assert done is not None and done.status == "succeeded", done
+    # From its memory (read now: the log file lags the pipe), its three
+    # counters held until the driver's restore.
+    before = steps(cluster, "gpr-a", a)
+    assert 1 < after[0] <= before[-1] + 1, (before[-3:], after[:3])
+    # Restored once (the drain's checkpoint restored none): the second
+    # recovery found the tree RUNNING and restored nothing again.
     assert [held for _, held in standin.restores] == [3], standin.restores

@@ -24,8 +24,9 @@ import pytest
 from services.checkpointer.pod import PodCheckpointStep
 from services.containers import host, rootfs
 from services.containers.host import Shim
+from services.restorer.pod import PodRestoreStep
 from smr import frozen
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import oci_image
 from tests.agent.cluster import CMD, Cluster, steps, workload
 
@@ -264,3 +265,62 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
     after = await shm.until_steps("hbr-2", b, 5, timeout=60)
     assert after[0][0] > 1, "it started over instead of being restored"
     assert not torn(shm.log("hbr-2", b)), torn(shm.log("hbr-2", b))[:1]
+
+
+async def test_a_pod_restore_whose_agent_died_after_criu_runs_on_and_leaves_no_work_dir(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU pod: the agent dies after CRIU restored its tree (CRIU itself
+    continues a tree without GPU state) and before smr-init was told. The
+    redelivered request's recovery must answer succeeded with the tree
+    adopted and running on from its memory, and remove the request's work
+    directory (the downloaded writable layer), as run() does: kept, every
+    recovered restore left its files on the node's disk for good."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("rr-1", a, "rr"))
+    await shm.until_steps("rr-1", a, 10, timeout=60)
+    drain = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="rr", node=a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod="rr-1", container="main")),
+        timeout=120)
+    assert drain.status == "succeeded", drain.error
+    reqs: list[RestoreRequested] = []
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real = PodRestoreStep._restore
+
+    async def dies_after_criu(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
+        await real(self, *args, **kw)  # the tree restored, CRIU done
+        entered.set()
+        await crash.wait()  # the agent's last moment: SIGKILL comes here
+        raise RuntimeError("the agent was killed (test)")
+
+    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
+        reqs.append(req)
+        return await real_run(self, req, progress)
+
+    real_run = PodRestoreStep.run
+    monkeypatch.setattr(PodRestoreStep, "_restore", dies_after_criu)
+    monkeypatch.setattr(PodRestoreStep, "run", run)
+    shm.kube.put("pods", shm_pod("rr-2", b, "rr"))
+    try:
+        await asyncio.wait_for(entered.wait(), 90)
+        [step] = [o for o in gc.get_objects()
+                  if isinstance(o, PodRestoreStep) and o.node == b]
+        [req] = reqs
+        assert (step.work(req.request_id) / "restored.pid").is_file()
+        # What the redelivered request's worker does on the next agent.
+        done = await step.recover(req, {})
+        assert done is not None and done.status == "succeeded", done
+        left = step.work(req.request_id).exists()
+        after = await shm.until_steps("rr-2", b, 5, timeout=30)
+        shim = step.shim_of(await step.pods.container(req.target))
+        deadline = asyncio.get_running_loop().time() + 30
+        while (status := await asyncio.to_thread(shim.status))[:1] != ["running"]:
+            assert asyncio.get_running_loop().time() < deadline, f"not adopted: {status}"
+            await asyncio.sleep(0.1)
+    finally:
+        crash.set()
+    assert status[1] == str(done.pid), status  # smr-init adopted the restored tree
+    before = steps(shm.log("rr-1", a))  # read now: the log file lags the pipe
+    assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
+    assert not torn(shm.log("rr-2", b)), torn(shm.log("rr-2", b))[:1]
+    assert not left, f"the recovered restore left its work directory {step.work(req.request_id)}"
