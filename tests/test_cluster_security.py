@@ -337,8 +337,10 @@ async def test_the_watcher_publishes_requests_but_writes_no_state_and_reads_no_c
 # nats-server does not hold a push consumer's deliver subject to its creator's
 # publish permissions (nats-io/nats-server#8274): a node user that could create
 # a consumer on a bucket it writes could have its own value delivered onto any
-# subject with a plain subscriber, and SMR_REQUESTS / SMR_EVENTS would store it
-# as another node's request or a tenant's result.
+# subject with a plain subscriber: a tenant's core subscription to its results
+# would take it for one (nats-server 2.10.27 delivers it to plain subscribers
+# only; SMR_REQUESTS / SMR_EVENTS did not store it, so the assertion below says
+# how many they hold too).
 HIJACKS = [  # (node's user, bucket, the subject it aims at, who listens there)
     (f"smr-agent-{NODE}", KV_STEPS, subject("restore.requested", OTHER_NODE, "team-a"),
      "smr-admin"),
