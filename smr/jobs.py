@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from smr import config
@@ -267,13 +267,11 @@ class JobRegistry:
     async def delete(self, job_id: str) -> None:
         await self.kv.delete(job_id)
 
-    async def all(self) -> list[Job]:
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:  # an empty bucket
-            return []
+    async def all(self, keys: list[str]) -> list[Job]:
+        """The jobs of ``keys`` (``Bus.kv_keys(KV_JOBS)``: listed without a
+        consumer, which a node's user may not make), deleted ones left out."""
         jobs = []
-        for k in sorted(keys):
+        for k in sorted(set(keys)):
             if j := await self.find(k):
                 jobs.append(j)
         return jobs

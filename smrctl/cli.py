@@ -142,7 +142,8 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
     bus = await embedded.connect(s)
     try:
-        jobs = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).all()
+        jobs = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).all(
+            await bus.kv_keys(KV_JOBS))
     finally:
         await bus.close()
     print(f"{'ID':<20} {'STATE':<13} {'PID':>8} {'GEN':>4}  COMMAND")

@@ -692,9 +692,19 @@ async def test_requests_waiting_across_nats_restarts_each_run_once(
             await asyncio.to_thread(srv.start)
             await asyncio.sleep(2 * bus.config.ack_wait)
         step.release.set()
+        # While NATS was away past max_deliver, the blocked final step may have
+        # been answered deliveries-exhausted (its heartbeat could not be
+        # written); its real success replaces that answer once it is released
+        # (Bus.publish: a success after a recorded failure is not dropped).
+        # What the caller is left with is the success.
         for rid in (f"final-1-{node}", f"lr-1-{node}", f"lr-2-{node}"):
-            result = await bus.wait_result(rid, "ckpt.requested", timeout=30)
-            assert result.status == "succeeded", (rid, result.error)
+            for _ in range(300):
+                state, _ = await bus.step_state(rid)
+                if state and state["state"] == "done":
+                    break
+                await asyncio.sleep(0.1)
+            assert state and state["state"] == "done", (rid, state)
+            assert state["result"]["status"] == "succeeded", (rid, state["result"])
         await stop(w, t)
         assert sorted(step.started) == [f"final-1-{node}", f"lr-1-{node}", f"lr-2-{node}"]
     finally:

@@ -20,6 +20,7 @@ import nats
 import orjson
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from services.storage.codec import Codec
 from services.storage.service import StorageService
@@ -56,7 +57,8 @@ def secured(kustomize: str, tmp_path_factory: pytest.TempPathFactory,
             settings: config.Settings) -> Iterator[nats_auth.SecuredNats]:
     ship = nats_auth.shipped(kustomize)
     srv = nats_auth.start(settings.nats_server_binary(), tmp_path_factory.mktemp("nats-auth"),
-                          ship, tenants=TENANTS, agents=AGENTS)
+                          ship, tenants=TENANTS, agents=AGENTS,
+                          nodes={NODE: "pw-local-node-1"})
     yield srv
     srv.stop()
 
@@ -330,3 +332,100 @@ async def test_the_watcher_publishes_requests_but_writes_no_state_and_reads_no_c
         await w.request_refused(f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}")
         await w.publish_refused(subject("ckpt.done", NODE, "team-a"))  # no forged result
         await w.publish_refused(subject("restore.requested", NODE, "team-a"))
+
+
+# nats-server does not hold a push consumer's deliver subject to its creator's
+# publish permissions (nats-io/nats-server#8274): a node user that could create
+# a consumer on a bucket it writes could have its own value delivered onto any
+# subject with a plain subscriber: a tenant's core subscription to its results
+# would take it for one (nats-server 2.10.27 delivers it to plain subscribers
+# only; SMR_REQUESTS / SMR_EVENTS did not store it, so the assertion below says
+# how many they hold too).
+HIJACKS = [  # (node's user, bucket, the subject it aims at, who listens there)
+    (f"smr-agent-{NODE}", KV_STEPS, subject("restore.requested", OTHER_NODE, "team-a"),
+     "smr-admin"),
+    (f"smr-agent-{NODE}", KV_STEPS, subject("ckpt.done", OTHER_NODE, "team-a"),
+     "tenant-team-a"),
+    (f"smr-node-{NODE}", KV_STEPS, subject("restore.requested", OTHER_NODE, "team-a"),
+     "smr-admin"),
+    (f"smr-node-{NODE}", KV_JOBS, subject("ckpt.done", OTHER_NODE, "team-a"),
+     "tenant-team-a"),
+]
+
+
+@pytest.mark.parametrize(("user", "bucket", "target", "listener"), HIJACKS)
+async def test_a_node_cannot_deliver_its_bucket_values_onto_another_nodes_subjects(
+        secured: nats_auth.SecuredNats, admin: Bus, user: str, bucket: str, target: str,
+        listener: str) -> None:
+    admin.kv(bucket)  # the bucket exists (the storage service made it)
+    stream = STREAM_REQUESTS if target.startswith("restore.requested") else STREAM_EVENTS
+    before = await stored(admin, stream, target)
+    key = f"forged-{uuid.uuid4().hex[:6]}"
+    forged = RestoreRequested(request_id=key, checkpoint_id="c", target=pod("team-a"),
+                              node=OTHER_NODE).to_payload()
+    got: list[bytes] = []
+    async with login(secured, listener) as ear, login(secured, user) as a:
+        async def heard(m: Msg) -> None:
+            got.append(m.data)
+
+        sub = await ear.nc.subscribe(target, cb=heard)
+        await ear.nc.flush()
+        await a.js.publish(f"$KV.{bucket}.{key}", forged)  # its own key: allowed
+        config = {"deliver_subject": target, "filter_subject": f"$KV.{bucket}.{key}",
+                  "deliver_policy": "last_per_subject", "ack_policy": "none"}
+        for create in (f"$JS.API.CONSUMER.CREATE.KV_{bucket}",
+                       f"$JS.API.CONSUMER.CREATE.KV_{bucket}.evil.$KV.{bucket}.{key}"):
+            name = {"name": "evil"} if create.endswith(key) else {}
+            body = orjson.dumps({"stream_name": f"KV_{bucket}", "config": {**config, **name}})
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                r = await a.nc.request(create, body, timeout=1)
+                # the server made it: what it delivers is what a listener sees
+                for _ in range(40):
+                    if got:
+                        break
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"{user} made a push consumer on KV_{bucket} "
+                                     f"delivering to {target}: {r.data[:200]!r}; "
+                                     f"{target} got {got[:1]!r}, "
+                                     f"{stream} stores {await stored(admin, stream, target)}"
+                                     f" (was {before})")
+            await a.refused(create)
+        # The listener hears the subject (a real message reaches it), and what
+        # reached it and the stream is that message only.
+        await admin.nc.publish(target, b"real")
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+    assert got == [b"real"]
+    assert forged not in got
+
+
+async def test_a_nodes_own_durables_cannot_be_aimed_at_another_node(
+        secured: nats_auth.SecuredNats, admin: Bus) -> None:
+    """What a node's user may still create: its own durables on SMR_REQUESTS
+    and SMR_EXHAUSTED (its worker needs them). Their filters are in the create
+    subjects; the server refuses a deliver subject its stream captures (a cycle)
+    and refuses to turn its agent's pull durable into a push one."""
+    mine = f"ckpt-requested-{NODE}"
+    await admin.ensure_consumer("ckpt.requested", NODE)  # its agent made it
+    async with login(secured, f"smr-agent-{NODE}") as a:
+        def create(stream: str, name: str, filt: str, deliver: str) -> bytes:
+            return orjson.dumps({"stream_name": stream, "config": {
+                "name": name, "durable_name": name, "filter_subject": filt,
+                "deliver_subject": deliver, "ack_policy": "explicit"}})
+
+        own = f"ckpt.requested.{NODE}.*"
+        for deliver, err in ((subject("ckpt.done", OTHER_NODE, "team-a"), 10012),  # pull→push
+                             (subject("restore.requested", OTHER_NODE, "team-a"), 10081)):
+            r = await a.nc.request(f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{mine}.{own}",
+                                   create(STREAM_REQUESTS, mine, own, deliver), timeout=5)
+            assert orjson.loads(r.data)["error"]["err_code"] == err, r.data
+        # Its max-deliveries durable reads its own requests' advisories only.
+        ex = f"exhausted-{mine}"
+        theirs = (f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}"
+                  f".ckpt-requested-{OTHER_NODE}")
+        await a.request_refused(f"$JS.API.CONSUMER.CREATE.SMR_EXHAUSTED.{ex}.{theirs}",
+                                create("SMR_EXHAUSTED", ex, theirs, ""))
+    assert (await admin.js.consumer_info(STREAM_REQUESTS, mine)).config.deliver_subject is None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import orjson
 import pytest
 
-from smr.bus import KV_LOCKS, KV_STEPS, Bus
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
 from smr.errors import TemporaryError
-from smr.jobs import JobLock
+from smr.jobs import Job, JobLock, JobRegistry
 
 
 @pytest.fixture
@@ -51,3 +52,22 @@ async def test_lock_of_a_step_whose_worker_stopped_beating_is_taken_over(
     await lock.acquire(job, f"silent-{node}")
     await lock.acquire(job, f"next-{node}")
     assert await lock.holder(job) == f"next-{node}"
+
+
+async def test_the_registry_lists_its_jobs_without_a_consumer_deleted_ones_left_out(
+        bus: Bus) -> None:
+    """`smr ps` as a node's user: the keys come from STREAM.INFO (a node's user
+    may create no consumer on smr-jobs, docs/security.md); a deleted job's
+    tombstone is listed as a key, and the registry leaves it out."""
+    key = b"k" * 32
+    reg = JobRegistry(bus.kv(KV_JOBS), key)
+    tag = uuid.uuid4().hex[:6]
+    ids = [f"ps-{tag}-{i}" for i in range(3)]
+    for i in ids:
+        await reg.put(Job(id=i, cmd=["true"], cwd="/", log="/dev/null", node="n"))
+        await reg.put(Job(id=i, cmd=["true"], cwd="/", log="/dev/null", node="n"))  # history
+    await reg.delete(ids[1])
+    keys = await bus.kv_keys(KV_JOBS)
+    assert set(ids) <= set(keys) and len(keys) == len(set(keys))
+    assert [j.id for j in await reg.all(keys) if j.id.startswith(f"ps-{tag}")] == [
+        ids[0], ids[2]]

@@ -38,7 +38,7 @@ from smr.bus.topology import (
     BusConfig,
     kind_of,
 )
-from smr.errors import ContractError, SmrError
+from smr.errors import ContractError, SmrError, TemporaryError
 from smr.messages import (
     CkptDone,
     CkptRequested,
@@ -311,6 +311,30 @@ class Bus:
         except KeyError:
             raise KeyError(f"KV bucket {bucket} is not among this Bus's buckets "
                            f"{self.buckets}: name it in Bus.connect(buckets=...)") from None
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        """The keys ``bucket`` holds a message for, its deleted ones too (their
+        tombstone: a get tells them apart). Asked of the bucket's stream
+        (STREAM.INFO with a subjects filter), not listed with a consumer as
+        ``KeyValue.keys`` does: a node's user may create no consumer on a bucket
+        it writes (docs/security.md, nats-io/nats-server#8274)."""
+        prefix = f"$KV.{bucket}."
+        keys: list[str] = []
+        while True:
+            body = orjson.dumps({"subjects_filter": f"{prefix}>", "offset": len(keys)})
+            async for attempt in retry_nats():
+                with attempt:
+                    r = await self.nc.request(f"$JS.API.STREAM.INFO.KV_{bucket}", body,
+                                              timeout=10)
+            info = orjson.loads(r.data)
+            if "error" in info:
+                raise TemporaryError(f"listing the keys of bucket {bucket} failed: "
+                                     f"{info['error'].get('description')}",
+                                     code="nats-unavailable", hint="try again")
+            page = list((info.get("state") or {}).get("subjects") or {})
+            keys += [subj.removeprefix(prefix) for subj in page]
+            if not page or len(keys) >= int(info.get("total") or 0):
+                return keys
 
     # -- publishing ---------------------------------------------------------------
 

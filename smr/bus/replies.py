@@ -4,6 +4,7 @@ that starts late still sees it), and asks the storage service over core NATS."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,13 +12,18 @@ from typing import Any
 import nats
 import orjson
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.js.errors import KeyNotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from smr import tracing
 from smr.bus.topology import RESULT_OF
 from smr.errors import TemporaryError
 from smr.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
-from smr.retry import retry_nats
+
+# How often a waiter asks for a step's state: soon at first (most steps the
+# CLI and tests wait on are short), then at most this often.
+POLL_FIRST_S, POLL_MAX_S = 0.02, 0.25
 
 
 async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
@@ -25,31 +31,32 @@ async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
                       on_progress: Callable[[dict[str, Any]], None] | None = None
                       ) -> CkptDone | RestoreDone:
     """Wait until the step of ``request_id`` has a result; ``on_progress``
-    sees each running state on the way."""
-    # Retried: the watch's consumer is created on the bucket's stream, which a
-    # cluster may be electing a new leader for (a server just lost).
-    async for attempt in retry_nats():
-        with attempt:
-            watcher = await steps.watch(request_id)
+    sees each running state it finds on the way."""
+    # Polled with direct gets, not watched: a watch is a push consumer on the
+    # bucket's stream, and a user that may create one may aim its deliveries
+    # at any subject (nats-io/nats-server#8274), so the node users get no
+    # consumer on the buckets they write (docs/security.md).
     deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no result for request {request_id} within {timeout}s")
-            try:
-                e = await watcher.updates(timeout=min(left or 1.0, 1.0))
-            except nats.errors.TimeoutError:
-                continue
-            if e is None or not e.value:
-                continue
+    pause, seen = POLL_FIRST_S, -1
+    while True:
+        try:
+            e = await steps.get(request_id)
+        except KeyNotFoundError:  # not started yet, or deleted: it may run again
+            e = None
+        except (nats.errors.TimeoutError, NoRespondersError, ServiceUnavailableError):
+            e = None  # the bucket's stream electing a leader (a server lost): ask again
+        if e is not None and e.value and (e.revision or 0) != seen:
+            seen = e.revision or 0
             st = orjson.loads(e.value)
             if st.get("state") in ("done", "failed"):
                 return RESULT_OF[kind].from_dict(st["result"])
             if on_progress:
                 on_progress(st)
-    finally:
-        await watcher.stop()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"no result for request {request_id} within {timeout}s")
+        await asyncio.sleep(pause if left is None else min(pause, left))
+        pause = min(pause * 2, POLL_MAX_S)
 
 
 async def query(nc: NATS, what: str, q: StorageQuery, *, timeout: float = 10.0) -> StorageReply:
