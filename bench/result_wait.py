@@ -57,8 +57,10 @@ async def measure(n: int, waiters: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        srv = NatsServer(config.load({}).nats_server_binary(), Path(tmp))
+        srv = NatsServer(config.load().nats_server_binary(), Path(tmp))
         srv.start()
+        assert srv.proc is not None
+        nats_pid = srv.proc.pid
         bus = await Bus.connect(srv.url, name="bench")
         worker = Worker(bus, Sleeps(), "n1", service="bench", concurrency=waiters)
         task = asyncio.create_task(worker.run())
@@ -77,11 +79,11 @@ async def measure(n: int, waiters: int) -> dict[str, Any]:
             q = statistics.quantiles(delays, n=20) if len(delays) > 1 else delays * 19
             out[f"step {s:g} s"] = {"p50": statistics.median(delays), "p95": q[18],
                                     "max": max(delays), "n": len(delays)}
-        cpu0, t0 = _cpu_s(srv.proc.pid  # type: ignore[union-attr]), time.monotonic()
+        cpu0, t0 = _cpu_s(nats_pid), time.monotonic()
         many = [req(3.0) for _ in range(waiters)]
         await asyncio.gather(*(bus.request(r, timeout=120) for r in many))
         out[f"{waiters} at once, 3 s steps"] = {
-            "wall": time.monotonic() - t0, "nats_cpu": _cpu_s(srv.proc.pid  # type: ignore[union-attr]) - cpu0,
+            "wall": time.monotonic() - t0, "nats_cpu": _cpu_s(nats_pid) - cpu0,
             "last_delay": max(time.monotonic() - ended[r.request_id] for r in many)}
         worker.stop()
         await asyncio.wait_for(task, 20)
@@ -91,7 +93,11 @@ async def measure(n: int, waiters: int) -> dict[str, Any]:
 
 
 def run_tree(tree: Path, n: int, waiters: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    # One nats-server for both: this tree's (a base checkout has no .tools).
+    sys.path.insert(0, str(HERE.parent.parent))
+    from smr import config
+    env = dict(os.environ, PYTHONPATH=str(tree),
+               SMR_NATS_SERVER=config.load({}).nats_server_binary())
     p = subprocess.run([sys.executable, str(HERE), "--measure", "--n", str(n),
                         "--waiters", str(waiters)], env=env, cwd=tree,
                        capture_output=True, text=True, timeout=900)
@@ -115,14 +121,14 @@ def main() -> int:
         trees = {"base": a.base.resolve(), **trees}
     results = {name: run_tree(t, a.n, a.waiters) for name, t in trees.items()}
     rows = next(iter(results.values())).keys()
-    print(f"{'':28}" + "".join(f"{name:>34}" for name in results))
+    print(f"{'':28}" + "".join(f" | {name:<48}" for name in results))
     for row in rows:
         cells = []
         for r in results.values():
             v = r[row]
             cells.append(", ".join(f"{k} {x:.3f}" if isinstance(x, float) else f"{k} {x}"
                                    for k, x in v.items()))
-        print(f"{row:28}" + "".join(f"{c:>34}" for c in cells))
+        print(f"{row:28}" + "".join(f" | {c:<48}" for c in cells))
     return 0
 
 
