@@ -5,6 +5,7 @@ node can take a checkpoint or a restore. Everything here is read-only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -157,14 +158,12 @@ def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nv
 _CUDA_IPC_SHM = re.compile(r"/dev/shm/cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
 
 
-def _ns_pid(pid: int) -> int | None:
-    """``pid`` as its own PID namespace sees it (a container's process)."""
-    try:
+def ns_pid(pid: int) -> int | None:
+    """``pid`` as its own PID namespace sees it (the last NSpid field)."""
+    with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("NSpid:"):
                 return int(line.split()[-1])
-    except (OSError, ValueError):
-        return None
     return None
 
 
@@ -174,7 +173,7 @@ def _check_ipc(pid: int, comm: str, paths: set[str]) -> None:
     transport between ranks): driver 580 locks and checkpoints it, then never
     restores it, and it stays CHECKPOINTED for good. The names are the
     tenant's: a forged one refuses only its own job."""
-    own = _ns_pid(pid)
+    own = ns_pid(pid)
     foreign = sorted(p for p in paths if (m := _CUDA_IPC_SHM.fullmatch(p))
                      and own is not None and int(m.group(1), 16) != own)
     if foreign:

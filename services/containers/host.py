@@ -21,6 +21,7 @@ from pathlib import Path
 
 from services.containers.confined import Root, UnsafePath
 from smr.errors import SmrError, TemporaryError
+from smr.gpuinfo import ns_pid
 from smr.gpuinfo import process_tree as tree
 
 log = logging.getLogger("smr.agent")
@@ -51,15 +52,6 @@ def all_pids() -> list[int]:
 
 def pids_of(container_id: str) -> list[int]:
     return [p for p in all_pids() if container_id_of(p) == container_id]
-
-
-def ns_pid(pid: int) -> int | None:
-    """``pid`` as its own PID namespace sees it (the last NSpid field)."""
-    with contextlib.suppress(OSError):
-        for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return None
 
 
 def children(pid: int) -> list[int]:
