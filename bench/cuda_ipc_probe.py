@@ -27,7 +27,6 @@ same sum. Every driver answer is printed as the driver gave it."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import os
 import re
@@ -192,8 +191,8 @@ def raw_worker(log: str, kind: str) -> None:
 
 
 def probe(kind: str, which: str, out: Path) -> None:
-    from bench.nccl_probe import holdings, restore_each  # printed alike
-    from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState, driver
+    from bench.nccl_probe import holdings, suspend_and_restore  # printed alike
+    from smr.cuda_checkpoint import driver
     from smr.errors import PermanentError
     from smr.gpuinfo import check_mappings
 
@@ -239,26 +238,7 @@ def probe(kind: str, which: str, out: Path) -> None:
     # both-rev: the importer restored first, its exporter still checkpointed.
     pids = {"importer": [imp], "exporter": [exp], "both": [exp, imp],
             "both-rev": [imp, exp]}[which]
-    cuda = CudaCheckpoint(drv, lock_timeout_s=10)
-    t = time.monotonic()
-    try:
-        took = asyncio.run(cuda.suspend_all(pids))
-        say(f"suspended {pids}: {took} in {time.monotonic() - t:.2f}s; states "
-            f"{[drv.state(p) for p in pids]}")
-        time.sleep(1)
-        restore_each(drv, pids, say)
-        time.sleep(1)
-        for p in pids:  # once more, every other one running again
-            if drv.state(p) is CudaState.CHECKPOINTED:
-                try:
-                    drv.restore(p)
-                    drv.unlock(p)
-                    say(f"restore and unlock {p} again: ok")
-                except CudaError as e:
-                    say(f"restore {p} again: {e.message}; state {drv.state(p)!r}")
-    except CudaError as e:
-        say(f"suspend failed after {time.monotonic() - t:.2f}s: {e.code}: {e.message}; "
-            f"states {[drv.state(p) for p in pids]}")
+    suspend_and_restore(drv, pids, say, pause=1.0, again=True)
     at = int(last("importer")[1] or 0)
     time.sleep(2)
     _, step, same = last("importer")

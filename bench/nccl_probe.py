@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, Driver, driver
+from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState, Driver, driver
 from smr.gpuinfo import process_tree
 
 
@@ -65,6 +65,27 @@ def restore_each(drv: Driver, pids: list[int], say: Callable[..., None]) -> None
                 say(f"{step} {p}: {e.message}; state {drv.state(p)!r}")
 
 
+def suspend_and_restore(drv: Driver, pids: list[int], say: Callable[..., None], *,
+                        pause: float, again: bool = False) -> None:
+    """Suspend ``pids`` as smr does (all locked, then all checkpointed), wait
+    ``pause`` s, restore and unlock each; ``again``: those still CHECKPOINTED
+    once more, every other one running again. Every answer printed."""
+    t = time.monotonic()
+    try:
+        took = asyncio.run(CudaCheckpoint(drv, lock_timeout_s=10).suspend_all(pids))
+    except CudaError as e:
+        say(f"suspend failed after {time.monotonic() - t:.2f}s: {e.code}: {e.message}; "
+            f"states {[drv.state(p) for p in pids]}")
+        return
+    say(f"suspended {pids}: {took} in {time.monotonic() - t:.2f}s; states "
+        f"{[drv.state(p) for p in pids]}; nvidia-smi: {nvidia_smi()}")
+    time.sleep(pause)
+    restore_each(drv, pids, say)
+    if again:
+        time.sleep(pause)
+        restore_each(drv, [p for p in pids if drv.state(p) is CudaState.CHECKPOINTED], say)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", choices=["p2p", "net"], required=True)
@@ -102,18 +123,8 @@ def main() -> int:
             say(f"rank {r} descriptors: {fds}")
             say(f"rank {r} mappings: {maps}")
         say("nvidia-smi:", nvidia_smi())
-        cuda = CudaCheckpoint(drv, lock_timeout_s=10)
         at = step()
-        t = time.monotonic()
-        try:
-            took = asyncio.run(cuda.suspend_all(ranks))
-            say(f"suspended: {took} in {time.monotonic() - t:.2f}s; states "
-                f"{[drv.state(r) for r in ranks]}; nvidia-smi: {nvidia_smi()}")
-            time.sleep(2)
-            restore_each(drv, ranks, say)
-        except CudaError as e:
-            say(f"suspend failed after {time.monotonic() - t:.2f}s: {e.code}: {e.message}; "
-                f"states {[drv.state(r) for r in ranks]}")
+        suspend_and_restore(drv, ranks, say, pause=2.0)
         say(f"steps while held: {step() - at}")
     try:
         job.wait(240)
