@@ -148,6 +148,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`smr up`, root-only); default: DATA_DIR/job.key; nodes sharing a NATS share it"),
     Setting("WORK_DIR", "", str, "where a local job's images are dumped on their way to storage; "
             "default: DATA_DIR/work; on a tmpfs a GPU heartbeat's freeze is shorter"),
+    Setting("STEP_LOCK_DIR", "", str, "where each running step holds a lock the kernel lets "
+            "go when its worker's process ends, so that no redelivery acts beside a live "
+            "worker whose heartbeats do not get through; every worker of a node must share "
+            "it (the agent's is a hostPath); default: WORK_DIR/steps"),
     Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
     Setting("STORAGE_PATH", "", str, "local backend's directory; default: DATA_DIR/checkpoints"),
     Setting("S3_BUCKET", "", str, "S3 bucket (SMR_STORAGE=s3); credentials: the AWS chain"),
@@ -406,6 +410,10 @@ class Settings:
     @property
     def work_path(self) -> Path:
         return Path(self.values["WORK_DIR"] or self.data_path / "work")
+
+    @property
+    def step_lock_path(self) -> Path:
+        return Path(self.values["STEP_LOCK_DIR"] or self.work_path / "steps")
 
     @property
     def storage_root(self) -> Path:

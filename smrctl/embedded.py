@@ -17,7 +17,7 @@ from services.storage.settings import make_storage_service, make_store
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint, gpuinfo, reaper, tracing
 from smr.aio import ended_why, stop_task
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, Worker
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, Worker
 from smr.config import Settings
 from smr.criu import Criu
 from smr.errors import SmrError
@@ -104,9 +104,10 @@ class EmbeddedNode:
                       work_dir=s.work_path, node=s.node, cuda=cuda,
                       commit_deadline=s.commit_deadline)
         self.workers = [
-            Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer"),
+            Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer",
+                   locks=StepLocks(s.step_lock_path)),
             Worker(self.bus, RestoreStep(**common), s.node, service="restorer",
-                   concurrency=s.restores_per_node),
+                   locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
         ]
         self.tasks = [asyncio.create_task(w.run()) for w in self.workers]
         self.tasks.append(asyncio.create_task(self.storage.run()))

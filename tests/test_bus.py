@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from smr.bus import (
     KV_LOCKS,
     KV_STEPS,
     STREAM_DLQ,
+    STREAM_EXHAUSTED,
     STREAM_REQUESTS,
     Bus,
     Progress,
@@ -27,8 +29,10 @@ from smr.bus import (
     node_filter,
     subject,
 )
+from smr.bus.topology import request_consumer
 from smr.messages import CkptDone, CkptRequested, DeadLetter, Target
 from smr.natsserver import NatsServer
+from tests.helpers.steplocks import node_locks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,7 +60,7 @@ def request(node: str, rid: str = "r-1", **kw: Any) -> CkptRequested:
 
 
 async def run_worker(bus: Bus, step: Any, node: str) -> tuple[Worker, asyncio.Task[None]]:
-    w = Worker(bus, step, node, service="test")
+    w = Worker(bus, step, node, service="test", locks=node_locks(node))
     task = asyncio.create_task(w.run())
     await asyncio.wait_for(w.idle.wait(), 10)
     return w, task
@@ -527,7 +531,7 @@ class Gated:
 
 
 async def _served(bus: Bus, step: Gated, node: str, rids: list[str], **kw: Any) -> None:
-    w = Worker(bus, step, node, service="test", **kw)
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), **kw)
     task = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
@@ -602,7 +606,7 @@ async def test_a_request_that_waited_through_agent_restarts_still_runs(
     step = FinalsBlock()
 
     async def agent() -> tuple[Worker, asyncio.Task[None]]:
-        w = Worker(bus, step, node, service="test", ahead=4,
+        w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
                    admission=CheckpointAdmission(tmp_path, estimate))
         return w, asyncio.create_task(w.run())
 
@@ -644,7 +648,7 @@ async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
 
     bus.config.max_deliver = 2  # given up on within seconds if left without keepalives
     step = FinalsBlock()
-    w = Worker(bus, step, node, service="test", ahead=4,
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
                admission=CheckpointAdmission(tmp_path, estimate))
     t = asyncio.create_task(w.run())
     try:
@@ -678,7 +682,7 @@ async def test_requests_waiting_across_nats_restarts_each_run_once(
     bus = await Bus.connect(srv.url, name="test", config=bus_config)
     try:
         step = FinalsBlock()
-        w = Worker(bus, step, node, service="test", ahead=4,
+        w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
                    admission=CheckpointAdmission(tmp_path, estimate))
         t = asyncio.create_task(w.run())
         await asyncio.wait_for(w.idle.wait(), 10)
@@ -734,3 +738,109 @@ async def test_a_step_that_meets_nats_away_is_retried_not_an_internal_error(
         await stop(w, t)
     assert (result.status, result.error) == ("succeeded", None)
     assert step.seen == ["nats-away", "nats-away"]
+
+
+async def test_a_step_jetstream_gave_up_on_is_not_failed_while_its_worker_lives(
+        bus: Bus, node: str, monkeypatch: Any, tmp_path: Path) -> None:
+    """A running step whose beats cannot get through (NATS away for its
+    worker) is redelivered until JetStream gives up. Its worker still runs it
+    and will answer it: a restore it may still land, a process it may still
+    resume. Answered "failed, deliveries-exhausted" meanwhile, the answer was
+    then replaced by the step's success, after a caller had acted on the
+    failure (the agent starting the pod fresh beside the restore that still
+    landed; the watcher taking a template again for the next replica). The
+    handler must leave a step a live worker holds, and every waiter must get
+    the step's one answer."""
+    async def no_beats(self: Worker, *a: Any) -> None:
+        await asyncio.Event().wait()
+
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    async def lost(self: Any) -> None:
+        pass
+
+    # NATS away for this worker, as it reaches it: neither its heartbeats nor
+    # its in_progress get through; JetStream and the KV are up for the rest.
+    monkeypatch.setattr(Worker, "_keepalive", no_beats)
+    monkeypatch.setattr(nats.aio.msg.Msg, "in_progress", lost)
+    bus.config.max_deliver = 2
+    step = FinalsBlock()
+    # Fetched ahead (a busy node): its redeliveries are counted while it runs.
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
+               admission=CheckpointAdmission(tmp_path, estimate))
+    t = asyncio.create_task(w.run())
+    await asyncio.wait_for(w.idle.wait(), 10)
+    rid = f"final-exhausted-{node}"
+    handler = "exhausted-" + (request_consumer("ckpt.requested", node, bus.config).durable_name
+                              or "")
+    try:
+        await bus.publish(request(node, rid, leave_running=False))
+        waiter = asyncio.create_task(bus.wait_result(rid, "ckpt.requested", timeout=120))
+        # JetStream gives up, and the handler of what it gave up on looks at
+        # the request twice (at the advisory, and again ack_wait later), or
+        # answers it.
+        for _ in range(300):
+            info = await bus.js.consumer_info(STREAM_EXHAUSTED, handler)
+            state, _ = await bus.step_state(rid)
+            if info.delivered.consumer_seq >= 2 or (state or {}).get("state") in ("done", "failed"):
+                break
+            await asyncio.sleep(0.1)
+        assert state and state["state"] == "running", state
+        assert info.delivered.consumer_seq >= 2, info.delivered
+        assert step.started == [rid] and not waiter.done()
+        step.release.set()  # the worker's step ends (NATS still away for its beats)
+        got = await waiter
+        state, _ = await bus.step_state(rid)
+    finally:
+        step.release.set()
+        await stop(w, t)
+    assert (got.status, got.error) == ("succeeded", None)
+    assert state and state["state"] == "done", state
+    assert step.started == [rid]
+    assert [x.request_id for x in await dlq_messages(bus, LOCAL_REQUESTS(node))] == []
+
+
+async def test_a_redelivery_never_runs_a_step_beside_its_live_worker(
+        bus: Bus, node: str, monkeypatch: Any) -> None:
+    """The same cut-off worker, and a second worker of the node (another agent
+    process: the old pod finishing while its replacement starts). The
+    redelivery that reaches the second finds a stale heartbeat, yet the first
+    still runs the step: recovering or running it again beside it would
+    restore or resume twice. It must wait for the live worker's answer."""
+    async def no_beats(self: Worker, *a: Any) -> None:
+        await asyncio.Event().wait()
+
+    async def lost(self: Any) -> None:
+        pass
+
+    monkeypatch.setattr(Worker, "_keepalive", no_beats)
+    monkeypatch.setattr(nats.aio.msg.Msg, "in_progress", lost)
+    step = FinalsBlock()
+    first, t1 = await run_worker(bus, step, node)
+    rid = f"final-twice-{node}"
+    second: Worker | None = None
+    try:
+        await bus.publish(request(node, rid, leave_running=False))
+        for _ in range(100):
+            if step.started:
+                break
+            await asyncio.sleep(0.1)
+        assert step.started == [rid]
+        second, t2 = await run_worker(bus, step, node)
+        # Two ack waits: the request is redelivered, to the second worker
+        # (the first serves one at a time), and its heartbeat is stale.
+        await asyncio.sleep(2 * bus.config.ack_wait + 1)
+        state, _ = await bus.step_state(rid)
+        assert state and state["state"] == "running", state
+        assert step.started == [rid], "the step ran again beside its live worker"
+        assert time.time() - state["heartbeat"] > bus.config.stale_after
+        step.release.set()
+        got = await bus.wait_result(rid, "ckpt.requested", timeout=60)
+    finally:
+        step.release.set()
+        await stop(first, t1)
+        if second is not None:
+            await stop(second, t2)
+    assert (got.status, got.error) == ("succeeded", None)
+    assert step.started == [rid]

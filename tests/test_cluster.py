@@ -36,6 +36,7 @@ from smr.messages import CkptDone, CkptRequested, StorageQuery, Target
 from smr.natsserver import NatsServer
 from smr.retry import retry_nats
 from tests import nats_auth
+from tests.helpers.steplocks import node_locks
 from tests.nats_cluster import NatsCluster
 from tests.test_bus import CountingStep, request, run_worker, stop, stored
 from tests.test_storage_service import NS, commit
@@ -332,7 +333,7 @@ async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
         return 0
 
     step = HeldFinal()
-    w = Worker(agent_bus, step, node, service="test", ahead=LOOK_AHEAD,
+    w = Worker(agent_bus, step, node, service="test", locks=node_locks(node), ahead=LOOK_AHEAD,
                admission=CheckpointAdmission(tmp_path, estimate))
     task = asyncio.create_task(w.run())
     victim = None

@@ -44,6 +44,7 @@ from smr.bus import (
 )
 from smr.messages import CkptRequested, NodeDraining, RestoreRequested, StorageQuery, Target
 from tests import nats_auth
+from tests.helpers.steplocks import node_locks
 from tests.test_bus import CountingStep
 
 NODE, OTHER_NODE = "node-1", "node-2"
@@ -126,7 +127,7 @@ async def agent(secured: nats_auth.SecuredNats, admin: Bus
     bus = await Bus.connect(secured.url, config=secured.config(f"smr-agent-{NODE}"),
                             buckets=(KV_LOCKS, KV_STEPS, KV_TIMINGS))
     step = CountingStep()
-    w = Worker(bus, step, NODE, service="agent")
+    w = Worker(bus, step, NODE, service="agent", locks=node_locks(NODE))
     task = asyncio.create_task(w.run())
     await asyncio.wait_for(w.idle.wait(), 15)
     try:

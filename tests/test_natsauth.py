@@ -27,6 +27,7 @@ from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, STREAM_REQUESTS, Bus, BusCon
 from smr.messages import CkptRequested, Target
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer
+from tests.helpers.steplocks import node_locks
 from tests.test_bus import CountingStep
 from tests.test_cluster_security import Client, login, stored
 
@@ -100,7 +101,7 @@ async def test_an_agent_gets_its_own_nodes_permissions_only(
     cfg = BusConfig(token="tok-node-1", inbox=f"smr-agent-{NODE}", setup=False)
     bus = await Bus.connect(secured.url, config=cfg, buckets=(KV_LOCKS, KV_STEPS, KV_TIMINGS))
     step = CountingStep()
-    w = Worker(bus, step, NODE, service="agent")
+    w = Worker(bus, step, NODE, service="agent", locks=node_locks(NODE))
     task = asyncio.create_task(w.run())
     admin = await Bus.connect(secured.url, config=secured.config("smr-admin"))
     try:

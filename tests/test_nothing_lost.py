@@ -37,6 +37,7 @@ from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
 from smr.jobs import JobLock
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
+from tests.helpers.steplocks import node_locks
 from tests.test_local_smr import Harness, assert_continues, running
 
 pytestmark = pytest.mark.criu
@@ -539,14 +540,15 @@ async def test_an_exhausted_advisory_never_fails_a_step_that_is_alive(
          "subject": f"ckpt.requested.{node}", "checkpoint_id": "ck"}))
     recorded: list[Any] = []
 
-    async def record(result: Any) -> None:
+    async def record(result: Any, **kw: Any) -> None:
         recorded.append(result)
 
     acted: list[str] = []
     advisory = SimpleNamespace(
         data=orjson.dumps({"stream_seq": ack.seq, "deliveries": 5}),
         ack=lambda: _note(acted, "ack"), nak=lambda delay=None: _note(acted, "nak"))
-    await Exhausted(bus, "ckpt.requested", "test", node, record)._answer_one(advisory)  # type: ignore[arg-type]
+    await Exhausted(bus, "ckpt.requested", "test", node, record,  # no lock held: by heartbeat
+                    node_locks(node))._answer_one(advisory)  # type: ignore[arg-type]
     assert recorded == [], "a live step was answered as failed"
     state, _ = await bus.step_state(rid)
     assert state and state["state"] == "running"
@@ -591,7 +593,7 @@ class Slow:
 
 async def test_a_keepalive_never_overwrites_another_owners_claim(bus: Bus, node: str) -> None:
     step = Slow(4 * bus.config.keepalive + 1)
-    w = Worker(bus, step, node, service="test")
+    w = Worker(bus, step, node, service="test", locks=node_locks(node))
     task = asyncio.create_task(w.run())
     rid = f"owned-{uuid.uuid4().hex[:6]}"
     try:

@@ -24,6 +24,7 @@ import pytest
 from smr.bus import KV_STEPS, Bus, Progress, Worker
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
+from tests.helpers.steplocks import node_locks
 from tests.test_local_smr import Harness, running
 
 
@@ -97,7 +98,8 @@ async def test_a_lost_keepalive_answer_neither_stops_the_heartbeat_nor_reruns_th
     first by a worker that serves several at once (the restorer)."""
     k = bus.config.keepalive
     step = Overlapping(seconds=bus.config.ack_wait + bus.config.stale_after + 6 * k)
-    w = Worker(bus, step, node, service="test", concurrency=concurrency)
+    w = Worker(bus, step, node, service="test", locks=node_locks(node),
+               concurrency=concurrency)
     rid = f"lost-{uuid.uuid4().hex[:6]}"
     lost = LostAnswer(bus.kv(KV_STEPS), rid)
     task = asyncio.create_task(w.run())

@@ -30,7 +30,7 @@ from services.storage.cache import ObjectCache
 from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint
 from smr.aio import ended_why, until_stopped
-from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus, Worker
+from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus, StepLocks, Worker
 from smr.config import Settings
 from smr.criu import Criu
 from smr.errors import SmrError
@@ -63,11 +63,12 @@ class NodeAgent:
         checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS))
         self.workers = [
             Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",
-                   concurrency=s.checkpoints_per_node, ahead=LOOK_AHEAD,
+                   locks=StepLocks(s.step_lock_path), concurrency=s.checkpoints_per_node,
+                   ahead=LOOK_AHEAD,
                    admission=CheckpointAdmission(s.work_path / "pods", checkpoints.estimate,
                                                  s.checkpoint_scratch)),
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
-                   concurrency=s.restores_per_node),
+                   locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
         ]
         self.starts = StartRestores(bus, self.pods, s)
         self.prestop = PreStopWaits(self.pods, s.node, s.preemption_taints)

@@ -7,12 +7,14 @@
   executed step (``Step``, ``Progress``);
 - ``replies``: waiting for a step's result, storage queries;
 - ``deadletters``: dead letters;
-- ``exhausted``: the requests JetStream gave up on, answered.
+- ``exhausted``: the requests JetStream gave up on, answered;
+- ``liveness``: ``StepLocks``, which requests a live worker of this node runs.
 
 Everything a service needs is importable from ``smr.bus``.
 """
 
 from smr.bus.client import Bus
+from smr.bus.liveness import StepLocks
 from smr.bus.topology import (
     KV_BEATS,
     KV_EPISODES,
@@ -43,6 +45,6 @@ __all__ = [
     "KV_BEATS", "KV_EPISODES", "KV_JOBS", "KV_LOCKS", "KV_STEPS", "KV_TIMINGS", "QUERY_CHECKPOINTS",
     "QUERY_GENERATIONS", "QUERY_LATEST", "RESULT_OF", "STREAM_DLQ", "STREAM_EVENTS",
     "STREAM_EXHAUSTED", "STREAM_REQUESTS", "SUBJECT_TYPES", "Bus", "BusConfig", "Progress",
-    "Step", "Worker", "kind_of", "message_subject", "node_filter",
+    "Step", "StepLocks", "Worker", "kind_of", "message_subject", "node_filter",
     "node_token", "query_subject", "subject",
 ]

@@ -15,13 +15,13 @@ from typing import Any
 import nats
 import orjson
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from smr.aio import cancelling
 from smr.bus.client import Bus
+from smr.bus.liveness import StepLocks
 from smr.bus.topology import RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES
 from smr.errors import ContractError, SmrError
-from smr.messages import CkptDone, RestoreDone
 
 log = logging.getLogger("smr.bus")
 
@@ -37,12 +37,13 @@ class Exhausted:
     """Answers the requests JetStream gave up on for one worker's consumer."""
 
     def __init__(self, bus: Bus, kind: str, service: str, node: str,
-                 record: Callable[[CkptDone | RestoreDone], Awaitable[None]]) -> None:
+                 record: Callable[..., Awaitable[None]], locks: StepLocks) -> None:
         self.bus = bus
         self.kind = kind
         self.service = service
         self.node = node
-        self.record = record
+        self.record = record  # Worker._record: (result, last=revision)
+        self.locks = locks
 
     async def answer(self, sub: Any) -> None:
         """Answer the requests JetStream gave up on (worker died on the last delivery)."""
@@ -69,11 +70,17 @@ class Exhausted:
             await adv.ack()  # gone (aged out) or never valid (already dead-lettered)
             return
         rid = req.request_id  # type: ignore[attr-defined]
-        state, _ = await self.bus.step_state(rid)
-        if state and state["state"] == "running" and \
-                time.time() - float(state.get("heartbeat", 0)) < self.bus.config.stale_after:
-            # A worker is alive on it (another consumer of the same durable got
-            # the last delivery): its answer will come; look again later.
+        # Asked before the state is read: a worker that holds the lock now has
+        # not answered yet, and one that answers later is seen in the state.
+        live = self.locks.live(rid)
+        state, rev = await self.bus.step_state(rid)
+        if live or (state and state["state"] == "running" and time.time() - float(
+                state.get("heartbeat", 0)) < self.bus.config.stale_after):
+            # A worker of this node is alive on it (its beats may not get
+            # through, or another consumer of the durable got the last
+            # delivery): its answer will come, and it may still restore or
+            # resume a process. Answering "failed" now would be replaced by
+            # its success after a caller acted on it. Look again later.
             await adv.nak(delay=self.bus.config.ack_wait)
             return
         if not state and (n := redriven(raw.headers)) < MAX_REDRIVES:
@@ -98,8 +105,13 @@ class Exhausted:
             await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
                                        service=self.service, deliveries=info.get("deliveries"),
                                        request_id=rid)
-            await self.record(RESULT_OF[self.kind].for_request(req, status="failed",
-                                                                error=err.as_dict()))
+            try:  # over the state judged above, never over an answer written since
+                await self.record(RESULT_OF[self.kind].for_request(req, status="failed",
+                                                                    error=err.as_dict()),
+                                  last=rev)
+            except KeyWrongLastSequenceError:
+                await adv.nak(delay=self.bus.config.nak_base_delay)  # look again
+                return
         await adv.ack()
 
 

@@ -32,6 +32,7 @@ from smr.bus.ahead import Admission, Ahead
 from smr.bus.client import Bus
 from smr.bus.deadletters import peek_request_id
 from smr.bus.exhausted import Exhausted
+from smr.bus.liveness import StepLocks
 from smr.bus.topology import (
     KV_STEPS,
     RESULT_OF,
@@ -97,12 +98,15 @@ class Worker:
     """Runs one step kind for one node: fetch, validate, dedupe, run, answer."""
 
     def __init__(self, bus: Bus, step: Step[Any, Any], node: str, *, service: str,
-                 concurrency: int = 1, ahead: int = 0,
+                 locks: StepLocks, concurrency: int = 1, ahead: int = 0,
                  admission: Admission | None = None) -> None:
         self.bus = bus
         self.step = step
         self.node = node
         self.service = service
+        # Which requests a live worker of this node runs (ours or another
+        # process's): none is taken over, recovered or failed beside it.
+        self.locks = locks
         # Requests served at once (each on its own job: steps lock their job),
         # so one waiting for a busy job does not hold back the node's others.
         self.concurrency = concurrency
@@ -111,9 +115,6 @@ class Worker:
         self.ahead = ahead
         self.admission = admission
         self.owner = f"{service}@{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-        # Requests this worker is running now: a redelivery of one (its
-        # in_progress lost or late while NATS was away) is never run beside it.
-        self._running: set[str] = set()
         self._failing = 0  # fetches failed in a row
         self._stop = asyncio.Event()
         self.idle = asyncio.Event()
@@ -132,7 +133,8 @@ class Worker:
                     await self.bus.ensure_exhausted_consumer(durable), STREAM_EXHAUSTED)
         log.info("%s consuming %s", self.service, node_filter(self.step.kind, self.node))
         answering = asyncio.create_task(Exhausted(
-            self.bus, self.step.kind, self.service, self.node, self._record).answer(exhausted))
+            self.bus, self.step.kind, self.service, self.node, self._record,
+            self.locks).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
         waiting = Ahead(SUBJECT_TYPES[self.step.kind], self.admission)
         beating = asyncio.create_task(waiting.keep_alive(self.bus.config.keepalive))
@@ -287,16 +289,14 @@ class Worker:
             return
         rid = req.request_id  # type: ignore[attr-defined]
         span.set_attribute("smr.request_id", rid)
-        if rid in self._running:
-            # Our own step of it still runs (a worker serving several at once
-            # fetched its redelivery): its answer will come; look again later.
-            await m.nak(delay=self.bus.config.ack_wait)
-            return
-        self._running.add(rid)
-        try:
+        with self.locks.hold(rid) as ours:
+            if not ours:
+                # A live worker of this node runs it: ours (serving several at
+                # once, it fetched the redelivery), or another process's whose
+                # beats do not get through. Its answer will come; look again later.
+                await m.nak(delay=self.bus.config.ack_wait)
+                return
             await self._run_request(m, span, req, rid, deliveries)
-        finally:
-            self._running.discard(rid)
 
     async def _run_request(self, m: Msg, span: trace.Span, req: Any, rid: str,
                            deliveries: int) -> None:
@@ -326,10 +326,16 @@ class Worker:
                 return
             log.warning("%s: request %s was interrupted (attempt by %s); recovering",
                         self.service, rid, state.get("owner"))
+            # Its worker is dead: we hold the request's lock, which a live one keeps.
             with tracing.tracer.start_as_current_span("recover " + self.step.kind):
                 result = await self.step.recover(req, state)
             if result is not None:
-                await self._finish(m, result)
+                try:  # over the state we judged, never over an answer written since
+                    await self._record(result, last=rev)
+                except KeyWrongLastSequenceError:
+                    await m.nak(delay=self.bus.config.nak_base_delay)
+                    return
+                await m.ack()
                 return
 
         claim = {"state": "running", "owner": self.owner, "claim": uuid.uuid4().hex,
@@ -423,10 +429,19 @@ class Worker:
         await self._record(result)
         await m.ack()
 
-    async def _record(self, result: CkptDone | RestoreDone) -> None:
-        state = {"state": "done" if result.status == "succeeded" else "failed",
-                 "kind": self.step.kind, "result": result.to_dict(), "finished": time.time()}
-        await self.bus.kv(KV_STEPS).put(result.request_id, orjson.dumps(state))
+    async def _record(self, result: CkptDone | RestoreDone, *, last: int | None = None) -> None:
+        """Store the answer, then publish it. ``last``: only over that revision
+        of the state (0: only where there is none), else KeyWrongLastSequenceError."""
+        state = orjson.dumps({"state": "done" if result.status == "succeeded" else "failed",
+                              "kind": self.step.kind, "result": result.to_dict(),
+                              "finished": time.time()})
+        kv = self.bus.kv(KV_STEPS)
+        if last is None:
+            await kv.put(result.request_id, state)
+        elif last == 0:
+            await kv.create(result.request_id, state)
+        else:
+            await kv.update(result.request_id, state, last=last)
         metrics.observe_result(result)
         await self.bus.publish(result)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from smr.bus import Bus, BusConfig, Progress, Worker
 from smr.messages import CkptDone, CkptRequested
+from tests.helpers.steplocks import node_locks
 
 
 class SlowStep:
@@ -46,7 +47,8 @@ async def main() -> None:
     rerun = sys.argv[6:7] == ["rerun"]
     bus = await Bus.connect(url, config=BusConfig(max_deliver=max_deliver, ack_wait=1.0))
     print("ready", flush=True)
-    await Worker(bus, SlowStep(marker_dir, sleep, rerun), node, service="slow").run()
+    await Worker(bus, SlowStep(marker_dir, sleep, rerun), node, service="slow",
+                 locks=node_locks(node)).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Which requests a live worker on this node is running, as the kernel knows it.
+
+A worker holds an flock on a file of the request's own, under a directory
+every worker of the node shares, from before it claims a request until it has
+answered it. The kernel lets the lock go when its process ends, however it
+ends. So whoever would act for a worker that looks dead (a redelivery that
+finds a stale heartbeat, the handler of a request JetStream gave up on) first
+asks here: a worker whose heartbeats do not get through (NATS away for it, or
+an agent being replaced while the old one finishes) is alive all the same,
+and its step may still restore or resume a process. Acting beside it would
+answer "failed" for a step that then succeeds, or run it twice.
+
+Every worker of a node's requests runs on that node (the subjects are per
+node), so one directory on the node is enough: the agent's is a hostPath, so
+an old agent pod and its replacement share it (deploy/kustomize).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class StepLocks:
+    """The per-request locks of one node's workers, under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _path(self, request_id: str) -> Path:
+        # Hashed: a request id is the requester's text, never a path of ours.
+        return self.root / (hashlib.sha256(request_id.encode()).hexdigest()[:40] + ".lock")
+
+    @contextlib.contextmanager
+    def hold(self, request_id: str) -> Iterator[bool]:
+        """Hold ``request_id``'s lock while the block runs: True; False (holding
+        nothing) when a live worker, in this process or another, holds it."""
+        self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        path = self._path(request_id)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                yield False
+                return
+            if _same_file(fd, path):
+                break
+            # Its last holder removed it between our open and our lock: that
+            # file is no one's now; the lock is the one at the path.
+            os.close(fd)
+        try:
+            yield True
+        finally:
+            # Removed while still held, so that a worker that opened it
+            # meanwhile sees, once it gets the lock, that it is not the path's.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
+
+    def live(self, request_id: str) -> bool:
+        """Whether a live worker holds ``request_id``'s lock now."""
+        try:
+            fd = os.open(self._path(request_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            # Shared and let go at once: a worker taking it meanwhile is
+            # refused and looks again later, as for any live holder.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
