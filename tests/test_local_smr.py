@@ -32,7 +32,7 @@ from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_tick
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
-from smrctl.embedded import EmbeddedNode
+from smrctl.embedded import EmbeddedNode, windows
 from tests import nats_auth
 
 pytestmark = pytest.mark.criu
@@ -118,6 +118,8 @@ async def running(cls: type[H], criu_binary: str, nats: nats_auth.SecuredNats,
         nats_url=nats.url, node_name=node, data_dir=str(tmp_path / "data"),
         criu=criu_binary, ack_wait=ack_wait, **settings)
     admin = await nats.connect("smr-admin", BusConfig.from_settings(s))
+    # The operator's step (`smr node-consumers`): the node's user may create none.
+    await admin.make_node_consumers(node, windows(s))
     s = s.replace(nats_user=user, nats_password=nats.passwords[user], nats_setup=False)
     try:
         async with EmbeddedNode(s) as n:

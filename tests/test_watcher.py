@@ -561,7 +561,8 @@ async def test_heartbeat_lateness_is_measured_from_the_slot_it_fires(watcher_bus
     async def publish(reqs: list[CkptRequested]) -> None:
         sent.extend(reqs)
 
-    schedule = HeartbeatSchedule(watcher_bus.kv(KV_BEATS), publish, clock=lambda: now[0])
+    schedule = HeartbeatSchedule(watcher_bus.kv(KV_BEATS), publish, clock=lambda: now[0],
+                                 keys=lambda: watcher_bus.kv_keys(KV_BEATS))
     uid = f"uid-{uuid.uuid4().hex[:8]}"
     await schedule.upsert(uid, "default", "late", node, 10, [["main", "late-ckpt"]])
     now[0] = schedule.entries[uid][0].next_due + 23.5
