@@ -24,11 +24,11 @@ RECONCILE_S = 10.0  # between looks for a missing durable (two CONSUMER.NAMES re
 
 class NodeConsumers:
     def __init__(self, bus: Bus, nodes: Callable[[], Iterable[str]],
-                 windows: Mapping[str, int], *, every_s: float = RECONCILE_S) -> None:
+                 windows: Mapping[str, int], *, every_s: float | None = None) -> None:
         self.bus = bus
         self.nodes = nodes
         self.windows = dict(windows)
-        self.every_s = every_s
+        self.every_s = every_s or RECONCILE_S
         self._made: set[str] = set()  # nodes whose durables this process made
         self._wake = asyncio.Event()
 
