@@ -464,3 +464,40 @@ async def test_a_node_cannot_create_its_request_durables(
     for stream, name in ((STREAM_REQUESTS, mine), ("SMR_EXHAUSTED", f"exhausted-{mine}")):
         with pytest.raises(nats.js.errors.NotFoundError):
             await admin.js.consumer_info(stream, name)
+
+
+async def test_a_local_nodes_retention_durable_cannot_reach_a_tenants_results(
+        secured: nats_auth.SecuredNats, admin: Bus) -> None:
+    """What a shared NATS's machine user may still create: the storage
+    service's retention durable on SMR_EVENTS, where it writes its own
+    results. Made before its storage service ran, as a push consumer onto a
+    tenant's results, its own forged result would reach them: the server
+    refuses a deliver subject its own stream captures (10081), and every
+    subject a tenant listens on is SMR_EVENTS's."""
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await admin.js.delete_consumer(STREAM_EVENTS, "storage-retention")
+    target = subject("ckpt.done", OTHER_NODE, "team-a")
+    key = f"forged-{uuid.uuid4().hex[:6]}"
+    got: list[bytes] = []
+    async with login(secured, "tenant-team-a") as ear, login(secured, f"smr-node-{NODE}") as a:
+        async def heard(m: Msg) -> None:
+            got.append(m.data)
+
+        sub = await ear.nc.subscribe(target, cb=heard)
+        await ear.nc.flush()
+        await a.js.publish(subject("ckpt.done", NODE, "team-a"), orjson.dumps({"forged": key}))
+        body = orjson.dumps({"stream_name": STREAM_EVENTS, "config": {
+            "name": "storage-retention", "durable_name": "storage-retention",
+            "filter_subject": "ckpt.done.*.*", "deliver_subject": target,
+            "deliver_policy": "last", "ack_policy": "none"}})
+        r = await a.nc.request(
+            f"$JS.API.CONSUMER.CREATE.{STREAM_EVENTS}.storage-retention.ckpt.done.*.*", body,
+            timeout=5)
+        assert orjson.loads(r.data).get("error", {}).get("err_code") == 10081, r.data
+        await admin.nc.publish(target, b"real")
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+    assert got == [b"real"]
