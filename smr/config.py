@@ -140,8 +140,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("NATS_AGENT_TEMPLATE", "", str, "`smr natsauth`: agent-node.conf.template "
             "(components/nats-auth), the permissions it gives an agent for its node"),
     Setting("NATS_SETUP", True, _bool, "create or update smr's streams and KV buckets at "
-            "start; false: wait for them (a NATS user that may not create them: in the "
-            "cluster only the storage service does)"),
+            "start, and a node's own request consumers; false: wait for them (a NATS user "
+            "that may not create them: in the cluster the storage service makes the streams, "
+            "the watcher each node's consumers)"),
     Setting("NODE_NAME", "", str, "this node's name (subjects end in it); default: the host name"),
     Setting("DATA_DIR", "", str, "state, logs and local checkpoints; default: $XDG_DATA_HOME/smr"),
     Setting("JOB_KEY", "", str, "file of the key that signs local jobs' records (made by "

@@ -119,6 +119,19 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_node_consumers(s: config.Settings, a: argparse.Namespace) -> int:
+    """The operator's step for `smr up` on a shared NATS: each machine's
+    request durables, which its own user may not create (docs/security.md)."""
+    bus = await embedded.connect(s)
+    try:
+        for node in a.nodes:
+            await bus.make_node_consumers(node, embedded.windows(s))
+            print(f"node {node}: request consumers made", flush=True)
+    finally:
+        await bus.close()
+    return 0
+
+
 async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
     if not a.cmd:
         raise SmrError("no command given", hint="smr exec -i ID -- CMD [ARGS...]")
@@ -316,6 +329,10 @@ def parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("config", help="print the settings in force")
     cf.add_argument("--markdown", action="store_true", help="print every setting and the "
                     "variables read elsewhere as docs/configuration.md (defaults, not values)")
+    nc = sub.add_parser("node-consumers", help="make the request consumers of these "
+                        "machines' `smr up` on a shared NATS, whose own users may create none "
+                        "(as the operator: SMR_NATS_USER=smr-admin)")
+    nc.add_argument("nodes", nargs="+", metavar="NODE", help="a machine's SMR_NODE_NAME")
     sub.add_parser("watcher", help="watch Kubernetes and publish checkpoint and restore "
                    "requests (needs SMR_NATS_URL)")
     sub.add_parser("agent", help="the node agent: checkpoint and restore this node's pod "
@@ -332,7 +349,7 @@ def parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "up": cmd_up, "exec": cmd_exec, "ps": cmd_ps, "checkpoint": cmd_checkpoint,
     "restore": cmd_restore, "checkpoints": cmd_checkpoints, "kill": cmd_kill,
-    "status": cmd_status, "demo": cmd_demo,
+    "status": cmd_status, "demo": cmd_demo, "node-consumers": cmd_node_consumers,
     "watcher": cmd_service, "agent": cmd_service, "storage": cmd_service,
     "webhook": cmd_service, "natsauth": cmd_service,
 }

@@ -33,6 +33,12 @@ READY_S = 90.0  # NATS restarting as this starts is retried for up to a minute
 BUCKETS = (KV_JOBS, KV_LOCKS, KV_STEPS)
 
 
+def windows(s: Settings) -> dict[str, int]:
+    """Each request kind's window of this machine's workers (max_ack_pending
+    of its durables): made by whoever makes them (`smr node-consumers`)."""
+    return {"ckpt.requested": 1, "restore.requested": s.restores_per_node}
+
+
 def url_file(settings: Settings) -> Path:
     """The embedded NATS's URL with its token: root-only, like the data dir."""
     return settings.data_path / "nats.url"
@@ -105,9 +111,10 @@ class EmbeddedNode:
                       commit_deadline=s.commit_deadline)
         self.workers = [
             Worker(self.bus, CheckpointStep(**common), s.node, service="checkpointer",
-                   locks=StepLocks(s.step_lock_path)),
+                   locks=StepLocks(s.step_lock_path), concurrency=windows(s)["ckpt.requested"]),
             Worker(self.bus, RestoreStep(**common), s.node, service="restorer",
-                   locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
+                   locks=StepLocks(s.step_lock_path),
+                   concurrency=windows(s)["restore.requested"]),
         ]
         self.tasks = [asyncio.create_task(w.run()) for w in self.workers]
         self.tasks.append(asyncio.create_task(self.storage.run()))

@@ -335,6 +335,8 @@ async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
     step = HeldFinal()
     w = Worker(agent_bus, step, node, service="test", locks=node_locks(node), ahead=LOOK_AHEAD,
                admission=CheckpointAdmission(tmp_path, estimate))
+    # Its consumers, as the watcher makes them (the agent's user may create none).
+    await bus.make_node_consumers(node, {step.kind: w.concurrency + w.ahead})
     task = asyncio.create_task(w.run())
     victim = None
     rids = ["final", "lr-1", "lr-2", "lr-3"]

@@ -127,6 +127,8 @@ async def agent(secured: nats_auth.SecuredNats, admin: Bus
     bus = await Bus.connect(secured.url, config=secured.config(f"smr-agent-{NODE}"),
                             buckets=(KV_LOCKS, KV_STEPS, KV_TIMINGS))
     step = CountingStep()
+    # Its durables, as the watcher makes them (its user may create none).
+    await admin.make_node_consumers(NODE, {step.kind: 1})
     w = Worker(bus, step, NODE, service="agent", locks=node_locks(NODE))
     task = asyncio.create_task(w.run())
     await asyncio.wait_for(w.idle.wait(), 15)
@@ -274,16 +276,11 @@ async def test_an_agent_cannot_consume_or_publish_for_another_node(
         filt = f"ckpt.requested.{OTHER_NODE}.*"
         await a.request_refused(
             f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{theirs}.{filt}")
-        # Its own consumer's name with another node's filter: the filter is in
-        # the subject it may use, and the server holds the body to it.
+        # Not even its own durable: the watcher makes it
+        # (test_a_node_cannot_create_its_request_durables).
         mine = f"ckpt-requested-{NODE}"
-        body = orjson.dumps({"stream_name": STREAM_REQUESTS, "config": {
-            "name": mine, "durable_name": mine, "filter_subject": filt,
-            "ack_policy": "explicit"}})
-        r = await a.nc.request(
-            f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{mine}.ckpt.requested.{NODE}.*",
-            body, timeout=5)
-        assert orjson.loads(r.data)["error"]["err_code"] == 10131  # filter mismatch
+        await a.request_refused(
+            f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{mine}.ckpt.requested.{NODE}.*")
         for subj in (subject("ckpt.requested", OTHER_NODE, "team-a"),
                      subject("ckpt.done", OTHER_NODE, "team-a"),  # a forged result
                      subject("restore.done", OTHER_NODE, "team-a")):
@@ -351,6 +348,12 @@ HIJACKS = [  # (node's user, bucket, the subject it aims at, who listens there)
      "smr-admin"),
     (f"smr-node-{NODE}", KV_JOBS, subject("ckpt.done", OTHER_NODE, "team-a"),
      "tenant-team-a"),
+    # The watcher's heartbeat schedule: a stolen watcher password, its own beat
+    # record delivered onto a tenant's results (it lists the keys with
+    # STREAM.INFO, Bus.kv_keys).
+    ("smr-watcher", KV_BEATS, subject("ckpt.done", OTHER_NODE, "team-a"), "tenant-team-a"),
+    ("smr-watcher", KV_BEATS, subject("restore.requested", OTHER_NODE, "team-a"),
+     "smr-admin"),
 ]
 
 
@@ -403,30 +406,99 @@ async def test_a_node_cannot_deliver_its_bucket_values_onto_another_nodes_subjec
     assert forged not in got
 
 
-async def test_a_nodes_own_durables_cannot_be_aimed_at_another_node(
-        secured: nats_auth.SecuredNats, admin: Bus) -> None:
-    """What a node's user may still create: its own durables on SMR_REQUESTS
-    and SMR_EXHAUSTED (its worker needs them). Their filters are in the create
-    subjects; the server refuses a deliver subject its stream captures (a cycle)
-    and refuses to turn its agent's pull durable into a push one."""
-    mine = f"ckpt-requested-{NODE}"
-    await admin.ensure_consumer("ckpt.requested", NODE)  # its agent made it
-    async with login(secured, f"smr-agent-{NODE}") as a:
-        def create(stream: str, name: str, filt: str, deliver: str) -> bytes:
-            return orjson.dumps({"stream_name": stream, "config": {
-                "name": name, "durable_name": name, "filter_subject": filt,
-                "deliver_subject": deliver, "ack_policy": "explicit"}})
+# A node's own durables on SMR_REQUESTS (and SMR_EXHAUSTED): while one did
+# not exist yet, its node's user, which could create it (filter pinned in the
+# create subject), could make it a push consumer delivering its own requests
+# (whose bodies it writes) onto a tenant's results. Now a privileged party
+# makes them (the watcher, the operator) and a node's user may create none.
+DURABLE_HIJACKS = [(user, kind) for user in (f"smr-agent-{NODE}", f"smr-node-{NODE}", "smr-agent")
+                   for kind in ("ckpt.requested", "restore.requested")]
 
-        own = f"ckpt.requested.{NODE}.*"
-        for deliver, err in ((subject("ckpt.done", OTHER_NODE, "team-a"), 10012),  # pull→push
-                             (subject("restore.requested", OTHER_NODE, "team-a"), 10081)):
-            r = await a.nc.request(f"$JS.API.CONSUMER.CREATE.{STREAM_REQUESTS}.{mine}.{own}",
-                                   create(STREAM_REQUESTS, mine, own, deliver), timeout=5)
-            assert orjson.loads(r.data)["error"]["err_code"] == err, r.data
-        # Its max-deliveries durable reads its own requests' advisories only.
-        ex = f"exhausted-{mine}"
-        theirs = (f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}"
-                  f".ckpt-requested-{OTHER_NODE}")
-        await a.request_refused(f"$JS.API.CONSUMER.CREATE.SMR_EXHAUSTED.{ex}.{theirs}",
-                                create("SMR_EXHAUSTED", ex, theirs, ""))
-    assert (await admin.js.consumer_info(STREAM_REQUESTS, mine)).config.deliver_subject is None
+
+@pytest.mark.parametrize(("user", "kind"), DURABLE_HIJACKS)
+async def test_a_node_cannot_create_its_request_durables(
+        secured: nats_auth.SecuredNats, admin: Bus, user: str, kind: str) -> None:
+    mine = f"{kind.replace('.', '-')}-{NODE}"
+    for stream, name in ((STREAM_REQUESTS, mine), ("SMR_EXHAUSTED", f"exhausted-{mine}")):
+        with contextlib.suppress(nats.js.errors.NotFoundError):  # not made yet
+            await admin.js.delete_consumer(stream, name)
+    target = subject("ckpt.done", OTHER_NODE, "team-a")  # team-a's results
+    own = f"{kind}.{NODE}.*"
+    key = f"forged-{uuid.uuid4().hex[:6]}"
+    forged = orjson.dumps({"forged": key})
+    got: list[bytes] = []
+    async with login(secured, "tenant-team-a") as ear, login(secured, user) as a:
+        async def heard(m: Msg) -> None:
+            got.append(m.data)
+
+        sub = await ear.nc.subscribe(target, cb=heard)
+        await ear.nc.flush()
+        # A request of its own node (allowed): its body is the node's.
+        await a.js.publish(subject(kind, NODE, "team-a"), forged, headers={"Nats-Msg-Id": key})
+        ex_filter = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{STREAM_REQUESTS}.{mine}"
+        for stream, name, filt, deliver in (
+                (STREAM_REQUESTS, mine, own, target),  # push, onto team-a's results
+                (STREAM_REQUESTS, mine, own, None),  # its pull durable
+                ("SMR_EXHAUSTED", f"exhausted-{mine}", ex_filter, target)):
+            create = f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filt}"
+            body = orjson.dumps({"stream_name": stream, "config": {
+                "name": name, "durable_name": name, "filter_subject": filt,
+                "deliver_policy": "last", "ack_policy": "none",
+                **({"deliver_subject": deliver} if deliver else {})}})
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                r = await a.nc.request(create, body, timeout=1)
+                for _ in range(40):
+                    if got:
+                        break
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"{user} made {name} on {stream} (deliver subject "
+                                     f"{deliver}): {r.data[:200]!r}; {target} got {got[:1]!r}")
+            await a.refused(create)
+        # The listener hears the subject: a real message reaches it, and only that.
+        await admin.nc.publish(target, b"real")
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+    assert got == [b"real"]
+    for stream, name in ((STREAM_REQUESTS, mine), ("SMR_EXHAUSTED", f"exhausted-{mine}")):
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await admin.js.consumer_info(stream, name)
+
+
+async def test_a_local_nodes_retention_durable_cannot_reach_a_tenants_results(
+        secured: nats_auth.SecuredNats, admin: Bus) -> None:
+    """What a shared NATS's machine user may still create: the storage
+    service's retention durable on SMR_EVENTS, where it writes its own
+    results. Made before its storage service ran, as a push consumer onto a
+    tenant's results, its own forged result would reach them: the server
+    refuses a deliver subject its own stream captures (10081), and every
+    subject a tenant listens on is SMR_EVENTS's."""
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await admin.js.delete_consumer(STREAM_EVENTS, "storage-retention")
+    target = subject("ckpt.done", OTHER_NODE, "team-a")
+    key = f"forged-{uuid.uuid4().hex[:6]}"
+    got: list[bytes] = []
+    async with login(secured, "tenant-team-a") as ear, login(secured, f"smr-node-{NODE}") as a:
+        async def heard(m: Msg) -> None:
+            got.append(m.data)
+
+        sub = await ear.nc.subscribe(target, cb=heard)
+        await ear.nc.flush()
+        await a.js.publish(subject("ckpt.done", NODE, "team-a"), orjson.dumps({"forged": key}))
+        body = orjson.dumps({"stream_name": STREAM_EVENTS, "config": {
+            "name": "storage-retention", "durable_name": "storage-retention",
+            "filter_subject": "ckpt.done.*.*", "deliver_subject": target,
+            "deliver_policy": "last", "ack_policy": "none"}})
+        r = await a.nc.request(
+            f"$JS.API.CONSUMER.CREATE.{STREAM_EVENTS}.storage-retention.ckpt.done.*.*", body,
+            timeout=5)
+        assert orjson.loads(r.data).get("error", {}).get("err_code") == 10081, r.data
+        await admin.nc.publish(target, b"real")
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+    assert got == [b"real"]

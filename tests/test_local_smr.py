@@ -32,7 +32,7 @@ from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_tick
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
-from smrctl.embedded import EmbeddedNode
+from smrctl.embedded import EmbeddedNode, windows
 from tests import nats_auth
 
 pytestmark = pytest.mark.criu
@@ -118,6 +118,8 @@ async def running(cls: type[H], criu_binary: str, nats: nats_auth.SecuredNats,
         nats_url=nats.url, node_name=node, data_dir=str(tmp_path / "data"),
         criu=criu_binary, ack_wait=ack_wait, **settings)
     admin = await nats.connect("smr-admin", BusConfig.from_settings(s))
+    # The operator's step (`smr node-consumers`): the node's user may create none.
+    await admin.make_node_consumers(node, windows(s))
     s = s.replace(nats_user=user, nats_password=nats.passwords[user], nats_setup=False)
     try:
         async with EmbeddedNode(s) as n:
@@ -552,6 +554,30 @@ async def smr_cli(h: Harness, *args: str) -> tuple[int, str]:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 300)
     return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def test_the_operator_makes_a_shared_nats_machines_consumers(
+        nats_users: nats_auth.SecuredNats, admin_bus: Bus, node: str, tmp_path: Path) -> None:
+    """`smr node-consumers NODE` as smr-admin: the operator's step on adding a
+    machine's user, which may create no consumer (docs/security.md). It makes
+    the machine's request durables and their max-deliveries ones, with the
+    windows of that machine's workers (its settings); its `smr up` then finds them."""
+    other = f"{node}-b"
+    nats_users.node_user(other)
+    env = {**os.environ, "SMR_NATS_URL": nats_users.url, "SMR_NATS_USER": "smr-admin",
+           "SMR_NATS_PASSWORD": nats_users.passwords["smr-admin"], "SMR_RESTORES_PER_NODE": "3",
+           "SMR_DATA_DIR": str(tmp_path / "data"), "SMR_METRICS_PORT": "0"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "smrctl.cli", "node-consumers", other, env=env, cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, out.decode(errors="replace")
+    for kind, window in (("ckpt.requested", 1), ("restore.requested", 3)):
+        name = f"{kind.replace('.', '-')}-{other}"
+        info = await admin_bus.js.consumer_info("SMR_REQUESTS", name)
+        assert info.config.max_ack_pending == window
+        assert info.config.deliver_subject is None  # a pull durable
+        assert await admin_bus.js.consumer_info("SMR_EXHAUSTED", f"exhausted-{name}")
 
 
 async def test_smr_demo_on_a_shared_nats_runs_as_its_nodes_user(h: Harness) -> None:

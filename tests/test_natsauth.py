@@ -101,9 +101,11 @@ async def test_an_agent_gets_its_own_nodes_permissions_only(
     cfg = BusConfig(token="tok-node-1", inbox=f"smr-agent-{NODE}", setup=False)
     bus = await Bus.connect(secured.url, config=cfg, buckets=(KV_LOCKS, KV_STEPS, KV_TIMINGS))
     step = CountingStep()
+    admin = await Bus.connect(secured.url, config=secured.config("smr-admin"))
+    # Its durables, as the watcher makes them (its user may create none).
+    await admin.make_node_consumers(NODE, {step.kind: 1})
     w = Worker(bus, step, NODE, service="agent", locks=node_locks(NODE))
     task = asyncio.create_task(w.run())
-    admin = await Bus.connect(secured.url, config=secured.config("smr-admin"))
     try:
         await asyncio.wait_for(w.idle.wait(), 15)
         assert c.answered[-1] == ("user", f"smr-agent-{NODE}")

@@ -21,21 +21,35 @@ import orjson
 import pytest
 from kubernetes_asyncio import client
 
+from services.checkpointer.admission import LOOK_AHEAD
 from services.kubeapi import api_client
 from services.storage.local import LocalBackend
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
+from services.watcher import durables
 from services.watcher.__main__ import BUCKETS as WATCHER_BUCKETS
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer
 from services.watcher.service import Watcher
 from smr import config, metrics
-from smr.bus import KV_BEATS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, node_token
+from smr.bus import (
+    KV_BEATS,
+    KV_JOBS,
+    KV_LOCKS,
+    KV_STEPS,
+    STREAM_EVENTS,
+    STREAM_REQUESTS,
+    Bus,
+    BusConfig,
+    Worker,
+    node_token,
+)
 from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_apiserver import node as a_node
-from tests.test_bus import dlq_messages
+from tests.helpers.steplocks import node_locks
+from tests.test_bus import CountingStep, dlq_messages, request
 
 
 @pytest.fixture
@@ -561,7 +575,8 @@ async def test_heartbeat_lateness_is_measured_from_the_slot_it_fires(watcher_bus
     async def publish(reqs: list[CkptRequested]) -> None:
         sent.extend(reqs)
 
-    schedule = HeartbeatSchedule(watcher_bus.kv(KV_BEATS), publish, clock=lambda: now[0])
+    schedule = HeartbeatSchedule(watcher_bus.kv(KV_BEATS), publish, clock=lambda: now[0],
+                                 keys=lambda: watcher_bus.kv_keys(KV_BEATS))
     uid = f"uid-{uuid.uuid4().hex[:8]}"
     await schedule.upsert(uid, "default", "late", node, 10, [["main", "late-ckpt"]])
     now[0] = schedule.entries[uid][0].next_due + 23.5
@@ -1053,3 +1068,37 @@ async def test_a_watcher_loop_that_ends_unasked_ends_the_watcher_by_name(
         await asyncio.wait_for(task, 20)
     watchers.running.clear()
     assert not w._stop.is_set()
+
+
+async def test_the_watcher_makes_each_nodes_request_consumers_and_makes_them_again(
+        watchers: Watchers, kube: FakeApiServer, bus: Bus, nats_users: nats_auth.SecuredNats,
+        bus_config: BusConfig, watch_settings: config.Settings, node: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's user may create no consumer (docs/security.md): its worker
+    waits for its durables; the watcher makes them for each Node, with the
+    agent's windows, and again once one was deleted, and the node is served."""
+    monkeypatch.setattr(durables, "RECONCILE_S", 0.5)
+    user = nats_users.node_user(node)
+    agent_bus = await nats_users.connect(user, bus_config, buckets=(KV_JOBS, KV_LOCKS, KV_STEPS))
+    step = CountingStep()
+    w = Worker(agent_bus, step, node, service="agent", locks=node_locks(node),
+               concurrency=watch_settings.checkpoints_per_node, ahead=LOOK_AHEAD)
+    task = asyncio.create_task(w.run())
+    name = f"ckpt-requested-{node_token(node)}"
+    try:
+        kube.put("nodes", a_node(node))
+        await watchers.start()
+        await asyncio.wait_for(w.idle.wait(), 20)  # it waited for them until now
+        info = await bus.js.consumer_info(STREAM_REQUESTS, name)
+        assert info.config.max_ack_pending == w.concurrency + w.ahead
+        assert (await bus.js.consumer_info("SMR_EXHAUSTED", f"exhausted-{name}")).config
+        await bus.publish(request(node, f"a-{uuid.uuid4().hex[:6]}"))
+        await until(lambda: len(step.seen) == 1, 20)
+        await bus.js.delete_consumer(STREAM_REQUESTS, name)
+        await bus.publish(request(node, f"b-{uuid.uuid4().hex[:6]}"))
+        await until(lambda: len(step.seen) == 2, 30)
+        assert len(step.seen) == 2 and not task.done(), "never served again"
+    finally:
+        w.stop()
+        await asyncio.wait_for(task, 30)
+        await agent_bus.close()

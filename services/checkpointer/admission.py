@@ -22,12 +22,22 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from smr.config import Settings
 from smr.messages import CkptRequested
 
 FINAL, LEAVE_RUNNING = 0, 1
 # Requests fetched beyond those running, to find the final ones among them:
 # more than the opted-in containers of one node (110 pods by default).
 LOOK_AHEAD = 256
+
+
+def agent_windows(s: Settings) -> dict[str, int]:
+    """Each request kind's window of a node agent's workers (services/agent:
+    concurrency plus what it fetches ahead), the max_ack_pending of the node's
+    durables. The watcher makes them with it (its agents' user may create no
+    consumer), from the same settings (the ConfigMap smr-config)."""
+    return {"ckpt.requested": s.checkpoints_per_node + LOOK_AHEAD,
+            "restore.requested": s.restores_per_node}
 
 
 def urgency(req: CkptRequested) -> int:

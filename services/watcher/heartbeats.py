@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from smr import metrics
@@ -78,8 +78,12 @@ def jitter(uid: str) -> float:
 
 class HeartbeatSchedule:
     def __init__(self, kv: KeyValue, publish: Callable[[list[CkptRequested]], Awaitable[Any]],
-                 *, clock: Callable[[], float] = time.time) -> None:
+                 *, keys: Callable[[], Awaitable[list[str]]],
+                 clock: Callable[[], float] = time.time) -> None:
         self.kv = kv
+        # Lists the bucket's keys without a consumer (``Bus.kv_keys``): the
+        # watcher's user may create none on a bucket it writes (docs/security.md).
+        self.keys = keys
         self.publish = publish
         self.clock = clock
         self.entries: dict[str, tuple[Beat, int]] = {}  # uid → (beat, KV revision)
@@ -89,11 +93,7 @@ class HeartbeatSchedule:
 
     async def load(self) -> None:
         self.entries.clear()
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return
-        for k in keys:
+        for k in await self.keys():
             with contextlib.suppress(KeyNotFoundError):
                 e = await self.kv.get(k)
                 if e.value:

@@ -41,8 +41,10 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from services.checkpointer.admission import agent_windows
 from services.policy import PodPolicy, policy_for
 from services.triggers import FINAL, MESSAGE_REASON, node_reasons, pod_reasons
+from services.watcher.durables import NodeConsumers
 from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
@@ -87,8 +89,11 @@ class Watcher:
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.core = client.CoreV1Api(api)
         self.nodes = Informer("nodes", self.core.list_node, self._on_node)
+        self.consumers = NodeConsumers(bus, lambda: list(self.nodes.cache),
+                                       agent_windows(settings))
         self.pods = Informer("pods", self.core.list_pod_for_all_namespaces, self._on_pod)
-        self.schedule = HeartbeatSchedule(bus.kv(KV_BEATS), self._publish_all)
+        self.schedule = HeartbeatSchedule(bus.kv(KV_BEATS), self._publish_all,
+                                          keys=lambda: bus.kv_keys(KV_BEATS))
         self.leadership = Leadership(
             api, namespace=settings.lease_namespace, name=settings.lease_name,
             identity=self.identity, lease_s=settings.lease_duration,
@@ -120,9 +125,10 @@ class Watcher:
                                          stop=self._stop),
                  self.bus.consume_events(f"{durable_prefix}-restore-done", "restore.done",
                                          self.events.outcome, service="watcher",
-                                         stop=self._stop)]
+                                         stop=self._stop),
+                 self.consumers.run(self._stop)]
         names = ["pod informer", "node informer", "leader election", "ckpt.done consumer",
-                 "restore.done consumer"]
+                 "restore.done consumer", "nodes' request consumers"]
         tasks = [asyncio.create_task(c) for c in loops]
         try:
             await self.pods.synced.wait()
@@ -192,8 +198,10 @@ class Watcher:
 
     async def _on_node(self, kind: str, node: dict[str, Any], old: dict[str, Any] | None
                        ) -> None:
-        await self.pods.synced.wait()  # the pods on it must be known
         name = node["metadata"]["name"]
+        if kind != "DELETED":
+            self.consumers.seen(name)  # its agent waits for them
+        await self.pods.synced.wait()  # the pods on it must be known
         if kind == "DELETED":
             now = self.nodes.cache.get(name)
             if now is not None and now["metadata"].get("uid") != node["metadata"].get("uid"):

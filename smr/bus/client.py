@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import nats
@@ -211,15 +211,83 @@ class Bus:
 
 
     async def ensure_consumer(self, kind: str, node: str, concurrency: int = 1) -> str:
-        """The durable consumer of ``kind`` requests for ``node``; returns its name."""
+        """The durable consumer of ``kind`` requests for ``node``; returns its
+        name. Made here where this user sets the bus up (``config.setup``);
+        else waited for: a node's user may create no consumer, and another
+        party makes its node's (``make_node_consumers``)."""
         cfg = topology.request_consumer(kind, node, self.config, concurrency)
-        await self.js.add_consumer(STREAM_REQUESTS, cfg)
+        if self.config.setup:
+            await self.js.add_consumer(STREAM_REQUESTS, cfg)
+        else:
+            await self._wait_consumer(STREAM_REQUESTS, cfg)
         return cfg.durable_name or ""
 
     async def ensure_exhausted_consumer(self, consumer: str) -> str:
         cfg = topology.exhausted_consumer(consumer, self.config)
-        await self.js.add_consumer(STREAM_EXHAUSTED, cfg)
+        if self.config.setup:
+            await self.js.add_consumer(STREAM_EXHAUSTED, cfg)
+        else:
+            await self._wait_consumer(STREAM_EXHAUSTED, cfg)
         return cfg.durable_name or ""
+
+    async def make_node_consumers(self, node: str, windows: Mapping[str, int]) -> None:
+        """Create (or update to these settings) ``node``'s request durables,
+        ``windows`` each kind's max_ack_pending (its worker's concurrency plus
+        what it fetches ahead), and their max-deliveries durables. A
+        privileged party's work: the watcher for each Node, the operator for
+        `smr up` on a shared NATS (`smr node-consumers`). A node's own user
+        may create none: nats-server does not hold a push consumer's deliver
+        subject to its creator's permissions (nats-io/nats-server#8274), and
+        the node writes requests of its own into SMR_REQUESTS."""
+        for kind, window in windows.items():
+            cfg = topology.request_consumer(kind, node, self.config, window)
+            await self.js.add_consumer(STREAM_REQUESTS, cfg)
+            await self.js.add_consumer(STREAM_EXHAUSTED, topology.exhausted_consumer(
+                cfg.durable_name or "", self.config))
+
+    async def consumer_names(self, stream: str) -> set[str]:
+        """The names of ``stream``'s consumers (CONSUMER.NAMES, page by page)."""
+        names: list[str] = []
+        while True:
+            body = orjson.dumps({"offset": len(names)})
+            async for attempt in retry_nats():
+                with attempt:
+                    r = await self.nc.request(f"$JS.API.CONSUMER.NAMES.{stream}", body,
+                                              timeout=10)
+            info = orjson.loads(r.data)
+            if "error" in info:
+                raise TemporaryError(f"listing the consumers of {stream} failed: "
+                                     f"{info['error'].get('description')}",
+                                     code="nats-unavailable", hint="try again")
+            page = info.get("consumers") or []
+            names += page
+            if not page or len(names) >= int(info.get("total") or 0):
+                return set(names)
+
+    async def _wait_consumer(self, stream: str, cfg: js_api.ConsumerConfig) -> None:
+        """Until durable ``cfg`` exists on ``stream`` (made by another party)."""
+        name = cfg.durable_name or ""
+        waited = False
+        while True:
+            try:
+                info = await self.js.consumer_info(stream, name)
+                break
+            except NotFoundError:
+                if not waited:
+                    log.warning(
+                        "consumer %s on %s does not exist yet, and this user (%s) may not "
+                        "create it: waiting for it. In the cluster the watcher makes each "
+                        "Node's; for `smr up` on a shared NATS the operator does, with "
+                        "`smr node-consumers <node>` as smr-admin", name, stream,
+                        self.config.user or "a token's")
+                    waited = True
+                await asyncio.sleep(SETUP_WAIT_S)
+        want = cfg.max_ack_pending
+        if want and info.config.max_ack_pending not in (None, want):
+            log.warning("consumer %s holds up to %s requests unacknowledged, its worker "
+                        "%d: the party that made it runs other settings "
+                        "(SMR_CHECKPOINTS_PER_NODE, SMR_RESTORES_PER_NODE)", name,
+                        info.config.max_ack_pending, want)
 
     async def ensure_event_consumer(self, name: str, kind: str) -> str:
         await self.js.add_consumer(STREAM_EVENTS, topology.event_consumer(name, kind, self.config))

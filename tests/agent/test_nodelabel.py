@@ -17,6 +17,7 @@ import pytest
 from services.agent import install, nodelabel
 from services.agent.__main__ import BUCKETS as AGENT_BUCKETS
 from services.agent.service import NodeAgent
+from services.checkpointer.admission import agent_windows
 from services.kubeapi import api_client
 from services.storage.codec import Codec
 from services.storage.local import LocalBackend
@@ -69,7 +70,7 @@ async def bus(nats_users: nats_auth.SecuredNats, admin_bus: Bus, bus_config: Bus
 
 
 async def test_agent_labels_its_node_once_installed_and_unlabels_on_uninstall(
-        bus: Bus, criu_binary: str, smr_init: Path, tmp_path: Path,
+        bus: Bus, admin_bus: Bus, criu_binary: str, smr_init: Path, tmp_path: Path,
         settings: config.Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     node = f"node-{uuid.uuid4().hex[:6]}"
     host = a_host(tmp_path / "host")
@@ -88,6 +89,8 @@ async def test_agent_labels_its_node_once_installed_and_unlabels_on_uninstall(
                          init=str(smr_init), max_deliver=2, ack_wait=5)
     if not (config.REPO_TOOLS / "smr-runtime").is_file():
         pytest.skip("smr-runtime is not built (make setup)")
+    # The node's request consumers, as the watcher makes them (its user may create none).
+    await admin_bus.make_node_consumers(node, agent_windows(s))
     try:
         # Before any agent ran: no label, so the smr RuntimeClass places nothing here.
         assert nodelabel.label("smr") not in kube.get("nodes", node)["metadata"]["labels"]

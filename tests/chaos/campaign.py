@@ -82,6 +82,7 @@ from smr.jobs import JobRegistry, job_key, launch
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
 from smr.workloads import counter
+from smrctl.embedded import windows
 from tests import nats_auth
 from tests.chaos import gpu_standin
 from tests.chaos.proxy import FaultProxy
@@ -343,6 +344,9 @@ class Campaign:
         self.bus = await Bus.connect(self.nats_url, name="smr-chaos", config=replace(
             login, ack_wait=5, replicas=self.replicas))
         self.nodes = {n: Node(n, self.root, {**env, **self.login_env(n)}) for n in NODES}
+        if self.users:  # the operator's step (`smr node-consumers`): theirs may create none
+            for n, node in self.nodes.items():
+                await self.bus.make_node_consumers(n, windows(config.load(node.env)))
         for node in self.nodes.values():
             node.mount()
             node.start()
