@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from kubernetes_asyncio import client
 
@@ -37,6 +38,8 @@ from smr.errors import SmrError
 from smr.jobs import JobLock
 
 log = logging.getLogger("smr.agent")
+
+READY_NAG_S = 30.0  # how often an agent not ready yet says what it waits for
 
 
 class NodeAgent:
@@ -84,19 +87,31 @@ class NodeAgent:
         if problem := await self.criu.problem():
             log.error("%s", problem)
         await nodelabel.install_and_label(self.s, self.pods.core)  # then the node's labels
+        started = time.monotonic()
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
         tasks.append(asyncio.create_task(self.prestop.run(self._stop)))
         tasks.append(asyncio.create_task(self.prepull.run(self._stop)))
+        idle = asyncio.gather(*(w.idle.wait() for w in self.workers))
         try:
-            await asyncio.wait_for(asyncio.gather(*(w.idle.wait() for w in self.workers)), 30)
-            self.ready.set()
+            # Not ready until its workers serve: they may wait for NATS, or for
+            # their request consumers, which the watcher makes for each Node (a
+            # node's user may make none). It waits up, saying so, rather than
+            # exit into a crash loop whose back-off outlasts the watcher's start.
+            while not (done := (await asyncio.wait({idle, *tasks}, timeout=READY_NAG_S,
+                                                   return_when=asyncio.FIRST_COMPLETED))[0]):
+                log.warning("agent not ready after %.0fs: its workers wait for NATS or for "
+                            "their request consumers on SMR_REQUESTS (the watcher makes them "
+                            "for each Node: is it running?)", time.monotonic() - started)
+            if idle in done:
+                self.ready.set()
             if ended := await until_stopped(self._stop, tasks):
                 # Exit, so that the DaemonSet restarts the agent, rather than
                 # stay up without serving its node.
                 raise SmrError(f"a worker of the agent ended on its own ({ended_why(ended)})",
                                code="worker-ended", hint="the agent restarts; see its log")
         finally:
+            idle.cancel()
             self.stop()
             for t in tasks:
                 with contextlib.suppress(Exception):
