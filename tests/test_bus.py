@@ -14,6 +14,7 @@ from typing import Any
 
 import nats
 import orjson
+from nats.js.kv import KeyValue
 
 from services.checkpointer.admission import CheckpointAdmission
 from smr.bus import (
@@ -844,3 +845,36 @@ async def test_a_redelivery_never_runs_a_step_beside_its_live_worker(
             await stop(second, t2)
     assert (got.status, got.error) == ("succeeded", None)
     assert step.started == [rid]
+
+
+async def test_a_live_workers_answer_is_stored_though_nats_fails_its_first_write(
+        bus: Bus, node: str, monkeypatch: Any) -> None:
+    """A step that succeeded on its last delivery (a restore that landed)
+    whose answer's write meets NATS away for a moment (a JetStream leader
+    being elected). Its worker is alive and holds the answer: it must store
+    it. Before, the write's error let the request's lock go with no answer
+    stored, and the handler of what JetStream then gave up on answered
+    "failed, deliveries-exhausted" for a step that succeeded (the agent would
+    start the pod fresh beside the restored one)."""
+    rid = f"answer-lost-{node}"
+    put = KeyValue.put
+    refused: list[str] = []
+
+    async def flaky_put(self: KeyValue, key: str, value: bytes, *a: Any, **kw: Any) -> int:
+        if key == rid and orjson.loads(value).get("state") == "done" and not refused:
+            refused.append(key)
+            raise nats.errors.TimeoutError  # as a KV write that outlives a leader election
+        return await put(self, key, value, *a, **kw)
+
+    monkeypatch.setattr(KeyValue, "put", flaky_put)
+    bus.config.max_deliver = 1  # its first delivery is its last
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, rid))
+        got = await bus.wait_result(rid, "ckpt.requested", timeout=60)
+    finally:
+        await stop(w, t)
+    assert refused == [rid]
+    assert (got.status, got.error) == ("succeeded", None)
+    assert step.seen == [rid]
