@@ -134,7 +134,7 @@ class Worker:
         log.info("%s consuming %s", self.service, node_filter(self.step.kind, self.node))
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record,
-            self.locks).answer(exhausted))
+            self.locks, self.step.recover).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
         waiting = Ahead(SUBJECT_TYPES[self.step.kind], self.admission)
         beating = asyncio.create_task(waiting.keep_alive(self.bus.config.keepalive))
