@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import statistics
@@ -62,7 +63,12 @@ async def measure(n: int, waiters: int) -> dict[str, Any]:
         assert srv.proc is not None
         nats_pid = srv.proc.pid
         bus = await Bus.connect(srv.url, name="bench")
-        worker = Worker(bus, Sleeps(), "n1", service="bench", concurrency=waiters)
+        # A tree from before the step locks (smr/bus/liveness.py) takes none.
+        kw: dict[str, Any] = {}
+        if "locks" in inspect.signature(Worker).parameters:
+            from smr.bus import StepLocks
+            kw["locks"] = StepLocks(Path(tmp) / "steps")
+        worker = Worker(bus, Sleeps(), "n1", service="bench", concurrency=waiters, **kw)
         task = asyncio.create_task(worker.run())
         await asyncio.wait_for(worker.idle.wait(), 20)
 

@@ -54,7 +54,15 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from smr import config
-from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, Progress, Worker
+from smr.bus import (
+    STREAM_EVENTS,
+    STREAM_REQUESTS,
+    Bus,
+    BusConfig,
+    Progress,
+    StepLocks,
+    Worker,
+)
 from smr.errors import SmrError
 from smr.messages import CkptDone, CkptRequested
 from smr.natsserver import NatsServer, free_port
@@ -139,7 +147,7 @@ async def standins(a: argparse.Namespace) -> None:
     workers = []
     for n in a.standin_nodes.split(","):
         w = Worker(bus, StandInCheckpointer(a.delay, seen), n, service="standin",
-                   concurrency=a.concurrency)
+                   locks=StepLocks(Path(a.out + ".steps")), concurrency=a.concurrency)
         workers.append((w, asyncio.create_task(w.run())))
     await asyncio.gather(*(asyncio.wait_for(w.idle.wait(), 120) for w, _ in workers))
     Path(a.out + ".ready").write_text("")

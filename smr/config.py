@@ -152,7 +152,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("STEP_LOCK_DIR", "", str, "where each running step holds a lock the kernel lets "
             "go when its worker's process ends, so that no redelivery acts beside a live "
             "worker whose heartbeats do not get through; every worker of a node must share "
-            "it (the agent's is a hostPath); default: WORK_DIR/steps"),
+            "it (the agent's is a hostPath); default: DATA_DIR/steps (never under WORK_DIR, "
+            "whose entries a request's id names)"),
     Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
     Setting("STORAGE_PATH", "", str, "local backend's directory; default: DATA_DIR/checkpoints"),
     Setting("S3_BUCKET", "", str, "S3 bucket (SMR_STORAGE=s3); credentials: the AWS chain"),
@@ -414,7 +415,9 @@ class Settings:
 
     @property
     def step_lock_path(self) -> Path:
-        return Path(self.values["STEP_LOCK_DIR"] or self.work_path / "steps")
+        # Not WORK_DIR/steps: WORK_DIR/<request_id> is a step's work directory,
+        # emptied as it starts, and "steps" is a request_id like any other.
+        return Path(self.values["STEP_LOCK_DIR"] or self.data_path / "steps")
 
     @property
     def storage_root(self) -> Path:

@@ -21,6 +21,7 @@ from smr.bus import Bus, BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import NatsServer, free_port
 from tests import nats_auth
+from tests.helpers import steplocks
 from tests.otlp import Processors, Receiver
 from tests.otlp import serve as serve_otlp
 
@@ -31,6 +32,13 @@ def settings() -> config.Settings:
     # machine unpacks them elsewhere); every other setting is the default.
     return config.load({k: v for k, v in os.environ.items()
                         if k in ("SMR_CRIU", "SMR_CRIU_ROOT", "SMR_NATS_SERVER")})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def step_locks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Where tests.helpers.steplocks puts each node's step locks: this
+    session's own, inherited by the worker processes its tests start."""
+    os.environ[steplocks.ENV] = str(tmp_path_factory.mktemp("step-locks"))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from typing import Any
 
 import nats
 import orjson
+from nats.js.kv import KeyValue
 
 from services.checkpointer.admission import CheckpointAdmission
 from smr.bus import (
@@ -844,3 +845,94 @@ async def test_a_redelivery_never_runs_a_step_beside_its_live_worker(
             await stop(second, t2)
     assert (got.status, got.error) == ("succeeded", None)
     assert step.started == [rid]
+
+
+async def test_a_live_workers_answer_is_stored_though_nats_fails_its_first_write(
+        bus: Bus, node: str, monkeypatch: Any) -> None:
+    """A step that succeeded on its last delivery (a restore that landed)
+    whose answer's write meets NATS away for a moment (a JetStream leader
+    being elected). Its worker is alive and holds the answer: it must store
+    it. Before, the write's error let the request's lock go with no answer
+    stored, and the handler of what JetStream then gave up on answered
+    "failed, deliveries-exhausted" for a step that succeeded (the agent would
+    start the pod fresh beside the restored one)."""
+    rid = f"answer-lost-{node}"
+    put = KeyValue.put
+    refused: list[str] = []
+
+    async def flaky_put(self: KeyValue, key: str, value: bytes, *a: Any, **kw: Any) -> int:
+        if key == rid and orjson.loads(value).get("state") == "done" and not refused:
+            refused.append(key)
+            raise nats.errors.TimeoutError  # as a KV write that outlives a leader election
+        return await put(self, key, value, *a, **kw)
+
+    monkeypatch.setattr(KeyValue, "put", flaky_put)
+    bus.config.max_deliver = 1  # its first delivery is its last
+    step = CountingStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        await bus.publish(request(node, rid))
+        got = await bus.wait_result(rid, "ckpt.requested", timeout=60)
+    finally:
+        await stop(w, t)
+    assert refused == [rid]
+    assert (got.status, got.error) == ("succeeded", None)
+    assert step.seen == [rid]
+
+
+
+class LandedStep(CountingStep):
+    """Its recover() looks at the world, as the restorer's does for a
+    restored process: a marker written by slow_worker's step means the step's
+    effect landed before its worker died."""
+
+    def __init__(self, markers: Path) -> None:
+        super().__init__()
+        self.markers = markers
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        if list(self.markers.glob(f"{req.request_id}.*")):
+            return CkptDone.for_request(req, status="succeeded", generation=1)
+        return None
+
+
+async def test_a_cut_off_worker_that_dies_after_its_deliveries_are_spent_is_recovered(
+        nats_server: NatsServer, bus: Bus, node: str, tmp_path: Path) -> None:
+    """A worker cut off from NATS for its beats (an old agent pod) runs a step
+    whose effect lands (a restore). The node's other worker leaves each
+    redelivery to it, as it must while it lives, so JetStream spends the
+    request's deliveries and gives up. Then the cut-off worker dies (the old
+    pod's grace period ends) before it answers. What it did must be found
+    (the step's recover), as a redelivery would have: answered "failed,
+    deliveries-exhausted", the agent starts the pod fresh beside the restore
+    that landed."""
+    rid = f"cutoff-{node}"
+    a = spawn_slow_worker(nats_server.url, node, tmp_path, "2", "cutoff")
+    w = t = None
+    try:
+        await bus.publish(request(node, rid))
+        await wait_for_marker(tmp_path, f"{rid}.0")  # its effect landed; it sleeps on
+        bus.config.max_deliver, bus.config.ack_wait = 2, 1.0  # as the cut-off worker's
+        step = LandedStep(tmp_path)
+        w, t = await run_worker(bus, step, node)
+        handler = "exhausted-" + (request_consumer("ckpt.requested", node, bus.config)
+                                  .durable_name or "")
+        for _ in range(200):  # JetStream gives up; its handler leaves the live worker be
+            info = await bus.js.consumer_info(STREAM_EXHAUSTED, handler)
+            if info.delivered.consumer_seq >= 1:
+                break
+            await asyncio.sleep(0.1)
+        state, _ = await bus.step_state(rid)
+        assert state and state["state"] == "running", state
+        assert info.delivered.consumer_seq >= 1, info.delivered
+        a.kill()
+        a.wait()
+        got = await bus.wait_result(rid, "ckpt.requested", timeout=30)
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+        if w is not None and t is not None:
+            await stop(w, t)
+    assert (got.status, got.error) == ("succeeded", None)
+    assert step.seen == [], "the step ran again"

@@ -26,7 +26,7 @@ import pytest
 
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, message_subject
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, message_subject
 from smr.criu import Criu
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
@@ -283,6 +283,24 @@ async def test_duplicate_request_runs_once(h: Harness) -> None:
     gens = await h.node.workers[0].step.store.generations(  # type: ignore[attr-defined]
         LOCAL_NAMESPACE, job.id)
     assert first.status == "succeeded" and [g.number for g in gens] == [1]
+
+
+
+async def test_a_request_named_like_the_step_locks_leaves_them_be(h: Harness) -> None:
+    """A request_id is the requester's text, and a local step's work directory
+    is WORK_DIR/<request_id>, emptied as it starts. The node's step locks
+    (which say a worker still runs a step: no redelivery recovers it, nor is
+    it answered failed, beside it) must not be a directory a request of some
+    name empties, or every live worker of the node looks dead."""
+    job = await h.start(16)
+    locks = StepLocks(h.settings.step_lock_path)
+    with locks.hold("a-step-another-worker-runs") as ours:  # a live worker of the node
+        assert ours
+        req = CkptRequested(request_id="steps", checkpoint_id=job.id,
+                            target=Target.job(job.id), node=h.settings.node, leave_running=True)
+        done = await h.bus.request(req, timeout=120)
+        assert done.status == "succeeded", done.error
+        assert locks.live("a-step-another-worker-runs"), "a live worker's lock was removed"
 
 
 # -- bad input ------------------------------------------------------------------------

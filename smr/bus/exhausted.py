@@ -1,8 +1,10 @@
 """The requests JetStream gave up on: a request whose worker died on its last
 delivery would vanish, as JetStream only announces it with a core-NATS
 advisory. Those advisories are kept in a stream of their own (SMR_EXHAUSTED),
-and each worker answers its consumer's with a failed result and a dead letter
-(smr/bus/deadletters.py), even when it starts after the fact.
+and each worker answers its consumer's, even when it starts after the fact:
+with what the step's recover() finds its dead worker did (a restore that
+landed), else a failed result and a dead letter (smr/bus/deadletters.py).
+Never by running it again.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class Exhausted:
     """Answers the requests JetStream gave up on for one worker's consumer."""
 
     def __init__(self, bus: Bus, kind: str, service: str, node: str,
-                 record: Callable[..., Awaitable[None]], locks: StepLocks) -> None:
+                 record: Callable[..., Awaitable[None]], locks: StepLocks,
+                 recover: Callable[[Any, dict[str, Any]], Awaitable[Any]] | None = None
+                 ) -> None:
         self.bus = bus
         self.kind = kind
         self.service = service
         self.node = node
         self.record = record  # Worker._record: (result, last=revision)
         self.locks = locks
+        self.recover = recover  # the step's: what a dead worker's attempt did
 
     async def answer(self, sub: Any) -> None:
         """Answer the requests JetStream gave up on (worker died on the last delivery)."""
@@ -61,7 +66,9 @@ class Exhausted:
                     log.exception("%s: cannot answer an exhausted request", self.service)
 
     async def _answer_one(self, adv: Msg) -> None:
-        """Fail and dead-letter one request, unless it was answered after all."""
+        """Answer one request: what its dead worker's attempt did, as the
+        step's recover() finds it, else failed and dead-lettered; unless it was
+        answered after all, or a live worker still runs it."""
         info = orjson.loads(adv.data)
         try:
             raw = await self.bus.js.get_msg(STREAM_REQUESTS, info["stream_seq"])
@@ -96,22 +103,37 @@ class Exhausted:
             await adv.ack()
             return
         if not state or state["state"] == "running":
-            err = SmrError(
-                f"request {rid} was delivered {info.get('deliveries')} times without an "
-                "answer: its worker died or stalled each time; it was not completed",
-                code="deliveries-exhausted",
-                hint=f"see the {self.service} log on node {self.node}; to try again, "
-                     "publish the request with a new request_id")
-            await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
-                                       service=self.service, deliveries=info.get("deliveries"),
-                                       request_id=rid)
-            try:  # over the state judged above, never over an answer written since
-                await self.record(RESULT_OF[self.kind].for_request(req, status="failed",
-                                                                    error=err.as_dict()),
-                                  last=rev)
-            except KeyWrongLastSequenceError:
-                await adv.nak(delay=self.bus.config.nak_base_delay)  # look again
-                return
+            # Held while we act for the dead worker, as a recovering worker
+            # holds it: no delivery of the request runs or recovers beside us.
+            with self.locks.hold(rid) as ours:
+                if not ours or (await self.bus.step_state(rid))[1] != rev:
+                    # A worker took it since we looked: look again later.
+                    await adv.nak(delay=self.bus.config.ack_wait)
+                    return
+                result = None
+                if state and self.recover is not None:
+                    # What its dead worker did, asked of the world as a
+                    # redelivery would (a restore that landed is recorded, not
+                    # failed): its deliveries may have been spent while it lived,
+                    # each left to it. Never run again: None fails it.
+                    result = await self.recover(req, state)
+                if result is None:
+                    err = SmrError(
+                        f"request {rid} was delivered {info.get('deliveries')} times without "
+                        "an answer: its worker died or stalled each time; it was not completed",
+                        code="deliveries-exhausted",
+                        hint=f"see the {self.service} log on node {self.node}; to try again, "
+                             "publish the request with a new request_id")
+                    await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
+                                               service=self.service,
+                                               deliveries=info.get("deliveries"), request_id=rid)
+                    result = RESULT_OF[self.kind].for_request(req, status="failed",
+                                                             error=err.as_dict())
+                try:  # over the state judged above, never over an answer written since
+                    await self.record(result, last=rev)
+                except KeyWrongLastSequenceError:
+                    await adv.nak(delay=self.bus.config.nak_base_delay)  # look again
+                    return
         await adv.ack()
 
 

@@ -134,7 +134,7 @@ class Worker:
         log.info("%s consuming %s", self.service, node_filter(self.step.kind, self.node))
         answering = asyncio.create_task(Exhausted(
             self.bus, self.step.kind, self.service, self.node, self._record,
-            self.locks).answer(exhausted))
+            self.locks, self.step.recover).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
         waiting = Ahead(SUBJECT_TYPES[self.step.kind], self.admission)
         beating = asyncio.create_task(waiting.keep_alive(self.bus.config.keepalive))
@@ -331,7 +331,7 @@ class Worker:
                 result = await self.step.recover(req, state)
             if result is not None:
                 try:  # over the state we judged, never over an answer written since
-                    await self._record(result, last=rev)
+                    await self._record(result, last=rev, ours=True)
                 except KeyWrongLastSequenceError:
                     await m.nak(delay=self.bus.config.nak_base_delay)
                     return
@@ -426,22 +426,48 @@ class Worker:
     async def _finish(self, m: Msg, result: CkptDone | RestoreDone) -> None:
         # Order matters: state first (a crash after it republishes the stored
         # result on redelivery), then the event, then the ack.
-        await self._record(result)
+        await self._record(result, ours=True)
         await m.ack()
 
-    async def _record(self, result: CkptDone | RestoreDone, *, last: int | None = None) -> None:
+    async def _record(self, result: CkptDone | RestoreDone, *, last: int | None = None,
+                      ours: bool = False) -> None:
         """Store the answer, then publish it. ``last``: only over that revision
-        of the state (0: only where there is none), else KeyWrongLastSequenceError."""
-        state = orjson.dumps({"state": "done" if result.status == "succeeded" else "failed",
-                              "kind": self.step.kind, "result": result.to_dict(),
-                              "finished": time.time()})
+        of the state (0: only where there is none), else KeyWrongLastSequenceError.
+        ``ours``: the answer of a step this worker ran or recovered, under the
+        request's lock: its write is tried again until it is stored."""
+        doc = {"state": "done" if result.status == "succeeded" else "failed",
+               "kind": self.step.kind, "result": result.to_dict(), "finished": time.time()}
+        state = orjson.dumps(doc)
         kv = self.bus.kv(KV_STEPS)
-        if last is None:
-            await kv.put(result.request_id, state)
-        elif last == 0:
-            await kv.create(result.request_id, state)
-        else:
-            await kv.update(result.request_id, state, last=last)
+        delay, tried = self.bus.config.nak_base_delay, False
+        while True:
+            try:
+                if last is None:
+                    await kv.put(result.request_id, state)
+                elif last == 0:
+                    await kv.create(result.request_id, state)
+                else:
+                    await kv.update(result.request_id, state, last=last)
+                break
+            except KeyWrongLastSequenceError:
+                # A write tried again whose first try landed (its answer lost
+                # as NATS went away) finds our own answer there.
+                if tried and (await self.bus.step_state(result.request_id))[0] == doc:
+                    break
+                raise
+            except NATS_TRANSIENT as e:
+                # The answer is the one record of what the step did, and the
+                # lock goes when this returns: let go with no answer stored,
+                # the handler of a request JetStream gave up on would answer
+                # "failed" for a step that succeeded (a restore that landed).
+                # A stop's cancel still ends it (the kernel lets the lock go).
+                if not ours or cancelling():
+                    raise
+                tried = True
+                log.warning("%s: storing the answer of %s failed (%s: %s); trying again in "
+                            "%.1fs", self.service, result.request_id, type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.bus.config.nak_max_delay)
         metrics.observe_result(result)
         await self.bus.publish(result)
 
