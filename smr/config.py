@@ -414,6 +414,13 @@ class Settings:
         return Path(self.values["WORK_DIR"] or self.data_path / "work")
 
     @property
+    def hold_path(self) -> Path:
+        """Where a GPU tree held across an agent's crash is described. A dot
+        name: a local step's work directory is WORK_DIR/<request_id>, emptied as
+        it starts, and no request_id starts with a dot (schemas/common.json)."""
+        return self.work_path / ".held"
+
+    @property
     def step_lock_path(self) -> Path:
         # Not WORK_DIR/steps: WORK_DIR/<request_id> is a step's work directory,
         # emptied as it starts, and "steps" is a request_id like any other.

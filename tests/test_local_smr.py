@@ -303,6 +303,21 @@ async def test_a_request_named_like_the_step_locks_leaves_them_be(h: Harness) ->
         assert locks.live("a-step-another-worker-runs"), "a live worker's lock was removed"
 
 
+async def test_a_request_named_like_the_gpu_hold_directory_leaves_it_be(h: Harness) -> None:
+    """The same for the directory that describes a GPU tree held across a
+    crash (its threads' signal masks, given back by recovery): a request named
+    `held` emptied it while it was WORK_DIR/held."""
+    job = await h.start(16)
+    kept = h.settings.hold_path / "4242-1.sigmask"  # what a held tree leaves there
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_bytes(b"mask")
+    req = CkptRequested(request_id=h.settings.hold_path.name.lstrip("."), checkpoint_id=job.id,
+                        target=Target.job(job.id), node=h.settings.node, leave_running=True)
+    done = await h.bus.request(req, timeout=120)
+    assert done.status == "succeeded", done.error
+    assert kept.read_bytes() == b"mask", "a request emptied the GPU hold directory"
+
+
 # -- bad input ------------------------------------------------------------------------
 
 async def assert_unlocked(h: Harness, job_id: str) -> None:

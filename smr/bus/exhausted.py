@@ -88,6 +88,11 @@ class Exhausted:
             # delivery): its answer will come, and it may still restore or
             # resume a process. Answering "failed" now would be replaced by
             # its success after a caller acted on it. Look again later.
+            if live:  # said each time: a step that hangs so waits for ever
+                log.warning("%s: request %s was delivered %s times, but a live worker of "
+                            "node %s still runs it (its last heartbeat %.0fs ago); its answer "
+                            "is waited for", self.service, rid, info.get("deliveries"),
+                            self.node, time.time() - float((state or {}).get("heartbeat", 0)))
             await adv.nak(delay=self.bus.config.ack_wait)
             return
         if not state and (n := redriven(raw.headers)) < MAX_REDRIVES:
