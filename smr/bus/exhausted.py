@@ -122,6 +122,7 @@ class Exhausted:
                     # failed): its deliveries may have been spent while it lived,
                     # each left to it. Never run again: None fails it.
                     result = await self.recover(req, state)
+                err = None
                 if result is None:
                     err = SmrError(
                         f"request {rid} was delivered {info.get('deliveries')} times without "
@@ -129,9 +130,6 @@ class Exhausted:
                         code="deliveries-exhausted",
                         hint=f"see the {self.service} log on node {self.node}; to try again, "
                              "publish the request with a new request_id")
-                    await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
-                                               service=self.service,
-                                               deliveries=info.get("deliveries"), request_id=rid)
                     result = RESULT_OF[self.kind].for_request(req, status="failed",
                                                              error=err.as_dict())
                 try:  # over the state judged above, never over an answer written since
@@ -139,6 +137,10 @@ class Exhausted:
                 except KeyWrongLastSequenceError:
                     await adv.nak(delay=self.bus.config.nak_base_delay)  # look again
                     return
+                if err is not None:  # after the answer: a lost race leaves no stray letter
+                    await self.bus.dead_letter(raw.subject or "", raw.data or b"", err,
+                                               service=self.service,
+                                               deliveries=info.get("deliveries"), request_id=rid)
         await adv.ack()
 
 

@@ -45,11 +45,15 @@ class StepLocks:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                mine = _same_file(fd, path)
             except BlockingIOError:
                 os.close(fd)
                 yield False
                 return
-            if _same_file(fd, path):
+            except BaseException:
+                os.close(fd)
+                raise
+            if mine:
                 break
             # Its last holder removed it between our open and our lock: that
             # file is no one's now; the lock is the one at the path.
