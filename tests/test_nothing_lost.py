@@ -559,6 +559,37 @@ async def _note(acted: list[str], what: str) -> None:
     acted.append(what)
 
 
+async def test_an_answer_stored_but_not_published_on_the_last_delivery_is_published(
+        bus: Bus, node: str) -> None:
+    """A worker stores its answer, then publishes it. Dying between the two on
+    the request's last delivery, it leaves the answer unannounced: no
+    redelivery comes to publish it again, and the consumers of results (a
+    drain's wait, the retention, a requester's subscription) never see it.
+    The handler of what JetStream gave up on finds the answer stored: it must
+    publish it, not only drop the advisory."""
+    rid = f"unannounced-{uuid.uuid4().hex[:6]}"
+    req = CkptRequested(request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node)
+    ack = await bus.publish(req)
+    done = CkptDone.for_request(req, status="succeeded", generation=2)
+    await bus.kv(KV_STEPS).put(rid, orjson.dumps(
+        {"state": "done", "kind": "ckpt.requested", "result": done.to_dict(),
+         "finished": time.time()}))
+    subj = f"ckpt.done.{node}.local"
+    before = await _count(bus, subj)
+    acted: list[str] = []
+    advisory = SimpleNamespace(
+        data=orjson.dumps({"stream_seq": ack.seq, "deliveries": 5}),
+        ack=lambda: _note(acted, "ack"), nak=lambda delay=None: _note(acted, "nak"))
+
+    async def record(result: Any, **kw: Any) -> None:
+        raise AssertionError("an answered request was answered again")
+
+    await Exhausted(bus, "ckpt.requested", "test", node, record,
+                    node_locks(node))._answer_one(advisory)  # type: ignore[arg-type]
+    assert await _count(bus, subj) == before + 1, "the stored answer was never published"
+    assert acted == ["ack"]
+
+
 async def test_a_real_result_after_a_failed_one_is_still_published(bus: Bus, node: str) -> None:
     rid = f"late-{uuid.uuid4().hex[:6]}"
     req = CkptRequested(request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node)

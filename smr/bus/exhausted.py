@@ -107,7 +107,13 @@ class Exhausted:
                         info.get("deliveries"), self.node)
             await adv.ack()
             return
-        if not state or state["state"] == "running":
+        if state and state["state"] in ("done", "failed"):
+            # Answered. Its worker stores an answer, then publishes it: one
+            # that died between the two on the last delivery left it
+            # unannounced, and no redelivery comes to announce it. A repeat
+            # is dropped (its Nats-Msg-Id).
+            await self.bus.publish(RESULT_OF[self.kind].from_dict(state["result"]))
+        elif not state or state["state"] == "running":
             # Held while we act for the dead worker, as a recovering worker
             # holds it: no delivery of the request runs or recovers beside us.
             with self.locks.hold(rid) as ours:
