@@ -161,6 +161,8 @@ async def test_request_published_as_its_streams_leader_dies_runs_once(
     bus = r3_bus
     node = f"node-{uuid.uuid4().hex[:8]}"
     step = CountingStep()
+    # Its consumers, as the watcher makes them (the agent's user may create none).
+    await bus.make_node_consumers(node, {step.kind: 1})
     w, task = await run_worker(agent_bus, step, node)
     # The server this client is connected to leads the requests stream: its
     # death takes the leader and the connection at once.
