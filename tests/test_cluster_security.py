@@ -384,10 +384,7 @@ async def test_a_node_cannot_deliver_its_bucket_values_onto_another_nodes_subjec
             with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
                 r = await a.nc.request(create, body, timeout=1)
                 # the server made it: what it delivers is what a listener sees
-                for _ in range(40):
-                    if got:
-                        break
-                    await asyncio.sleep(0.05)
+                await until_heard(got, 2.0)
                 raise AssertionError(f"{user} made a push consumer on KV_{bucket} "
                                      f"delivering to {target}: {r.data[:200]!r}; "
                                      f"{target} got {got[:1]!r}, "
@@ -397,13 +394,19 @@ async def test_a_node_cannot_deliver_its_bucket_values_onto_another_nodes_subjec
         # The listener hears the subject (a real message reaches it), and what
         # reached it and the stream is that message only.
         await admin.nc.publish(target, b"real")
-        for _ in range(100):
-            if got:
-                break
-            await asyncio.sleep(0.05)
+        await until_heard(got, 5.0)
         await sub.unsubscribe()
     assert got == [b"real"]
     assert forged not in got
+
+
+async def until_heard(got: list[bytes], within: float) -> None:
+    """Until a listener's ``got`` has a message, for ``within`` seconds at
+    most (what reached it is asserted by the caller)."""
+    for _ in range(int(within / 0.05)):
+        if got:
+            return
+        await asyncio.sleep(0.05)
 
 
 # A node's own durables on SMR_REQUESTS (and SMR_EXHAUSTED): while one did
@@ -447,19 +450,13 @@ async def test_a_node_cannot_create_its_request_durables(
                 **({"deliver_subject": deliver} if deliver else {})}})
             with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
                 r = await a.nc.request(create, body, timeout=1)
-                for _ in range(40):
-                    if got:
-                        break
-                    await asyncio.sleep(0.05)
+                await until_heard(got, 2.0)
                 raise AssertionError(f"{user} made {name} on {stream} (deliver subject "
                                      f"{deliver}): {r.data[:200]!r}; {target} got {got[:1]!r}")
             await a.refused(create)
         # The listener hears the subject: a real message reaches it, and only that.
         await admin.nc.publish(target, b"real")
-        for _ in range(100):
-            if got:
-                break
-            await asyncio.sleep(0.05)
+        await until_heard(got, 5.0)
         await sub.unsubscribe()
     assert got == [b"real"]
     for stream, name in ((STREAM_REQUESTS, mine), ("SMR_EXHAUSTED", f"exhausted-{mine}")):
@@ -496,9 +493,6 @@ async def test_a_local_nodes_retention_durable_cannot_reach_a_tenants_results(
             timeout=5)
         assert orjson.loads(r.data).get("error", {}).get("err_code") == 10081, r.data
         await admin.nc.publish(target, b"real")
-        for _ in range(100):
-            if got:
-                break
-            await asyncio.sleep(0.05)
+        await until_heard(got, 5.0)
         await sub.unsubscribe()
     assert got == [b"real"]

@@ -247,22 +247,29 @@ class Bus:
 
     async def consumer_names(self, stream: str) -> set[str]:
         """The names of ``stream``'s consumers (CONSUMER.NAMES, page by page)."""
-        names: list[str] = []
+        return set(await self._paged(f"$JS.API.CONSUMER.NAMES.{stream}", {},
+                                     lambda info: info.get("consumers") or [],
+                                     f"the consumers of {stream}"))
+
+    async def _paged(self, api: str, ask: dict[str, Any],
+                     page_of: Callable[[dict[str, Any]], list[str]], what: str) -> list[str]:
+        """Every item a paged JetStream API answers ``api`` with (``ask`` plus
+        each page's offset), ``page_of`` the items of one answer."""
+        items: list[str] = []
         while True:
-            body = orjson.dumps({"offset": len(names)})
+            body = orjson.dumps({**ask, "offset": len(items)})
             async for attempt in retry_nats():
                 with attempt:
-                    r = await self.nc.request(f"$JS.API.CONSUMER.NAMES.{stream}", body,
-                                              timeout=10)
+                    r = await self.nc.request(api, body, timeout=10)
             info = orjson.loads(r.data)
             if "error" in info:
-                raise TemporaryError(f"listing the consumers of {stream} failed: "
+                raise TemporaryError(f"listing {what} failed: "
                                      f"{info['error'].get('description')}",
                                      code="nats-unavailable", hint="try again")
-            page = info.get("consumers") or []
-            names += page
-            if not page or len(names) >= int(info.get("total") or 0):
-                return set(names)
+            page = page_of(info)
+            items += page
+            if not page or len(items) >= int(info.get("total") or 0):
+                return items
 
     async def _wait_consumer(self, stream: str, cfg: js_api.ConsumerConfig) -> None:
         """Until durable ``cfg`` exists on ``stream`` (made by another party)."""
@@ -387,22 +394,11 @@ class Bus:
         ``KeyValue.keys`` does: a node's user may create no consumer on a bucket
         it writes (docs/security.md, nats-io/nats-server#8274)."""
         prefix = f"$KV.{bucket}."
-        keys: list[str] = []
-        while True:
-            body = orjson.dumps({"subjects_filter": f"{prefix}>", "offset": len(keys)})
-            async for attempt in retry_nats():
-                with attempt:
-                    r = await self.nc.request(f"$JS.API.STREAM.INFO.KV_{bucket}", body,
-                                              timeout=10)
-            info = orjson.loads(r.data)
-            if "error" in info:
-                raise TemporaryError(f"listing the keys of bucket {bucket} failed: "
-                                     f"{info['error'].get('description')}",
-                                     code="nats-unavailable", hint="try again")
-            page = list((info.get("state") or {}).get("subjects") or {})
-            keys += [subj.removeprefix(prefix) for subj in page]
-            if not page or len(keys) >= int(info.get("total") or 0):
-                return keys
+        subjects = await self._paged(
+            f"$JS.API.STREAM.INFO.KV_{bucket}", {"subjects_filter": f"{prefix}>"},
+            lambda info: list((info.get("state") or {}).get("subjects") or {}),
+            f"the keys of bucket {bucket}")
+        return [subj.removeprefix(prefix) for subj in subjects]
 
     # -- publishing ---------------------------------------------------------------
 
