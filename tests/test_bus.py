@@ -335,6 +335,47 @@ async def test_exhausted_deliveries_fail_and_dead_letter(bus: Bus, node: str) ->
     assert state and state["state"] == "failed"
 
 
+async def test_the_exhausted_handler_outlives_its_durable_made_again(
+        bus: Bus, node: str) -> None:
+    """The watcher makes a node's max-deliveries durable again when it is
+    missing (deleted, its stream made again: services/watcher/durables.py).
+    Meanwhile the worker's pulls on it fail (no responders: nats-py raises an
+    APIError, not a timeout). Its handler must go on once the durable is back,
+    not end for good: a request JetStream gives up on later would be left
+    unanswered, its caller waiting for ever."""
+    from smr.bus.topology import EXHAUSTED_PREFIX, exhausted_consumer
+
+    w, t = await run_worker(bus, CountingStep(), node)
+    try:
+        durable = request_consumer("ckpt.requested", node, bus.config).durable_name or ""
+        await bus.js.delete_consumer(
+            STREAM_EXHAUSTED, exhausted_consumer(durable, bus.config).durable_name or "")
+        await asyncio.sleep(2.5)  # the handler's next pulls find no durable
+        await bus.make_node_consumers(node, {"ckpt.requested": w.concurrency + w.ahead})
+        # A request answered and stored whose worker died before publishing
+        # it on its last delivery: JetStream's advisory is all that is left.
+        # (Its request published for a node no worker serves here, so only
+        # the handler can answer it.)
+        req = request(f"{node}-x", "regone-1")
+        ack = await bus.publish(req)
+        done = CkptDone.for_request(req, status="succeeded", generation=7)
+        await bus.kv(KV_STEPS).put("regone-1", orjson.dumps(
+            {"state": "done", "kind": "ckpt.requested", "result": done.to_dict(),
+             "finished": time.time()}))
+        await bus.nc.publish(f"{EXHAUSTED_PREFIX}.{durable}", orjson.dumps(
+            {"stream": STREAM_REQUESTS, "consumer": durable, "stream_seq": ack.seq,
+             "deliveries": bus.config.max_deliver}))
+        done_subj = subject("ckpt.done", f"{node}-x", "local")
+        published: list[CkptDone] = []
+        for _ in range(20):  # the handler pulls each second
+            if published := await stored(bus, done_subj, "SMR_EVENTS", CkptDone, wait=0.5):
+                break
+        assert [d.generation for d in published] == [7], \
+            "the exhausted handler ended when its durable was made again"
+    finally:
+        await stop(w, t)
+
+
 
 # -- a step that ends while NATS is away (the fault campaign's stuck workers) -------
 

@@ -1102,3 +1102,27 @@ async def test_the_watcher_makes_each_nodes_request_consumers_and_makes_them_aga
         w.stop()
         await asyncio.wait_for(task, 30)
         await agent_bus.close()
+
+
+async def test_one_nodes_durable_that_cannot_be_updated_leaves_the_others_made(
+        bus: Bus, node: str) -> None:
+    """A durable of one node that the watcher cannot bring to its settings
+    (made by hand with another deliver policy: JetStream refuses the update)
+    must not keep every other Node's durables from being made: their agents
+    would wait, not ready, for ever."""
+    from dataclasses import replace
+
+    from nats.js import api as js_api
+
+    from smr.bus.topology import request_consumer
+
+    odd, fine = f"{node}-a", f"{node}-b"
+    cfg = request_consumer("ckpt.requested", odd, bus.config, 1)
+    await bus.js.add_consumer(STREAM_REQUESTS, replace(
+        cfg, deliver_policy=js_api.DeliverPolicy.NEW))
+    nc = durables.NodeConsumers(bus, lambda: [odd, fine], {"ckpt.requested": 2})
+    with contextlib.suppress(Exception):
+        await nc.reconcile()
+    have = await bus.consumer_names(STREAM_REQUESTS)
+    assert request_consumer("ckpt.requested", fine, bus.config).durable_name in have, \
+        "one node's durable that cannot be updated left another node's never made"

@@ -64,7 +64,19 @@ class NodeConsumers:
             # changed), then only when one is missing.
             if node in self._made and self.durables(node) <= have:
                 continue
-            await self.bus.make_node_consumers(node, self.windows)
+            try:
+                await self.bus.make_node_consumers(node, self.windows)
+            except Exception as e:
+                # One node's durable JetStream refuses to update (made by
+                # hand with other settings) must not keep the next Nodes'
+                # from being made: their agents wait, not ready, meanwhile.
+                if cancelling():
+                    raise
+                log.warning("watcher: making node %s's request consumers failed (%s: %s); "
+                            "retrying in %.0fs. A durable made with other settings is "
+                            "deleted with `nats consumer rm`, and made again here",
+                            node, type(e).__name__, e, self.every_s)
+                continue
             if node in self._made:
                 log.warning("watcher: node %s's request consumers were missing (deleted, or "
                             "their stream made again): made again", node)

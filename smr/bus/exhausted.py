@@ -9,6 +9,7 @@ Never by running it again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,10 +20,10 @@ import orjson
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
-from smr.aio import cancelling
+from smr.aio import cancelling, quietly
 from smr.bus.client import Bus
 from smr.bus.liveness import StepLocks
-from smr.bus.topology import RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES
+from smr.bus.topology import RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES, request_consumer
 from smr.errors import ContractError, SmrError
 
 log = logging.getLogger("smr.bus")
@@ -33,6 +34,7 @@ log = logging.getLogger("smr.bus")
 # back as the agent stopped or redelivered when NATS lost its in_progress.
 REDRIVEN = "Smr-Redriven"
 MAX_REDRIVES = 3
+PULL_RETRY_S = 1.0  # between pulls that failed (NATS away, the durable gone)
 
 
 class Exhausted:
@@ -52,6 +54,7 @@ class Exhausted:
 
     async def answer(self, sub: Any) -> None:
         """Answer the requests JetStream gave up on (worker died on the last delivery)."""
+        failing = 0  # pulls failed in a row
         while True:
             try:
                 advisories = await sub.fetch(8, timeout=1.0)
@@ -59,6 +62,22 @@ class Exhausted:
                 if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
                     raise
                 continue
+            except (Exception, asyncio.CancelledError) as e:
+                # NATS restarting, or the durable gone (deleted, its stream
+                # made again: no responders, which nats-py raises): ended
+                # here, no request JetStream gives up on later would be
+                # answered. Wait for it (the watcher makes it again) or make it.
+                if cancelling():
+                    raise
+                failing += 1
+                if failing == 1:
+                    log.warning("%s: pulling the requests JetStream gave up on failed (%s: %s); "
+                                "retrying", self.service, type(e).__name__, e)
+                await asyncio.sleep(PULL_RETRY_S)
+                await quietly(self.bus.ensure_exhausted_consumer(request_consumer(
+                    self.kind, self.node, self.bus.config).durable_name or ""))
+                continue
+            failing = 0
             for adv in advisories:
                 try:
                     await self._answer_one(adv)
