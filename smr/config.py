@@ -115,6 +115,7 @@ class Setting:
     default: Any
     parse: Callable[[str], Any]
     doc: str
+    secret: bool = False  # never printed: `smr config` output ends up in issues and pod logs
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -130,7 +131,7 @@ SETTINGS: tuple[Setting, ...] = (
             "its own, with only the subjects it needs: deploy/kustomize/components/nats-auth); "
             "empty: none. Its replies come to _INBOX.<user>.>"),
     Setting("NATS_PASSWORD", "", str, "that user's password (from the Secret smr-nats-users "
-            "in the cluster overlays)"),
+            "in the cluster overlays)", secret=True),
     Setting("NATS_TOKEN_FILE", "", str, "node agent: a file holding its projected "
             "ServiceAccount token, presented to NATS as its token; the auth callout "
             "(`smr natsauth`) gives it a user held to its node's subjects; empty: none"),
@@ -162,7 +163,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
-    Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear"),
+    Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear",
+            secret=True),
     Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
             "Secret): the first writes, the others still read (rotation); each namespace's "
             "data key is derived from them"),
@@ -332,6 +334,27 @@ def _shown(value: Any) -> str:
 def _cell(text: str) -> str:
     """Table-safe: ``|`` would end the cell, ``<x>`` would read as an HTML tag."""
     return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def without_credentials(url: str) -> str:
+    """``url`` (or a comma-separated list of them) with any user, password or
+    token replaced by ``***``: the embedded NATS's token rides in its URL."""
+    shown = []
+    for one in url.split(","):
+        scheme, sep, rest = one.rpartition("://")
+        if "@" in rest:
+            rest = "***@" + rest.rsplit("@", 1)[1]
+        shown.append(f"{scheme}{sep}{rest}")
+    return ",".join(shown)
+
+
+def shown(setting: Setting, value: Any) -> str:
+    """``value`` as it may be printed: secrets masked, URLs without credentials."""
+    if setting.secret and value:
+        return "***"
+    if setting.name == "NATS_URL" and value:
+        return without_credentials(str(value))
+    return str(value)
 
 
 def markdown() -> str:
