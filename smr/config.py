@@ -8,6 +8,8 @@ default. Invalid values fail at start with the setting's name and the fix.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 import shutil
@@ -95,6 +97,20 @@ def _pairs(v: str) -> dict[str, str]:
     return out
 
 
+def _aes_key(v: str) -> str:
+    """Empty, or a base64-encoded 32-byte key: checked where every setting
+    is, not first by `smr up` after its nats-server has started."""
+    if v:
+        try:
+            key = base64.b64decode(v, validate=True)
+        except binascii.Error:
+            key = b""
+        if len(key) != 32:
+            raise ValueError("expected a base64-encoded 32-byte key "
+                             "(make one with: head -c 32 /dev/urandom | base64)")
+    return v
+
+
 def _choice(*opts: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         if v not in opts:
@@ -163,8 +179,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
-    Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear",
-            secret=True),
+    Setting("ENCRYPTION_KEY", "", _aes_key, "base64 32-byte AES-256-GCM key; empty: images "
+            "in clear", secret=True),
     Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
             "Secret): the first writes, the others still read (rotation); each namespace's "
             "data key is derived from them"),
@@ -512,8 +528,9 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
         try:
             values[s.name] = s.parse(raw)
         except ValueError as e:
+            shown = "(a secret, not shown)" if s.secret else repr(raw)
             raise ConfigError(
-                f"invalid {src}={raw!r}: {e}", hint=f"{PREFIX}{s.name} is the {s.doc}"
+                f"invalid {src}={shown}: {e}", hint=f"{PREFIX}{s.name} is the {s.doc}"
             ) from None
     if values["STORAGE"] == "s3" and not values["S3_BUCKET"]:
         raise ConfigError(f"{PREFIX}STORAGE=s3 needs a bucket", hint=f"set {PREFIX}S3_BUCKET")

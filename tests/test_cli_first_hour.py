@@ -296,3 +296,13 @@ def test_a_request_id_reused_for_another_kind_is_refused(
         assert copy not in smr(env, "ps").stdout
     finally:
         kill_job(env, job)
+
+
+def test_an_invalid_encryption_key_stops_every_command_without_showing_it(
+        env: dict[str, str]) -> None:
+    bad = "short-secret-key"
+    for args in (["config"], ["ps"]):
+        r = smr({**env, "SMR_ENCRYPTION_KEY": bad}, *args)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "SMR_ENCRYPTION_KEY" in r.stderr and "32-byte" in r.stderr, r.stderr
+        assert bad not in r.stdout + r.stderr
