@@ -332,6 +332,11 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "SMR_KUBE_API empty, the in-cluster API is used"),
     ReadElsewhere("XDG_DATA_HOME", "smr/config.py", "the default SMR_DATA_DIR is "
                   "$XDG_DATA_HOME/smr (else ~/.local/share/smr)"),
+    ReadElsewhere("SMR_TOOLS", "`make setup` (scripts/install-tools.sh)", "where CRIU, "
+                  "nats-server and kustomize are unpacked; default: the checkout's .tools"),
+    ReadElsewhere("SMR_DEBIAN_MIRROR", "`make setup` (scripts/install-tools.sh)", "the Debian "
+                  "mirror CRIU, nats-server and kustomize are downloaded from; default: "
+                  "http://deb.debian.org/debian"),
 )
 
 

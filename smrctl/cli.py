@@ -1,5 +1,6 @@
-"""The `smr` command line. Every command that changes something publishes a
-message; the services do the work; the command shows progress and the result."""
+"""The `smr` command line. `checkpoint` and `restore` publish a request (the
+services do the work; the command shows progress and the result); `exec`,
+`kill`, `ps` and `up` act on this machine; the others are the services."""
 
 from __future__ import annotations
 
