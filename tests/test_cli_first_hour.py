@@ -306,3 +306,28 @@ def test_an_invalid_encryption_key_stops_every_command_without_showing_it(
         assert r.returncode == 2, r.stdout + r.stderr
         assert "SMR_ENCRYPTION_KEY" in r.stderr and "32-byte" in r.stderr, r.stderr
         assert bad not in r.stdout + r.stderr
+
+
+def test_a_copy_restored_under_another_id_writes_its_own_log(
+        ups: list[Up], tmp_path: Path, env: dict[str, str]) -> None:
+    up(ups, tmp_path, env).wait_up()
+    job = start_job(env)
+    copy = f"{job}-copy"
+    logs = tmp_path / "data" / "logs"
+    try:
+        r = smr(env, "checkpoint", job, "--leave-running")
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = smr(env, "restore", job, "--as", copy)
+        assert r.returncode == 0, r.stdout + r.stderr
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            own = logs / f"{copy}.log"
+            if own.exists() and "step" in own.read_text(errors="replace"):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the copy wrote nothing to {copy}.log; logs: "
+                        f"{sorted(p.name for p in logs.iterdir())}")
+    finally:
+        kill_job(env, copy)
+        kill_job(env, job)
