@@ -387,7 +387,7 @@ COMMANDS = {
 
 
 # Commands that run until stopped, whose log is their output.
-SERVICES = {"up", "demo", "watcher", "agent", "storage", "webhook", "natsauth"}
+SERVICES = {"up", "watcher", "agent", "storage", "webhook", "natsauth"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,6 +216,10 @@ def _shape(line: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", line).rstrip()
 
 
+# A log line as smrctl.cli's logging formats it.
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ [A-Z]+ ", re.MULTILINE)
+
+
 def _readme_demo() -> list[str]:
     m = re.search(r"`make demo` prints[^\n]*\n\n```\n(.*?)```", (REPO / "README.md").read_text(),
                   re.S)
@@ -232,6 +236,10 @@ def test_readme_demo_sample_has_the_shape_of_the_real_demo(criu_binary: str,
     out = subprocess.run([sys.executable, "-m", "smrctl.cli", "demo", "--mib", "16"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    # What a new user sees is the demo's own narrative: no traceback, no log line.
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr
+    assert not LOG_LINE.search(out.stdout + out.stderr), \
+        f"logged at the default level:\n{out.stderr}"
     stored = re.search(r"stored (\d+\.\d+)s", out.stdout)
     assert stored and float(stored.group(1)) > 0, f"no time to durable storage:\n{out.stdout}"
     real = [_shape(ln) for ln in out.stdout.splitlines()]
