@@ -331,3 +331,24 @@ def test_a_copy_restored_under_another_id_writes_its_own_log(
     finally:
         kill_job(env, copy)
         kill_job(env, job)
+
+
+def test_a_stopped_copy_is_pointed_at_the_checkpoint_it_came_from(
+        ups: list[Up], tmp_path: Path, env: dict[str, str]) -> None:
+    """Each hint must be one that works: a copy has no checkpoints of its own."""
+    up(ups, tmp_path, env).wait_up()
+    job = start_job(env)
+    copy = f"{job}-copy"
+    try:
+        assert smr(env, "checkpoint", job, "--leave-running").returncode == 0
+        assert smr(env, "restore", job, "--as", copy).returncode == 0
+        kill_job(env, copy)
+        r = smr(env, "checkpoint", copy)
+        assert r.returncode == 1, r.stdout
+        hint = re.search(r"`(smr restore [^`]+)`", r.stderr)
+        assert hint, r.stderr
+        again = smr(env, *hint.group(1).split()[1:])
+        assert again.returncode == 0, f"the hint {hint.group(1)!r} does not work:\n{again.stderr}"
+    finally:
+        kill_job(env, copy)
+        kill_job(env, job)
