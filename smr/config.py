@@ -8,6 +8,8 @@ default. Invalid values fail at start with the setting's name and the fix.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 import shutil
@@ -95,6 +97,20 @@ def _pairs(v: str) -> dict[str, str]:
     return out
 
 
+def _aes_key(v: str) -> str:
+    """Empty, or a base64-encoded 32-byte key: checked where every setting
+    is, not first by `smr up` after its nats-server has started."""
+    if v:
+        try:
+            key = base64.b64decode(v, validate=True)
+        except binascii.Error:
+            key = b""
+        if len(key) != 32:
+            raise ValueError("expected a base64-encoded 32-byte key "
+                             "(make one with: head -c 32 /dev/urandom | base64)")
+    return v
+
+
 def _choice(*opts: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         if v not in opts:
@@ -115,6 +131,7 @@ class Setting:
     default: Any
     parse: Callable[[str], Any]
     doc: str
+    secret: bool = False  # never printed: `smr config` output ends up in issues and pod logs
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -130,7 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
             "its own, with only the subjects it needs: deploy/kustomize/components/nats-auth); "
             "empty: none. Its replies come to _INBOX.<user>.>"),
     Setting("NATS_PASSWORD", "", str, "that user's password (from the Secret smr-nats-users "
-            "in the cluster overlays)"),
+            "in the cluster overlays)", secret=True),
     Setting("NATS_TOKEN_FILE", "", str, "node agent: a file holding its projected "
             "ServiceAccount token, presented to NATS as its token; the auth callout "
             "(`smr natsauth`) gives it a user held to its node's subjects; empty: none"),
@@ -162,7 +179,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
-    Setting("ENCRYPTION_KEY", "", str, "base64 32-byte AES-256-GCM key; empty: images in clear"),
+    Setting("ENCRYPTION_KEY", "", _aes_key, "base64 32-byte AES-256-GCM key; empty: images "
+            "in clear", secret=True),
     Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
             "Secret): the first writes, the others still read (rotation); each namespace's "
             "data key is derived from them"),
@@ -314,6 +332,11 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "SMR_KUBE_API empty, the in-cluster API is used"),
     ReadElsewhere("XDG_DATA_HOME", "smr/config.py", "the default SMR_DATA_DIR is "
                   "$XDG_DATA_HOME/smr (else ~/.local/share/smr)"),
+    ReadElsewhere("SMR_TOOLS", "`make setup` (scripts/install-tools.sh)", "where CRIU, "
+                  "nats-server and kustomize are unpacked; default: the checkout's .tools"),
+    ReadElsewhere("SMR_DEBIAN_MIRROR", "`make setup` (scripts/install-tools.sh)", "the Debian "
+                  "mirror CRIU, nats-server and kustomize are downloaded from; default: "
+                  "http://deb.debian.org/debian"),
 )
 
 
@@ -332,6 +355,27 @@ def _shown(value: Any) -> str:
 def _cell(text: str) -> str:
     """Table-safe: ``|`` would end the cell, ``<x>`` would read as an HTML tag."""
     return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def without_credentials(url: str) -> str:
+    """``url`` (or a comma-separated list of them) with any user, password or
+    token replaced by ``***``: the embedded NATS's token rides in its URL."""
+    shown = []
+    for one in url.split(","):
+        scheme, sep, rest = one.rpartition("://")
+        if "@" in rest:
+            rest = "***@" + rest.rsplit("@", 1)[1]
+        shown.append(f"{scheme}{sep}{rest}")
+    return ",".join(shown)
+
+
+def shown(setting: Setting, value: Any) -> str:
+    """``value`` as it may be printed: secrets masked, URLs without credentials."""
+    if setting.secret and value:
+        return "***"
+    if setting.name == "NATS_URL" and value:
+        return without_credentials(str(value))
+    return str(value)
 
 
 def markdown() -> str:
@@ -489,8 +533,9 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
         try:
             values[s.name] = s.parse(raw)
         except ValueError as e:
+            shown = "(a secret, not shown)" if s.secret else repr(raw)
             raise ConfigError(
-                f"invalid {src}={raw!r}: {e}", hint=f"{PREFIX}{s.name} is the {s.doc}"
+                f"invalid {src}={shown}: {e}", hint=f"{PREFIX}{s.name} is the {s.doc}"
             ) from None
     if values["STORAGE"] == "s3" and not values["S3_BUCKET"]:
         raise ConfigError(f"{PREFIX}STORAGE=s3 needs a bucket", hint=f"set {PREFIX}S3_BUCKET")

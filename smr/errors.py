@@ -13,6 +13,8 @@ step errors become the ``error`` object of ckpt.done / restore.done.
 
 from __future__ import annotations
 
+import errno
+
 MAX_TEXT = 2000  # an error's message, hint or detail; they travel in results and dead letters
 
 
@@ -73,3 +75,17 @@ class TemporaryError(StepError):
 
 class PermanentError(StepError):
     code = "permanent"
+
+
+def disk_full(e: BaseException) -> PermanentError | None:
+    """A step that ran out of disk (or quota) as the failure it is, naming
+    where, rather than as a bug in smr. Not retried: a full disk rarely
+    clears by itself, and the job keeps running meanwhile."""
+    if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    where = e.filename or "the step's work or storage directory"
+    return PermanentError(
+        f"no space left on the disk of {where}", code="disk-full",
+        hint="free space there, or point SMR_WORK_DIR and SMR_STORAGE_PATH (SMR_DATA_DIR "
+        "holds both by default) at a larger disk: a checkpoint needs about its job's memory "
+        "free in each; the job was left running")

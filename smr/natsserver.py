@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -23,14 +25,19 @@ class NatsServer:
     def __init__(self, binary: str, store_dir: Path, port: int | None = None,
                  log_file: Path | None = None, token: str = "",
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 jetstream_flags: bool = True) -> None:
+                 jetstream_flags: bool = True, die_with_parent: bool = False) -> None:
         """``token``: clients must present it (in a root-only config file, not
         in argv, which any local user reads in /proc). ``extra_args``: more
         nats-server options (a cluster's name and routes, tests/nats_cluster.py).
         ``jetstream_flags``: False where the configuration file (``-c`` in
         ``extra_args``) enables JetStream on ``store_dir`` itself, for a server
         that reloads it: nats-server 2.10 forgets the command line's -js and -sd
-        on a reload and shuts JetStream down (nats-io/nats-server#6606)."""
+        on a reload and shuts JetStream down (nats-io/nats-server#6606).
+        ``die_with_parent``: the kernel ends the server when the thread that
+        started it ends, however it ends (`smr up` killed with SIGKILL leaves
+        no server behind on its data directory); start it from a thread that
+        lives as long as its owner (the event loop's)."""
+        self.die_with_parent = die_with_parent
         self.extra_args = list(extra_args)
         self.jetstream_flags = jetstream_flags
         self.env = dict(env) if env is not None else None  # the server's (None: ours)
@@ -65,6 +72,10 @@ class NatsServer:
         return ["-js", "-sd", str(self.store_dir)] if self.jetstream_flags else []
 
     def start(self, timeout: float = 15.0) -> NatsServer:
+        return self.spawn().wait_listening(timeout)
+
+    def spawn(self) -> NatsServer:
+        """Start the process; `wait_listening` waits for its port."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
@@ -72,8 +83,12 @@ class NatsServer:
                  "-a", "127.0.0.1", "-p", str(self.port), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches smr, which stops the server in order
-                env=self.env,
+                env=self.env, preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
+        return self
+
+    def wait_listening(self, timeout: float = 15.0) -> NatsServer:
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -99,6 +114,15 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+PR_SET_PDEATHSIG = 1
+# Looked up before any fork: the child runs only this call before exec.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent() -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _tail(path: Path, n: int = 5) -> str:

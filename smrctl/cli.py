@@ -1,5 +1,6 @@
-"""The `smr` command line. Every command that changes something publishes a
-message; the services do the work; the command shows progress and the result."""
+"""The `smr` command line. `checkpoint` and `restore` publish a request (the
+services do the work; the command shows progress and the result); `exec`,
+`kill`, `ps` and `up` act on this machine; the others are the services."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -79,7 +81,19 @@ def _report(result: CkptDone | RestoreDone, what: str) -> int:
 
 
 async def _wait(bus: Bus, rid: str, kind: str, what: str, timeout: float) -> int:
-    result = await bus.wait_result(rid, kind, timeout=timeout, on_progress=_progress_printer())
+    try:
+        result = await bus.wait_result(rid, kind, timeout=timeout,
+                                       on_progress=_progress_printer())
+    except TimeoutError:
+        if sys.stderr.isatty():
+            print("\r".ljust(62), end="\r", file=sys.stderr)
+        # Only the waiting ends: the request stays in the queue and its step
+        # runs on, so the user must not take this for a failure and ask again.
+        print(f"{what}: no result within {timeout:g}s; the {what} goes on (request {rid})",
+              file=sys.stderr)
+        print(f"  hint: `smr status` shows its progress and outcome; waiting again with "
+              f"`--request-id {rid}` runs nothing twice", file=sys.stderr)
+        return 3
     return _report(result, what)
 
 
@@ -141,6 +155,7 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         if (old := await jobs.find(a.id)) and old.alive():
             raise SmrError(f"job {a.id} is already running (pid {old.pid})", code="job-exists",
                            hint="choose another id")
+        _runnable(a.cmd[0])
         log = Path(a.log) if a.log else s.data_path / "logs" / f"{a.id}.log"
         job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node,
                      own_pid_namespace=not a.gpu)
@@ -150,6 +165,20 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         return 0
     finally:
         await bus.close()
+
+
+def _runnable(program: str) -> None:
+    """Refuse, before anything is recorded, a command that cannot start: the
+    job's own start would only say so in its log, after `exec` said "started"."""
+    if "/" in program:
+        ok = os.path.isfile(program) and os.access(program, os.X_OK)
+    else:
+        ok = shutil.which(program) is not None
+    if not ok:
+        raise SmrError(f"cannot run {program}: no such executable "
+                       + ("file" if "/" in program else "on PATH"), code="command-not-found",
+                       hint="check the command's path (relative paths start from the "
+                       "current directory) and that it is executable")
 
 
 async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
@@ -275,13 +304,15 @@ def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
         print(config.markdown(), end="")
         return 0
     for st in config.SETTINGS:
-        print(f"{config.PREFIX}{st.name}={s.values[st.name]!s:<24} # {st.doc}")
+        print(f"{config.PREFIX}{st.name}={config.shown(st, s.values[st.name]):<24} # {st.doc}")
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smr", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log at DEBUG (default: commands log warnings only, `up` and the "
+                   "services INFO)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run NATS, checkpointer, restorer and storage on this machine")
     e = sub.add_parser("exec", help="start a managed job")
@@ -355,11 +386,19 @@ COMMANDS = {
 }
 
 
+# Commands that run until stopped, whose log is their output.
+SERVICES = {"up", "watcher", "agent", "storage", "webhook", "natsauth"}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.command == "exec" and a.cmd[:1] == ["--"]:
         a.cmd = a.cmd[1:]
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+    # The long-running commands log what they do; a command that prints a
+    # table or a result logs only what went wrong, unless -v asks for more.
+    quiet = a.command not in SERVICES
+    logging.basicConfig(level=logging.DEBUG if a.verbose else
+                        logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
     try:

@@ -5,9 +5,13 @@ and storage layout as in a cluster."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import secrets
+import signal
+import time
 from pathlib import Path
 
 from services.checkpointer.step import CheckpointStep
@@ -18,7 +22,7 @@ from services.storage.store import CheckpointStore
 from smr import cuda_checkpoint, gpuinfo, reaper, tracing
 from smr.aio import ended_why, stop_task
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, Worker
-from smr.config import Settings
+from smr.config import Settings, without_credentials
 from smr.criu import Criu
 from smr.errors import SmrError
 from smr.jobs import JobLock, JobRegistry, job_key
@@ -44,6 +48,67 @@ def url_file(settings: Settings) -> Path:
     return settings.data_path / "nats.url"
 
 
+def lock_file(settings: Settings) -> Path:
+    """Held by the one `smr up` of a data directory; says its PID and its nats-server's."""
+    return settings.data_path / "up.lock"
+
+
+def hold_data_dir(settings: Settings) -> tuple[int, str]:
+    """An flock on the data directory's lock file for as long as this node
+    runs: a second `smr up` there would start a second nats-server on the
+    same JetStream directory and take over the first one's URL file. The
+    kernel lets it go however this process ends. Returns the descriptor and
+    what the last holder wrote (its nats-server may have outlived it)."""
+    path = lock_file(settings)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").split()
+        os.close(fd)
+        raise SmrError(
+            f"smr up is already running on {settings.data_path} "
+            f"(pid {holder[0] if holder else '?'})", code="already-running",
+            hint="use that one (`smr ps`), or stop it first; for a second node on this "
+            "machine give it its own SMR_DATA_DIR") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    last = os.pread(fd, 256, 0).decode(errors="replace")
+    _write_holder(fd, f"{os.getpid()}\n")
+    return fd, last
+
+
+def _write_holder(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+
+
+def end_leftover_server(last_holder: str, store_dir: Path) -> None:
+    """A nats-server an earlier `smr up` of this data directory left running
+    (one from before servers died with their parent): ended, so that two never
+    share one JetStream directory. Only a process whose command line names
+    this store directory is touched: its PID may be anyone's by now."""
+    words = last_holder.split()
+    if len(words) < 2 or not words[1].isdigit():
+        return
+    pid = int(words[1])
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return
+    if not argv or not argv[0].endswith(b"nats-server") or str(store_dir).encode() not in argv:
+        return
+    log.warning("ending nats-server %d, left running by an earlier `smr up` of %s",
+                pid, store_dir)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+
+
 def write_private(path: Path, text: str) -> None:
     """``text`` into a new file only its owner reads, never through a link."""
     path.unlink(missing_ok=True)
@@ -65,6 +130,7 @@ class EmbeddedNode:
         self.tasks: list[asyncio.Task[None]] = []
         self.criu_problem: str | None = None
         self._reaping: asyncio.Task[None] | None = None
+        self._lock_fd: int | None = None
 
     @property
     def url(self) -> str:
@@ -78,6 +144,7 @@ class EmbeddedNode:
         # NATS token: the data dir is its owner's alone.
         s.data_path.mkdir(parents=True, exist_ok=True)
         os.chmod(s.data_path, 0o700)
+        self._lock_fd, last = hold_data_dir(s)
         # The trees CRIU restores come to this process when CRIU exits, not
         # to PID 1 (which may never reap them): see smr.reaper.
         if not reaper.become_subreaper():
@@ -89,9 +156,16 @@ class EmbeddedNode:
             log.error("%s", self.criu_problem)
         if not s.nats_url:
             # Only smr's own clients: the token is in root-only files.
-            self.server = NatsServer(s.nats_server_binary(), s.data_path / "nats",
-                                     token=secrets.token_urlsafe(32))
-            await asyncio.to_thread(self.server.start)
+            store = s.data_path / "nats"
+            await asyncio.to_thread(end_leftover_server, last, store)
+            self.server = NatsServer(s.nats_server_binary(), store,
+                                     token=secrets.token_urlsafe(32), die_with_parent=True)
+            # Spawned from the event loop's thread: the server dies with
+            # the thread that started it, and this one lives as long as we do.
+            self.server.spawn()
+            assert self.server.proc is not None
+            _write_holder(self._lock_fd, f"{os.getpid()} {self.server.proc.pid}\n")
+            await asyncio.to_thread(self.server.wait_listening)
             write_private(url_file(s), self.server.client_url)
         tracing.setup("node")
         self.bus = await Bus.connect(self.server.client_url if self.server else s.nats_url,
@@ -156,6 +230,9 @@ class EmbeddedNode:
         if self.server:
             await asyncio.to_thread(self.server.stop)
             url_file(self.settings).unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the data directory is free for the next `smr up`
+            self._lock_fd = None
 
     async def __aenter__(self) -> EmbeddedNode:
         try:
@@ -174,14 +251,42 @@ async def _reap_forever(interval: float = 0.5) -> None:
         await asyncio.sleep(interval)
 
 
+STARTING_WAIT_S = 60.0  # a `smr up` that holds its data directory but has no URL yet
+
+
+def held(settings: Settings) -> bool:
+    """Whether a `smr up` holds this data directory (is starting or running)."""
+    try:
+        fd = os.open(lock_file(settings), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+async def _url_of_running(settings: Settings) -> str:
+    """The running `smr up`'s URL; one that is still starting (`smr up &`
+    then a command at once) is waited for rather than called not running."""
+    deadline = time.monotonic() + STARTING_WAIT_S
+    while True:
+        try:
+            return url_file(settings).read_text().strip()
+        except OSError:
+            if not held(settings) or time.monotonic() > deadline:
+                return ""
+        await asyncio.sleep(0.1)
+
+
 async def connect(settings: Settings) -> Bus:
     """The bus of the running `smr up` (or SMR_NATS_URL) for CLI commands."""
     url = settings.nats_url
     if not url:
-        try:
-            url = url_file(settings).read_text().strip()
-        except OSError:
-            url = ""
+        url = await _url_of_running(settings)
     if not url:
         raise SmrError("smr is not running on this machine", code="not-running",
                        hint="start it with `smr up` (or set SMR_NATS_URL)")
@@ -192,5 +297,8 @@ async def connect(settings: Settings) -> Bus:
                                                   config=BusConfig.from_settings(settings),
                                                   buckets=BUCKETS), 10)
     except (TimeoutError, OSError) as e:
-        raise SmrError(f"cannot reach smr's NATS at {url}: {e}", code="not-running",
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise SmrError(f"cannot reach smr's NATS at {without_credentials(url)}: {why}",
+                       code="not-running",
                        hint="start it with `smr up` (or fix SMR_NATS_URL)") from None
+

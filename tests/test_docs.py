@@ -156,11 +156,14 @@ def test_readme_inline_commands_name_real_subcommands_and_flags() -> None:
     """Inline mentions are fragments (`smr exec --tcp close`): each names a
     subcommand that exists and only flags that subcommand has."""
     subs = next(a for a in cli.parser()._actions if a.dest == "command").choices
+    top = {o for a in cli.parser()._actions for o in a.option_strings}
     bad = []
     spans = _inline_commands()
     assert len(spans) >= 5, spans
     for span in spans:
         words = shlex.split(span)
+        while len(words) > 1 and words[1] in top:  # `smr -v ps`: smr's own flags first
+            del words[1]
         sub = subs.get(words[1]) if len(words) > 1 else None
         if sub is None:
             bad.append(span)
@@ -213,6 +216,10 @@ def _shape(line: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", line).rstrip()
 
 
+# A log line as smrctl.cli's logging formats it.
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ [A-Z]+ ", re.MULTILINE)
+
+
 def _readme_demo() -> list[str]:
     m = re.search(r"`make demo` prints[^\n]*\n\n```\n(.*?)```", (REPO / "README.md").read_text(),
                   re.S)
@@ -229,6 +236,10 @@ def test_readme_demo_sample_has_the_shape_of_the_real_demo(criu_binary: str,
     out = subprocess.run([sys.executable, "-m", "smrctl.cli", "demo", "--mib", "16"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    # What a new user sees is the demo's own narrative: no traceback, no log line.
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr
+    assert not LOG_LINE.search(out.stdout + out.stderr), \
+        f"logged at the default level:\n{out.stderr}"
     stored = re.search(r"stored (\d+\.\d+)s", out.stdout)
     assert stored and float(stored.group(1)) > 0, f"no time to durable storage:\n{out.stdout}"
     real = [_shape(ln) for ln in out.stdout.splitlines()]

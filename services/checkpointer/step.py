@@ -68,7 +68,9 @@ class CheckpointStep(LocalJobStep):
             raise PermanentError(
                 f"job {job.id} is not running (state {job.observed_state()})",
                 code="job-not-running",
-                hint=f"restore it first (`smr restore {job.id}`), or check its log {job.log}",
+                # A copy (`--as`) restores from the checkpoint it came from.
+                hint=f"restore it first (`smr restore {_restore_args(job)}`), or check its "
+                f"log {job.log}",
             )
         if held := self._held_for(req, job):
             raise PermanentError(
@@ -381,3 +383,8 @@ class CheckpointStep(LocalJobStep):
 def finished(dump: asyncio.Task[Any]) -> bool:
     """Did the dump task end with CRIU's success (the images complete on disk)?"""
     return dump.done() and not dump.cancelled() and dump.exception() is None
+
+
+def _restore_args(job: Job) -> str:
+    source = job.checkpoint_id or job.id
+    return source if source == job.id else f"{source} --as {job.id}"

@@ -104,9 +104,11 @@ class RestoreStep(LocalJobStep):
         inherit, fds = {}, []
         if log:
             # The job's log has grown since the dump; hand CRIU an open descriptor
-            # instead of letting it reopen the file and refuse the new size.
-            Path(log).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # instead of letting it reopen the file and refuse the new size. A
+            # copy's descriptor is its own log's, under the dumped path's name.
+            own = restored_log(spec, req)
+            Path(own).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(own, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             fds.append(fd)
             inherit[log] = fd
         pidfile = work / "restored.pid"
@@ -149,7 +151,7 @@ class RestoreStep(LocalJobStep):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
-        await self._running(pid, step, spec.get("log", ""), run.log)
+        await self._running(pid, step, restored_log(spec, req), run.log)
         try:
             return await self._record(req, gen, existing, pid)
         except Exception:
@@ -218,7 +220,7 @@ class RestoreStep(LocalJobStep):
         """Register the restored process under the target's job id."""
         spec = gen.manifest.get("job") or {}
         job = job or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
-                         cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
+                         cwd=spec.get("cwd", ""), log=restored_log(spec, req), node=self.node,
                          checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
         job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
         async for attempt in retry_nats():  # NATS restarting: the restore is not undone for it
@@ -305,6 +307,17 @@ class RestoreStep(LocalJobStep):
         if not self.cuda:
             return {}
         return await self.cuda.resume_tree(pid, gpu_pairs=pairs)
+
+
+def restored_log(spec: dict[str, Any], req: RestoreRequested) -> str:
+    """Where the restored job writes: the checkpointed job's log, or for a
+    copy under another id (`smr restore ID --as NEW`) a log of its own beside
+    it, so that two processes never write one file."""
+    log = spec.get("log", "")
+    target = req.target.job_id
+    if not log or not target or target == req.checkpoint_id:
+        return log
+    return str(Path(log).with_name(f"{target}.log"))
 
 
 def died_detail(pid: int, job_log: str, criu_log: Path, lines: int = 8) -> str:

@@ -485,7 +485,9 @@ async def _connection_error(e: Exception) -> None:
 
 
 async def _disconnected() -> None:
-    log.info("NATS: disconnected")
+    # Every close says it too; a lost server is told by the error and the
+    # reconnect lines, so this is chatter at the default level.
+    log.debug("NATS: disconnected")
 
 
 async def _reconnected() -> None:

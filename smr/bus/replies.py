@@ -17,13 +17,14 @@ from nats.js.errors import KeyNotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from smr import tracing
-from smr.bus.topology import RESULT_OF
-from smr.errors import TemporaryError
+from smr.bus.topology import RESULT_OF, kind_of
+from smr.errors import SmrError, TemporaryError
 from smr.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
 
 # How often a waiter asks for a step's state: soon at first (most steps the
 # CLI and tests wait on are short), then at most this often.
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.25
+WHAT = {"ckpt.requested": "checkpoint", "restore.requested": "restore"}
 
 
 async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
@@ -48,6 +49,16 @@ async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
         if e is not None and e.value and (e.revision or 0) != seen:
             seen = e.revision or 0
             st = orjson.loads(e.value)
+            theirs = st.get("kind") or kind_of(st.get("subject", ""))
+            if theirs and theirs != kind:
+                # JetStream deduplicates by request id whatever the subject:
+                # the step that runs under this id is another kind's, and its
+                # result read as ours would report a step that never ran.
+                raise SmrError(
+                    f"request id {request_id} belongs to a {WHAT.get(theirs, theirs)}, "
+                    f"not a {WHAT.get(kind, kind)}", code="request-id-reused",
+                    hint="give this request another --request-id (or none: each request "
+                    "gets its own)")
             if st.get("state") in ("done", "failed"):
                 return RESULT_OF[kind].from_dict(st["result"])
             if on_progress:

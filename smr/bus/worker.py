@@ -44,7 +44,7 @@ from smr.bus.topology import (
     node_filter,
     node_token,
 )
-from smr.errors import ContractError, SmrError, StepError, TemporaryError
+from smr.errors import ContractError, SmrError, StepError, TemporaryError, disk_full
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
 from smr.retry import NATS_TRANSIENT, NATS_UNAVAILABLE, retry_nats
 
@@ -394,10 +394,14 @@ class Worker:
                 except StepError as e:
                     result = self._failed(req, e)
                 except Exception as e:  # a bug: report it, never retry it forever
-                    log.exception("%s: step %s crashed", self.service, rid)
-                    result = self._failed(req, SmrError(
-                        f"internal error: {type(e).__name__}: {e}", code="internal-error",
-                        hint="this is a bug in smr; please report it with the service log"))
+                    if (full := disk_full(e)) is not None:
+                        log.warning("%s: %s failed: %s", self.service, rid, full.message)
+                        result = self._failed(req, full)
+                    else:
+                        log.exception("%s: step %s crashed", self.service, rid)
+                        result = self._failed(req, SmrError(
+                            f"internal error: {type(e).__name__}: {e}", code="internal-error",
+                            hint="this is a bug in smr; please report it with the service log"))
                 annotate(step_span, result)
         finally:
             await stop_task(keepalive, again_every=KEEP_CANCELLING_S)
