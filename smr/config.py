@@ -302,7 +302,9 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "container's name: set by the webhook on opted-in containers (by hand in a "
                   "hand-written manifest); smr-runtime wraps only containers that have it"),
     ReadElsewhere("SMR_INIT_DIR", "smr-init, in the container", "smr-init's state "
-                  "directory; default /smr"),
+                  "directory; default /smr. The node agent ignores it and reads /smr only "
+                  "(smr-runtime's tmpfs or the manifest's volume): a pod that moves it gets no "
+                  "answer, and smr-init's own timeout applies"),
     ReadElsewhere("SMR_INIT_TIMEOUT", "smr-init, in the container", "seconds smr-init waits "
                   "for the agent's restore-or-start answer before it starts the command "
                   "fresh (or, with SMR_RESTORE_FAILURE=fail, exits 70); default 30"),
@@ -315,8 +317,11 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "or the NVIDIA runtime for smr-nvidia"),
     ReadElsewhere("INIT", "smr-runtime, from smr-runtime.env", "the host's smr-init it "
                   "mounts into containers; default: beside smr-runtime"),
-    ReadElsewhere("STATE", "smr-runtime, from smr-runtime.env", "per-container state "
-                  "directories; default /run/smr/containers"),
+    ReadElsewhere("STATE", "smr-runtime, from smr-runtime.env", "where each "
+                  "container's /smr tmpfs is mounted on the host; default /run/smr/containers"),
+    ReadElsewhere("SIZE", "smr-runtime, from smr-runtime.env", "the size of each "
+                  "container's /smr tmpfs (tmpfs's size=, e.g. 4m); default 4m. Charged to the "
+                  "container's memory cgroup as it writes"),
     ReadElsewhere("LOG", "smr-runtime, from smr-runtime.env", "a file it appends its log "
                   "to; default: stderr (containerd's log)"),
     ReadElsewhere("OTEL_EXPORTER_OTLP_ENDPOINT", "every smr service (smr/tracing.py)",

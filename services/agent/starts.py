@@ -74,9 +74,9 @@ class StartRestores:
 
     async def scan(self) -> None:
         waiting, alive = [], set()
-        # Off the event loop: /proc and each container's status file.
-        for shim, st in await asyncio.to_thread(_statuses):
-            key = (shim.pid, proc_start_ticks(shim.pid) or 0)
+        # Off the event loop: /proc and the status file of each container not
+        # answered yet. One answered, or refused once, is not read again.
+        for key, shim, st in await asyncio.to_thread(_statuses, self._done | self._busy):
             alive.add(key)
             if key in self._done or key in self._busy:
                 continue
@@ -200,13 +200,20 @@ class StartRestores:
         return "fresh"
 
 
-def _statuses() -> list[tuple[Shim, list[str] | UnsafePath]]:
-    out: list[tuple[Shim, list[str] | UnsafePath]] = []
+def _statuses(skip: set[tuple[int, int]]
+              ) -> list[tuple[tuple[int, int], Shim, list[str] | UnsafePath | None]]:
+    """Every shim of the host by (pid, start): its status, or why it was
+    refused; None for those in ``skip`` (not read)."""
+    out: list[tuple[tuple[int, int], Shim, list[str] | UnsafePath | None]] = []
     for shim in host.shims():
+        key = (shim.pid, proc_start_ticks(shim.pid) or 0)
+        if key in skip:
+            out.append((key, shim, None))
+            continue
         try:
-            out.append((shim, shim.status()))
+            out.append((key, shim, shim.status()))
         except UnsafePath as e:
-            out.append((shim, e))
+            out.append((key, shim, e))
     return out
 
 

@@ -8,8 +8,14 @@ under a container's root is opened with openat2(RESOLVE_IN_ROOT |
 RESOLVE_NO_SYMLINKS) from a descriptor of that root: ``..`` stops at the
 container's root and no symlink is followed, not even the last component.
 Where openat2 is missing (Linux < 5.6) each component is opened from its
-parent's descriptor with O_NOFOLLOW. Reads are bounded and only of regular
-files, opened O_NONBLOCK so that a FIFO or a device never blocks the open.
+parent's descriptor with O_NOFOLLOW.
+
+A file that is read, written or locked is opened O_PATH first, its type
+checked with fstat, and only a regular file is then opened for I/O, through
+/proc/self/fd/N (the inode already held, nothing resolved again). Opening a
+device is not free of effects (a watchdog is armed by open, a tape rewinds),
+and a FIFO's open blocks: so neither is ever opened, only refused. Reads are
+bounded.
 """
 
 from __future__ import annotations
@@ -137,15 +143,32 @@ class Root:
         finally:
             os.close(fd)
 
+    def file(self, path: str, flags: int, *, create: int | None = None,
+             cap: int | None = None) -> int:
+        """A regular file opened with ``flags`` (never O_CREAT: ``create`` is
+        the mode of a new file made where there is none). Anything else
+        there, or a file over ``cap`` bytes, is refused without being opened
+        for I/O."""
+        for _ in range(8):
+            try:
+                held = self.open(path, os.O_PATH)
+            except FileNotFoundError:
+                if create is None:
+                    raise
+                try:  # a new file of ours: O_EXCL, so nothing there is opened
+                    return self.open(path, flags | os.O_CREAT | os.O_EXCL, create)
+                except FileExistsError:
+                    continue  # made meanwhile: checked like any other
+            try:
+                return reopen(held, path, flags, cap)
+            finally:
+                os.close(held)
+        raise _refused(path, "made and removed again and again while opened")
+
     def read(self, path: str, cap: int = SMALL) -> bytes:
         """A regular file's content, at most ``cap`` bytes, never blocking."""
-        fd = self.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        fd = self.file(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, cap=cap)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise _refused(path, _kind(st.st_mode))
-            if st.st_size > cap:
-                raise _refused(path, f"{st.st_size} bytes, more than the {cap} expected")
             return os.read(fd, cap)
         finally:
             os.close(fd)
@@ -200,6 +223,38 @@ class Root:
         parent, name = _split(path)
         with contextlib.suppress(FileNotFoundError), self.dir(parent) as d:
             _unlink(d, name)
+
+
+def reopen(held: int, path: str, flags: int, cap: int | None = None) -> int:
+    """The regular file that the O_PATH descriptor ``held`` holds, opened for
+    I/O with ``flags``; anything else is refused, never opened."""
+    st = os.fstat(held)
+    if not stat.S_ISREG(st.st_mode):
+        raise _refused(path, _kind(st.st_mode))
+    if cap is not None and st.st_size > cap:
+        raise _refused(path, f"{st.st_size} bytes, more than the {cap} expected")
+    return _through_proc(held, flags)
+
+
+def _through_proc(held: int, flags: int) -> int:
+    # The magic link to the inode ``held`` already pins: O_NOFOLLOW would
+    # refuse the link itself, O_CREAT has nothing left to make.
+    flags &= ~(os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL)
+    return os.open(f"/proc/self/fd/{held}", flags | os.O_NOCTTY | os.O_CLOEXEC)
+
+
+def open_regular_at(dirfd: int, name: str, flags: int) -> int:
+    """``name`` in the directory ``dirfd``, not followed, opened for I/O only
+    if it is a regular file: the capture of a writable layer, where a file
+    swapped for a device node or a FIFO meanwhile is not the layer's file
+    any more (OSError, like a file removed meanwhile), and is never opened."""
+    held = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        if not stat.S_ISREG(os.fstat(held).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file any more", name)
+        return _through_proc(held, flags)
+    finally:
+        os.close(held)
 
 
 def _kind(mode: int) -> str:

@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import re
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,11 @@ log = logging.getLogger("smr.agent")
 
 PROC = Path("/proc")
 SHIM_NAME = "smr-init"
-DEFAULT_INIT_DIR = "/smr"
+# smr-init's state directory, always: smr-runtime's nodev tmpfs or the
+# manifest's volume. SMR_INIT_DIR is the pod's to set and is never read here.
+INIT_DIR = "/smr"
+# A container name, one path component (smr-runtime checks it the same way).
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,62}")
 
 
 def container_id_of(pid: int) -> str | None:
@@ -173,14 +176,12 @@ class Shim:
     (seen from the host through /proc/<pid>/root)."""
 
     pid: int
-    init_dir: str  # inside the container, e.g. /smr
-    container: str
+    init_dir: str  # inside the container: INIT_DIR (tests run smr-init elsewhere)
+    container: str  # SMR_CONTAINER: the pod's to set, so checked in ``dir``
 
     @classmethod
     def of(cls, pid: int) -> Shim:
-        env = environ(pid)
-        return cls(pid, env.get("SMR_INIT_DIR") or DEFAULT_INIT_DIR,
-                   env.get("SMR_CONTAINER") or "main")
+        return cls(pid, INIT_DIR, environ(pid).get("SMR_CONTAINER") or "main")
 
     @property
     def root(self) -> Path:
@@ -193,6 +194,12 @@ class Shim:
 
     @property
     def dir(self) -> str:
+        """/smr/<container>: one directory of /smr, whatever the pod set."""
+        if not _NAME.fullmatch(self.container):
+            raise UnsafePath(f"SMR_CONTAINER={self.container!r} is not a container name; the "
+                             f"node agent reads smr-init's files only in {INIT_DIR}/<name>",
+                             hint="set SMR_CONTAINER to the container's name (the webhook "
+                                  "does)")
         return f"{self.init_dir}/{self.container}"
 
     def status(self) -> list[str]:
@@ -281,14 +288,10 @@ class Shim:
 def _locked(root: Root, path: str, whose: str) -> Iterator[None]:
     """``path`` flocked exclusively, waiting 0.5 s at most (only smr-init and
     the agent take it; a workload holding it fails the step, retried)."""
-    fd = root.open(path, os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+    # A regular file only, made if missing; anything else there is refused
+    # before it is opened for the lock.
+    fd = root.file(path, os.O_RDONLY | os.O_NONBLOCK, create=0o644)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePath(f"{path} in the container is not a regular file "
-                             f"(mode {stat.filemode(st.st_mode)}); the node agent does not "
-                             "lock it", hint="remove it; smr's files in the container's smr "
-                                             "volume are smr's own")
         deadline = time.monotonic() + 0.5
         while True:
             try:

@@ -27,7 +27,7 @@ import stat
 import tarfile
 from pathlib import Path
 
-from services.containers.confined import Root, UnsafePath
+from services.containers.confined import Root, UnsafePath, open_regular_at
 from smr.errors import PermanentError
 
 TAR = "rootfs.tar"
@@ -91,7 +91,7 @@ def _add(tar: tarfile.TarFile, dfd: int, name: str, rel: str) -> None:
             tar.addfile(info)
     elif stat.S_ISREG(st.st_mode):
         try:
-            fd = os.open(name, _READ, dir_fd=dfd)
+            fd = open_regular_at(dfd, name, _READ)  # O_PATH first: never a device
         except OSError:
             return  # replaced by a link or removed since: not a file of the layer now
         with os.fdopen(fd, "rb") as f:

@@ -10,7 +10,10 @@ and writable layer a migration must carry as usual.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import os
+import stat
 import subprocess
 import sysconfig
 import tarfile
@@ -22,9 +25,12 @@ from typing import Any
 
 import pytest
 
+from services.containers import host
+from services.containers.host import Shim
 from smr.messages import CkptDone, CkptRequested, Target
 from tests import oci_image
 from tests.agent.cluster import COUNTER, Cluster, steps, workload
+from tests.agent.opens import Opens
 
 HOSTILE_IMAGE = "smr.test/hostile:1"
 MARKER_DIR = Path("/tmp")  # the markers' names are random per test run
@@ -53,6 +59,10 @@ shm-swap) (mkdir -p /dev/shm/d; echo mine > /dev/shm/d/f
              mv /dev/shm/d /dev/shm/d.real; ln -s "$SECRET_DIR" /dev/shm/d; rm /dev/shm/d
              mv /dev/shm/d.real /dev/shm/d
            done) & ;;
+dev-nodes) (sleep 1; M=/tmp/state/main; mkdir -p $S $M
+            mknod $S/status.x c 1 3; mv $S/status.x $S/status
+            mknod $M/status.x c 1 3; mv $M/status.x $M/status) & ;;
+lock-dev) (sleep 1; mknod $S/signal.lock.x c 1 3; mv $S/signal.lock.x $S/signal.lock) & ;;
 esac
 exec /bin/counter
 """
@@ -109,7 +119,7 @@ def hostile_image(tmp_path_factory: pytest.TempPathFactory, markers: dict[str, P
                  TRACEBACK.replace("MARKER", repr(str(markers["traceback"]))).encode()}
     for lib in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib"):
         files[f"{lib}/libnss_evil.so.2"] = module
-    links = {f"bin/{a}": "busybox" for a in ("ln", "mkfifo", "mv")}
+    links = {f"bin/{a}": "busybox" for a in ("ln", "mkfifo", "mv", "mknod", "mkdir")}
     return oci_image.build(d / "hostile.tar", HOSTILE_IMAGE, files=files, links=links)
 
 
@@ -224,6 +234,81 @@ async def test_fifo_status_stalls_nothing(hostile: Cluster) -> None:
     await hostile.event("CheckpointFailed", "fifo")
     other = await asyncio.wait_for(checkpoint(hostile, "bystander", a, "bystander-1"), 60)
     assert other.status == "succeeded", other.error
+
+
+async def test_device_nodes_where_smrs_files_are_are_never_opened(
+        hostile: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device nodes the workload makes in place of `status` and
+    `signal.lock` (containers may mknod; opening a device can arm a watchdog
+    or reset hardware): the agent refuses them without opening them, and a
+    status refused once is not looked at again on the next scans. A pod that
+    sets SMR_INIT_DIR moves smr-init's files only: the agent reads /smr."""
+    a, _ = list(hostile.kubelets)
+    reads: dict[int, int] = {}
+    scans = [0]
+    status, shims = Shim.status, host.shims
+
+    def counted_status(self: Shim) -> list[str]:
+        reads[self.pid] = reads.get(self.pid, 0) + 1
+        return status(self)
+
+    def counted_shims() -> list[Shim]:
+        scans[0] += 1
+        return shims()
+
+    monkeypatch.setattr(Shim, "status", counted_status)
+    monkeypatch.setattr(host, "shims", counted_shims)
+
+    async def scanned(n: int) -> None:
+        """Until both agents scanned this node's containers n more times."""
+        until = scans[0] + 2 * n
+        for _ in range(600):
+            if scans[0] >= until:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the agents stopped scanning")
+
+    hostile.kube.put("pods", attacker("mover", a, "dev-nodes", SMR_INIT_DIR="/tmp/state",
+                                      SMR_INIT_TIMEOUT="3"))
+    hostile.kube.put("pods", attacker("lockdev", a, "lock-dev"))
+    await hostile.until_steps("mover", a, 5)
+    await hostile.until_steps("lockdev", a, 5)
+    pids = {host.environ(s.pid).get("ATTACK"): s.pid for s in shims()}
+    planted = [f"/proc/{pids['dev-nodes']}/root/smr/main/status",
+               f"/proc/{pids['dev-nodes']}/root/tmp/state/main/status",
+               f"/proc/{pids['lock-dev']}/root/smr/main/signal.lock"]
+    for path in planted:
+        for _ in range(100):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISCHR(os.lstat(path).st_mode):
+                    break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"{path} was not made a device node")
+    opens = Opens()
+    try:
+        for path in planted:
+            opens.watch(path)
+        await scanned(4)
+        before = reads.get(pids["dev-nodes"], 0)
+        await scanned(8)
+        assert reads.get(pids["dev-nodes"], 0) == before, \
+            "a status refused once was read again on the next scans"
+
+        locked = await checkpoint(hostile, "lockdev", a, "lockdev-1")
+        moved = await checkpoint(hostile, "mover", a, "mover-1")
+        assert not (got := opens.opened()), f"the agent opened the planted device nodes: {got}"
+    finally:
+        opens.close()
+    assert locked.status == "failed", "a hold was taken on a device node"
+    assert locked.error["code"] == "unsafe-path-in-container", locked.error
+    assert "signal.lock" in locked.error["message"], locked.error
+    assert moved.status == "failed" and moved.error["code"] == "unsafe-path-in-container"
+    assert "/smr/main/status" in moved.error["message"], moved.error
+    # smr-init in the moved directory got no answer: its own timeout started it.
+    assert "no answer from the smr node agent" in hostile.log("mover", a)
+    n = len(steps(hostile.log("lockdev", a)))
+    await hostile.until_steps("lockdev", a, n + 3)  # the refusals left it running
 
 
 async def test_workload_cannot_edit_its_images_before_upload(hostile: Cluster) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from services.containers import confined
 from services.containers.confined import Root, UnsafePath
+from tests.agent.opens import Opens
 
 
 @pytest.fixture(params=["openat2", "fallback"])
@@ -119,3 +120,37 @@ def test_touch_refreshes_a_file_in_place_and_never_a_link_or_fifo(
     os.mkfifo(hold)
     with pytest.raises(UnsafePath, match="FIFO"):
         r.touch("/smr/main/hold")
+
+
+def test_a_device_or_fifo_where_a_file_is_read_locked_or_captured_is_never_opened(
+        root: tuple[Root, Path, Path]) -> None:
+    """Opening a device is not free of effects (a watchdog is armed by its
+    open): a device node is fstat-checked through an O_PATH descriptor and
+    refused, never opened, wherever the agent reads, locks or copies a file."""
+    r, top, _ = root
+    main = top / "smr/main"
+    for name in ("status", "signal.lock", "layer-file"):
+        os.mknod(main / name, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null
+    opens = Opens()
+    try:
+        for name in ("status", "signal.lock", "layer-file"):
+            opens.watch(str(main / name))
+        with pytest.raises(UnsafePath, match="not a regular file"):
+            r.read("/smr/main/status")
+        with pytest.raises(UnsafePath, match="not a regular file"):
+            r.file("/smr/main/signal.lock", os.O_RDONLY | os.O_NONBLOCK, create=0o644)
+        d = os.open(main, os.O_PATH | os.O_DIRECTORY)
+        try:
+            with pytest.raises(OSError, match="not a regular file"):
+                confined.open_regular_at(d, "layer-file", os.O_RDONLY | os.O_NOFOLLOW)
+        finally:
+            os.close(d)
+        assert not (got := opens.opened()), f"opened: {got}"
+    finally:
+        opens.close()
+    # A missing lock is made, a regular file of the agent's, and opened.
+    fd = r.file("/smr/main/new.lock", os.O_RDONLY | os.O_NONBLOCK, create=0o644)
+    try:
+        assert stat.S_ISREG(os.fstat(fd).st_mode) and (main / "new.lock").is_file()
+    finally:
+        os.close(fd)

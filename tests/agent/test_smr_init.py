@@ -4,6 +4,7 @@ agent's decision names it, and a hold left by a crashed agent expires."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,9 +31,24 @@ class Running:
                                       "--bundle", str(bundle), self.cid],
                                      stderr=subprocess.PIPE, text=True)
         self.smr = runtime_state(smr_runtime.parent) / self.cid / "main"
+        self.kept: int | None = None
+
+    def keep(self) -> None:
+        """Hold smr-init's directory open: its tmpfs is detached when the
+        container ends, and stays readable through this descriptor."""
+        for _ in range(3000):
+            with contextlib.suppress(OSError):
+                self.kept = os.open(self.smr, os.O_PATH | os.O_DIRECTORY)
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"smr-init never made {self.smr}")
 
     def status(self) -> str:
         try:
+            if self.kept is not None:
+                fd = os.open("status", os.O_RDONLY, dir_fd=self.kept)
+                with os.fdopen(fd) as f:
+                    return f.read()
             return (self.smr / "status").read_text()
         except OSError:
             return ""
@@ -54,6 +70,8 @@ class Running:
         (self.smr / "decision.tmp").rename(self.smr / "decision")
 
     def stop(self) -> None:
+        if self.kept is not None:
+            os.close(self.kept)
         if self.proc.poll() is None:
             subprocess.run(["runc", "--root", str(self.root), "kill", self.cid, "KILL"],
                            check=False, capture_output=True)
@@ -120,9 +138,10 @@ def test_no_answer_from_the_agent_follows_the_restore_failure_policy(
     where the pod's policy allows it (SMR_RESTORE_FAILURE, which the webhook
     sets from the label smr.dev/restore-failure); `fail` exits 70."""
     marker = top / "bundle" / "rootfs" / "started"
-    c = Running(smr_runtime, top, ["/bin/sh", "-c", "touch /started; exit 4"], "0.2",
+    c = Running(smr_runtime, top, ["/bin/sh", "-c", "touch /started; exit 4"], "1",
                 {"SMR_RESTORE_FAILURE": policy})
     try:
+        c.keep()
         code = c.proc.wait(30)
         err = c.proc.stderr.read() if c.proc.stderr else ""
         if policy == "fail":

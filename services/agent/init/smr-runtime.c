@@ -9,13 +9,22 @@
  * SMR_CONTAINER=<name> (the webhook adds it to the containers it opts in) and
  * that is not a pod sandbox, it edits the bundle's config.json:
  *
- *   mounts       /smr             <- STATE/<container id>  (read-write: smr-init's
- *                                    state, the agent's work space)
+ *   mounts       /smr             <- STATE/<container id>: a tmpfs of its own, SIZE
+ *                                    bytes at most, nodev,nosuid,noexec, owned by
+ *                                    the container's user (smr-init's state, the
+ *                                    agent's answers: a few small files)
  *                /smr/smr-init    <- INIT                  (read-only)
  *   process.args [/smr/smr-init, --, <the args as resolved from the image
  *                 ENTRYPOINT/CMD and the pod's command/args>]
  *
- * On `delete` it removes STATE/<container id> once the real runtime is done.
+ * The tmpfs is the pod's own: its pages are charged to the container's memory
+ * cgroup, and SIZE bounds them, so a workload cannot fill the host's /run.
+ *
+ * On `delete`, once the real runtime is done, it unmounts that tmpfs (detached:
+ * a process still holding it keeps only its own pages) and removes the mount
+ * point by descriptors: every directory opened O_NOFOLLOW from its parent,
+ * every entry unlinked relative to it, no device crossed. Nothing there is
+ * ever reached through a path the workload could have swapped a link into.
  * Anything else passes through untouched. It never fails a container start
  * because of smr: if the edit cannot be made, it logs why and passes through.
  *
@@ -23,6 +32,7 @@
  *   RUNTIME  the real runtime (default: runc on PATH)
  *   INIT     the host's smr-init (default: smr-init beside this binary)
  *   STATE    per-container directories (default: /run/smr/containers)
+ *   SIZE     each container's /smr tmpfs, as tmpfs's size= takes it (default: 4m)
  *   LOG      a file to append to (default: stderr, which containerd logs)
  *
  * A static C binary: it runs on the host, which may have nothing else. JSON
@@ -31,13 +41,14 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <libgen.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -46,9 +57,14 @@
 #include "cJSON.h"
 
 #define INIT_IN_CONTAINER "/smr/smr-init"
+/* smr-init's status, the agent's decision, hold, lock and notes: a few lines. */
+#define DEFAULT_SIZE "4m"
+#define MAX_INODES 1024
+#define MAX_DEPTH 64
 
 static char runtime[PATH_MAX] = "runc", init_path[PATH_MAX] = "",
-            state[PATH_MAX] = "/run/smr/containers", log_path[PATH_MAX] = "";
+            state[PATH_MAX] = "/run/smr/containers", log_path[PATH_MAX] = "",
+            size[PATH_MAX] = DEFAULT_SIZE;
 
 static void say(const char *fmt, ...) {
     FILE *out = stderr;
@@ -80,7 +96,8 @@ static void load_settings(void) {
         if (!eq || line[0] == '#') continue;
         *eq = 0;
         char *dst = !strcmp(line, "RUNTIME") ? runtime : !strcmp(line, "INIT") ? init_path
-                  : !strcmp(line, "STATE") ? state : !strcmp(line, "LOG") ? log_path : NULL;
+                  : !strcmp(line, "STATE") ? state : !strcmp(line, "LOG") ? log_path
+                  : !strcmp(line, "SIZE") ? size : NULL;
         if (dst) snprintf(dst, PATH_MAX, "%s", eq + 1);
     }
     fclose(f);
@@ -167,13 +184,75 @@ static long host_id(cJSON *maps, long id) {
     return -1;
 }
 
+/* A tmpfs size as its size= option takes it: a number, k, m or g after. */
+static int valid_size(const char *s) {
+    size_t n = strspn(s, "0123456789");
+    return n > 0 && n < 16 && (s[n] == 0 || (strchr("kmgKMG", s[n]) && s[n + 1] == 0));
+}
+
+/* Detach every mount at `dir` (its /smr tmpfs): a process still holding it
+   keeps only what it holds; the mount point is left. */
+static void unmount_state(const char *dir) {
+    for (int i = 0; i < 8 && umount2(dir, MNT_DETACH | UMOUNT_NOFOLLOW) == 0; i++) {}
+}
+
+/* Remove `name` in the directory `parent` and everything under it, never by
+   path: each directory is opened O_NOFOLLOW from its parent's descriptor and
+   must be on `dev`, each entry is unlinked relative to it. A directory the
+   workload swaps for a symlink meanwhile is unlinked as the link it now is;
+   nothing outside is reached. */
+static void remove_at(int parent, const char *name, dev_t dev, int depth) {
+    if (unlinkat(parent, name, 0) == 0 || errno != EISDIR) return;
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOTDIR || errno == ELOOP) unlinkat(parent, name, 0);  /* swapped: a link */
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_dev != dev || depth > MAX_DEPTH) {
+        say("left %s in place: %s", name, depth > MAX_DEPTH ? "nested too deep"
+                                          : "on another file system than its parent");
+        close(fd);
+        return;
+    }
+    DIR *d = fdopendir(fd);
+    if (!d) { close(fd); return; }
+    /* Entries removed while listed may hide others: listed again, a few
+       times at most (a process still holding it could add forever). */
+    for (int pass = 0; pass < 4; pass++) {
+        int seen = 0;
+        rewinddir(d);
+        for (struct dirent *e; (e = readdir(d));) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            remove_at(dirfd(d), e->d_name, dev, depth + 1);
+            seen = 1;
+        }
+        if (!seen) break;
+    }
+    closedir(d);
+    unlinkat(parent, name, AT_REMOVEDIR);
+}
+
+/* A container's state: its tmpfs unmounted, then the mount point removed. */
+static void remove_state(const char *id) {
+    char dir[PATH_MAX * 2];
+    snprintf(dir, sizeof dir, "%s/%s", state, id);
+    unmount_state(dir);
+    int top = open(state, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    struct stat st;
+    if (top >= 0 && fstat(top, &st) == 0) remove_at(top, id, st.st_dev, 0);
+    if (top >= 0) close(top);
+}
+
 static cJSON *bind_mount(const char *dst, const char *src, const char *mode) {
     cJSON *m = cJSON_CreateObject(), *opts = cJSON_CreateArray();
     cJSON_AddStringToObject(m, "destination", dst);
     cJSON_AddStringToObject(m, "type", "bind");
     cJSON_AddStringToObject(m, "source", src);
-    const char *o[] = {"rbind", mode, "nosuid", "nodev"};
-    for (size_t i = 0; i < 4; i++) cJSON_AddItemToArray(opts, cJSON_CreateString(o[i]));
+    /* noexec for /smr: the options of a bind are its own, not its source's. */
+    const char *o[] = {"rbind", mode, "nosuid", "nodev", "noexec"};
+    size_t n = strcmp(dst, INIT_IN_CONTAINER) ? 5 : 4;
+    for (size_t i = 0; i < n; i++) cJSON_AddItemToArray(opts, cJSON_CreateString(o[i]));
     cJSON_AddItemToObject(m, "options", opts);
     return m;
 }
@@ -207,11 +286,9 @@ static const char *wrap(const char *bundle, const char *id) {
     else if (!strcmp(first->valuestring, INIT_IN_CONTAINER)) why = "already wrapped";
     if (why) { cJSON_Delete(spec); return why; }
 
-    char dir[PATH_MAX * 2], mountpoint[PATH_MAX * 2 + 16];
+    char dir[PATH_MAX * 2], mountpoint[PATH_MAX * 2 + 16], opts[PATH_MAX + 96];
     snprintf(dir, sizeof dir, "%s/%s", state, id);
     snprintf(mountpoint, sizeof mountpoint, "%s/smr-init", dir);
-    if (mkdirs(state, 0711) != 0) why = "cannot create STATE";
-    else if (mkdir(dir, 0755) != 0 && errno != EEXIST) why = "cannot create its state directory";
     /* /smr belongs to the container's user, whatever its uid: smr-init writes
        its status there as that user. */
     cJSON *user = cJSON_GetObjectItemCaseSensitive(proc, "user");
@@ -222,13 +299,33 @@ static const char *wrap(const char *bundle, const char *id) {
                       cJSON_IsNumber(uid) ? (long)uid->valuedouble : 0);
     long hg = host_id(cJSON_GetObjectItemCaseSensitive(linux_, "gidMappings"),
                       cJSON_IsNumber(gid) ? (long)gid->valuedouble : 0);
-    if (!why && (hu < 0 || hg < 0)) why = "its user has no id on the host";
-    if (!why && chown(dir, (uid_t)hu, (gid_t)hg) != 0) why = "cannot give /smr to its user";
-    int fd = why ? -1 : open(mountpoint, O_WRONLY | O_CREAT, 0755);
+    int mounted = 0;
+    if (!valid_size(size)) why = "SIZE in smr-runtime.env is not a tmpfs size (such as 4m)";
+    else if (hu < 0 || hg < 0) why = "its user has no id on the host";
+    else if (mkdirs(state, 0711) != 0) why = "cannot create STATE";
+    else if (mkdir(dir, 0700) != 0 && errno != EEXIST) why = "cannot create its state directory";
+    if (!why) {
+        /* A tmpfs of its own: bounded, charged to the container's memory
+           cgroup as it writes, never the host's /run. An earlier create's
+           (the same id) goes first. */
+        unmount_state(dir);
+        snprintf(opts, sizeof opts, "size=%s,nr_inodes=%d,mode=0755,uid=%ld,gid=%ld",
+                 size, MAX_INODES, hu, hg);
+        if (mount("smr", dir, "tmpfs", MS_NODEV | MS_NOSUID | MS_NOEXEC, opts) != 0)
+            why = "cannot mount its /smr tmpfs";
+        else
+            mounted = 1;
+    }
+    int fd = why ? -1 : open(mountpoint, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                             0755);
     if (!why && fd < 0) why = "cannot create the smr-init mount point";
     if (fd >= 0) close(fd);
     if (!why && access(init_path, X_OK) != 0) why = "the host's smr-init is missing";
-    if (why) { cJSON_Delete(spec); return why; }
+    if (why) {
+        if (mounted) unmount_state(dir);
+        cJSON_Delete(spec);
+        return why;
+    }
 
     cJSON *mounts = cJSON_GetObjectItemCaseSensitive(spec, "mounts");
     if (!cJSON_IsArray(mounts)) {
@@ -244,12 +341,6 @@ static const char *wrap(const char *bundle, const char *id) {
     if (!out || write_file(path, out) != 0) why = "cannot write config.json";
     free(out);
     return why;
-}
-
-static int remove_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st; (void)flag; (void)ftw;
-    remove(p);
-    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -274,7 +365,14 @@ int main(int argc, char **argv) {
         }
     }
     argv[0] = runtime;
-    if (id && !strcmp(cmd, "delete") && valid_part(id, 128)) {
+    /* `delete`, and a `run` in the foreground (runc removes the container
+       when it ends; containerd never uses it): the real runtime first, then
+       the container's state. */
+    int detached = 0;
+    for (int i = c + 1; c > 0 && i < argc; i++)
+        detached |= !strcmp(argv[i], "-d") || !strcmp(argv[i], "--detach");
+    if (id && valid_part(id, 128)
+        && (!strcmp(cmd, "delete") || (!strcmp(cmd, "run") && !detached))) {
         pid_t pid = fork();
         if (pid == 0) {
             execvp(runtime, argv);
@@ -282,10 +380,8 @@ int main(int argc, char **argv) {
         }
         int st = 0;
         while (pid > 0 && waitpid(pid, &st, 0) < 0 && errno == EINTR) {}
-        char dir[PATH_MAX * 2];
-        snprintf(dir, sizeof dir, "%s/%s", state, id);
-        if (pid > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0)
-            nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+        if (pid > 0 && (!strcmp(cmd, "run") || (WIFEXITED(st) && WEXITSTATUS(st) == 0)))
+            remove_state(id);
         return pid < 0 ? 127 : WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
     }
     execvp(runtime, argv);
