@@ -227,8 +227,14 @@ SETTINGS: tuple[Setting, ...] = (
             "containers a node runs at once; final ones (drain, preemption, shutdown) start "
             "before the leave-running ones waiting"),
     Setting("CHECKPOINT_SCRATCH", 0, _count, "node agent: bytes of its work directory the "
-            "dumps in flight may fill together (estimated from each workload's memory or "
-            "last dump); 0: the free space there. A dump always starts when none runs"),
+            "dumps in flight may fill together (estimated from each workload's memory and "
+            "its writable layer's and /dev/shm's data, or its last dump); 0: the free "
+            "space there. A dump always starts when none runs"),
+    Setting("CAPTURE_BYTES", 16 << 30, _count, "node agent: bytes a pod checkpoint's copies "
+            "of its container's writable layer and /dev/shm may take together in its work "
+            "directory where the container sets no ephemeral-storage limit (holes in sparse "
+            "files take none); over it, the checkpoint fails with capture-too-large and the "
+            "workload runs on"),
     Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
             "node runs at once"),
     Setting("TEMPLATE_CACHE_BYTES", 50 << 30, _count, "node agent: bytes of warm-start "

@@ -21,7 +21,9 @@ from services.agent.install import (
     runtimes,
     with_handlers,
 )
+from services.agent.nodelabel import installed_handlers
 from smr.config import REPO_TOOLS
+from tests.helpers.containerd_host import put_containerd
 
 MAIN = 'version = 2\nroot = "/var/lib/containerd"\n\n[grpc]\n  address = "/run/c.sock"\n'
 
@@ -161,3 +163,58 @@ def test_a_config_that_would_not_load_is_left_alone(node: Path) -> None:
         install(node, runtime, init, check=lambda host, path: "unknown key")
     assert config.read_text() == MAIN
     assert not list(config.parent.glob("*.smr-check")), "the trial config stays behind"
+
+
+# A node whose CRI section comes from a drop-in, as the NVIDIA toolkit's
+# `nvidia-ctk runtime configure --drop-in` and conf.d layouts make it: the
+# main file imports it, and containerd replaces the main file's CRI section
+# with the drop-in's whole.
+IMPORTS_MAIN = ('version = 2\nimports = ["/etc/containerd/conf.d/*.toml"]\n'
+                '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+                '  runtime_type = "io.containerd.runc.v2"\n'
+                '  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]\n'
+                '    SystemdCgroup = true\n')
+NVIDIA_DROP_IN = ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+                  '  default_runtime_name = "nvidia"\n'
+                  '  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n'
+                  '    runtime_type = "io.containerd.runc.v2"\n'
+                  '    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
+                  '      BinaryName = "/usr/bin/nvidia-container-runtime"\n')
+
+
+def with_drop_in(host: Path) -> None:
+    (host / "etc/containerd/config.toml").write_text(IMPORTS_MAIN)
+    (host / "etc/containerd/conf.d").mkdir(parents=True, exist_ok=True)
+    (host / "etc/containerd/conf.d/99-nvidia.toml").write_text(NVIDIA_DROP_IN)
+
+
+def test_a_config_whose_runtimes_come_from_an_imports_drop_in_is_left_alone(
+        node: Path) -> None:
+    """containerd loads the main file with smr's block (exit 0), but its
+    effective runtimes are only the drop-in's: the block is not written, and
+    the node's containerd would not be restarted for nothing."""
+    runtime, init = binaries()
+    if not put_containerd(node):
+        pytest.skip("containerd and root are needed to read the config back")
+    with_drop_in(node)
+    with pytest.raises(ConfigError, match=r"effective runtimes \(nvidia\b.*lack smr.*imports"):
+        install(node, runtime, init)
+    assert (node / "etc/containerd/config.toml").read_text() == IMPORTS_MAIN
+    assert not list((node / "etc/containerd").glob("*.smr-check"))
+
+
+def test_the_handlers_are_read_back_from_containerds_effective_config(node: Path) -> None:
+    """What labels a node: the handlers containerd's `config dump` has, not
+    the text of smr's block."""
+    runtime, init = binaries()
+    if not put_containerd(node):
+        pytest.skip("containerd and root are needed to read the config back")
+    install(node, runtime, init)  # a plain config: containerd has the handler
+    assert installed_handlers(node) == (["smr"], "")
+    # The toolkit's drop-in added later, smr's block kept in the main file.
+    with_drop_in(node)
+    (node / "etc/containerd/config.toml").write_text(with_handlers(
+        IMPORTS_MAIN, 2, {"smr": Path("/var/lib/smr/bin/smr-runtime")}))
+    handlers, why = installed_handlers(node)
+    assert handlers == [], "labelled for a handler containerd does not have"
+    assert "lack smr" in why and "imports" in why, why

@@ -299,3 +299,63 @@ def test_a_liveness_probe_waits_for_the_workload_to_run() -> None:
     assert start["exec"]["command"] == ["/smr/smr-init", "--started"]
     assert start["periodSeconds"] * start["failureThreshold"] >= S.restore_seconds
     assert sidecar["startupProbe"] == {"exec": {"command": ["mine"]}}, "theirs stays"
+
+
+async def test_slow_clients_never_keep_the_api_servers_reviews_waiting(
+        kube: FakeApiServer) -> None:
+    """Clients that send headers and half a body, and connect again as soon
+    as they are cut off: 8 from addresses of their own (pods) and 8 more from
+    one address. The API server's reviews (from its own address, each body
+    sent at once) are each answered within 1 s, well inside its timeout."""
+    api = await api_client(kube.url)
+    hook = Webhook(api, S.replace(webhook_port=0), host="127.0.0.1")  # the defaults
+    task = asyncio.create_task(hook.run())
+    await asyncio.wait_for(hook.ready.wait(), 10)
+    ca = base64.b64decode(kube.get("mutatingwebhookconfigurations", "smr-webhook")[
+        "webhooks"][0]["clientConfig"]["caBundle"])
+    ctx = ssl.create_default_context(cadata=ca.decode())
+    name = "smr-webhook.smr-system.svc"
+    stop = asyncio.Event()
+
+    async def trickler(source: str) -> None:
+        while not stop.is_set():
+            try:
+                r, w = await asyncio.open_connection("127.0.0.1", hook.port, ssl=ctx,
+                                                     server_hostname=name,
+                                                     local_addr=(source, 0))
+                w.write(b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+                        b"Content-Type: application/json\r\n\r\n{\"request\":")
+                await w.drain()
+                await r.readline()  # until cut off, then again at once
+                w.close()
+            except (OSError, ssl.SSLError):
+                await asyncio.sleep(0.01)
+
+    sources = [f"127.0.0.{i}" for i in range(2, 10)] + ["127.0.0.10"] * 8
+    tricklers = [asyncio.create_task(trickler(a)) for a in sources]
+    try:
+        await asyncio.sleep(1.5)  # every trickler connected and holding what it can
+        async with aiohttp.ClientSession() as http:
+            async def one(uid: str) -> dict[str, Any]:
+                async with http.post(f"https://127.0.0.1:{hook.port}/mutate",
+                                     data=admission(opted(), uid=uid), ssl=ctx,
+                                     server_hostname=name) as resp:
+                    assert resp.status == 200
+                    return await resp.json()  # type: ignore[no-any-return]
+
+            for i in range(4):
+                try:
+                    answer = await asyncio.wait_for(one(f"api-{i}"), 1.0)
+                except TimeoutError:
+                    raise AssertionError(f"review {i} of the API server not answered within "
+                                         "1 s while slow clients held the webhook") from None
+                assert "patch" in answer["response"], answer
+                await asyncio.sleep(0.3)
+    finally:
+        stop.set()
+        for t in tricklers:
+            t.cancel()
+        await asyncio.gather(*tricklers, return_exceptions=True)
+        hook.stop()
+        await task
+        await api.close()

@@ -19,8 +19,11 @@ Idempotent; run by the agent at start when SMR_RUNTIME_INSTALL is not `off`:
    (tomllib; the runtimes table found by its keys, whichever quoting the file
    uses: containerd 2.x writes ``plugins.'io.containerd.cri.v1.runtime'``),
    and, where the node has a containerd binary, loaded by it
-   (``containerd --config <new> config dump``). A config either rejects is
-   not written and containerd is not restarted;
+   (``containerd --config <new> config dump``), whose effective runtimes must
+   hold smr's handlers: a file in ``imports`` (the NVIDIA toolkit's drop-in, a
+   conf.d layout) replaces the main file's CRI section whole, so a config
+   that loads can still leave smr's handlers out. A config that fails either
+   way is not written and containerd is not restarted;
 4. with SMR_RUNTIME_INSTALL=restart (the DaemonSet's default) containerd is
    restarted if anything changed, through the host's systemd; running
    containers keep running (their shims outlive containerd).
@@ -129,18 +132,70 @@ def with_handlers(text: str, version: int, handlers: dict[str, Path]) -> str:
 Check = Callable[[Path, str], str | None]
 
 
-def containerd_rejects(host: Path, config: str) -> str | None:
-    """Why the node's containerd would not load ``config`` (a path on the
-    host), or None; None too where the node has no containerd binary to ask."""
+def block_handlers(text: str) -> dict[str, str]:
+    """Each runtime handler smr's block in ``text`` declares → its BinaryName."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < begin:
+        return {}
+    return dict(re.findall(r'\.([\w-]+)\.options\]\s*BinaryName = "([^"]+)"',
+                           text[begin:end]))
+
+
+class NoContainerd(LookupError):
+    """The node has no containerd binary where smr looks for one."""
+
+
+def effective_runtimes(host: Path, config: str) -> dict[str, Any]:
+    """The CRI runtimes the node's containerd has with ``config`` (a path on
+    the host), from its ``config dump``: the main file with its ``imports``
+    merged as containerd merges them. NoContainerd where the node has no
+    binary to ask; ConfigError where it refuses the config."""
     binary = next((c for c in CONTAINERD if (host / c).is_file()), None)
     if binary is None:
-        return None
+        raise NoContainerd(f"no containerd binary on this node (looked for "
+                           f"{', '.join('/' + c for c in CONTAINERD)})")
     try:
         r = subprocess.run(["chroot", str(host), "/" + binary, "--config", config,
                             "config", "dump"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"could not run the node's containerd to check the config: {e}"
-    return (r.stderr.strip()[-500:] or f"exit {r.returncode}") if r.returncode else None
+        raise ConfigError(f"could not run the node's containerd to read its config: {e}"
+                          ) from None
+    if r.returncode:
+        raise ConfigError(r.stderr.strip()[-500:] or f"exit {r.returncode}")
+    dump = _parse(r.stdout, "containerd's config dump")
+    # containerd 1.x dumps version 2, 2.x version 3, whatever the file's.
+    return runtimes(dump, 3) or runtimes(dump, 2)
+
+
+def missing_handlers(have: dict[str, Any], wanted: dict[str, str]) -> str | None:
+    """Why the runtimes ``have`` (containerd's effective ones) lack a handler
+    of ``wanted`` (name → BinaryName), or None."""
+    lost = [n for n, binary in wanted.items()
+            if ((have.get(n) or {}).get("options") or {}).get("BinaryName") != binary]
+    if not lost:
+        return None
+    return (f"containerd's effective runtimes ({', '.join(sorted(have)) or 'none'}, from "
+            f"`containerd config dump`) lack {', '.join(lost)}, which smr's block in "
+            f"/{CONFIG} declares: its CRI section comes from a file in `imports` (the "
+            "NVIDIA toolkit's drop-in, a conf.d layout), which replaces the main file's "
+            "whole; put smr's handlers in that file")
+
+
+def containerd_rejects(host: Path, config: str) -> str | None:
+    """Why the node's containerd would not load ``config`` (a path on the
+    host) or would load it without smr's handlers, or None; None too where
+    the node has no containerd binary to ask."""
+    try:
+        have = effective_runtimes(host, config)
+    except NoContainerd:
+        return None
+    except ConfigError as e:
+        return str(e)
+    try:
+        text = (host / config.lstrip("/")).read_text()
+    except OSError as e:
+        return f"could not read back {config}: {e.strerror}"
+    return missing_handlers(have, block_handlers(text))
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> bool:

@@ -9,15 +9,16 @@ scheduler's FailedScheduling Event says the node selector did not match).
 
 After its install step, the agent labels its node with each handler the
 node's containerd config declares in smr's block (services/agent/install.py),
-whose smr-runtime is there, and removes the label of any handler that is not;
-an Event on the Node says which. ``SMR_RUNTIME_INSTALL=uninstall`` removes the
+whose smr-runtime is there and which the node's containerd really has (its
+``config dump``: a CRI section from an ``imports`` drop-in replaces the main
+file's, smr's block with it), and removes the label of any handler that is
+not; an Event on the Node says which, and why. ``SMR_RUNTIME_INSTALL=uninstall`` removes the
 labels first (no new pod is placed here), then the handlers and binaries.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,42 +41,51 @@ def label(handler: str) -> str:
     return PREFIX + handler
 
 
-def installed_handlers(host: Path) -> list[str]:
-    """The handlers of smr's block in the node's containerd config whose
-    smr-runtime binary exists (read back, not taken from the install step:
-    this also holds when SMR_RUNTIME_INSTALL is off and the block is older)."""
+def installed_handlers(host: Path) -> tuple[list[str], str]:
+    """The handlers of smr's block in the node's containerd config that the
+    node's containerd really has (its ``config dump``: a CRI section from an
+    ``imports`` drop-in replaces the main file's) and whose smr-runtime binary
+    exists, read back, not taken from the install step (this also holds when
+    SMR_RUNTIME_INSTALL is off and the block is older); and why any other
+    is not there ("" when none is missing)."""
     cfg = host / install.CONFIG
-    text = cfg.read_text() if cfg.is_file() else ""
-    begin, end = text.find(install.BEGIN), text.find(install.END)
-    if begin < 0 or end < begin:
-        return []
-    block = text[begin:end]
-    out = []
-    for name in HANDLERS:
-        m = re.search(rf'\.{re.escape(name)}\.options\]\s*BinaryName = "([^"]+)"', block)
-        if m and (host / m.group(1).lstrip("/")).is_file():
-            out.append(name)
-    return out
-
-
+    declared = install.block_handlers(cfg.read_text() if cfg.is_file() else "")
+    wanted = {n: b for n, b in declared.items()
+              if n in HANDLERS and (host / b.lstrip("/")).is_file()}
+    if not wanted:
+        return [], ""
+    try:
+        have = install.effective_runtimes(host, "/" + install.CONFIG)
+    except (install.NoContainerd, install.ConfigError) as e:
+        return [], f"containerd's effective config could not be read ({e})"
+    out = [n for n in wanted if not install.missing_handlers(have, {n: wanted[n]})]
+    return out, install.missing_handlers(have, wanted) or ""
 def labels_for(handlers: list[str]) -> dict[str, str | None]:
     """The merge patch of the node's labels: ``None`` removes a label."""
     return {label(h): "true" if h in handlers else None for h in HANDLERS}
 
 
-async def publish(core: client.CoreV1Api, node: str, handlers: list[str]) -> None:
-    """Label ``node`` for exactly ``handlers``; an Event on the Node says so."""
+async def publish(core: client.CoreV1Api, node: str, handlers: list[str],
+                  why: str = "") -> None:
+    """Label ``node`` for exactly ``handlers``; an Event on the Node says so,
+    and ``why`` a handler smr's block declares is not there."""
     await core.patch_node(node, {"metadata": {"labels": labels_for(handlers)}},
                           _content_type="application/merge-patch+json")
+    if why:
+        log.warning("node %s is not labelled for every smr runtime handler: %s", node, why)
     if handlers:
         msg = (f"smr runtime handlers {', '.join(handlers)} installed; labelled "
-               f"{', '.join(label(h) for h in handlers)}: opted-in pods can be scheduled here")
+               f"{', '.join(label(h) for h in handlers)}: opted-in pods can be scheduled here"
+               + (f"; not labelled for the others: {why}" if why else ""))
+    elif why:
+        msg = (f"smr's runtime handlers are in containerd's config file but containerd "
+               f"does not have them: {why}; opted-in pods are not scheduled here")
     else:
         msg = ("no smr runtime handler is installed on this node (SMR_RUNTIME_INSTALL=off, "
                "an uninstall, or the install failed: see the smr-agent pod's log); opted-in "
                "pods are not scheduled here")
     await _event(core, node, "SmrRuntimeReady" if handlers else "SmrRuntimeMissing", msg,
-                 warning=not handlers)
+                 warning=not handlers or bool(why))
 
 
 async def _event(core: client.CoreV1Api, node: str, reason: str, message: str,
@@ -124,7 +134,7 @@ async def install_and_label(s: Settings, core: client.CoreV1Api) -> None:
         if s.runtime_install != "off":
             await install.install_on_node(s.runtime_install, host, Path(s.runtime_binary()),
                                           Path(s.init_binary()))
-        await publish(core, s.node, installed_handlers(host))
+        await publish(core, s.node, *installed_handlers(host))
     except (OSError, RuntimeError, ApiException) as e:
         # Never fatal: the agent still serves the pods already on its node.
         log.error("SMR_RUNTIME_INSTALL=%s on node %s failed: %s; its labels (%s*) may not "

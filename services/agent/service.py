@@ -63,7 +63,8 @@ class NodeAgent:
             work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,
                                               hold_dir=s.hold_path))
-        checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS))
+        checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS),
+                                        capture_bytes=s.capture_bytes)
         self.workers = [
             Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",
                    locks=StepLocks(s.step_lock_path), concurrency=s.checkpoints_per_node,

@@ -9,9 +9,10 @@ its worker uses it).
   once (each one's images go up while CRIU writes them; more at once only
   share the link).
 - **Bounded by scratch**: a dump's images are written to the agent's work
-  directory before they are stored. One starts only when the estimates of
-  the dumps in flight and its own fit the free space there now (a disk, or
-  memory on a tmpfs), at most ``SMR_CHECKPOINT_SCRATCH`` bytes. The free
+  directory before they are stored (with the container's writable layer and
+  /dev/shm, their data only: services/containers/rootfs). One starts only
+  when the estimates of the dumps in flight and its own fit the free space
+  there now (a disk, or memory on a tmpfs), at most ``SMR_CHECKPOINT_SCRATCH`` bytes. The free
   space measured already lacks what the dumps in flight have written: the
   bound errs on the safe side. A dump always starts when none is in flight.
 """

@@ -61,14 +61,14 @@ def dumped(dump: asyncio.Task[Any]) -> bool:
     return dump.done() and not dump.cancelled() and dump.exception() is None
 
 
-async def capture(shim: Shim, work: Path, upper: Path | None) -> None:
+async def capture(shim: Shim, work: Path, upper: Path | None, budget: rootfs.Budget) -> None:
     """Read the stopped workload's writable layer and /dev/shm into ``work``,
-    and then mark them complete (CAPTURED): a dump whose captures were cut
-    short (the agent killed) is never stored as it is."""
+    within ``budget``, and then mark them complete (CAPTURED): a dump whose
+    captures were cut short (the agent killed) is never stored as it is."""
     (work / CAPTURED).unlink(missing_ok=True)
     if upper is not None:
-        await rootfs.capture(upper, work / rootfs.TAR)
-    await rootfs.capture_shm(shim.pid, work / rootfs.SHM_TAR)
+        await rootfs.capture(upper, work / rootfs.TAR, budget)
+    await rootfs.capture_shm(shim.pid, work / rootfs.SHM_TAR, budget)
     (work / CAPTURED).touch()
 
 
@@ -135,20 +135,36 @@ def _maybe_running(shim: Shim) -> bool:
 class PodCheckpointStep(PodStep):
     kind = "ckpt.requested"
 
-    def __init__(self, *, timings: KeyValue | None = None, **kw: Any) -> None:
+    def __init__(self, *, timings: KeyValue | None = None, capture_bytes: int = 16 << 30,
+                 **kw: Any) -> None:
         super().__init__(**kw)
         self.timings = timings  # where each checkpoint's measured time goes (timings.py)
+        self.capture_bytes = capture_bytes  # the captures' cap without a pod's own
         # The size of each checkpoint's last dump here: a GPU workload's
         # device memory is in its images, not in its resident memory.
         self._last_size: dict[tuple[str, str], int] = {}
 
+    def budget(self, c: PodContainer) -> rootfs.Budget:
+        """What the captures of ``c``'s checkpoint may write: its own
+        ephemeral-storage limit (what the kubelet lets its layer hold), else
+        SMR_CAPTURE_BYTES."""
+        limit = c.ephemeral_storage_limit()
+        if limit is not None:
+            return rootfs.Budget(limit, f"{c.target()}'s ephemeral-storage limit")
+        return rootfs.Budget(self.capture_bytes, "SMR_CAPTURE_BYTES")
+
     async def estimate(self, req: CkptRequested) -> int:
         """The bytes this request's dump will write: its workload's resident
-        memory, or its last dump's size if larger (see services/checkpointer/admission)."""
+        memory, or its last dump's size if larger, and what its writable
+        layer and /dev/shm take to save, up to their cap (see
+        services/checkpointer/admission)."""
         c = await self.pods.container(req.target)
-        running = await asyncio.to_thread(self.shim_of(c).workload)
+        shim = self.shim_of(c)
+        running = await asyncio.to_thread(shim.workload)
         rss = await asyncio.to_thread(resident_bytes, host.tree(running[0])) if running else 0
-        return max(rss, self._last_size.get((c.namespace, req.checkpoint_id), 0))
+        files = await asyncio.to_thread(rootfs.saved_bytes, host.upperdir(shim.pid), shim.pid,
+                                        self.budget(c).limit)
+        return max(rss + files, self._last_size.get((c.namespace, req.checkpoint_id), 0))
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started, t0 = now(), time.monotonic()
@@ -356,7 +372,7 @@ class PodCheckpointStep(PodStep):
                     hint="close or unmap that file before the checkpoint, or keep it in "
                          "/dev/shm")
             await asyncio.to_thread(_note_link_names, shim.pid, remaps, work)
-            await capture(shim, work, upper)
+            await capture(shim, work, upper, self.budget(c))
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -499,5 +515,8 @@ class PodCheckpointStep(PodStep):
         running = await asyncio.to_thread(shim.workload)
         if running is None or not await asyncio.to_thread(frozen.held, host.tree(running[0])):
             return False
-        await capture(shim, work, host.upperdir(shim.pid))
+        try:
+            await capture(shim, work, host.upperdir(shim.pid), self.budget(c))
+        except PermanentError:
+            return False  # over its cap: run again, which reports it
         return True

@@ -3,9 +3,12 @@ and what the node agent's checkpoint and restore steps share."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import time
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,33 @@ def runtime_id(container_id: str) -> str:
     return container_id.split("://", 1)[-1]
 
 
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))"
+                       r"([eE][+-]?[0-9]+|[KMGTPE]i|[kMGTPE]|m)?")
+_SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+           "Ei": 1 << 60, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+           "E": 10**18}
+
+
+def quantity_bytes(text: object) -> int | None:
+    """A Kubernetes resource quantity (``1Gi``, ``500M``, ``2e9``) in bytes,
+    rounded up; None when it is not one (the API server validates them)."""
+    m = _QUANTITY.fullmatch(str(text).strip())
+    if not m:
+        return None
+    try:
+        n = Decimal(m.group(1))
+    except InvalidOperation:
+        return None
+    suffix = m.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        n = n.scaleb(int(suffix[1:]))
+    elif suffix == "m":
+        n /= 1000
+    else:
+        n *= _SUFFIX.get(suffix, 1)
+    return math.ceil(n)
+
+
 @dataclass
 class PodContainer:
     pod: dict[str, Any]
@@ -51,6 +81,16 @@ class PodContainer:
     @property
     def image(self) -> str:
         return str(self.status.get("image") or "")
+
+    def ephemeral_storage_limit(self) -> int | None:
+        """The container's ``resources.limits.ephemeral-storage`` in bytes,
+        None where it sets none."""
+        for c in (self.pod.get("spec") or {}).get("containers") or []:
+            if c.get("name") == self.name:
+                limit = ((c.get("resources") or {}).get("limits") or {}).get(
+                    "ephemeral-storage")
+                return None if limit is None else quantity_bytes(limit)
+        return None
 
     def target(self) -> Target:
         m = self.pod["metadata"]

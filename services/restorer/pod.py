@@ -111,11 +111,11 @@ class PodRestoreStep(PodStep):
             try:
                 pid = await self._restore(gen, shim, work, work_fd, durations, streamed,
                                           progress, pages_ok, pairs)
+                await asyncio.to_thread(_decide_restored, shim, pid)
             except BaseException:
                 with contextlib.suppress(Exception):  # the restore's own error is the one
                     await asyncio.to_thread(shim.restored, None)
                 raise
-            await asyncio.to_thread(shim.decide, f"restored {pid}")
         finally:
             if work_fd >= 0:
                 os.close(work_fd)
@@ -269,7 +269,7 @@ class PodRestoreStep(PodStep):
             # Outside the suppress: storage away must not pass for "nothing
             # restored", a restore beside the tree; redelivered, it is tried again.
             await self._gpu_back(req, c, shim, root)
-            await asyncio.to_thread(shim.decide, f"restored {inner}")
+            await asyncio.to_thread(_decide_restored, shim, inner)
             # run()'s finally never ran: its files (the writable layer) go now.
             await asyncio.to_thread(shutil.rmtree, pidfile.parent, True)
             await self.lock.release(c.lock_key(), req.request_id)
@@ -309,6 +309,26 @@ def restored_note(req: RestoreRequested, gen: Generation, node: str) -> bytes:
         "template": layout.is_template(req.checkpoint_id), "node": node,
         "pod": req.target.pod, "restore_id": req.request_id, "restored_at": now()},
         option=orjson.OPT_APPEND_NEWLINE)
+
+
+def _decide_restored(shim: Shim, inner: int) -> None:
+    """Tell smr-init that its workload is the restored tree whose root is
+    ``inner`` in its PID namespace, or end that tree: one smr-init does not
+    know of would run untracked (never checkpointed, its exit never
+    reported). The tree runs already, so its workload may have made
+    ``decision`` something that cannot be written."""
+    try:
+        shim.decide(f"restored {inner}")
+    except Exception as e:
+        if (root := _find_ns_pid(shim, inner)) is not None:
+            kill_tree(root)
+        if isinstance(e, OSError):
+            raise PermanentError(
+                f"could not tell smr-init that its workload was restored ({e.strerror} on "
+                f"{shim.dir}/decision); the restored processes were ended",
+                code="restore-undecided",
+                hint="the workload must leave smr's files under /smr alone") from None
+        raise
 
 
 def _find_ns_pid(shim: Shim, inner: int) -> int | None:

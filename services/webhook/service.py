@@ -15,6 +15,8 @@ import contextlib
 import logging
 import ssl
 import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -31,25 +33,40 @@ log = logging.getLogger("smr.webhook")
 
 # kube-apiserver sends at most 3 MiB bodies; a bigger one is not a real review.
 MAX_BODY = 3 * 2**20
-# Reviews read at once: the webhook's memory stays under MAX_IN_FLIGHT x
-# MAX_BODY whoever floods it; the rest wait, unread, for a slot.
+# Reviews worked on at once, each only once its body is read: a client that
+# sends slowly never holds one.
 MAX_IN_FLIGHT = 8
-# A body that takes longer is not kube-apiserver's (whose call times out at
-# the configuration's timeoutSeconds, 5): its slot goes to the next request.
-READ_S = 5.0
+# Requests of one source address read or reviewed at once; more wait in that
+# source's own lane, so a pod that floods or trickles only delays itself,
+# never the API server (whose reviews come from its own address). Memory
+# stays under PER_SOURCE x MAX_BODY for each address that may reach the
+# webhook (its NetworkPolicy).
+PER_SOURCE = 4
+# kube-apiserver sends a review's whole body at once: one not read within
+# this is not its, and is cut off (408) well inside the API server's own
+# timeoutSeconds (5).
+READ_S = 1.0
 RECHECK_S = 6 * 3600.0
+
+
+@dataclass
+class _Lane:
+    slots: asyncio.Semaphore
+    users: int = 0
 
 
 class Webhook:
     def __init__(self, api: client.ApiClient | None, s: Settings, *, host: str = "0.0.0.0",
                  recheck_s: float = RECHECK_S, max_in_flight: int = MAX_IN_FLIGHT,
-                 read_s: float = READ_S) -> None:
+                 read_s: float = READ_S, per_source: int = PER_SOURCE) -> None:
         self.s = s
         self.keeper = CertKeeper(api, s) if api is not None and not s.webhook_cert_dir else None
         self.host = host
         self.recheck_s = recheck_s
         self.read_s = read_s
         self._slots = asyncio.Semaphore(max_in_flight)
+        self.per_source = per_source
+        self._lanes: dict[str, _Lane] = {}
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()  # its server is closed
         self.port = 0  # the bound port, once serving
@@ -87,22 +104,47 @@ class Webhook:
         self._ssl.load_cert_chain(cert, key)
 
     async def mutate(self, request: web.Request) -> web.Response:
-        async with self._slots:
-            body = bytearray()  # read() returns what has arrived: loop to the end or the limit
-            try:
-                async with asyncio.timeout(self.read_s):
-                    while len(body) <= MAX_BODY and (chunk := await request.content.read(2**16)):
-                        body += chunk
-            except TimeoutError:
-                log.warning("an AdmissionReview not sent within %.0fs; dropped", self.read_s)
-                raise web.HTTPRequestTimeout() from None
+        async with self._lane(request.remote or ""):
+            body = await self._read(request)
             if len(body) > MAX_BODY:
                 log.warning("an AdmissionReview over %d bytes; allowed unchanged", MAX_BODY)
-                answer = response(uid_of(bytes(body)))
-            else:
-                answer = review(bytes(body), self.s, await self.measured(bytes(body)))
+                return web.json_response(response(uid_of(body)))
+            # Outside the slot: NATS answers slowly at times, and the slot
+            # bounds the review's own work (a parsed body is many times its size).
+            measured = await self.measured(body)
+            async with self._slots:
+                answer = review(body, self.s, measured)
             del body
         return web.json_response(answer)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, whole (or MAX_BODY + 1 bytes of it) within ``read_s``."""
+        body = bytearray()  # read() returns what has arrived: loop to the end or the limit
+        try:
+            async with asyncio.timeout(self.read_s):
+                while len(body) <= MAX_BODY and (chunk := await request.content.read(2**16)):
+                    body += chunk
+        except TimeoutError:
+            log.warning("an AdmissionReview from %s not sent within %.1fs; dropped",
+                        request.remote, self.read_s)
+            raise web.HTTPRequestTimeout() from None
+        return bytes(body)
+
+    @contextlib.asynccontextmanager
+    async def _lane(self, source: str) -> AsyncIterator[None]:
+        """One of ``per_source`` places of this source address, waited for in
+        its own queue; dropped once none of its requests is left."""
+        lane = self._lanes.get(source)
+        if lane is None:
+            lane = self._lanes[source] = _Lane(asyncio.Semaphore(self.per_source))
+        lane.users += 1
+        try:
+            async with lane.slots:
+                yield
+        finally:
+            lane.users -= 1
+            if not lane.users:
+                del self._lanes[source]
 
     async def run(self) -> None:
         await self._load()

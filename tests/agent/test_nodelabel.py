@@ -27,12 +27,17 @@ from smr.bus import Bus, BusConfig
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
+from tests.helpers.containerd_host import put_containerd
+from tests.test_install import IMPORTS_MAIN, NVIDIA_DROP_IN
 
 
 def a_host(root: Path) -> Path:
-    """A node's root file system as the agent sees it: runc, and a containerd
-    config of the node's own (version 2, the runc runtime)."""
-    (root / "usr/bin").mkdir(parents=True)
+    """A node's root file system as the agent sees it: runc, the REAL
+    containerd (which the agent asks for its effective config), and a
+    containerd config of the node's own (version 2, the runc runtime)."""
+    if not put_containerd(root):
+        pytest.skip("containerd and root are needed: the agent reads containerd's config dump")
+    (root / "usr/bin").mkdir(parents=True, exist_ok=True)
     shutil.copy(shutil.which("runc") or "/bin/true", root / "usr/bin/runc")
     (root / install.CONFIG).parent.mkdir(parents=True)
     (root / install.CONFIG).write_text(
@@ -125,6 +130,47 @@ async def test_agent_labels_its_node_once_installed_and_unlabels_on_uninstall(
         # Idempotent: a second uninstall changes nothing and restarts nothing.
         await run_agent(bus, kube, store, s.replace(runtime_install="uninstall"))
         assert restarts == [node]
+    finally:
+        await store.close()
+        await kube.stop()
+
+
+async def test_a_node_whose_containerd_takes_its_runtimes_from_a_drop_in_is_not_labelled(
+        bus: Bus, admin_bus: Bus, criu_binary: str, smr_init: Path, tmp_path: Path,
+        settings: config.Settings) -> None:
+    """The NVIDIA toolkit's drop-in (imported by the main file) replaces the
+    CRI section whole: smr's block in the main file is not in containerd's
+    effective config, so the smr RuntimeClass must not send pods here."""
+    node = f"node-{uuid.uuid4().hex[:6]}"
+    host = a_host(tmp_path / "host")
+    (host / install.CONFIG).write_text(IMPORTS_MAIN)
+    (host / "etc/containerd/conf.d").mkdir()
+    (host / "etc/containerd/conf.d/99-nvidia.toml").write_text(NVIDIA_DROP_IN)
+    kube = await FakeApiServer().start()
+    store = CheckpointStore(LocalBackend(tmp_path / "store"), Codec(level=1))
+    kube.put("nodes", a_node(node, labels={"kubernetes.io/hostname": node}))
+    if not (config.REPO_TOOLS / "smr-runtime").is_file():
+        pytest.skip("smr-runtime is not built (make setup)")
+    s = settings.replace(node_name=node, host_root=str(host), runtime_install="files",
+                         runtime_binary=str(config.REPO_TOOLS / "smr-runtime"),
+                         init=str(smr_init), max_deliver=2, ack_wait=5)
+    await admin_bus.make_node_consumers(node, agent_windows(s))
+    try:
+        # The install step: containerd would load the edited file without smr's
+        # handler, so the file is left as it was; no label.
+        await run_agent(bus, kube, store, s)
+        assert nodelabel.label("smr") not in kube.get("nodes", node)["metadata"]["labels"]
+        assert (host / install.CONFIG).read_text() == IMPORTS_MAIN
+        # smr's block in the main file (an older agent's, or written by hand):
+        # still no label, and the Event says why.
+        (host / install.CONFIG).write_text(install.with_handlers(
+            IMPORTS_MAIN, 2, {"smr": Path("/") / install.BIN / "smr-runtime"}))
+        await run_agent(bus, kube, store, s.replace(runtime_install="off"))
+        assert nodelabel.label("smr") not in kube.get("nodes", node)["metadata"]["labels"], (
+            "the node was labelled for a handler its containerd does not have")
+        missing = events(kube, node)[-1]
+        assert missing["reason"] == "SmrRuntimeMissing" and missing["type"] == "Warning"
+        assert "lack smr" in missing["message"] and "imports" in missing["message"], missing
     finally:
         await store.close()
         await kube.stop()

@@ -106,8 +106,8 @@ async def test_a_pod_heartbeat_saves_dev_shm_as_its_memory_saw_it(
     a, b = list(shm.kubelets)
     real = rootfs.capture
 
-    async def a_large_layer(upper: Path, out: Path) -> None:
-        await real(upper, out)
+    async def a_large_layer(upper: Path, out: Path, budget: rootfs.Budget) -> None:
+        await real(upper, out, budget)
         await asyncio.sleep(1)  # as long as a layer of a few hundred MiB takes
 
     monkeypatch.setattr(rootfs, "capture", a_large_layer)
@@ -151,7 +151,7 @@ async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
     entered, crash = asyncio.Event(), asyncio.Event()
     real = rootfs.capture_shm
 
-    async def dies_here(pid: int, out: Path) -> None:
+    async def dies_here(pid: int, out: Path, budget: rootfs.Budget) -> None:
         entered.set()
         await crash.wait()  # the agent's last moment: SIGKILL comes here
         raise RuntimeError("the agent was killed (test)")
@@ -236,7 +236,7 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
     entered, crash = asyncio.Event(), asyncio.Event()
     real = rootfs.capture_shm
 
-    async def dies_here(pid: int, out: Path) -> None:
+    async def dies_here(pid: int, out: Path, budget: rootfs.Budget) -> None:
         entered.set()
         await crash.wait()
         raise RuntimeError("the agent was killed (test)")
