@@ -172,6 +172,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("GC_INTERVAL", 600.0, _pos_float, "seconds between garbage collections"),
     Setting("GPU", "auto", _choice("auto", "off"), "checkpoint GPU state through the CUDA "
             "driver; auto: where the driver has the checkpoint API"),
+    Setting("GPU_ALLOW", (), _names, "refusals of smr's GPU gate lifted on this node "
+            "(comma-separated): peer-access (a process on two GPUs or more), nccl-p2p (NCCL "
+            "ranks with the P2P transport on); driver 580 cannot restore either "
+            "(docs/gpu.md)"),
     Setting("CUDA_LOCK_TIMEOUT", 10.0, _pos_float, "seconds to wait for a job's GPU work to "
             "reach a lockable point"),
     Setting("KUBE_API", "", str, "Kubernetes API URL (watcher); empty: in-cluster, else "
