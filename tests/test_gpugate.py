@@ -109,3 +109,19 @@ def test_gpus_by_pid_reads_nvml_per_process(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(gpuinfo, "devices", lambda: [
         {"uuid": A, "processes": {7: 1, 8: 1, 9: 1}}, {"uuid": B, "processes": {7: 1}}])
     assert gpuinfo.gpus_by_pid([7, 8]) == {7: [A, B], 8: [A]}
+
+
+def test_criu_failing_on_a_gpu_device_mapping_is_explained(tmp_path: Path) -> None:
+    """CRIU's words when a process maps /dev/nvidia* outside a CUDA context
+    (criu/proc_parse.c, handle_vma_plugin; its errno is stale) are told as
+    gpu-forked-mapping, naming the process it was collecting."""
+    from smr.criu import explain
+
+    log = tmp_path / "dump.log"
+    log.write_text("(00.010) Collect mappings (pid: 4711)\n"
+                   "(00.011) Error (criu/proc_parse.c:119): handle_device_vma plugin failed: "
+                   "No such file or directory\n")
+    what, code, hint = explain(log) or ("", "", "")
+    assert code == "gpu-forked-mapping"
+    assert what.startswith("process 4711 maps a device file without a CUDA context")
+    assert "TORCHINDUCTOR_COMPILE_THREADS=1" in hint
