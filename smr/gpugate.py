@@ -28,6 +28,14 @@ IO_URING = "anon_inode:[io_uring]"
 LIFTABLE = ("peer-access", "nccl-p2p")
 
 
+# What a GPU job smr starts gets unless its environment says otherwise
+# (`smr exec --gpu`, smr.jobs.gpu_env; a GPU container, the webhook):
+# Inductor's compile pool forks workers that map the GPU's device files
+# without a CUDA context, which CRIU cannot save, and after the check before
+# the lock. With one compile thread there is no pool.
+GPU_JOB_DEFAULTS = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
 class GateRefused(PermanentError):
     code = "gpu-gate"
 

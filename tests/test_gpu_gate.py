@@ -284,3 +284,32 @@ async def test_a_pre_dump_of_a_gpu_job_is_refused_up_front(h: Harness) -> None:
     assert done.error["code"] == "gpu-pre-dump", done.error
     assert drv.states[job.pid] is CudaState.RUNNING and drv.restores == []
     await steps_go_on(h, job)
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(e.split("=", 1) for e in raw.decode().split("\0") if "=" in e)
+
+
+async def test_smr_exec_gpu_scopes_the_gpus_and_runs_one_compile_thread(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`smr exec --gpu --gpus N|LIST` sets CUDA_VISIBLE_DEVICES, and a GPU
+    job gets TORCHINDUCTOR_COMPILE_THREADS=1 unless its environment sets it."""
+    from tests.test_local_smr import smr_cli
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    seen = {}
+    for gpus, own in (("2", None), ("GPU-a,GPU-b", "6")):
+        if own:
+            monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", own)
+        job_id = f"env-{uuid.uuid4().hex[:6]}"
+        rc, out = await smr_cli(h, "exec", "--gpu", "--gpus", gpus, "-i", job_id, "--", *sleeper)
+        assert rc == 0, out
+        record, _ = await h.jobs.get(job_id)
+        h.pids.append(record.pid)
+        env = environ(record.pid)
+        seen[gpus] = (env.get("CUDA_VISIBLE_DEVICES"), env.get("TORCHINDUCTOR_COMPILE_THREADS"))
+    assert seen == {"2": ("0,1", "1"), "GPU-a,GPU-b": ("GPU-a,GPU-b", "6")}
+    rc, out = await smr_cli(h, "exec", "--gpus", "1", "-i", "no-gpu", "--", *sleeper)
+    assert rc != 0 and "--gpus is for a GPU job" in out
