@@ -296,6 +296,10 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "start when no agent answers within SMR_INIT_TIMEOUT either (exit 70; the "
                   "container's restart asks again). Set by the webhook on pods labelled "
                   "restore-failure: fail (by hand in a hand-written manifest)"),
+    ReadElsewhere("SMR_IO_URING", "smr-init and smr.reaper, in a job's or container's "
+                  "environment", "`allow`: the workload keeps io_uring; otherwise "
+                  "io_uring_setup fails with ENOSYS in its whole tree (libuv then uses epoll), "
+                  "since CRIU cannot save an io_uring (docs/gpu.md)"),
     ReadElsewhere("RUNTIME", "smr-runtime, from smr-runtime.env beside it (written by the "
                   "agent)", "the real OCI runtime it hands every call to: the host's runc, "
                   "or the NVIDIA runtime for smr-nvidia"),
