@@ -146,7 +146,11 @@ class Criu:
         caller that carries that directory) such a dump fails."""
         # --skip-in-flight: a server under load has half-open connections that
         # no process has accepted yet; their peers retry the handshake.
-        args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight", *self._tcp(tcp)]
+        # --ghost-limit: a file the tree holds or maps after its name was
+        # deleted is saved in the images up to this size (CRIU's default is
+        # 1 MiB): NCCL keeps a 33 MiB one in /dev/shm even over sockets.
+        args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight",
+                "--ghost-limit", GHOST_LIMIT, *self._tcp(tcp)]
         if leave_running:
             args.append("--leave-running")
         elif leave_stopped:
@@ -273,6 +277,7 @@ _RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
 
 
 # Failures that pass: the step is retried rather than failed.
+GHOST_LIMIT = "512M"
 TEMPORARY = frozenset({"scratch-full", "criu-proc-mountpoint-taken"})
 
 
