@@ -44,6 +44,11 @@ WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
                        {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": DET_XLA}),
     "jax-frac012": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
                     {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.12", "XLA_FLAGS": DET_XLA}),
+    # One JAX process that sees both GPUs of a two-GPU machine: XLA enables
+    # peer access between them, which driver 580 does not restore; smr
+    # refuses it before the lock (gpu-peer-access) and it runs on.
+    "jax-2gpu": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
+                 {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.12", "XLA_FLAGS": DET_XLA}),
     "torch-compile": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
                        "--compile", "default"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     # Inductor's compile workers forked after a restore map /dev/nvidia*

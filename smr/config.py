@@ -190,6 +190,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("GC_INTERVAL", 600.0, _pos_float, "seconds between garbage collections"),
     Setting("GPU", "auto", _choice("auto", "off"), "checkpoint GPU state through the CUDA "
             "driver; auto: where the driver has the checkpoint API"),
+    Setting("GPU_ALLOW", (), _names, "refusals of smr's GPU gate lifted on this node "
+            "(comma-separated): peer-access (a process on two GPUs or more), nccl-p2p (NCCL "
+            "ranks with the P2P transport on); driver 580 cannot restore either "
+            "(docs/gpu.md)"),
     Setting("CUDA_LOCK_TIMEOUT", 10.0, _pos_float, "seconds to wait for a job's GPU work to "
             "reach a lockable point"),
     Setting("KUBE_API", "", str, "Kubernetes API URL (watcher); empty: in-cluster, else "
@@ -318,6 +322,10 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "start when no agent answers within SMR_INIT_TIMEOUT either (exit 70; the "
                   "container's restart asks again). Set by the webhook on pods labelled "
                   "restore-failure: fail (by hand in a hand-written manifest)"),
+    ReadElsewhere("SMR_IO_URING", "smr-init and smr.reaper, in a job's or container's "
+                  "environment", "`allow`: the workload keeps io_uring; otherwise "
+                  "io_uring_setup fails with ENOSYS in its whole tree (libuv then uses epoll), "
+                  "since CRIU cannot save an io_uring (docs/gpu.md)"),
     ReadElsewhere("RUNTIME", "smr-runtime, from smr-runtime.env beside it (written by the "
                   "agent)", "the real OCI runtime it hands every call to: the host's runc, "
                   "or the NVIDIA runtime for smr-nvidia"),

@@ -146,7 +146,11 @@ class Criu:
         caller that carries that directory) such a dump fails."""
         # --skip-in-flight: a server under load has half-open connections that
         # no process has accepted yet; their peers retry the handshake.
-        args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight", *self._tcp(tcp)]
+        # --ghost-limit: a file the tree holds or maps after its name was
+        # deleted is saved in the images up to this size (CRIU's default is
+        # 1 MiB): NCCL keeps a 33 MiB one in /dev/shm even over sockets.
+        args = ["dump", "-t", str(pid), "--file-locks", "--skip-in-flight",
+                "--ghost-limit", GHOST_LIMIT, *self._tcp(tcp)]
         if leave_running:
             args.append("--leave-running")
         elif leave_stopped:
@@ -273,6 +277,7 @@ _RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
 
 
 # Failures that pass: the step is retried rather than failed.
+GHOST_LIMIT = "512M"
 TEMPORARY = frozenset({"scratch-full", "criu-proc-mountpoint-taken"})
 
 
@@ -296,6 +301,19 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "external-unix-socket",
                 "close that connection before the checkpoint, or run its peer inside the same "
                 "process tree (for a pod: the same container, not a sidecar)")
+    if "anon_inode:[io_uring]" in text:
+        who = _last_pid(text, text.index("anon_inode:[io_uring]"))
+        return (f"{who} holds an io_uring (libuv 1.50 and later makes one in every event "
+                "loop), which CRIU cannot save", "io-uring",
+                "start the job with `smr exec` or in a pod smr injects: their seccomp filter "
+                "makes io_uring_setup fail and libuv falls back to epoll (docs/compatibility.md)")
+    if (at := text.find("handle_device_vma plugin failed")) >= 0:
+        dev = sorted(set(re.findall(r"/dev/nvidia[\w-]*", text))) or ["a device file"]
+        return (f"{_last_pid(text, at)} maps {', '.join(dev)} without a CUDA context of its "
+                "own (a child forked from a CUDA process, or a compile worker that started "
+                "CUDA after smr's check), which CRIU cannot save", "gpu-forked-mapping",
+                "start such children with the 'spawn' start method, or before CUDA starts; "
+                "torch.compile: TORCHINDUCTOR_COMPILE_THREADS=1 (docs/compatibility.md)")
     if m := _SYSV.search(text):
         return (f"process {m.group(1)} maps System V shared memory (PostgreSQL keeps a "
                 "segment), which CRIU saves only with an IPC namespace of the tree's own, "
@@ -334,6 +352,12 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
                 "than 4.2 on Linux 6.16+)", "criu-too-old",
                 "install CRIU 4.2 or newer (`make setup`, or the smr image)")
     return None
+
+
+def _last_pid(text: str, before: int) -> str:
+    """The process CRIU worked on last before ``before`` in its log."""
+    pids = re.findall(r"\(pid: (\d+)\)", text[:before])
+    return f"process {pids[-1]}" if pids else "a process of the tree"
 
 
 def failing_line(log: Path) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from smr import frozen
-from smr.errors import PermanentError, TemporaryError
+from smr.errors import PermanentError, SmrError, TemporaryError
 from smr.gpuinfo import process_tree
 
 # (checkpointed GPU's UUID, GPU to restore onto), one for every GPU the
@@ -71,6 +71,39 @@ class CudaError(PermanentError):
 
 class CudaLockTimeout(TemporaryError):
     code = "cuda-lock-timeout"
+
+
+class GpuStateLost(PermanentError):
+    """A failure after the lock, and the driver did not bring every CUDA
+    process of the job back to RUNNING: the job cannot go on (a CHECKPOINTED
+    process blocks in every CUDA call, and a restore that failed once fails
+    for good: later ones answer 304)."""
+    code = "gpu-state-lost"
+
+
+def lost_after(lost: GpuStateLost, failure: BaseException | None, what: str) -> GpuStateLost:
+    """``lost``, its message saying what failed first (``failure``, after
+    the GPU lock of ``what``) and that ``what`` was ended."""
+    first = getattr(failure, "message", None) or (
+        f"{type(failure).__name__}: {failure}" if failure else "")
+    lost.message = (f"the checkpoint of {what} failed after its GPU was locked"
+                    + (f" ({first})" if first else "") + f", and {lost.message}; "
+                    f"{what} was ended")
+    if isinstance(failure, SmrError) and failure.detail and not lost.detail:
+        lost.detail = failure.detail
+    return lost
+
+
+def _stop_tree(tree: list[int]) -> None:
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGSTOP)
+
+
+def _cont_tree(tree: list[int]) -> None:
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGCONT)
 
 
 class _LockArgs(ctypes.Structure):
@@ -160,16 +193,14 @@ class Driver:
         if rc == 0:
             return
         said = f"cuCheckpointProcessRestore({pid}) failed: {self._name(rc)} ({rc})"
-        if rc in RESTORE_REFUSED_IPC and not (gpu_pairs and rc == CUDA_ERROR_INVALID_VALUE):
-            raise CudaError(
-                f"{said}: the driver's answer for a process that maps another process's GPU "
-                "memory through CUDA IPC (NCCL's P2P transport between ranks, PyTorch CUDA "
-                "tensors shared between processes), which driver 580 checkpoints but never "
-                "gives back; its GPU state is lost",
-                code="cuda-ipc-not-restorable", detail=str(rc),
-                hint="start it again from the application's own checkpoint; keep GPU memory "
-                     "out of CUDA IPC for smr (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, tensors "
-                     "shared through host memory): docs/compatibility.md")
+        if gpu_pairs and rc == CUDA_ERROR_INVALID_VALUE:
+            raise CudaError(f"{said}: the GPU pairs must name every GPU the process had, "
+                            f"each onto a GPU of the same model ({len(gpu_pairs)} given)",
+                            detail=str(rc))
+        # The answer alone does not say why: driver 580 gives the same codes
+        # for a process with peer access between two GPUs (XLA turns it on),
+        # one that imported another's memory (NCCL's P2P transport), and
+        # others. What is known of the process is in the caller's message.
         raise CudaError(said, detail=str(rc))
 
     def unlock(self, pid: int) -> None:
@@ -220,9 +251,14 @@ class CudaCheckpoint:
     """The async engine the checkpointer and restorer use."""
 
     def __init__(self, drv: Driver | None = None, lock_timeout_s: float = 10.0,
-                 hold_dir: Path | None = None) -> None:
+                 hold_dir: Path | None = None, allow: tuple[str, ...] = ()) -> None:
         self._drv = drv
         self.lock_timeout_s = lock_timeout_s
+        # The GPU gate's refusals this node lifts (smr.gpugate, SMR_GPU_ALLOW).
+        self.allow = allow
+        # Processes (pid, start time) whose restore the driver refused, and
+        # its answer: a failure path must not try one again.
+        self.refused: dict[tuple[int, str], CudaError] = {}
         # Where a held restore thread's own signal mask is kept (smr.frozen):
         # a directory that outlives the agent's process.
         self.hold_dir = hold_dir
@@ -263,10 +299,19 @@ class CudaCheckpoint:
         st = self.drv.state(pid)
         t = time.monotonic()
         if st is CudaState.CHECKPOINTED:
-            if gpu_pairs:
-                self.drv.restore(pid, gpu_pairs)
-            else:  # the call as it was before pairs: onto the same GPUs
-                self.drv.restore(pid)
+            key = (pid, _started(pid))
+            if key in self.refused:
+                # Never twice: a second restore of a process the driver
+                # refused fails for good (304), and hides the first answer.
+                raise self.refused[key]
+            try:
+                if gpu_pairs:
+                    self.drv.restore(pid, gpu_pairs)
+                else:  # the call as it was before pairs: onto the same GPUs
+                    self.drv.restore(pid)
+            except CudaError as e:
+                self.refused[key] = e
+                raise
             out["cuda_restore"] = time.monotonic() - t
             st = self.drv.state(pid)
         t = time.monotonic()
@@ -292,22 +337,70 @@ class CudaCheckpoint:
         ``cuCheckpointProcessGetState`` waits for the process itself, and
         never returned for a stopped one (H100, driver 580: 30 s and more),
         while ``cuCheckpointProcessGetRestoreThreadId`` answers at once."""
+        total, failed = await self._restore_each(tree, gpu_pairs)
+        if failed:
+            for pid, e in failed[1:]:
+                log.error("process %d: %s", pid, e.message)
+            raise failed[0][1]
+        return total
+
+    async def _restore_each(self, tree: list[int], gpu_pairs: GpuPairs
+                            ) -> tuple[dict[str, float], list[tuple[int, CudaError]]]:
+        """Each CUDA process of the stopped ``tree`` restored once, through
+        its restore thread alone, and checked RUNNING; every one is tried
+        (a rank that failed must not keep its peers from coming back), and
+        none twice (a second restore of one that failed answers 304)."""
         total: dict[str, float] = {}
+        failed: list[tuple[int, CudaError]] = []
         for pid in tree:
             try:
                 tid = await asyncio.to_thread(self.drv.restore_tid, pid)
             except CudaError:
                 continue  # no CUDA context in this one
-            if tid is None:  # a driver before 570: the threads run during the restore
-                os.kill(pid, signal.SIGCONT)
-                done = await self.resume(pid, gpu_pairs=gpu_pairs)
-            else:
-                keep = self.hold_dir / f"{pid}-{tid}.sigmask" if self.hold_dir else None
-                done = await asyncio.to_thread(frozen.with_only, pid, tid,
-                                               lambda p=pid: self._resume(p, gpu_pairs), keep)
+            try:
+                if tid is None:  # a driver before 570: the threads run during the restore
+                    os.kill(pid, signal.SIGCONT)
+                    done = await asyncio.to_thread(self._resume, pid, gpu_pairs)
+                else:
+                    keep = self.hold_dir / f"{pid}-{tid}.sigmask" if self.hold_dir else None
+                    done = await asyncio.to_thread(
+                        frozen.with_only, pid, tid, lambda p=pid: self._resume(p, gpu_pairs),
+                        keep)
+            except (CudaError, frozen.FrozenError) as e:
+                failed.append((pid, e))
+                continue
             for k, v in done.items():
                 total[k] = total.get(k, 0.0) + v
-        return total
+        return total, failed
+
+    async def recover_tree(self, root: int) -> None:
+        """After a failure past the lock: the tree under ``root`` held
+        stopped by smr itself (CRIU thaws a tree whose dump failed, even
+        with --leave-stopped), every CUDA process of it restored once and
+        checked RUNNING through the driver, and only then continued.
+
+        Raises GpuStateLost naming each process that did not come back, its
+        tree left stopped for the caller to end: it cannot run on (each of
+        its CUDA calls would block for good)."""
+        tree = process_tree(root)
+        _stop_tree(tree)
+        try:
+            await asyncio.to_thread(frozen.wait_stopped, tree)
+        except frozen.FrozenError as e:  # a thread in the kernel: restore anyway
+            log.warning("the tree of %d did not stop for its GPU restore: %s", root, e)
+        _, failed = await self._restore_each(tree, None)
+        # A process the driver named at the lock but not now (gone, or its
+        # context torn down) is not one this checkpoint lost.
+        if failed:
+            raise GpuStateLost(
+                "the GPU state of " + "; ".join(
+                    f"process {pid} ({_comm(pid)}) could not be restored: {e.message}"
+                    for pid, e in failed),
+                detail=",".join(str(p) for p, _ in failed),
+                hint="the driver checkpointed it and cannot give it back (a second try "
+                     "fails for good); restart the job from its latest checkpoint or its "
+                     "own; docs/gpu.md says which jobs the driver cannot restore")
+        _cont_tree(tree)
 
     async def suspend_all(self, pids: list[int]) -> dict[str, float]:
         """Every CUDA process of a job, or none: a failure resumes those done.
@@ -332,10 +425,26 @@ class CudaCheckpoint:
                 t = time.monotonic()
                 await _finished(self.drv.checkpoint, pid)
                 total["cuda_checkpoint"] += time.monotonic() - t
-        except BaseException:
-            await asyncio.shield(self.resume_all(pids, quiet=True))
+        except BaseException as e:
+            await asyncio.shield(self._roll_back(pids, e))
             raise
         return total
+
+    async def _roll_back(self, pids: list[int], cause: BaseException) -> None:
+        """``pids`` RUNNING again after a failed suspend; GpuStateLost (from
+        ``cause``) naming any the driver did not give back."""
+        lost = []
+        for pid in pids:
+            try:
+                await asyncio.to_thread(self._resume, pid, None)
+            except CudaError as e:
+                lost.append(f"process {pid} ({_comm(pid)}): {e.message}")
+        if lost:
+            what = getattr(cause, "message", None) or f"{type(cause).__name__}: {cause}"
+            raise GpuStateLost(
+                f"the GPU checkpoint failed ({what}) and the GPU state of " + "; ".join(lost)
+                + " could not be brought back",
+                hint="restart the job from its latest checkpoint or its own") from cause
 
     async def _lock_all(self, pids: list[int]) -> None:
         """Lock ``pids`` one after another; raises with each left RUNNING or
@@ -426,10 +535,26 @@ class CudaCheckpoint:
             durations["downtime"] = time.monotonic() - frozen_at
 
 
-def for_settings(gpu: str, lock_timeout_s: float,
-                 hold_dir: Path | None = None) -> CudaCheckpoint | None:
-    """The engine for a node (SMR_GPU, SMR_CUDA_LOCK_TIMEOUT); None where the
-    driver has no checkpoint API or GPU checkpoints are off."""
+def _started(pid: int) -> str:
+    """The process's start time (ticks since boot): a reused pid differs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2:].split()[19]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+
+
+def for_settings(gpu: str, lock_timeout_s: float, hold_dir: Path | None = None,
+                 allow: tuple[str, ...] = ()) -> CudaCheckpoint | None:
+    """The engine for a node (SMR_GPU, SMR_CUDA_LOCK_TIMEOUT, SMR_GPU_ALLOW);
+    None where the driver has no checkpoint API or GPU checkpoints are off."""
     if gpu == "auto" and available():
-        return CudaCheckpoint(lock_timeout_s=lock_timeout_s, hold_dir=hold_dir)
+        return CudaCheckpoint(lock_timeout_s=lock_timeout_s, hold_dir=hold_dir, allow=allow)
     return None

@@ -101,6 +101,17 @@ def job_gpus(pids: list[int]) -> dict[str, Any] | None:
             "used_bytes": sum(h["used_bytes"] for h in held), "devices": held}
 
 
+def gpus_by_pid(pids: list[int]) -> dict[int, list[str]]:
+    """The GPUs (UUIDs) each of ``pids`` holds a context on, as NVML lists
+    them; a process NVML does not list holds none it knows of."""
+    out: dict[int, list[str]] = {}
+    for d in devices():
+        for p in d["processes"]:
+            if p in pids:
+                out.setdefault(p, []).append(d["uuid"])
+    return out
+
+
 def for_checkpoint(pids: list[int], work_dir: Path) -> dict[str, Any] | None:
     """The GPUs the CUDA processes ``pids`` hold (None without any), refused at
     once if this node lacks the room to checkpoint them."""
@@ -108,6 +119,10 @@ def for_checkpoint(pids: list[int], work_dir: Path) -> dict[str, Any] | None:
         return None
     gpu = job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
     check_room_for_checkpoint(gpu, work_dir, host=host_bytes(pids))
+    # Each process's GPUs, as they were: what a failed restore is explained
+    # by (smr.gpugate.restore_cause), not the driver's answer alone.
+    if by_pid := gpus_by_pid(pids):
+        gpu["processes"] = {str(p): u for p, u in sorted(by_pid.items())}
     return gpu
 
 

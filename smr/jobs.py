@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from nats.js.kv import KeyValue
 
 from smr import config
 from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.gpugate import GPU_JOB_DEFAULTS
 from smr.gpuinfo import process_tree
 
 log = logging.getLogger("smr.jobs")
@@ -120,6 +121,24 @@ def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
             return int(kids[0])
         time.sleep(0.01)
     raise SmrError(f"the job did not start within {timeout}s", code="job-start-failed")
+
+
+def gpu_env(base: Mapping[str, str], gpus: str | None = None) -> dict[str, str]:
+    """The environment of a GPU job started from ``base``: GPU_JOB_DEFAULTS
+    (smr.gpugate) where ``base`` sets none of them (its own value is the opt-out), and
+    ``gpus`` ("N": the first N GPUs; "0,2" or UUIDs: those) as
+    CUDA_VISIBLE_DEVICES: a process that sees one GPU enables no peer access
+    (XLA enables it between all visible GPUs, and driver 580 cannot restore
+    that)."""
+    env = {**GPU_JOB_DEFAULTS, **base}
+    if gpus:
+        if gpus.isdigit():
+            if int(gpus) < 1:
+                raise SmrError(f"--gpus {gpus}: a job needs one GPU at least",
+                               code="invalid-gpus", hint="--gpus 1, or --gpus 0,1")
+            gpus = ",".join(str(i) for i in range(int(gpus)))
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
 
 
 def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,

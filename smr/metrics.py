@@ -50,6 +50,9 @@ DEAD_LETTERS = Counter("smr_dead_letters_total", "Messages dead-lettered, by sub
 PENDING = Gauge("smr_requests_pending", "Requests on this node's subject not yet finished: "
                 "waiting for the worker, or taken and not yet acknowledged (consumer lag)",
                 ["kind"], registry=REGISTRY)
+GPU_STATE_LOST = Counter("smr_gpu_state_lost_total", "Checkpoints that failed after the GPU "
+                         "lock whose job's GPU state the driver did not give back (the job "
+                         "was ended: error code gpu-state-lost)", registry=REGISTRY)
 HEARTBEAT_LATENESS = Histogram("smr_heartbeat_lateness_seconds", "How long after its due time "
                                "a heartbeat checkpoint was requested", registry=REGISTRY,
                                buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600))

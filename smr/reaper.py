@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from smr.gpuinfo import process_tree
+from smr.seccomp import deny_io_uring
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -147,6 +148,9 @@ def main(argv: list[str]) -> int:
     if child == 0:
         try:
             os.setsid()
+            if why := deny_io_uring():
+                print(f"smr: io_uring stays on ({why}); a checkpoint of a process holding "
+                      "one is refused", file=sys.stderr)
             os.execvp(argv[0], argv)
         except OSError as e:
             print(f"smr: cannot run {argv[0]}: {e}", file=sys.stderr)

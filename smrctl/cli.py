@@ -26,7 +26,7 @@ from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
 from smr.bus import KV_JOBS, Bus
 from smr.errors import SmrError
 from smr.gpupairs import GPU_UUID
-from smr.jobs import JobRegistry, job_key, launch
+from smr.jobs import JobRegistry, gpu_env, job_key, launch
 from smr.messages import (
     CkptDone,
     CkptRequested,
@@ -157,8 +157,12 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
                            hint="choose another id")
         _runnable(a.cmd[0])
         log = Path(a.log) if a.log else s.data_path / "logs" / f"{a.id}.log"
+        if a.gpus and not a.gpu:
+            raise SmrError("--gpus is for a GPU job", code="invalid-gpus",
+                           hint="smr exec --gpu --gpus N -i ID -- CMD")
+        env = gpu_env(os.environ, a.gpus) if a.gpu else None
         job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node,
-                     own_pid_namespace=not a.gpu)
+                     own_pid_namespace=not a.gpu, env=env)
         job.tcp = a.tcp
         await jobs.put(job)
         print(f"job {a.id} started: pid {job.pid}, log {job.log}")
@@ -319,7 +323,12 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("-i", "--id", required=True)
     e.add_argument("--log", help="output file (default: DATA_DIR/logs/ID.log)")
     e.add_argument("--gpu", action="store_true",
-                   help="a CUDA job: runs without its own PID namespace (CUDA fails in one)")
+                   help="a CUDA job: runs without its own PID namespace (CUDA fails in one), "
+                   "with TORCHINDUCTOR_COMPILE_THREADS=1 unless its environment sets it")
+    e.add_argument("--gpus", metavar="N|LIST",
+                   help="with --gpu: the GPUs it sees (CUDA_VISIBLE_DEVICES): N, the first N, "
+                   "or a list of indices or UUIDs; a process that sees one GPU is checkpointable "
+                   "on driver 580, one on several is refused when it holds them (docs/gpu.md)")
     e.add_argument("--tcp", choices=sockets.POLICIES, default="auto",
                    help="its established TCP connections at a checkpoint: auto (kept where "
                    "they can go on, closed on a migration) or close (always closed)")

@@ -177,7 +177,7 @@ class EmbeddedNode:
         store = self.store = make_store(s)
         self.storage = make_storage_service(self.bus, store, s)
         cuda = cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,
-                                            hold_dir=s.hold_path)
+                                            hold_dir=s.hold_path, allow=s.gpu_allow)
         if cuda:
             log.info("GPU jobs: CUDA checkpoint API available (THP %s)", gpuinfo.thp_mode())
         common = dict(criu=criu, store=store, jobs=jobs, lock=lock,

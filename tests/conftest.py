@@ -29,9 +29,11 @@ from tests.otlp import serve as serve_otlp
 @pytest.fixture(scope="session")
 def settings() -> config.Settings:
     # Only where the binaries are may come from the environment (the GPU
-    # machine unpacks them elsewhere); every other setting is the default.
+    # machine unpacks them elsewhere), and the GPU gate's lifted refusals (a
+    # GPU test of a process on two GPUs); every other setting is the default.
     return config.load({k: v for k, v in os.environ.items()
-                        if k in ("SMR_CRIU", "SMR_CRIU_ROOT", "SMR_NATS_SERVER")})
+                        if k in ("SMR_CRIU", "SMR_CRIU_ROOT", "SMR_NATS_SERVER",
+                                 "SMR_GPU_ALLOW")})
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -79,6 +79,22 @@ def test_a_fail_policy_reaches_smr_init() -> None:
     assert not any(e["name"] == "SMR_RESTORE_FAILURE" for e in out["spec"]["containers"][0]["env"])
 
 
+def test_a_gpu_container_gets_one_compile_thread_unless_it_sets_its_own() -> None:
+    """A container asking for nvidia.com/gpu gets TORCHINDUCTOR_COMPILE_THREADS=1
+    (Inductor's compile workers map the GPU without a CUDA context, which
+    cannot be saved); one that sets its own keeps it; a CPU container gets none."""
+    p = opted(containers=("train", "own", "cpu"))
+    train, own, cpu = p["spec"]["containers"]
+    for c in (train, own):
+        c["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    own["env"] = [{"name": "TORCHINDUCTOR_COMPILE_THREADS", "value": "8"}]
+    train, own, cpu = patched(p, review(admission(p), S))["spec"]["containers"]
+    assert {"name": "TORCHINDUCTOR_COMPILE_THREADS", "value": "1"} in train["env"]
+    assert [e for e in own["env"] if e["name"] == "TORCHINDUCTOR_COMPILE_THREADS"] == [
+        {"name": "TORCHINDUCTOR_COMPILE_THREADS", "value": "8"}]
+    assert not any(e["name"] == "TORCHINDUCTOR_COMPILE_THREADS" for e in cpu["env"])
+
+
 def test_warm_start_labels_alone_opt_a_pod_in() -> None:
     """A template's pod and a replica (docs/warm-start.md) need smr-init in front
     of their containers, even without node-restore: the template is a

@@ -62,7 +62,7 @@ class NodeAgent:
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             work_dir=s.work_path / "pods",
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,
-                                              hold_dir=s.hold_path))
+                                              hold_dir=s.hold_path, allow=s.gpu_allow))
         checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS),
                                         capture_bytes=s.capture_bytes)
         self.workers = [

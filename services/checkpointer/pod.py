@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,14 @@ from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.containers.pods import PodContainer, PodStep
 from services.policy import tcp_policy
 from services.storage.store import Generation
-from smr import __version__, frozen, gpuinfo, linkremap, sockets
+from smr import __version__, frozen, gpugate, gpuinfo, linkremap, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
+from smr.cuda_checkpoint import GpuStateLost, lost_after
 from smr.errors import PermanentError, SmrError, TemporaryError
 from smr.jobs import proc_start_ticks, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
+from smr.metrics import GPU_STATE_LOST
 
 CONTAINER_FILE = "container.json"
 # Written once the layer and /dev/shm of a finished dump are captured whole.
@@ -195,10 +198,13 @@ class PodCheckpointStep(PodStep):
                                     requested=req.tcp, same_netns_possible=False)
             # Host PIDs: the driver's checkpoint API takes them from outside.
             cuda_pids = await self.cuda.processes(pid) if self.cuda else []
+            # Before anything is locked or frozen, as for a local job: what
+            # the driver or CRIU cannot bring back (smr.gpugate).
+            await asyncio.to_thread(gpugate.check_io_uring, host.tree(pid))
             if cuda_pids:
-                # Before anything is frozen, as for a local job: CRIU would
-                # fail on such a mapping ('handle_device_vma plugin failed').
-                await asyncio.to_thread(gpuinfo.check_mappings, host.tree(pid), cuda_pids)
+                assert self.cuda
+                await asyncio.to_thread(gpugate.before_lock, host.tree(pid), cuda_pids,
+                                        gpuinfo.gpus_by_pid(cuda_pids), self.cuda.allow)
             gpu = gpuinfo.for_checkpoint(cuda_pids, work)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({
@@ -222,6 +228,16 @@ class PodCheckpointStep(PodStep):
                     progress.update("cuda-checkpoint")
                     assert self.cuda
                     durations.update(await self.cuda.suspend_all(cuda_pids))
+                    try:
+                        # Held stopped by smr from here (CRIU thaws a tree
+                        # whose dump failed), and checked again as CRIU
+                        # will find it.
+                        signal_tree(pid, signal.SIGSTOP)
+                        await asyncio.to_thread(frozen.wait_stopped, host.tree(pid))
+                        await asyncio.to_thread(gpugate.after_lock, host.tree(pid), cuda_pids)
+                    except BaseException:
+                        await self._bring_back(pid, str(c.target()))
+                        raise
                 progress.update("dump")
                 # A GPU heartbeat leaves the tree stopped too: its GPU state
                 # comes back before any of its threads runs (smr.frozen; JAX's
@@ -262,11 +278,9 @@ class PodCheckpointStep(PodStep):
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
                     if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
-                        # Never left locked: back to running whatever failed;
-                        # a tree the dump left stopped gets its GPU state
-                        # back before it is continued.
-                        await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
-                            pid, quiet=True))
+                        # Never left locked: back to running whatever failed,
+                        # held stopped until its GPU state is back, checked.
+                        await self._bring_back(pid, str(c.target()))
                     elif not req.leave_running and dumped(dump):
                         # Not stored: the workload, held stopped, runs on.
                         signal_tree(pid, signal.SIGCONT)
@@ -303,6 +317,22 @@ class PodCheckpointStep(PodStep):
             await timings.record(self.timings, c.namespace, req.checkpoint_id, measured,
                                  gen.number)
         return self._result(req, gen, durations=durations, started_at=started)
+
+    async def _bring_back(self, pid: int, target: str) -> None:
+        """After a failure past the GPU lock (the one being handled): the
+        workload's GPU state back, each process checked RUNNING, before its
+        tree runs on; then the failure says it keeps running. If the driver
+        does not give every process back, the workload (which could not run
+        on) is ended and the failure is GpuStateLost."""
+        failure = sys.exc_info()[1]
+        try:
+            await asyncio.shield(self.cuda.recover_tree(pid))  # type: ignore[union-attr]
+        except GpuStateLost as lost:
+            signal_tree(pid, signal.SIGKILL)
+            GPU_STATE_LOST.inc()
+            raise lost_after(lost, failure, target) from failure
+        if isinstance(failure, SmrError) and "keeps running" not in failure.message:
+            failure.message = f"{failure.message}; {target} keeps running"
 
     def _workload(self, req: CkptRequested, shim: Shim) -> tuple[int, int]:
         """The workload's (host pid, namespace pid), or why there is none to save."""
@@ -354,7 +384,8 @@ class PodCheckpointStep(PodStep):
             if not await asyncio.to_thread(_maybe_running, shim):
                 raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
                                      "was stored", code="job-exited", detail=e.detail) from None
-            e.message = f"{e.message}; {c.target()} keeps running"
+            if not gpu:  # a GPU tree runs on once its GPU state is back (_bring_back)
+                e.message = f"{e.message}; {c.target()} keeps running"
             raise
         t = time.monotonic()
         remaps = await asyncio.to_thread(linkremap.linked, work / "images")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,14 @@ from services.checkpointer.durable import StorageUnavailable, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, frozen, gpuinfo, linkremap, netlock, reaper, sockets
+from smr import __version__, frozen, gpugate, gpuinfo, linkremap, netlock, reaper, sockets
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
-from smr.errors import PermanentError, TemporaryError
+from smr.cuda_checkpoint import GpuStateLost, lost_after
+from smr.errors import PermanentError, SmrError, TemporaryError
 from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
+from smr.metrics import GPU_STATE_LOST
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.checkpointer")
@@ -83,10 +86,20 @@ class CheckpointStep(LocalJobStep):
         shutil.rmtree(work, ignore_errors=True)
         durations: dict[str, float] = {}
         parent = None
+        if req.pre_dump and self.cuda and await self.cuda.processes(job.pid):
+            # CRIU's pre-dump runs on the live process, its GPU's device
+            # mappings in place (CRIU's CUDA plugin does nothing for a
+            # pre-dump): it would fail on them, before any GPU check.
+            raise PermanentError(
+                f"job {job.id} holds GPU state, and a pre-dump cannot save a GPU job; "
+                "nothing was frozen, the job runs on", code="gpu-pre-dump",
+                hint="checkpoint it without --pre-dump: its freeze is the driver's copy of "
+                     "GPU memory, which a pre-dump would not shorten")
         pre_dump = req.pre_dump and await self._can_pre_dump(job.id)
         if pre_dump:
             progress.update("pre-dump")
-            run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"))
+            run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"),
+                                   running=True)
             durations["pre_dump"] = run.seconds
             parent = work / "pre"
         gpu, tcp = await self._prepare(req, job, work)
@@ -96,6 +109,11 @@ class CheckpointStep(LocalJobStep):
             progress.update("cuda-checkpoint")
             assert self.cuda
             durations.update(await self.cuda.suspend_all(cuda_pids))
+            try:
+                await self._hold_and_check(job, cuda_pids)
+            except BaseException:
+                await self._give_up(req, job, cuda_pids)
+                raise
         # A final checkpoint leaves the job stopped, not dead, until its images
         # are stored: if they cannot be, it runs on (see _give_up).
         final = not req.leave_running
@@ -115,7 +133,8 @@ class CheckpointStep(LocalJobStep):
             dump = asyncio.create_task(self._criu(job, self.criu.dump(
                 job.pid, work / "images", leave_running=req.leave_running and not gpu_heartbeat,
                 leave_stopped=final or gpu_heartbeat, parent=parent,
-                tcp="close" if gpu_heartbeat else tcp, carry=work / linkremap.CARRY)))
+                tcp="close" if gpu_heartbeat else tcp, carry=work / linkremap.CARRY),
+                running=not cuda_pids))
             resumed = None
             if gpu_heartbeat:
                 # A heartbeat: the job runs again as soon as its image is
@@ -205,7 +224,14 @@ class CheckpointStep(LocalJobStep):
 
     async def _give_up(self, req: CkptRequested, job: Job, cuda_pids: list[int]) -> None:
         """Nothing was stored: the job goes on where it was (CRIU thawed it after
-        a failed dump; a finished final dump left it stopped), its GPU running."""
+        a failed dump; a finished final dump left it stopped), its GPU running.
+
+        Called with the failure being handled: its message says "keeps
+        running" only once that is so. A GPU job whose processes the driver
+        did not all give back cannot run on: it is ended, and the failure
+        becomes GpuStateLost (the error that was handled named in it)."""
+        failure = sys.exc_info()[1]
+        lost: GpuStateLost | None = None
         if job.alive():
             # A final dump that kept connections left them in repair mode
             # behind CRIU's lock, for a restore that now never comes; so did
@@ -213,13 +239,37 @@ class CheckpointStep(LocalJobStep):
             # running again already): undone before the tree runs again.
             await asyncio.shield(netlock.release(job.pid, self._work(req) / "images" / "dump.log"))
         if cuda_pids and job.alive():
-            # A stopped tree gets its GPU state back before it is continued.
-            await asyncio.shield(self.cuda.resume_tree(job.pid, quiet=True))  # type: ignore[union-attr]
+            # Held stopped while every process's GPU state comes back, each
+            # checked RUNNING; only then continued.
+            try:
+                await asyncio.shield(self.cuda.recover_tree(job.pid))  # type: ignore[union-attr]
+            except GpuStateLost as e:
+                lost = e
         elif not req.leave_running and job.alive():
             signal_tree(job.pid, signal.SIGCONT)
         self._facts_file(req).unlink(missing_ok=True)
         await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
         shutil.rmtree(self._work(req), ignore_errors=True)
+        if lost is not None:
+            await self._lost(job, lost, failure)
+        if isinstance(failure, SmrError) and job.alive() and "keeps running" not in \
+                failure.message:
+            failure.message = f"{failure.message}; job {job.id} keeps running"
+
+    async def _lost(self, job: Job, lost: GpuStateLost, failure: BaseException | None) -> None:
+        """The job's GPU state is gone: its tree (held stopped) is ended and
+        its record says failed; raises ``lost``, saying what failed first."""
+        signal_tree(job.pid, signal.SIGKILL)
+        await wait_exit(job.pid, job.start_ticks)
+        reaper.reap()
+        job.state = "failed"
+        async for attempt in retry_nats():
+            with attempt:
+                await self.jobs.put(job)
+        GPU_STATE_LOST.inc()
+        lost_after(lost, failure, f"job {job.id}")
+        log.error("%s", lost.message)
+        raise lost from failure
 
     def _held_for(self, req: CkptRequested, job: Job) -> str | None:
         """Another request whose final dump of this very process waits on
@@ -255,6 +305,8 @@ class CheckpointStep(LocalJobStep):
                        ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
         """The job's GPU use and what its TCP connections get, recorded for
         the manifest (and for a recovered commit)."""
+        # CRIU cannot save an io_uring, a job's without GPU neither.
+        gpugate.check_io_uring(gpuinfo.process_tree(job.pid))
         gpu = await self._gpu(job, work)
         tcp = sockets.dump_mode(policy=job.tcp, leave_running=req.leave_running,
                                 reason=req.reason, requested=req.tcp)
@@ -275,8 +327,11 @@ class CheckpointStep(LocalJobStep):
         if self.cuda is None:
             return None
         pids = await self.cuda.processes(job.pid)
+        tree = gpuinfo.process_tree(job.pid)
         if pids:
-            gpuinfo.check_mappings(gpuinfo.process_tree(job.pid), pids)
+            # Before the lock: what the driver or CRIU cannot bring back is
+            # refused while the job still runs (smr.gpugate).
+            gpugate.before_lock(tree, pids, gpuinfo.gpus_by_pid(pids), self.cuda.allow)
         gpu = gpuinfo.for_checkpoint(pids, work)
         return {**gpu, "pids": pids} if gpu else None
 
@@ -288,7 +343,10 @@ class CheckpointStep(LocalJobStep):
                     "(CONFIG_MEM_SOFT_DIRTY is off); doing a full dump", job_id)
         return False
 
-    async def _criu(self, job: Job, call: Any) -> Any:
+    async def _criu(self, job: Job, call: Any, *, running: bool) -> Any:
+        """``call`` (a CRIU run); ``running``: CRIU's thaw on failure is all
+        the job needs to run on (no GPU state to give back), so the error
+        says so at once; otherwise ``_give_up`` says it once it is so."""
         try:
             return await call
         except CriuError as e:
@@ -297,8 +355,21 @@ class CheckpointStep(LocalJobStep):
                     f"job {job.id} exited during its checkpoint; nothing was stored",
                     code="job-exited", detail=e.detail, hint=f"see its log {job.log}",
                 ) from None
-            e.message = f"{e.message}; job {job.id} keeps running"
+            if running:
+                e.message = f"{e.message}; job {job.id} keeps running"
             raise
+
+    async def _hold_and_check(self, job: Job, cuda_pids: list[int]) -> None:
+        """After the lock: the tree held stopped by smr, so that nothing runs
+        while its GPU state is checkpointed, whatever CRIU does after (it
+        thaws a tree whose dump failed, even with --leave-stopped, but gives
+        a tree stopped before it seized one its stop back), and checked again
+        as CRIU will find it: a worker that mapped the GPU's devices, or an
+        io_uring made, since the check before the lock."""
+        tree = gpuinfo.process_tree(job.pid)
+        signal_tree(job.pid, signal.SIGSTOP)
+        await asyncio.to_thread(frozen.wait_stopped, tree)
+        gpugate.after_lock(gpuinfo.process_tree(job.pid), cuda_pids)
 
     async def _store(self, req: CkptRequested, job: Job, progress: Progress,
                      writer: asyncio.Task[Any] | None = None) -> tuple[Generation, float]:

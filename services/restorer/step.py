@@ -16,9 +16,10 @@ from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation, streamable
-from smr import gpupairs, linkremap, reaper, sockets
+from smr import gpugate, gpupairs, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
+from smr.cuda_checkpoint import CudaError
 from smr.errors import PermanentError
 from smr.gpuinfo import process_tree
 from smr.jobs import Job
@@ -144,7 +145,7 @@ class RestoreStep(LocalJobStep):
             # CRIU brought the process back CHECKPOINTED: GPU memory goes back, then unlock.
             step = "after the driver restored its GPU state"
             try:
-                durations.update(await self._gpu_back(pid, pairs))
+                durations.update(await self._gpu_back(pid, pairs, gen.manifest.get("gpu")))
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored (holding the job id, never running again).
@@ -299,14 +300,19 @@ class RestoreStep(LocalJobStep):
             return gpupairs.decide(gpu, gpupairs.holding(targets, process_tree(restored)), what)
         return gpupairs.for_restore(gpu, what, has_api=self.cuda is not None, targets=targets)
 
-    async def _gpu_back(self, pid: int, pairs: gpupairs.Pairs | None = None
-                        ) -> dict[str, float]:
+    async def _gpu_back(self, pid: int, pairs: gpupairs.Pairs | None = None,
+                        facts: dict[str, Any] | None = None) -> dict[str, float]:
         """Every CUDA process under ``pid`` RUNNING again (a no-op for those
         that are), its GPU state onto the GPUs ``pairs`` names, and the tree
         continued (CRIU left it stopped)."""
         if not self.cuda:
             return {}
-        return await self.cuda.resume_tree(pid, gpu_pairs=pairs)
+        try:
+            return await self.cuda.resume_tree(pid, gpu_pairs=pairs)
+        except CudaError as e:
+            if why := gpugate.restore_cause(facts):
+                e.message = f"{e.message}; {why}"
+            raise
 
 
 def restored_log(spec: dict[str, Any], req: RestoreRequested) -> str:

@@ -51,6 +51,7 @@ import orjson
 
 from services.policy import policy_for
 from smr.config import Settings
+from smr.gpugate import GPU_JOB_DEFAULTS
 
 log = logging.getLogger("smr.webhook")
 
@@ -110,6 +111,15 @@ def checkpoints(body: bytes, s: Settings) -> tuple[str, list[str]] | None:
     return (namespace, ids) if isinstance(namespace, str) and namespace and ids else None
 
 
+def _wants_gpu(container: dict[str, Any]) -> bool:
+    """Does the container ask for an NVIDIA GPU (the device plugin's resource)?"""
+    res = container.get("resources")
+    if not isinstance(res, dict):
+        return False
+    return any(isinstance(r, dict) and "nvidia.com/gpu" in r
+               for r in (res.get("limits"), res.get("requests")))
+
+
 def _pointer(*parts: object) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
@@ -162,6 +172,10 @@ def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
         entries = [{"name": "SMR_CONTAINER", "value": c["name"]}]
         if policy.restore_failure == "fail":
             entries.append({"name": "SMR_RESTORE_FAILURE", "value": "fail"})
+        if _wants_gpu(c):
+            # A GPU container's defaults (smr.jobs.GPU_JOB_DEFAULTS); its own
+            # value of one, if it sets one, is kept: the opt-out.
+            entries += [{"name": k, "value": v} for k, v in GPU_JOB_DEFAULTS.items()]
         env = c.get("env")
         if not isinstance(env, list):
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env"),

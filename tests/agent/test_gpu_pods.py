@@ -204,7 +204,9 @@ async def test_a_container_with_two_cuda_processes_migrates(cluster: Cluster,
 
 @pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
 async def test_a_pod_on_two_gpus_migrates(cluster: Cluster, reference: str) -> None:
-    """GPU memory on two devices of one process: both come back."""
+    """GPU memory on two devices of one process: both come back. The GPU
+    gate refuses such a process (peer access cannot be told from outside):
+    run it with SMR_GPU_ALLOW=peer-access in the agents' environment."""
     a, b = list(cluster.kubelets)
     ckpt = "train-two-gpus"
     await start(cluster, "wide-1", a, ckpt, at_least=5, gpus=2)

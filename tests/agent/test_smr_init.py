@@ -153,3 +153,43 @@ def test_no_answer_from_the_agent_follows_the_restore_failure_policy(
             assert code == 4 and marker.exists(), f"exit {code}; smr-init said: {err}"
     finally:
         c.stop()
+
+
+URING = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    char params[120] = {0};
+    long fd = syscall(425, 8, params); /* io_uring_setup */
+    if (fd < 0) printf("errno %d\n", errno); else printf("fd %ld\n", fd);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["default", "opted-out"])
+def test_io_uring_setup_fails_with_enosys_in_the_workloads_tree(
+        smr_runtime: Path, top: Path, allow: bool) -> None:
+    """A grandchild of smr-init's workload (a shell's child) calling
+    io_uring_setup gets ENOSYS, as libuv needs to fall back to epoll; with
+    SMR_IO_URING=allow in the container's environment it gets its ring."""
+    src = top / "uring.c"
+    src.write_text(URING)
+    binary = top / "bundle" / "rootfs" / "opt" / "uring"
+    binary.parent.mkdir(parents=True)
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(binary), str(src)], check=True)
+    env = {"SMR_RESTORE_FAILURE": "fresh", **({"SMR_IO_URING": "allow"} if allow else {})}
+    c = Running(smr_runtime, top, ["/bin/sh", "-c", "/opt/uring > /result; exit 0"], "0.2",
+                env)
+    try:
+        assert c.proc.wait(30) == 0
+        said = (top / "bundle" / "rootfs" / "result").read_text().strip()
+        if allow:
+            assert said.startswith("fd "), said
+        else:
+            assert said == "errno 38", f"io_uring_setup under smr-init: {said}"  # ENOSYS
+    finally:
+        c.stop()

@@ -125,14 +125,14 @@ def state_of(root: Path, workload: str) -> str:
 def install(root: Path, driver: StandInDriver | None = None) -> None:
     """Put the stand-in where smr looks for the driver and for GPU devices
     (``driver``: one instance for every node of this process, to look at)."""
-    def for_settings(gpu: str, lock_timeout_s: float,
-                     hold_dir: Path | None = None) -> CudaCheckpoint | None:
+    def for_settings(gpu: str, lock_timeout_s: float, hold_dir: Path | None = None,
+                     allow: tuple[str, ...] = ()) -> CudaCheckpoint | None:
         return CudaCheckpoint(driver or StandInDriver(root),  # type: ignore[arg-type]
-                              lock_timeout_s, hold_dir=hold_dir)
+                              lock_timeout_s, hold_dir=hold_dir, allow=allow)
 
     def devices() -> list[dict[str, Any]]:
         return [{"index": 0, "model": MODEL, "memory_total": 1 << 40,
-                 "memory_free": 1 << 40}]
+                 "memory_free": 1 << 40, "processes": {}}]
 
     def job_gpus(pids: list[int]) -> dict[str, Any] | None:
         return {"model": MODEL, "count": 1, "used_bytes": 0} if pids else None

@@ -74,6 +74,10 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/prctl.h>
 #include <sys/file.h>
 #include <signal.h>
 #include <stdio.h>
@@ -222,6 +226,35 @@ static double now(void) {
     return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/*
+ * io_uring_setup fails with ENOSYS in the workload's whole tree (a seccomp
+ * filter is inherited by every child, and CRIU saves and restores it): CRIU
+ * cannot save an io_uring, and libuv 1.50 and later makes one in every event
+ * loop (torchrun's rendezvous store), falling back to epoll only when the
+ * call fails. 425 is io_uring_setup on every architecture (x32's has bit 30
+ * set). Without CAP_SYS_ADMIN (a container) the kernel takes a filter only
+ * with no_new_privs, which keeps setuid programs from gaining privileges.
+ * SMR_IO_URING=allow in the workload's environment keeps io_uring (its
+ * checkpoint is then refused: io-uring).
+ */
+static void no_io_uring(void) {
+    const char *v = getenv("SMR_IO_URING");
+    if (v && strcmp(v, "allow") == 0) return;
+    struct sock_filter f[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 425, 2, 0),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0x40000000 | 425, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+    };
+    struct sock_fprog prog = {sizeof f / sizeof f[0], f};
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0) return;
+    if (errno == EACCES && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0) return;
+    fprintf(stderr, "smr-init: io_uring stays on (seccomp: %s); a checkpoint of a "
+            "process holding one is refused\n", strerror(errno));
+}
+
 static pid_t start(char **argv) {
     pid_t pid = fork();
     if (pid < 0) die("fork");
@@ -230,6 +263,7 @@ static pid_t start(char **argv) {
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
         setsid();  /* CRIU dumps a tree whose root leads its own session */
+        no_io_uring();
         execvp(argv[0], argv);
         fprintf(stderr, "smr-init: cannot run %s: %s\n", argv[0], strerror(errno));
         _exit(127);

@@ -1,0 +1,127 @@
+"""smr.gpugate's refusals before the GPU lock, on real processes: what they
+map (a file named as XLA's or NCCL's library, mapped for real), their
+environment, the io_uring a real kernel gives them. The GPUs each process
+holds are NVML's answer, given here as the dict NVML's reading makes (no
+GPU here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smr import gpugate
+
+A = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+B = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
+
+MAPS = """
+import mmap, sys, time
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), 4096)
+if len(sys.argv) > 2:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).syscall(425, 8, ctypes.create_string_buffer(120))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    made: list[subprocess.Popen[str]] = []
+    yield made
+    for p in made:
+        p.kill()
+        p.wait()
+
+
+def mapping(procs: list[subprocess.Popen[str]], path: Path, env: dict[str, str] | None = None,
+            ring: bool = False) -> int:
+    """A process that maps ``path`` (and makes an io_uring if ``ring``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(4096))
+    p = subprocess.Popen([sys.executable, "-c", MAPS, str(path), *(["ring"] if ring else [])],
+                         stdout=subprocess.PIPE, text=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
+                         | (env or {}))
+    procs.append(p)
+    assert p.stdout and p.stdout.readline().strip() == "ready"
+    return p.pid
+
+
+def test_a_process_on_two_gpus_is_refused_naming_it_its_gpus_and_xla(
+        procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    pid = mapping(procs, tmp_path / "site-packages/jaxlib/xla_extension.so")
+    with pytest.raises(gpugate.GateRefused) as refused:
+        gpugate.check_peers({pid: [A, B]})
+    e = refused.value
+    assert e.code == "gpu-peer-access"
+    assert f"process {pid} (python" in e.message and A in e.message and B in e.message
+    assert "XLA enables peer access" in e.message and "runs on" in e.message
+    assert "--gpus 1" in e.hint and "SMR_GPU_ALLOW=peer-access" in e.hint
+    gpugate.check_peers({pid: [A]})  # one GPU: let through
+    gpugate.check_peers({pid: [A, B]}, allow=("peer-access",))  # lifted by the node
+
+
+def test_nccl_ranks_on_two_gpus_with_p2p_on_are_refused(
+        procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
+    r0, r1 = mapping(procs, lib), mapping(procs, lib)
+    with pytest.raises(gpugate.GateRefused) as refused:
+        gpugate.check_peers({r0: [A], r1: [B]})
+    assert refused.value.code == "nccl-p2p"
+    assert str(r0) in refused.value.message and str(r1) in refused.value.message
+    assert "NCCL_P2P_DISABLE=1" in refused.value.hint
+    gpugate.check_peers({r0: [A], r1: [A]})  # one GPU: no P2P between them
+    gpugate.check_peers({r0: [A], r1: [B]}, allow=("nccl-p2p",))
+    off = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    s0, s1 = mapping(procs, lib, off), mapping(procs, lib, off)
+    gpugate.check_peers({s0: [A], s1: [B]})  # sockets only: let through
+
+
+def test_a_process_holding_an_io_uring_is_refused_naming_it(
+        procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    plain = mapping(procs, tmp_path / "plain")
+    gpugate.check_io_uring([plain])
+    ring = mapping(procs, tmp_path / "ring", ring=True)
+    assert (gpugate.io_uring_held(ring) or "").startswith("descriptor ")
+    with pytest.raises(gpugate.GateRefused) as refused:
+        gpugate.check_io_uring([plain, ring])
+    assert refused.value.code == "io-uring" and f"process {ring} (" in refused.value.message
+
+
+def test_a_restore_is_explained_by_the_gpus_recorded_at_checkpoint_time() -> None:
+    assert gpugate.restore_cause(None) == ""
+    assert gpugate.restore_cause({"model": "H100", "processes": {"7": [A]}}) == ""
+    why = gpugate.restore_cause({"processes": {"7": [A, B], "8": [A]}})
+    assert why.startswith("process 7 held CUDA contexts on two GPUs") and "peer access" in why
+    assert "IPC" not in why
+
+
+def test_gpus_by_pid_reads_nvml_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML's per-GPU process lists (a **stand-in** for its reading) turned per process."""
+    from smr import gpuinfo
+    monkeypatch.setattr(gpuinfo, "devices", lambda: [
+        {"uuid": A, "processes": {7: 1, 8: 1, 9: 1}}, {"uuid": B, "processes": {7: 1}}])
+    assert gpuinfo.gpus_by_pid([7, 8]) == {7: [A, B], 8: [A]}
+
+
+def test_criu_failing_on_a_gpu_device_mapping_is_explained(tmp_path: Path) -> None:
+    """CRIU's words when a process maps /dev/nvidia* outside a CUDA context
+    (criu/proc_parse.c, handle_vma_plugin; its errno is stale) are told as
+    gpu-forked-mapping, naming the process it was collecting."""
+    from smr.criu import explain
+
+    log = tmp_path / "dump.log"
+    log.write_text("(00.010) Collect mappings (pid: 4711)\n"
+                   "(00.011) Error (criu/proc_parse.c:119): handle_device_vma plugin failed: "
+                   "No such file or directory\n")
+    what, code, hint = explain(log) or ("", "", "")
+    assert code == "gpu-forked-mapping"
+    assert what.startswith("process 4711 maps a device file without a CUDA context")
+    assert "TORCHINDUCTOR_COMPILE_THREADS=1" in hint
