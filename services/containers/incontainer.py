@@ -25,12 +25,18 @@ read as configuration or run by this root process with every capability:
   and those a restore hands to the tree.
 
 Joining the container's mount namespace is what lets a restore land in the
-kubelet's container: CRIU cannot restore a tree into a mount namespace it did
-not make (--join-ns lists ipc, net, time, user and uts), and dumping the
-container's mount namespace from outside it would need every bind mount the
-kubelet made described as external. The same rule holds for every program the
-agent runs near a container: none starts with the container's root as `/`
-(set_last_pid enters the PID namespace only).
+kubelet's container. A CRIU outside it would dump that mount namespace (every
+bind mount the kubelet made described as external) and make a new one at the
+restore: CRIU's documented --join-ns takes ipc, net, time, user and uts (4.2's
+code also accepts mnt, undocumented and untried here).
+
+The same rule holds for every program the agent runs near a container: none
+starts with the container's root as `/` (set_last_pid enters the PID
+namespace only). What stays: in the container's root, glibc would load an
+NSS module a lookup needed from there (CRIU makes none in a dump or a
+restore: tests/agent/test_attacks.py names one for every database), and CRIU
+runs in the container's PID namespace, where the workload's root can signal
+it (a SIGSTOP holds the step until its timeout).
 """
 
 from __future__ import annotations
