@@ -44,8 +44,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
-import weakref
+import stat
 from pathlib import Path
 
 from services.containers import host
@@ -70,10 +69,14 @@ ENTER_ROOT = {"SMR_CRIU_ENTER_ROOT": "1"}
 
 class CriuBundle:
     """The agent's CRIU (under ``root``: usr/sbin/criu and its libraries), held
-    open for running inside containers; ``root_switch`` is criu-root.so."""
+    open for running inside containers; ``root_switch`` is criu-root.so;
+    ``plugins``, a directory of the agent's (made here, kept empty), is the
+    only one CRIU loads plugins from."""
 
-    def __init__(self, root: Path, preload: str = "", root_switch: str = "") -> None:
+    def __init__(self, root: Path, preload: str = "", root_switch: str = "",
+                 plugins: Path | None = None) -> None:
         self.root = root
+        self.plugins = plugins
         # criu-limits.so (smr.criu.Criu's preload), opened like CRIU's own files.
         self.preload = Path(preload) if preload else None
         self.root_switch = Path(root_switch) if root_switch else None
@@ -98,16 +101,13 @@ class CriuBundle:
                     "(native/criu-root.c), never with the container's root as `/`",
                     code="criu-missing", hint="run `make setup` (it builds "
                     ".tools/lib/criu-root.so); the smr image has it in /usr/lib/smr")
-            # Made here, owned by the agent, always empty: CRIU's plugins.
-            plugins = tempfile.mkdtemp(prefix="smr-criu-no-plugins-")
-            weakref.finalize(self, os.rmdir, plugins)
+            plugins = _empty_dir(self.plugins)
             self._preloads = tuple(os.open(p, os.O_RDONLY | os.O_CLOEXEC)
                                    for p in (self.root_switch, self.preload) if p)
             self._fds = (os.open(self.loader, os.O_RDONLY | os.O_CLOEXEC),
                          os.open(self.libdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
                          os.open(self.binary, os.O_RDONLY | os.O_CLOEXEC),
-                         os.open(plugins, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
-                         *self._preloads)
+                         plugins, *self._preloads)
         return self._fds
 
     def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
@@ -147,6 +147,24 @@ class CriuBundle:
                         *join, nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",
                         "--", f"/proc/self/fd/{loader}", "--inhibit-cache",
                         "--library-path", f"/proc/self/fd/{libdir}", "--preload", preload])
+
+
+def _empty_dir(path: Path | None) -> int:
+    """A descriptor of ``path``, a directory of the agent's, made if missing;
+    refused unless it is a real directory of this user, and empty."""
+    if path is None:
+        raise PermanentError("no directory for CRIU's (empty) plugin directory",
+                             code="criu-missing", hint="pass CriuBundle a plugins path")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022 or os.listdir(fd):
+        os.close(fd)
+        raise PermanentError(
+            f"{path}, where the agent's CRIU looks for plugins, is not an empty directory "
+            "of the agent's own", code="criu-missing",
+            hint="empty it (smr's CRIU loads no plugin) or remove it: the agent makes it")
+    return fd
 
 
 def _which(name: str) -> str:
