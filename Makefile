@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.smr-installed
 
 .PHONY: setup demo test lint clean bench-storage bench-watcher
 
-setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime .tools/lib/criu-limits.so
+setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime .tools/lib/criu-limits.so \
+       .tools/lib/criu-root.so
 
 .tools/.installed-v3: scripts/install-tools.sh
 	./scripts/install-tools.sh
@@ -21,6 +22,12 @@ setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime 
 .tools/lib/criu-limits.so: native/criu-limits.c .tools/.installed-v3
 	mkdir -p .tools/lib
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -ldl
+
+# Preloaded into the node agent's CRIU: it takes the container's root as `/`
+# only after the agent's own loader and libraries are in (native/criu-root.c).
+.tools/lib/criu-root.so: native/criu-root.c .tools/.installed-v3
+	mkdir -p .tools/lib
+	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $<
 
 # The OCI runtime wrapper that puts smr-init in front of opted-in containers;
 # static, it runs on the host. cJSON's source comes with the tools.

@@ -500,10 +500,13 @@ class Settings:
         """criu-limits.so (native/criu-limits.c) where `make setup` or the smr
         image put it, or "" (CRIU then needs CAP_SYS_RESOURCE to dump a task
         of another user)."""
-        for where in (REPO_TOOLS.parent / "lib", Path("/usr/lib/smr")):
-            if (where / "criu-limits.so").is_file():
-                return str(where / "criu-limits.so")
-        return ""
+        return _native("criu-limits.so")
+
+    def criu_root_switch(self) -> str:
+        """criu-root.so (native/criu-root.c), which the node agent's CRIU
+        needs to take a container's root as `/` once its own files are
+        loaded; "" where neither `make setup` nor the smr image put it."""
+        return _native("criu-root.so")
 
     def init_binary(self) -> str:
         return _find_binary(self.values["INIT"], "smr-init", "INIT")
@@ -522,6 +525,14 @@ class Settings:
 
     def replace(self, **kw: Any) -> Settings:
         return Settings({**self.values, **{k.upper(): v for k, v in kw.items()}})
+
+
+def _native(name: str) -> str:
+    """A library of native/ where `make setup` or the smr image put it, or ""."""
+    for where in (REPO_TOOLS.parent / "lib", Path("/usr/lib/smr")):
+        if (where / name).is_file():
+            return str(where / name)
+    return ""
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:

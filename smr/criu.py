@@ -17,7 +17,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +53,14 @@ class Criu:
     path CRIU sees there; ``options`` go into every dump and restore; ``fds``
     stay open in every run; ``preload``, criu-limits.so (native/criu-limits.c)
     as CRIU sees it, lets CRIU read the limits of a task of another user where
-    root lacks CAP_SYS_RESOURCE."""
+    root lacks CAP_SYS_RESOURCE. ``env``: the whole environment of every run,
+    built from nothing (the node agent's: no CRIU_CONFIG_FILE, CRIU_LIBS_DIR,
+    HOME or LD_* of its own reach CRIU); None inherits this process's."""
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
                  fds: Sequence[int] = (), network_lock: str = "nftables",
-                 preload: str = "") -> None:
+                 preload: str = "", env: Mapping[str, str] | None = None) -> None:
         self.binary = binary
         # nftables: CRIU locks connections through its own libnftables, so no
         # iptables binary is needed where it runs (inside a container too).
@@ -69,6 +71,7 @@ class Criu:
         self.options = list(options)
         self.fds = tuple(fds)  # kept open in every run (the node agent's CRIU files)
         self.preload = preload
+        self.env = dict(env) if env is not None else None
         self._tracks_memory: bool | None = None
         self._version: str | None = None
 
@@ -80,7 +83,7 @@ class Criu:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self.prefix, self.binary, "--version", stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, pass_fds=self.fds,
+                    stderr=asyncio.subprocess.STDOUT, pass_fds=self.fds, env=self._env(),
                 )
             except OSError:
                 return "unknown"  # asked while explaining a failure: must not hide it
@@ -208,7 +211,7 @@ class Criu:
         cmd = [*self.prefix, self.binary, *args, *self.options,
                "-D", self.view(image_dir or images),
                "-o", log_name, "-v4"]
-        env = {**os.environ, "LD_PRELOAD": self.preload} if self.preload else None
+        env = self._env()
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -244,6 +247,17 @@ class Criu:
             raise CriuError(f"criu {args[0]} failed (exit {proc.returncode})"
                             + (f": {why}" if why else ""), code=code, detail=detail, hint=hint)
         return CriuRun(seconds, log)
+
+
+    def _env(self) -> dict[str, str] | None:
+        """A run's environment: ``env`` or this process's, with the preload;
+        None (inherited) where neither changes it."""
+        if self.env is None and not self.preload:
+            return None
+        env = dict(os.environ if self.env is None else self.env)
+        if self.preload:
+            env["LD_PRELOAD"] = self.preload
+        return env
 
 
 def kill_tree(pid: int) -> None:

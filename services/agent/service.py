@@ -54,7 +54,9 @@ class NodeAgent:
         self.prepull = Prepull(store, s.template_prepull if self.cache is not None else ())
         self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
         common = dict(
-            bundle=CriuBundle(s.criu_root(), s.criu_preload()), criu=self.criu,
+            bundle=CriuBundle(s.criu_root(), s.criu_preload(), s.criu_root_switch(),
+                              plugins=s.work_path / ".criu-plugins"),
+            criu=self.criu,
             store=store, pods=self.pods,
             lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait,
                          stale_after=bus.config.stale_after),

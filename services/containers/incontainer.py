@@ -1,4 +1,4 @@
-"""Running CRIU inside a container's namespaces.
+"""Running CRIU inside a container's namespaces, never on the container's files.
 
 The agent enters the container's mount, PID, network, IPC and UTS namespaces
 (nsenter) and runs CRIU there. To CRIU the container's namespaces are then its
@@ -7,17 +7,44 @@ no mount table or namespace to describe, and a restore lands in the new
 container's namespaces and root file system, whatever image and volumes the
 kubelet gave it.
 
-CRIU's files are the agent's own, never the container's: the agent opens its
-CRIU binary, the dynamic loader and the library directory, and the process
-that joined the namespaces executes them through those descriptors
-(/proc/self/fd/N). A workload cannot swap a binary that root then runs with
-all capabilities; nothing is copied into the pod.
+Everything the image holds is the tenant's, and nothing of it is loaded,
+read as configuration or run by this root process with every capability:
+
+- CRIU starts with the agent's root as `/` (nsenter --root=/), not the
+  container's: the dynamic loader reads the agent's /etc/ld.so.preload and
+  maps the agent's loader, libraries and CRIU, through descriptors the agent
+  opened (/proc/self/fd/N), with no ld.so.cache (--inhibit-cache).
+- Only then, before CRIU's main, criu-root.so (native/criu-root.c) takes the
+  container's root as `/`: CRIU resolves the paths of the tree's files
+  against its own root (criu/mount.c, __mntns_get_root_fd).
+- CRIU reads no configuration file (--no-default-config; its environment is
+  built from nothing, so no CRIU_CONFIG_FILE, CRIU_LIBS_DIR or HOME) and loads
+  its plugins from an empty directory of the agent's (-L), never the image's
+  /usr/lib/criu.
+- It holds only the descriptors it needs: its own files, the work directory
+  and those a restore hands to the tree.
+
+Joining the container's mount namespace is what lets a restore land in the
+kubelet's container. A CRIU outside it would dump that mount namespace (every
+bind mount the kubelet made described as external) and make a new one at the
+restore: CRIU's documented --join-ns takes ipc, net, time, user and uts (4.2's
+code also accepts mnt, undocumented and untried here).
+
+The same rule holds for every program the agent runs near a container: none
+starts with the container's root as `/` (set_last_pid enters the PID
+namespace only). What stays: in the container's root, glibc would load an
+NSS module a lookup needed from there (CRIU makes none in a dump or a
+restore: tests/agent/test_attacks.py names one for every database), and CRIU
+runs in the container's PID namespace, where the workload's root can signal
+it (a SIGSTOP holds the step until its timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import stat
 from pathlib import Path
 
 from services.containers import host
@@ -32,35 +59,55 @@ NAMESPACES = ["-m", "-p", "-n", "-i", "-u"]
 # restore then gives the tree an IPC namespace of its own, with those objects.
 NAMESPACES_SAVING_IPC = ["-m", "-p", "-n", "-u"]
 # CRIU's own cgroup handling is off: the restored tree is moved into the new
-# container's cgroups by the agent (host.move_to_cgroups_of).
-OPTIONS = ["--manage-cgroups=ignore"]
+# container's cgroups by the agent (host.move_to_cgroups_of). No configuration
+# file is read: /etc/criu/default.conf would be the image's.
+OPTIONS = ["--manage-cgroups=ignore", "--no-default-config"]
+# criu-root.so acts only where this is set: the agent's CRIU runs, and only in
+# CRIU (the loader preloads it; sh and nsenter in front never load it).
+ENTER_ROOT = {"SMR_CRIU_ENTER_ROOT": "1"}
 
 
 class CriuBundle:
     """The agent's CRIU (under ``root``: usr/sbin/criu and its libraries), held
-    open for running inside containers."""
+    open for running inside containers; ``root_switch`` is criu-root.so;
+    ``plugins``, a directory of the agent's (made here, kept empty), is the
+    only one CRIU loads plugins from."""
 
-    def __init__(self, root: Path, preload: str = "") -> None:
+    def __init__(self, root: Path, preload: str = "", root_switch: str = "",
+                 plugins: Path | None = None) -> None:
         self.root = root
+        self.plugins = plugins
         # criu-limits.so (smr.criu.Criu's preload), opened like CRIU's own files.
         self.preload = Path(preload) if preload else None
-        self._preload_fd: int | None = None
+        self.root_switch = Path(root_switch) if root_switch else None
         self.binary = root / "usr/sbin/criu"
         self.libdir = root / "usr/lib/x86_64-linux-gnu"
         self.loader = self.libdir / "ld-linux-x86-64.so.2"
-        self._fds: tuple[int, int, int] | None = None
+        self._fds: tuple[int, ...] | None = None
+        self._preloads: tuple[int, ...] = ()
 
-    def fds(self) -> tuple[int, int, int]:
-        """Descriptors of the loader, the library directory and CRIU."""
+    def fds(self) -> tuple[int, ...]:
+        """Descriptors of the loader, the library directory, CRIU, an empty
+        plugin directory, then the libraries preloaded into CRIU."""
         if self._fds is None:
             if not self.binary.is_file() or not self.loader.is_file():
                 raise PermanentError(
                     f"no CRIU under {self.root} (looked for {self.binary} and {self.loader})",
                     code="criu-missing", hint="set SMR_CRIU_ROOT to the prefix CRIU is "
                     "installed in (/ in the smr image, .tools/root in a checkout)")
-            self._fds = (os.open(self.loader, os.O_RDONLY),
-                         os.open(self.libdir, os.O_PATH | os.O_DIRECTORY),
-                         os.open(self.binary, os.O_RDONLY))
+            if self.root_switch is None or not self.root_switch.is_file():
+                raise PermanentError(
+                    "no criu-root.so: the agent runs CRIU in a container only with it "
+                    "(native/criu-root.c), never with the container's root as `/`",
+                    code="criu-missing", hint="run `make setup` (it builds "
+                    ".tools/lib/criu-root.so); the smr image has it in /usr/lib/smr")
+            plugins = _empty_dir(self.plugins)
+            self._preloads = tuple(os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                                   for p in (self.root_switch, self.preload) if p)
+            self._fds = (os.open(self.loader, os.O_RDONLY | os.O_CLOEXEC),
+                         os.open(self.libdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),
+                         os.open(self.binary, os.O_RDONLY | os.O_CLOEXEC),
+                         plugins, *self._preloads)
         return self._fds
 
     def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
@@ -75,12 +122,8 @@ class CriuBundle:
         tree it restores (its children) is charged to the pod's memory limit
         from its first page; moving the tasks afterwards leaves the charge
         with the agent (cgroup v1 never moves it, v2 by default neither)."""
-        loader, libdir, criu = self.fds()
-        extra: tuple[int, ...] = ()
-        if self.preload:
-            if self._preload_fd is None:
-                self._preload_fd = os.open(self.preload, os.O_RDONLY)
-            extra = (self._preload_fd,)
+        fds = self.fds()
+        loader, libdir, criu, plugins = fds[:4]
 
         def view(p: Path) -> str:
             rel = os.path.relpath(p, work)
@@ -88,16 +131,48 @@ class CriuBundle:
                 raise ValueError(f"{p} is not in the agent's work directory {work}")
             return f"/proc/self/fd/{work_fd}" + ("" if rel == "." else f"/{rel}")
 
-        # nsenter forks into the PID namespace, so /proc/self there is the
-        # child, which holds these descriptors.
+        # The agent's own sh and nsenter, by full path: the environment is
+        # built from nothing (no PATH).
+        sh, nsenter = _which("sh"), _which("nsenter")
         join = [] if not charged else [
-            "sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
+            sh, "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
             'shift; exec "$@"', "smr-join-cgroups", *map(str, host.cgroup_procs(shim.pid)), "--"]
-        return Criu(f"/proc/self/fd/{criu}", timeout, view=view, options=OPTIONS,
-                    fds=(loader, libdir, criu, work_fd, *extra),
-                    preload=f"/proc/self/fd/{extra[0]}" if extra else "", prefix=[
-                        *join, "nsenter", "-t", str(shim.pid), *namespaces, "--",
-                        f"/proc/self/fd/{loader}", "--library-path", f"/proc/self/fd/{libdir}"])
+        preload = ":".join(f"/proc/self/fd/{fd}" for fd in self._preloads)
+        # nsenter opens --root and --wd before it joins the namespaces (the
+        # agent's `/`) and forks into the PID namespace, so /proc/self there
+        # is the child, which holds these descriptors.
+        return Criu(f"/proc/self/fd/{criu}", timeout, view=view,
+                    options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
+                    fds=(*fds, work_fd), env=ENTER_ROOT, prefix=[
+                        *join, nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",
+                        "--", f"/proc/self/fd/{loader}", "--inhibit-cache",
+                        "--library-path", f"/proc/self/fd/{libdir}", "--preload", preload])
+
+
+def _empty_dir(path: Path | None) -> int:
+    """A descriptor of ``path``, a directory of the agent's, made if missing;
+    refused unless it is a real directory of this user, and empty."""
+    if path is None:
+        raise PermanentError("no directory for CRIU's (empty) plugin directory",
+                             code="criu-missing", hint="pass CriuBundle a plugins path")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022 or os.listdir(fd):
+        os.close(fd)
+        raise PermanentError(
+            f"{path}, where the agent's CRIU looks for plugins, is not an empty directory "
+            "of the agent's own", code="criu-missing",
+            hint="empty it (smr's CRIU loads no plugin) or remove it: the agent makes it")
+    return fd
+
+
+def _which(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        raise PermanentError(f"no {name} on the agent's PATH", code="criu-missing",
+                             hint="install util-linux (nsenter) and a POSIX sh")
+    return found
 
 
 async def set_last_pid(shim: Shim, last: int, init_binary: str) -> None:

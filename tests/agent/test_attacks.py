@@ -94,6 +94,48 @@ open(MARKER, "w").write("traceback\\n")
 """
 
 
+# Code an image can hand to a CRIU that reads its files: a CRIU plugin in
+# /usr/lib/criu/, a library named in /etc/ld.so.preload (the dynamic loader
+# maps it into every program started with the image's root as `/`), an NSS
+# module (glibc loads it for a lookup the image's nsswitch.conf names). Run with
+# the agent's powers (CAP_SYS_ADMIN, which the tenant lacks), it notes what it
+# is in the container's /smr (the agent cannot miss it: it is outside the
+# captured layer) and walks up from every descriptor it holds to the host's
+# /tmp, where it leaves a marker.
+CRIU_EVIL = r"""
+#include <dirent.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#include <linux/capability.h>
+#include <sys/syscall.h>
+__attribute__((constructor)) static void evil(void) {
+    struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct d[2];
+    if (syscall(SYS_capget, &h, d) || !(d[0].effective & (1u << CAP_SYS_ADMIN))) return;
+    FILE *f = fopen("/smr/criu-evidence", "a");
+    if (f) { fprintf(f, "%s ran as uid %d\n", VECTOR, getuid()); fclose(f); }
+    DIR *fds = opendir("/proc/self/fd");
+    struct dirent *e;
+    char p[512];
+    while (fds && (e = readdir(fds))) {
+        snprintf(p, sizeof p, "/proc/self/fd/%s/../../../../../../../../../../../..%s",
+                 e->d_name, MARKER);
+        FILE *m = fopen(p, "a");
+        if (m) { fprintf(m, "%s\n", VECTOR); fclose(m); }
+    }
+}
+"""
+
+# CRIU runs the action scripts its configuration names, at every stage.
+CRIU_ACTION = b"""#!/bin/sh
+echo "action-script ran at $CRTOOLS_SCRIPT_ACTION" >> /smr/criu-evidence
+"""
+CRIU_IMAGE = "smr.test/criu-hostile:1"
+NSS_DATABASES = (b"passwd", b"group", b"shadow", b"hosts", b"networks", b"protocols",
+                 b"services", b"ethers", b"rpc", b"netgroup")
+
+
 @pytest.fixture(scope="module")
 def markers() -> Iterator[dict[str, Path]]:
     run = uuid.uuid4().hex[:8]
@@ -377,6 +419,90 @@ async def test_dev_shm_links_and_swaps_copy_nothing_of_the_host(
             for m in members.values():
                 f = t.extractfile(m) if m.isreg() else None
                 assert f is None or b"host secret" not in f.read(), f"capture {i}: {m.name}"
+
+
+@pytest.fixture(scope="module")
+def criu_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """An image whose files would run code in a CRIU started with its root as
+    `/`: a configuration naming an action script, a plugin, a preloaded
+    library, an NSS module for every database; and the host marker that code
+    would write."""
+    d = tmp_path_factory.mktemp("criu-hostile")
+    marker = MARKER_DIR / f"smr-attack-{uuid.uuid4().hex[:8]}-criu"
+    libs = {}
+    for vector in ("plugin", "ld.so.preload", "nss"):
+        src = d / "evil.c"
+        src.write_text(CRIU_EVIL.replace("VECTOR", f'"{vector}"')
+                       .replace("MARKER", f'"{marker}"'))
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", d / "evil.so", src], check=True)
+        libs[vector] = (d / "evil.so").read_bytes()
+    files = {"/bin/counter": COUNTER,
+             "/etc/criu/default.conf": b"action-script /bin/criu-action\n",
+             "/bin/criu-action": CRIU_ACTION,
+             "/usr/lib/criu/evil.so": libs["plugin"],
+             "/etc/ld.so.preload": b"/lib/evil-preload.so\n",
+             "/lib/evil-preload.so": libs["ld.so.preload"],
+             "/etc/nsswitch.conf": b"".join(b"%s: evil\n" % db for db in NSS_DATABASES)}
+    for lib in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib"):
+        files[f"{lib}/libnss_evil.so.2"] = libs["nss"]
+    yield oci_image.build(d / "img.tar", CRIU_IMAGE, files=files), marker
+    marker.unlink(missing_ok=True)
+
+
+@pytest.fixture
+async def criu_hostile(cluster: Cluster, criu_image: tuple[Path, Path]
+                       ) -> tuple[Cluster, Path]:
+    image, marker = criu_image
+    for node, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(node, image)
+    return cluster, marker
+
+
+async def test_image_criu_config_plugin_and_preload_never_run_in_criu(
+        criu_hostile: tuple[Cluster, Path]) -> None:
+    """The agent's CRIU never starts with the container's root as `/`: the
+    image's /etc/criu/default.conf (an action script), its /usr/lib/criu/
+    plugin, its /etc/ld.so.preload and its NSS modules run nothing, at a dump
+    or a restore."""
+    cluster, marker = criu_hostile
+    a, b = list(cluster.kubelets)
+    p = workload("criuconf", a, image=CRIU_IMAGE, labels={"smr.dev/node-restore": "true"})
+    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/counter"]
+    cluster.kube.put("pods", p)
+    await cluster.until_steps("criuconf", a, 5)
+
+    def ran(where: str, evidence: str) -> None:
+        what = [v for v in ("action-script", "plugin", "ld.so.preload", "nss") if v in evidence]
+        if marker.exists():
+            what.append(f"a host file written through CRIU's descriptors "
+                        f"({marker.read_text().split()})")
+        assert not what, f"{where}: the image's code ran in the agent's CRIU: {what}"
+
+    done = await checkpoint(cluster, "criuconf", a, "criuconf.main")
+    ran("checkpoint", await _smr_file(cluster, "criuconf", "criu-evidence"))
+    assert done.status == "succeeded", done.error
+
+    before = steps(cluster.log("criuconf", a))
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    await cluster.latest("criuconf.main", after=1)
+    await cluster.drained_to("criuconf", a, b, before)  # restored on b
+    ran("restore", await _smr_file(cluster, "criuconf", "criu-evidence"))
+
+
+async def _smr_file(cluster: Cluster, pod: str, name: str) -> str:
+    """A file of the pod's running container's /smr, or "" (the host's view)."""
+    from services.containers import host
+    from services.containers.pods import runtime_id
+
+    for _ in range(100):
+        st = cluster.kube.get("pods", pod, "default")
+        if st and (cs := st["status"].get("containerStatuses")) and cs[0].get("containerID"):
+            shim = host.find_shim(runtime_id(cs[0]["containerID"]))
+            if shim:
+                f = Path(f"/proc/{shim.pid}/root/smr") / name
+                return f.read_text() if f.exists() else ""
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no running container of pod {pod}")
 
 
 async def _stored(cluster: Cluster, gen: Any, path: str) -> bytes:
