@@ -76,10 +76,13 @@ class Job:
         self.generation = generation
         self.state = "running" if leave_running else "checkpointed"
 
-    def restored(self, pid: int, *, request_id: str, generation: int | None, node: str) -> None:
-        """Now the process CRIU restored for ``request_id``."""
+    def restored(self, pid: int, *, request_id: str, generation: int | None, node: str,
+                 start_ticks: int | None = None) -> None:
+        """Now the process CRIU restored for ``request_id``; ``start_ticks``:
+        when that process started (smr.identity), which the PID's holder
+        must match, or it is another process."""
         ticks = proc_start_ticks(pid)
-        if ticks is None:
+        if ticks is None or (start_ticks is not None and ticks != start_ticks):
             raise PermanentError(f"restored process {pid} is not running", code="restore-died")
         self.pid, self.start_ticks, self.state = pid, ticks, "running"
         self.restored_by, self.generation, self.node = request_id, generation, node

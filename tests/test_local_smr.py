@@ -18,16 +18,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, message_subject
 from smr.criu import Criu
+from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
@@ -478,6 +480,9 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     pidfile = step.work_dir / restored.request_id / "restored.pid"
     pidfile.parent.mkdir(parents=True)
     pidfile.write_text(str(restored.pid))
+    ident = ProcessIdentity.of(restored.pid)
+    assert ident is not None
+    ident.write(pidfile.with_name(IDENTITY))
     req = RestoreRequested(request_id=restored.request_id, checkpoint_id=job.id,
                            target=Target.job(job.id), node=h.settings.node)
 
@@ -487,6 +492,59 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     record, _ = await h.jobs.get(job.id)
     assert record.alive() and record.pid == restored.pid
     assert record.restored_by == restored.request_id
+
+
+@pytest.fixture
+def bystander() -> Iterator[subprocess.Popen[bytes]]:
+    """An unrelated process, nothing to do with smr (``sleep``)."""
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pid(
+        h: Harness, bystander: subprocess.Popen[bytes]) -> None:
+    """A restore's worker died after CRIU wrote the pidfile; by its recovery
+    the restored process has ended and a bystander holds its PID. The
+    bystander is not recorded as the job: the restore runs again, and the
+    job's next final checkpoint dumps and ends the job, not the bystander."""
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+    work = h.settings.work_path / rr.request_id
+    work.mkdir(parents=True)
+    (work / "restored.pid").write_text(str(bystander.pid))
+    # What the restore wrote as CRIU returned: the process that held this
+    # PID then, which started earlier than the bystander.
+    ident = ProcessIdentity.of(bystander.pid)
+    assert ident is not None
+    ProcessIdentity(ident.pid, ident.start_ticks - 1, ident.boot_id).write(work / IDENTITY)
+    await h.bus.kv(KV_STEPS).put(rr.request_id, json.dumps({
+        "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
+        "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(rr),
+        "phase": "restore", "checkpoint_id": job.id}).encode())
+
+    restored = await h.bus.request(rr, timeout=120)
+    assert isinstance(restored, RestoreDone) and restored.status == "succeeded", \
+        restored.error
+    if restored.pid:
+        h.pids.append(restored.pid)
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid != bystander.pid, \
+        f"the bystander `sleep` (pid {bystander.pid}) was recorded as job {job.id}"
+    assert record.alive()
+    frozen = int(h.lines(job)[-1]["step"])
+    await h.wait_step(job, frozen + 2)  # the job itself runs again
+
+    final = await h.checkpoint(job.id)
+    assert final.status == "succeeded", final.error
+    await asyncio.sleep(0.3)
+    assert bystander.poll() is None, \
+        f"the bystander was killed by the job's checkpoint (returncode {bystander.poll()})"
 
 
 async def test_gpu_checkpoint_is_refused_where_it_cannot_be_restored(h: Harness) -> None:

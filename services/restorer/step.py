@@ -21,11 +21,15 @@ from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.errors import PermanentError
 from smr.gpuinfo import process_tree
+from smr.identity import ProcessIdentity
 from smr.jobs import Job
 from smr.messages import RestoreDone, RestoreRequested, now
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.restorer")
+
+# Beside CRIU's restored.pid: the restored process's identity (smr.identity).
+IDENTITY = "restored.id"
 
 
 class RestoreStep(LocalJobStep):
@@ -136,6 +140,11 @@ class RestoreStep(LocalJobStep):
                 os.close(fd)
         durations["restore"] = run.seconds
         pid = int(pidfile.read_text())
+        # Before anything else can fail: who CRIU restored, so a recovery
+        # adopts that process and never a later holder of its PID.
+        ident = ProcessIdentity.of(pid)
+        if ident is not None:
+            ident.write(work / IDENTITY)
         reaper.adopt(pid)  # CRIU has exited: the tree is this process's to reap
         step = "after CRIU resumed it"
         if gpu:
@@ -151,7 +160,8 @@ class RestoreStep(LocalJobStep):
                 raise
         await self._running(pid, step, spec.get("log", ""), run.log)
         try:
-            return await self._record(req, gen, existing, pid)
+            return await self._record(req, gen, existing, pid,
+                                      ident.start_ticks if ident else None)
         except Exception:
             # Unrecorded, it would run on unknown to the registry while the
             # restore fails: the next restore would start a second copy. (Not
@@ -214,13 +224,14 @@ class RestoreStep(LocalJobStep):
                  + "; a process that dies once restored dies the same way each time")
 
     async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
-                      pid: int) -> Job:
+                      pid: int, start_ticks: int | None = None) -> Job:
         """Register the restored process under the target's job id."""
         spec = gen.manifest.get("job") or {}
         job = job or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
                          cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
                          checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
-        job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
+        job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node,
+                     start_ticks=start_ticks)
         async for attempt in retry_nats():  # NATS restarting: the restore is not undone for it
             with attempt:
                 await self.jobs.put(job)
@@ -238,13 +249,19 @@ class RestoreStep(LocalJobStep):
             await self.lock.release(job_id, req.request_id)
             return RestoreDone.for_request(req, status="succeeded", generation=job.generation,
                                            pid=job.pid)
-        pidfile = self.work_dir / req.request_id / "restored.pid"
-        try:
-            pid = int(pidfile.read_text())
-        except (OSError, ValueError):
-            return None  # nothing was restored: safe to run
-        if not _alive(pid):
-            return None  # it died: safe to run
+        # The process CRIU restored, if it still runs: same PID, start tick
+        # and boot. A PID alone may name a stranger by now (the restored
+        # process ended, or the host rebooted), which would be recorded as
+        # the job, then dumped and killed by its next checkpoint. Without a
+        # match the restore is not done: it runs again, and nothing is
+        # killed that is not ours.
+        ident = ProcessIdentity.read_match(self.work_dir / req.request_id / IDENTITY)
+        if ident is None:
+            if (self.work_dir / req.request_id / "restored.pid").exists():
+                log.info("restore %s: the process it restored no longer runs (or its PID "
+                         "is another's now); the restore runs again", req.request_id)
+            return None
+        pid = ident.pid
         try:
             gen = await self._generation(req)
         except Exception as e:
@@ -254,8 +271,7 @@ class RestoreStep(LocalJobStep):
             # the restore runs again.
             log.warning("restore %s: the process it restored (pid %d) cannot be recorded "
                         "(%s); it is ended and the restore runs again", req.request_id, pid, e)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _kill_ours(ident)
             shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
             return None
         if gen.manifest.get("gpu"):
@@ -265,14 +281,12 @@ class RestoreStep(LocalJobStep):
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored; the restore runs again.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                _kill_ours(ident)
                 raise
         try:
-            job = await self._record(req, gen, job, pid)
+            job = await self._record(req, gen, job, pid, ident.start_ticks)
         except Exception:
-            with contextlib.suppress(ProcessLookupError):  # never unknown to the registry
-                os.kill(pid, signal.SIGKILL)
+            _kill_ours(ident)  # never unknown to the registry
             raise
         await self.lock.release(job_id, req.request_id)
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
@@ -355,12 +369,11 @@ def kernel_lines(pid: int, limit: int = 3) -> list[str]:
     return found[-limit:]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _kill_ours(ident: ProcessIdentity) -> None:
+    """SIGKILL the process ``ident`` names if it is still that process."""
+    if ident.matches():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ident.pid, signal.SIGKILL)
 
 
 def dumped_pids(job: dict[str, Any]) -> list[int]:
