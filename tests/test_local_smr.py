@@ -9,6 +9,7 @@ their memory, recomputed independently.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -29,11 +31,13 @@ from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, message_subject
 from smr.criu import Criu
+from smr.errors import SmrError
 from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
+from smrctl import embedded
 from smrctl.embedded import EmbeddedNode, windows
 from tests import nats_auth
 
@@ -545,6 +549,98 @@ async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pi
     await asyncio.sleep(0.3)
     assert bystander.poll() is None, \
         f"the bystander was killed by the job's checkpoint (returncode {bystander.poll()})"
+
+
+async def test_a_restore_never_overwrites_a_job_record_written_while_it_ran(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer (a `smr exec` of the same id) records a process while a
+    restore of that id runs: the restore does not overwrite that record. It
+    fails, and the process it restored is ended, so one process is the job
+    and the registry knows it."""
+    from services.restorer.step import RestoreStep
+
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    real = RestoreStep._running
+    other: list[Job] = []
+
+    mine: list[Job] = []
+
+    async def exec_meanwhile(self: RestoreStep, pid: int, *args: Any, **kw: Any) -> None:
+        await real(self, pid, *args, **kw)
+        mine.append(Job(id=job.id, cmd=[], cwd="", log="", node="", pid=pid,
+                        start_ticks=proc_start_ticks(pid) or 0))
+        started = launch(job.id, ["sleep", "600"], log=h.tmp / "other.log", cwd=h.tmp,
+                         node=h.settings.node)
+        h.pids.append(started.pid)
+        other.append(started)
+        await h.jobs.put(started)
+
+    monkeypatch.setattr(RestoreStep, "_running", exec_meanwhile)
+    restored = await h.restore(job.id)
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid == other[0].pid, \
+        f"the restore overwrote the record written meanwhile (now pid {record.pid})"
+    assert restored.status == "failed" and restored.error, restored
+    assert restored.error["code"] == "job-running", restored.error
+    assert record.alive()
+    assert await _gone(mine[0]), "the restored process runs on unrecorded"
+
+
+async def test_smr_exec_never_overwrites_a_job_record_a_restore_wrote_meanwhile(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore records its process for an id while `smr exec` of that id
+    starts its command: exec does not overwrite that record; it fails and
+    ends the command it started."""
+    from smrctl import cli
+
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    restored = launch(job_id, ["sleep", "600"], log=h.tmp / "restored.log", cwd=h.tmp,
+                      node=h.settings.node)
+    h.pids.append(restored.pid)
+    restored.restored_by = "a-restore"
+    mine: list[Job] = []
+
+    def launch_while_a_restore_records(*args: Any, **kw: Any) -> Job:
+        started = launch(*args, **kw)
+        h.pids.append(started.pid)
+        mine.append(started)
+
+        async def record() -> None:  # the restore, on its own connection
+            bus = await embedded.connect(h.settings)
+            try:
+                await JobRegistry(bus.kv(KV_JOBS), job_key(h.settings.job_key_path)).put(
+                    restored)
+            finally:
+                await bus.close()
+
+        t = threading.Thread(target=asyncio.run, args=(record(),))
+        t.start()
+        t.join()
+        return started
+
+    monkeypatch.setattr(cli, "launch", launch_while_a_restore_records)
+    args = argparse.Namespace(id=job_id, cmd=["sleep", "600"], log=None, gpu=False,
+                              tcp="auto")
+    err: SmrError | None = None
+    try:
+        await cli.cmd_exec(h.settings, args)
+    except SmrError as e:
+        err = e
+    record, _ = await h.jobs.get(job_id)
+    assert record.pid == restored.pid, \
+        f"smr exec overwrote the record the restore wrote (now pid {record.pid})"
+    assert err is not None and err.code == "job-exists", err
+    assert await _gone(mine[0]), "the command smr exec started runs on unrecorded"
+
+
+async def _gone(job: Job, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not job.alive():
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 async def test_gpu_checkpoint_is_refused_where_it_cannot_be_restored(h: Harness) -> None:

@@ -22,7 +22,7 @@ from smr.criu import wait_finished
 from smr.errors import PermanentError
 from smr.gpuinfo import process_tree
 from smr.identity import ProcessIdentity
-from smr.jobs import Job
+from smr.jobs import Job, JobChanged
 from smr.messages import RestoreDone, RestoreRequested, now
 from smr.retry import retry_nats
 
@@ -43,7 +43,7 @@ class RestoreStep(LocalJobStep):
                                 lambda holder: progress.update("waiting", waiting_for=holder))
         work = self.work_dir / req.request_id
         try:
-            existing = await self.jobs.find(job_id)
+            existing, revision = await self.jobs.read(job_id)
             if existing and existing.alive():
                 raise PermanentError(
                     f"job {job_id} is still running (pid {existing.pid}); a restore would "
@@ -67,8 +67,8 @@ class RestoreStep(LocalJobStep):
             # A local job runs in its node's network namespace: its kept
             # connections can come back on the node that took them.
             tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
-            job = await self._restore(req, gen, work, existing, durations, tcp, progress,
-                                      streamed, pairs)
+            job = await self._restore(req, gen, work, (existing, revision), durations, tcp,
+                                      progress, streamed, pairs)
             shutil.rmtree(work, ignore_errors=True)
         except Exception:
             # A failed restore leaves nothing behind. Not on a cancel: a worker
@@ -100,7 +100,7 @@ class RestoreStep(LocalJobStep):
                                      hint=f"take one first: smr checkpoint {req.checkpoint_id}")
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
-                       existing: Job | None, durations: dict[str, float],
+                       existing: tuple[Job | None, int], durations: dict[str, float],
                        tcp: sockets.Tcp, progress: Progress, streamed: bool,
                        pairs: gpupairs.Pairs | None = None) -> Job:
         spec = gen.manifest.get("job") or {}
@@ -223,18 +223,35 @@ class RestoreStep(LocalJobStep):
                  + (f" ({job_log})" if job_log else "")
                  + "; a process that dies once restored dies the same way each time")
 
-    async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
-                      pid: int, start_ticks: int | None = None) -> Job:
-        """Register the restored process under the target's job id."""
+    async def _record(self, req: RestoreRequested, gen: Generation,
+                      existing: tuple[Job | None, int], pid: int,
+                      start_ticks: int | None = None) -> Job:
+        """Register the restored process under the target's job id, over
+        the record ``existing`` (as read, with its revision) and only over
+        it: a record written meanwhile (`smr exec` of the same id) is never
+        overwritten; the restore fails instead, and its process is ended by
+        the caller."""
         spec = gen.manifest.get("job") or {}
+        job, revision = existing
         job = job or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
                          cwd=spec.get("cwd", ""), log=spec.get("log", ""), node=self.node,
                          checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
         job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node,
                      start_ticks=start_ticks)
-        async for attempt in retry_nats():  # NATS restarting: the restore is not undone for it
-            with attempt:
-                await self.jobs.put(job)
+        try:
+            async for attempt in retry_nats():  # NATS restarting: the restore is not undone
+                with attempt:
+                    await self.jobs.replace(job, revision)
+        except JobChanged:
+            now, _ = await self.jobs.read(job.id)
+            if now and now.restored_by == req.request_id and now.pid == pid:
+                return now  # our own write, its answer lost to a NATS restart
+            raise PermanentError(
+                f"job {job.id} was written by another while it was restored"
+                + (f" (now pid {now.pid}, {now.observed_state()})" if now else "")
+                + "; the restored process is ended", code="job-running",
+                hint=f"`smr ps` shows it; to restore beside it: smr restore "
+                     f"{req.checkpoint_id} --as NEW_ID") from None
         return job
 
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
@@ -243,7 +260,7 @@ class RestoreStep(LocalJobStep):
         answer; a restore never runs twice."""
         job_id = self.job_id(req.target)
         await wait_finished(self.work_dir / req.request_id / "images", self.criu.timeout)
-        job = await self.jobs.find(job_id)
+        job, revision = await self.jobs.read(job_id)
         if job and job.restored_by == req.request_id and job.alive():
             await self._gpu_back(job.pid)
             await self.lock.release(job_id, req.request_id)
@@ -284,7 +301,7 @@ class RestoreStep(LocalJobStep):
                 _kill_ours(ident)
                 raise
         try:
-            job = await self._record(req, gen, job, pid, ident.start_ticks)
+            job = await self._record(req, gen, (job, revision), pid, ident.start_ticks)
         except Exception:
             _kill_ours(ident)  # never unknown to the registry
             raise
