@@ -38,6 +38,8 @@ from services.storage.codec import (
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import (
+    HEARTBEAT_S,
+    MISSED_RENEWALS,
     SCRATCH_FILES,
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -376,7 +378,7 @@ async def test_failed_dump_aborts_the_upload_and_leaves_nothing_visible(
         await store.commit(NS, "f", src, meta("r1"), writer=asyncio.create_task(failing_dump()))
     assert await store.latest(NS, "f") is None
     assert await backend.pending_uploads("") == [], "the multipart upload was not aborted"
-    await store.gc(grace_s=0)
+    await store.gc(grace_s=0, at=time.time() + MISSED_RENEWALS * store.heartbeat_s + 1)
     assert await backend.list("") == []
 
 
@@ -405,7 +407,8 @@ async def test_crash_mid_upload_is_invisible_and_gc_removes_its_parts(
     assert await backend.pending_uploads(""), "the dead writer left no upload to collect"
     report = await store.gc(grace_s=3600)  # a writer may still be at work: keep
     assert report.uploads_aborted == 0 and report.generations_removed == []
-    report = await store.gc(grace_s=0)
+    # Dead: silent for longer than the renewals its claim says it makes.
+    report = await store.gc(grace_s=0, at=time.time() + MISSED_RENEWALS * HEARTBEAT_S + 1)
     assert report.uploads_aborted >= 1 and report.generations_removed == ["local/ck/1"]
     assert await backend.pending_uploads("") == []
     assert await backend.list("") == []

@@ -75,7 +75,7 @@ from typing import Any
 
 from services.storage import layout
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointStore
+from services.storage.store import MISSED_RENEWALS, RENEW_S_MAX, CheckpointStore
 from smr import config
 from smr.bus import KV_JOBS, STREAM_REQUESTS, Bus, BusConfig, node_token, subject
 from smr.jobs import JobRegistry, job_key, launch
@@ -763,7 +763,8 @@ class Campaign:
     async def orphans(self) -> None:
         """After GC (nothing in flight): no upload left, no object outside a
         committed generation."""
-        await self.store.gc(grace_s=0)
+        # Every writer is over: all are past the renewals their claims name.
+        await self.store.gc(grace_s=0, at=time.time() + MISSED_RENEWALS * RENEW_S_MAX + 1)
         backend = self.store.backend
         pending = await backend.pending_uploads("")
         for up in pending:
