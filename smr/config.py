@@ -179,14 +179,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
     Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
     Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
-    Setting("ENCRYPTION_KEY", "", _aes_key, "base64 32-byte AES-256-GCM key; empty: images "
-            "in clear", secret=True),
+    Setting("ENCRYPTION_KEY", "", _aes_key,
+            "base64 32-byte AES-256-GCM key; empty: images in clear. Set on a node that has "
+            "clear checkpoints, it makes them unrestorable there: migrate as "
+            "docs/security.md says (\"Turning encryption on\")", secret=True),
     Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
             "Secret): the first writes, the others still read (rotation); each namespace's "
             "data key is derived from them"),
     Setting("KEEP_GENERATIONS", 5, _count, "generations kept per checkpoint_id; 0: all"),
     Setting("MAX_AGE", 0.0, _seconds, "seconds a generation is kept (latest always); 0: forever"),
-    Setting("GC_GRACE", 3600.0, _seconds, "age after which an unfinished upload is garbage"),
+    Setting("GC_GRACE", 3600.0, _seconds,
+            "age after which an unfinished upload is garbage. A writer renews its claim every "
+            "grace/4 of its own setting and records that interval in the claim; GC takes it for "
+            "dead only once silent for the longer of its own grace and 4 renewals, so a storage "
+            "Deployment set shorter than the nodes never aborts a live writer"),
     Setting("GC_INTERVAL", 600.0, _pos_float, "seconds between garbage collections"),
     Setting("GPU", "auto", _choice("auto", "off"), "checkpoint GPU state through the CUDA "
             "driver; auto: where the driver has the checkpoint API"),

@@ -77,10 +77,13 @@ class Job:
         self.generation = generation
         self.state = "running" if leave_running else "checkpointed"
 
-    def restored(self, pid: int, *, request_id: str, generation: int | None, node: str) -> None:
-        """Now the process CRIU restored for ``request_id``."""
+    def restored(self, pid: int, *, request_id: str, generation: int | None, node: str,
+                 start_ticks: int | None = None) -> None:
+        """Now the process CRIU restored for ``request_id``; ``start_ticks``:
+        when that process started (smr.identity), which the PID's holder
+        must match, or it is another process."""
         ticks = proc_start_ticks(pid)
-        if ticks is None:
+        if ticks is None or (start_ticks is not None and ticks != start_ticks):
             raise PermanentError(f"restored process {pid} is not running", code="restore-died")
         self.pid, self.start_ticks, self.state = pid, ticks, "running"
         self.restored_by, self.generation, self.node = request_id, generation, node
@@ -206,6 +209,12 @@ def job_key(path: Path, *, create: bool = False) -> bytes | None:
     return key
 
 
+class JobChanged(TemporaryError):
+    """A job's record was written by another since it was read."""
+
+    code = "job-conflict"
+
+
 class JobRegistry:
     """``key``: records are signed when written and checked when read; a
     registry without one (a reader that acts on nothing) checks nothing."""
@@ -280,8 +289,35 @@ class JobRegistry:
             else:
                 await self.kv.update(job.id, self._sign(job), last=revision)
         except KeyWrongLastSequenceError:
-            raise TemporaryError(f"job {job.id} changed while being updated; retrying",
-                                 code="job-conflict") from None
+            raise JobChanged(f"job {job.id} changed while being updated; retrying") from None
+
+    async def read(self, job_id: str) -> tuple[Job | None, int]:
+        """The job's record and its revision, for ``replace``: (None, 0)
+        where there is none; (None, revision) where one is there that smr
+        did not write (it may be replaced, never acted on)."""
+        try:
+            e = await self.kv.get(job_id)
+        except KeyNotFoundError:  # deleted ones too: ``create`` takes their place
+            return None, 0
+        if e is None or not e.value:
+            return None, 0
+        try:
+            return self._verified(job_id, e.value), e.revision or 0
+        except PermanentError:
+            return None, e.revision or 0
+
+    async def replace(self, job: Job, revision: int) -> None:
+        """Write ``job`` only if its record is still the one ``read``
+        returned with ``revision`` (0: still none); else JobChanged. Two
+        writers of one id (`smr exec`, a restore) never overwrite each
+        other: the later one learns it lost."""
+        if revision:
+            await self.put(job, revision)
+            return
+        try:
+            await self.kv.create(job.id, self._sign(job))
+        except KeyWrongLastSequenceError:
+            raise JobChanged(f"job {job.id} was written meanwhile") from None
 
     async def delete(self, job_id: str) -> None:
         await self.kv.delete(job_id)

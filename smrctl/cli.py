@@ -23,10 +23,10 @@ import orjson
 from services.storage.settings import make_store
 from smr import config, metrics, sockets
 from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
-from smr.bus import KV_JOBS, Bus
+from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
 from smr.errors import SmrError
 from smr.gpupairs import GPU_UUID
-from smr.jobs import JobRegistry, gpu_env, job_key, launch
+from smr.jobs import JobChanged, JobLock, JobRegistry, gpu_env, job_key, launch, signal_tree
 from smr.messages import (
     CkptDone,
     CkptRequested,
@@ -150,9 +150,16 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
     if not a.cmd:
         raise SmrError("no command given", hint="smr exec -i ID -- CMD [ARGS...]")
     bus = await embedded.connect(s)
+    # Under the job's lock, as its checkpoints and restores: a restore of
+    # this id in progress is waited for, then seen running.
+    lock = JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait)
+    request = f"exec-{uuid.uuid4().hex}"
     try:
+        await lock.acquire(a.id, request, lambda holder: print(
+            f"job {a.id} is busy with request {holder}; waiting", file=sys.stderr))
         jobs = JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path))
-        if (old := await jobs.find(a.id)) and old.alive():
+        old, revision = await jobs.read(a.id)
+        if old and old.alive():
             raise SmrError(f"job {a.id} is already running (pid {old.pid})", code="job-exists",
                            hint="choose another id")
         _runnable(a.cmd[0])
@@ -164,10 +171,25 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node,
                      own_pid_namespace=not a.gpu, env=env)
         job.tcp = a.tcp
-        await jobs.put(job)
+        try:
+            # Only over the record read above: a restore that took the lock
+            # over meanwhile (ours holds no step) and recorded its process
+            # keeps its record, and this launch is undone.
+            await jobs.replace(job, revision)
+        except JobChanged:
+            signal_tree(job.pid, signal.SIGKILL)
+            now = await jobs.find(a.id)
+            raise SmrError(f"job {a.id} was written by another while it started"
+                           + (f" (now pid {now.pid}, {now.observed_state()})" if now else "")
+                           + "; the command was ended", code="job-exists",
+                           hint="`smr ps` shows it; choose another id") from None
+        except BaseException:
+            signal_tree(job.pid, signal.SIGKILL)  # unrecorded, no checkpoint could find it
+            raise
         print(f"job {a.id} started: pid {job.pid}, log {job.log}")
         return 0
     finally:
+        await lock.release(a.id, request)
         await bus.close()
 
 

@@ -9,6 +9,7 @@ their memory, recomputed independently.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -16,22 +17,27 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, message_subject
 from smr.criu import Criu
+from smr.errors import SmrError
+from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
 from smr.workloads import counter
+from smrctl import embedded
 from smrctl.embedded import EmbeddedNode, windows
 from tests import nats_auth
 
@@ -478,6 +484,9 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     pidfile = step.work_dir / restored.request_id / "restored.pid"
     pidfile.parent.mkdir(parents=True)
     pidfile.write_text(str(restored.pid))
+    ident = ProcessIdentity.of(restored.pid)
+    assert ident is not None
+    ident.write(pidfile.with_name(IDENTITY))
     req = RestoreRequested(request_id=restored.request_id, checkpoint_id=job.id,
                            target=Target.job(job.id), node=h.settings.node)
 
@@ -487,6 +496,151 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     record, _ = await h.jobs.get(job.id)
     assert record.alive() and record.pid == restored.pid
     assert record.restored_by == restored.request_id
+
+
+@pytest.fixture
+def bystander() -> Iterator[subprocess.Popen[bytes]]:
+    """An unrelated process, nothing to do with smr (``sleep``)."""
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pid(
+        h: Harness, bystander: subprocess.Popen[bytes]) -> None:
+    """A restore's worker died after CRIU wrote the pidfile; by its recovery
+    the restored process has ended and a bystander holds its PID. The
+    bystander is not recorded as the job: the restore runs again, and the
+    job's next final checkpoint dumps and ends the job, not the bystander."""
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+    work = h.settings.work_path / rr.request_id
+    work.mkdir(parents=True)
+    (work / "restored.pid").write_text(str(bystander.pid))
+    # What the restore wrote as CRIU returned: the process that held this
+    # PID then, which started earlier than the bystander.
+    ident = ProcessIdentity.of(bystander.pid)
+    assert ident is not None
+    ProcessIdentity(ident.pid, ident.start_ticks - 1, ident.boot_id).write(work / IDENTITY)
+    await h.bus.kv(KV_STEPS).put(rr.request_id, json.dumps({
+        "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
+        "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(rr),
+        "phase": "restore", "checkpoint_id": job.id}).encode())
+
+    restored = await h.bus.request(rr, timeout=120)
+    assert isinstance(restored, RestoreDone) and restored.status == "succeeded", \
+        restored.error
+    if restored.pid:
+        h.pids.append(restored.pid)
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid != bystander.pid, \
+        f"the bystander `sleep` (pid {bystander.pid}) was recorded as job {job.id}"
+    assert record.alive()
+    frozen = int(h.lines(job)[-1]["step"])
+    await h.wait_step(job, frozen + 2)  # the job itself runs again
+
+    final = await h.checkpoint(job.id)
+    assert final.status == "succeeded", final.error
+    await asyncio.sleep(0.3)
+    assert bystander.poll() is None, \
+        f"the bystander was killed by the job's checkpoint (returncode {bystander.poll()})"
+
+
+async def test_a_restore_never_overwrites_a_job_record_written_while_it_ran(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer (a `smr exec` of the same id) records a process while a
+    restore of that id runs: the restore does not overwrite that record. It
+    fails, and the process it restored is ended, so one process is the job
+    and the registry knows it."""
+    from services.restorer.step import RestoreStep
+
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    real = RestoreStep._running
+    other: list[Job] = []
+
+    mine: list[Job] = []
+
+    async def exec_meanwhile(self: RestoreStep, pid: int, *args: Any, **kw: Any) -> None:
+        await real(self, pid, *args, **kw)
+        mine.append(Job(id=job.id, cmd=[], cwd="", log="", node="", pid=pid,
+                        start_ticks=proc_start_ticks(pid) or 0))
+        started = launch(job.id, ["sleep", "600"], log=h.tmp / "other.log", cwd=h.tmp,
+                         node=h.settings.node)
+        h.pids.append(started.pid)
+        other.append(started)
+        await h.jobs.put(started)
+
+    monkeypatch.setattr(RestoreStep, "_running", exec_meanwhile)
+    restored = await h.restore(job.id)
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid == other[0].pid, \
+        f"the restore overwrote the record written meanwhile (now pid {record.pid})"
+    assert restored.status == "failed" and restored.error, restored
+    assert restored.error["code"] == "job-running", restored.error
+    assert record.alive()
+    assert await _gone(mine[0]), "the restored process runs on unrecorded"
+
+
+async def test_smr_exec_never_overwrites_a_job_record_a_restore_wrote_meanwhile(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore records its process for an id while `smr exec` of that id
+    starts its command: exec does not overwrite that record; it fails and
+    ends the command it started."""
+    from smrctl import cli
+
+    job_id = f"job-{uuid.uuid4().hex[:6]}"
+    restored = launch(job_id, ["sleep", "600"], log=h.tmp / "restored.log", cwd=h.tmp,
+                      node=h.settings.node)
+    h.pids.append(restored.pid)
+    restored.restored_by = "a-restore"
+    mine: list[Job] = []
+
+    def launch_while_a_restore_records(*args: Any, **kw: Any) -> Job:
+        started = launch(*args, **kw)
+        h.pids.append(started.pid)
+        mine.append(started)
+
+        async def record() -> None:  # the restore, on its own connection
+            bus = await embedded.connect(h.settings)
+            try:
+                await JobRegistry(bus.kv(KV_JOBS), job_key(h.settings.job_key_path)).put(
+                    restored)
+            finally:
+                await bus.close()
+
+        t = threading.Thread(target=asyncio.run, args=(record(),))
+        t.start()
+        t.join()
+        return started
+
+    monkeypatch.setattr(cli, "launch", launch_while_a_restore_records)
+    args = argparse.Namespace(id=job_id, cmd=["sleep", "600"], log=None, gpu=False,
+                              tcp="auto")
+    err: SmrError | None = None
+    try:
+        await cli.cmd_exec(h.settings, args)
+    except SmrError as e:
+        err = e
+    record, _ = await h.jobs.get(job_id)
+    assert record.pid == restored.pid, \
+        f"smr exec overwrote the record the restore wrote (now pid {record.pid})"
+    assert err is not None and err.code == "job-exists", err
+    assert await _gone(mine[0]), "the command smr exec started runs on unrecorded"
+
+
+async def _gone(job: Job, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not job.alive():
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 async def test_gpu_checkpoint_is_refused_where_it_cannot_be_restored(h: Harness) -> None:

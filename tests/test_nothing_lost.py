@@ -27,13 +27,14 @@ import orjson
 import pytest
 
 from services.checkpointer.step import CheckpointStep
-from services.restorer.step import RestoreStep
+from services.restorer.step import IDENTITY, RestoreStep
 from services.storage.backend import StorageError
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import gpuinfo
 from smr.bus import KV_LOCKS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, Progress, Worker
 from smr.bus.exhausted import Exhausted
 from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.identity import ProcessIdentity
 from smr.jobs import JobLock
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
@@ -315,6 +316,9 @@ async def restored_by_criu_alone(h: Harness, ck: Any, rs: Any, gen: Any,
                           inherit={job.log: os.open(job.log, os.O_WRONLY | os.O_APPEND)})
     pid = int((work / "restored.pid").read_text())
     h.pids.append(pid)
+    ident = ProcessIdentity.of(pid)  # what the restore writes the moment CRIU returns
+    assert ident is not None
+    ident.write(work / IDENTITY)
     return rid, pid
 
 

@@ -21,7 +21,9 @@ import nats
 import orjson
 import pytest
 
+from services.restorer.step import IDENTITY
 from smr.bus import KV_STEPS, Bus, Progress, Worker
+from smr.identity import ProcessIdentity
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
 from tests.helpers.steplocks import node_locks
@@ -513,6 +515,9 @@ async def test_a_restore_left_by_a_dead_worker_and_storage_away_leaves_no_unknow
                               inherit={job.log: fd}, tcp="keep")
     finally:
         os.close(fd)
+    ident = ProcessIdentity.of(int((work / "restored.pid").read_text()))
+    assert ident is not None
+    ident.write(work / IDENTITY)  # written the moment CRIU returns
     await h.bus.kv(KV_STEPS).put(req.request_id, orjson.dumps(
         {"state": "running", "owner": "dead-worker", "heartbeat": time.time() - 60,
          "subject": f"restore.requested.{h.settings.node}", "checkpoint_id": job.id}))

@@ -31,6 +31,7 @@ from services.storage.codec import Codec
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import (
+    MISSED_RENEWALS,
     CheckpointCorrupt,
     CheckpointNotFound,
     CheckpointStore,
@@ -414,6 +415,37 @@ async def test_gc_leaves_a_live_commit_that_outlasts_the_grace_alone(
     # Not vacuous: GC ran during the commit, and after the grace.
     assert len(reports) > 5 and time.monotonic() - started > 2.0
     await restored(store, gen, src, tmp_path / "out")
+
+
+async def test_gc_with_a_grace_shorter_than_the_writers_renewals_leaves_it_alone(
+        backend: Backend, small_frames: None, tmp_path: Path) -> None:
+    """The writer's node renews its claim every second (its grace: 4 s);
+    the storage Deployment collects with a grace of half a second. The
+    claim says how often its writer renews it, and GC waits for the longer
+    of the two: the live commit is never aborted. Once the writer is
+    silent for longer than that, its leftovers are collected."""
+    store = CheckpointStore(backend, Codec(level=0))
+    store.heartbeat_s = 1.0
+    src = tmp_path / "img"
+    (src / "images").mkdir(parents=True)
+    commit = asyncio.create_task(store.commit(
+        NS, "short", src, meta("r1"), writer=asyncio.create_task(slow_dump(src, 3.0)())))
+    reports = []
+    while not commit.done():
+        reports.append(await store.gc(grace_s=0.5))
+        await asyncio.sleep(0.2)
+    try:
+        gen = await commit
+    except SmrError as e:
+        raise AssertionError(f"GC with a shorter grace aborted a live writer: {e}") from e
+    assert all(r.uploads_aborted == 0 and r.generations_removed == [] for r in reports), reports
+    assert len(reports) > 5  # not vacuous: GC ran throughout the commit
+    await restored(store, gen, src, tmp_path / "out")
+    # A writer that died after its claim: kept while it may still renew, then collected.
+    await store._claim(NS, "dead", "r2", [])
+    assert (await store.gc(grace_s=0.5, at=time.time() + 2.0)).generations_removed == []
+    report = await store.gc(grace_s=0.5, at=time.time() + MISSED_RENEWALS * 1.0 + 1)
+    assert report.generations_removed == [f"{NS}/dead/1"]
 
 
 async def test_a_commit_whose_claim_was_reaped_does_not_commit(

@@ -41,7 +41,12 @@ from smr import gpuinfo, gpupairs, linkremap, sockets
 from smr.bus import Progress
 from smr.criu import kill_tree
 from smr.errors import PermanentError
+from smr.identity import ProcessIdentity
 from smr.messages import RestoreDone, RestoreRequested, now
+
+# Beside CRIU's restored.pid: the restored tree's root, by its host PID,
+# start tick and boot (smr.identity); what a recovery adopts, and only that.
+IDENTITY = "restored.id"
 
 # Restore a template's images from the node's cached files where it holds them
 # all (False: stream them, as any checkpoint; bench/warmstart.py measures both).
@@ -220,9 +225,13 @@ class PodRestoreStep(PodStep):
         durations["restore"] = run.seconds
         inner = int(pidfile.read_text())
         root = _find_ns_pid(shim, inner)
-        if root is None:
+        ident = ProcessIdentity.of(root) if root is not None else None
+        if root is None or ident is None:
             raise PermanentError(f"the restored process {inner} is not running",
                                  code="restore-died")
+        # Before anything else can fail: who CRIU restored, so a recovery
+        # adopts that tree and never a later holder of its PID.
+        ident.write(work / IDENTITY)
         try:
             for p in host.tree(root):
                 host.move_to_cgroups_of(p, shim.pid)
@@ -265,6 +274,12 @@ class PodRestoreStep(PodStep):
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
                 root = _find_ns_pid(shim, inner)
+            # The tree CRIU restored, by PID, start tick and boot: a PID alone
+            # may name another process by now. Without a match the restore
+            # is not done, and nothing is adopted or killed.
+            ident = ProcessIdentity.read_match(pidfile.with_name(IDENTITY))
+            if ident is None or ident.pid != root:
+                root = None
         if root:
             # Outside the suppress: storage away must not pass for "nothing
             # restored", a restore beside the tree; redelivered, it is tried again.

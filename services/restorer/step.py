@@ -22,11 +22,15 @@ from smr.criu import wait_finished
 from smr.cuda_checkpoint import CudaError
 from smr.errors import PermanentError
 from smr.gpuinfo import process_tree
-from smr.jobs import Job
+from smr.identity import ProcessIdentity
+from smr.jobs import Job, JobChanged
 from smr.messages import RestoreDone, RestoreRequested, now
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.restorer")
+
+# Beside CRIU's restored.pid: the restored process's identity (smr.identity).
+IDENTITY = "restored.id"
 
 
 class RestoreStep(LocalJobStep):
@@ -40,7 +44,7 @@ class RestoreStep(LocalJobStep):
                                 lambda holder: progress.update("waiting", waiting_for=holder))
         work = self.work_dir / req.request_id
         try:
-            existing = await self.jobs.find(job_id)
+            existing, revision = await self.jobs.read(job_id)
             if existing and existing.alive():
                 raise PermanentError(
                     f"job {job_id} is still running (pid {existing.pid}); a restore would "
@@ -64,8 +68,8 @@ class RestoreStep(LocalJobStep):
             # A local job runs in its node's network namespace: its kept
             # connections can come back on the node that took them.
             tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
-            job = await self._restore(req, gen, work, existing, durations, tcp, progress,
-                                      streamed, pairs)
+            job = await self._restore(req, gen, work, (existing, revision), durations, tcp,
+                                      progress, streamed, pairs)
             shutil.rmtree(work, ignore_errors=True)
         except Exception:
             # A failed restore leaves nothing behind. Not on a cancel: a worker
@@ -97,7 +101,7 @@ class RestoreStep(LocalJobStep):
                                      hint=f"take one first: smr checkpoint {req.checkpoint_id}")
 
     async def _restore(self, req: RestoreRequested, gen: Generation, work: Path,
-                       existing: Job | None, durations: dict[str, float],
+                       existing: tuple[Job | None, int], durations: dict[str, float],
                        tcp: sockets.Tcp, progress: Progress, streamed: bool,
                        pairs: gpupairs.Pairs | None = None) -> Job:
         spec = gen.manifest.get("job") or {}
@@ -139,6 +143,11 @@ class RestoreStep(LocalJobStep):
                 os.close(fd)
         durations["restore"] = run.seconds
         pid = int(pidfile.read_text())
+        # Before anything else can fail: who CRIU restored, so a recovery
+        # adopts that process and never a later holder of its PID.
+        ident = ProcessIdentity.of(pid)
+        if ident is not None:
+            ident.write(work / IDENTITY)
         reaper.adopt(pid)  # CRIU has exited: the tree is this process's to reap
         step = "after CRIU resumed it"
         if gpu:
@@ -154,7 +163,8 @@ class RestoreStep(LocalJobStep):
                 raise
         await self._running(pid, step, restored_log(spec, req), run.log)
         try:
-            return await self._record(req, gen, existing, pid)
+            return await self._record(req, gen, existing, pid,
+                                      ident.start_ticks if ident else None)
         except Exception:
             # Unrecorded, it would run on unknown to the registry while the
             # restore fails: the next restore would start a second copy. (Not
@@ -216,17 +226,35 @@ class RestoreStep(LocalJobStep):
                  + (f" ({job_log})" if job_log else "")
                  + "; a process that dies once restored dies the same way each time")
 
-    async def _record(self, req: RestoreRequested, gen: Generation, job: Job | None,
-                      pid: int) -> Job:
-        """Register the restored process under the target's job id."""
+    async def _record(self, req: RestoreRequested, gen: Generation,
+                      existing: tuple[Job | None, int], pid: int,
+                      start_ticks: int | None = None) -> Job:
+        """Register the restored process under the target's job id, over
+        the record ``existing`` (as read, with its revision) and only over
+        it: a record written meanwhile (`smr exec` of the same id) is never
+        overwritten; the restore fails instead, and its process is ended by
+        the caller."""
         spec = gen.manifest.get("job") or {}
+        job, revision = existing
         job = job or Job(id=self.job_id(req.target), cmd=spec.get("cmd", []),
                          cwd=spec.get("cwd", ""), log=restored_log(spec, req), node=self.node,
                          checkpoint_id=req.checkpoint_id, tcp=spec.get("tcp", "auto"))
-        job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node)
-        async for attempt in retry_nats():  # NATS restarting: the restore is not undone for it
-            with attempt:
-                await self.jobs.put(job)
+        job.restored(pid, request_id=req.request_id, generation=gen.number, node=self.node,
+                     start_ticks=start_ticks)
+        try:
+            async for attempt in retry_nats():  # NATS restarting: the restore is not undone
+                with attempt:
+                    await self.jobs.replace(job, revision)
+        except JobChanged:
+            now, _ = await self.jobs.read(job.id)
+            if now and now.restored_by == req.request_id and now.pid == pid:
+                return now  # our own write, its answer lost to a NATS restart
+            raise PermanentError(
+                f"job {job.id} was written by another while it was restored"
+                + (f" (now pid {now.pid}, {now.observed_state()})" if now else "")
+                + "; the restored process is ended", code="job-running",
+                hint=f"`smr ps` shows it; to restore beside it: smr restore "
+                     f"{req.checkpoint_id} --as NEW_ID") from None
         return job
 
     async def recover(self, req: RestoreRequested, state: dict[str, Any]) -> RestoreDone | None:
@@ -235,19 +263,25 @@ class RestoreStep(LocalJobStep):
         answer; a restore never runs twice."""
         job_id = self.job_id(req.target)
         await wait_finished(self.work_dir / req.request_id / "images", self.criu.timeout)
-        job = await self.jobs.find(job_id)
+        job, revision = await self.jobs.read(job_id)
         if job and job.restored_by == req.request_id and job.alive():
             await self._gpu_back(job.pid)
             await self.lock.release(job_id, req.request_id)
             return RestoreDone.for_request(req, status="succeeded", generation=job.generation,
                                            pid=job.pid)
-        pidfile = self.work_dir / req.request_id / "restored.pid"
-        try:
-            pid = int(pidfile.read_text())
-        except (OSError, ValueError):
-            return None  # nothing was restored: safe to run
-        if not _alive(pid):
-            return None  # it died: safe to run
+        # The process CRIU restored, if it still runs: same PID, start tick
+        # and boot. A PID alone may name a stranger by now (the restored
+        # process ended, or the host rebooted), which would be recorded as
+        # the job, then dumped and killed by its next checkpoint. Without a
+        # match the restore is not done: it runs again, and nothing is
+        # killed that is not ours.
+        ident = ProcessIdentity.read_match(self.work_dir / req.request_id / IDENTITY)
+        if ident is None:
+            if (self.work_dir / req.request_id / "restored.pid").exists():
+                log.info("restore %s: the process it restored no longer runs (or its PID "
+                         "is another's now); the restore runs again", req.request_id)
+            return None
+        pid = ident.pid
         try:
             gen = await self._generation(req)
         except Exception as e:
@@ -257,8 +291,7 @@ class RestoreStep(LocalJobStep):
             # the restore runs again.
             log.warning("restore %s: the process it restored (pid %d) cannot be recorded "
                         "(%s); it is ended and the restore runs again", req.request_id, pid, e)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _kill_ours(ident)
             shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
             return None
         if gen.manifest.get("gpu"):
@@ -268,14 +301,12 @@ class RestoreStep(LocalJobStep):
             except BaseException:
                 # A process whose GPU state did not come back must not linger
                 # half-restored; the restore runs again.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                _kill_ours(ident)
                 raise
         try:
-            job = await self._record(req, gen, job, pid)
+            job = await self._record(req, gen, (job, revision), pid, ident.start_ticks)
         except Exception:
-            with contextlib.suppress(ProcessLookupError):  # never unknown to the registry
-                os.kill(pid, signal.SIGKILL)
+            _kill_ours(ident)  # never unknown to the registry
             raise
         await self.lock.release(job_id, req.request_id)
         shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
@@ -374,12 +405,11 @@ def kernel_lines(pid: int, limit: int = 3) -> list[str]:
     return found[-limit:]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _kill_ours(ident: ProcessIdentity) -> None:
+    """SIGKILL the process ``ident`` names if it is still that process."""
+    if ident.matches():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ident.pid, signal.SIGKILL)
 
 
 def dumped_pids(job: dict[str, Any]) -> list[int]:

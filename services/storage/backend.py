@@ -43,7 +43,7 @@ class Upload(Protocol):
     """One object written in parts. Parts may be sent concurrently; each
     knows its byte offset in the object, so parts can land out of order."""
 
-    async def put_part(self, number: int, offset: int, data: bytes) -> None: ...
+    async def put_part(self, number: int, offset: int, data: bytes | bytearray) -> None: ...
 
     async def complete(self, parts: int) -> None:
         """Make the object visible as the concatenation of parts 1..``parts``;

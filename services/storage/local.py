@@ -143,11 +143,11 @@ class LocalUpload:
         self.written: set[int] = set()
         self.started = False
 
-    async def put_part(self, number: int, offset: int, data: bytes) -> None:
+    async def put_part(self, number: int, offset: int, data: bytes | bytearray) -> None:
         await asyncio.to_thread(self._write, offset, data)
         self.written.add(number)
 
-    def _write(self, offset: int, data: bytes) -> None:
+    def _write(self, offset: int, data: bytes | bytearray) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Created by the first part only: one aborted meanwhile (a GC) is an
         # error, never a file made again with a hole where its parts were.
@@ -200,7 +200,7 @@ def durable(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes, offset: int = 0) -> None:
+def _write_all(fd: int, data: bytes | bytearray, offset: int = 0) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)

@@ -195,7 +195,7 @@ class S3Upload:
         self.upload_id = r["UploadId"]
         return self.upload_id
 
-    async def put_part(self, number: int, offset: int, data: bytes) -> None:
+    async def put_part(self, number: int, offset: int, data: bytes | bytearray) -> None:
         uid = await self._begin()
         async with self.b._client(bulk=True) as c, self.b._errors(self.key):
             async for attempt in retry_s3():

@@ -56,6 +56,11 @@ log = logging.getLogger("smr.storage")
 MAX_CLAIM_TRIES = 16
 RECOMMIT_SCAN = 16  # newest generations looked at for a request's earlier commit
 HEARTBEAT_S = 900.0  # SMR_GC_GRACE's default / 4; make_store passes the setting's
+# A writer records in its claim how often it renews it (``renew_s``): GC takes
+# it for dead only once it missed this many renewals, whatever GC's own
+# grace (the storage Deployment's SMR_GC_GRACE may be shorter than a node's).
+MISSED_RENEWALS = 4
+RENEW_S_MAX = 86_400.0  # a claim naming more is read as this
 FILES_AT_ONCE = 4  # fetched concurrently; each has its own ranged GETs ahead
 # Decoded frames a streamed restore queues before CRIU asks for them, beside
 # the download's own AHEAD_BYTES: the agent's memory, bounded.
@@ -238,7 +243,8 @@ class CheckpointStore:
             try:
                 etag = await self.backend.put_bytes(
                     layout.claim_key(namespace, checkpoint_id, gen),
-                    orjson.dumps({"request_id": request_id, "claimed_at": at, "alive_at": at}),
+                    orjson.dumps({"request_id": request_id, "claimed_at": at, "alive_at": at,
+                                  "renew_s": self.heartbeat_s}),
                     if_none_match=True)
                 return gen, etag, at
             except Conflict:
@@ -288,7 +294,7 @@ class CheckpointStore:
         the claim is gone or another's."""
         etag, claimed_at = held
         body = orjson.dumps({"request_id": rid, "claimed_at": claimed_at,
-                             "alive_at": time.time()})
+                             "alive_at": time.time(), "renew_s": self.heartbeat_s})
         try:
             return await self.backend.put_bytes(layout.claim_key(ns, ckpt, gen), body,
                                                 if_match=etag)
@@ -731,14 +737,18 @@ class CheckpointStore:
 
     async def gc(self, *, grace_s: float, at: float | None = None) -> GcReport:
         """Remove what crashed writers left behind, once older than ``grace_s``:
-        uploads never completed, and generations that never got a manifest."""
+        uploads never completed, and generations that never got a manifest.
+        A claimed generation's writer is dead only once it is silent for
+        longer than ``grace_s`` and than MISSED_RENEWALS of the renewals its
+        claim says it makes: a grace set shorter here than on the writer's
+        node never aborts a live writer."""
         at = time.time() if at is None else at
         report = GcReport()
         claims: dict[tuple[str, str, int], float] = {}
 
         async def claimed_at(ns: str, ckpt: str, gen: int) -> float:
             if (ns, ckpt, gen) not in claims:
-                claims[ns, ckpt, gen] = await self._alive_at(ns, ckpt, gen)
+                claims[ns, ckpt, gen] = await self._alive_at(ns, ckpt, gen, grace_s)
             return claims[ns, ckpt, gen]
 
         for up in await self.backend.pending_uploads(""):
@@ -758,7 +768,8 @@ class CheckpointStore:
             if "manifest.json" in names:
                 continue
             # Read again, not from the uploads' pass: a writer may have beaten since.
-            if "claim" in names and at - await self._alive_at(ns, ckpt, gen) <= grace_s:
+            if "claim" in names and at - await self._alive_at(ns, ckpt, gen, grace_s) \
+                    <= grace_s:
                 continue  # a writer may still be at work
             await self._remove_generation(ns, ckpt, gen)
             report.generations_removed.append(f"{ns}/{ckpt}/{gen}")
@@ -767,13 +778,18 @@ class CheckpointStore:
                      report.uploads_aborted, report.generations_removed)
         return report
 
-    async def _alive_at(self, ns: str, ckpt: str, gen: int) -> float:
-        """When the claim's writer last showed it was alive (its heartbeat)."""
+    async def _alive_at(self, ns: str, ckpt: str, gen: int, grace_s: float) -> float:
+        """When the claim's writer last showed it was alive (its heartbeat),
+        moved later by what its renewals need beyond ``grace_s``: judged
+        against ``grace_s``, it is dead only once silent for the longer of
+        the two."""
         claim, _ = await self._read_claim(ns, ckpt, gen)
         try:
-            return max(float(claim.get("alive_at", 0)), claimed(claim))
+            alive = max(float(claim.get("alive_at", 0)), claimed(claim))
+            renew = min(max(float(claim.get("renew_s", 0)), 0.0), RENEW_S_MAX)
         except (TypeError, ValueError):
             return 0.0
+        return alive + max(MISSED_RENEWALS * renew - grace_s, 0.0)
 
 
 @contextlib.contextmanager

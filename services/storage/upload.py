@@ -197,10 +197,15 @@ class Uploader:
         encoding: deque[asyncio.Task[tuple[bytes, bool, int, bytes]]] = deque()
         digests: list[bytes] = []
         sends: set[asyncio.Task[None]] = set()
-        part: list[bytes] = []
+        # The part being filled: its first frame as it is (a part of one
+        # frame goes without a copy), then every frame copied in as it comes
+        # and let go, so a part is held once, never as its frames and their
+        # join besides (parts reach 4 GiB: ``part_size``).
+        part: bytes | bytearray = b""
         part_len = part_raw = part_no = offset = raw_off = 0
 
-        async def send(number: int, at: int, data: bytes, raw: int, held: int) -> None:
+        async def send(number: int, at: int, data: bytes | bytearray, raw: int,
+                       held: int) -> None:
             try:
                 await upload.put_part(number, at, data)
             finally:
@@ -221,8 +226,7 @@ class Uploader:
                 raise PermanentError(
                     f"{rel} is larger than {MAX_PARTS} parts hold ({offset} bytes stored)",
                     code="file-too-large", hint="S3 stores objects of at most 5 TiB")
-            # A frame stored as it is fills a part alone: sent without a copy.
-            data = part[0] if len(part) == 1 else b"".join(part)
+            data = part  # the send owns it: ``part`` starts anew below
             await self.parts.acquire()  # back-pressure: wait for a free slot
             try:
                 held = await self.budget.acquire(len(data))  # and for the bytes
@@ -232,17 +236,24 @@ class Uploader:
             part_no += 1
             sends.add(asyncio.create_task(send(part_no, offset, data, part_raw, held)))
             offset += part_len
-            part, part_len, part_raw = [], 0, 0
+            del data
+            part, part_len, part_raw = b"", 0, 0
             check_sends()
 
         async def collect() -> None:
-            nonlocal part_len, part_raw
+            nonlocal part, part_len, part_raw
             data, z, n, digest = await encoding.popleft()
             frames.append([len(data), n, int(z)])
             digests.append(digest)
-            part.append(data)
+            if not part_len:
+                part = data
+            else:
+                if not isinstance(part, bytearray):
+                    part = bytearray(part)
+                part += data
             part_len += len(data)
             part_raw += n
+            del data  # copied into ``part``: not held twice while it waits to go
             if part_len >= part_size(part_no + 1):
                 await flush()
 
@@ -267,7 +278,7 @@ class Uploader:
                 check_sends()
             while encoding:
                 await collect()
-            if part:
+            if part_len:
                 await flush()
             await asyncio.gather(*sends)
             check_sends()

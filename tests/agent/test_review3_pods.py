@@ -24,8 +24,9 @@ import pytest
 from services.checkpointer.pod import PodCheckpointStep
 from services.containers import host, rootfs
 from services.containers.host import Shim
-from services.restorer.pod import PodRestoreStep
+from services.restorer.pod import IDENTITY, PodRestoreStep
 from smr import frozen
+from smr.identity import ProcessIdentity
 from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import oci_image
 from tests.agent.cluster import CMD, Cluster, steps, workload
@@ -265,6 +266,58 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
     after = await shm.until_steps("hbr-2", b, 5, timeout=60)
     assert after[0][0] > 1, "it started over instead of being restored"
     assert not torn(shm.log("hbr-2", b)), torn(shm.log("hbr-2", b))[:1]
+
+
+async def test_a_pod_restore_recovery_adopts_no_tree_whose_identity_does_not_match(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent dies after CRIU restored a pod's tree; by the recovery the
+    restored root's PID names a process that started at another tick (the
+    tree ended and its PID was taken). Nothing is adopted: smr-init is not
+    told to take that PID, the recovery answers nothing (the restore runs
+    again), and no process is killed for it."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("ri-1", a, "ri"))
+    await shm.until_steps("ri-1", a, 10, timeout=60)
+    drain = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="ri", node=a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod="ri-1", container="main")),
+        timeout=120)
+    assert drain.status == "succeeded", drain.error
+    reqs: list[RestoreRequested] = []
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real, real_run = PodRestoreStep._restore, PodRestoreStep.run
+
+    async def dies_after_criu(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
+        await real(self, *args, **kw)
+        entered.set()
+        await crash.wait()
+        raise RuntimeError("the agent was killed (test)")
+
+    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
+        reqs.append(req)
+        return await real_run(self, req, progress)
+
+    monkeypatch.setattr(PodRestoreStep, "_restore", dies_after_criu)
+    monkeypatch.setattr(PodRestoreStep, "run", run)
+    shm.kube.put("pods", shm_pod("ri-2", b, "ri"))
+    try:
+        await asyncio.wait_for(entered.wait(), 90)
+        [step] = [o for o in gc.get_objects()
+                  if isinstance(o, PodRestoreStep) and o.node == b]
+        [req] = reqs
+        idfile = step.work(req.request_id) / IDENTITY
+        ident = ProcessIdentity.read(idfile)
+        assert ident is not None and ident.matches(), "no identity written as CRIU returned"
+        ProcessIdentity(ident.pid, ident.start_ticks - 1, ident.boot_id).write(idfile)
+
+        done = await step.recover(req, {})
+        shim = step.shim_of(await step.pods.container(req.target))
+        status = await asyncio.to_thread(shim.status)
+    finally:
+        crash.set()
+    assert done is None, f"a tree of another identity was adopted: {done}"
+    assert status[:1] == ["waiting"], f"smr-init was told to adopt it: {status}"
+    assert ident.matches(), "the recovery killed a process it did not adopt"
 
 
 async def test_a_pod_restore_whose_agent_died_after_criu_runs_on_and_leaves_no_work_dir(

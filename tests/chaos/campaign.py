@@ -21,7 +21,12 @@ GPU" through a stand-in of the CUDA driver's checkpoint API
 (tests/chaos/gpu_standin.py), so every checkpoint suspends and resumes their
 GPU state as on a GPU node, and a node is also SIGKILLed while a workload's
 GPU is suspended (between the suspend and the dump's end, or a restore and
-the driver's restore).
+the driver's restore). Two worker deaths are staged, the moment no timing hits
+reliably: a leave-running checkpoint's worker dead between CRIU's dump and
+the commit while a later final checkpoint of the job runs and commits
+first, then its redelivery recovers the dump (``kill-before-commit``); and a
+restore's worker dead after CRIU wrote the pidfile, recovered once the
+restored PID belongs to a bystander ``sleep`` (``pid-reuse``).
 
 The oracle, after every cycle:
 - every request reached done or failed (with a reason) within its deadline;
@@ -36,6 +41,11 @@ The oracle, after every cycle:
 - every checkpoint answered ``succeeded`` is at or behind ``latest``, which
   restores; no finished dump is left in a node's work directory once its
   request is answered;
+- ``latest`` never names a generation dumped before one it named earlier
+  ("rolled back"): by the dump sequence the manifests record where both
+  have one, and by the counter state the campaign saw each dump taken
+  between (after every request, and every cycle);
+- no process smr never started is recorded as a job, or killed;
 and at the end, after garbage collection: no multipart upload left, no
 object outside a committed generation.
 
@@ -59,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import random
 import shutil
@@ -73,12 +84,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from services.restorer.step import IDENTITY as RESTORED_IDENTITY
 from services.storage import layout
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointStore
+from services.storage.store import MISSED_RENEWALS, RENEW_S_MAX, CheckpointStore
 from smr import config
-from smr.bus import KV_JOBS, STREAM_REQUESTS, Bus, BusConfig, node_token, subject
-from smr.jobs import JobRegistry, job_key, launch
+from smr.bus import (
+    KV_JOBS,
+    KV_LOCKS,
+    KV_STEPS,
+    STREAM_REQUESTS,
+    Bus,
+    BusConfig,
+    message_subject,
+    node_token,
+    subject,
+)
+from smr.criu import Criu
+from smr.gpuinfo import process_tree
+from smr.identity import ProcessIdentity
+from smr.jobs import JobLock, JobRegistry, job_key, launch, own_pid_namespace
 from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
 from smr.workloads import counter
@@ -95,13 +122,16 @@ DEADLINE_S = 120.0  # a request must reach done or failed within this
 NODES = ("node-a", "node-b")
 FAULT_KINDS = ("none", "kill-node", "restart-nats", "s3-5xx", "s3-cut", "s3-slow", "s3-hang",
                "disk-full", "s3-part-fail", "s3-lost-answer", "s3-down", "kill-after-manifest",
-               "kill-gpu-suspended")
+               "kill-gpu-suspended", "kill-before-commit", "pid-reuse")
 # On a NATS cluster (--cluster), besides those.
 CLUSTER_FAULT_KINDS = ("kill-stream-leader", "kill-meta-leader", "pause-nats")
 # Faults that must be on from the start of a cycle's requests to land where
 # they are meant to (the dump of a small workload takes a fraction of a second).
 AT_ONCE = ("s3-part-fail", "s3-lost-answer", "s3-down", "kill-after-manifest",
            "kill-gpu-suspended")
+# Faults that are the cycle's requests themselves (a worker's death staged
+# at a moment no timing can hit reliably): ``Campaign.staged``.
+STAGED = ("kill-before-commit", "pid-reuse")
 OPS = ("checkpoint", "leave-running", "stop-restore", "migrate")
 SCRATCH_MB = 192
 
@@ -124,6 +154,8 @@ class Report:
     left_stopped: int = 0  # a workload's process left in SIGSTOP
     gpu_suspended: int = 0  # a running workload whose (stand-in) GPU is not RUNNING
     kv_disagreements: int = 0
+    rolled_back: int = 0  # latest named a generation dumped before one it named earlier
+    strangers: int = 0  # a process smr never started recorded as a job, or killed by smr
     nats_refused: int = 0  # what a NATS server refused one of smr's users (its log)
     crashes: int = 0  # a node's `smr up` exited without being killed
     s3_injected: Counter[str] = field(default_factory=Counter)
@@ -134,10 +166,12 @@ class Report:
     def violated(self) -> int:
         return (self.lost + self.corrupt + self.double_running + self.stuck + self.orphans
                 + self.kv_disagreements + self.crashes + self.latest_behind + self.dumps_left
-                + self.left_stopped + self.gpu_suspended + self.nats_refused)
+                + self.left_stopped + self.gpu_suspended + self.nats_refused
+                + self.rolled_back + self.strangers)
 
     def table(self) -> str:
-        rows = [("cycles", self.cycles), ("seconds", f"{self.seconds:.0f}")]
+        rows = [("cycles", self.cycles), ("seconds", f"{self.seconds:.0f}"),
+                ("seconds per cycle", f"{self.seconds / max(self.cycles, 1):.1f}")]
         rows += [(f"faults: {k}", v) for k, v in sorted(self.faults.items())]
         rows += [(f"S3 requests hit: {k}", v) for k, v in sorted(self.s3_injected.items())]
         rows += [(f"requests: {k}", v) for k, v in sorted(self.requests.items())]
@@ -146,6 +180,8 @@ class Report:
                  ("generations verified (sha256)", self.generations_verified),
                  ("lost", self.lost), ("corrupt", self.corrupt),
                  ("double-running", self.double_running), ("stuck", self.stuck),
+                 ("rolled back", self.rolled_back),
+                 ("strangers adopted or killed", self.strangers),
                  ("orphans", self.orphans), ("latest behind a success", self.latest_behind),
                  ("finished dumps left on disk", self.dumps_left),
                  ("workloads left stopped", self.left_stopped),
@@ -287,6 +323,12 @@ class Campaign:
         self.criu = criu
         self.report = Report()
         self.workloads: list[Workload] = []
+        # (checkpoint id, generation) → the counter steps its dump was taken between
+        self.states: dict[tuple[str, int], tuple[int, int]] = {}
+        self.staged_states: dict[str, tuple[int, int]] = {}  # request id → of a staged dump
+        self.named: dict[str, dict[str, Any]] = {}  # checkpoint id → latest's manifest, last seen
+        self.bystanders: list[subprocess.Popen[bytes]] = []
+        self.strangers_seen: set[int] = set()
 
     # -- the stack ---------------------------------------------------------------
 
@@ -378,6 +420,9 @@ class Campaign:
         self.report.nats_refused = max(self.report.nats_refused, len(found))
 
     async def __aexit__(self, *exc: object) -> None:
+        for b in self.bystanders:
+            b.kill()
+            b.wait()
         for w in self.workloads:
             for pid in processes_of(w):
                 with contextlib.suppress(ProcessLookupError):
@@ -420,6 +465,7 @@ class Campaign:
     async def request(self, req: CkptRequested | RestoreRequested) -> dict[str, Any] | None:
         """Publish (again, while NATS is away) and wait for done or failed."""
         kind = "checkpoint" if isinstance(req, CkptRequested) else "restore"
+        lo = self.last_step(req.checkpoint_id)  # the job's state at the request, at least
         deadline = time.monotonic() + DEADLINE_S
         published = False
         while time.monotonic() < deadline:
@@ -437,6 +483,14 @@ class Campaign:
                 if kind == "checkpoint" and result["status"] == "succeeded":
                     self.succeeded[req.checkpoint_id] = max(
                         self.succeeded.get(req.checkpoint_id, 0), result["generation"])
+                if kind == "checkpoint" and result.get("generation"):
+                    # The state it holds: dumped after ``lo`` and before the answer
+                    # (exactly known for a dump the campaign staged).
+                    self.states.setdefault(
+                        (req.checkpoint_id, int(result["generation"])),
+                        self.staged_states.pop(req.request_id, None)
+                        or (lo, self.last_step(req.checkpoint_id)))
+                await self.watch_latest(req.checkpoint_id)
                 if result["status"] == "failed":
                     code = (result.get("error") or {}).get("code", "")
                     self.report.failures[code or "(no code)"] += 1
@@ -472,11 +526,12 @@ class Campaign:
         return CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=w.id,
                              target=Target.job(w.id), node=w.node, **kw)
 
-    async def restore(self, w: Workload, node: str) -> dict[str, Any] | None:
+    async def restore(self, w: Workload, node: str, req: RestoreRequested | None = None
+                      ) -> dict[str, Any] | None:
         """Restore ``w`` on ``node``; check that it resumed the state it recorded."""
         before = w.size()
         reached = max((int(ln["step"]) for ln in w.lines()), default=0)
-        result = await self.request(RestoreRequested(
+        result = await self.request(req or RestoreRequested(
             request_id=uuid.uuid4().hex, checkpoint_id=w.id, target=Target.job(w.id),
             node=node))
         if result and result["status"] == "succeeded":
@@ -527,7 +582,11 @@ class Campaign:
         self.report.faults[fault] += 1
         injector = asyncio.create_task(self.inject(fault, w))
         try:
-            if op == "leave-running":
+            if fault == "kill-before-commit":
+                await self.kill_before_commit(w)
+            elif fault == "pid-reuse":
+                await self.pid_reuse(w)
+            elif op == "leave-running":
                 await self.request(self.ckpt(w, leave_running=True))
             elif op == "checkpoint":
                 await self.request(self.ckpt(w))
@@ -542,6 +601,8 @@ class Campaign:
         await self.check()
 
     async def inject(self, fault: str, w: Workload) -> None:
+        if fault in STAGED:
+            return  # the cycle's requests stage it
         if fault not in AT_ONCE:
             await asyncio.sleep(self.rng.uniform(0.0, 1.2))
         if fault == "kill-after-manifest":
@@ -715,6 +776,14 @@ class Campaign:
                 self.report.kv_disagreements += 1
                 self.problem(f"{w.id}: job KV says {job and job.observed_state()} (pid "
                              f"{job and job.pid}), processes {pids}")
+        for w in self.workloads:
+            await self.watch_latest(w.id)
+        for b in self.bystanders:
+            if b.poll() is not None and b.pid not in self.strangers_seen:
+                self.strangers_seen.add(b.pid)
+                self.report.strangers += 1
+                self.problem(f"a bystander `sleep` (pid {b.pid}) that took a restored PID was "
+                             f"killed (returncode {b.returncode})")
         # What a result called succeeded is what a restore gets (or older than it).
         for wid, gen_no in self.succeeded.items():
             latest = await self.store.latest(layout.LOCAL_NAMESPACE, wid)
@@ -741,6 +810,146 @@ class Campaign:
     _verified: set[tuple[str, int]] = set()
     succeeded: dict[str, int] = {}  # checkpoint id → newest generation a success named
 
+    def last_step(self, wid: str) -> int:
+        w = next((w for w in self.workloads if w.id == wid), None)
+        return max((int(ln["step"]) for ln in w.lines()), default=0) if w else 0
+
+    def dumped_before(self, wid: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """Was generation ``a``'s dump taken before ``b``'s? By the dump
+        sequence both manifests record, where they do (one lock bucket), and
+        by the counter state the campaign saw each dump taken between, where
+        it knows both: either one saying so is enough. Neither: by number
+        (the order they were committed in)."""
+        da, db = a.get("dump"), b.get("dump")
+        if isinstance(da, dict) and isinstance(db, dict) and \
+                da.get("lock_epoch") == db.get("lock_epoch") and \
+                isinstance(da.get("seq"), int) and isinstance(db.get("seq"), int) and \
+                da["seq"] < db["seq"]:
+            return True
+        sa = self.states.get((wid, int(a["generation"])))
+        sb = self.states.get((wid, int(b["generation"])))
+        if sa and sb:
+            return sa[1] < sb[0]
+        return int(a["generation"]) < int(b["generation"])
+
+    async def watch_latest(self, wid: str) -> None:
+        """The "rolled back" oracle: ``latest`` never names a generation
+        dumped before one it named earlier."""
+        try:
+            latest = await self.store.latest(layout.LOCAL_NAMESPACE, wid)
+        except Exception:
+            return  # looked at again after the next request
+        if latest is None:
+            return
+        prev = self.named.get(wid)
+        if prev is not None and int(prev["generation"]) != latest.number and \
+                self.dumped_before(wid, latest.manifest, prev):
+            self.report.rolled_back += 1
+            self.problem(f"{wid}: latest moved back from generation {prev['generation']} "
+                         f"(state {self.states.get((wid, int(prev['generation'])))}) to "
+                         f"{latest.number} (state {self.states.get((wid, latest.number))}), "
+                         "dumped before it")
+        self.named[wid] = latest.manifest
+
+    def stale_step(self, req: CkptRequested | RestoreRequested, phase: str) -> bytes:
+        """A step state as a worker that died mid-step leaves it: running, its
+        heartbeat long stale; the next delivery recovers it."""
+        return orjson.dumps({
+            "state": "running", "owner": f"{phase}@dead/1/x", "claim": uuid.uuid4().hex,
+            "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(req),
+            "phase": phase, "checkpoint_id": req.checkpoint_id})
+
+    async def kill_before_commit(self, w: Workload) -> None:
+        """A leave-running checkpoint A of ``w`` whose worker died after
+        CRIU's dump and before its commit; a later final checkpoint B of
+        ``w`` runs and is committed before A's redelivery recovers it (on a
+        node agent B goes first: it is delivered at once, and finals lead).
+        A's dump is made as the node makes it (CRIU, leave running, into
+        the node's work directory), its step left as a dead worker leaves it."""
+        node = self.nodes[w.node]
+        job = await self.jobs.find(w.id)
+        if job is None or not job.alive():
+            self.report.faults["kill-before-commit (not running)"] += 1
+            return
+        a = self.ckpt(w, leave_running=True)
+        s = config.load(node.env)
+        work = node.data / "work"
+        # As the node's step begins: its state, the job's lock, and what it
+        # records of the dump before CRIU runs (the dump's stamp, where this
+        # smr orders dumps by one: services/checkpointer/dumpstamp).
+        await self.bus.kv(KV_STEPS).put(a.request_id, self.stale_step(a, "checkpoint"))
+        lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=30)
+        await lock.acquire(w.id, a.request_id)
+        # The job's GPU as the node records it before each dump (the stand-in
+        # driver's: the same at every checkpoint of this workload).
+        prior = await self.store.latest(layout.LOCAL_NAMESPACE, w.id)
+        facts: dict[str, Any] = {
+            "gpu": prior.manifest.get("gpu") if prior else None, "leave_running": True,
+            "process": {"pid": job.pid, "start_ticks": job.start_ticks,
+                        "pids": process_tree(job.pid),
+                        "own_pid_namespace": own_pid_namespace(job.pid)}}
+        with contextlib.suppress(ImportError):
+            dumpstamp = importlib.import_module("services.checkpointer.dumpstamp")
+            facts["dump"] = await dumpstamp.take(lock, w.id, a.request_id)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / f"{a.request_id}.facts.json").write_bytes(orjson.dumps(facts))
+        lo = self.last_step(w.id)
+        try:
+            await Criu(self.criu, s.criu_timeout, preload=s.criu_preload()).dump(
+                job.pid, work / a.request_id / "images", leave_running=True)
+        except Exception as e:
+            self.report.faults["kill-before-commit (dump failed)"] += 1
+            self.problem(f"{w.id}: the staged dump failed: {e}")
+            return
+        self.staged_states[a.request_id] = (lo, self.last_step(w.id))
+        self.report.faults["kill-before-commit (fired)"] += 1
+        await self.until_step(w, self.last_step(w.id) + 5)  # the job runs on past A
+        await self.request(self.ckpt(w))  # B, final
+        await self.request(a)  # A's redelivery: its recovery
+
+    async def until_step(self, w: Workload, step: int) -> None:
+        for _ in range(300):  # 30 s at most
+            if self.last_step(w.id) >= step:
+                return
+            await asyncio.sleep(0.1)
+
+    def bystander(self) -> subprocess.Popen[bytes]:
+        """A process smr has nothing to do with, ended with the campaign."""
+        b = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        self.bystanders.append(b)
+        return b
+
+    async def pid_reuse(self, w: Workload) -> None:
+        """A restore of ``w`` whose worker died after CRIU wrote its pidfile
+        and the restored process's identity; by its recovery that process has
+        ended and a bystander (``sleep``) holds its PID. The bystander must
+        never be recorded as ``w`` (then dumped and killed by its next
+        checkpoint): the restore runs again."""
+        done = await self.request(self.ckpt(w, tcp="close"))
+        if not (done and done["status"] == "succeeded"):
+            self.report.faults["pid-reuse (not stopped)"] += 1
+            return
+        bystander = self.bystander()
+        r = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=w.id,
+                             target=Target.job(w.id), node=w.node)
+        work = self.nodes[w.node].data / "work" / r.request_id
+        work.mkdir(parents=True)
+        (work / "restored.pid").write_text(str(bystander.pid))
+        ident = ProcessIdentity.of(bystander.pid)
+        assert ident is not None
+        # The process that held the PID when CRIU returned started earlier.
+        ProcessIdentity(ident.pid, ident.start_ticks - 1, ident.boot_id).write(
+            work / RESTORED_IDENTITY)
+        await self.bus.kv(KV_STEPS).put(r.request_id, self.stale_step(r, "restore"))
+        self.report.faults["pid-reuse (fired)"] += 1
+        await self.restore(w, w.node, r)
+        job = await self.jobs.find(w.id)
+        if job is not None and job.pid == bystander.pid:
+            self.report.strangers += 1
+            self.strangers_seen.add(bystander.pid)
+            self.problem(f"{w.id}: the bystander `sleep` (pid {bystander.pid}) that took the "
+                         "restored PID was recorded as the job")
+
     async def check_work_dirs(self) -> None:
         """No finished dump stays on a node once its request is answered: it
         is either stored (and dropped) or given up on (and dropped)."""
@@ -763,7 +972,8 @@ class Campaign:
     async def orphans(self) -> None:
         """After GC (nothing in flight): no upload left, no object outside a
         committed generation."""
-        await self.store.gc(grace_s=0)
+        # Every writer is over: all are past the renewals their claims name.
+        await self.store.gc(grace_s=0, at=time.time() + MISSED_RENEWALS * RENEW_S_MAX + 1)
         backend = self.store.backend
         pending = await backend.pending_uploads("")
         for up in pending:
