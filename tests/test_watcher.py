@@ -61,7 +61,19 @@ async def kube() -> AsyncIterator[FakeApiServer]:
 
 @pytest.fixture
 async def api(kube: FakeApiServer) -> AsyncIterator[client.ApiClient]:
-    a = await api_client(kube.url)
+    """The watcher's client: its service account, held to the shipped RBAC.
+    Every call it was refused fails the test at its end."""
+    a = await api_client(kube.url, token=kube.token("smr-watcher"))
+    yield a
+    await a.close()
+    assert not kube.denied, ("a call the shipped RBAC does not grant "
+                             f"(deploy/kustomize/base): {kube.denied}")
+
+
+@pytest.fixture
+async def admin(kube: FakeApiServer) -> AsyncIterator[client.ApiClient]:
+    """The operator's client (kubectl, as a cluster admin)."""
+    a = await api_client(kube.url, token=kube.admin_token)
     yield a
     await a.close()
 
@@ -406,7 +418,7 @@ async def test_a_pod_terminating_before_the_cordon_is_seen_gets_its_final_checkp
 
 
 async def test_drain_evictions_and_uncordon(
-        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        kube: FakeApiServer, admin: client.ApiClient, bus: Bus, watchers: Watchers,
         node: str) -> None:
     """kubectl drain: cordon (the pods keep running) then evictions (a final
     checkpoint of each opted-in pod as it terminates). An uncordon ends the
@@ -414,7 +426,7 @@ async def test_drain_evictions_and_uncordon(
     n1, n2 = node, f"{node}-b"
     a_cluster(kube, n1, n2)
     await watchers.start()
-    core = client.CoreV1Api(api)
+    core = client.CoreV1Api(admin)
     async with ckpts(bus, n1) as c:
         await core.patch_node(n1, {"spec": {"unschedulable": True}})
         await c.wait(len(EXPECTED_ON_N1), settle=0.2)
@@ -655,7 +667,7 @@ async def stored(store: CheckpointStore, tmp_path: Path, namespace: str, ckpt_id
 
 
 async def test_bare_node_restore_pod_is_recreated_after_its_checkpoint(
-        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        kube: FakeApiServer, admin: client.ApiClient, bus: Bus, watchers: Watchers,
         storage: CheckpointStore, tmp_path: Path, node: str) -> None:
     n1, n2 = node, f"{node}-b"
     kube.put("nodes", a_node(n1))
@@ -665,7 +677,7 @@ async def test_bare_node_restore_pod_is_recreated_after_its_checkpoint(
                          owner="some-job"))
     old_uid = kube.get("pods", "bare", "default")["metadata"]["uid"]  # type: ignore[index]
     await watchers.start()
-    core = client.CoreV1Api(api)
+    core = client.CoreV1Api(admin)
     async with ckpts(bus, n1) as c:
         await core.patch_node(n1, {"spec": {"unschedulable": True}})
         async def agent_answers(reqs: list[CkptRequested]) -> None:
@@ -724,7 +736,7 @@ async def test_leader_lease_moves_when_the_leader_stops(
 
 
 async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
-        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        kube: FakeApiServer, admin: client.ApiClient, bus: Bus, watchers: Watchers,
         node: str) -> None:
     """Karpenter and cluster-autoscaler add their taint with a patch; a
     strategic merge keeps the node's other taints (merged by key)."""
@@ -733,7 +745,7 @@ async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
     kube.put("pods", pod("trainer", node, labels={"smr.dev/node-restore": "true"}))
     await watchers.start()
     async with ckpts(bus, node) as c:
-        await client.CoreV1Api(api).patch_node(node, {"spec": {"taints": [
+        await client.CoreV1Api(admin).patch_node(node, {"spec": {"taints": [
             {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]}})
         [req] = await c.wait(1)
         assert req.reason == "preemption" and req.leave_running

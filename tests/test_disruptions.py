@@ -1,0 +1,85 @@
+"""What the watcher does for each way Kubernetes ends a pod, told apart as
+the real control plane marks them (the pod's ``DisruptionTarget`` condition
+and its reason), against the FAKE API server, which sets them as the real
+eviction API, scheduler, pod GC and kubelet do, and holds the watcher to the
+shipped RBAC (tests/test_watcher.py's ``api`` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import orjson
+
+from services.storage.store import CheckpointStore
+from smr.bus import KV_STEPS, Bus
+from smr.messages import CkptDone, CkptRequested
+from tests import test_watcher
+from tests.fake_apiserver import SHUTDOWN, FakeApiServer, pod
+from tests.fake_apiserver import node as a_node
+from tests.test_watcher import Watchers, ckpts, stored
+
+# test_watcher's fixtures, shared (not copied).
+kube, api, admin = test_watcher.kube, test_watcher.api, test_watcher.admin
+watch_settings, watchers = test_watcher.watch_settings, test_watcher.watchers
+bus, watcher_bus, storage = test_watcher.bus, test_watcher.watcher_bus, test_watcher.storage
+
+OPTED = {"smr.dev/node-restore": "true"}
+
+
+async def answer(bus: Bus, storage: CheckpointStore, tmp_path: Path,
+                 reqs: list[CkptRequested]) -> None:
+    """The node agent's part: images stored, the step done, ckpt.done published."""
+    for req in reqs:
+        gen = await stored(storage, tmp_path, req.target.namespace, req.checkpoint_id,
+                           reason=req.reason)
+        done = CkptDone.for_request(req, status="succeeded", generation=gen)
+        await bus.kv(KV_STEPS).put(req.request_id, orjson.dumps(
+            {"state": "done", "result": done.to_dict()}))
+        await bus.publish(done)
+
+
+async def outcome(kube: FakeApiServer, name: str, old_uid: str, seconds: float = 8) -> str:
+    """What became of pod ``name`` within ``seconds``: "recreated" as soon as
+    a pod of that name with another uid exists, else "gone" or its phase."""
+    end = time.monotonic() + seconds
+    seen = "?"
+    while time.monotonic() < end:
+        p = kube.get("pods", name, "default")
+        if p is not None and p["metadata"]["uid"] != old_uid:
+            return "recreated"
+        seen = "gone" if p is None else (p.get("status") or {}).get("phase", "?")
+        await asyncio.sleep(0.1)
+    return seen
+
+
+def shutting_down(kube: FakeApiServer, name: str) -> None:
+    """The kubelet's graceful node shutdown, as its node status shows it."""
+    n = kube.get("nodes", name)
+    assert n is not None
+    n["status"]["conditions"] = [{"type": "Ready", "status": "False",
+                                  "reason": "KubeletNotReady", "message": "node is shutting down"}]
+    kube.put("nodes", n)
+
+
+async def test_a_bare_pod_failed_by_graceful_node_shutdown_is_recreated(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        tmp_path: Path, node: str) -> None:
+    """GKE Spot: the kubelet stops the pods itself and leaves them Failed.
+    Once its final checkpoint is stored, the watcher, as its own service
+    account, deletes the Failed bare pod and creates it again."""
+    n1, n2 = node, f"{node}-b"
+    kube.put("nodes", a_node(n1))
+    kube.put("nodes", a_node(n2))
+    kube.put("pods", pod("spot", n1, labels=OPTED))
+    old = kube.get("pods", "spot", "default")["metadata"]["uid"]  # type: ignore[index]
+    await watchers.start()
+    async with ckpts(bus, n1) as c:
+        shutting_down(kube, n1)
+        [req] = await c.wait(1, settle=0.2)
+        assert req.reason == "preemption" and not req.leave_running
+        await answer(bus, storage, tmp_path, [req])
+    kube.kubelet_stopped("spot", "default", why=SHUTDOWN)
+    assert await outcome(kube, "spot", old) == "recreated"
+    assert not kube.denied
