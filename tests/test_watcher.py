@@ -46,7 +46,7 @@ from smr.bus import (
 )
 from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
 from tests import nats_auth
-from tests.fake_apiserver import FakeApiServer, pod
+from tests.fake_apiserver import FakeApiServer, disruption_condition, pod, with_condition
 from tests.fake_apiserver import node as a_node
 from tests.helpers.steplocks import node_locks
 from tests.test_bus import CountingStep, dlq_messages, request
@@ -405,6 +405,10 @@ async def test_a_pod_terminating_before_the_cordon_is_seen_gets_its_final_checkp
     async with ckpts(bus, n1) as c:
         evicted = kube.get("pods", "job-pod", "default")
         assert evicted is not None
+        # What the eviction API writes: the DisruptionTarget condition, then
+        # the deletionTimestamp.
+        evicted["status"] = with_condition(evicted["status"], disruption_condition(
+            "EvictionByEvictionAPI", "Eviction API: evicting"))
         evicted["metadata"]["deletionTimestamp"] = "2026-11-23T00:00:00Z"
         kube.put("pods", evicted)
         await asyncio.sleep(0.5)  # the pod's event first
@@ -855,23 +859,32 @@ async def test_a_slow_node_does_not_hold_the_others_back(
             await task
 
 
-def test_a_final_checkpoint_is_expected_only_of_a_pod_on_a_node_going_away() -> None:
+def test_a_final_checkpoint_is_expected_of_a_disrupted_pod_or_one_on_a_node_going_away(
+        ) -> None:
     """What the agent asks before it releases a waiting preStop hook
     (services/agent/prestop): the watcher's own rule."""
     from services.triggers import final_expected
 
-    deleted = pod("p", "n")
-    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    assert not final_expected(deleted, a_node("n")), "a plain delete gets none"
-    assert final_expected(deleted, a_node("n", unschedulable=True)), "a drain gets one"
-    assert final_expected(deleted, a_node("n", taints=[
+    def deleted(by: str | None) -> dict[str, Any]:
+        p = pod("p", "n")
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        if by:
+            p["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True",
+                                          "reason": by}]
+        return p
+
+    cordoned = a_node("n", unschedulable=True)
+    for node in (a_node("n"), cordoned, None):
+        assert not final_expected(deleted(None), node), "a plain delete gets none"
+        for by in ("EvictionByEvictionAPI", "PreemptionByScheduler"):
+            assert final_expected(deleted(by), node), f"{by} gets one on any node"
+    assert final_expected(deleted("DeletionByTaintManager"), a_node("n", taints=[
         {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]))
-    assert final_expected(deleted, None), "its Node deleted"
     shutting = a_node("n")
     shutting["status"]["conditions"] = [{"type": "Ready", "status": "False",
                                          "message": "node is shutting down"}]
     assert final_expected(pod("p", "n"), shutting), "graceful shutdown: no deletion, a final"
-    assert not final_expected(pod("p", "n"), a_node("n", unschedulable=True)), \
+    assert not final_expected(pod("p", "n"), cordoned), \
         "a cordon alone takes a leave-running checkpoint"
 
 
