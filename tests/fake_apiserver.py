@@ -420,9 +420,14 @@ class FakeApiServer:
         return [copy.deepcopy(o) for (p, ns, _), o in self.objects.items()
                 if p == plural and (namespace is None or ns == namespace)]
 
-    def remove(self, plural: str, name: str, namespace: str = "") -> None:
+    def remove(self, plural: str, name: str, namespace: str = "", *,
+               disruption: str | None = None) -> None:
+        """Gone at once; ``disruption``: a pod's DisruptionTarget reason set
+        first (what an eviction leaves on the pod it ends)."""
         key = (plural, namespace, name)
         if key in self.objects:
+            if disruption:
+                self._disrupt(key, disruption, f"{disruption} (test)")
             self._delete(key)
 
     # -- storage ---------------------------------------------------------------------

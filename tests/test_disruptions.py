@@ -172,3 +172,20 @@ async def test_a_node_pressure_eviction_leaves_the_pod_as_kubernetes_does(
         kube.kubelet_stopped("pressed", "default", why=PRESSURE)
         assert await outcome(kube, "pressed", old, seconds=3) == "Failed"
         assert c.items == []
+
+
+async def test_a_bare_pod_the_pod_gc_deleted_with_its_node_is_recreated(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
+        tmp_path: Path, node: str) -> None:
+    """Its Node deleted, the pod garbage collector deletes the pod
+    (DisruptionTarget DeletionByPodGC): the pod comes back elsewhere."""
+    kube.put("nodes", a_node(node))
+    kube.put("pods", pod("orphan", node, labels=OPTED))
+    old = kube.get("pods", "orphan", "default")["metadata"]["uid"]  # type: ignore[index]
+    await watchers.start()
+    async with ckpts(bus, node) as c:
+        kube.remove("nodes", node)
+        reqs = await c.wait(1, settle=0.2)
+        assert {r.reason for r in reqs} == {"node-deleted"}
+        await answer(bus, storage, tmp_path, reqs)
+    assert await outcome(kube, "orphan", old) == "recreated"
