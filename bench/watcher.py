@@ -44,7 +44,7 @@ def pct(xs: list[float], p: float) -> float:
 async def one_round(bus: Bus, settings: config.Settings, pods: int, concurrency: int
                     ) -> list[float]:
     kube = await FakeApiServer().start()
-    api = await api_client(kube.url)
+    api = await api_client(kube.url, token=kube.token("smr-watcher"))
     name = f"bench-{uuid.uuid4().hex[:6]}"
     kube.put("nodes", node(name))
     for i in range(pods):

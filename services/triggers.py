@@ -13,7 +13,20 @@ says what each provider sends):
   ``deletionTimestamp``; GKE Spot's preemption is this);
 - ``node-deleted``: the Node has a deletionTimestamp, or is gone.
 
-(``drain`` is a pod signal: an opted-in pod terminating on a node above.)
+Pod signals: who ends a pod, as the control plane marks it (since
+Kubernetes 1.26 every disruption first sets the pod's ``DisruptionTarget``
+condition, its reason naming who; a plain ``DELETE`` sets none):
+
+- ``drain``: ``EvictionByEvictionAPI`` (``kubectl drain``, the descheduler,
+  the VPA updater, cluster-autoscaler, Karpenter) or
+  ``DeletionByTaintManager`` (a NoExecute taint), on any node;
+- ``preempted``: ``PreemptionByScheduler``, priority preemption;
+- a pod deleted with no ``DisruptionTarget`` is the user's own decision
+  (``kubectl delete``, a controller scaling down): nothing, wherever it runs;
+- ``TerminationByKubelet`` on a Failed pod: graceful node shutdown (status
+  reason ``Terminated``; the node's ``shutdown``) or a node-pressure eviction
+  (``Evicted``: grace 0 past a hard threshold, so nothing can be saved, and
+  the pod is left as Kubernetes leaves it).
 
 Only ``FINAL`` reasons take a final checkpoint (the workload ends with it):
 those where the kubelet is already stopping the pod, which waits in its
@@ -50,9 +63,15 @@ PREEMPTION_CONDITIONS: dict[str, str] = {
 VM_EVENTS = ("Preempt", "Terminate", "Reboot", "Redeploy")
 SHUTTING_DOWN = "node is shutting down"  # the kubelet's Ready=False message
 # Reasons whose checkpoint is final (the module's docstring says why only these).
-FINAL = frozenset({"drain", "shutdown"})
+FINAL = frozenset({"drain", "shutdown", "preempted"})
 # The reason a message carries (its schema's enum): shutdown is a preemption.
-MESSAGE_REASON = {"shutdown": "preemption"}
+MESSAGE_REASON = {"shutdown": "preemption", "preempted": "preemption"}
+# DisruptionTarget reasons of a graceful deletion (the kubelet runs the pod's
+# preStop hook, which waits for the final checkpoint), and the pod signal each is.
+FINAL_DISRUPTIONS = {"EvictionByEvictionAPI": "drain", "DeletionByTaintManager": "drain",
+                     "PreemptionByScheduler": "preempted"}
+KUBELET = "TerminationByKubelet"
+SHUTDOWN_STATUS = "Terminated"  # the kubelet's status reason after graceful node shutdown
 
 
 def node_reasons(node: dict[str, Any], extra_taints: tuple[str, ...] = ()) -> dict[str, str]:
@@ -81,21 +100,43 @@ def node_reasons(node: dict[str, Any], extra_taints: tuple[str, ...] = ()) -> di
 
 
 
+def disruption(pod: dict[str, Any]) -> str | None:
+    """The reason of the pod's DisruptionTarget condition: who is ending it
+    (None: nobody, or a plain delete)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            return str(c.get("reason") or "")
+    return None
+
+
+def shut_down_by_kubelet(pod: dict[str, Any]) -> bool:
+    """Failed by graceful node shutdown (not by a node-pressure eviction,
+    which carries the same DisruptionTarget reason with status ``Evicted``)."""
+    status = pod.get("status") or {}
+    return status.get("phase") == "Failed" and disruption(pod) == KUBELET \
+        and status.get("reason") == SHUTDOWN_STATUS
+
+
 def pod_reasons(pod: dict[str, Any], of_node: list[str]) -> list[str]:
-    """The checkpoints a pod on a node going away gets: the node's reasons;
-    for a terminating pod (evicted or deleted: the kubelet stops it once its
-    preStop hook has seen the final checkpoint) a final ``drain`` instead
-    of leave-running ones, which would only spend its budget; on a node
-    shutting down, the final ``shutdown`` one alone."""
-    terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-    reasons = (["drain"] if terminating else []) + of_node
-    final = [r for r in reasons if r in FINAL]
-    return final[:1] or reasons  # one final checkpoint: a second finds no workload
+    """The checkpoints a pod gets (``of_node``: its node's reasons). A pod
+    being deleted by a disruption (the kubelet stops it once its preStop
+    hook has seen the final checkpoint): that one final checkpoint, on any
+    node, instead of leave-running ones, which would only spend its budget;
+    deleted with no disruption (the user's delete): none. Otherwise the
+    node's reasons; on a node shutting down, the final ``shutdown`` alone."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        by = disruption(pod)
+        if by is None:
+            return []
+        if by in FINAL_DISRUPTIONS:
+            return [FINAL_DISRUPTIONS[by]]
+    final = [r for r in of_node if r in FINAL]
+    return final[:1] or of_node  # one final checkpoint: a second finds no workload
 
 
 def final_expected(pod: dict[str, Any], node: dict[str, Any] | None,
                    extra_taints: tuple[str, ...] = ()) -> bool:
-    """Does the watcher ask for a final checkpoint of ``pod``? Only on a node
-    going away (``node`` None: deleted), as ``pod_reasons`` says."""
+    """Does the watcher ask for a final checkpoint of ``pod``, on ``node``
+    (None: deleted)? As ``pod_reasons`` says."""
     reasons = ["node-deleted"] if node is None else list(node_reasons(node, extra_taints))
-    return bool(reasons) and any(r in FINAL for r in pod_reasons(pod, reasons))
+    return any(r in FINAL for r in pod_reasons(pod, reasons))

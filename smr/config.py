@@ -202,8 +202,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(docs/gpu.md)"),
     Setting("CUDA_LOCK_TIMEOUT", 10.0, _pos_float, "seconds to wait for a job's GPU work to "
             "reach a lockable point"),
-    Setting("KUBE_API", "", str, "Kubernetes API URL (watcher); empty: in-cluster, else "
+    Setting("KUBE_API", "", str, "Kubernetes API URL; empty: in-cluster, else "
             "~/.kube/config"),
+    Setting("KUBE_TOKEN_FILE", "", str, "bearer token file for SMR_KUBE_API (a service "
+            "account's token); empty: none"),
     Setting("LABEL_PREFIX", "smr.dev", _label_prefix, "prefix of the opt-in pod labels "
             "(<prefix>/node-restore, <prefix>/heartbeat-checkpoint); cedana.ai/ also works"),
     Setting("PREEMPTION_TAINTS", (), _names, "extra taint keys (comma-separated) that mean "

@@ -16,7 +16,14 @@ It implements the part of the API smr uses, with the semantics clients rely on:
   resourceVersion), patch (JSON merge, strategic merge with the merge keys
   of node taints, conditions and pod containers, JSON patch), delete;
 - pod eviction through PodDisruptionBudgets (policy/v1; 429 while a budget
-  forbids it, as the eviction API answers); graceful deletion: an evicted
+  forbids it, as the eviction API answers); the ``DisruptionTarget``
+  condition each disruption sets first, with the real reasons: the eviction
+  API ``EvictionByEvictionAPI``, scheduler preemption (``preempt``: the
+  condition, then a delete with the victim's grace) ``PreemptionByScheduler``,
+  the pod GC ``DeletionByPodGC``, the kubelet ``TerminationByKubelet``
+  (``kubelet_stopped``, where no fake kubelet runs: graceful node shutdown or
+  a node-pressure eviction, told apart by the status reason as the real
+  kubelet reports them); a plain delete sets none; graceful deletion: an evicted
   or deleted pod gets a deletionTimestamp and goes after its grace, or, with
   ``kubelets=True``, when the node's kubelet has stopped its containers and
   deletes it with grace 0 (tests/fake_kubelet.py), as in a real cluster; a
@@ -26,7 +33,14 @@ It implements the part of the API smr uses, with the semantics clients rely on:
   delay, in order within the connection and in no order between them (a node
   event and a pod event reach a client in either order, as they do from a
   real API server);
-- Events (core/v1) and Leases (coordination.k8s.io/v1).
+- Events (core/v1) and Leases (coordination.k8s.io/v1);
+- authentication and RBAC (tests/fake_rbac.py): each request names its user
+  by a bearer token (``token(account)`` hands out a service account's, as
+  the real server maps a projected token to ``system:serviceaccount:NS:NAME``;
+  ``admin_token`` is the operator's, group system:masters); no or an unknown
+  token gets 401, and a call the shipped Roles do not grant the 403 Status a
+  real server sends (kept in ``denied``); ``granted`` maps each call made to
+  the rule that allowed it.
 
 Test controls (``cut_watches``, ``compact``, ``pause_watches``) break the
 connection the way networks and etcd compaction do.
@@ -53,6 +67,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from tests.fake_rbac import ADMIN, MASTERS, Rbac, Request, shipped
+
 # plural -> (kind, namespaced, api prefix)
 RESOURCES: dict[str, tuple[str, bool, str]] = {
     "nodes": ("Node", False, "/api/v1"),
@@ -69,6 +85,8 @@ TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
                "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1"}
+GROUPS = {prefix: "" if prefix == "/api/v1" else prefix.split("/")[2] for prefix in API_VERSION}
+VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
               "ownerReferences": "uid"}
 
@@ -80,6 +98,33 @@ def _now() -> str:
 def _truthy(v: str | None) -> bool:
     """Go's strconv.ParseBool, as the API server parses query flags."""
     return v in ("1", "t", "T", "TRUE", "true", "True")
+
+
+# What the real kubelet reports for a pod it stopped itself (the node shutdown
+# manager's and the eviction manager's status reasons and messages).
+SHUTDOWN = ("Terminated", "Pod was terminated in response to imminent node shutdown.")
+PRESSURE = ("Evicted", "The node was low on resource: memory. Threshold quantity: 100Mi, "
+                       "available: 80Mi. ")
+
+
+def disruption_condition(reason: str, message: str) -> dict[str, Any]:
+    return {"type": "DisruptionTarget", "status": "True", "reason": reason,
+            "message": message, "lastTransitionTime": _now()}
+
+
+def with_condition(pod_status: dict[str, Any], cond: dict[str, Any]) -> dict[str, Any]:
+    """``pod_status`` with ``cond`` in place of any of its type."""
+    return {**pod_status, "conditions": [
+        *[c for c in pod_status.get("conditions") or [] if c["type"] != cond["type"]], cond]}
+
+
+def kubelet_failed(pod_status: dict[str, Any], why: tuple[str, str]) -> dict[str, Any]:
+    """The terminal status the kubelet writes for a pod it stopped itself
+    (``why``: SHUTDOWN or PRESSURE): Failed, whatever the exit codes."""
+    reason, message = why
+    return with_condition({**pod_status, "phase": "Failed", "reason": reason,
+                           "message": message},
+                          disruption_condition("TerminationByKubelet", message))
 
 
 def status(code: int, reason: str, message: str) -> web.Response:
@@ -232,7 +277,8 @@ class FakeApiServer:
 
     def __init__(self, *, history: int = 10_000, bookmark_interval: float = 1.0,
                  eviction_delay: float = 0.3, podgc_delay: float = 1.0,
-                 kubelets: bool = False, watch_jitter: float = 0.0) -> None:
+                 kubelets: bool = False, watch_jitter: float = 0.0,
+                 rbac: Rbac | None = None) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.rv = 0
         self.history: list[Change] = []
@@ -251,6 +297,13 @@ class FakeApiServer:
         self.admission_log: list[str] = []  # what each webhook call came to
         # TokenReview: token → (user info as the API server returns it, audiences).
         self.tokens: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        # Authentication: bearer token → (user, groups); RBAC from deploy/kustomize.
+        self.rbac = rbac or shipped()
+        self.admin_token = f"admin-{uuid.uuid4().hex}"
+        self.identities: dict[str, tuple[str, tuple[str, ...]]] = {
+            self.admin_token: (ADMIN, (MASTERS, "system:authenticated"))}
+        self.denied: list[str] = []  # "USER: CALL", each refused call
+        self.granted: dict[tuple[str, str], str] = {}  # (user, call) → the granting role
         self._paused = asyncio.Event()
         self._paused.set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -326,6 +379,31 @@ class FakeApiServer:
                 raise TimeoutError(f"{len(self.watches)} of {n} watches open")
             await asyncio.sleep(0.02)
 
+    def token(self, account: str, namespace: str = "smr-system") -> str:
+        """A bearer token of service account ``account`` (what its pod's
+        projected token is to a real API server)."""
+        tok = f"sa-{namespace}-{account}-{uuid.uuid4().hex[:8]}"
+        self.identities[tok] = (f"system:serviceaccount:{namespace}:{account}",
+                                ("system:serviceaccounts", f"system:serviceaccounts:{namespace}",
+                                 "system:authenticated"))
+        return tok
+
+    def preempt(self, name: str, namespace: str = "default") -> None:
+        """The scheduler preempts the pod to place a higher-priority one: the
+        DisruptionTarget condition first, then a delete with its own grace."""
+        key = ("pods", namespace, name)
+        self._disrupt(key, "PreemptionByScheduler",
+                      "default-scheduler: preempting to accommodate a higher priority pod")
+        self._terminate(key, None)
+
+    def kubelet_stopped(self, name: str, namespace: str = "default", *,
+                        why: tuple[str, str] = SHUTDOWN) -> None:
+        """The node's kubelet stopped the pod itself and reports it Failed
+        (``why``: SHUTDOWN, graceful node shutdown; PRESSURE, a node-pressure
+        eviction), for tests with no fake kubelet on the node."""
+        pod = self.objects[("pods", namespace, name)]
+        self.put("pods", {**pod, "status": kubelet_failed(pod.get("status") or {}, why)})
+
     # -- direct access (what a controller or kubectl would do) -----------------------
 
     def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -342,9 +420,14 @@ class FakeApiServer:
         return [copy.deepcopy(o) for (p, ns, _), o in self.objects.items()
                 if p == plural and (namespace is None or ns == namespace)]
 
-    def remove(self, plural: str, name: str, namespace: str = "") -> None:
+    def remove(self, plural: str, name: str, namespace: str = "", *,
+               disruption: str | None = None) -> None:
+        """Gone at once; ``disruption``: a pod's DisruptionTarget reason set
+        first (what an eviction leaves on the pod it ends)."""
         key = (plural, namespace, name)
         if key in self.objects:
+            if disruption:
+                self._disrupt(key, disruption, f"{disruption} (test)")
             self._delete(key)
 
     # -- storage ---------------------------------------------------------------------
@@ -389,6 +472,7 @@ class FakeApiServer:
                 return  # it came back
             for k, o in list(self.objects.items()):
                 if k[0] == "pods" and o.get("spec", {}).get("nodeName") == node_name:
+                    self._disrupt(k, "DeletionByPodGC", "PodGC: node no longer exists")
                     self._delete(k)
         return collect
 
@@ -429,11 +513,56 @@ class FakeApiServer:
             return plural, ns, name, sub
         return None
 
+    def _authorize(self, request: web.Request,
+                   route: tuple[str, str | None, str | None, str | None] | None
+                   ) -> web.Response | None:
+        """None if the request's user may make it; else the real server's
+        401 (no or an unknown token) or 403 (RBAC grants it not)."""
+        auth = request.headers.get("Authorization", "")
+        who = self.identities.get(auth.removeprefix("Bearer ")) if auth.startswith(
+            "Bearer ") else None
+        if who is None:
+            return status(401, "Unauthorized", "Unauthorized")
+        m = request.method
+        if route is None:  # the TokenReview API
+            r = Request(VERBS.get(m, m.lower()), "authentication.k8s.io", "tokenreviews",
+                        None, None, None)
+        else:
+            plural, ns, name, sub = route
+            if m == "GET":
+                verb = "get" if name else "watch" if _truthy(request.query.get("watch")) \
+                    else "list"
+            elif m == "DELETE":
+                verb = "delete" if name else "deletecollection"
+            else:
+                verb = VERBS.get(m, m.lower())
+            r = Request(verb, GROUPS[RESOURCES[plural][2]], plural, sub, ns, name)
+        user, groups = who
+        grant = self.rbac.grant_for(user, groups, r)
+        if grant is not None:
+            self.granted.setdefault((user, str(r)), grant)
+            return None
+        self.denied.append(f"{user}: {r}")
+        res = f"{r.resource}/{r.subresource}" if r.subresource else r.resource
+        what = f'{res} "{r.name}"' if r.name else res
+        where = f'in the namespace "{r.namespace}"' if r.namespace else "at the cluster scope"
+        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": f'{what} is forbidden: User "{user}" cannot {r.verb} resource '
+                           f'"{res}" in API group "{r.group}" {where}',
+                "reason": "Forbidden", "details": {"name": r.name or "", "kind": r.resource,
+                                                   **({"group": r.group} if r.group else {})},
+                "code": 403}
+        return web.Response(status=403, body=orjson.dumps(body),
+                            content_type="application/json")
+
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path))
+        route = self._route(request.path)
+        if route is not None or request.path == TOKEN_REVIEWS:
+            if refused := self._authorize(request, route):
+                return refused
         if request.path == TOKEN_REVIEWS and request.method == "POST":
             return await self._token_review(request)
-        route = self._route(request.path)
         if route is None:
             return status(404, "NotFound", f"the server could not find {request.path}")
         plural, ns, name, sub = route
@@ -687,7 +816,7 @@ class FakeApiServer:
                            key: tuple[str, str, str]) -> web.Response:
         if key not in self.objects:
             return status(404, "NotFound", f'{key[0]} "{key[2]}" not found')
-        if key[0] == "pods" and self.kubelets:
+        if key[0] == "pods":  # graceful deletion, as for an eviction
             grace = request.query.get("gracePeriodSeconds")
             if grace is None and request.can_read_body:
                 with contextlib.suppress(ValueError):
@@ -707,6 +836,7 @@ class FakeApiServer:
                               "Cannot evict pod as it would violate the pod's disruption "
                               f"budget. The disruption budget {blocking} needs more "
                               "healthy pods")
+            self._disrupt(key, "EvictionByEvictionAPI", "Eviction API: evicting")
             self._terminate(key, None)
         return self._json({"kind": "Status", "apiVersion": "v1", "status": "Success",
                            "code": 201}, 201)
@@ -735,6 +865,14 @@ class FakeApiServer:
             if allowed <= 0:
                 return str(pdb["metadata"]["name"])
         return None
+
+    def _disrupt(self, key: tuple[str, str, str], reason: str, message: str) -> None:
+        """The DisruptionTarget condition, written before the deletion (its own
+        write, as the eviction API, the scheduler and the pod GC do)."""
+        pod = copy.deepcopy(self.objects[key])
+        pod["status"] = with_condition(pod.get("status") or {},
+                                       disruption_condition(reason, message))
+        self._write("pods", key, pod, "MODIFIED")
 
     def _terminate(self, key: tuple[str, str, str], grace: int | None) -> dict[str, Any]:
         """Graceful deletion: the deletionTimestamp and grace period; the pod

@@ -40,6 +40,10 @@ timing depends on it:
   down", each pod is stopped as above within that grace, and ends
   ``Failed`` with the ``DisruptionTarget`` condition (reason
   ``TerminationByKubelet``), with no deletion;
+- ``evict(pod)`` is a node-pressure eviction past a hard threshold (the
+  eviction manager): grace 0, so no preStop hook, SIGTERM and SIGKILL 2 s
+  later (the kubelet's minimum); the pod ends ``Failed``, reason ``Evicted``,
+  with the same ``DisruptionTarget`` reason, and is not deleted;
 - exec liveness probes (initialDelaySeconds, periodSeconds, timeoutSeconds,
   failureThreshold), held back until an exec startupProbe succeeds: a
   container that fails either is stopped as above and restarted by the pod's
@@ -89,7 +93,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tests.fake_apiserver import FakeApiServer
+from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, kubelet_failed
 
 USER_WRAPPER = Path(__file__).with_name("fake_cri_user.py")
 
@@ -294,7 +298,7 @@ class PodState:
     waiting: dict[str, str] = field(default_factory=dict)  # CreateContainerConfigError's
 
 
-MIN_GRACE_AFTER_HOOK = 2.0  # the kubelet's minimum after a preStop hook
+MIN_GRACE_AFTER_HOOK = 2.0  # the kubelet's minimum grace, after a preStop hook too
 
 
 def grace_of(pod: dict[str, Any]) -> float:
@@ -396,7 +400,6 @@ class FakeKubelet:
             "type": "Ready", "status": "False", "reason": "KubeletNotReady",
             "message": "node is shutting down", "lastTransitionTime": _now()}]
         self.kube.put("nodes", node)
-        message = "Pod was terminated in response to imminent node shutdown."
         stops = []
         for st in list(self.pods.values()):
             if st.stopping is not None:
@@ -407,9 +410,19 @@ class FakeKubelet:
                 continue
             # The DisruptionTarget condition comes with the terminal status.
             st.stopping = self._spawn(self._stop_pod(st, min(grace, grace_of(pod)),
-                                                     delete=False, reason=message))
+                                                     delete=False, why=SHUTDOWN))
             stops.append(st.stopping)
         await asyncio.gather(*stops, return_exceptions=True)
+
+    async def evict(self, name: str, namespace: str = "default") -> None:
+        """A node-pressure eviction past a hard threshold, as the eviction
+        manager does it: grace 0, the pod left Failed (``Evicted``)."""
+        pod = self.kube.get("pods", name, namespace)
+        assert pod is not None
+        st = self.pods[pod["metadata"]["uid"]]
+        if st.stopping is None:
+            st.stopping = self._spawn(self._stop_pod(st, 0, delete=False, why=PRESSURE))
+        await st.stopping
 
     # -- the sync loop ----------------------------------------------------------------
 
@@ -480,7 +493,7 @@ class FakeKubelet:
     # -- stopping a container, as killContainer does -----------------------------------
 
     async def _stop_pod(self, st: PodState, grace: float, *, delete: bool,
-                        reason: str = "") -> None:
+                        why: tuple[str, str] | None = None) -> None:
         pod = st.pod
         deadline = time.monotonic() + grace
         specs = {c["name"]: c for c in pod["spec"]["containers"]}
@@ -492,7 +505,7 @@ class FakeKubelet:
         self._free_gpus(st.uid)
         fresh = self.kube.get("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
         if fresh is not None and fresh["metadata"]["uid"] == st.uid:
-            self._report(fresh, st, failed_because=reason or None)
+            self._report(fresh, st, failed_because=why)
             if delete:  # the kubelet's own delete, grace 0: now the pod is gone
                 self.kube.remove("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
 
@@ -500,11 +513,11 @@ class FakeKubelet:
                               deadline: float) -> None:
         run.stopping = True
         hook = (((spec.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {})
-        if hook.get("command"):
+        if hook.get("command") and deadline > time.monotonic():  # grace 0: no hook
             self._did(pod, run.name, "prestop")
             rc, out = await self._exec(run, hook["command"], deadline - time.monotonic())
             self._did(pod, run.name, f"prestop-done {rc} {out.strip()[-200:]}")
-            deadline = max(deadline, time.monotonic() + MIN_GRACE_AFTER_HOOK)
+        deadline = max(deadline, time.monotonic() + MIN_GRACE_AFTER_HOOK)
         self._did(pod, run.name, "TERM")
         await self.ctd.ctr(self.ns, "tasks", "kill", "-s", "TERM", run.id, check=False)
         if not await self._stopped(run, deadline):
@@ -726,7 +739,7 @@ class FakeKubelet:
         return str(path)
 
     def _report(self, pod: dict[str, Any], st: PodState,
-                failed_because: str | None = None) -> None:
+                failed_because: tuple[str, str] | None = None) -> None:
         fresh = self.kube.get("pods", pod["metadata"]["name"], pod["metadata"]["namespace"])
         if fresh is None or fresh["metadata"]["uid"] != st.uid:
             return
@@ -764,12 +777,8 @@ class FakeKubelet:
               if c["type"] not in ("Ready", "ContainersReady")],
             *[{"type": t, "status": all_ready, "lastTransitionTime": _now()}
               for t in ("ContainersReady", "Ready")]]
-        if failed_because:  # graceful node shutdown: Failed, whatever the exit codes
-            new.update(phase="Failed", reason="Terminated", message=failed_because)
-            new["conditions"] = [
-                *[c for c in new.get("conditions") or [] if c["type"] != "DisruptionTarget"],
-                {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                 "message": failed_because, "lastTransitionTime": _now()}]
+        if failed_because:  # stopped by the kubelet itself: Failed, whatever the exit codes
+            new = kubelet_failed(new, failed_because)
         fresh["status"] = new
         self.kube.put("pods", fresh)
         if new["phase"] in ("Succeeded", "Failed"):  # terminated: its devices are free

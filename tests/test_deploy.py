@@ -268,3 +268,29 @@ def test_nats_callout_component(kustomize: str, tmp_path: Path) -> None:
     for d in docs:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
     assert deploy_policy.violations(docs) == []
+
+
+def test_the_webhook_is_called_for_opted_in_pods_by_their_labels_and_briefly(
+        kustomize: str) -> None:
+    """Each entry of the MutatingWebhookConfiguration selects pods by one
+    opt-in label (services/policy), so a pod without one costs no call on its
+    creation; one entry, for the env-var opt-in no selector can see, takes the
+    pods with none of them. Each call is short, and never refuses a pod."""
+    from services.policy import HEARTBEAT, NODE_RESTORE, SNAPSHOT_WHEN_READY, START_FROM
+
+    labels = {f"smr.dev/{name}" for name in (NODE_RESTORE, HEARTBEAT, SNAPSHOT_WHEN_READY,
+                                               START_FROM)}
+    for overlay in OVERLAYS:
+        [cfg] = [d for d in render(kustomize, overlay)
+                 if d["kind"] == "MutatingWebhookConfiguration"]
+        hooks = cfg["webhooks"]
+        for h in hooks:
+            assert h["timeoutSeconds"] <= 3 and h["failurePolicy"] == "Ignore", h["name"]
+            assert h["reinvocationPolicy"] == "IfNeeded", h["name"]
+        terms = [[(e["key"], e["operator"]) for e in h["objectSelector"]["matchExpressions"]]
+                 for h in hooks]
+        by_label = sorted(t[0][0] for t in terms if len(t) == 1 and t[0][1] == "Exists")
+        assert by_label == sorted(labels), overlay
+        rest = [t for t in terms if not (len(t) == 1 and t[0][1] == "Exists")]
+        assert [sorted(t) for t in rest] == [sorted((k, "DoesNotExist") for k in labels)], \
+            "the env-var entry must leave out the pods a label entry calls for"

@@ -73,9 +73,11 @@ async def callout(secured: nats_auth.SecuredNats, issuer: KeyPair, settings: con
     kube.tokens["tok-unbound"] = (sa_user(AGENT_SA, None), ["nats"])
     kube.tokens["tok-apiserver"] = (sa_user(AGENT_SA, NODE), ["https://kubernetes"])
     (tmp_path / "seed").write_text(issuer.seed)
+    (tmp_path / "kube-token").write_text(kube.token("smr-natsauth"))  # its service account
     (tmp_path / "agent-node.conf.template").write_text(secured.template)  # type: ignore[attr-defined]
     s = settings.replace(nats_url=secured.url, nats_user="smr-natsauth",
                          nats_password=secured.passwords["smr-natsauth"], kube_api=kube.url,
+                         kube_token_file=str(tmp_path / "kube-token"),
                          nats_callout_seed_file=str(tmp_path / "seed"),
                          nats_agent_template=str(tmp_path / "agent-node.conf.template"))
     svc, cleanups = await natsauth_main.make(None, s)
@@ -93,6 +95,7 @@ async def callout(secured: nats_auth.SecuredNats, issuer: KeyPair, settings: con
         for cleanup in cleanups:
             await cleanup()
         await kube.stop()
+    assert not kube.denied, f"a call the shipped RBAC does not grant: {kube.denied}"
 
 
 async def test_an_agent_gets_its_own_nodes_permissions_only(

@@ -46,7 +46,7 @@ from smr.bus import (
 )
 from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
 from tests import nats_auth
-from tests.fake_apiserver import FakeApiServer, pod
+from tests.fake_apiserver import FakeApiServer, disruption_condition, pod, with_condition
 from tests.fake_apiserver import node as a_node
 from tests.helpers.steplocks import node_locks
 from tests.test_bus import CountingStep, dlq_messages, request
@@ -61,7 +61,19 @@ async def kube() -> AsyncIterator[FakeApiServer]:
 
 @pytest.fixture
 async def api(kube: FakeApiServer) -> AsyncIterator[client.ApiClient]:
-    a = await api_client(kube.url)
+    """The watcher's client: its service account, held to the shipped RBAC.
+    Every call it was refused fails the test at its end."""
+    a = await api_client(kube.url, token=kube.token("smr-watcher"))
+    yield a
+    await a.close()
+    assert not kube.denied, ("a call the shipped RBAC does not grant "
+                             f"(deploy/kustomize/base): {kube.denied}")
+
+
+@pytest.fixture
+async def admin(kube: FakeApiServer) -> AsyncIterator[client.ApiClient]:
+    """The operator's client (kubectl, as a cluster admin)."""
+    a = await api_client(kube.url, token=kube.admin_token)
     yield a
     await a.close()
 
@@ -393,6 +405,10 @@ async def test_a_pod_terminating_before_the_cordon_is_seen_gets_its_final_checkp
     async with ckpts(bus, n1) as c:
         evicted = kube.get("pods", "job-pod", "default")
         assert evicted is not None
+        # What the eviction API writes: the DisruptionTarget condition, then
+        # the deletionTimestamp.
+        evicted["status"] = with_condition(evicted["status"], disruption_condition(
+            "EvictionByEvictionAPI", "Eviction API: evicting"))
         evicted["metadata"]["deletionTimestamp"] = "2026-11-23T00:00:00Z"
         kube.put("pods", evicted)
         await asyncio.sleep(0.5)  # the pod's event first
@@ -406,7 +422,7 @@ async def test_a_pod_terminating_before_the_cordon_is_seen_gets_its_final_checkp
 
 
 async def test_drain_evictions_and_uncordon(
-        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        kube: FakeApiServer, admin: client.ApiClient, bus: Bus, watchers: Watchers,
         node: str) -> None:
     """kubectl drain: cordon (the pods keep running) then evictions (a final
     checkpoint of each opted-in pod as it terminates). An uncordon ends the
@@ -414,7 +430,7 @@ async def test_drain_evictions_and_uncordon(
     n1, n2 = node, f"{node}-b"
     a_cluster(kube, n1, n2)
     await watchers.start()
-    core = client.CoreV1Api(api)
+    core = client.CoreV1Api(admin)
     async with ckpts(bus, n1) as c:
         await core.patch_node(n1, {"spec": {"unschedulable": True}})
         await c.wait(len(EXPECTED_ON_N1), settle=0.2)
@@ -655,7 +671,7 @@ async def stored(store: CheckpointStore, tmp_path: Path, namespace: str, ckpt_id
 
 
 async def test_bare_node_restore_pod_is_recreated_after_its_checkpoint(
-        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        kube: FakeApiServer, admin: client.ApiClient, bus: Bus, watchers: Watchers,
         storage: CheckpointStore, tmp_path: Path, node: str) -> None:
     n1, n2 = node, f"{node}-b"
     kube.put("nodes", a_node(n1))
@@ -665,7 +681,7 @@ async def test_bare_node_restore_pod_is_recreated_after_its_checkpoint(
                          owner="some-job"))
     old_uid = kube.get("pods", "bare", "default")["metadata"]["uid"]  # type: ignore[index]
     await watchers.start()
-    core = client.CoreV1Api(api)
+    core = client.CoreV1Api(admin)
     async with ckpts(bus, n1) as c:
         await core.patch_node(n1, {"spec": {"unschedulable": True}})
         async def agent_answers(reqs: list[CkptRequested]) -> None:
@@ -724,7 +740,7 @@ async def test_leader_lease_moves_when_the_leader_stops(
 
 
 async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
-        kube: FakeApiServer, api: client.ApiClient, bus: Bus, watchers: Watchers,
+        kube: FakeApiServer, admin: client.ApiClient, bus: Bus, watchers: Watchers,
         node: str) -> None:
     """Karpenter and cluster-autoscaler add their taint with a patch; a
     strategic merge keeps the node's other taints (merged by key)."""
@@ -733,7 +749,7 @@ async def test_taint_added_by_strategic_merge_patch_is_a_preemption(
     kube.put("pods", pod("trainer", node, labels={"smr.dev/node-restore": "true"}))
     await watchers.start()
     async with ckpts(bus, node) as c:
-        await client.CoreV1Api(api).patch_node(node, {"spec": {"taints": [
+        await client.CoreV1Api(admin).patch_node(node, {"spec": {"taints": [
             {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]}})
         [req] = await c.wait(1)
         assert req.reason == "preemption" and req.leave_running
@@ -843,23 +859,32 @@ async def test_a_slow_node_does_not_hold_the_others_back(
             await task
 
 
-def test_a_final_checkpoint_is_expected_only_of_a_pod_on_a_node_going_away() -> None:
+def test_a_final_checkpoint_is_expected_of_a_disrupted_pod_or_one_on_a_node_going_away(
+        ) -> None:
     """What the agent asks before it releases a waiting preStop hook
     (services/agent/prestop): the watcher's own rule."""
     from services.triggers import final_expected
 
-    deleted = pod("p", "n")
-    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    assert not final_expected(deleted, a_node("n")), "a plain delete gets none"
-    assert final_expected(deleted, a_node("n", unschedulable=True)), "a drain gets one"
-    assert final_expected(deleted, a_node("n", taints=[
+    def deleted(by: str | None) -> dict[str, Any]:
+        p = pod("p", "n")
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        if by:
+            p["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True",
+                                          "reason": by}]
+        return p
+
+    cordoned = a_node("n", unschedulable=True)
+    for node in (a_node("n"), cordoned, None):
+        assert not final_expected(deleted(None), node), "a plain delete gets none"
+        for by in ("EvictionByEvictionAPI", "PreemptionByScheduler"):
+            assert final_expected(deleted(by), node), f"{by} gets one on any node"
+    assert final_expected(deleted("DeletionByTaintManager"), a_node("n", taints=[
         {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}]))
-    assert final_expected(deleted, None), "its Node deleted"
     shutting = a_node("n")
     shutting["status"]["conditions"] = [{"type": "Ready", "status": "False",
                                          "message": "node is shutting down"}]
     assert final_expected(pod("p", "n"), shutting), "graceful shutdown: no deletion, a final"
-    assert not final_expected(pod("p", "n"), a_node("n", unschedulable=True)), \
+    assert not final_expected(pod("p", "n"), cordoned), \
         "a cordon alone takes a leave-running checkpoint"
 
 

@@ -374,7 +374,7 @@ async def test_a_cordon_wave_with_pod_churn_and_full_queues_checkpoints_each_pod
     for n in names:
         kube.put("nodes", a_node(n))
         kube.put("pods", pod(f"{n}-a", n, labels=opted))
-    a = await api_client(kube.url)
+    a = await api_client(kube.url, token=kube.token("smr-watcher"))
     w = Watcher(bus, a, watch_settings, durable_prefix=f"w-{node}")
     w.nodes._slots = asyncio.Semaphore(4)
     w.pods._slots = asyncio.Semaphore(4)

@@ -159,11 +159,12 @@ async def kube() -> AsyncIterator[FakeApiServer]:
     k.put("mutatingwebhookconfigurations", webhook_configuration())
     yield k
     await k.stop()
+    assert not k.denied, f"a call the shipped RBAC does not grant: {k.denied}"
 
 
 async def test_https_server_answers_every_review_and_survives_a_huge_one(
         kube: FakeApiServer) -> None:
-    api = await api_client(kube.url)
+    api = await api_client(kube.url, token=kube.token("smr-webhook"))
     hook = Webhook(api, S.replace(webhook_port=0), host="127.0.0.1")
     task = asyncio.create_task(hook.run())
     await asyncio.wait_for(hook.ready.wait(), 10)
@@ -189,7 +190,7 @@ async def test_https_server_answers_every_review_and_survives_a_huge_one(
 
 async def test_certificate_is_kept_in_a_secret_and_renewed_before_it_expires(
         kube: FakeApiServer) -> None:
-    api = await api_client(kube.url)
+    api = await api_client(kube.url, token=kube.token("smr-webhook"))
     try:
         keeper = CertKeeper(api, S)
         first = await keeper.ensure()
@@ -229,7 +230,7 @@ async def test_a_client_that_stalls_holds_no_slot_for_long(kube: FakeApiServer) 
     """One review read at a time here (the default is MAX_IN_FLIGHT): a client
     that sends half a body and stops is cut off after the read limit, and the
     API server's next review is answered."""
-    api = await api_client(kube.url)
+    api = await api_client(kube.url, token=kube.token("smr-webhook"))
     hook = Webhook(api, S.replace(webhook_port=0), host="127.0.0.1", max_in_flight=1,
                    read_s=0.5)
     task = asyncio.create_task(hook.run())

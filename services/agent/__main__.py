@@ -13,7 +13,7 @@ BUCKETS = (KV_LOCKS, KV_STEPS, KV_TIMINGS)
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
-    api = await api_client(settings.kube_api)
+    api = await api_client(settings.kube_api, settings.kube_token_file)
     store = make_store(settings)
     return NodeAgent(bus, api, store, settings), [store.close, api.close]
 

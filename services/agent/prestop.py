@@ -1,19 +1,20 @@
 """PreStop hooks no final checkpoint will answer: released at once.
 
-The watcher asks for a final checkpoint only of a pod on a node going away
-(services/triggers: ``final_expected``). A plain ``kubectl delete``
-of an opted-in pod on a node that stays gets none, and its preStop hook
-(``smr-init --wait-final``) would wait its whole time (60 s by default)
-before the kubelet's SIGTERM. The agent sees each hook that waits (its
-``waiter`` file in smr-init's directory) and, for a pod being deleted whose
-node, read afresh, is not going away, writes ``final``: ``none ...``. The
-hook prints it and returns.
+The watcher asks for a final checkpoint of a pod being deleted only when a
+disruption deletes it (services/triggers: ``final_expected``): an eviction
+through the Eviction API (``kubectl drain``, the descheduler), scheduler
+preemption, the taint manager, each marking the pod ``DisruptionTarget``
+before its deletion. A plain ``kubectl delete`` of an opted-in pod gets
+none, wherever it runs, and its preStop hook (``smr-init --wait-final``)
+would wait its whole time (60 s by default) before the kubelet's SIGTERM.
+The agent sees each hook that waits (its ``waiter`` file in smr-init's
+directory) and, for a pod being deleted with no final checkpoint coming
+(its node read afresh), writes ``final``: ``none ...``. The hook prints it
+and returns.
 
-A drain cordons or taints the node before it evicts (kubectl drain, the
-cluster autoscaler, Karpenter), so the fresh read sees that, and the hook
-waits for its final checkpoint. A graceful node shutdown deletes no pod (no
-``deletionTimestamp``): its hooks wait too. A container held for a dump
-(``hold``) is never released here: that dump's outcome answers it.
+A graceful node shutdown deletes no pod (no ``deletionTimestamp``): its
+hooks wait. A container held for a dump (``hold``) is never released here:
+that dump's outcome answers it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SCAN_S = 0.5
 # coming) is looked at again after this: a `waiter` file the workload made
 # itself costs the API one list of the node's pods per RECHECK_S, no more.
 RECHECK_S = 5.0
-NONE = "none: no final checkpoint is asked for (the pod is deleted on a node not going away)"
+NONE = "none: no final checkpoint is asked for (the pod is deleted, not evicted or preempted)"
 
 
 class PreStopWaits:
@@ -87,7 +88,7 @@ class PreStopWaits:
                 node, read = await self._node(), True
             if final_expected(pod, node, self.extra_taints):
                 continue
-            log.info("pod %s/%s is deleted on node %s, which is not going away: its preStop "
+            log.info("pod %s/%s is deleted on node %s, not by a disruption: its preStop "
                      "hook waits for no final checkpoint", pod["metadata"]["namespace"],
                      pod["metadata"]["name"], self.node)
             await asyncio.to_thread(shim.final, NONE)

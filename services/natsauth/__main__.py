@@ -49,7 +49,7 @@ class NatsAuth:
 
 
 async def make(_: Any, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
-    api = await api_client(settings.kube_api)
+    api = await api_client(settings.kube_api, settings.kube_token_file)
     return NatsAuth(api, settings), [api.close]
 
 

@@ -14,7 +14,7 @@ BUCKETS = (KV_BEATS, KV_EPISODES, KV_STEPS)
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
-    api = await api_client(settings.kube_api)
+    api = await api_client(settings.kube_api, settings.kube_token_file)
     return Watcher(bus, api, settings), [api.close]
 
 

@@ -43,7 +43,16 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.checkpointer.admission import agent_windows
 from services.policy import PodPolicy, policy_for
-from services.triggers import FINAL, MESSAGE_REASON, node_reasons, pod_reasons
+from services.triggers import (
+    FINAL,
+    FINAL_DISRUPTIONS,
+    KUBELET,
+    MESSAGE_REASON,
+    disruption,
+    node_reasons,
+    pod_reasons,
+    shut_down_by_kubelet,
+)
 from services.watcher.durables import NodeConsumers
 from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
@@ -298,8 +307,11 @@ class Watcher:
         policy = self._policy(pod)
         meta, node = pod["metadata"], pod["spec"]["nodeName"]
         out = []
+        # A pod's own disruption (an eviction, a preemption) is one per pod,
+        # whatever its node does: the same request whichever event shows it.
+        key = "pod" if reason in FINAL_DISRUPTIONS.values() else episode
         for c in policy.containers:
-            rid = derive_request_id("ckpt", episode, reason, meta["uid"], c.name)
+            rid = derive_request_id("ckpt", key, reason, meta["uid"], c.name)
             out.append(CkptRequested(
                 request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
                 reason=MESSAGE_REASON.get(reason, reason),  # type: ignore[arg-type]
@@ -353,7 +365,7 @@ class Watcher:
                 self._pod_requests.pop(uid, None)
                 self._templated.pop(uid, None)
                 self._template_failed.discard(uid)
-            elif stopped_by_kubelet(pod) and uid not in self._replacing:
+            elif shut_down_by_kubelet(pod) and uid not in self._replacing:
                 self._replacing.add(uid)
                 self._spawn(self._replace_failed(pod, policy))
             return
@@ -366,6 +378,12 @@ class Watcher:
             reasons = list(node_reasons(n, self.s.preemption_taints)) if n else ["node-deleted"]
             await self._publish_requests([r for reason in pod_reasons(pod, reasons)
                                           for r in self._drain_requests(pod, episode, reason)])
+        elif policy.opted_in and node and meta.get("deletionTimestamp") \
+                and disruption(pod) in FINAL_DISRUPTIONS:
+            # Evicted or preempted on a node that stays (the descheduler, the
+            # scheduler): its preStop hook waits for this final checkpoint.
+            await self._publish_requests([r for reason in pod_reasons(pod, [])
+                                          for r in self._drain_requests(pod, "", reason)])
         if policy.snapshot_when_ready:
             if is_ready(pod):
                 await self._take_template(pod, policy)
@@ -483,15 +501,22 @@ class Watcher:
     # -- bare pods -----------------------------------------------------------------------
 
     def _recreate_later(self, pod: dict[str, Any], policy: PodPolicy) -> None:
-        """A bare node-restore pod gone from a node going away comes back (a
-        controller's pod is recreated by its controller)."""
+        """A bare node-restore pod that a disruption ended comes back (a
+        controller's pod is recreated by its controller): evicted or
+        preempted anywhere; else gone from a node going away. A pod deleted
+        with no disruption is the user's delete, never undone; one that a
+        node-pressure eviction failed is left as Kubernetes leaves it."""
         meta = pod["metadata"]
         node = (pod.get("spec") or {}).get("nodeName")
         if not policy.node_restore or meta.get("ownerReferences") or not node:
             return
-        if node not in self._episodes and node not in self._gone:
+        by = disruption(pod)
+        if by is None or (by == KUBELET and not shut_down_by_kubelet(pod)):
             return
-        self._spawn(self._recreate(pod, self._pod_requests.get(meta["uid"], [])))
+        if by not in FINAL_DISRUPTIONS and node not in self._episodes \
+                and node not in self._gone:
+            return
+        self._spawn(self._recreate(pod, self._pod_requests.get(meta["uid"], []), by))
 
     async def _replace_failed(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         """Graceful node shutdown leaves a bare pod Failed, not deleted: once
@@ -517,7 +542,7 @@ class Watcher:
             log.warning("deleting Failed pod %s/%s failed (%r); it is not recreated",
                         meta["namespace"], meta["name"], e)
 
-    async def _recreate(self, pod: dict[str, Any], requests: list[str]) -> None:
+    async def _recreate(self, pod: dict[str, Any], requests: list[str], by: str) -> None:
         meta = pod["metadata"]
         if requests:  # the pod's last checkpoint must finish first
             try:
@@ -543,11 +568,14 @@ class Watcher:
                             meta["name"], e.reason)
             return
         self.stats["recreated"] += 1
-        log.info("pod %s/%s recreated away from node %s", meta["namespace"], meta["name"],
-                 pod["spec"]["nodeName"])
+        node = pod["spec"]["nodeName"]
+        log.info("pod %s/%s recreated away from node %s (%s)", meta["namespace"], meta["name"],
+                 node, by)
+        why = f"its {by} on node {node}" if by in FINAL_DISRUPTIONS \
+            else f"node {node} went away ({by})"
         await self._post(created["metadata"], "Recreated",
-                         f"recreated by smr after node {pod['spec']['nodeName']} went away; it "
-                         "resumes from its latest checkpoint", key=created["metadata"]["uid"])
+                         f"recreated by smr after {why}; it resumes from its latest checkpoint",
+                         key=created["metadata"]["uid"])
 
 
 def deadline_of(pod: dict[str, Any]) -> str:
@@ -560,14 +588,6 @@ def deadline_of(pod: dict[str, Any]) -> str:
         end = time.time() + REQUEST_TTL_S
     return datetime.fromtimestamp(end, UTC).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
-
-
-def stopped_by_kubelet(pod: dict[str, Any]) -> bool:
-    """Failed because the kubelet stopped it (graceful node shutdown)."""
-    status = pod.get("status") or {}
-    return status.get("phase") == "Failed" and any(
-        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
-        and c.get("reason") == "TerminationByKubelet" for c in status.get("conditions") or [])
 
 
 def _newer(rv: str, than: str) -> bool:

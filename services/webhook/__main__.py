@@ -12,7 +12,8 @@ NEEDS_BUS = False  # it answers the API server first; NATS it reaches in the bac
 
 
 async def make(_: Any, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:
-    api = None if settings.webhook_cert_dir else await api_client(settings.kube_api)
+    api = None if settings.webhook_cert_dir else await api_client(
+        settings.kube_api, settings.kube_token_file)
     return Webhook(api, settings), [api.close] if api else []
 
 

@@ -13,7 +13,8 @@ env var; the warm-start labels too, docs/warm-start.md) gets:
   looks for, and the name smr-init keeps its state under; and, for a pod
   labelled ``restore-failure: fail``, ``SMR_RESTORE_FAILURE=fail``: smr-init
   then never starts fresh on its own when no agent answers it.
-- the annotation ``smr.dev/injected``.
+- the annotations ``smr.dev/injected`` and, where the grace period was
+  raised, ``smr.dev/added-grace-seconds`` (by how much).
 - a preStop hook on each opted-in container that has none,
   ``/smr/smr-init --wait-final SECONDS``: the kubelet runs it before its
   SIGTERM, and it waits for the agent's final checkpoint (done or failed),
@@ -34,9 +35,15 @@ env var; the warm-start labels too, docs/warm-start.md) gets:
   restarted into another restore). It allows SMR_RESTORE_SECONDS.
 
 A pod whose manifest already starts smr-init (written by hand,
-docs/node-agent.md) is left alone. Nothing here ever refuses a pod: bad
-input, another kind or any error gives an allowed response without a patch
-and a log line.
+docs/node-agent.md) is left alone. Admission is idempotent: a pod this
+webhook mutated before (the API server calls it again under
+``reinvocationPolicy: IfNeeded``, or for each of its configuration's entries
+that selects the pod; the watcher recreates a bare pod from its mutated
+spec) is mutated from what it was before: the grace it had without the
+added seconds, its hook's wait set afresh, nothing added twice. Admitted
+twice, a pod is the same as admitted once. Nothing here ever refuses a pod:
+bad input, another kind or any error gives an allowed response without a
+patch and a log line.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ from smr.gpugate import GPU_JOB_DEFAULTS
 log = logging.getLogger("smr.webhook")
 
 INJECTED = "injected"  # the annotation <prefix>/injected
+ADDED_GRACE = "added-grace-seconds"  # the annotation: what the grace period was raised by
+WAIT_FINAL = ["/smr/smr-init", "--wait-final"]  # the injected preStop hook, less its seconds
 _UID = re.compile(rb'"uid"\s*:\s*"([0-9A-Za-z-]{1,64})"')
 
 
@@ -161,7 +170,8 @@ def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
         why = (f"runtime class {named!r} has no smr counterpart (SMR_RUNTIME_CLASS_MAP), so "
                "this pod is not protected by smr; map it, or start its command through "
                "smr-init (docs/node-agent.md)")
-        return _annotate(meta, s, f"skipped: {why}"), [f"smr: {why}"]
+        return _annotate(meta, {f"{s.label_prefix}/{INJECTED}": f"skipped: {why}"}), \
+            [f"smr: {why}"]
     opted = {c.name for c in policy.containers}
     # Warm-start labels (docs/warm-start.md) put smr-init in front of every container.
     wanted = opted | ({c.get("name") for c in containers if isinstance(c, dict)}
@@ -186,10 +196,11 @@ def mutate(req: dict[str, Any], s: Settings, measured_s: float | None = None
                 ops.append({"op": "add", "path": _pointer("spec", "containers", i, "env", "-"),
                             "value": entry})
     # Only containers that get a final checkpoint wait for one.
-    ops += _final_checkpoint_hooks(spec, meta, opted, s, measured_s)
+    hooks, notes = _final_checkpoint_hooks(spec, meta, opted, s, measured_s)
+    ops += hooks
     ops += _startup_probes(spec, wanted, s)
     runtime = next((o["value"] for o in ops if o["path"] == "/spec/runtimeClassName"), named)
-    return ops + _annotate(meta, s, str(runtime)), []
+    return ops + _annotate(meta, {f"{s.label_prefix}/{INJECTED}": str(runtime), **notes}), []
 
 
 def final_checkpoint_seconds(s: Settings, measured_s: float | None) -> int:
@@ -203,15 +214,41 @@ def final_checkpoint_seconds(s: Settings, measured_s: float | None) -> int:
     return max(floor, math.ceil(2 * measured_s + 10))
 
 
+def _our_wait(c: dict[str, Any]) -> int | None:
+    """The seconds of this webhook's preStop hook on the container, or None:
+    not ours."""
+    life = c.get("lifecycle")
+    hook = life.get("preStop") if isinstance(life, dict) else None
+    cmd = (hook.get("exec") or {}).get("command") if isinstance(hook, dict) else None
+    if isinstance(cmd, list) and len(cmd) == 3 and cmd[:2] == WAIT_FINAL \
+            and isinstance(cmd[2], str) and cmd[2].isdigit():
+        return int(cmd[2])
+    return None
+
+
+def _added_before(spec: dict[str, Any], meta: dict[str, Any], s: Settings) -> int:
+    """The seconds this webhook added to the pod's grace period when it
+    admitted it before (its annotation; else, from before there was one,
+    its hook's wait, which is what it added); 0: never admitted."""
+    noted = (meta.get("annotations") or {}).get(f"{s.label_prefix}/{ADDED_GRACE}")
+    if isinstance(noted, str) and noted.isdigit():
+        return int(noted)
+    return next((w for c in spec.get("containers") or [] if isinstance(c, dict)
+                 and (w := _our_wait(c)) is not None), 0)
+
+
 def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: set[str],
                             s: Settings, measured_s: float | None = None
-                            ) -> list[dict[str, Any]]:
-    """The preStop hooks and the longer grace period (the module's docstring)."""
+                            ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The preStop hooks and the longer grace period (the module's docstring),
+    and the annotation saying by how much. A pod admitted before gets them
+    from the grace it had before."""
     added = final_checkpoint_seconds(s, measured_s)
-    if not added:
-        return []
+    if not added or not wanted:
+        return [], {}
     own = spec.get("terminationGracePeriodSeconds")
     current = own if isinstance(own, int) and own >= 0 else 30  # the API's default
+    current = max(0, current - _added_before(spec, meta, s))
     cap = s.max_grace_seconds
     allowed = (meta.get("annotations") or {}).get(f"{s.label_prefix}/max-grace-seconds")
     if isinstance(allowed, str) and allowed.isdigit():
@@ -219,11 +256,11 @@ def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: 
     grace = max(current, min(current + added, cap))
     wait = grace - current
     if wait <= 0:
-        return []  # no room: the user's cap leaves the grace as it was
+        return [], {}  # no room: the user's cap leaves the grace as it was
     ops: list[dict[str, Any]] = []
     if grace != own:
         ops.append({"op": "add", "path": "/spec/terminationGracePeriodSeconds", "value": grace})
-    hook = {"exec": {"command": ["/smr/smr-init", "--wait-final", str(wait)]}}
+    hook = {"exec": {"command": [*WAIT_FINAL, str(wait)]}}
     for i, c in enumerate(spec.get("containers") or []):
         if not isinstance(c, dict) or c.get("name") not in wanted:
             continue
@@ -231,10 +268,11 @@ def _final_checkpoint_hooks(spec: dict[str, Any], meta: dict[str, Any], wanted: 
         if not isinstance(life, dict):
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "lifecycle"),
                         "value": {"preStop": hook}})
-        elif "preStop" not in life:  # the user's own hook stays; theirs runs instead
+        elif "preStop" not in life or _our_wait(c) not in (None, wait):
+            # Ours again: its wait set afresh. The user's own hook stays; theirs runs instead.
             ops.append({"op": "add", "path": _pointer("spec", "containers", i, "lifecycle",
                                                       "preStop"), "value": hook})
-    return ops
+    return ops, {f"{s.label_prefix}/{ADDED_GRACE}": str(wait)}
 
 
 def _startup_probes(spec: dict[str, Any], wanted: set[str], s: Settings
@@ -252,8 +290,10 @@ def _startup_probes(spec: dict[str, Any], wanted: set[str], s: Settings
     return ops
 
 
-def _annotate(meta: dict[str, Any], s: Settings, value: str) -> list[dict[str, Any]]:
-    key = f"{s.label_prefix}/{INJECTED}"
-    if not isinstance(meta.get("annotations"), dict):
-        return [{"op": "add", "path": "/metadata/annotations", "value": {key: value}}]
-    return [{"op": "add", "path": _pointer("metadata", "annotations", key), "value": value}]
+def _annotate(meta: dict[str, Any], values: dict[str, str]) -> list[dict[str, Any]]:
+    """Set these annotations; none that has its value already."""
+    annotations = meta.get("annotations")
+    if not isinstance(annotations, dict):
+        return [{"op": "add", "path": "/metadata/annotations", "value": dict(values)}]
+    return [{"op": "add", "path": _pointer("metadata", "annotations", k), "value": v}
+            for k, v in values.items() if annotations.get(k) != v]

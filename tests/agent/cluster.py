@@ -21,8 +21,10 @@ import asyncio
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes_asyncio import client
 
 from services.agent.service import NodeAgent
@@ -34,6 +36,8 @@ from smr.bus import Bus
 from tests.agent.agent_process import AgentProcess
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_kubelet import FakeKubelet
+
+REPO = Path(__file__).resolve().parents[2]
 
 COUNTER = b"""#!/bin/sh
 # Its state is in memory: the step and the sum of the squares so far.
@@ -201,7 +205,7 @@ class Cluster:
         """The pod goes from node a (a drain); the watcher creates the bare pod
         again once its last checkpoint is stored; the scheduler binds it to node
         b, where it continues from where it stopped."""
-        self.kube.remove("pods", name, "default")
+        self.kube.remove("pods", name, "default", disruption="EvictionByEvictionAPI")
         await self.recreated(name)
         before = steps(self.log(name, a)) or before
         self.schedule(name, b)
@@ -267,14 +271,10 @@ def assert_continues(before: list[tuple[int, int, str]], after: list[tuple[int, 
 
 
 def webhook_configuration(failure_policy: str = "Ignore") -> dict[str, Any]:
-    """The MutatingWebhookConfiguration of deploy/kustomize/base/webhook.yaml."""
-    return {"metadata": {"name": "smr-webhook"}, "webhooks": [{
-        "name": "pods.smr.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
-        "failurePolicy": failure_policy, "timeoutSeconds": 5,
-        "clientConfig": {"service": {"namespace": "smr-system", "name": "smr-webhook",
-                                     "path": "/mutate", "port": 443}},
-        "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
-                   "resources": ["pods"]}],
-        "namespaceSelector": {"matchExpressions": [{
-            "key": "kubernetes.io/metadata.name", "operator": "NotIn",
-            "values": ["smr-system", "kube-system"]}]}}]}
+    """The MutatingWebhookConfiguration of deploy/kustomize/base/webhook.yaml,
+    each entry with ``failure_policy``."""
+    docs = yaml.safe_load_all((REPO / "deploy/kustomize/base/webhook.yaml").read_text())
+    cfg = next(d for d in docs if d and d["kind"] == "MutatingWebhookConfiguration")
+    for hook in cfg["webhooks"]:
+        hook["failurePolicy"] = failure_policy
+    return cfg  # type: ignore[no-any-return]

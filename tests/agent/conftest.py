@@ -199,7 +199,12 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
     webhook_user = secured.config("smr-webhook")
     base_webhook = base.replace(nats_user=webhook_user.user,
                                 nats_password=webhook_user.password, nats_setup=False)
-    apis = [await api_client(kube.url) for _ in range(5)]
+    # Each service as its own service account, held to the shipped RBAC (a
+    # refused call fails the test at its end); the test as the operator.
+    apis = [await api_client(kube.url, token=kube.token(account)) for account in
+            ("smr-watcher", "smr-agent", "smr-agent")]
+    apis += [await api_client(kube.url, token=kube.admin_token),
+             await api_client(kube.url, token=kube.token("smr-webhook"))]
     # The webhook, installed as deploy/kustomize/base does: its configuration
     # (caBundle empty until the webhook fills it), reached as a Service.
     kube.put("mutatingwebhookconfigurations", webhook_configuration())
@@ -236,10 +241,13 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
                          "S3_PATH_STYLE": "true",
                          "S3_ENDPOINT": request.getfixturevalue("s3_endpoint")}
             agent_user = secured.config("smr-agent")
+            token_file = tmp_path / "agent-token"
+            token_file.write_text(kube.token("smr-agent"))
             env = env_of(base.replace(node_name=nodes[1], nats_user=agent_user.user,
                                       nats_password=agent_user.password, nats_setup=False),
                          **where, ZSTD_LEVEL="1",
-                         KUBE_API=kube.url, WORK_DIR=str(tmp_path / f"work-{nodes[1]}"),
+                         KUBE_API=kube.url, KUBE_TOKEN_FILE=str(token_file),
+                         WORK_DIR=str(tmp_path / f"work-{nodes[1]}"),
                          HEALTH_PORT=str(free_port()), METRICS_PORT="0")
             cgroup = stack.enter_context(memory_cgroup(marker.kwargs["memory_limit"]))
             proc = AgentProcess(env, cgroup, tmp_path / f"agent-{nodes[1]}.log")
@@ -269,5 +277,7 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
     refused = secured.violations()
     assert not refused, ("a service was refused a permission the shipped NATS users lack "
                          f"(deploy/kustomize/components/nats-auth): {refused[:5]}")
+    assert not kube.denied, ("a service was refused a call the shipped RBAC does not grant "
+                             f"(deploy/kustomize/base): {kube.denied[:5]}")
 
 

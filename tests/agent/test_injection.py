@@ -76,9 +76,9 @@ async def test_quickstart_pod_with_labels_only_resumes_on_another_node(cluster: 
     manifest = await cluster.latest("quick.main")
     assert manifest["reason"] == "cordon" and manifest["node"] == a
     before = steps(cluster.log("quick", a))
-    # The pod goes; the watcher creates it again (through the webhook again);
+    # The drain evicts the pod; the watcher creates it again (through the webhook again);
     # the scheduler binds it to node b.
-    cluster.kube.remove("pods", "quick", "default")
+    cluster.kube.remove("pods", "quick", "default", disruption="EvictionByEvictionAPI")
     p = await cluster.recreated("quick")
     before = steps(cluster.log("quick", a)) or before
     assert p["spec"]["runtimeClassName"] == "smr"
@@ -138,9 +138,10 @@ async def test_a_webhook_that_must_not_fail_refuses_when_down(cluster: Cluster) 
     """The same call with failurePolicy Fail is refused: the test above shows
     Ignore, not an absent webhook."""
     cfg = webhook_configuration("Fail")
-    cfg["webhooks"][0]["clientConfig"]["caBundle"] = cluster.kube.get(
-        "mutatingwebhookconfigurations", "smr-webhook")["webhooks"][0]["clientConfig"][
-        "caBundle"]
+    ca = cluster.kube.get("mutatingwebhookconfigurations", "smr-webhook")["webhooks"][0][
+        "clientConfig"]["caBundle"]
+    for hook in cfg["webhooks"]:
+        hook["clientConfig"]["caBundle"] = ca
     cluster.kube.put("mutatingwebhookconfigurations", cfg)
     cluster.kube.services[("smr-system", "smr-webhook")] = ("127.0.0.1", 1)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.containers import gpus, host
@@ -416,6 +417,77 @@ async def test_a_plain_delete_does_not_wait_for_a_final_checkpoint(cluster: Clus
     assert "final checkpoint none" in said, f"the hook said {said}"
     assert not cluster.kubelets[a].did("deleted", "KILL")
     assert await cluster.store.latest("default", "deleted.main") is None, "nothing is saved"
+
+
+@pytest.mark.parametrize("disruption", ["scheduler-preemption", "eviction-api"])
+async def test_a_disruption_on_a_node_that_stays_resumes_from_its_final_checkpoint(
+        cluster: Cluster, disruption: str) -> None:
+    """The scheduler preempts an opted-in pod for a higher-priority one
+    (DisruptionTarget PreemptionByScheduler), or the descheduler evicts it
+    (EvictionByEvictionAPI); its node stays. The preStop hook waits for the
+    final checkpoint, as in a drain; the bare pod comes back and resumes."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("victim", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("victim", a, 5)
+    if disruption == "scheduler-preemption":
+        cluster.kube.preempt("victim")
+    else:
+        await evict(cluster, "victim")
+    await cluster.recreated("victim", timeout=90)
+    said = hook_said(cluster, a, "victim")
+    assert "final checkpoint done" in said, f"the hook said {said}"
+    assert not cluster.kubelets[a].did("victim", "KILL")
+    manifest = (await cluster.store.latest("default", "victim.main")).manifest  # type: ignore[union-attr]
+    assert manifest["leave_running"] is False
+    assert manifest["reason"] == {"scheduler-preemption": "preemption",
+                                  "eviction-api": "drain"}[disruption]
+    before = steps(cluster.log("victim", a))
+    cluster.schedule("victim", b)
+    after = await cluster.until_steps("victim", b, 5)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
+
+
+async def test_a_plain_delete_on_a_cordoned_node_is_not_undone(cluster: Cluster) -> None:
+    """`kubectl delete pod` of a bare node-restore pod on a cordoned node:
+    the user's own delete. No final checkpoint (the hook is released), and
+    the pod is not created again."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("deleted", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("deleted", a, 3)
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    cordon = await cluster.latest("deleted.main")
+    assert cordon["reason"] == "cordon" and cordon["leave_running"] is True
+    await cluster.core.delete_namespaced_pod("deleted", "default")
+    for _ in range(400):
+        if cluster.kube.get("pods", "deleted", "default") is None:
+            break
+        await asyncio.sleep(0.1)
+    said = hook_said(cluster, a, "deleted")
+    assert "final checkpoint none" in said, f"the hook said {said}"
+    await asyncio.sleep(3)
+    assert cluster.kube.get("pods", "deleted", "default") is None, "the delete was undone"
+    latest = await cluster.store.latest("default", "deleted.main")
+    assert latest is not None and latest.manifest["reason"] == "cordon", "a final was taken"
+
+
+async def test_a_node_pressure_eviction_leaves_the_failed_pod(cluster: Cluster) -> None:
+    """The kubelet evicts a pod past a hard memory threshold: grace 0, so no
+    preStop hook and no final checkpoint; the pod stays Failed (Evicted), as
+    Kubernetes leaves it, and is not deleted by smr."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("pressed", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("pressed", a, 3)
+    uid = cluster.kube.get("pods", "pressed", "default")["metadata"]["uid"]  # type: ignore[index]
+    await cluster.kubelets[a].evict("pressed")
+    assert not cluster.kubelets[a].did("pressed", "prestop"), "grace 0 runs no hook"
+    await asyncio.sleep(3)
+    p = cluster.kube.get("pods", "pressed", "default")
+    assert p is not None and p["metadata"]["uid"] == uid, "smr deleted the evicted pod"
+    assert (p["status"]["phase"], p["status"]["reason"]) == ("Failed", "Evicted")
 
 
 def ids_of(status: str) -> dict[str, list[int]]:

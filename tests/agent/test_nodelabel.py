@@ -49,7 +49,7 @@ def a_host(root: Path) -> Path:
 async def run_agent(bus: Bus, kube: FakeApiServer, store: CheckpointStore,
                     s: config.Settings) -> None:
     """One agent start: install (or uninstall) and label, serve, stop."""
-    api = await api_client(kube.url)
+    api = await api_client(kube.url, token=kube.token("smr-agent"))
     try:
         agent = NodeAgent(bus, api, store, s)
         task = asyncio.create_task(agent.run())
