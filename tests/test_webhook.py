@@ -324,7 +324,7 @@ async def test_slow_clients_never_keep_the_api_servers_reviews_waiting(
     as they are cut off: 8 from addresses of their own (pods) and 8 more from
     one address. The API server's reviews (from its own address, each body
     sent at once) are each answered within 1 s, well inside its timeout."""
-    api = await api_client(kube.url)
+    api = await api_client(kube.url, token=kube.token("smr-webhook"))
     hook = Webhook(api, S.replace(webhook_port=0), host="127.0.0.1")  # the defaults
     task = asyncio.create_task(hook.run())
     await asyncio.wait_for(hook.ready.wait(), 10)
