@@ -16,6 +16,7 @@ beside the upload, off the dump's and the commit's path.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,16 +73,31 @@ def write_durably(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def check_trusted(stamp: dict[str, Any] | None, synced: bool, what: str,
+def booted_at() -> float:
+    """When this boot began (epoch seconds, /proc/stat btime)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return time.time()  # never: every Linux has it; then no unstamped dump is trusted
+
+
+def check_trusted(stamp: dict[str, Any] | None, synced: bool, images: Path, what: str,
                   latest_hint: str) -> None:
-    """Refuse (``dump-unverified``) a finished dump that a host crash may
-    have torn: taken in an earlier boot (or whose boot is unknown) and not
-    fsynced."""
+    """Refuse (``dump-unverified``) a finished dump in ``images`` that a host
+    crash may have torn: taken in an earlier boot and not fsynced. A dump
+    with no stamp (an older smr's, upgraded in place) is judged by when
+    CRIU wrote its log."""
     if synced:
         return
     dumped_in = (stamp or {}).get("boot_id")
     if dumped_in and dumped_in == boot_id():
         return  # the same boot: whatever CRIU wrote is there, in the page cache if not on disk
+    if not dumped_in:
+        try:
+            if (images / "dump.log").stat().st_mtime >= booted_at():
+                return
+        except OSError:
+            pass
     raise PermanentError(
         f"the dump of {what} on disk was taken before the host restarted "
         f"(boot {dumped_in or 'unknown'}) and was not yet on disk (never fsynced): a crash "

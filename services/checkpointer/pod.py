@@ -323,7 +323,8 @@ class PodCheckpointStep(PodStep):
             stamp = orjson.loads((work / CONTAINER_FILE).read_bytes()).get("dump")
         except (OSError, orjson.JSONDecodeError, AttributeError):
             stamp = None
-        dumpstamp.check_trusted(stamp, self._synced_file(work).is_file(), str(req.target),
+        dumpstamp.check_trusted(stamp, self._synced_file(work).is_file(), work / "images",
+                                str(req.target),
                                 f"latest of {req.checkpoint_id} is kept; a restore "
                                 "resumes from it")
 

@@ -71,7 +71,8 @@ class CheckpointStep(LocalJobStep):
         facts = self._facts(req)
         try:
             dumpstamp.check_trusted(
-                facts.get("dump"), bool(facts.get("synced")), f"job {job.id}",
+                facts.get("dump"), bool(facts.get("synced")), self._work(req) / "images",
+                f"job {job.id}",
                 f"its latest stored generation is kept: `smr restore {job.id}` resumes from it")
         except PermanentError:
             shutil.rmtree(self._work(req), ignore_errors=True)
@@ -300,7 +301,8 @@ class CheckpointStep(LocalJobStep):
             return tree
         return await self.cuda.processes(job.pid)
 
-    async def _prepare(self, req: CkptRequested, job: Job, work: Path, stamp: dict[str, Any]
+    async def _prepare(self, req: CkptRequested, job: Job, work: Path,
+                       stamp: dict[str, Any] | None = None
                        ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
         """The job's GPU use and what its TCP connections get, recorded for
         the manifest (and for a recovered commit)."""
@@ -316,7 +318,7 @@ class CheckpointStep(LocalJobStep):
                 # A restore in the host's PID namespace needs all of these free.
                 "pids": gpuinfo.process_tree(job.pid),
                 "own_pid_namespace": own_pid_namespace(job.pid)},
-            "leave_running": req.leave_running, "dump": stamp}))
+            "leave_running": req.leave_running, **({"dump": stamp} if stamp else {})}))
         return gpu, tcp
 
     async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
