@@ -9,8 +9,15 @@ them whole in the page cache; a host that crashed may leave any of them torn
 (writeback is not ordered across files, and dump.log, written last, may reach
 the disk while a page image does not). So recovery trusts a finished dump
 from this very boot, or one whose images were fsynced before its step said
-so (``synced``), and refuses any other (``dump-unverified``). The fsync runs
-beside the upload, off the dump's and the commit's path.
+so (``synced``), and refuses any other (``dump-unverified``).
+
+The fsync only lets a dump outlive a crash: refusing an unsynced one is safe
+without it. So it waits SYNC_AFTER_S from the dump's end: a commit done by
+then (most are) pays nothing, its files deleted before they were ever
+written back; a longer one finds most of its images on disk already (the
+kernel writes dirty pages back after vm.dirty_expire_centisecs, 30 s by
+default), and the fsync then writes little beside the upload. A step that
+stops with a finished dump (``smr up`` stopping, a rollout) fsyncs at once.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from smr.jobs import JobLock
 from smr.messages import now
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+SYNC_AFTER_S = 30.0
 
 
 def boot_id() -> str:

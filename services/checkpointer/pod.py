@@ -246,8 +246,10 @@ class PodCheckpointStep(PodStep):
                     # one whose captures were cut short (recover() does them);
                     # a heartbeat's GPU tree runs on meanwhile.
                     keep_work = dumped(dump) or dump_finished(work / "images")
-                    if keep_work:  # on disk first: a reboot may come next
-                        await asyncio.gather(asyncio.shield(syncing), return_exceptions=True)
+                    syncing.cancel()
+                    if keep_work:  # on disk first, at once: a reboot may come next
+                        await asyncio.gather(asyncio.shield(asyncio.create_task(
+                            self._mark_synced(work, dump, 0))), return_exceptions=True)
                     if gpu_heartbeat and keep_work:
                         await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
                             pid, quiet=True))
@@ -303,13 +305,16 @@ class PodCheckpointStep(PodStep):
         # Beside the work directory, whose whole content is uploaded.
         return work.with_name(work.name + ".synced")
 
-    async def _mark_synced(self, work: Path, dump: asyncio.Task[Any]) -> None:
-        """Once the dump and its captures are done: all of it fsynced, then
-        marked so (a recovery after a host crash trusts only such a dump; see
-        services/checkpointer/dumpstamp). Cancelled once it is stored."""
+    async def _mark_synced(self, work: Path, dump: asyncio.Task[Any],
+                           after_s: float = dumpstamp.SYNC_AFTER_S) -> None:
+        """``after_s`` from the end of the dump and its captures: all of it
+        fsynced, then marked so (a recovery after a host crash trusts only
+        such a dump; see services/checkpointer/dumpstamp). Cancelled once it
+        is stored."""
         await asyncio.wait([dump])
         if not dumped(dump):
             return
+        await asyncio.sleep(after_s)
         await asyncio.to_thread(dumpstamp.sync_tree, work)
         # On this thread, so that a cancel after it leaves no marker behind.
         dumpstamp.write_durably(self._synced_file(work), b"")

@@ -87,13 +87,15 @@ class CheckpointStep(LocalJobStep):
             return {}  # none, or torn by a crash: nothing it says is known
         return facts if isinstance(facts, dict) else {}
 
-    async def _mark_synced(self, req: CkptRequested, dump: asyncio.Task[Any]) -> None:
-        """Once the dump has finished: its images fsynced, then its facts
-        say so (a recovery after a host crash trusts only such a dump).
-        Cancelled once the dump is stored: then nothing is written."""
+    async def _mark_synced(self, req: CkptRequested, dump: asyncio.Task[Any],
+                           after_s: float = dumpstamp.SYNC_AFTER_S) -> None:
+        """``after_s`` from the dump's end: its images fsynced, then its facts
+        say so (a recovery after a host crash trusts only such a dump; see
+        dumpstamp). Cancelled once the dump is stored: then nothing is written."""
         await asyncio.wait([dump])
         if not finished(dump):
             return
+        await asyncio.sleep(after_s)
         await asyncio.to_thread(dumpstamp.sync_tree, self._work(req))
         # On this thread, so that a cancel after it writes no facts behind
         # _settle (a small file: a few milliseconds).
@@ -178,7 +180,9 @@ class CheckpointStep(LocalJobStep):
                 # they are for recover(); a heartbeat's GPU runs on meanwhile.
                 # Its images on disk first: a reboot may come next.
                 if syncing is not None:
-                    await asyncio.gather(asyncio.shield(syncing), return_exceptions=True)
+                    syncing.cancel()
+                    await asyncio.gather(asyncio.shield(asyncio.create_task(
+                        self._mark_synced(req, dump, 0))), return_exceptions=True)
                 if cuda_pids and req.leave_running:
                     await asyncio.shield(self.cuda.resume_tree(job.pid, quiet=True))  # type: ignore[union-attr]
                 raise
