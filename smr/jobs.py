@@ -350,6 +350,7 @@ class JobLock:
         self.wait_s = wait_s
         self.stale_after = stale_after
         self.poll_s = poll_s
+        self._epoch = ""
 
     async def acquire(self, job_id: str, request_id: str,
                       waiting: Callable[[str], None] | None = None) -> None:
@@ -421,6 +422,34 @@ class JobLock:
         except Exception as err:  # nats-py: BadRequestError 10071 for the same race
             log.warning("lock of job %s not released (%s: %s); it is taken over once "
                         "request %s is answered", job_id, type(err).__name__, err, request_id)
+
+    async def sequence(self, job_id: str, request_id: str) -> int:
+        """A dump sequence, taken under our lock as a dump starts: the
+        revision of a write over our own lock entry, so larger than that of
+        any dump whose step held the lock before, and refused (TemporaryError)
+        where the lock was taken over since: a holder taken for dead does not
+        dump behind its successor's back."""
+        try:
+            e = await self.kv.get(job_id)
+            if e.value and orjson.loads(e.value).get("request_id") == request_id:
+                value = orjson.dumps({"request_id": request_id, "at": time.time()})
+                return int(await self.kv.update(job_id, value, last=e.revision))
+        except (KeyNotFoundError, KeyWrongLastSequenceError):
+            pass
+        raise TemporaryError(
+            f"the lock of {job_id} is no longer held by request {request_id} (another step "
+            "took it over, finding this one stale); nothing was dumped", code="lock-lost",
+            hint="the request is retried; if this repeats, see why its heartbeats stopped")
+
+    async def epoch(self) -> str:
+        """Which lock bucket numbered the sequences (its stream's creation
+        time): sequences of a bucket made again start over, and are never
+        compared with the old ones."""
+        if not self._epoch:
+            status = await self.kv.status()
+            created = status.stream_info.created
+            self._epoch = created.isoformat() if created else ""
+        return self._epoch
 
     async def holder(self, job_id: str) -> str | None:
         try:

@@ -20,7 +20,8 @@ SCHEMA_VERSION = 1
 # from (docs/warm-start.md).
 Reason = Literal["cordon", "drain", "node-deleted", "preemption", "heartbeat", "api",
                  "template"]
-Status = Literal["succeeded", "failed"]
+# "superseded": a checkpoint stored, but after a later dump of it (latest stays there).
+Status = Literal["succeeded", "failed", "superseded"]
 
 
 def now() -> str:

@@ -671,3 +671,35 @@ async def test_a_store_nothing_was_written_to_lists_nothing(backend: Backend,
     assert await backend.list("") == []
     assert await backend.list(NS[:2]) == []
     assert await backend.pending_uploads("") == []
+
+
+def stamped(rid: str, seq: int | None, epoch: str = "e1") -> dict[str, object]:
+    m = meta(rid)
+    if seq is not None:
+        m["dump"] = {"seq": seq, "lock_epoch": epoch, "started_at": "2026-11-28T01:00:00Z",
+                     "boot_id": "b"}
+    return m
+
+
+async def test_latest_follows_the_dump_order_not_the_commit_order(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """A dump committed after a later one (its recovery came late) never
+    becomes latest, and retention ranks it below the later one; dumps of
+    older smr (no stamp) or of another lock bucket compare by number."""
+    store = CheckpointStore(backend)
+    src = images(tmp_path, size=1024)
+    later = await store.commit(NS, "o", src, stamped("later", 9))
+    earlier = await store.commit(NS, "o", src, stamped("earlier", 4))
+    assert (later.number, earlier.number) == (1, 2)
+    latest = await store.latest(NS, "o")
+    assert latest and latest.number == 1, f"latest moved back to the dump of seq 4 ({latest})"
+    assert await store.ensure_latest(NS, "o", earlier) is False
+    assert await store.ensure_latest(NS, "o", later) is True
+    # Keeping one generation keeps the later dump, whatever its number.
+    assert await store.prune(NS, "o", keep=1) == [2]
+    # An unstamped generation, and one of a lock bucket made again: by number.
+    old = await store.commit(NS, "o", src, stamped("unstamped", None))
+    assert (await store.latest(NS, "o")).number == old.number > 1  # type: ignore[union-attr]
+    fresh = await store.commit(NS, "o", src, stamped("new-bucket", 1, epoch="e2"))
+    assert (await store.latest(NS, "o")).number == fresh.number > old.number  # type: ignore[union-attr]

@@ -15,10 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from services.storage.store import Generation
+from smr import sockets
 from smr.bus import Progress
-from smr.errors import PermanentError, TemporaryError
+from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.messages import CkptDone, CkptRequested
 
 log = logging.getLogger("smr.checkpointer")
 
@@ -55,3 +58,24 @@ async def until_stored(commit: Callable[[], Awaitable[T]], *, what: str, deadlin
             return await commit()
         except TemporaryError as e:
             error = e
+
+
+def result(req: CkptRequested, gen: Generation, current: bool, restore: str,
+           **kw: Any) -> CkptDone:
+    """The answer for ``gen``, stored for ``req``: succeeded, or superseded
+    where ``latest`` stays on a later dump (``current`` False: this one was
+    dumped before a generation committed ahead of it; see
+    services/storage/order). ``restore``: what restores latest, said in the hint."""
+    outcome = sockets.outcome(gen.manifest)
+    if current:
+        return CkptDone.for_request(req, status="succeeded", generation=gen.number,
+                                    location=gen.location, size_bytes=gen.size_bytes,
+                                    sockets=outcome, **kw)
+    return CkptDone.for_request(req, status="superseded", generation=gen.number,
+                                location=gen.location, size_bytes=gen.size_bytes,
+                                sockets=outcome, error=SmrError(
+        f"checkpoint {req.checkpoint_id} generation {gen.number} was stored after a later "
+        f"dump of it had been committed (its step was recovered late); latest stays on "
+        "that later generation", code="superseded",
+        hint=f"nothing is lost: {restore} resumes from the later state; this generation "
+             f"can still be restored with --generation {gen.number}").as_dict(), **kw)

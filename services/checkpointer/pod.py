@@ -24,8 +24,9 @@ import orjson
 from nats.js.kv import KeyValue
 
 from services import timings
+from services.checkpointer import dumpstamp
 from services.checkpointer.admission import resident_bytes
-from services.checkpointer.durable import until_stored
+from services.checkpointer.durable import result, until_stored
 from services.containers import host, rootfs
 from services.containers.confined import Root, UnsafePath
 from services.containers.host import Shim
@@ -206,11 +207,14 @@ class PodCheckpointStep(PodStep):
                 await asyncio.to_thread(gpugate.before_lock, host.tree(pid), cuda_pids,
                                         gpuinfo.gpus_by_pid(cuda_pids), self.cuda.allow)
             gpu = gpuinfo.for_checkpoint(cuda_pids, work)
+            # The dump's place in the container's order, under its lock.
+            stamp = await dumpstamp.take(self.lock, c.lock_key(), req.request_id)
             # Kept in the volume: a recovered commit records the same facts.
             (work / CONTAINER_FILE).write_bytes(orjson.dumps({
                 "image": c.image, "image_id": c.image_id, "container_id": c.container_id,
                 "stdio": host.stdio(pid),
-                "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu}))
+                "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu,
+                "dump": stamp}))
             signalled = await asyncio.to_thread(shim.hold, True)
             holding = asyncio.create_task(_keep_holding(shim))
             try:
@@ -247,6 +251,7 @@ class PodCheckpointStep(PodStep):
                 dump = asyncio.create_task(self._dump(c, shim, criu, pid, inner, work, upper,
                                                       req.leave_running, tcp,
                                                       gpu=bool(cuda_pids)))
+                syncing = asyncio.create_task(self._mark_synced(work, dump))
                 resumed = None
                 if gpu_heartbeat:
                     assert self.cuda
@@ -255,26 +260,34 @@ class PodCheckpointStep(PodStep):
                 try:
                     try:
                         gen, durable = await self._commit(req, c, shim, progress, dump)
+                        current = await self.store.ensure_latest(c.namespace,
+                                                                 req.checkpoint_id, gen)
                     except TemporaryError as e:
                         if not dumped(dump):
                             raise
                         # The dump is complete in the volume: store it from
                         # there, never dump again (the workload may be gone).
-                        gen = await self._durable(req, c, shim, progress, e)
+                        gen, current = await self._durable(req, c, shim, progress, e)
                         durable = time.monotonic() - frozen_at
                     if resumed:
                         await resumed
+                    syncing.cancel()  # stored: the images on disk are needed no more
                 except asyncio.CancelledError:
                     # The agent stopping: a finished dump (its workload held
                     # stopped) stays for recover() to store and settle, also
                     # one whose captures were cut short (recover() does them);
                     # a heartbeat's GPU tree runs on meanwhile.
                     keep_work = dumped(dump) or dump_finished(work / "images")
+                    syncing.cancel()
+                    if keep_work:  # on disk first, at once: a reboot may come next
+                        await asyncio.gather(asyncio.shield(asyncio.create_task(
+                            self._mark_synced(work, dump, 0))), return_exceptions=True)
                     if gpu_heartbeat and keep_work:
                         await asyncio.shield(self.cuda.resume_tree(  # type: ignore[union-attr]
                             pid, quiet=True))
                     raise
                 except BaseException:
+                    syncing.cancel()
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
                     if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
@@ -309,14 +322,46 @@ class PodCheckpointStep(PodStep):
             if work_fd >= 0:
                 os.close(work_fd)
             if not keep_work:
-                await asyncio.to_thread(shutil.rmtree, work, True)
+                await self._drop(work)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
         self._last_size[(c.namespace, req.checkpoint_id)] = gen.size_bytes
         if self.timings is not None:
             await timings.record(self.timings, c.namespace, req.checkpoint_id, measured,
                                  gen.number)
-        return self._result(req, gen, durations=durations, started_at=started)
+        return self._result(req, gen, current, durations=durations, started_at=started)
+
+    def _synced_file(self, work: Path) -> Path:
+        # Beside the work directory, whose whole content is uploaded.
+        return work.with_name(work.name + ".synced")
+
+    async def _mark_synced(self, work: Path, dump: asyncio.Task[Any],
+                           after_s: float = dumpstamp.SYNC_AFTER_S) -> None:
+        """``after_s`` from the end of the dump and its captures: all of it
+        fsynced, then marked so (a recovery after a host crash trusts only
+        such a dump; see services/checkpointer/dumpstamp). Cancelled once it
+        is stored."""
+        await asyncio.wait([dump])
+        if not dumped(dump):
+            return
+        await asyncio.sleep(after_s)
+        await asyncio.to_thread(dumpstamp.sync_tree, work)
+        # On this thread, so that a cancel after it leaves no marker behind.
+        dumpstamp.write_durably(self._synced_file(work), b"")
+
+    async def _drop(self, work: Path) -> None:
+        await asyncio.to_thread(shutil.rmtree, work, True)
+        self._synced_file(work).unlink(missing_ok=True)
+
+    def _check_trusted(self, req: CkptRequested, work: Path) -> None:
+        try:
+            stamp = orjson.loads((work / CONTAINER_FILE).read_bytes()).get("dump")
+        except (OSError, orjson.JSONDecodeError, AttributeError):
+            stamp = None
+        dumpstamp.check_trusted(stamp, self._synced_file(work).is_file(), work / "images",
+                                str(req.target),
+                                f"latest of {req.checkpoint_id} is kept; a restore "
+                                "resumes from it")
 
     async def _bring_back(self, pid: int, target: str) -> None:
         """After a failure past the GPU lock (the one being handled): the
@@ -440,20 +485,23 @@ class PodCheckpointStep(PodStep):
         }
         if held := container.pop("sockets", None):
             meta["sockets"] = held
+        if stamp := container.pop("dump", None):
+            meta["dump"] = stamp
         gen = await self.store.commit(
             c.namespace, req.checkpoint_id, work, meta,
             writer=writer, on_bytes=lambda n: progress.update(done_bytes=n))
         return gen, time.monotonic() - t
 
     async def _durable(self, req: CkptRequested, c: PodContainer, shim: Shim,
-                       progress: Progress, error: TemporaryError | None = None) -> Generation:
+                       progress: Progress, error: TemporaryError | None = None
+                       ) -> tuple[Generation, bool]:
         """The finished dump in the volume, committed once and ``latest`` moved
-        to it, retried until the deadline (see services/checkpointer/durable)."""
-        async def attempt() -> Generation:
+        to it unless a later dump holds it (then False: superseded), retried
+        until the deadline (see services/checkpointer/durable)."""
+        async def attempt() -> tuple[Generation, bool]:
             gen = await self._committed(req) or \
                 (await self._commit(req, c, shim, progress, None))[0]
-            await self.store.ensure_latest(c.namespace, req.checkpoint_id, gen.number)
-            return gen
+            return gen, await self.store.ensure_latest(c.namespace, req.checkpoint_id, gen)
 
         return await until_stored(attempt, what=f"the checkpoint of {c.target()}",
                                   deadline_s=self.commit_deadline, progress=progress,
@@ -463,28 +511,40 @@ class PodCheckpointStep(PodStep):
         return await self.store.committed(req.target.namespace or "", req.checkpoint_id,
                                           req.request_id)
 
-    def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
-        return CkptDone.for_request(req, status="succeeded", generation=gen.number,
-                                    location=gen.location, size_bytes=gen.size_bytes,
-                                    sockets=sockets.outcome(gen.manifest), **kw)
+    def _result(self, req: CkptRequested, gen: Generation, current: bool,
+                **kw: Any) -> CkptDone:
+        return result(req, gen, current, f"a restore of {req.checkpoint_id}", **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint: committed → that result; a finished
         dump in the work directory → store it; either way a final dump's
         workload, held stopped, is then ended (or, if it cannot be stored,
-        runs on). Otherwise run again."""
-        ns = req.target.namespace or ""
-        work = self.work(req.request_id)
+        runs on). Otherwise run again. Under the container's lock, taken
+        again (its worker beats for this request meanwhile): a later
+        checkpoint waits for it. A dump committed behind a later one leaves
+        latest there and is answered superseded."""
         try:
             c: PodContainer | None = await self.pods.container(req.target)
             shim: Shim | None = self.shim_of(c)  # type: ignore[arg-type]
         except PermanentError:
             c = shim = None
+        if c is None:
+            return await self._recover(req, c, shim)
+        await self.lock.acquire(c.lock_key(), req.request_id)
+        try:
+            return await self._recover(req, c, shim)
+        finally:
+            await self.lock.release(c.lock_key(), req.request_id)
+
+    async def _recover(self, req: CkptRequested, c: PodContainer | None,
+                       shim: Shim | None) -> CkptDone | None:
+        ns = req.target.namespace or ""
+        work = self.work(req.request_id)
         if gen := await self._committed(req):
-            await self.store.ensure_latest(ns, req.checkpoint_id, gen.number)
+            current = await self.store.ensure_latest(ns, req.checkpoint_id, gen)
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
-            await asyncio.to_thread(shutil.rmtree, work, True)
-            return self._result(req, gen)
+            await self._drop(work)
+            return self._result(req, gen, current)
         if c is None or shim is None:
             return None  # run() reports it
         if dump_finished(work / "images"):
@@ -492,21 +552,18 @@ class PodCheckpointStep(PodStep):
                 # Its layer and /dev/shm can no longer be read as the dump
                 # left them: never stored without them; run again.
                 await self._settle_held(req, c, shim, work, signal.SIGCONT, "")
-                await asyncio.to_thread(shutil.rmtree, work, True)
-                await self.lock.release(c.lock_key(), req.request_id)
+                await self._drop(work)
                 return None
             try:
-                gen = await self._durable(req, c, shim, Progress())
+                self._check_trusted(req, work)
+                gen, current = await self._durable(req, c, shim, Progress())
             except PermanentError as e:
                 await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
-                await asyncio.to_thread(shutil.rmtree, work, True)
-                await self.lock.release(c.lock_key(), req.request_id)
+                await self._drop(work)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
-            await asyncio.to_thread(shutil.rmtree, work, True)
-            await self.lock.release(c.lock_key(), req.request_id)
-            return self._result(req, gen)
-        await self.lock.release(c.lock_key(), req.request_id)
+            await self._drop(work)
+            return self._result(req, gen, current)
         return None
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,

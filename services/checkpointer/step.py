@@ -13,7 +13,8 @@ from typing import Any
 
 import orjson
 
-from services.checkpointer.durable import StorageUnavailable, until_stored
+from services.checkpointer import dumpstamp
+from services.checkpointer.durable import StorageUnavailable, result, until_stored
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
@@ -52,21 +53,60 @@ class CheckpointStep(LocalJobStep):
                                 lambda holder: progress.update("waiting", waiting_for=holder))
         try:
             job, _ = await self.jobs.get(job_id)  # read under the lock: no lost update
-            if dump_finished(self._work(req) / "images"):
+            if self._dump_on_disk(req, job):
                 # An earlier attempt of this very request dumped the job (its
                 # worker died, or storage failed): store that dump, never dump again.
-                gen = await self._durable(req, job, progress)
-                await self._settle(req, job, gen)
+                gen, current = await self._durable(req, job, progress)
+                await self._settle(req, job, gen, current)
                 durations: dict[str, float] = {}
             else:
-                gen, durations = await self._checkpoint(req, job, progress)
+                gen, current, durations = await self._checkpoint(req, job, progress)
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
-        return self._result(req, gen, durations=durations, started_at=started)
+        return self._result(req, gen, current, durations=durations, started_at=started)
+
+    def _dump_on_disk(self, req: CkptRequested, job: Job) -> bool:
+        """Is a finished dump of ``req`` on disk, to be stored? One a host
+        crash may have torn (see dumpstamp) is dropped and refused."""
+        if not dump_finished(self._work(req) / "images"):
+            return False
+        facts = self._facts(req)
+        try:
+            dumpstamp.check_trusted(
+                facts.get("dump"), bool(facts.get("synced")), self._work(req) / "images",
+                f"job {job.id}",
+                f"its latest stored generation is kept: `smr restore {job.id}` resumes from it")
+        except PermanentError:
+            shutil.rmtree(self._work(req), ignore_errors=True)
+            self._facts_file(req).unlink(missing_ok=True)
+            raise
+        return True
+
+    def _facts(self, req: CkptRequested) -> dict[str, Any]:
+        try:
+            facts = orjson.loads(self._facts_file(req).read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return {}  # none, or torn by a crash: nothing it says is known
+        return facts if isinstance(facts, dict) else {}
+
+    async def _mark_synced(self, req: CkptRequested, dump: asyncio.Task[Any],
+                           after_s: float = dumpstamp.SYNC_AFTER_S) -> None:
+        """``after_s`` from the dump's end: its images fsynced, then its facts
+        say so (a recovery after a host crash trusts only such a dump; see
+        dumpstamp). Cancelled once the dump is stored: then nothing is written."""
+        await asyncio.wait([dump])
+        if not finished(dump):
+            return
+        await asyncio.sleep(after_s)
+        await asyncio.to_thread(dumpstamp.sync_tree, self._work(req))
+        # On this thread, so that a cancel after it writes no facts behind
+        # _settle (a small file: a few milliseconds).
+        if facts := self._facts(req):
+            dumpstamp.write_durably(self._facts_file(req), orjson.dumps({**facts, "synced": True}))
 
     async def _checkpoint(self, req: CkptRequested, job: Job, progress: Progress
-                          ) -> tuple[Generation, dict[str, float]]:
+                          ) -> tuple[Generation, bool, dict[str, float]]:
         if not job.alive():
             raise PermanentError(
                 f"job {job.id} is not running (state {job.observed_state()})",
@@ -102,7 +142,9 @@ class CheckpointStep(LocalJobStep):
                                    running=True)
             durations["pre_dump"] = run.seconds
             parent = work / "pre"
-        gpu, tcp = await self._prepare(req, job, work)
+        # The dump's place in the job's order, taken under its lock as it starts.
+        stamp = await dumpstamp.take(self.lock, job.id, req.request_id)
+        gpu, tcp = await self._prepare(req, job, work, stamp)
         cuda_pids = gpu["pids"] if gpu else []
         frozen_at = time.monotonic()
         if cuda_pids:
@@ -122,6 +164,7 @@ class CheckpointStep(LocalJobStep):
         # in the moment between CRIU's thaw and the driver's restore).
         gpu_heartbeat = bool(cuda_pids and req.leave_running)
         dump: asyncio.Task[Any] | None = None
+        syncing: asyncio.Task[None] | None = None
         try:
             progress.update("dump")
             # The images go up while CRIU writes them (see services/storage/upload).
@@ -135,6 +178,7 @@ class CheckpointStep(LocalJobStep):
                 leave_stopped=final or gpu_heartbeat, parent=parent,
                 tcp="close" if gpu_heartbeat else tcp, carry=work / linkremap.CARRY),
                 running=not cuda_pids))
+            syncing = asyncio.create_task(self._mark_synced(req, dump))
             resumed = None
             if gpu_heartbeat:
                 # A heartbeat: the job runs again as soon as its image is
@@ -147,7 +191,7 @@ class CheckpointStep(LocalJobStep):
                 if not finished(dump):
                     raise
                 # The dump is complete on disk: store it from there, never dump again.
-                gen = await self._durable(req, job, progress, error=e)
+                gen, _ = await self._durable(req, job, progress, error=e)
                 durable_s = time.monotonic() - frozen_at
             if resumed:
                 await resumed
@@ -155,28 +199,39 @@ class CheckpointStep(LocalJobStep):
             if dump is not None and finished(dump):
                 # smr up stopping: the dump, its facts and a stopped job stay as
                 # they are for recover(); a heartbeat's GPU runs on meanwhile.
+                # Its images on disk first: a reboot may come next.
+                if syncing is not None:
+                    syncing.cancel()
+                    await asyncio.gather(asyncio.shield(asyncio.create_task(
+                        self._mark_synced(req, dump, 0))), return_exceptions=True)
                 if cuda_pids and req.leave_running:
                     await asyncio.shield(self.cuda.resume_tree(job.pid, quiet=True))  # type: ignore[union-attr]
                 raise
             await self._give_up(req, job, cuda_pids)
             raise
         except BaseException:
+            if syncing is not None:
+                syncing.cancel()
             await self._give_up(req, job, cuda_pids)
             raise
-        await self._settle(req, job, gen)
+        # Stored: the images on disk are needed no more.
+        syncing.cancel()
+        await asyncio.gather(syncing, return_exceptions=True)
+        current = await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen)
+        await self._settle(req, job, gen, current)
         durations["dump"] = dump.result().seconds
         durations["durable"] = durable_s  # from the dump's start to the manifest
-        return gen, durations
+        return gen, current, durations
 
     async def _durable(self, req: CkptRequested, job: Job, progress: Progress,
-                       error: TemporaryError | None = None) -> Generation:
+                       error: TemporaryError | None = None) -> tuple[Generation, bool]:
         """Make the finished dump of ``req`` durable from disk: committed (once:
-        an earlier attempt's manifest counts) and ``latest`` moved to it, retried
-        until the deadline. Past it, the job runs on and the step fails."""
-        async def attempt() -> Generation:
+        an earlier attempt's manifest counts) and ``latest`` moved to it unless
+        a later dump holds it (then False: superseded), retried until the
+        deadline. Past it, the job runs on and the step fails."""
+        async def attempt() -> tuple[Generation, bool]:
             gen = (await self._committed(req)) or (await self._store(req, job, progress))[0]
-            await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
-            return gen
+            return gen, await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen)
 
         try:
             gen = await until_stored(attempt, what=f"the checkpoint of job {job.id}",
@@ -188,10 +243,11 @@ class CheckpointStep(LocalJobStep):
             raise
         return gen
 
-    async def _settle(self, req: CkptRequested, job: Job, gen: Generation) -> None:
+    async def _settle(self, req: CkptRequested, job: Job, gen: Generation,
+                      current: bool) -> None:
         """The checkpoint is durable: end the job (final) or make sure its GPU
-        runs (heartbeat), drop the work, record the generation. Idempotent
-        (recovery repeats it)."""
+        runs (heartbeat), drop the work, record the generation (unless
+        superseded: ``current`` False). Idempotent (recovery repeats it)."""
         dumped = gen.manifest.get("job") or {}
         if "pid" in dumped and (dumped["pid"], dumped.get("start_ticks")) != (
                 job.pid, job.start_ticks):
@@ -215,7 +271,7 @@ class CheckpointStep(LocalJobStep):
         await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
         shutil.rmtree(self._work(req), ignore_errors=True)
         self._facts_file(req).unlink(missing_ok=True)
-        if (job.generation or 0) < gen.number or (
+        if (current and (job.generation or 0) < gen.number) or (
                 job.state == "running" and not req.leave_running):
             job.checkpointed(gen.number, leave_running=req.leave_running)
             async for attempt in retry_nats():
@@ -301,7 +357,8 @@ class CheckpointStep(LocalJobStep):
             return tree
         return await self.cuda.processes(job.pid)
 
-    async def _prepare(self, req: CkptRequested, job: Job, work: Path
+    async def _prepare(self, req: CkptRequested, job: Job, work: Path,
+                       stamp: dict[str, Any] | None = None
                        ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
         """The job's GPU use and what its TCP connections get, recorded for
         the manifest (and for a recovered commit)."""
@@ -319,7 +376,7 @@ class CheckpointStep(LocalJobStep):
                 # A restore in the host's PID namespace needs all of these free.
                 "pids": gpuinfo.process_tree(job.pid),
                 "own_pid_namespace": own_pid_namespace(job.pid)},
-            "leave_running": req.leave_running}))
+            "leave_running": req.leave_running, **({"dump": stamp} if stamp else {})}))
         return gpu, tcp
 
     async def _gpu(self, job: Job, work: Path) -> dict[str, Any] | None:
@@ -376,8 +433,7 @@ class CheckpointStep(LocalJobStep):
         """Store the dumped images (while ``writer``, the dump, still writes them)."""
         t = time.monotonic()
         progress.update(done_bytes=0)
-        saved = self._facts_file(req)
-        facts = orjson.loads(saved.read_bytes()) if saved.is_file() else {}
+        facts = self._facts(req)
         gpu = facts.get("gpu")
         meta = {
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
@@ -392,6 +448,8 @@ class CheckpointStep(LocalJobStep):
         }
         if facts.get("sockets"):
             meta["sockets"] = facts["sockets"]
+        if facts.get("dump"):
+            meta["dump"] = facts["dump"]
         try:
             gen = await self.store.commit(
                 LOCAL_NAMESPACE, req.checkpoint_id, self._work(req), meta, writer=writer,
@@ -407,44 +465,63 @@ class CheckpointStep(LocalJobStep):
     async def _committed(self, req: CkptRequested) -> Generation | None:
         return await self.store.committed(LOCAL_NAMESPACE, req.checkpoint_id, req.request_id)
 
-    def _result(self, req: CkptRequested, gen: Generation, **kw: Any) -> CkptDone:
-        return CkptDone.for_request(req, status="succeeded", generation=gen.number,
-                                    location=gen.location, size_bytes=gen.size_bytes,
-                                    sockets=sockets.outcome(gen.manifest), **kw)
+    def _result(self, req: CkptRequested, gen: Generation, current: bool,
+                **kw: Any) -> CkptDone:
+        return result(req, gen, current, f"`smr restore {self.job_id(req.target)}`", **kw)
 
     async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
         """A worker died mid-checkpoint (or storage failed after the dump).
-        Committed, or a finished dump on disk → stored, latest moved, the job
-        settled. Job still running → dump again (its GPU made to run first)."""
+        Committed, or a finished dump on disk → stored, latest moved unless a
+        later dump holds it (then answered superseded), the job settled. Job
+        still running → dump again (its GPU made to run first). Under the
+        job's lock, taken again (its worker beats for this request
+        meanwhile): a later checkpoint waits for it, not the other way."""
         job_id = self.job_id(req.target)
+        await self.lock.acquire(job_id, req.request_id)
+        try:
+            return await self._recover(req, job_id)
+        finally:
+            await self.lock.release(job_id, req.request_id)
+
+    async def _recover(self, req: CkptRequested, job_id: str) -> CkptDone | None:
         await wait_finished(self._work(req) / "images", self.criu.timeout)
         job = await self.jobs.find(job_id)
+        current = True
         if job is not None and dump_finished(self._work(req) / "images"):
             # The dump is the job's state (a final one holds the job stopped):
             # an earlier attempt's commit counts, else it is stored from disk,
             # retried until the deadline like a failure in run(), not given up
             # after the few quick deliveries of a storage error raised here.
             try:
-                gen = await self._durable(req, job, Progress())
-            except StorageUnavailable as e:
-                await self.lock.release(job_id, req.request_id)
+                gen = await self._committed(req)
+                if gen is None:
+                    self._dump_on_disk(req, job)
+                    gen, current = await self._durable(req, job, Progress())
+                else:
+                    current = await self.store.ensure_latest(
+                        LOCAL_NAMESPACE, req.checkpoint_id, gen)
+            except PermanentError as e:
+                if e.code == "dump-unverified" and job.alive():
+                    await self._give_up(req, job, await self._cuda_pids(job))
+                    return None  # dumped again
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
         else:
             gen = await self._committed(req)
             if job is None:
-                return self._result(req, gen) if gen else None  # run() reports the missing job
+                if gen is None:
+                    return None  # run() reports the missing job
+                current = await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen)
+                return self._result(req, gen, current)
             if gen is not None:
-                await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen.number)
+                current = await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen)
         if gen is not None:
-            await self._settle(req, job, gen)
-            await self.lock.release(job_id, req.request_id)
-            return self._result(req, gen)
+            await self._settle(req, job, gen, current)
+            return self._result(req, gen, current)
         if job.alive():
             # CRIU thaws a tree whose dump did not finish: safe to redo, once
             # the GPU that was suspended for it runs again.
             await self._give_up(req, job, await self._cuda_pids(job))
             return None
-        await self.lock.release(job_id, req.request_id)
         return CkptDone.for_request(req, status="failed", error={
             "code": "interrupted",
             "message": f"the checkpoint of job {job_id} was interrupted and the job is gone",

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from services.storage import layout
+from services.storage import layout, order
 from services.storage.backend import Backend, Conflict, NotFound, StorageError
 from services.storage.buffers import keep_transfer_buffers
 from services.storage.cache import CachedObject, ObjectCache
@@ -154,7 +154,7 @@ class CheckpointStore:
         if isinstance(earlier, Generation):  # committed before: the same answer
             if writer is not None:
                 await writer
-            await self._advance_latest(namespace, checkpoint_id, earlier.number)
+            await self._advance_latest(namespace, checkpoint_id, earlier.manifest)
             return earlier
         if earlier is not None:  # claimed before, never committed: that number again
             gen, etag, claimed_at = earlier
@@ -200,7 +200,7 @@ class CheckpointStore:
             if stored.manifest.get("request_id") != rid:
                 raise
             manifest = stored.manifest
-        await self._advance_latest(namespace, checkpoint_id, gen)
+        await self._advance_latest(namespace, checkpoint_id, manifest)
         return Generation(manifest, self.backend.url(layout.generation_prefix(
             namespace, checkpoint_id, gen)))
 
@@ -264,10 +264,11 @@ class CheckpointStore:
                 return gen
         return None
 
-    async def ensure_latest(self, namespace: str, checkpoint_id: str, gen: int) -> None:
-        """Move ``latest`` forward to ``gen`` unless it is there or past it
-        already: a commit whose writer died after its manifest is finished so."""
-        await self._advance_latest(namespace, checkpoint_id, gen)
+    async def ensure_latest(self, namespace: str, checkpoint_id: str, gen: Generation) -> bool:
+        """Move ``latest`` to ``gen`` unless it is there or on a later state
+        already: a commit whose writer died after its manifest is finished
+        so. False: ``latest`` names a later dump; ``gen`` is superseded."""
+        return await self._advance_latest(namespace, checkpoint_id, gen.manifest)
 
     async def _keep_claim(self, ns: str, ckpt: str, gen: int, rid: str,
                           held: tuple[str, float], lost: asyncio.Event) -> None:
@@ -313,7 +314,13 @@ class CheckpointStore:
                             "nothing was committed",
                             hint="the step is retried; if this repeats, raise SMR_GC_GRACE")
 
-    async def _advance_latest(self, namespace: str, checkpoint_id: str, gen: int) -> None:
+    async def _advance_latest(self, namespace: str, checkpoint_id: str,
+                              manifest: dict[str, Any]) -> bool:
+        """Move ``latest`` to the generation of ``manifest`` unless it names
+        one whose dump is later (see services/storage/order): only ever
+        forward in time. True if ``latest`` names it now; False if it stays
+        on a later state (the generation is superseded)."""
+        gen = int(manifest["generation"])
         key = layout.latest_key(namespace, checkpoint_id)
         body = orjson.dumps({"generation": gen})
         for _ in range(MAX_CLAIM_TRIES):
@@ -322,17 +329,31 @@ class CheckpointStore:
             except NotFound:
                 try:
                     await self.backend.put_bytes(key, body, if_none_match=True)
-                    return
+                    return True
                 except Conflict:
                     continue
-            if (pointer(data) or 0) >= gen:
-                return  # only ever forward (a torn pointer is overwritten)
-            try:
+            named = pointer(data)
+            if named == gen:
+                return True
+            if named is not None and not await self._later_than(
+                    namespace, checkpoint_id, manifest, named):
+                return False
+            try:  # a torn pointer is overwritten
                 await self.backend.put_bytes(key, body, if_match=etag)
-                return
+                return True
             except Conflict:
                 continue  # moved meanwhile, or our own PUT whose answer was lost
         raise Conflict(f"latest pointer of {checkpoint_id} kept changing")
+
+    async def _later_than(self, namespace: str, checkpoint_id: str, manifest: dict[str, Any],
+                          named: int) -> bool:
+        """Does ``manifest`` hold a later state than generation ``named``?
+        One whose manifest is gone or torn compares by number, as ever."""
+        try:
+            other = (await self.get(namespace, checkpoint_id, named)).manifest
+        except (CheckpointNotFound, CheckpointCorrupt):
+            other = {"generation": named}
+        return order.compare(manifest, other) > 0
 
     async def generations(self, namespace: str, checkpoint_id: str) -> list[Generation]:
         """Committed generations, oldest first."""
@@ -387,8 +408,8 @@ class CheckpointStore:
         # Torn by a crash (or naming a manifest that is): the newest that reads.
         log.warning("the latest pointer of %s is torn or names no readable generation "
                     "(%r); using the newest valid one", checkpoint_id, bytes(data[:64]))
-        gens = await self.generations(namespace, checkpoint_id)
-        return gens[-1] if gens else None
+        gens = order.newest_first(await self.generations(namespace, checkpoint_id))
+        return gens[0] if gens else None
 
     async def pick(self, namespace: str, checkpoint_id: str, generation: int | None,
                    *, hint: str = "") -> Generation:
@@ -711,7 +732,9 @@ class CheckpointStore:
     async def prune(self, namespace: str, checkpoint_id: str, *, keep: int = 0,
                     max_age_s: float = 0, at: float | None = None) -> list[int]:
         """Retention: remove generations beyond the newest ``keep`` or older
-        than ``max_age_s`` (0: no limit). The generation ``latest`` names is
+        than ``max_age_s`` (0: no limit), ranked by when they were dumped
+        (a superseded generation below the later one that supersedes it,
+        whatever their numbers). The generation ``latest`` names is
         always kept, and a warm-start template is never pruned (a replica may
         be starting from any of its generations; it goes only when deleted).
         Returns the numbers removed."""
@@ -720,7 +743,8 @@ class CheckpointStore:
         at = time.time() if at is None else at
         latest = await self.latest(namespace, checkpoint_id)
         removed = []
-        for rank, g in enumerate(reversed(await self.generations(namespace, checkpoint_id))):
+        for rank, g in enumerate(order.newest_first(
+                await self.generations(namespace, checkpoint_id))):
             if latest and g.number == latest.number:
                 continue
             age = at - created_epoch(g)

@@ -20,10 +20,17 @@ import orjson
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
-from smr.aio import cancelling, quietly
+from smr.aio import cancelling, quietly, stop_task
+from smr.bus import keepalive
 from smr.bus.client import Bus
 from smr.bus.liveness import StepLocks
-from smr.bus.topology import RESULT_OF, STREAM_REQUESTS, SUBJECT_TYPES, request_consumer
+from smr.bus.topology import (
+    KV_STEPS,
+    RESULT_OF,
+    STREAM_REQUESTS,
+    SUBJECT_TYPES,
+    request_consumer,
+)
 from smr.errors import ContractError, SmrError
 
 log = logging.getLogger("smr.bus")
@@ -145,8 +152,26 @@ class Exhausted:
                     # What its dead worker did, asked of the world as a
                     # redelivery would (a restore that landed is recorded, not
                     # failed): its deliveries may have been spent while it lived,
-                    # each left to it. Never run again: None fails it.
-                    result = await self.recover(req, state)
+                    # each left to it. Never run again: None fails it. The
+                    # state is ours, beating, meanwhile (see keepalive).
+                    kv = self.bus.kv(KV_STEPS)
+                    mine = keepalive.recovery_claim(state, f"{self.service}-exhausted")
+                    try:
+                        rev = await kv.update(rid, orjson.dumps(mine), last=rev)
+                    except KeyWrongLastSequenceError:
+                        await adv.nak(delay=self.bus.config.nak_base_delay)  # look again
+                        return
+                    beats = asyncio.create_task(keepalive.beat(
+                        kv, rid, mine, rev, every=self.bus.config.keepalive, msg=adv,
+                        service=self.service))
+                    try:
+                        result = await self.recover(req, state)
+                    finally:
+                        await stop_task(beats, again_every=1.0)
+                    if (now := await keepalive.held(kv, rid, mine)) is None:
+                        await adv.nak(delay=self.bus.config.ack_wait)  # taken over meanwhile
+                        return
+                    rev = now
                 err = None
                 if result is None:
                     err = SmrError(

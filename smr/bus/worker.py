@@ -11,7 +11,6 @@ dead-lettered (smr/bus/deadletters.py), as is one that keeps failing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -22,7 +21,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import nats
 import orjson
 from nats.aio.msg import Msg
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -32,6 +31,7 @@ from smr.bus.ahead import Admission, Ahead
 from smr.bus.client import Bus
 from smr.bus.deadletters import peek_request_id
 from smr.bus.exhausted import Exhausted
+from smr.bus.keepalive import beat, held, recovery_claim
 from smr.bus.liveness import StepLocks
 from smr.bus.topology import (
     KV_STEPS,
@@ -326,11 +326,29 @@ class Worker:
                 return
             log.warning("%s: request %s was interrupted (attempt by %s); recovering",
                         self.service, rid, state.get("owner"))
-            # Its worker is dead: we hold the request's lock, which a live one keeps.
-            with tracing.tracer.start_as_current_span("recover " + self.step.kind):
-                result = await self.step.recover(req, state)
+            # Its worker is dead: we hold the request's lock, which a live one
+            # keeps. The state is ours, beating, while we recover: a step
+            # waiting on the job's lock sees a live holder, not a dead one.
+            mine = recovery_claim(state, self.owner)
+            try:  # over the state we judged, never over an answer written since
+                rev = await kv.update(rid, orjson.dumps(mine), last=rev)
+            except KeyWrongLastSequenceError:
+                await m.nak(delay=self.bus.config.nak_base_delay)
+                return
+            beats = asyncio.create_task(beat(
+                kv, rid, mine, rev, every=self.bus.config.keepalive, msg=m,
+                service=self.service))
+            try:
+                with tracing.tracer.start_as_current_span("recover " + self.step.kind):
+                    result = await self.step.recover(req, state)
+            finally:
+                await stop_task(beats, again_every=KEEP_CANCELLING_S)
+            if (now := await held(kv, rid, mine)) is None:
+                await m.nak(delay=self.bus.config.nak_base_delay)  # taken over meanwhile
+                return
+            rev = now
             if result is not None:
-                try:  # over the state we judged, never over an answer written since
+                try:
                     await self._record(result, last=rev, ours=True)
                 except KeyWrongLastSequenceError:
                     await m.nak(delay=self.bus.config.nak_base_delay)
@@ -439,7 +457,7 @@ class Worker:
         of the state (0: only where there is none), else KeyWrongLastSequenceError.
         ``ours``: the answer of a step this worker ran or recovered, under the
         request's lock: its write is tried again until it is stored."""
-        doc = {"state": "done" if result.status == "succeeded" else "failed",
+        doc = {"state": "failed" if result.status == "failed" else "done",
                "kind": self.step.kind, "result": result.to_dict(), "finished": time.time()}
         state = orjson.dumps(doc)
         kv = self.bus.kv(KV_STEPS)
@@ -477,36 +495,12 @@ class Worker:
 
     async def _keepalive(self, m: Msg, rid: str, claim: dict[str, Any], rev: int,
                          p: Progress) -> None:
-        # Failures of a beat are let go (the next one may pass); a cancel is
-        # not (a BaseException): the keepalive ends when its step does. Each
-        # beat writes only over our own claim (compare-and-set): a state
-        # another worker or the exhausted-delivery handler wrote is theirs.
-        while not cancelling():  # a cancel nats-py dropped inside a beat still ends it
-            await asyncio.sleep(self.bus.config.keepalive)
-            with contextlib.suppress(Exception):
-                await m.in_progress()
-            claim.update(heartbeat=time.time(), phase=p.phase, done_bytes=p.done_bytes,
-                         total_bytes=p.total_bytes, **p.extra)
-            try:
-                rev = await self.bus.kv(KV_STEPS).update(rid, orjson.dumps(claim), last=rev)
-                continue
-            except KeyWrongLastSequenceError:
-                pass
-            except Exception as e:  # NATS away: the next beat may pass
-                if not isinstance(e, BadRequestError) or e.err_code != 10071:
-                    continue
-            # The state moved on since our last write: another writer's, or
-            # our own write whose answer was lost (NATS restarting after it
-            # stored it). Only the former ends the beats.
-            with contextlib.suppress(Exception):  # unreadable now: look again next beat
-                state, now = await self.bus.step_state(rid)
-                if state and state.get("claim") == claim["claim"] and \
-                        state.get("state") == "running":
-                    rev = now
-                    continue
-                log.error("%s: the state of %s was taken over by another writer; this "
-                          "worker no longer beats for it", self.service, rid)
-                return
+        def refresh(claim: dict[str, Any]) -> None:
+            claim.update(phase=p.phase, done_bytes=p.done_bytes, total_bytes=p.total_bytes,
+                         **p.extra)
+        await beat(self.bus.kv(KV_STEPS), rid, claim, rev,
+                   every=self.bus.config.keepalive, msg=m, refresh=refresh,
+                             service=self.service)
 
 
 def annotate(span: trace.Span, result: CkptDone | RestoreDone) -> None:

@@ -1,0 +1,113 @@
+"""What a checkpoint step records of its dump so that recovery can judge it.
+
+A stamp, taken as the dump starts under the job's (or container's) lock: the
+dump sequence (``JobLock.sequence``) that orders generations by when they
+were dumped (services/storage/order), the start time, and the boot id.
+
+A dump's images are written by CRIU without fsync. A worker that died leaves
+them whole in the page cache; a host that crashed may leave any of them torn
+(writeback is not ordered across files, and dump.log, written last, may reach
+the disk while a page image does not). So recovery trusts a finished dump
+from this very boot, or one whose images were fsynced before its step said
+so (``synced``), and refuses any other (``dump-unverified``).
+
+The fsync only lets a dump outlive a crash: refusing an unsynced one is safe
+without it. So it waits SYNC_AFTER_S from the dump's end: a commit done by
+then (most are) pays nothing, its files deleted before they were ever
+written back; a longer one finds most of its images on disk already (the
+kernel writes dirty pages back after vm.dirty_expire_centisecs, 30 s by
+default), and the fsync then writes little beside the upload. A step that
+stops with a finished dump (``smr up`` stopping, a rollout) fsyncs at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from smr.errors import PermanentError
+from smr.jobs import JobLock
+from smr.messages import now
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+SYNC_AFTER_S = 30.0
+
+
+def boot_id() -> str:
+    return BOOT_ID.read_text().strip()
+
+
+async def take(lock: JobLock, key: str, request_id: str) -> dict[str, Any]:
+    """The stamp of a dump about to start, under the lock ``key`` we hold."""
+    return {"seq": await lock.sequence(key, request_id), "lock_epoch": await lock.epoch(),
+            "started_at": now(), "boot_id": boot_id()}
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (links are not followed)."""
+    for parent, _dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(parent, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step, on disk when this returns."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def booted_at() -> float:
+    """When this boot began (epoch seconds, /proc/stat btime)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return time.time()  # never: every Linux has it; then no unstamped dump is trusted
+
+
+def check_trusted(stamp: dict[str, Any] | None, synced: bool, images: Path, what: str,
+                  latest_hint: str) -> None:
+    """Refuse (``dump-unverified``) a finished dump in ``images`` that a host
+    crash may have torn: taken in an earlier boot and not fsynced. A dump
+    with no stamp (an older smr's, upgraded in place) is judged by when
+    CRIU wrote its log."""
+    if synced:
+        return
+    dumped_in = (stamp or {}).get("boot_id")
+    if dumped_in and dumped_in == boot_id():
+        return  # the same boot: whatever CRIU wrote is there, in the page cache if not on disk
+    if not dumped_in:
+        try:
+            if (images / "dump.log").stat().st_mtime >= booted_at():
+                return
+        except OSError:
+            pass
+    raise PermanentError(
+        f"the dump of {what} on disk was taken before the host restarted "
+        f"(boot {dumped_in or 'unknown'}) and was not yet on disk (never fsynced): a crash "
+        "may have torn its images; it was not stored", code="dump-unverified",
+        hint=latest_hint)

@@ -1,0 +1,52 @@
+"""Which of two generations of a checkpoint holds the later state.
+
+A generation's number says when it was committed, not when it was dumped:
+a dump stored by a recovery (its worker died between dump and commit) is
+committed after dumps taken later. A manifest's ``dump`` records the dump
+sequence its step took under the job's (or container's) lock as the dump
+started (``seq``, from the lock bucket ``lock_epoch``), so two dumps of one
+bucket compare by it. Manifests without it (older smr), or of different
+buckets (one made again starts over), compare by number, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any, Protocol, TypeVar
+
+
+class HasManifest(Protocol):
+    @property
+    def manifest(self) -> dict[str, Any]: ...
+
+
+def _stamp(m: dict[str, Any]) -> tuple[str, int] | None:
+    d = m.get("dump")
+    if not isinstance(d, dict) or not isinstance(d.get("seq"), int) or \
+            not isinstance(d.get("lock_epoch"), str):
+        return None
+    return d["lock_epoch"], d["seq"]
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """<0, 0 or >0 as manifest ``a`` holds an earlier, the same or a later
+    state than manifest ``b``."""
+    sa, sb = _stamp(a), _stamp(b)
+    if sa and sb and sa[0] == sb[0] and sa[1] != sb[1]:
+        return -1 if sa[1] < sb[1] else 1
+    ga, gb = int(a["generation"]), int(b["generation"])
+    return (ga > gb) - (ga < gb)
+
+
+def dumped_before(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Was ``a``'s dump taken before ``b``'s (so it never replaces it as latest)?"""
+    return compare(a, b) < 0
+
+
+G = TypeVar("G", bound=HasManifest)
+
+
+def newest_first(gens: Iterable[G]) -> list[G]:
+    """``gens`` from the latest state to the earliest (retention's rank)."""
+    return sorted(gens, key=functools.cmp_to_key(lambda x, y: compare(y.manifest, x.manifest)))

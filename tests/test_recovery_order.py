@@ -1,0 +1,251 @@
+"""Recovery never goes back in time and never trusts a dump a crash may have torn.
+
+A checkpoint whose worker died between its dump and its commit is stored by
+its recovery. A later checkpoint of the same job may have been committed
+first: ``latest`` stays on the later dump, the recovered one is kept as a
+generation and answered ``superseded``, and retention keeps the later one.
+A recovery takes the job's lock again and beats for its request, so that a
+later checkpoint waits for it. A finished dump from an earlier boot that was
+never fsynced is refused, ``latest`` left where it was.
+
+Real CRIU, a real nats-server and the real embedded node throughout; a
+worker's death is a cancel injected right after the dump, a host crash a
+page image cut short and a dump stamped with another boot id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from services.checkpointer.step import CheckpointStep
+from services.storage.layout import LOCAL_NAMESPACE
+from smr.bus import KV_STEPS, Progress
+from smr.jobs import Job
+from smr.messages import CkptRequested, Target
+from tests import nats_auth
+from tests.test_local_smr import Harness, assert_continues, running
+
+pytestmark = pytest.mark.criu
+
+
+@pytest.fixture
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
+            ) -> AsyncIterator[Harness]:
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
+                       commit_deadline=20.0) as harness:
+        yield harness
+
+
+def ckpt_step(h: Harness) -> CheckpointStep:
+    step = h.node.workers[0].step
+    assert isinstance(step, CheckpointStep)
+    return step
+
+
+def request(h: Harness, job: Job, **kw: Any) -> CkptRequested:
+    return CkptRequested(request_id=f"dumped-{uuid.uuid4().hex[:8]}", checkpoint_id=job.id,
+                         target=Target.job(job.id), node=h.settings.node, **kw)
+
+
+async def dump_then_die(step: CheckpointStep, req: CkptRequested) -> None:
+    """``req`` runs until its dump has finished, then its worker dies (OOM,
+    a rollout) before anything of it is stored: its dump stays on disk."""
+    real = step.store.commit
+
+    async def die_after_dump(ns: str, ckpt: str, src: Path, meta: dict[str, Any], *,
+                             writer: Awaitable[Any] | None = None,
+                             on_bytes: Callable[[int], None] | None = None) -> Any:
+        if meta["request_id"] == req.request_id:
+            assert writer is not None
+            await writer
+            raise asyncio.CancelledError
+        return await real(ns, ckpt, src, meta, writer=writer, on_bytes=on_bytes)
+
+    step.store.commit = die_after_dump  # type: ignore[method-assign]
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(req, Progress())
+    finally:
+        step.store.commit = real  # type: ignore[method-assign]
+
+
+async def test_a_recovered_dump_older_than_latest_is_kept_but_never_made_latest(
+        h: Harness) -> None:
+    """A's dump is taken, its worker dies; a later final checkpoint B of the
+    same job is committed; then A's recovery stores A. ``latest`` stays on
+    B, A is a generation of its own answered superseded, retention with
+    one generation to keep keeps B, and a restore resumes at B's state."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    a = request(h, job, leave_running=True)
+    await dump_then_die(step, a)
+    at_a = int(h.lines(job)[-1]["step"])
+    await h.wait_step(job, at_a + 20)  # the job moves on well past A's state
+
+    b = await h.checkpoint(job.id)  # final: the job ends
+    assert b.status == "succeeded" and b.generation == 1, b.error
+    at_b = int(h.lines(job)[-1]["step"])
+    assert at_b >= at_a + 20
+
+    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+    assert recovered is not None
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert (recovered.status, latest.number) == ("superseded", 1), \
+        f"A answered {recovered.status} as generation {recovered.generation}; latest is " \
+        f"generation {latest.number} ({latest.manifest['request_id']}), not B's"
+    assert recovered.generation == 2 and recovered.error
+    assert recovered.error["code"] == "superseded"
+    stored = {g.number: g.manifest for g in await step.store.generations(LOCAL_NAMESPACE,
+                                                                         job.id)}
+    assert stored[2]["request_id"] == a.request_id  # kept as a generation
+    assert stored[2]["dump"]["seq"] < stored[1]["dump"]["seq"]
+    record, _ = await h.jobs.get(job.id)
+    assert record.generation == 1  # the job's record names B
+
+    # Retention keeping one generation never drops B because of A.
+    assert await step.store.prune(LOCAL_NAMESPACE, job.id, keep=1) == [2]
+    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
+
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded" and restored.generation == 1, restored.error
+    await h.wait_step(job, at_b + 2)
+    assert_continues(h.lines(job), at_b, 16)
+
+
+async def test_a_recovery_holds_the_job_lock_and_beats_for_its_request(
+        h: Harness) -> None:
+    """A request whose worker died is recovered by its redelivery: while the
+    recovery works, the job's lock names the request and its step state is
+    running with a fresh heartbeat, so a later checkpoint waits for it
+    instead of taking the lock over from a holder that looks dead."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    a = request(h, job, leave_running=True)
+    await dump_then_die(step, a)
+    kv = h.bus.kv(KV_STEPS)
+    # What the dead worker left: its claim, stale.
+    await kv.put(a.request_id, orjson.dumps({
+        "state": "running", "owner": "dead-worker", "claim": "c0", "heartbeat": 0.0,
+        "attempt": 1, "subject": "", "phase": "dump", "checkpoint_id": job.id}))
+    entered, go_on = asyncio.Event(), asyncio.Event()
+    real = step.recover
+
+    async def held_open(req: CkptRequested, state: dict[str, Any]) -> Any:
+        entered.set()
+        await go_on.wait()
+        return await real(req, state)
+
+    step.recover = held_open  # type: ignore[method-assign]
+    try:
+        await h.bus.publish(a)
+        await asyncio.wait_for(entered.wait(), 60)
+        await asyncio.sleep(3 * h.node_bus.config.keepalive)  # beats would have come
+        state = orjson.loads((await kv.get(a.request_id)).value)
+        live = await h.lock._holder_active(a.request_id)
+        beat_ago = time.time() - float(state.get("heartbeat", 0))
+        assert state["state"] == "running" and live, \
+            f"the recovered step looks dead: last heartbeat {beat_ago:.0f}s ago ({state})"
+        assert state["owner"] != "dead-worker"
+        go_on.set()
+        done = await h.bus.wait_result(a.request_id, "ckpt.requested", timeout=120)
+    finally:
+        step.recover = real  # type: ignore[method-assign]
+        go_on.set()
+    assert done.status == "succeeded", done.error
+    assert await h.lock.holder(job.id) is None  # released once answered
+
+
+async def test_a_recovery_holds_the_lock_while_it_stores(h: Harness) -> None:
+    """The recovery itself takes the job's lock back before it stores the dump."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    a = request(h, job, leave_running=True)
+    await dump_then_die(step, a)
+    holders: list[str | None] = []
+    real = step.store.commit
+
+    async def watching(*args: Any, **kw: Any) -> Any:
+        holders.append(await h.lock.holder(job.id))
+        return await real(*args, **kw)
+
+    step.store.commit = watching  # type: ignore[method-assign]
+    try:
+        done = await step.recover(a, {"state": "running", "heartbeat": 0})
+    finally:
+        step.store.commit = real  # type: ignore[method-assign]
+    assert done is not None and done.status == "succeeded", done and done.error
+    assert holders == [a.request_id], f"the job's lock was held by {holders} while storing"
+    assert await h.lock.holder(job.id) is None
+
+
+def crash_before_sync(step: CheckpointStep, req: CkptRequested, cut: int) -> Path:
+    """The host crashed after ``req``'s dump, before its images were on
+    disk, and came back: the largest page image lost its last ``cut``
+    bytes, and the dump is from another boot, never said to be synced."""
+    images = step.work_dir / req.request_id / "images"
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with pages.open("r+b") as f:
+        f.truncate(pages.stat().st_size - cut)
+    facts_file = step.work_dir / f"{req.request_id}.facts.json"
+    facts = orjson.loads(facts_file.read_bytes())
+    facts.pop("synced", None)
+    facts["dump"] = {**facts.get("dump", {}), "boot_id": "an-earlier-boot"}
+    facts_file.write_bytes(orjson.dumps(facts))
+    return pages
+
+
+async def test_a_dump_torn_by_a_host_crash_is_refused_and_latest_kept(h: Harness) -> None:
+    """A final dump finished, the host crashed before it was stored or on
+    disk, its page image cut short: its recovery refuses it (dump-unverified)
+    and ``latest`` stays on the good generation, which restores."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    good = await h.checkpoint(job.id, leave_running=True)
+    assert good.status == "succeeded" and good.generation == 1
+    a = request(h, job)  # final
+    await dump_then_die(step, a)
+    h.cleanup()  # the host went down with the job
+    await asyncio.sleep(0.5)
+    crash_before_sync(step, a, 1 << 20)
+
+    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
+        f"recovered: {recovered and recovered.status} generation " \
+        f"{recovered and recovered.generation}; latest -> {latest.number}"
+    assert recovered.error and recovered.error["code"] == "dump-unverified"
+    assert not (step.work_dir / a.request_id).exists()
+    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded" and restored.generation == 1, restored.error
+
+
+async def test_a_synced_dump_from_an_earlier_boot_is_stored(h: Harness) -> None:
+    """A dump whose images were fsynced before the host went down is on
+    disk whole: its recovery after the restart stores it."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    a = request(h, job)  # final
+    await dump_then_die(step, a)
+    h.cleanup()
+    facts_file = step.work_dir / f"{a.request_id}.facts.json"
+    facts = orjson.loads(facts_file.read_bytes())
+    assert facts.get("synced") is True  # fsynced when the worker stopped
+    facts["dump"]["boot_id"] = "an-earlier-boot"
+    facts_file.write_bytes(orjson.dumps(facts))
+
+    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+    assert recovered is not None and recovered.status == "succeeded", \
+        recovered and recovered.error
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None and latest.number == recovered.generation
