@@ -27,7 +27,8 @@ ABSOLUTE = re.compile(r"^/usr/s?bin/([\w.+-]+)$")
 BASE = {
     "sh": "dash", "sleep": "coreutils", "test": "coreutils", "true": "coreutils",
     "mount": "mount", "umount": "mount", "fallocate": "util-linux", "setpriv": "util-linux",
-    "unshare": "util-linux", "ldconfig": "libc-bin", "ldd": "libc-bin", "python3": "python3",
+    "unshare": "util-linux", "ldconfig": "libc-bin", "ldd": "libc-bin", "tar": "tar",
+    "python3": "python3",
 }
 
 
