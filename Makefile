@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.smr-installed
 
-.PHONY: setup demo test lint clean bench-storage bench-watcher
+.PHONY: setup demo test test-stress lint clean bench-storage bench-watcher
 
 setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime .tools/lib/criu-limits.so \
        .tools/lib/criu-root.so
@@ -63,3 +63,10 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .tools
+
+# Suspect tests N times under a CPU hog on every core, each test's pass rate:
+#   make test-stress FILES='tests/test_gpu_peers.py' N=20
+FILES ?=
+N     ?= 10
+test-stress: setup
+	$(PY) scripts/test-stress.py -n $(N) $(FILES)

@@ -28,12 +28,23 @@ server shares the 2 cores with the client; rclone computes an object's MD5
 (its ETag) on the object's first read, once, which both tools wait for.
 
     .venv/bin/python bench/storage.py [--gib 2] [--level 3] [--rounds 3]
+
+``--backend local`` stores into a directory on this machine's disk (smr's
+local backend, each object fsynced before its name) instead of rclone.
+``--durable-only`` skips the both-ways tables. ``--against TREE`` compares
+two trees' storage code side by side: this script runs itself, time-to-
+durable only, ``--rounds`` times for each backend, taking turns between this
+tree and TREE (another checkout, e.g. `git worktree add /tmp/base main`; its
+code is imported through PYTHONPATH), and prints each tree's medians.
+
+    .venv/bin/python bench/storage.py --against /tmp/base --gib 1 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -47,6 +58,7 @@ from statistics import median
 
 from services.restorer.stream import restore_streamed
 from services.storage.codec import Codec
+from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore, Generation
 from smr import config
@@ -195,7 +207,17 @@ async def main() -> None:
     ap.add_argument("--level", type=int, default=3, help="zstd level of the pipeline")
     ap.add_argument("--rounds", type=int, default=3,
                     help="each transfer both ways this many times; medians printed")
+    ap.add_argument("--backend", choices=("s3", "local"),
+                    help="rclone serve s3 (the default), or the local backend on this disk; "
+                         "with --against, both unless one is named")
+    ap.add_argument("--durable-only", action="store_true",
+                    help="time-to-durable only, printed as JSON last")
+    ap.add_argument("--against", type=Path, metavar="TREE",
+                    help="another checkout whose storage code runs beside this one's")
     a = ap.parse_args()
+    if a.against:
+        await asyncio.to_thread(against, a)
+        return
     mib = int(a.gib * 1024)
     s = config.load()
     criu = Criu(s.criu_binary())
@@ -227,8 +249,9 @@ async def main() -> None:
                 shutil.rmtree(warm)
                 for name, level, streamed in (("baseline", 0, False), ("seq+zstd", a.level, False),
                                               ("streamed", a.level, True)):
-                    backend = S3Backend("bench", endpoint_url=f"http://127.0.0.1:{port}",
-                                        path_style=True)
+                    backend = (LocalBackend(tmp / "local") if a.backend == "local" else
+                               S3Backend("bench", endpoint_url=f"http://127.0.0.1:{port}",
+                                         path_style=True))
                     store = CheckpointStore(backend, Codec(level=level))
                     durable, dump_s, stored = await one(criu, job.pid, tmp / "work", store,
                                                         streamed)
@@ -237,6 +260,8 @@ async def main() -> None:
                     rows.append((kind, name, durable, dump_s, stored))
                     print(f"  {kind:12} {name:9} durable {durable:6.2f} s  (dump {dump_s:5.2f} s,"
                           f" stored {stored / 2**20:7.0f} MiB)", flush=True)
+                if a.durable_only:
+                    continue
                 ways[kind] = await both_ways(criu, job.pid, tmp / f"{kind}.log", tmp / "work",
                                              port, a.level, a.rounds)
                 for k, v in ways[kind].items():
@@ -248,6 +273,9 @@ async def main() -> None:
         server.terminate()
         await server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+    if a.durable_only:
+        print(json.dumps({f"{k} {n}": d for k, n, d, _, _ in rows}))
+        return
     print(f"\ntime-to-durable, {a.gib:g} GiB image set, rclone serve s3, {os.cpu_count()} cores")
     print(f"{'image set':12} {'baseline':>9} {'seq+zstd':>9} {'streamed':>9} {'ratio':>7}"
           "   (ratio = baseline / streamed; target >= 1.5)")
@@ -272,6 +300,35 @@ async def main() -> None:
         print(f"{kind:12} {median(peer):8.2f}s ({median(t['s5cmd down']):.2f} + "
               f"{median(t['criu restore']):.2f}){'':>5} "
               f"{median(t['smr streamed restore']):20.2f}s")
+
+
+def against(a: argparse.Namespace) -> None:
+    """Time-to-durable of this tree's storage code and ``a.against``'s, in
+    turns, each backend ``a.rounds`` times; medians side by side."""
+    here = Path(__file__).resolve().parent.parent
+    trees = {"this": here, "against": a.against.resolve()}
+    got: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in range(a.rounds):
+        for backend in [a.backend] if a.backend else ["local", "s3"]:
+            for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
+                env = {**os.environ, "PYTHONPATH": f"{tree}:{os.environ.get('PYTHONPATH', '')}"}
+                out = subprocess.run(
+                    [sys.executable, __file__, "--durable-only", "--backend", backend,
+                     "--gib", str(a.gib), "--level", str(a.level)],
+                    env=env, capture_output=True, text=True, check=False)
+                if out.returncode:
+                    sys.exit(f"{name} ({tree}) {backend} failed: {out.stderr[-800:]}")
+                last = out.stdout.strip().splitlines()[-1]
+                for k, v in json.loads(last).items():
+                    got.setdefault((backend, k), {}).setdefault(name, []).append(v)
+                print(f"  round {r + 1} {backend:5} {name:7}: {last}", flush=True)
+    print(f"\ntime-to-durable, {a.gib:g} GiB image set, {os.cpu_count()} cores; medians of "
+          f"{a.rounds}: this tree ({here}) against {trees['against']}")
+    print(f"{'backend':8} {'image set / mode':22} {'against':>9} {'this':>9} {'this/against':>13}")
+    for (backend, k), v in got.items():
+        m, b = median(v["this"]), median(v["against"])
+        print(f"{backend:8} {k:22} {b:8.2f}s {m:8.2f}s {m / b:12.2f}x")
+
 
 if __name__ == "__main__":
     asyncio.run(main())

@@ -22,10 +22,13 @@ CRIU_MIN=4.2
 # for test images, gcc to build smr-init, and redis-server, PostgreSQL 15,
 # Node.js and a JDK, programs nobody here wrote, that the socket and program
 # tests checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).
+# Each check names the program the tests run (java and javac both: an image's
+# own javac elsewhere must not skip the java the tests find on PATH);
+# tests/test_setup_covers_tests.py holds the tests to this list.
 NEED=""
 for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
             gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev nft:nftables \
-            node:nodejs javac:default-jdk-headless; do
+            node:nodejs java:default-jre-headless javac:default-jdk-headless; do
   command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"
 done
 [[ -f /usr/lib/x86_64-linux-gnu/libc.a ]] || NEED="$NEED libc6-dev"

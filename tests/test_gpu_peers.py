@@ -20,6 +20,15 @@ import pytest
 from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaLockTimeout, CudaState
 from tests.test_nothing_lost import StandInDriver
 
+# The ranks launch a collective every PERIOD seconds, at offsets of a fraction
+# of it: wide enough that a loaded 2-core machine (a thread woken late, the
+# loop's next lock dispatched late) keeps the order the test sets up. A lock
+# waits at most about a period for a peer to catch up; LOCK_S only bounds a
+# hang, since a lock that can never complete answers at once (see lock).
+PERIOD = 1.0
+LOCK_S = 60.0
+READY_S = 30.0  # bounds a hang only: a thread that never starts
+
 
 class CollectiveRanks(StandInDriver):
     """**Stand-in** ranks of an NCCL job, in time: rank ``i`` launches
@@ -30,9 +39,11 @@ class CollectiveRanks(StandInDriver):
     complete, that is, for every peer to launch as many; a collective a peer
     never launches is never waited out (CUDA_ERROR_NOT_READY). ``stuck``:
     ranks that launch nothing more (a rank hung in its own code). A rank
-    checkpointed while a peer ran cannot be restored (as measured)."""
+    checkpointed while a peer ran cannot be restored (as measured). A lock
+    that waits on peers all locked behind it (none can launch again) fails
+    at once with the driver's answer, rather than after the timeout."""
 
-    def __init__(self, offsets: dict[int, float], period: float = 0.05,
+    def __init__(self, offsets: dict[int, float], period: float = PERIOD,
                  stuck: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.launched = dict.fromkeys(offsets, 0)
@@ -63,13 +74,28 @@ class CollectiveRanks(StandInDriver):
         with self.cv:
             self.blocked.add(pid)
             while self.launched[pid] > min(self.launched.values()):
-                if not self.cv.wait(max(0.0, deadline - time.monotonic())):
+                behind = [p for p, n in self.launched.items() if n < self.launched[pid]]
+                if all(p in self.blocked for p in behind) or not self.cv.wait(
+                        max(0.0, deadline - time.monotonic())):
                     self.blocked.discard(pid)
                     self.cv.notify_all()
                     raise CudaLockTimeout(
                         f"process {pid} did not reach a point where its GPU work could be "
                         f"locked within {timeout_s:g}s (CUDA_ERROR_NOT_READY)")
         super().lock(pid, timeout_s)
+
+    def launching(self, pids: list[int], ahead: bool = False,
+                  timeout_s: float = READY_S) -> None:
+        """Wait until each of ``pids`` has launched a collective (the job
+        runs) and, with ``ahead``, one rank has launched more than another."""
+        def ready() -> bool:
+            n = [self.launched[p] for p in pids]
+            return min(n) > 0 and (not ahead or max(n) > min(n))
+
+        with self.cv:
+            assert self.cv.wait_for(ready, timeout_s), (
+                f"the stand-in ranks {pids} were not running (ahead={ahead}) after "
+                f"{timeout_s:g}s: {self.launched}")
 
     def unlock(self, pid: int) -> None:
         super().unlock(pid)
@@ -104,7 +130,7 @@ async def test_a_rank_that_cannot_be_locked_leaves_every_rank_running(
     its restore was refused, and the job hung for good on the H200s."""
     drv = CollectiveRanks({101: 0.0, 102: 0.0}, stuck=frozenset({101}))
     ranks.append(drv)
-    await asyncio.sleep(0.03)  # 102 has launched a collective 101 never will
+    await asyncio.to_thread(drv.launching, [102])  # a collective 101 never will
     cuda = CudaCheckpoint(drv, lock_timeout_s=0.3)  # type: ignore[arg-type]
     with pytest.raises(CudaLockTimeout, match="could not all be locked in 3 rounds"):
         await cuda.suspend_all([101, 102])
@@ -112,8 +138,8 @@ async def test_a_rank_that_cannot_be_locked_leaves_every_rank_running(
 
 
 @pytest.mark.parametrize("offsets", [
-    {201: 0.048, 202: 0.0},  # 202 runs ahead nearly always: its lock waits on 201
-    {301: 0.045, 302: 0.030, 303: 0.0},
+    {201: 0.96 * PERIOD, 202: 0.0},  # 202 runs ahead nearly always: its lock waits on 201
+    {301: 0.9 * PERIOD, 302: 0.6 * PERIOD, 303: 0.0},
 ], ids=["two-ranks", "three-ranks"])
 async def test_ranks_running_ahead_of_one_another_lock_together(
         ranks: list[CollectiveRanks], offsets: dict[int, float]) -> None:
@@ -125,8 +151,8 @@ async def test_ranks_running_ahead_of_one_another_lock_together(
     (nine runs in ten, for the two ranks' offsets here)."""
     drv = CollectiveRanks(offsets)
     ranks.append(drv)
-    await asyncio.sleep(0.12)
-    cuda = CudaCheckpoint(drv, lock_timeout_s=0.6)  # type: ignore[arg-type]
+    await asyncio.to_thread(drv.launching, list(offsets), True)  # one runs ahead
+    cuda = CudaCheckpoint(drv, lock_timeout_s=LOCK_S)  # type: ignore[arg-type]
     pids = list(offsets)
     took = await cuda.suspend_all(pids)
     assert set(took) == {"cuda_lock", "cuda_checkpoint"}

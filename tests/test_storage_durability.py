@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 from botocore.config import Config
 
-from services.storage import layout, upload
+from services.storage import layout, upload, writeback
 from services.storage.backend import Backend, PendingUpload, StorageError
 from services.storage.codec import Codec
 from services.storage.local import LocalBackend
@@ -525,6 +525,31 @@ async def test_local_writes_reach_the_disk_before_their_name(
     await up.put_part(1, 0, b"x" * 100)
     await up.complete(1)
     assert events[-3:] == ["fsync-file", "replace", "fsync-dir"], events
+
+
+async def test_local_parts_go_to_the_disk_as_they_land_not_all_at_the_fsync(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each part's range is queued for writeback when it is written, so the
+    fsync at complete() finds little left; the fsync still comes before the
+    name (the test above)."""
+    started: list[tuple[int, int]] = []
+    real = writeback.start
+
+    def start(fd: int, offset: int, length: int) -> bool:
+        started.append((offset, length))
+        ok = real(fd, offset, length)
+        assert ok, "sync_file_range refused a regular file's range on this machine's disk"
+        return ok
+
+    monkeypatch.setattr(writeback, "start", start)
+    up = LocalBackend(tmp_path / "store").start_upload("ns/ck/00000001/files/pages-1.img")
+    await up.put_part(2, 1 << 20, b"b" * (1 << 20))
+    assert started == [(1 << 20, 1 << 20)], "a part waited in memory for the final fsync"
+    await up.put_part(1, 0, b"a" * (1 << 20))
+    assert started == [(1 << 20, 1 << 20), (0, 1 << 20)]
+    await up.complete(2)
+    assert (tmp_path / "store/ns/ck/00000001/files/pages-1.img").read_bytes() == (
+        b"a" * (1 << 20) + b"b" * (1 << 20))
 
 
 async def test_pointers_and_manifests_torn_by_a_crash_are_not_fatal(

@@ -361,22 +361,38 @@ async def test_pool_pod_as_nobody_finishes_its_work_through_two_migrations(
 
 
 JVM_CKPT = "jvm-1"
-JAVA = "/usr/lib/jvm/default-java/bin/java"
+
+
+def java_home() -> Path:
+    """The JDK that `java` on PATH starts (Debian's, or another under /usr/lib/jvm):
+    the pod runs that same one, found as tests/programs/jvm.py finds it."""
+    return Path(os.path.realpath(jvm.java_cmd(Path("/classes"), 8080)[0])).parent.parent
+
+
+def jdk_mounts(home: Path) -> list[str]:
+    """The host folders the JDK needs besides itself: Debian's keeps its
+    configuration under /etc (lib/jvm.cfg links there), other JDKs none."""
+    out: set[str] = set()
+    for link in (*home.iterdir(), *(home / "lib").iterdir()):
+        if link.is_symlink() and (target := os.path.realpath(link)).startswith("/etc/"):
+            out.add(os.path.dirname(target) if os.path.isfile(target) else target)
+    return sorted(out)
 
 
 def jvm_pod(name: str, node: str, classes: str) -> dict[str, Any]:
+    home = java_home()
     p = plain_pod(name, node, image=USR_IMAGE, labels={"smr.dev/node-restore": "true"},
                   env={"SMR_CHECKPOINT": JVM_CKPT}, owner="jvm", command=[
-                      JAVA, *jvm.java_cmd(Path("/classes"), 8080, "0.0.0.0")[1:]])
+                      str(home / "bin/java"),
+                      *jvm.java_cmd(Path("/classes"), 8080, "0.0.0.0")[1:]])
     p["spec"]["securityContext"] = dict(NOBODY)
+    hosts = ["/usr", *jdk_mounts(home), *([] if home.is_relative_to("/usr") else [str(home)])]
     p["spec"]["containers"][0]["volumeMounts"] = [
-        {"name": "usr", "mountPath": "/usr", "readOnly": True},
-        # Debian's JDK keeps its configuration there (lib/jvm.cfg links to it).
-        {"name": "java-etc", "mountPath": "/etc/java-17-openjdk", "readOnly": True},
+        *({"name": f"host{i}", "mountPath": h, "readOnly": True} for i, h in enumerate(hosts)),
         {"name": "classes", "mountPath": "/classes", "readOnly": True}]
-    p["spec"]["volumes"] = [{"name": "usr", "hostPath": {"path": "/usr"}},
-                            {"name": "java-etc", "hostPath": {"path": "/etc/java-17-openjdk"}},
-                            {"name": "classes", "hostPath": {"path": classes}}]
+    p["spec"]["volumes"] = [
+        *({"name": f"host{i}", "hostPath": {"path": h}} for i, h in enumerate(hosts)),
+        {"name": "classes", "hostPath": {"path": classes}}]
     return p
 
 
