@@ -28,6 +28,24 @@ def boot_id() -> str:
     return BOOT_ID.read_text().strip()
 
 
+def write_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step (a rename), on disk when
+    this returns: a reader after a crash finds the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 @dataclass(frozen=True)
 class ProcessIdentity:
     pid: int
@@ -48,19 +66,7 @@ class ProcessIdentity:
     def write(self, path: Path) -> None:
         """Written whole or not at all (a rename), and on disk before this
         returns: a recovery reads either the identity or nothing."""
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, orjson.dumps(asdict(self)))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_durably(path, orjson.dumps(asdict(self)))
 
     @classmethod
     def read(cls, path: Path) -> ProcessIdentity | None:

@@ -28,15 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from smr.errors import PermanentError
+from smr.identity import boot_id
 from smr.jobs import JobLock
 from smr.messages import now
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 SYNC_AFTER_S = 30.0
-
-
-def boot_id() -> str:
-    return BOOT_ID.read_text().strip()
 
 
 async def take(lock: JobLock, key: str, request_id: str) -> dict[str, Any]:
@@ -62,23 +58,6 @@ def sync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` in one step, on disk when this returns."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def booted_at() -> float:

@@ -39,6 +39,7 @@ from smr.bus import Progress
 from smr.criu import CriuError, dump_finished
 from smr.cuda_checkpoint import GpuStateLost, lost_after
 from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.identity import write_durably
 from smr.jobs import proc_start_ticks, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 from smr.metrics import GPU_STATE_LOST
@@ -347,7 +348,7 @@ class PodCheckpointStep(PodStep):
         await asyncio.sleep(after_s)
         await asyncio.to_thread(dumpstamp.sync_tree, work)
         # On this thread, so that a cancel after it leaves no marker behind.
-        dumpstamp.write_durably(self._synced_file(work), b"")
+        write_durably(self._synced_file(work), b"")
 
     async def _drop(self, work: Path) -> None:
         await asyncio.to_thread(shutil.rmtree, work, True)

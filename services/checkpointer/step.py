@@ -23,6 +23,7 @@ from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.cuda_checkpoint import GpuStateLost, lost_after
 from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.identity import write_durably
 from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 from smr.metrics import GPU_STATE_LOST
@@ -103,7 +104,7 @@ class CheckpointStep(LocalJobStep):
         # On this thread, so that a cancel after it writes no facts behind
         # _settle (a small file: a few milliseconds).
         if facts := self._facts(req):
-            dumpstamp.write_durably(self._facts_file(req), orjson.dumps({**facts, "synced": True}))
+            write_durably(self._facts_file(req), orjson.dumps({**facts, "synced": True}))
 
     async def _checkpoint(self, req: CkptRequested, job: Job, progress: Progress
                           ) -> tuple[Generation, bool, dict[str, float]]:
