@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import os
 import random
 import shutil
@@ -86,6 +85,7 @@ from typing import Any
 
 import orjson
 
+from services.checkpointer import dumpstamp
 from services.restorer.step import IDENTITY as RESTORED_IDENTITY
 from services.storage import layout
 from services.storage.s3 import S3Backend
@@ -875,8 +875,8 @@ class Campaign:
         s = config.load(node.env)
         work = node.data / "work"
         # As the node's step begins: its state, the job's lock, and what it
-        # records of the dump before CRIU runs (the dump's stamp, where this
-        # smr orders dumps by one: services/checkpointer/dumpstamp).
+        # records of the dump before CRIU runs (the dump's stamp, by which
+        # dumps are ordered: services/checkpointer/dumpstamp).
         await self.bus.kv(KV_STEPS).put(a.request_id, self.stale_step(a, "checkpoint"))
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=30)
         await lock.acquire(w.id, a.request_id)
@@ -888,9 +888,7 @@ class Campaign:
             "process": {"pid": job.pid, "start_ticks": job.start_ticks,
                         "pids": process_tree(job.pid),
                         "own_pid_namespace": own_pid_namespace(job.pid)}}
-        with contextlib.suppress(ImportError):
-            dumpstamp = importlib.import_module("services.checkpointer.dumpstamp")
-            facts["dump"] = await dumpstamp.take(lock, w.id, a.request_id)
+        facts["dump"] = await dumpstamp.take(lock, w.id, a.request_id)
         work.mkdir(parents=True, exist_ok=True)
         (work / f"{a.request_id}.facts.json").write_bytes(orjson.dumps(facts))
         lo = self.last_step(w.id)
