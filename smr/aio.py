@@ -6,8 +6,10 @@ import asyncio
 import io
 import logging
 import signal
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -107,3 +109,15 @@ def ended_why(task: asyncio.Task[Any]) -> str:
     e = task.exception()
     return f"{type(e).__name__}: {e}" if e else "returned"
 
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, as asyncio.to_thread, except that a
+    cancel waits for the thread to end before it is raised: a thread cannot
+    be stopped, and a write it makes must never land after its caller has
+    given up (and, say, written the same name again on a retry)."""
+    running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise

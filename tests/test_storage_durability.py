@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -525,6 +526,67 @@ async def test_local_writes_reach_the_disk_before_their_name(
     await up.put_part(1, 0, b"x" * 100)
     await up.complete(1)
     assert events[-3:] == ["fsync-file", "replace", "fsync-dir"], events
+
+
+async def test_a_cancelled_local_write_never_lands_after_its_caller_gave_up(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A step cancelled while its object's bytes go to the disk (in a worker
+    thread) must not see that object renamed into place later: its retry may
+    have written the same name again by then, and the stale rename would put
+    the old bytes over a committed generation."""
+    real_fsync, real_replace = os.fsync, os.replace
+    release = threading.Event()
+    renamed: list[float] = []
+
+    def slow_fsync(fd: int) -> None:
+        release.wait(5)  # the disk, slow
+        real_fsync(fd)
+
+    def replace(a: Any, b: Any) -> None:
+        real_replace(a, b)
+        renamed.append(time.monotonic())
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    backend = LocalBackend(tmp_path / "store")
+    for write in (lambda: backend.put_bytes("ns/ck/00000001/files/images/core-1.img", b"old"),
+                  lambda: _upload_one(backend, "ns/ck/00000001/files/images/pages-1.img")):
+        renamed.clear()
+        release.clear()
+        task = asyncio.create_task(write())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        threading.Timer(0.3, release.set).start()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gave_up = time.monotonic()
+        await asyncio.sleep(0.6)  # any thread still running has finished by now
+        assert all(t <= gave_up for t in renamed), \
+            "a write renamed its object into place after its caller had given up"
+
+
+async def _upload_one(backend: LocalBackend, key: str) -> None:
+    up = backend.start_upload(key)
+    await up.put_part(1, 0, b"x" * 100)
+    await up.complete(1)
+
+
+async def test_a_local_write_that_fails_leaves_no_partial_file(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    backend = LocalBackend(tmp_path / "store")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        await backend.put_bytes("ns/ck/00000001/files/images/core-1.img", b"x" * 4096)
+    left = [p.name for p in (tmp_path / "store").rglob("*") if p.is_file()
+            and not p.name.endswith(".lock")]
+    assert not left, f"a failed write left {left}"
 
 
 async def test_local_parts_go_to_the_disk_as_they_land_not_all_at_the_fsync(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from services.storage import writeback
 from services.storage.backend import Conflict, NotFound, PendingUpload, StorageError
+from smr.aio import in_thread
 from smr.errors import PermanentError
 
 UPLOAD_MARK = ".upload-"
@@ -51,8 +52,9 @@ class LocalBackend:
     async def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
                         if_match: str | None = None) -> str:
         # Off the loop: the flock and the fsyncs wait on other writers and
-        # the disk, and the small files of a dump go up many at once.
-        return await asyncio.to_thread(self._put_bytes, key, data, if_none_match, if_match)
+        # the disk (files of different directories go up at once; one
+        # directory's take turns under its lock).
+        return await in_thread(self._put_bytes, key, data, if_none_match, if_match)
 
     def _put_bytes(self, key: str, data: bytes, if_none_match: bool,
                    if_match: str | None) -> str:
@@ -71,6 +73,9 @@ class LocalBackend:
             try:
                 _write_all(fd, data)
                 os.fsync(fd)  # the bytes on disk before the name: see durable()
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk keeps none of it
+                raise
             finally:
                 os.close(fd)
             durable(tmp, path)
@@ -151,7 +156,7 @@ class LocalUpload:
         self.started = False
 
     async def put_part(self, number: int, offset: int, data: bytes | bytearray) -> None:
-        await asyncio.to_thread(self._write, offset, data)
+        await in_thread(self._write, offset, data)
         self.written.add(number)
 
     def _write(self, offset: int, data: bytes | bytearray) -> None:
@@ -182,7 +187,7 @@ class LocalUpload:
             missing = sorted(set(range(1, parts + 1)) - self.written)
             raise StorageError(f"{self.final}: part(s) {missing[:10]} of {parts} were not "
                                "written; the upload is not completed", hint="the step is retried")
-        await asyncio.to_thread(self._finish)
+        await in_thread(self._finish)
 
     def _finish(self) -> None:
         if not self.started:
