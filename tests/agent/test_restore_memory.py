@@ -97,7 +97,8 @@ async def test_a_restore_larger_than_the_agents_memory_limit(cluster: Cluster,
     await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
     await cluster.latest("big.main", timeout=60)
     before = steps(cluster.log("big", a))
-    cluster.kube.remove("pods", "big", "default")  # a drain: its final checkpoint
+    cluster.kube.remove("pods", "big", "default",  # a drain: its final checkpoint
+                        disruption="EvictionByEvictionAPI")
     await cluster.recreated("big")
     before = steps(cluster.log("big", a)) or before
     # Restored on node b, by its agent: a process held to LIMIT_MIB, less
