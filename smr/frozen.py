@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import time
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from smr.errors import PermanentError
+
+log = logging.getLogger("smr.frozen")
 
 T = TypeVar("T")
 
@@ -172,10 +175,18 @@ def _own_mask(tid: int, current: int, keep: Path | None) -> int:
         saved_born, saved = keep.read_text().split()
         if saved_born == born:
             return int(saved, 16)
-    keep.parent.mkdir(parents=True, exist_ok=True)
     tmp = keep.with_name(keep.name + ".tmp")
-    tmp.write_text(f"{born} {current:x}\n")
-    os.replace(tmp, keep)
+    try:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(f"{born} {current:x}\n")
+        os.replace(tmp, keep)
+    except OSError as e:
+        # A full disk must not keep the thread from being given back its
+        # own mask now (it is in memory): only a holder dying mid-hold would
+        # then leave the blocked one. Failing here left a GPU tree stopped.
+        log.warning("cannot keep thread %d's signal mask in %s (%s): kept in memory only",
+                    tid, keep, e.strerror)
+        tmp.unlink(missing_ok=True)
     return current
 
 
