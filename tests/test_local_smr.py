@@ -621,7 +621,7 @@ async def test_smr_exec_never_overwrites_a_job_record_a_restore_wrote_meanwhile(
 
     monkeypatch.setattr(cli, "launch", launch_while_a_restore_records)
     args = argparse.Namespace(id=job_id, cmd=["sleep", "600"], log=None, gpu=False,
-                              tcp="auto")
+                              gpus=None, tcp="auto")
     err: SmrError | None = None
     try:
         await cli.cmd_exec(h.settings, args)

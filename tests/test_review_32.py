@@ -353,23 +353,30 @@ async def test_a_checkpoint_never_dumps_a_job_held_stopped_for_another_checkpoin
 # -- a restore whose job record cannot be written at once ---------------------------------
 
 class FailsOnce:
-    """``kv.put`` of ``key`` fails ``times`` times without being carried
-    out, as it does while NATS restarts (nats-py raises TimeoutError)."""
+    """A write of ``key`` (put, create or compare-and-set update) fails
+    ``times`` times without being carried out, as it does while NATS
+    restarts (nats-py raises TimeoutError)."""
+
+    METHODS = ("put", "create", "update")
 
     def __init__(self, kv: Any, key: str, times: int = 1) -> None:
         self.kv, self.key, self.times = kv, key, times
-        self.real = kv.put
+        self.real = {m: getattr(kv, m) for m in self.METHODS}
         self.fired = 0
-        kv.put = self.put
+        for m in self.METHODS:
+            setattr(kv, m, self._failing(m))
 
-    async def put(self, key: str, value: bytes, **kw: Any) -> int:
-        if key == self.key and self.fired < self.times:
-            self.fired += 1
-            raise nats.errors.TimeoutError
-        return int(await self.real(key, value, **kw))
+    def _failing(self, method: str) -> Any:
+        async def write(key: str, value: bytes, *args: Any, **kw: Any) -> int:
+            if key == self.key and self.fired < self.times:
+                self.fired += 1
+                raise nats.errors.TimeoutError
+            return int(await self.real[method](key, value, *args, **kw))
+        return write
 
     def restore(self) -> None:
-        self.kv.put = self.real
+        for m, real in self.real.items():
+            setattr(self.kv, m, real)
 
 
 @pytest.mark.criu
