@@ -912,8 +912,9 @@ class Campaign:
             await asyncio.sleep(0.1)
 
     def bystander(self) -> subprocess.Popen[bytes]:
-        """A process smr has nothing to do with, ended with the campaign."""
-        b = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        """A process smr has nothing to do with, ended with the campaign: it
+        never ends by itself, so any end before then is a kill."""
+        b = subprocess.Popen(["sleep", "infinity"], start_new_session=True)
         self.bystanders.append(b)
         return b
 
