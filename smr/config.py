@@ -97,6 +97,37 @@ def _pairs(v: str) -> dict[str, str]:
     return out
 
 
+# The kubelet's quantity suffixes (resource.Quantity), for its eviction thresholds.
+_QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def eviction_hard(v: str) -> dict[str, tuple[float, int]]:
+    """The kubelet's ``--eviction-hard`` form, ``nodefs.available<10%,
+    imagefs.available<2Gi`` → {signal: (fraction of the file system, bytes)},
+    one of the two 0. Signals other than file system space are left out."""
+    out = {}
+    for item in _names(v):
+        m = re.fullmatch(r"([a-z]+fs\.available)<(?:(\d+(?:\.\d+)?)%|(\d+)([kMGT]i?|)?)", item)
+        if not m:
+            if re.fullmatch(r"[a-zA-Z.]+<\S+", item) and \
+                    not item.split("<")[0].endswith("fs.available"):
+                continue  # memory.available, nodefs.inodesFree, pid.available: not space
+            raise ValueError(f"{item!r} is not SIGNAL<PERCENT% or SIGNAL<QUANTITY "
+                             "(the kubelet's --eviction-hard, e.g. nodefs.available<10%)")
+        signal, pct, n, unit = m.groups()
+        if pct is not None and not 0 <= float(pct) < 100:
+            raise ValueError(f"{item!r}: expected a percentage below 100")
+        out[signal] = (float(pct) / 100, 0) if pct is not None else \
+            (0.0, int(n) * _QUANTITY[unit or ""])
+    return out
+
+
+def _eviction_hard(v: str) -> str:
+    eviction_hard(v)  # checked at start; kept as written, as the kubelet's flag reads
+    return v
+
+
 def _aes_key(v: str) -> str:
     """Empty, or a base64-encoded 32-byte key: checked where every setting
     is, not first by `smr up` after its nats-server has started."""
@@ -242,6 +273,12 @@ SETTINGS: tuple[Setting, ...] = (
             "dumps in flight may fill together (estimated from each workload's memory and "
             "its writable layer's and /dev/shm's data, or its last dump); 0: the free "
             "space there. A dump always starts when none runs"),
+    Setting("KUBELET_EVICTION_HARD", "nodefs.available<10%,imagefs.available<15%",
+            _eviction_hard, "node agent: the kubelet's hard eviction thresholds for disk space, "
+            "in its --eviction-hard form (default: the kubelet's own); a dump never takes the "
+            "work directory's file system below the largest of them (the node would get "
+            "DiskPressure and its pods evicted with no grace): over it, the checkpoint fails "
+            "with eviction-threshold and the workload runs on"),
     Setting("CAPTURE_BYTES", 16 << 30, _count, "node agent: bytes a pod checkpoint's copies "
             "of its container's writable layer and /dev/shm may take together in its work "
             "directory where the container sets no ephemeral-storage limit (holes in sparse "

@@ -38,15 +38,19 @@ def taint(key: str, value: str = "", effect: str = "NoSchedule") -> dict[str, st
     return {"key": key, "value": value, "effect": effect}
 
 
-GPU = {"nvidia.com/gpu.present": "true"}
+# The kubelet labels every node with its OS.
+LINUX = {"kubernetes.io/os": "linux"}
+GPU = {**LINUX, "nvidia.com/gpu.present": "true"}
 MIXED_CLUSTER = [
-    Node("cpu-1"), Node("cpu-2"),
-    Node("cpu-dedicated", taints=[taint("dedicated", "batch")]),   # a user's own taint
-    Node("cpu-cordoned", taints=[taint("node.kubernetes.io/unschedulable")]),
+    Node("cpu-1", dict(LINUX)), Node("cpu-2", dict(LINUX)),
+    Node("cpu-dedicated", dict(LINUX), [taint("dedicated", "batch")]),   # a user's own taint
+    Node("cpu-cordoned", dict(LINUX), [taint("node.kubernetes.io/unschedulable")]),
     Node("gpu-1", dict(GPU), [taint("nvidia.com/gpu")], gpus=True),  # the GPU operator's taint
     Node("gpu-2", dict(GPU), [taint("nvidia.com/gpu", "present")], gpus=True),
     Node("gpu-untainted", dict(GPU), gpus=True),
 ]
+# A Windows node of a mixed cluster, with the taint such pools usually carry.
+WINDOWS = Node("win-1", {"kubernetes.io/os": "windows"}, [taint("os", "windows")])
 
 
 def tolerated(t: dict[str, str], tolerations: list[dict[str, Any]]) -> bool:

@@ -24,7 +24,8 @@ It implements the part of the API smr uses, with the semantics clients rely on:
   (``kubelet_stopped``, where no fake kubelet runs: graceful node shutdown or
   a node-pressure eviction, told apart by the status reason as the real
   kubelet reports them); a plain delete sets none; graceful deletion: an evicted
-  or deleted pod gets a deletionTimestamp and goes after its grace, or, with
+  or deleted pod gets a deletionTimestamp (the planned deletion: now plus its
+  grace, as the real one) and goes after its grace, or, with
   ``kubelets=True``, when the node's kubelet has stopped its containers and
   deletes it with grace 0 (tests/fake_kubelet.py), as in a real cluster; a
   pod not bound to a node goes at once; the pod garbage collector (pods bound
@@ -91,8 +92,8 @@ MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env"
               "ownerReferences": "uid"}
 
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now(later: float = 0) -> str:
+    return datetime.fromtimestamp(time.time() + later, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _truthy(v: str | None) -> bool:
@@ -884,7 +885,9 @@ class FakeApiServer:
                 or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             return self._delete(key)  # nothing runs: gone at once, as the real server does
         if not pod["metadata"].get("deletionTimestamp"):
-            pod["metadata"]["deletionTimestamp"] = _now()
+            # The planned deletion, as the real API server sets it: the
+            # request's time plus the grace period.
+            pod["metadata"]["deletionTimestamp"] = _now(grace)
             pod["metadata"]["deletionGracePeriodSeconds"] = grace
             pod = self._write("pods", key, pod, "MODIFIED")
             if not self.kubelets:

@@ -60,3 +60,18 @@ def test_missing_binary_says_how_to_install() -> None:
     finally:
         config.REPO_TOOLS = original
     assert "make setup" in e.value.hint
+
+
+def test_the_kubelets_eviction_thresholds_are_read_in_its_own_flag_form() -> None:
+    from services.checkpointer.admission import reserve
+
+    hard = "memory.available<100Mi,nodefs.available<1Gi,imagefs.available<15%,nodefs.inodesFree<5%"
+    assert config.eviction_hard(hard) == {"nodefs.available": (0.0, 1 << 30),
+                                          "imagefs.available": (0.15, 0)}
+    # The largest applies: the work directory shares the images' file system.
+    assert reserve(100 << 30, hard) == 15 << 30
+    assert reserve(4 << 30, hard) == 1 << 30
+    assert reserve(100 << 30, "") == 0
+    with pytest.raises(ConfigError) as e:
+        config.load({"SMR_KUBELET_EVICTION_HARD": "nodefs.available>10%"})
+    assert "SMR_KUBELET_EVICTION_HARD" in str(e.value)

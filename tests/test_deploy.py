@@ -221,6 +221,38 @@ def test_gpu_nodes_run_the_gpu_agent_and_every_node_runs_one(kustomize: str) -> 
             assert "runtimeClassName" not in spec
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_agent_is_placed_on_a_windows_node(kustomize: str, overlay: str) -> None:
+    """The agent tolerates every taint, so only its node selector keeps it
+    off a mixed cluster's Windows nodes, where it could not start."""
+    docs = render(kustomize, overlay)
+    p = deploy_placement.place(docs, [*deploy_placement.MIXED_CLUSTER, deploy_placement.WINDOWS])
+    assert p.agents["win-1"] == [], f"an agent lands on a Windows node: {p.agents['win-1']}"
+    assert all(len(p.agents[n.name]) == 1 for n in deploy_placement.MIXED_CLUSTER), p.agents
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_smrs_own_pods_have_a_priority_no_workload_preempts(kustomize: str,
+                                                            overlay: str) -> None:
+    """The agent is node-critical (it must outlive the pods it checkpoints);
+    the watcher, webhook, storage and NATS have smr's own class, above every
+    workload's (user classes go up to 1000000000), so the scheduler never
+    preempts them for one, least of all in a reclaim wave."""
+    docs = render(kustomize, overlay)
+    classes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PriorityClass"}
+    for d in docs:
+        if d["kind"] not in ("Deployment", "StatefulSet", "DaemonSet"):
+            continue
+        name = d["metadata"]["name"]
+        got = d["spec"]["template"]["spec"].get("priorityClassName")
+        if d["kind"] == "DaemonSet":
+            assert got == "system-node-critical", f"{overlay}: {name} has {got}"
+        elif name != "minio":  # the dev overlay's stand-in for your S3
+            assert got in classes, f"{overlay}: {d['kind']} {name} has priority class {got}"
+            assert classes[got]["value"] == 1000000000, classes[got]
+            assert not classes[got].get("globalDefault")
+
+
 @pytest.mark.parametrize("overlay", ["dev", "gpu"])
 def test_nodes_without_an_agent_get_no_smr_pods(kustomize: str, overlay: str) -> None:
     """Where the agent does not run (a taint it does not tolerate, the user's

@@ -16,7 +16,7 @@ from kubernetes_asyncio import client
 
 from services.storage.store import CheckpointStore
 from smr.bus import KV_STEPS, Bus
-from smr.messages import CkptDone, CkptRequested
+from smr.messages import CkptDone, CkptRequested, epoch
 from tests import test_watcher
 from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, pod
 from tests.fake_apiserver import node as a_node
@@ -130,9 +130,15 @@ async def test_an_eviction_api_eviction_takes_a_final_checkpoint_and_recreates_a
         return await client.CoreV1Api(admin).create_namespaced_pod_eviction(
             "victim", "default", {"metadata": {"name": "victim", "namespace": "default"}})
 
+    asked = time.time()
     req = await disrupted_on_a_healthy_node(kube, bus, watchers, storage, tmp_path, node,
                                             evict)
     assert req.reason == "drain"
+    # The deletionTimestamp is when the pod goes (the eviction plus its grace,
+    # 30 s): a final request means nothing after it.
+    assert req.deadline is not None
+    late = epoch(req.deadline) - (asked + 30)
+    assert -2 < late < 2, f"the final request expires {late:.0f} s after its pod is deleted"
 
 
 async def test_a_plain_delete_on_a_cordoned_node_takes_no_final_and_is_not_undone(

@@ -66,13 +66,15 @@ class NodeAgent:
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,
                                               hold_dir=s.hold_path, allow=s.gpu_allow))
         checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS),
-                                        capture_bytes=s.capture_bytes)
+                                        capture_bytes=s.capture_bytes,
+                                        eviction=s.kubelet_eviction_hard)
         self.workers = [
             Worker(bus, Fresh(checkpoints), s.node, service="agent-checkpointer",
                    locks=StepLocks(s.step_lock_path), concurrency=s.checkpoints_per_node,
                    ahead=LOOK_AHEAD,
                    admission=CheckpointAdmission(s.work_path / "pods", checkpoints.estimate,
-                                                 s.checkpoint_scratch)),
+                                                 s.checkpoint_scratch,
+                                                 s.kubelet_eviction_hard)),
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
         ]

@@ -15,6 +15,14 @@ its worker uses it).
   there now (a disk, or memory on a tmpfs), at most ``SMR_CHECKPOINT_SCRATCH`` bytes. The free
   space measured already lacks what the dumps in flight have written: the
   bound errs on the safe side. A dump always starts when none is in flight.
+- **Above the kubelet's eviction thresholds**: the room is what the file
+  system has free above the kubelet's hard eviction threshold for it
+  (``SMR_KUBELET_EVICTION_HARD``; the largest of its disk signals, as the
+  work directory, an emptyDir, usually shares one file system with the
+  images). Below it the node gets DiskPressure and the kubelet evicts pods
+  with no grace, no preStop, no final checkpoint. The step itself refuses a
+  dump that would cross it (``over_threshold``), also the one that starts
+  alone: code ``eviction-threshold``, and the workload runs on.
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from smr.config import Settings
+from smr.config import Settings, eviction_hard
+from smr.errors import PermanentError
 from smr.messages import CkptRequested
+
+THRESHOLD = "eviction-threshold"
 
 FINAL, LEAVE_RUNNING = 0, 1
 # Requests fetched beyond those running, to find the final ones among them:
@@ -48,10 +59,11 @@ def urgency(req: CkptRequested) -> int:
 
 class CheckpointAdmission:
     def __init__(self, scratch: Path, estimate: Callable[[CkptRequested], Awaitable[int]],
-                 limit: int = 0) -> None:
+                 limit: int = 0, eviction: str = "") -> None:
         self.scratch = scratch
         self._estimate = estimate
         self.limit = limit  # 0: the free space alone
+        self.eviction = eviction  # the kubelet's --eviction-hard; "": no threshold
 
     def urgency(self, req: CkptRequested) -> int:
         return urgency(req)
@@ -60,20 +72,46 @@ class CheckpointAdmission:
         return await self._estimate(req)
 
     def room(self) -> int:
-        free = free_bytes(self.scratch)
+        free, size = space(self.scratch)
+        free = max(0, free - reserve(size, self.eviction))
         return min(free, self.limit) if self.limit else free
 
 
-def free_bytes(path: Path) -> int:
+def space(path: Path) -> tuple[int, int]:
     """Free bytes for an unprivileged writer on ``path``'s file system (its
-    nearest existing parent's: the work directory is made by the first step)."""
+    nearest existing parent's: the work directory is made by the first step),
+    and its size: the kubelet's ``available`` and ``capacity``."""
     for p in (path, *path.parents):
         try:
             st = os.statvfs(p)
         except OSError:
             continue
-        return st.f_bavail * st.f_frsize
-    return 0
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return 0, 0
+
+
+def reserve(size: int, eviction: str) -> int:
+    """The bytes the kubelet wants free on a file system of ``size``: the
+    largest of its disk thresholds (``eviction``, the --eviction-hard form)."""
+    return max((int(frac * size) or n for frac, n in eviction_hard(eviction).values()),
+               default=0)
+
+
+def over_threshold(target: str, scratch: Path, need: int, eviction: str) -> None:
+    """Raise ``eviction-threshold`` if writing ``need`` bytes into ``scratch``
+    would leave its file system below the kubelet's hard eviction threshold."""
+    free, size = space(scratch)
+    keep = reserve(size, eviction)
+    if need <= free - keep:
+        return
+    mib = 1 << 20
+    raise PermanentError(
+        f"the checkpoint of {target} needs about {need // mib} MiB in {scratch}, which has "
+        f"{free // mib} MiB free of {size // mib} MiB; the kubelet evicts pods with no grace "
+        f"below {keep // mib} MiB free there ({eviction}): nothing was dumped, the workload "
+        "runs on", code=THRESHOLD,
+        hint="free space on the node's disk or give the agent's work directory a larger one; "
+             "set SMR_KUBELET_EVICTION_HARD to the kubelet's own evictionHard if it differs")
 
 
 def resident_bytes(pids: list[int]) -> int:

@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 
 from services import timings
 from services.checkpointer import dumpstamp
-from services.checkpointer.admission import resident_bytes
+from services.checkpointer.admission import over_threshold, resident_bytes
 from services.checkpointer.durable import result, until_stored
 from services.containers import host, rootfs
 from services.containers.confined import Root, UnsafePath
@@ -141,8 +141,9 @@ class PodCheckpointStep(PodStep):
     kind = "ckpt.requested"
 
     def __init__(self, *, timings: KeyValue | None = None, capture_bytes: int = 16 << 30,
-                 **kw: Any) -> None:
+                 eviction: str = "", **kw: Any) -> None:
         super().__init__(**kw)
+        self.eviction = eviction  # the kubelet's hard eviction thresholds (admission.py)
         self.timings = timings  # where each checkpoint's measured time goes (timings.py)
         self.capture_bytes = capture_bytes  # the captures' cap without a pod's own
         # The size of each checkpoint's last dump here: a GPU workload's
@@ -184,6 +185,10 @@ class PodCheckpointStep(PodStep):
         keep_work = False  # a finished dump that could not be stored yet: recover() stores it
         try:
             pid, inner = await asyncio.to_thread(self._workload, req, shim)
+            # Also a dump that starts alone: none may take the node into
+            # DiskPressure, whose evictions give no grace at all.
+            await asyncio.to_thread(over_threshold, str(c.target()), self.work_dir,
+                                    await self.estimate(req), self.eviction)
             ticks = proc_start_ticks(pid)
             await asyncio.to_thread(shutil.rmtree, work, True)
             work_fd = self.open_work(work)

@@ -34,6 +34,7 @@ from services.containers.confined import Root
 from services.containers.host import Shim
 from services.containers.incontainer import set_last_pid
 from services.containers.pods import PodContainer, PodStep
+from services.restorer import imageref
 from services.restorer.stream import restore_streamed
 from services.storage import layout
 from services.storage.store import Generation, streamable
@@ -135,14 +136,15 @@ class PodRestoreStep(PodStep):
     @staticmethod
     def check_fits(gen: Generation, c: PodContainer) -> None:
         saved = (gen.manifest.get("container") or {}).get("image_id", "")
-        if saved and c.image_id and saved != c.image_id:
+        if saved and c.image_id and not imageref.same_image(saved, c.image_id):
             was = (gen.manifest.get("container") or {}).get("image", "")
             raise ImageMismatch(
                 f"checkpoint {gen.manifest['checkpoint_id']} generation {gen.number} was "
                 f"taken from image {was} ({saved}); container {c.name} of pod "
                 f"{c.namespace}/{c.pod['metadata']['name']} runs {c.image} ({c.image_id})",
-                hint="a process only resumes on the image it was frozen with: run that image, "
-                     "or use another checkpoint id for the new one")
+                hint="a process only resumes on the image it was frozen with (the same "
+                     "digest, under any name or mirror): run that image, or use another "
+                     "checkpoint id for the new one")
 
     async def gpu_pairs(self, req: RestoreRequested, gen: Generation, c: PodContainer,
                         shim: Shim, *, restored: int | None = None) -> gpupairs.Pairs | None:

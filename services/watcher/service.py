@@ -580,10 +580,12 @@ class Watcher:
 
 def deadline_of(pod: dict[str, Any]) -> str:
     """When a checkpoint request for ``pod`` stops making sense: a terminating
-    pod's grace period end (the kubelet kills it then), else REQUEST_TTL_S."""
+    pod's deletionTimestamp, the end of its grace period (the API server sets
+    it to the request's time plus the grace: the kubelet kills it then), else
+    REQUEST_TTL_S."""
     meta = pod["metadata"]
-    if (since := meta.get("deletionTimestamp")) and meta.get("deletionGracePeriodSeconds"):
-        end = epoch(since) + float(meta["deletionGracePeriodSeconds"])
+    if since := meta.get("deletionTimestamp"):
+        end = epoch(since)
     else:
         end = time.time() + REQUEST_TTL_S
     return datetime.fromtimestamp(end, UTC).isoformat(timespec="milliseconds").replace(

@@ -4,11 +4,13 @@ directory through /proc/PID/root as it does in a container)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -82,6 +84,38 @@ def test_a_sigterm_during_a_dump_waits_for_it_and_reaches_the_original(
     # A later dump learns that the workload was asked to stop.
     assert shim.hold(True) == signal.SIGTERM
     shim.hold(False)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGWINCH, signal.SIGRTMIN + 3],
+                         ids=["httpd-SIGWINCH", "systemd-SIGRTMIN+3"])
+def test_an_images_stop_signal_reaches_the_workload(
+        stop: int, smr_init: Path, tmp_path: Path, state: dict[str, str],
+        procs: list[subprocess.Popen[bytes]]) -> None:
+    """The runtime sends the image's STOPSIGNAL (httpd's SIGWINCH, systemd's
+    SIGRTMIN+3) to PID 1: smr-init passes it on, or the container would wait
+    out its whole grace period."""
+    marks = tmp_path / "got"
+    script = ("import pathlib, signal, sys, time\n"
+              "def stop(*_):\n"
+              f"    pathlib.Path({str(marks)!r}).write_text('got')\n"
+              "    sys.exit(0)\n"
+              f"signal.signal({stop}, stop)\n"
+              "while True: time.sleep(0.05)\n")
+    init = subprocess.Popen([str(smr_init), "--", sys.executable, "-c", script], env=state)
+    procs.append(init)
+    shim = Shim(init.pid, str(tmp_path), "main")
+    until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
+    shim.decide("fresh")
+    workload = until(shim.workload, why="the workload did not start")
+    assert isinstance(workload, tuple)
+    try:
+        time.sleep(0.5)  # its handler in place
+        init.send_signal(stop)
+        until(marks.exists, why=f"signal {stop} never reached the workload")
+        assert init.wait(10) == 0, "smr-init did not end with its workload"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # not left behind if smr-init died
+            os.kill(workload[0], signal.SIGKILL)
 
 
 def test_prestop_wait_ends_with_the_final_checkpoint(

@@ -6,14 +6,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from services.agent import starts
 from services.storage.service import StorageService
 from smr.messages import CkptRequested, Target
-from tests.agent.cluster import IMAGE, OTHER_IMAGE, Cluster, assert_continues, steps, workload
+from tests import oci_image
+from tests.agent.cluster import (
+    COUNTER,
+    IMAGE,
+    OTHER_IMAGE,
+    Cluster,
+    assert_continues,
+    steps,
+    workload,
+)
 from tests.fake_apiserver import pod
+
+MIRRORED = "mirror.smr.test/counter:1"  # IMAGE's bytes under another repository
 
 
 async def test_cordoned_pod_resumes_on_another_node(cluster: Cluster) -> None:
@@ -51,6 +63,34 @@ async def test_job_pod_resumes_in_its_retry_on_another_node(cluster: Cluster) ->
     after = await cluster.until_steps("train-x2", b, 5)
     assert_continues(before, after, before[-1][0])
     assert after[0][0] == before[-1][0] + 1, "a final checkpoint loses no step"
+
+
+async def test_restore_into_the_same_image_under_another_name_resumes(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The same image pulled through a mirror: another repository in its
+    imageID, the same digest. The restore goes on; another digest is refused
+    (the test after this one)."""
+    a, b = list(cluster.kubelets)
+    mirrored = oci_image.build(tmp_path / "mirror.tar", MIRRORED,
+                               files={"/bin/counter": COUNTER})
+    await cluster.kubelets[b].ctd.import_image(b, mirrored)
+    assert await cluster.kubelets[b].ctd.digest(b, MIRRORED) == \
+        await cluster.kubelets[a].ctd.digest(a, IMAGE), "not one image: the test proves nothing"
+    env = {"SMR_CHECKPOINT": "mirror-1"}
+    cluster.kube.put("pods", workload("first", a, env=env, owner="j", restart="Never"))
+    await cluster.until_steps("first", a, 3)
+    await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="mirror-1", node=a,
+        target=Target(kind="pod", namespace="default", pod="first", container="main")),
+        timeout=60)
+    before = steps(cluster.log("first", a))
+    cluster.kube.put("pods", workload("second", b, env=env, owner="j", image=MIRRORED,
+                                      restart="Never"))
+    after = await cluster.until_steps("second", b, 3)
+    assert after[0][0] != 1, (
+        f"the checkpoint of {IMAGE} was not restored into the same image named {MIRRORED}: "
+        f"{[e['message'] for e in cluster.events('RestoreFailed')]}")
+    assert_continues(before, after, before[-1][0])
 
 
 async def test_restore_into_another_image_is_refused(cluster: Cluster) -> None:

@@ -134,9 +134,22 @@ static void mkdirs(const char *path) {
     if (mkdir(p, 0755) < 0 && errno != EEXIST) die(p);
 }
 
-static const int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
-#define NSIGS (sizeof sigs / sizeof *sigs)
-static volatile sig_atomic_t pending[NSIGS];
+/* The signals forwarded to the workload: those a user or the runtime sends
+   to ask something of it. The runtime's stop signal is the image's
+   STOPSIGNAL (httpd's SIGWINCH, systemd's SIGRTMIN+3): as PID 1 without a
+   handler, smr-init would drop it, and the container would wait out its
+   whole grace period. Every real-time signal, then (sigs_init). */
+static int sigs[8 + 64];
+static size_t NSIGS;
+static volatile sig_atomic_t pending[sizeof sigs / sizeof *sigs];
+
+static void sigs_init(void) {
+    static const int named[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH};
+    NSIGS = 0;
+    for (size_t i = 0; i < sizeof named / sizeof *named; i++) sigs[NSIGS++] = named[i];
+    for (int s = SIGRTMIN; s <= SIGRTMAX && NSIGS < sizeof sigs / sizeof *sigs; s++)
+        sigs[NSIGS++] = s;
+}
 
 static void note(int sig) {
     for (size_t i = 0; i < NSIGS; i++)
@@ -275,6 +288,7 @@ static pid_t start(char **argv) {
 static int run_local(char **argv) {
     struct sigaction sa = {0};
     sa.sa_handler = note;  /* no SA_RESTART: a signal cuts the sleep short */
+    sigs_init();
     for (size_t i = 0; i < NSIGS; i++) sigaction(sigs[i], &sa, NULL);
     workload = start(argv);
     if (chdir("/") < 0) die("chdir /");
@@ -324,6 +338,7 @@ int main(int argc, char **argv) {
     /* No SA_RESTART: a signal wakes the loops below, which forward it. */
     struct sigaction sa = {0};
     sa.sa_handler = note;
+    sigs_init();
     for (size_t i = 0; i < NSIGS; i++) sigaction(sigs[i], &sa, NULL);
 
     /* A decision left by an earlier start of this container is not ours. */
