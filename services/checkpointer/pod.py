@@ -102,7 +102,10 @@ def _note_link_names(pid: int, remaps: list[tuple[str, str]], work: Path) -> Non
         try:
             for link, _ in remaps:
                 name = os.path.basename(link)
-                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+                try:
+                    st = os.stat(name, dir_fd=d, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed by the workload since the dump: no names to note
                 if stat.S_ISREG(st.st_mode):
                     records.append({"link": name, "uid": st.st_uid,
                                     "names": linkremap.other_names(d, name, st)})

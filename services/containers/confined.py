@@ -61,6 +61,11 @@ def _refused(path: str, why: str) -> UnsafePath:
                       hint="remove it; smr's files in the container's smr volume are smr's own")
 
 
+# smr's paths cross directories only: a file, FIFO or device where one is
+# (or where a directory is opened) is the workload's doing.
+_NOT_DIR = "not a directory, or is reached through something that is not one"
+
+
 def _openat2(dirfd: int, path: str, flags: int, mode: int) -> int:
     global _have_openat2
     how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, CONFINED)
@@ -75,6 +80,8 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int) -> int:
         _have_openat2 = True
         if err == errno.ELOOP:
             raise _refused(path, "a symlink, or is reached through one")
+        if err == errno.ENOTDIR:
+            raise _refused(path, _NOT_DIR)
         raise OSError(err, os.strerror(err), path)
     _have_openat2 = True
     return int(fd)
@@ -103,6 +110,8 @@ def _walk(dirfd: int, path: str, flags: int, mode: int) -> int:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise _refused(path, "a symlink") from None
+            if e.errno == errno.ENOTDIR:
+                raise _refused(path, _NOT_DIR) from None
             raise
     finally:
         os.close(cur)
@@ -185,7 +194,7 @@ class Root:
             else:
                 if not stat.S_ISREG(st.st_mode):
                     raise _refused(path, _kind(st.st_mode))
-                _unlink(d, name)
+                _unlink(d, name, path)
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o644, dir_fd=d)
             try:
@@ -198,14 +207,22 @@ class Root:
         parent, name = _split(path)
         with self.dir(parent) as d:
             tmp = f".{name}.smr-tmp"
-            _unlink(d, tmp)
+            _unlink(d, tmp, f"{parent}/{tmp}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o644, dir_fd=d)
             try:
                 os.write(fd, data)
             finally:
                 os.close(fd)
-            os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            try:
+                os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            except OSError as e:
+                _unlink(d, tmp, f"{parent}/{tmp}")
+                # A directory there (empty or not) is never removed: the
+                # workload's, refused like any other kind it put there.
+                if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                    raise _refused(path, "a directory") from None
+                raise
 
     def touch(self, path: str) -> None:
         """Set a regular file's times to now, in place (never recreated).
@@ -222,7 +239,7 @@ class Root:
     def unlink(self, path: str) -> None:
         parent, name = _split(path)
         with contextlib.suppress(FileNotFoundError), self.dir(parent) as d:
-            _unlink(d, name)
+            _unlink(d, name, path)
 
 
 def reopen(held: int, path: str, flags: int, cap: int | None = None) -> int:
@@ -231,6 +248,10 @@ def reopen(held: int, path: str, flags: int, cap: int | None = None) -> int:
     st = os.fstat(held)
     if not stat.S_ISREG(st.st_mode):
         raise _refused(path, _kind(st.st_mode))
+    # smr's files have one name each (written whole and renamed, or made
+    # O_EXCL): a second is a hard link to a file the workload did not make.
+    if st.st_nlink > 1:
+        raise _refused(path, f"a hard link (a file of {st.st_nlink} names)")
     if cap is not None and st.st_size > cap:
         raise _refused(path, f"{st.st_size} bytes, more than the {cap} expected")
     return _through_proc(held, flags)
@@ -272,10 +293,17 @@ def _split(path: str) -> tuple[str, str]:
     return parent, name
 
 
-def _unlink(dirfd: int, name: str) -> None:
-    """Remove a file or link (never a directory, never followed)."""
-    with contextlib.suppress(FileNotFoundError):
+def _unlink(dirfd: int, name: str, path: str) -> None:
+    """Remove a file or link (never followed); a directory there is the
+    workload's and refused, never removed."""
+    try:
         os.unlink(name, dir_fd=dirfd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.EPERM):
+            raise _refused(path, "a directory") from None
+        raise
 
 
 def has_openat2() -> bool | None:
