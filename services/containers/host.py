@@ -80,12 +80,25 @@ def environ(pid: int) -> dict[str, str]:
 
 
 def is_shim(pid: int) -> bool:
+    """Is ``pid`` a container's smr-init: named so, and PID 1 of a PID
+    namespace directly below the agent's, as the runtime makes it? PID 1 of a
+    namespace a workload nested inside (`unshare` needs no privilege in a
+    user namespace) has a third NSpid field, and is the tenant's."""
     try:
         argv0 = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
     except OSError:
         return False
     return os.path.basename(argv0.decode(errors="replace")) == SHIM_NAME \
-        and ns_pid(pid) == 1
+        and _nspids(pid)[1:] == [1]
+
+
+def _nspids(pid: int) -> list[int]:
+    """``pid`` in each PID namespace from the agent's down to its own."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    return []
 
 
 # ioctl NS_GET_USERNS (linux/nsfs.h): the user namespace owning a namespace.
