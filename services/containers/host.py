@@ -80,16 +80,67 @@ def environ(pid: int) -> dict[str, str]:
 
 
 def is_shim(pid: int) -> bool:
+    """Is ``pid`` a container's smr-init: named so, and PID 1 of a PID
+    namespace directly below the agent's, as the runtime makes it? PID 1 of a
+    namespace a workload nested inside (`unshare` needs no privilege in a
+    user namespace) has a third NSpid field, and is the tenant's."""
     try:
         argv0 = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
     except OSError:
         return False
     return os.path.basename(argv0.decode(errors="replace")) == SHIM_NAME \
-        and ns_pid(pid) == 1
+        and _nspids(pid)[1:] == [1]
+
+
+def _nspids(pid: int) -> list[int]:
+    """``pid`` in each PID namespace from the agent's down to its own."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    return []
+
+
+# ioctl NS_GET_USERNS (linux/nsfs.h): the user namespace owning a namespace.
+_NS_GET_USERNS = 0xB701
+
+
+def check_mount_namespace(pid: int) -> None:
+    """Refuse ``pid`` (a shim) unless its mount namespace belongs to the
+    agent's own user namespace. Only there were its mounts made by the
+    runtime: a container's root without CAP_SYS_ADMIN on the node makes a
+    mount namespace only inside a user namespace of its own, where it mounts
+    what it likes, an overlay whose upperdir option names any host path
+    included. Neither its mount table nor CRIU joining it is then trusted."""
+    try:
+        ns = os.open(PROC / str(pid) / "ns" / "mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # gone: nothing of it is read
+    try:
+        owner = fcntl.ioctl(ns, _NS_GET_USERNS)
+        try:
+            st = os.fstat(owner)
+        finally:
+            os.close(owner)
+    except OSError as e:  # EPERM: owned by a user namespace outside the agent's
+        st = None
+        log.debug("NS_GET_USERNS of pid %d: %s", pid, e)
+    finally:
+        os.close(ns)
+    mine = os.stat("/proc/self/ns/user")
+    if st is None or (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+        raise UnsafePath(
+            f"smr-init (pid {pid}) runs in a mount namespace it made in a user namespace "
+            "of its own: the node agent takes neither the container's writable layer "
+            "from its mounts nor runs CRIU there",
+            hint="run smr-init unchanged as the container's first process; its workload "
+                 "may make namespaces of its own")
 
 
 def upperdir(pid: int) -> Path | None:
-    """The writable layer of ``pid``'s root file system (overlayfs upperdir)."""
+    """The writable layer of ``pid``'s root file system (overlayfs upperdir),
+    from the mounts of a namespace the runtime made (check_mount_namespace)."""
+    check_mount_namespace(pid)
     try:
         text = (PROC / str(pid) / "mountinfo").read_text()
     except OSError:

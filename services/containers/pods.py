@@ -183,6 +183,7 @@ class PodStep:
                 "checkpoint or restore it", code="no-smr-init",
                 hint="label the pod for the smr webhook, or start the container's command "
                      "through /smr/smr-init (docs/node-agent.md)")
+        host.check_mount_namespace(shim.pid)
         return shim
 
     def work(self, request_id: str) -> Path:

@@ -489,6 +489,117 @@ async def test_image_criu_config_plugin_and_preload_never_run_in_criu(
     ran("restore", await _smr_file(cluster, "criuconf", "criu-evidence"))
 
 
+# A tenant's own PID 1 named smr-init (a hand-written manifest runs whatever
+# the pod names): in a user and mount namespace of its own (unprivileged: the
+# container's root owns them) it mounts an overlay whose upperdir option is
+# the string $UPPER, a host path, and stands in that overlay's root; its
+# workload, forked first, keeps the container's root. It speaks smr-init's
+# status protocol, so the agent checkpoints it like any pod.
+FAKE_SHIM = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static void die(const char *what) {
+    fprintf(stderr, "fake smr-init: %s: %s\n", what, strerror(errno));
+    exit(1);
+}
+static void put(const char *path, const char *s) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || write(fd, s, strlen(s)) < 0) die(path);
+    close(fd);
+}
+static void mkdirs(char *p) {
+    for (char *s = p + 1; *s; s++) if (*s == '/') { *s = 0; mkdir(p, 0755); *s = '/'; }
+    mkdir(p, 0755);
+}
+
+int main(void) {
+    const char *upper = getenv("UPPER");
+    if (unshare(CLONE_NEWUSER | CLONE_NEWNS)) die("unshare");
+    put("/proc/self/setgroups", "deny");
+    put("/proc/self/uid_map", "0 0 1");
+    put("/proc/self/gid_map", "0 0 1");
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) die("private");
+    mkdir("/t", 0755);
+    if (mount("t", "/t", "tmpfs", 0, NULL)) die("tmpfs");
+    mkdir("/t/lower", 0755); mkdir("/t/work", 0755); mkdir("/t/m", 0755);
+    char up[4096];
+    snprintf(up, sizeof up, "/t%s", upper);
+    mkdirs(up);
+    int top = open("/", O_PATH | O_DIRECTORY);
+    if (chroot("/t") || chdir("/")) die("chroot");
+    char opts[8192];
+    snprintf(opts, sizeof opts, "lowerdir=/lower,upperdir=%s,workdir=/work", upper);
+    if (mount("overlay", "/m", "overlay", 0, opts)) die("overlay");
+    /* back to the container's root for the workload */
+    if (fchdir(top) || chroot(".")) die("back");
+    pid_t w = fork();
+    if (w == 0) {  /* stdin again, from this mount namespace's /dev */
+        int null = open("/dev/null", O_RDONLY);
+        if (null < 0 || dup2(null, 0) < 0) die("stdin");
+        close(null);
+        setsid();
+        execl("/bin/sh", "sh", "/bin/counter", (char *)NULL);
+        die("exec counter");
+    }
+    if (chroot("/t/m") || chdir("/")) die("chroot overlay");
+    mkdir("/smr", 0755); mkdir("/smr/main", 0755);
+    char line[64];
+    snprintf(line, sizeof line, "running %d fresh\n", (int)w);
+    put("/smr/main/status", line);
+    for (;;) { int st; if (waitpid(-1, &st, 0) == w) return 0; }
+}
+"""
+FAKE_SHIM_IMAGE = "smr.test/fake-shim:1"
+
+
+@pytest.fixture(scope="module")
+def fake_shim_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("fake-shim")
+    (d / "shim.c").write_text(FAKE_SHIM)
+    subprocess.run(["gcc", "-static", "-O1", "-o", d / "smr-init", d / "shim.c"], check=True)
+    return oci_image.build(d / "img.tar", FAKE_SHIM_IMAGE,
+                           files={"/bin/counter": COUNTER,
+                                  "/bin/smr-init": (d / "smr-init").read_bytes()})
+
+
+async def test_a_shims_own_mounts_never_name_a_host_directory_to_capture(
+        cluster: Cluster, fake_shim_image: Path, tmp_path: Path) -> None:
+    """The writable layer the agent captures is the container's, whatever
+    the process it takes for smr-init mounted in a namespace of its own: a
+    host directory named as an overlay's upperdir there is never read."""
+    for node, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(node, fake_shim_image)
+    a, _ = list(cluster.kubelets)
+    secret = tmp_path / "host-dir"
+    secret.mkdir()
+    for i in range(3):
+        (secret / f"host-secret-{i}").write_text("host secret\n")
+    p = workload("fakeshim", a, image=FAKE_SHIM_IMAGE, labels={"smr.dev/node-restore": "true"},
+                 env={"UPPER": str(secret)})
+    p["spec"]["containers"][0]["command"] = ["/bin/smr-init"]
+    cluster.kube.put("pods", p)
+    await cluster.until_steps("fakeshim", a, 3)
+    done = await checkpoint(cluster, "fakeshim", a, "fakeshim.main")
+    gen = await cluster.store.latest("default", "fakeshim.main")
+    names = [] if gen is None else tarfile.open(
+        fileobj=io.BytesIO(await _stored(cluster, gen, "rootfs.tar"))).getnames()
+    assert not [n for n in names if "host-secret" in n], \
+        f"the host directory {secret} was captured as the pod's layer: {names}"
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "unsafe-path-in-container", done.error
+    assert "mount namespace it made" in done.error["message"], done.error
+
+
 async def _smr_file(cluster: Cluster, pod: str, name: str) -> str:
     """A file of the pod's running container's /smr, or "" (the host's view)."""
     from services.containers import host

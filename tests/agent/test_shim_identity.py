@@ -1,0 +1,73 @@
+"""Which processes the node agent takes for a container's smr-init: PID 1 of
+a PID namespace the runtime made, never one a workload nests below it.
+
+A workload that may `unshare` (Kubernetes' default seccomp profile is
+Unconfined) makes PID namespaces of its own without privilege; PID 1 of such
+a namespace, named smr-init, would otherwise be scanned, answered and taken
+for its container's shim, with its own root, status and parent (whose
+working directory is where the agent looks for the runtime's bundle).
+Real namespaces (util-linux unshare), no container needed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from services.containers import host
+
+
+@pytest.fixture
+def named_smr_init(tmp_path: Path) -> Path:
+    link = tmp_path / host.SHIM_NAME
+    link.symlink_to("/bin/sleep")  # argv[0] ends in smr-init, as the agent checks
+    return link
+
+
+def _shims_under(argv: list[str]) -> list[int]:
+    """Run ``argv``; once its smr-init runs, the agent's shims among its descendants."""
+    p = subprocess.Popen(argv)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            mine = [q for q in host.all_pids() if p.pid in _ancestors(q)]
+            if any(_argv0(q).endswith(host.SHIM_NAME) for q in mine):
+                return [s.pid for s in host.shims() if s.pid in mine]
+            time.sleep(0.05)
+        raise AssertionError(f"{argv} never ran smr-init")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _argv0(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
+    except OSError:
+        return ""
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        out.append(pid)
+    return out
+
+
+def test_pid_1_of_a_namespace_nested_in_a_container_is_not_a_shim(named_smr_init: Path
+                                                                    ) -> None:
+    once = ["unshare", "--pid", "--fork", "--kill-child"]
+    # PID 1 of a namespace of the host's: a container's smr-init, as runc starts it.
+    assert _shims_under([*once, str(named_smr_init), "30"]), \
+        "PID 1 of a container's PID namespace named smr-init was not taken for a shim"
+    # PID 1 of a namespace inside that one: what a workload can make.
+    nested = _shims_under([*once, *once, str(named_smr_init), "30"])
+    assert not nested, (f"PID 1 of a PID namespace nested in a container was taken for its "
+                        f"smr-init: pid {nested}")
