@@ -27,13 +27,13 @@ def index_pod(index: int, turn: int, node: str) -> dict[str, Any]:
     """Index ``index``'s pod of admission ``turn``, as the Job controller
     makes it (owner, completion index), bound to ``node``."""
     p = workload(f"{JOB}-{index}-t{turn}", node, env={"SMR_CHECKPOINT": JOB}, owner=JOB,
-                 final_wait=40, grace=45)
+                 final_wait=80, grace=90)
     p["metadata"]["annotations"][INDEX] = str(index)
     p["metadata"]["labels"][INDEX] = str(index)
     return p
 
 
-async def gone(cluster: Cluster, name: str, timeout: float = 90) -> None:
+async def gone(cluster: Cluster, name: str, timeout: float = 150) -> None:
     for _ in range(int(timeout * 10)):
         if cluster.kube.get("pods", name, "default") is None:
             return
