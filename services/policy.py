@@ -4,7 +4,9 @@
                                              resumes from its latest checkpoint
     <prefix>/heartbeat-checkpoint: "<s>"     a checkpoint every <s> seconds
     env SMR_CHECKPOINT=<checkpoint id>       that container resumes from the id's
-                                             latest checkpoint at every start (Jobs)
+                                             latest checkpoint at every start (Jobs;
+                                             in an Indexed Job, each completion index
+                                             has its own: ``<id>-<index>``)
     <prefix>/restore-failure: fresh|fail     when a restore is refused or fails, the
                                              container starts over (default) or fails
     <prefix>/tcp-connections: auto|close     established TCP connections at a
@@ -43,6 +45,9 @@ START_FROM = "start-from"
 # A label value (at most 63 characters): the template's name.
 _TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 CHECKPOINT_ENV = ("SMR_CHECKPOINT", "CEDANA_CHECKPOINT")
+# Set by the Job controller on each pod of an Indexed Job (annotation, and a
+# label since Kubernetes 1.28): the index whose work the pod does.
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 _CHECKPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -173,6 +178,9 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
     if injected.startswith("skipped:"):
         problems.append(f"not protected: {injected.removeprefix('skipped:').strip()}")
 
+    # Index i of an Indexed Job resumes index i's state, whatever pod runs it.
+    index = str((meta.get("annotations") or {}).get(COMPLETION_INDEX)
+                or labels.get(COMPLETION_INDEX) or "")
     containers = []
     for c in (pod.get("spec") or {}).get("containers") or []:
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}
@@ -182,6 +190,13 @@ def pod_policy(pod: dict[str, Any], *, prefix: str, heartbeat_min: float,
                             "letters, digits, '.', '_' or '-', starting with a letter or "
                             "digit; ignored")
             named = None
+        if named is not None and index:
+            if index.isdigit() and _CHECKPOINT_ID.match(f"{named}-{index}"):
+                named = f"{named}-{index}"
+            else:
+                problems.append(f'container {c["name"]}: checkpoint id "{named}" with '
+                                f'completion index "{index[:20]}" is not a valid id; ignored')
+                named = None
         if named is not None:
             containers.append(ContainerPolicy(c["name"], named, from_env=True))
         elif node_restore or heartbeat:

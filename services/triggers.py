@@ -21,7 +21,11 @@ condition, its reason naming who; a plain ``DELETE`` sets none):
   the VPA updater, cluster-autoscaler, Karpenter) or
   ``DeletionByTaintManager`` (a NoExecute taint), on any node;
 - ``preempted``: ``PreemptionByScheduler``, priority preemption;
-- a pod deleted with no ``DisruptionTarget`` is the user's own decision
+- ``suspended``: a pod deleted with no ``DisruptionTarget`` whose Job has
+  ``spec.suspend: true`` (Kueue preempting its Workload, or anyone suspending
+  the Job): the Job controller's plain delete, read from the Job itself
+  (services/suspension); the Job's new pods resume from it when it runs again;
+- any other pod deleted with no ``DisruptionTarget`` is the user's own decision
   (``kubectl delete``, a controller scaling down): nothing, wherever it runs;
 - ``TerminationByKubelet`` on a Failed pod: graceful node shutdown (status
   reason ``Terminated``; the node's ``shutdown``) or a node-pressure eviction
@@ -63,9 +67,9 @@ PREEMPTION_CONDITIONS: dict[str, str] = {
 VM_EVENTS = ("Preempt", "Terminate", "Reboot", "Redeploy")
 SHUTTING_DOWN = "node is shutting down"  # the kubelet's Ready=False message
 # Reasons whose checkpoint is final (the module's docstring says why only these).
-FINAL = frozenset({"drain", "shutdown", "preempted"})
+FINAL = frozenset({"drain", "shutdown", "preempted", "suspended"})
 # The reason a message carries (its schema's enum): shutdown is a preemption.
-MESSAGE_REASON = {"shutdown": "preemption", "preempted": "preemption"}
+MESSAGE_REASON = {"shutdown": "preemption", "preempted": "preemption"}  # others: their name
 # DisruptionTarget reasons of a graceful deletion (the kubelet runs the pod's
 # preStop hook, which waits for the final checkpoint), and the pod signal each is.
 FINAL_DISRUPTIONS = {"EvictionByEvictionAPI": "drain", "DeletionByTaintManager": "drain",
@@ -117,17 +121,20 @@ def shut_down_by_kubelet(pod: dict[str, Any]) -> bool:
         and status.get("reason") == SHUTDOWN_STATUS
 
 
-def pod_reasons(pod: dict[str, Any], of_node: list[str]) -> list[str]:
-    """The checkpoints a pod gets (``of_node``: its node's reasons). A pod
-    being deleted by a disruption (the kubelet stops it once its preStop
-    hook has seen the final checkpoint): that one final checkpoint, on any
-    node, instead of leave-running ones, which would only spend its budget;
-    deleted with no disruption (the user's delete): none. Otherwise the
-    node's reasons; on a node shutting down, the final ``shutdown`` alone."""
+def pod_reasons(pod: dict[str, Any], of_node: list[str], *, suspended: bool = False
+                ) -> list[str]:
+    """The checkpoints a pod gets (``of_node``: its node's reasons;
+    ``suspended``: its Job has ``spec.suspend: true``). A pod being deleted
+    by a disruption (the kubelet stops it once its preStop hook has seen the
+    final checkpoint): that one final checkpoint, on any node, instead of
+    leave-running ones, which would only spend its budget; deleted by its
+    suspended Job: the final ``suspended``; deleted with no disruption (the
+    user's delete): none. Otherwise the node's reasons; on a node shutting
+    down, the final ``shutdown`` alone."""
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         by = disruption(pod)
         if by is None:
-            return []
+            return ["suspended"] if suspended else []
         if by in FINAL_DISRUPTIONS:
             return [FINAL_DISRUPTIONS[by]]
     final = [r for r in of_node if r in FINAL]
@@ -135,8 +142,8 @@ def pod_reasons(pod: dict[str, Any], of_node: list[str]) -> list[str]:
 
 
 def final_expected(pod: dict[str, Any], node: dict[str, Any] | None,
-                   extra_taints: tuple[str, ...] = ()) -> bool:
+                   extra_taints: tuple[str, ...] = (), *, suspended: bool = False) -> bool:
     """Does the watcher ask for a final checkpoint of ``pod``, on ``node``
     (None: deleted)? As ``pod_reasons`` says."""
     reasons = ["node-deleted"] if node is None else list(node_reasons(node, extra_taints))
-    return any(r in FINAL for r in pod_reasons(pod, reasons))
+    return any(r in FINAL for r in pod_reasons(pod, reasons, suspended=suspended))

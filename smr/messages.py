@@ -17,9 +17,10 @@ from smr import contract
 SCHEMA_VERSION = 1
 
 # "template": a warm pod's leave-running checkpoint that new replicas start
-# from (docs/warm-start.md).
+# from (docs/warm-start.md). "suspended": the final checkpoint of a pod whose
+# Job was suspended (a batch queue's preemption, services/suspension).
 Reason = Literal["cordon", "drain", "node-deleted", "preemption", "heartbeat", "api",
-                 "template"]
+                 "template", "suspended"]
 # "superseded": a checkpoint stored, but after a later dump of it (latest stays there).
 Status = Literal["succeeded", "failed", "superseded"]
 

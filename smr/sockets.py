@@ -34,7 +34,7 @@ Tcp = Literal["keep", "close"]
 POLICIES = ("auto", "close")  # what a workload may choose (smr exec --tcp, pod label)
 
 # Reasons that mean the node is going away: the restore will be elsewhere.
-LEAVING = frozenset({"drain", "preemption", "node-deleted"})
+LEAVING = frozenset({"drain", "preemption", "node-deleted", "suspended"})
 
 _TCP_STATES = {"01": "established", "0A": "listening"}
 

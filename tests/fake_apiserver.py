@@ -81,11 +81,16 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
                                       "/apis/admissionregistration.k8s.io/v1"),
     "runtimeclasses": ("RuntimeClass", False, "/apis/node.k8s.io/v1"),
     "poddisruptionbudgets": ("PodDisruptionBudget", True, "/apis/policy/v1"),
+    "jobs": ("Job", True, "/apis/batch/v1"),
+    # Kueue's custom resource, served as its CRD makes a real server serve it.
+    "workloads": ("Workload", True, "/apis/kueue.x-k8s.io/v1beta1"),
 }
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
-               "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1"}
+               "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1",
+               "/apis/batch/v1": "batch/v1",
+               "/apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io/v1beta1"}
 GROUPS = {prefix: "" if prefix == "/api/v1" else prefix.split("/")[2] for prefix in API_VERSION}
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",

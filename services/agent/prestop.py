@@ -4,9 +4,10 @@ The watcher asks for a final checkpoint of a pod being deleted only when a
 disruption deletes it (services/triggers: ``final_expected``): an eviction
 through the Eviction API (``kubectl drain``, the descheduler), scheduler
 preemption, the taint manager, each marking the pod ``DisruptionTarget``
-before its deletion. A plain ``kubectl delete`` of an opted-in pod gets
-none, wherever it runs, and its preStop hook (``smr-init --wait-final``)
-would wait its whole time (60 s by default) before the kubelet's SIGTERM.
+before its deletion, or its Job being suspended (services/suspension). A
+plain ``kubectl delete`` of an opted-in pod gets none, wherever it runs,
+and its preStop hook (``smr-init --wait-final``) would wait its whole time
+(60 s by default) before the kubelet's SIGTERM.
 The agent sees each hook that waits (its ``waiter`` file in smr-init's
 directory) and, for a pod being deleted with no final checkpoint coming
 (its node read afresh), writes ``final``: ``none ...``. The hook prints it
@@ -32,6 +33,7 @@ from services.containers import host
 from services.containers.confined import UnsafePath
 from services.containers.host import Shim
 from services.containers.pods import Pods
+from services.suspension import suspension_of
 from services.triggers import final_expected
 from smr.aio import wait_event
 from smr.errors import SmrError
@@ -87,6 +89,11 @@ class PreStopWaits:
             if not read:  # once a scan, and only for a pod being deleted
                 node, read = await self._node(), True
             if final_expected(pod, node, self.extra_taints):
+                continue
+            # Deleted by its suspended Job (a queue's preemption): the watcher
+            # asks for its final checkpoint. Read fresh: raises if the Job
+            # cannot be read, and the hook is looked at again next scan.
+            if await suspension_of(self.pods.core.api_client, pod) is not None:
                 continue
             log.info("pod %s/%s is deleted on node %s, not by a disruption: its preStop "
                      "hook waits for no final checkpoint", pod["metadata"]["namespace"],

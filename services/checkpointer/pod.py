@@ -224,7 +224,14 @@ class PodCheckpointStep(PodStep):
                 "stdio": host.stdio(pid),
                 "sockets": {**sockets.inventory(host.tree(pid)), "tcp": tcp}, "gpu": gpu,
                 "dump": stamp}))
-            signalled = await asyncio.to_thread(shim.hold, True)
+            try:
+                signalled = await asyncio.to_thread(shim.hold, True)
+            except (FileNotFoundError, ProcessLookupError):
+                # The kubelet stopped the container meanwhile (its grace ran
+                # out): nothing is frozen yet, and nothing is left to save.
+                raise PermanentError(f"{req.target} exited before its checkpoint began "
+                                     f"(its smr-init, pid {shim.pid}, is gone); nothing "
+                                     "was saved", code="job-exited") from None
             holding = asyncio.create_task(_keep_holding(shim))
             try:
                 if signalled is not None:

@@ -43,6 +43,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.checkpointer.admission import agent_windows
 from services.policy import PodPolicy, policy_for
+from services.suspension import owner_job, suspension_of
 from services.triggers import (
     FINAL,
     FINAL_DISRUPTIONS,
@@ -120,6 +121,7 @@ class Watcher:
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
         self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
+        self._suspended: set[str] = set()  # pods (uids) deleted by their suspended Job
         self._templated: dict[str, set[str]] = {}  # pod uid → template requests looked at
         self._template_failed: set[str] = set()  # pod uids whose template request failed
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -363,6 +365,7 @@ class Watcher:
             if kind == "DELETED":
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
+                self._suspended.discard(uid)
                 self._templated.pop(uid, None)
                 self._template_failed.discard(uid)
             elif shut_down_by_kubelet(pod) and uid not in self._replacing:
@@ -384,11 +387,31 @@ class Watcher:
             # scheduler): its preStop hook waits for this final checkpoint.
             await self._publish_requests([r for reason in pod_reasons(pod, [])
                                           for r in self._drain_requests(pod, "", reason)])
+        elif policy.opted_in and node and meta.get("deletionTimestamp") \
+                and disruption(pod) is None and owner_job(pod) and uid not in self._suspended:
+            await self._on_suspension(pod)
         if policy.snapshot_when_ready:
             if is_ready(pod):
                 await self._take_template(pod, policy)
             elif old is not None and is_ready(old):
                 await self._template_turn_ended(pod, policy)
+
+    async def _on_suspension(self, pod: dict[str, Any]) -> None:
+        """A Job's pod deleted with no disruption: if its Job is suspended (a
+        queue preempting it), the final checkpoint its preStop hook waits
+        for, and an Event saying who suspended it. A Job that cannot be read
+        raises: the informer hands the pod in again."""
+        found = await suspension_of(self.api, pod)
+        if found is None:
+            return
+        meta = pod["metadata"]
+        self._suspended.add(meta["uid"])
+        log.info("pod %s/%s: Job %s is suspended (%s); taking its final checkpoint",
+                 meta["namespace"], meta["name"], found.job, found.detail)
+        self._spawn(self._post(meta, found.event_reason, f"final checkpoint: {found.detail}",
+                               f"{meta['uid']}:{found.event_reason}"))
+        await self._publish_requests([r for reason in pod_reasons(pod, [], suspended=True)
+                                      for r in self._drain_requests(pod, "", reason)])
 
     async def _take_template(self, pod: dict[str, Any], policy: PodPolicy) -> None:
         """A warm pod's template, once (services/watcher/templates). Raising
