@@ -36,8 +36,12 @@ SYNC_AFTER_S = 30.0
 
 
 async def take(lock: JobLock, key: str, request_id: str) -> dict[str, Any]:
-    """The stamp of a dump about to start, under the lock ``key`` we hold."""
-    return {"seq": await lock.sequence(key, request_id), "lock_epoch": await lock.epoch(),
+    """The stamp of a dump about to start, under the lock ``key`` we hold.
+    The bucket's epoch is read before the sequence: a bucket made again in
+    between holds no lock of ours, and ``sequence`` refuses (lock-lost), so
+    a sequence is never stamped with another bucket's epoch."""
+    epoch = await lock.epoch()
+    return {"seq": await lock.sequence(key, request_id), "lock_epoch": epoch,
             "started_at": now(), "boot_id": boot_id()}
 
 
