@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def boot_id() -> str:
     """This boot's id: it changes on every boot, so it tells a file written
     before a reboot from one written since."""
     return BOOT_ID.read_text().strip()
+
+
+def booted_at() -> float:
+    """When this boot began (epoch seconds, /proc/stat btime: whole seconds,
+    so up to a second early)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return time.time()  # never: every Linux has it; then nothing dates from this boot
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -78,6 +88,26 @@ class ProcessIdentity:
             if ident.pid > 0:
                 return ident
         return None
+
+    @classmethod
+    def started_before(cls, pid: int, path: Path) -> ProcessIdentity | None:
+        """``pid``'s identity if that process started before ``path`` was
+        written, in this boot; else None. CRIU writes its pidfile once the
+        tree it restored runs, so the process it names started before the
+        file; one that took the PID once that process ended started after.
+        (Start ticks are dated from the boot's start, known to the second:
+        only a process that took the PID within a second of the pidfile
+        could pass for the restored one.)"""
+        ident = cls.of(pid)
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            return None
+        boot = booted_at()
+        if ident is None or written < boot:
+            return None
+        started = boot + ident.start_ticks / os.sysconf("SC_CLK_TCK")
+        return ident if started <= written else None
 
     @classmethod
     def read_match(cls, path: Path) -> ProcessIdentity | None:

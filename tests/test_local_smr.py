@@ -29,10 +29,19 @@ import pytest
 from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, message_subject
+from smr.bus import (
+    KV_JOBS,
+    KV_LOCKS,
+    KV_STEPS,
+    Bus,
+    BusConfig,
+    Progress,
+    StepLocks,
+    message_subject,
+)
 from smr.criu import Criu
 from smr.errors import SmrError
-from smr.identity import ProcessIdentity
+from smr.identity import ProcessIdentity, booted_at
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
@@ -498,6 +507,70 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     assert record.restored_by == restored.request_id
 
 
+def copies(h: Harness) -> list[int]:
+    """The counter processes running in this test's directory: each copy of
+    a job it started or restored (smr-init's own command line left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            here = os.readlink(entry / "cwd") == str(h.tmp)
+        except OSError:
+            continue
+        if here and argv[0] == sys.executable.encode() and b"smr.workloads.counter" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_restore_whose_worker_died_as_criu_returned_is_not_run_twice(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker dies the moment CRIU has restored the job, before it could
+    write who CRIU restored (a SIGKILL then, or CRIU finishing on its own
+    after its worker died). The redelivery adopts the process CRIU restored
+    and records it: the job never runs as two copies."""
+    import services.restorer.step as restorer
+
+    step = h.node.workers[1].step
+    assert isinstance(step, restorer.RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+
+    class DiesAsCriuReturns(ProcessIdentity):
+        @classmethod
+        def of(cls, pid: int) -> ProcessIdentity | None:
+            h.pids.append(pid)  # ended by the test's cleanup, whatever happens
+            raise asyncio.CancelledError  # nothing after this point runs
+
+    with monkeypatch.context() as m:
+        m.setattr(restorer, "ProcessIdentity", DiesAsCriuReturns)
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(rr, Progress())
+    first = h.pids[-1]
+    assert copies(h) and proc_start_ticks(first) is not None
+    await h.bus.kv(KV_STEPS).put(rr.request_id, json.dumps({
+        "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
+        "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(rr),
+        "phase": "restore", "checkpoint_id": job.id}).encode())
+
+    restored = await h.bus.request(rr, timeout=120)
+    assert isinstance(restored, RestoreDone) and restored.status == "succeeded", \
+        restored.error
+    if restored.pid:
+        h.pids.append(restored.pid)
+    await asyncio.sleep(0.5)
+    running = copies(h)
+    assert len(running) == 1, \
+        f"job {job.id} runs as {len(running)} copies ({running}): the process CRIU " \
+        f"restored (pid {first}) was not adopted, and the redelivery restored another " \
+        f"(pid {restored.pid})"
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid == first and record.alive() and record.restored_by == rr.request_id
+
+
 @pytest.fixture
 def bystander() -> Iterator[subprocess.Popen[bytes]]:
     """An unrelated process, nothing to do with smr (``sleep``)."""
@@ -549,6 +622,34 @@ async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pi
     await asyncio.sleep(0.3)
     assert bystander.poll() is None, \
         f"the bystander was killed by the job's checkpoint (returncode {bystander.poll()})"
+
+
+async def test_a_restore_recovery_with_only_criu_s_pidfile_never_adopts_a_later_process(
+        h: Harness, bystander: subprocess.Popen[bytes]) -> None:
+    """Only CRIU's pidfile is left (its worker died before naming the
+    process), and a process that started after CRIU wrote it holds the PID
+    now: the restored process ended and a stranger took its number. Nothing
+    is adopted: the restore counts as not done."""
+    from services.restorer.step import RestoreStep
+
+    step = h.node.workers[1].step
+    assert isinstance(step, RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+    pidfile = step.work_dir / rr.request_id / "restored.pid"
+    pidfile.parent.mkdir(parents=True)
+    pidfile.write_text(str(bystander.pid))
+    ident = ProcessIdentity.of(bystander.pid)
+    assert ident is not None
+    started = booted_at() + ident.start_ticks / os.sysconf("SC_CLK_TCK")
+    written = started - 5  # CRIU wrote it 5 s before the bystander started
+    os.utime(pidfile, (written, written))
+
+    assert await step.recover(rr, {"state": "running"}) is None
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid != bystander.pid and bystander.poll() is None
 
 
 async def test_a_restore_never_overwrites_a_job_record_written_while_it_ran(

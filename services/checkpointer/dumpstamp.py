@@ -23,12 +23,11 @@ stops with a finished dump (``smr up`` stopping, a rollout) fsyncs at once.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 from smr.errors import PermanentError
-from smr.identity import boot_id
+from smr.identity import boot_id, booted_at
 from smr.jobs import JobLock
 from smr.messages import now
 
@@ -62,14 +61,6 @@ def sync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def booted_at() -> float:
-    """When this boot began (epoch seconds, /proc/stat btime)."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("btime "):
-            return float(line.split()[1])
-    return time.time()  # never: every Linux has it; then no unstamped dump is trusted
 
 
 def check_trusted(stamp: dict[str, Any] | None, synced: bool, images: Path, what: str,

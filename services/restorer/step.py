@@ -275,7 +275,7 @@ class RestoreStep(LocalJobStep):
         # the job, then dumped and killed by its next checkpoint. Without a
         # match the restore is not done: it runs again, and nothing is
         # killed that is not ours.
-        ident = ProcessIdentity.read_match(self.work_dir / req.request_id / IDENTITY)
+        ident = restored_process(self.work_dir / req.request_id)
         if ident is None:
             if (self.work_dir / req.request_id / "restored.pid").exists():
                 log.info("restore %s: the process it restored no longer runs (or its PID "
@@ -403,6 +403,23 @@ def kernel_lines(pid: int, limit: int = 3) -> list[str]:
     finally:
         os.close(fd)
     return found[-limit:]
+
+
+def restored_process(work: Path) -> ProcessIdentity | None:
+    """The process a restore in ``work`` had CRIU restore, if it still runs:
+    by the identity written as CRIU returned, or, where its worker died
+    before writing it (at that very moment, or CRIU finished on its own
+    after its worker died), by CRIU's pidfile and a process that started
+    before CRIU wrote it (smr.identity). Without either the restore runs
+    again beside a restored process nobody tracks: two copies of the job."""
+    pidfile = work / "restored.pid"
+    if (work / IDENTITY).exists():
+        return ProcessIdentity.read_match(work / IDENTITY)
+    try:
+        pid = int(pidfile.read_text())
+    except (OSError, ValueError):
+        return None  # CRIU wrote none (or not whole): it restored nothing that runs
+    return ProcessIdentity.started_before(pid, pidfile) if pid > 0 else None
 
 
 def _kill_ours(ident: ProcessIdentity) -> None:
