@@ -624,6 +624,52 @@ async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pi
         f"the bystander was killed by the job's checkpoint (returncode {bystander.poll()})"
 
 
+async def test_a_restore_recovered_after_another_restore_of_its_job_never_overwrites_it(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore's worker dies after CRIU restored the job and it wrote who,
+    before the job's record; the user restores the job again meanwhile, and
+    that restore is recorded. The first one's recovery then finds the record
+    naming that other live process: it ends the process it restored and
+    answers job-running, never writing over the record. One copy runs, and
+    the registry knows it."""
+    import services.restorer.step as restorer
+
+    step = h.node.workers[1].step
+    assert isinstance(step, restorer.RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    first = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                             target=Target.job(job.id), node=h.settings.node)
+
+    async def dies_before_the_record(self: restorer.RestoreStep, pid: int, *args: Any,
+                                     **kw: Any) -> None:
+        h.pids.append(pid)
+        raise asyncio.CancelledError  # nothing after this point runs
+
+    with monkeypatch.context() as m:
+        m.setattr(restorer.RestoreStep, "_running", dies_before_the_record)
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(first, Progress())
+    await h.bus.kv(KV_STEPS).put(first.request_id, json.dumps({
+        "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
+        "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(first),
+        "phase": "restore", "checkpoint_id": job.id}).encode())
+    again = await h.restore(job.id)
+    assert again.status == "succeeded" and again.pid, again.error
+
+    recovered = await h.bus.request(first, timeout=120)
+    assert isinstance(recovered, RestoreDone)
+    await asyncio.sleep(0.5)
+    record, _ = await h.jobs.get(job.id)
+    running = copies(h)
+    assert len(running) == 1 and record.pid == again.pid and record.alive(), \
+        f"job {job.id} runs as {len(running)} copies ({running}); its record names pid " \
+        f"{record.pid} (restored by {record.restored_by}), the second restore's is " \
+        f"{again.pid}; the first one's recovery answered {recovered.status}"
+    assert recovered.status == "failed" and recovered.error, recovered
+    assert recovered.error["code"] == "job-running"
+
+
 async def test_a_restore_recovery_with_only_criu_s_pidfile_never_adopts_a_later_process(
         h: Harness, bystander: subprocess.Popen[bytes]) -> None:
     """Only CRIU's pidfile is left (its worker died before naming the

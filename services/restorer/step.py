@@ -282,6 +282,21 @@ class RestoreStep(LocalJobStep):
                          "is another's now); the restore runs again", req.request_id)
             return None
         pid = ident.pid
+        if job is not None and job.alive():
+            # Another process was recorded as the job since this restore read
+            # its record (`smr exec`, or the job restored again while this one
+            # waited for its recovery): written over, it would run on unknown
+            # to the registry, a second copy. Ours is ended, as run() ends one
+            # that loses the record.
+            _kill_ours(ident)
+            shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
+            await self.lock.release(job_id, req.request_id)
+            return RestoreDone.for_request(req, status="failed", error=PermanentError(
+                f"job {job_id} was recorded as pid {job.pid} ({job.restored_by or 'smr exec'}) "
+                f"while this restore awaited its recovery; the process it restored (pid {pid}) "
+                "is ended", code="job-running",
+                hint=f"`smr ps` shows it; to restore beside it: smr restore "
+                     f"{req.checkpoint_id} --as NEW_ID").as_dict())
         try:
             gen = await self._generation(req)
         except Exception as e:
