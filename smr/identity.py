@@ -90,24 +90,26 @@ class ProcessIdentity:
         return None
 
     @classmethod
-    def started_before(cls, pid: int, path: Path) -> ProcessIdentity | None:
-        """``pid``'s identity if that process started before ``path`` was
-        written, in this boot; else None. CRIU writes its pidfile once the
-        tree it restored runs, so the process it names started before the
-        file; one that took the PID once that process ended started after.
-        (Start ticks are dated from the boot's start, known to the second:
-        only a process that took the PID within a second of the pidfile
-        could pass for the restored one.)"""
+    def started_between(cls, pid: int, begun: Path, written: Path) -> ProcessIdentity | None:
+        """``pid``'s identity if that process started after ``begun`` and
+        before ``written`` were written, in this boot; else None. A restore
+        writes ``begun`` as it starts CRIU, and CRIU writes its pidfile
+        (``written``) once the tree it restored runs: the process it names
+        started in between. One that held the PID before, or took it once
+        that process ended, started outside. (Start ticks are dated from the
+        boot's start, known to the second: only a process started within a
+        second of either file could pass for the restored one.)"""
         ident = cls.of(pid)
         try:
-            written = path.stat().st_mtime
+            after, before = begun.stat().st_mtime, written.stat().st_mtime
         except OSError:
             return None
         boot = booted_at()
-        if ident is None or written < boot:
+        if ident is None or after < boot:
             return None
+        # ``boot`` is up to a second early, so ``started`` is too.
         started = boot + ident.start_ticks / os.sysconf("SC_CLK_TCK")
-        return ident if started <= written else None
+        return ident if after - 1.0 < started <= before else None
 
     @classmethod
     def read_match(cls, path: Path) -> ProcessIdentity | None:

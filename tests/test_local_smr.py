@@ -670,13 +670,16 @@ async def test_a_restore_recovered_after_another_restore_of_its_job_never_overwr
     assert recovered.error["code"] == "job-running"
 
 
-async def test_a_restore_recovery_with_only_criu_s_pidfile_never_adopts_a_later_process(
-        h: Harness, bystander: subprocess.Popen[bytes]) -> None:
+@pytest.mark.parametrize("began,wrote", [(-10, -5), (2, 4)],
+                         ids=["took-the-pid-after-the-pidfile", "held-the-pid-before-criu"])
+async def test_a_restore_recovery_with_only_criu_s_pidfile_never_adopts_another_process(
+        h: Harness, bystander: subprocess.Popen[bytes], began: float, wrote: float) -> None:
     """Only CRIU's pidfile is left (its worker died before naming the
-    process), and a process that started after CRIU wrote it holds the PID
-    now: the restored process ended and a stranger took its number. Nothing
-    is adopted: the restore counts as not done."""
-    from services.restorer.step import RestoreStep
+    process), and the PID is held by a process that did not start while
+    CRIU restored: one that took the number once the restored process
+    ended, or one that held it all along. Nothing is adopted: the restore
+    counts as not done."""
+    from services.restorer.step import BEGUN, RestoreStep
 
     step = h.node.workers[1].step
     assert isinstance(step, RestoreStep)
@@ -684,14 +687,16 @@ async def test_a_restore_recovery_with_only_criu_s_pidfile_never_adopts_a_later_
     assert (await h.checkpoint(job.id)).status == "succeeded"
     rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
                           target=Target.job(job.id), node=h.settings.node)
-    pidfile = step.work_dir / rr.request_id / "restored.pid"
-    pidfile.parent.mkdir(parents=True)
-    pidfile.write_text(str(bystander.pid))
+    work = step.work_dir / rr.request_id
+    work.mkdir(parents=True)
+    (work / "restored.pid").write_text(str(bystander.pid))
     ident = ProcessIdentity.of(bystander.pid)
     assert ident is not None
     started = booted_at() + ident.start_ticks / os.sysconf("SC_CLK_TCK")
-    written = started - 5  # CRIU wrote it 5 s before the bystander started
-    os.utime(pidfile, (written, written))
+    # When CRIU began and when it wrote the pidfile, against the bystander's start.
+    (work / BEGUN).touch()
+    os.utime(work / BEGUN, (started + began, started + began))
+    os.utime(work / "restored.pid", (started + wrote, started + wrote))
 
     assert await step.recover(rr, {"state": "running"}) is None
     record, _ = await h.jobs.get(job.id)

@@ -31,6 +31,8 @@ log = logging.getLogger("smr.restorer")
 
 # Beside CRIU's restored.pid: the restored process's identity (smr.identity).
 IDENTITY = "restored.id"
+# Written as CRIU starts: the restored process started after it.
+BEGUN = "restore.begun"
 
 
 class RestoreStep(LocalJobStep):
@@ -117,6 +119,8 @@ class RestoreStep(LocalJobStep):
             fds.append(fd)
             inherit[log] = fd
         pidfile = work / "restored.pid"
+        work.mkdir(parents=True, exist_ok=True)
+        (work / BEGUN).touch()  # dates the restored process, if its worker dies (recover)
         # A GPU process stays stopped until its GPU state is back (_gpu_back).
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
         try:
@@ -425,8 +429,9 @@ def restored_process(work: Path) -> ProcessIdentity | None:
     by the identity written as CRIU returned, or, where its worker died
     before writing it (at that very moment, or CRIU finished on its own
     after its worker died), by CRIU's pidfile and a process that started
-    before CRIU wrote it (smr.identity). Without either the restore runs
-    again beside a restored process nobody tracks: two copies of the job."""
+    between CRIU's start and that file (smr.identity). Without either the
+    restore runs again beside a restored process nobody tracks: two copies
+    of the job."""
     pidfile = work / "restored.pid"
     if (work / IDENTITY).exists():
         return ProcessIdentity.read_match(work / IDENTITY)
@@ -434,7 +439,7 @@ def restored_process(work: Path) -> ProcessIdentity | None:
         pid = int(pidfile.read_text())
     except (OSError, ValueError):
         return None  # CRIU wrote none (or not whole): it restored nothing that runs
-    return ProcessIdentity.started_before(pid, pidfile) if pid > 0 else None
+    return ProcessIdentity.started_between(pid, work / BEGUN, pidfile) if pid > 0 else None
 
 
 def _kill_ours(ident: ProcessIdentity) -> None:
