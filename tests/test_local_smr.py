@@ -28,7 +28,7 @@ import pytest
 
 from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
-from smr import config
+from smr import config, reaper
 from smr.bus import (
     KV_JOBS,
     KV_LOCKS,
@@ -40,7 +40,7 @@ from smr.bus import (
     message_subject,
 )
 from smr.criu import Criu
-from smr.errors import SmrError
+from smr.errors import SmrError, TemporaryError
 from smr.identity import ProcessIdentity, booted_at
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
@@ -627,11 +627,12 @@ async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pi
 async def test_a_restore_recovered_after_another_restore_of_its_job_never_overwrites_it(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore's worker dies after CRIU restored the job and it wrote who,
-    before the job's record; the user restores the job again meanwhile, and
-    that restore is recorded. The first one's recovery then finds the record
-    naming that other live process: it ends the process it restored and
-    answers job-running, never writing over the record. One copy runs, and
-    the registry knows it."""
+    before the job's record; the job is started again under its id
+    meanwhile (`smr exec`), and recorded. The restore's recovery then finds
+    the record naming that other live process: it ends the process it
+    restored and answers job-running, never writing over the record. One
+    copy runs, and the registry knows it. (Another restore of the job
+    waits for that recovery instead: the test above.)"""
     import services.restorer.step as restorer
 
     step = h.node.workers[1].step
@@ -654,8 +655,7 @@ async def test_a_restore_recovered_after_another_restore_of_its_job_never_overwr
         "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
         "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(first),
         "phase": "restore", "checkpoint_id": job.id}).encode())
-    again = await h.restore(job.id)
-    assert again.status == "succeeded" and again.pid, again.error
+    again = await h.start(8, job_id=job.id)
 
     recovered = await h.bus.request(first, timeout=120)
     assert isinstance(recovered, RestoreDone)
@@ -664,10 +664,78 @@ async def test_a_restore_recovered_after_another_restore_of_its_job_never_overwr
     running = copies(h)
     assert len(running) == 1 and record.pid == again.pid and record.alive(), \
         f"job {job.id} runs as {len(running)} copies ({running}); its record names pid " \
-        f"{record.pid} (restored by {record.restored_by}), the second restore's is " \
-        f"{again.pid}; the first one's recovery answered {recovered.status}"
+        f"{record.pid} (restored by {record.restored_by}), smr exec's is " \
+        f"{again.pid}; the restore's recovery answered {recovered.status}"
     assert recovered.status == "failed" and recovered.error, recovered
     assert recovered.error["code"] == "job-running"
+
+
+@pytest.mark.parametrize("then", ["recorded", "ended"])
+async def test_a_restore_never_starts_beside_an_unrecorded_restore_of_its_job(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, then: str) -> None:
+    """A restore's worker dies after CRIU restored the job, before the job's
+    record; the job is restored again before that restore's recovery. The
+    second restore finds the first one's live process and answers a
+    temporary job-busy (the bus retries it) instead of restoring beside it.
+    Once the first recovery records its process, the second answers
+    job-running; once that process has ended, the second restores."""
+    import services.restorer.step as restorer
+
+    step = h.node.workers[1].step
+    assert isinstance(step, restorer.RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+
+    def request() -> RestoreRequested:
+        return RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                                target=Target.job(job.id), node=h.settings.node)
+
+    async def dies_before_the_record(self: restorer.RestoreStep, pid: int, *args: Any,
+                                     **kw: Any) -> None:
+        h.pids.append(pid)
+        raise asyncio.CancelledError  # nothing after this point runs
+
+    first, second = request(), request()
+    with monkeypatch.context() as m:
+        m.setattr(restorer.RestoreStep, "_running", dies_before_the_record)
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(first, Progress())
+    restored = copies(h)
+    assert len(restored) == 1, restored
+
+    outcome: Any
+    try:
+        outcome = await step.run(second, Progress())
+        h.pids.append(outcome.pid)
+    except SmrError as e:
+        outcome = e
+    running = copies(h)
+    assert running == restored, \
+        f"job {job.id} runs as {len(running)} copies ({running}): the second restore " \
+        f"answered {getattr(outcome, 'status', outcome)} beside the first one's unrecorded " \
+        f"process ({restored})"
+    assert isinstance(outcome, TemporaryError) and outcome.code == "job-busy", outcome
+    assert first.request_id in outcome.message, outcome.message
+
+    if then == "recorded":
+        recovered = await step.recover(first, {"state": "running"})
+        assert recovered is not None and recovered.status == "succeeded", recovered
+        with pytest.raises(SmrError) as refused:
+            await step.run(second, Progress())
+        assert refused.value.code == "job-running", refused.value
+        assert copies(h) == restored
+        return
+    # The first one's process ended (it exited, or its recovery ended it):
+    # nothing holds the job any more, and the second restore goes ahead.
+    ident = ProcessIdentity.read_match(step.work_dir / first.request_id / IDENTITY)
+    assert ident is not None
+    os.kill(ident.pid, signal.SIGKILL)
+    while ident.matches() or copies(h):
+        reaper.reap()
+        await asyncio.sleep(0.05)
+    again = await step.run(second, Progress())
+    h.pids.append(again.pid)
+    assert again.status == "succeeded" and len(copies(h)) == 1, (again, copies(h))
 
 
 @pytest.mark.parametrize("began,wrote", [(-10, -5), (2, 4)],

@@ -20,7 +20,7 @@ from smr import gpugate, gpupairs, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.cuda_checkpoint import CudaError
-from smr.errors import PermanentError
+from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobChanged
@@ -33,6 +33,9 @@ log = logging.getLogger("smr.restorer")
 IDENTITY = "restored.id"
 # Written as CRIU starts: the restored process started after it.
 BEGUN = "restore.begun"
+# Written just before BEGUN: the job this restore restores, so that
+# another restore of it finds the process this one left unrecorded.
+TARGET = "restore.job"
 
 
 class RestoreStep(LocalJobStep):
@@ -54,6 +57,7 @@ class RestoreStep(LocalJobStep):
                     hint=f"stop it first (`smr kill {job_id}`), or restore beside it under "
                          f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
                 )
+            self._not_restored_by_another(req, job_id)
             gen = await self._generation(req)
             pairs = self._gpu_pairs(req, gen)  # before any byte moves
             shutil.rmtree(work, ignore_errors=True)
@@ -120,6 +124,7 @@ class RestoreStep(LocalJobStep):
             inherit[log] = fd
         pidfile = work / "restored.pid"
         work.mkdir(parents=True, exist_ok=True)
+        (work / TARGET).write_text(self.job_id(req.target))
         (work / BEGUN).touch()  # dates the restored process, if its worker dies (recover)
         # A GPU process stays stopped until its GPU state is back (_gpu_back).
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
@@ -176,6 +181,33 @@ class RestoreStep(LocalJobStep):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             raise
+
+    def _not_restored_by_another(self, req: RestoreRequested, job_id: str) -> None:
+        """Refuse, for now, while another restore of ``job_id`` left a live
+        process it has not recorded (its worker died after CRIU, before the
+        record; the job lock it held has gone stale): restored beside it,
+        the job would run twice until that restore's recovery ends one.
+        Temporary: the bus retries this restore, and that recovery either
+        records the process (this one then answers job-running) or ends it
+        (this one then restores)."""
+        for target in self.work_dir.glob(f"*/{TARGET}"):
+            work = target.parent
+            if work.name == req.request_id:
+                continue
+            try:
+                if target.read_text() != job_id:
+                    continue
+            except OSError:
+                continue
+            if (ident := restored_process(work)) is None:
+                continue  # that restore's process is gone: nothing runs twice
+            raise TemporaryError(
+                f"job {job_id} runs as pid {ident.pid}, restored by request {work.name}, "
+                "whose worker stopped before recording it; a restore now would run the "
+                "job twice", code="job-busy",
+                hint=f"retried: that restore's recovery records its process (this restore "
+                     f"then answers job-running) or ends it (this one then restores); if "
+                     f"that request is never answered, end pid {ident.pid} and restore again")
 
     async def _pids_free(self, dumped: dict[str, Any], progress: Progress,
                          durations: dict[str, float]) -> None:
