@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def boot_id() -> str:
     """This boot's id: it changes on every boot, so it tells a file written
     before a reboot from one written since."""
     return BOOT_ID.read_text().strip()
+
+
+def booted_at() -> float:
+    """When this boot began (epoch seconds, /proc/stat btime: whole seconds,
+    so up to a second early)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return time.time()  # never: every Linux has it; then nothing dates from this boot
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -78,6 +88,28 @@ class ProcessIdentity:
             if ident.pid > 0:
                 return ident
         return None
+
+    @classmethod
+    def started_between(cls, pid: int, begun: Path, written: Path) -> ProcessIdentity | None:
+        """``pid``'s identity if that process started after ``begun`` and
+        before ``written`` were written, in this boot; else None. A restore
+        writes ``begun`` as it starts CRIU, and CRIU writes its pidfile
+        (``written``) once the tree it restored runs: the process it names
+        started in between. One that held the PID before, or took it once
+        that process ended, started outside. (Start ticks are dated from the
+        boot's start, known to the second: only a process started within a
+        second of either file could pass for the restored one.)"""
+        ident = cls.of(pid)
+        try:
+            after, before = begun.stat().st_mtime, written.stat().st_mtime
+        except OSError:
+            return None
+        boot = booted_at()
+        if ident is None or after < boot:
+            return None
+        # ``boot`` is up to a second early, so ``started`` is too.
+        started = boot + ident.start_ticks / os.sysconf("SC_CLK_TCK")
+        return ident if after - 1.0 < started <= before else None
 
     @classmethod
     def read_match(cls, path: Path) -> ProcessIdentity | None:

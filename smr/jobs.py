@@ -350,7 +350,6 @@ class JobLock:
         self.wait_s = wait_s
         self.stale_after = stale_after
         self.poll_s = poll_s
-        self._epoch = ""
 
     async def acquire(self, job_id: str, request_id: str,
                       waiting: Callable[[str], None] | None = None) -> None:
@@ -442,14 +441,16 @@ class JobLock:
             hint="the request is retried; if this repeats, see why its heartbeats stopped")
 
     async def epoch(self) -> str:
-        """Which lock bucket numbered the sequences (its stream's creation
+        """Which lock bucket numbers the sequences now (its stream's creation
         time): sequences of a bucket made again start over, and are never
-        compared with the old ones."""
-        if not self._epoch:
-            status = await self.kv.status()
-            created = status.stream_info.created
-            self._epoch = created.isoformat() if created else ""
-        return self._epoch
+        compared with the old ones. Asked each time, never kept: a bucket
+        made again while this process runs (NATS lost its store, a service
+        made the buckets anew) would otherwise lend its small revisions the
+        old bucket's epoch, and every later dump would compare as taken
+        before the old bucket's (superseded, ``latest`` left behind)."""
+        status = await self.kv.status()
+        created = status.stream_info.created
+        return created.isoformat() if created else ""
 
     async def holder(self, job_id: str) -> str | None:
         try:

@@ -28,11 +28,20 @@ import pytest
 
 from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
-from smr import config
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, message_subject
+from smr import config, reaper
+from smr.bus import (
+    KV_JOBS,
+    KV_LOCKS,
+    KV_STEPS,
+    Bus,
+    BusConfig,
+    Progress,
+    StepLocks,
+    message_subject,
+)
 from smr.criu import Criu
-from smr.errors import SmrError
-from smr.identity import ProcessIdentity
+from smr.errors import SmrError, TemporaryError
+from smr.identity import ProcessIdentity, booted_at
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
 from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
@@ -498,6 +507,70 @@ async def test_restore_recovery_records_the_restored_process_once(h: Harness) ->
     assert record.restored_by == restored.request_id
 
 
+def copies(h: Harness) -> list[int]:
+    """The counter processes running in this test's directory: each copy of
+    a job it started or restored (smr-init's own command line left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            here = os.readlink(entry / "cwd") == str(h.tmp)
+        except OSError:
+            continue
+        if here and argv[0] == sys.executable.encode() and b"smr.workloads.counter" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_restore_whose_worker_died_as_criu_returned_is_not_run_twice(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker dies the moment CRIU has restored the job, before it could
+    write who CRIU restored (a SIGKILL then, or CRIU finishing on its own
+    after its worker died). The redelivery adopts the process CRIU restored
+    and records it: the job never runs as two copies."""
+    import services.restorer.step as restorer
+
+    step = h.node.workers[1].step
+    assert isinstance(step, restorer.RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+
+    class DiesAsCriuReturns(ProcessIdentity):
+        @classmethod
+        def of(cls, pid: int) -> ProcessIdentity | None:
+            h.pids.append(pid)  # ended by the test's cleanup, whatever happens
+            raise asyncio.CancelledError  # nothing after this point runs
+
+    with monkeypatch.context() as m:
+        m.setattr(restorer, "ProcessIdentity", DiesAsCriuReturns)
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(rr, Progress())
+    first = h.pids[-1]
+    assert copies(h) and proc_start_ticks(first) is not None
+    await h.bus.kv(KV_STEPS).put(rr.request_id, json.dumps({
+        "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
+        "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(rr),
+        "phase": "restore", "checkpoint_id": job.id}).encode())
+
+    restored = await h.bus.request(rr, timeout=120)
+    assert isinstance(restored, RestoreDone) and restored.status == "succeeded", \
+        restored.error
+    if restored.pid:
+        h.pids.append(restored.pid)
+    await asyncio.sleep(0.5)
+    running = copies(h)
+    assert len(running) == 1, \
+        f"job {job.id} runs as {len(running)} copies ({running}): the process CRIU " \
+        f"restored (pid {first}) was not adopted, and the redelivery restored another " \
+        f"(pid {restored.pid})"
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid == first and record.alive() and record.restored_by == rr.request_id
+
+
 @pytest.fixture
 def bystander() -> Iterator[subprocess.Popen[bytes]]:
     """An unrelated process, nothing to do with smr (``sleep``)."""
@@ -549,6 +622,153 @@ async def test_restore_recovery_never_adopts_a_process_that_took_the_restored_pi
     await asyncio.sleep(0.3)
     assert bystander.poll() is None, \
         f"the bystander was killed by the job's checkpoint (returncode {bystander.poll()})"
+
+
+async def test_a_restore_recovered_after_another_restore_of_its_job_never_overwrites_it(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore's worker dies after CRIU restored the job and it wrote who,
+    before the job's record; the job is started again under its id
+    meanwhile (`smr exec`), and recorded. The restore's recovery then finds
+    the record naming that other live process: it ends the process it
+    restored and answers job-running, never writing over the record. One
+    copy runs, and the registry knows it. (Another restore of the job
+    waits for that recovery instead: the test above.)"""
+    import services.restorer.step as restorer
+
+    step = h.node.workers[1].step
+    assert isinstance(step, restorer.RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    first = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                             target=Target.job(job.id), node=h.settings.node)
+
+    async def dies_before_the_record(self: restorer.RestoreStep, pid: int, *args: Any,
+                                     **kw: Any) -> None:
+        h.pids.append(pid)
+        raise asyncio.CancelledError  # nothing after this point runs
+
+    with monkeypatch.context() as m:
+        m.setattr(restorer.RestoreStep, "_running", dies_before_the_record)
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(first, Progress())
+    await h.bus.kv(KV_STEPS).put(first.request_id, json.dumps({
+        "state": "running", "owner": "restorer@dead/1/x", "claim": "c",
+        "heartbeat": time.time() - 600, "attempt": 1, "subject": message_subject(first),
+        "phase": "restore", "checkpoint_id": job.id}).encode())
+    again = await h.start(8, job_id=job.id)
+
+    recovered = await h.bus.request(first, timeout=120)
+    assert isinstance(recovered, RestoreDone)
+    await asyncio.sleep(0.5)
+    record, _ = await h.jobs.get(job.id)
+    running = copies(h)
+    assert len(running) == 1 and record.pid == again.pid and record.alive(), \
+        f"job {job.id} runs as {len(running)} copies ({running}); its record names pid " \
+        f"{record.pid} (restored by {record.restored_by}), smr exec's is " \
+        f"{again.pid}; the restore's recovery answered {recovered.status}"
+    assert recovered.status == "failed" and recovered.error, recovered
+    assert recovered.error["code"] == "job-running"
+
+
+@pytest.mark.parametrize("then", ["recorded", "ended"])
+async def test_a_restore_never_starts_beside_an_unrecorded_restore_of_its_job(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, then: str) -> None:
+    """A restore's worker dies after CRIU restored the job, before the job's
+    record; the job is restored again before that restore's recovery. The
+    second restore finds the first one's live process and answers a
+    temporary job-busy (the bus retries it) instead of restoring beside it.
+    Once the first recovery records its process, the second answers
+    job-running; once that process has ended, the second restores."""
+    import services.restorer.step as restorer
+
+    step = h.node.workers[1].step
+    assert isinstance(step, restorer.RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+
+    def request() -> RestoreRequested:
+        return RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                                target=Target.job(job.id), node=h.settings.node)
+
+    async def dies_before_the_record(self: restorer.RestoreStep, pid: int, *args: Any,
+                                     **kw: Any) -> None:
+        h.pids.append(pid)
+        raise asyncio.CancelledError  # nothing after this point runs
+
+    first, second = request(), request()
+    with monkeypatch.context() as m:
+        m.setattr(restorer.RestoreStep, "_running", dies_before_the_record)
+        with pytest.raises(asyncio.CancelledError):
+            await step.run(first, Progress())
+    restored = copies(h)
+    assert len(restored) == 1, restored
+
+    outcome: Any
+    try:
+        outcome = await step.run(second, Progress())
+        h.pids.append(outcome.pid)
+    except SmrError as e:
+        outcome = e
+    running = copies(h)
+    assert running == restored, \
+        f"job {job.id} runs as {len(running)} copies ({running}): the second restore " \
+        f"answered {getattr(outcome, 'status', outcome)} beside the first one's unrecorded " \
+        f"process ({restored})"
+    assert isinstance(outcome, TemporaryError) and outcome.code == "job-busy", outcome
+    assert first.request_id in outcome.message, outcome.message
+
+    if then == "recorded":
+        recovered = await step.recover(first, {"state": "running"})
+        assert recovered is not None and recovered.status == "succeeded", recovered
+        with pytest.raises(SmrError) as refused:
+            await step.run(second, Progress())
+        assert refused.value.code == "job-running", refused.value
+        assert copies(h) == restored
+        return
+    # The first one's process ended (it exited, or its recovery ended it):
+    # nothing holds the job any more, and the second restore goes ahead.
+    ident = ProcessIdentity.read_match(step.work_dir / first.request_id / IDENTITY)
+    assert ident is not None
+    os.kill(ident.pid, signal.SIGKILL)
+    while ident.matches() or copies(h):
+        reaper.reap()
+        await asyncio.sleep(0.05)
+    again = await step.run(second, Progress())
+    h.pids.append(again.pid)
+    assert again.status == "succeeded" and len(copies(h)) == 1, (again, copies(h))
+
+
+@pytest.mark.parametrize("began,wrote", [(-10, -5), (2, 4)],
+                         ids=["took-the-pid-after-the-pidfile", "held-the-pid-before-criu"])
+async def test_a_restore_recovery_with_only_criu_s_pidfile_never_adopts_another_process(
+        h: Harness, bystander: subprocess.Popen[bytes], began: float, wrote: float) -> None:
+    """Only CRIU's pidfile is left (its worker died before naming the
+    process), and the PID is held by a process that did not start while
+    CRIU restored: one that took the number once the restored process
+    ended, or one that held it all along. Nothing is adopted: the restore
+    counts as not done."""
+    from services.restorer.step import BEGUN, RestoreStep
+
+    step = h.node.workers[1].step
+    assert isinstance(step, RestoreStep)
+    job = await h.start(8)
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    rr = RestoreRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                          target=Target.job(job.id), node=h.settings.node)
+    work = step.work_dir / rr.request_id
+    work.mkdir(parents=True)
+    (work / "restored.pid").write_text(str(bystander.pid))
+    ident = ProcessIdentity.of(bystander.pid)
+    assert ident is not None
+    started = booted_at() + ident.start_ticks / os.sysconf("SC_CLK_TCK")
+    # When CRIU began and when it wrote the pidfile, against the bystander's start.
+    (work / BEGUN).touch()
+    os.utime(work / BEGUN, (started + began, started + began))
+    os.utime(work / "restored.pid", (started + wrote, started + wrote))
+
+    assert await step.recover(rr, {"state": "running"}) is None
+    record, _ = await h.jobs.get(job.id)
+    assert record.pid != bystander.pid and bystander.poll() is None
 
 
 async def test_a_restore_never_overwrites_a_job_record_written_while_it_ran(

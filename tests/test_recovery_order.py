@@ -27,7 +27,7 @@ import pytest
 
 from services.checkpointer.step import CheckpointStep
 from services.storage.layout import LOCAL_NAMESPACE
-from smr.bus import KV_STEPS, Progress
+from smr.bus import KV_LOCKS, KV_STEPS, Progress
 from smr.jobs import Job
 from smr.messages import CkptRequested, Target
 from tests import nats_auth
@@ -249,3 +249,39 @@ async def test_a_synced_dump_from_an_earlier_boot_is_stored(h: Harness) -> None:
         recovered and recovered.error
     latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
     assert latest is not None and latest.number == recovered.generation
+
+
+async def test_dumps_after_the_lock_bucket_is_made_again_are_later_than_its_old_ones(
+        h: Harness, nats_users: nats_auth.SecuredNats) -> None:
+    """NATS loses the lock bucket while the node runs, and a service that
+    starts makes it again: its revisions start over. A final checkpoint
+    taken after that is the job's latest state: answered succeeded, named
+    by ``latest``, stamped with the new bucket, and the restore resumes
+    from it, not from a checkpoint taken before."""
+    job = await h.start(16)
+    for n in (1, 2):  # the old bucket's sequences grow past the new one's first
+        done = await h.checkpoint(job.id, leave_running=True)
+        assert done.status == "succeeded" and done.generation == n, done.error
+    store = ckpt_step(h).store
+    old = (await store.get(LOCAL_NAMESPACE, job.id, 2)).manifest["dump"]
+
+    await h.bus.js.delete_key_value(KV_LOCKS)
+    await asyncio.sleep(1.1)  # a creation time of its own (whole seconds on some servers)
+    remade = await nats_users.connect("smr-admin")  # it makes the missing bucket, as it starts
+    await remade.close()
+
+    final = await h.checkpoint(job.id)
+    at_final = int(h.lines(job)[-1]["step"])
+    latest = await store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert (final.status, latest.number) == ("succeeded", 3), \
+        f"the final checkpoint after the bucket was made again: {final.status} " \
+        f"({final.error and final.error['code']}) as generation {final.generation}; latest is " \
+        f"generation {latest.number}, dumped at {latest.manifest['dump']} (the final one's " \
+        f"stamp: {(await store.get(LOCAL_NAMESPACE, job.id, 3)).manifest['dump']})"
+    assert latest.manifest["dump"]["lock_epoch"] != old["lock_epoch"]
+
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded" and restored.generation == 3, restored.error
+    await h.wait_step(job, at_final + 2)
+    assert_continues(h.lines(job), at_final, 16)

@@ -23,12 +23,11 @@ stops with a finished dump (``smr up`` stopping, a rollout) fsyncs at once.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 from smr.errors import PermanentError
-from smr.identity import boot_id
+from smr.identity import boot_id, booted_at
 from smr.jobs import JobLock
 from smr.messages import now
 
@@ -36,8 +35,12 @@ SYNC_AFTER_S = 30.0
 
 
 async def take(lock: JobLock, key: str, request_id: str) -> dict[str, Any]:
-    """The stamp of a dump about to start, under the lock ``key`` we hold."""
-    return {"seq": await lock.sequence(key, request_id), "lock_epoch": await lock.epoch(),
+    """The stamp of a dump about to start, under the lock ``key`` we hold.
+    The bucket's epoch is read before the sequence: a bucket made again in
+    between holds no lock of ours, and ``sequence`` refuses (lock-lost), so
+    a sequence is never stamped with another bucket's epoch."""
+    epoch = await lock.epoch()
+    return {"seq": await lock.sequence(key, request_id), "lock_epoch": epoch,
             "started_at": now(), "boot_id": boot_id()}
 
 
@@ -58,14 +61,6 @@ def sync_tree(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def booted_at() -> float:
-    """When this boot began (epoch seconds, /proc/stat btime)."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("btime "):
-            return float(line.split()[1])
-    return time.time()  # never: every Linux has it; then no unstamped dump is trusted
 
 
 def check_trusted(stamp: dict[str, Any] | None, synced: bool, images: Path, what: str,

@@ -48,6 +48,8 @@ from smr.messages import RestoreDone, RestoreRequested, now
 # Beside CRIU's restored.pid: the restored tree's root, by its host PID,
 # start tick and boot (smr.identity); what a recovery adopts, and only that.
 IDENTITY = "restored.id"
+# Touched as CRIU starts: the restored tree's root started after it.
+BEGUN = "restore.begun"
 
 # Restore a template's images from the node's cached files where it holds them
 # all (False: stream them, as any checkpoint; bench/warmstart.py measures both).
@@ -210,6 +212,7 @@ class PodRestoreStep(PodStep):
             t = time.monotonic()
             await pages_ok
             durations["verify"] = time.monotonic() - t
+        (work / BEGUN).touch()  # dates the restored tree, if the agent dies (recover)
         try:
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
@@ -279,10 +282,13 @@ class PodRestoreStep(PodStep):
             # The tree CRIU restored, by PID, start tick and boot: a PID alone
             # may name another process by now. Without a match the restore
             # is not done, and nothing is adopted or killed.
-            ident = ProcessIdentity.read_match(pidfile.with_name(IDENTITY))
+            ident = restored_root(pidfile, root)
             if ident is None or ident.pid != root:
                 root = None
         if root:
+            # run() may have died before it moved the tree (idempotent).
+            for p in host.tree(root):
+                host.move_to_cgroups_of(p, shim.pid)
             # Outside the suppress: storage away must not pass for "nothing
             # restored", a restore beside the tree; redelivered, it is tried again.
             await self._gpu_back(req, c, shim, root)
@@ -315,6 +321,20 @@ class PodRestoreStep(PodStep):
             # tree and the restore runs again, as after run()'s failure.
             kill_tree(root)
             raise
+
+
+def restored_root(pidfile: Path, root: int | None) -> ProcessIdentity | None:
+    """The restored tree's root (host PID ``root``, what CRIU's pidfile
+    names), if it still runs: by the identity written as CRIU returned, or,
+    where the agent died before writing it (at that very moment, or CRIU
+    finished on its own after the agent died), by a start between the
+    restore's start of CRIU and CRIU's pidfile (smr.identity). Without
+    either, the restore would run again beside a tree nobody tracks."""
+    if pidfile.with_name(IDENTITY).exists():
+        return ProcessIdentity.read_match(pidfile.with_name(IDENTITY))
+    if not root:
+        return None
+    return ProcessIdentity.started_between(root, pidfile.with_name(BEGUN), pidfile)
 
 
 def restored_note(req: RestoreRequested, gen: Generation, node: str) -> bytes:

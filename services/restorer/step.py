@@ -20,7 +20,7 @@ from smr import gpugate, gpupairs, linkremap, reaper, sockets
 from smr.bus import Progress
 from smr.criu import wait_finished
 from smr.cuda_checkpoint import CudaError
-from smr.errors import PermanentError
+from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobChanged
@@ -31,6 +31,11 @@ log = logging.getLogger("smr.restorer")
 
 # Beside CRIU's restored.pid: the restored process's identity (smr.identity).
 IDENTITY = "restored.id"
+# Written as CRIU starts: the restored process started after it.
+BEGUN = "restore.begun"
+# Written just before BEGUN: the job this restore restores, so that
+# another restore of it finds the process this one left unrecorded.
+TARGET = "restore.job"
 
 
 class RestoreStep(LocalJobStep):
@@ -52,6 +57,7 @@ class RestoreStep(LocalJobStep):
                     hint=f"stop it first (`smr kill {job_id}`), or restore beside it under "
                          f"another id: smr restore {req.checkpoint_id} --as NEW_ID",
                 )
+            self._not_restored_by_another(req, job_id)
             gen = await self._generation(req)
             pairs = self._gpu_pairs(req, gen)  # before any byte moves
             shutil.rmtree(work, ignore_errors=True)
@@ -117,6 +123,9 @@ class RestoreStep(LocalJobStep):
             fds.append(fd)
             inherit[log] = fd
         pidfile = work / "restored.pid"
+        work.mkdir(parents=True, exist_ok=True)
+        (work / TARGET).write_text(self.job_id(req.target))
+        (work / BEGUN).touch()  # dates the restored process, if its worker dies (recover)
         # A GPU process stays stopped until its GPU state is back (_gpu_back).
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
         try:
@@ -172,6 +181,33 @@ class RestoreStep(LocalJobStep):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             raise
+
+    def _not_restored_by_another(self, req: RestoreRequested, job_id: str) -> None:
+        """Refuse, for now, while another restore of ``job_id`` left a live
+        process it has not recorded (its worker died after CRIU, before the
+        record; the job lock it held has gone stale): restored beside it,
+        the job would run twice until that restore's recovery ends one.
+        Temporary: the bus retries this restore, and that recovery either
+        records the process (this one then answers job-running) or ends it
+        (this one then restores)."""
+        for target in self.work_dir.glob(f"*/{TARGET}"):
+            work = target.parent
+            if work.name == req.request_id:
+                continue
+            try:
+                if target.read_text() != job_id:
+                    continue
+            except OSError:
+                continue
+            if (ident := restored_process(work)) is None:
+                continue  # that restore's process is gone: nothing runs twice
+            raise TemporaryError(
+                f"job {job_id} runs as pid {ident.pid}, restored by request {work.name}, "
+                "whose worker stopped before recording it; a restore now would run the "
+                "job twice", code="job-busy",
+                hint=f"retried: that restore's recovery records its process (this restore "
+                     f"then answers job-running) or ends it (this one then restores); if "
+                     f"that request is never answered, end pid {ident.pid} and restore again")
 
     async def _pids_free(self, dumped: dict[str, Any], progress: Progress,
                          durations: dict[str, float]) -> None:
@@ -275,13 +311,28 @@ class RestoreStep(LocalJobStep):
         # the job, then dumped and killed by its next checkpoint. Without a
         # match the restore is not done: it runs again, and nothing is
         # killed that is not ours.
-        ident = ProcessIdentity.read_match(self.work_dir / req.request_id / IDENTITY)
+        ident = restored_process(self.work_dir / req.request_id)
         if ident is None:
             if (self.work_dir / req.request_id / "restored.pid").exists():
                 log.info("restore %s: the process it restored no longer runs (or its PID "
                          "is another's now); the restore runs again", req.request_id)
             return None
         pid = ident.pid
+        if job is not None and job.alive():
+            # Another process was recorded as the job since this restore read
+            # its record (`smr exec`, or the job restored again while this one
+            # waited for its recovery): written over, it would run on unknown
+            # to the registry, a second copy. Ours is ended, as run() ends one
+            # that loses the record.
+            _kill_ours(ident)
+            shutil.rmtree(self.work_dir / req.request_id, ignore_errors=True)
+            await self.lock.release(job_id, req.request_id)
+            return RestoreDone.for_request(req, status="failed", error=PermanentError(
+                f"job {job_id} was recorded as pid {job.pid} ({job.restored_by or 'smr exec'}) "
+                f"while this restore awaited its recovery; the process it restored (pid {pid}) "
+                "is ended", code="job-running",
+                hint=f"`smr ps` shows it; to restore beside it: smr restore "
+                     f"{req.checkpoint_id} --as NEW_ID").as_dict())
         try:
             gen = await self._generation(req)
         except Exception as e:
@@ -403,6 +454,24 @@ def kernel_lines(pid: int, limit: int = 3) -> list[str]:
     finally:
         os.close(fd)
     return found[-limit:]
+
+
+def restored_process(work: Path) -> ProcessIdentity | None:
+    """The process a restore in ``work`` had CRIU restore, if it still runs:
+    by the identity written as CRIU returned, or, where its worker died
+    before writing it (at that very moment, or CRIU finished on its own
+    after its worker died), by CRIU's pidfile and a process that started
+    between CRIU's start and that file (smr.identity). Without either the
+    restore runs again beside a restored process nobody tracks: two copies
+    of the job."""
+    pidfile = work / "restored.pid"
+    if (work / IDENTITY).exists():
+        return ProcessIdentity.read_match(work / IDENTITY)
+    try:
+        pid = int(pidfile.read_text())
+    except (OSError, ValueError):
+        return None  # CRIU wrote none (or not whole): it restored nothing that runs
+    return ProcessIdentity.started_between(pid, work / BEGUN, pidfile) if pid > 0 else None
 
 
 def _kill_ours(ident: ProcessIdentity) -> None:

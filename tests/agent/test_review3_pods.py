@@ -377,3 +377,57 @@ async def test_a_pod_restore_whose_agent_died_after_criu_runs_on_and_leaves_no_w
     assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
     assert not torn(shm.log("rr-2", b)), torn(shm.log("rr-2", b))[:1]
     assert not left, f"the recovered restore left its work directory {step.work(req.request_id)}"
+
+
+async def test_a_pod_restore_whose_agent_died_as_criu_returned_adopts_the_tree_it_restored(
+        shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent dies the moment CRIU has restored a pod's tree, before it
+    wrote who CRIU restored (or CRIU finished on its own after the agent
+    died): only CRIU's pidfile is left. The recovery adopts the tree that
+    pidfile names, as it started after the restore began CRIU, instead of
+    answering nothing, which would restore the pod again beside it."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod("rp-1", a, "rp"))
+    await shm.until_steps("rp-1", a, 10, timeout=60)
+    drain = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id="rp", node=a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod="rp-1", container="main")),
+        timeout=120)
+    assert drain.status == "succeeded", drain.error
+    reqs: list[RestoreRequested] = []
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real, real_run = PodRestoreStep._restore, PodRestoreStep.run
+
+    async def dies_as_criu_returned(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
+        await real(self, *args, **kw)
+        entered.set()
+        await crash.wait()
+        raise RuntimeError("the agent was killed (test)")
+
+    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
+        reqs.append(req)
+        return await real_run(self, req, progress)
+
+    monkeypatch.setattr(PodRestoreStep, "_restore", dies_as_criu_returned)
+    monkeypatch.setattr(PodRestoreStep, "run", run)
+    shm.kube.put("pods", shm_pod("rp-2", b, "rp"))
+    try:
+        await asyncio.wait_for(entered.wait(), 90)
+        [step] = [o for o in gc.get_objects()
+                  if isinstance(o, PodRestoreStep) and o.node == b]
+        [req] = reqs
+        work = step.work(req.request_id)
+        ident = ProcessIdentity.read(work / IDENTITY)
+        assert ident is not None and ident.matches(), "no identity written as CRIU returned"
+        (work / IDENTITY).unlink()  # the agent died before writing it
+
+        done = await step.recover(req, {})
+        shim = step.shim_of(await step.pods.container(req.target))
+        status = await asyncio.to_thread(shim.status)
+    finally:
+        crash.set()
+    assert done is not None and done.status == "succeeded", \
+        f"the tree CRIU restored (root pid {ident.pid}) was not adopted: the recovery " \
+        f"answered {done}, and the restore would run again beside it (smr-init: {status})"
+    assert status[:1] == ["running"], f"smr-init was not told to adopt it: {status}"
+    assert ident.matches(), "the recovery killed the tree it restored"
