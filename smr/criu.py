@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import platform
 import re
@@ -21,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from smr import linkremap
+from smr import linkremap, unstop
 from smr.errors import PermanentError, TemporaryError
 from smr.gpuinfo import process_tree
 from smr.sockets import Tcp
@@ -36,9 +37,17 @@ _NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE|tun: Unable to create tu
 SOCKETS_KERNEL = (6, 16)
 SOCKETS_CRIU = (4, 2)
 
+logger = logging.getLogger("smr.criu")
+
 
 class CriuError(PermanentError):
     code = "criu-failed"
+
+
+class CriuStopped(PermanentError):
+    """A run failed or ran out of time while someone kept stopping CRIU."""
+
+    code = "criu-stopped-by-tenant"
 
 
 @dataclass(frozen=True)
@@ -55,13 +64,18 @@ class Criu:
     as CRIU sees it, lets CRIU read the limits of a task of another user where
     root lacks CAP_SYS_RESOURCE. ``env``: the whole environment of every run,
     built from nothing (the node agent's: no CRIU_CONFIG_FILE, CRIU_LIBS_DIR,
-    HOME or LD_* of its own reach CRIU); None inherits this process's."""
+    HOME or LD_* of its own reach CRIU); None inherits this process's.
+    ``programs``: the files of the programs a run consists of (the prefix's
+    and CRIU's, as /proc/PID/exe names them; CRIU's binary without a prefix):
+    one of them found stopped during a run is continued (smr.unstop)."""
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
                  fds: Sequence[int] = (), network_lock: str = "nftables",
-                 preload: str = "", env: Mapping[str, str] | None = None) -> None:
+                 preload: str = "", env: Mapping[str, str] | None = None,
+                 programs: Sequence[str] = ()) -> None:
         self.binary = binary
+        self.programs = unstop.programs(programs or ([] if prefix else [binary]))
         # nftables: CRIU locks connections through its own libnftables, so no
         # iptables binary is needed where it runs (inside a container too).
         self.network_lock = network_lock
@@ -218,6 +232,8 @@ class Criu:
             stderr=asyncio.subprocess.PIPE, pass_fds=(*pass_fds, *self.fds),
             start_new_session=True, env=env,
         )
+        stops = unstop.Stops()
+        watch = asyncio.create_task(unstop.keep_running(proc.pid, self.programs, stops))
         try:
             _, err = await asyncio.wait_for(proc.communicate(), self.timeout)
         except TimeoutError:
@@ -226,12 +242,25 @@ class Criu:
             # frozen, or restores it beside a fresh start.
             kill_tree(proc.pid)
             await proc.wait()
+            if stops.count:
+                raise self._stopped(args[0], stops, log, "did not finish within "
+                                    f"{self.timeout:.0f}s") from None
             raise TemporaryError(
                 f"criu {args[0]} did not finish within {self.timeout:.0f}s",
                 code=f"{code}-timeout", detail=failing_line(log),
                 hint="raise SMR_CRIU_TIMEOUT for large processes",
             ) from None
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         seconds = time.monotonic() - start
+        if stops.count and proc.returncode != 0:
+            raise self._stopped(args[0], stops, log, f"failed (exit {proc.returncode})")
+        if stops.count:
+            logger.warning("criu %s into %s was stopped %d times by someone else (pids %s) "
+                           "and continued each time", args[0], images, stops.count,
+                           sorted(stops.pids))
         if proc.returncode != 0:
             detail = failing_line(log) or err.decode(errors="replace").strip()[-500:]
             known = explain(log, stderr=detail)
@@ -248,6 +277,15 @@ class Criu:
                             + (f": {why}" if why else ""), code=code, detail=detail, hint=hint)
         return CriuRun(seconds, log)
 
+
+    @staticmethod
+    def _stopped(action: str, stops: unstop.Stops, log: Path, what: str) -> CriuStopped:
+        return CriuStopped(
+            f"criu {action} {what} while it was stopped {stops.count} times (SIGSTOP) by a "
+            "process that can signal it: one of the container's own, or of a pod sharing its "
+            "PID namespace; the agent continued it each time", detail=failing_line(log),
+            hint="find the workload's process that stops others (kill -STOP, a debugger) and "
+            f"stop it from doing so during checkpoints; full log: {log}")
 
     def _env(self) -> dict[str, str] | None:
         """A run's environment: ``env`` or this process's, with the preload;

@@ -23,6 +23,8 @@ read as configuration or run by this root process with every capability:
   /usr/lib/criu.
 - It holds only the descriptors it needs: its own files, the work directory
   and those a restore hands to the tree.
+- Its bounding set (setpriv, before nsenter) holds what CRIU uses and what
+  the container holds (CRIU_CAPABILITIES), nothing inheritable.
 
 Joining the container's mount namespace is what lets a restore land in the
 kubelet's container. A CRIU outside it would dump that mount namespace (every
@@ -36,7 +38,7 @@ namespace only). What stays: in the container's root, glibc would load an
 NSS module a lookup needed from there (CRIU makes none in a dump or a
 restore: tests/agent/test_attacks.py names one for every database), and CRIU
 runs in the container's PID namespace, where the workload's root can signal
-it (a SIGSTOP holds the step until its timeout).
+it: a stopped CRIU (or nsenter) is continued by the agent (smr.unstop).
 """
 
 from __future__ import annotations
@@ -62,6 +64,37 @@ NAMESPACES_SAVING_IPC = ["-m", "-p", "-n", "-u"]
 # container's cgroups by the agent (host.move_to_cgroups_of). No configuration
 # file is read: /etc/criu/default.conf would be the image's.
 OPTIONS = ["--manage-cgroups=ignore", "--no-default-config"]
+# Linux's capabilities by number (linux/capability.h), as setpriv names them.
+CAPABILITIES = (
+    "chown", "dac_override", "dac_read_search", "fowner", "fsetid", "kill", "setgid",
+    "setuid", "setpcap", "linux_immutable", "net_bind_service", "net_broadcast", "net_admin",
+    "net_raw", "ipc_lock", "ipc_owner", "sys_module", "sys_rawio", "sys_chroot", "sys_ptrace",
+    "sys_pacct", "sys_admin", "sys_boot", "sys_nice", "sys_resource", "sys_time",
+    "sys_tty_config", "mknod", "lease", "audit_write", "audit_control", "setfcap",
+    "mac_override", "mac_admin", "syslog", "wake_alarm", "block_suspend", "audit_read",
+    "perfmon", "bpf", "checkpoint_restore")
+# What CRIU 4.2 uses as root to dump and restore a tree (and nsenter to join
+# its namespaces): namespaces, mounts and /proc/PID/map_files (sys_admin,
+# checkpoint_restore), seizing tasks (sys_ptrace), TCP repair and the network
+# lock (net_admin), files of other users and inotify handles (dac_*, fowner,
+# fsetid, chown), the restored credentials (setuid, setgid, setpcap), signals
+# (kill), its root (sys_chroot), ghost device nodes (mknod), the clock offsets
+# of a restored time namespace (sys_time: /proc/PID/timens_offsets), sockets,
+# locks, leases, memory locks, System V objects, scheduling and limits
+# (net_raw, net_bind_service, ipc_lock, ipc_owner, lease, sys_nice,
+# sys_resource). Everything else (modules, raw I/O, BPF, perf, reboot, the
+# kernel log, audit and MAC administration) is dropped from its bounding set,
+# unless the container holds it: a restore gives the tree the capabilities it
+# was dumped with, which CRIU can only give when it holds them.
+CRIU_CAPABILITIES = frozenset({
+    "chown", "dac_override", "dac_read_search", "fowner", "fsetid", "kill", "setgid",
+    "setuid", "setpcap", "net_bind_service", "net_admin", "net_raw", "ipc_lock", "ipc_owner",
+    "sys_chroot", "sys_ptrace", "sys_admin", "sys_nice", "sys_resource", "sys_time", "mknod",
+    "lease", "checkpoint_restore"})
+# nsenter into a PID namespace (opening /proc/PID/ns/pid of a process that may
+# hold more capabilities: sys_ptrace) and smr-init writing its ns_last_pid.
+SET_LAST_PID_CAPABILITIES = frozenset({"sys_admin", "sys_ptrace", "checkpoint_restore"})
+
 # criu-root.so acts only where this is set: the agent's CRIU runs, and only in
 # CRIU (the loader preloads it; sh and nsenter in front never load it).
 ENTER_ROOT = {"SMR_CRIU_ENTER_ROOT": "1"}
@@ -131,9 +164,9 @@ class CriuBundle:
                 raise ValueError(f"{p} is not in the agent's work directory {work}")
             return f"/proc/self/fd/{work_fd}" + ("" if rel == "." else f"/{rel}")
 
-        # The agent's own sh and nsenter, by full path: the environment is
-        # built from nothing (no PATH).
-        sh, nsenter = _which("sh"), _which("nsenter")
+        # The agent's own sh, setpriv and nsenter, by full path: the
+        # environment is built from nothing (no PATH).
+        sh, setpriv, nsenter = _which("sh"), _which("setpriv"), _which("nsenter")
         join = [] if not charged else [
             sh, "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
             'shift; exec "$@"', "smr-join-cgroups", *map(str, host.cgroup_procs(shim.pid)), "--"]
@@ -141,12 +174,35 @@ class CriuBundle:
         # nsenter opens --root and --wd before it joins the namespaces (the
         # agent's `/`) and forks into the PID namespace, so /proc/self there
         # is the child, which holds these descriptors.
+        caps = CRIU_CAPABILITIES | container_capabilities(shim.pid)
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view,
                     options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
-                    fds=(*fds, work_fd), env=ENTER_ROOT, prefix=[
-                        *join, nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",
+                    fds=(*fds, work_fd), env=ENTER_ROOT,
+                    programs=[sh, setpriv, nsenter, str(self.loader)], prefix=[
+                        *join, *bounded(setpriv, caps),
+                        nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",
                         "--", f"/proc/self/fd/{loader}", "--inhibit-cache",
                         "--library-path", f"/proc/self/fd/{libdir}", "--preload", preload])
+
+
+def container_capabilities(pid: int) -> frozenset[str]:
+    """The bounding set of ``pid`` (a container's first process): no process of
+    that container holds a capability outside it."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError as e:
+        raise PermanentError(f"cannot read the capabilities of the container of pid {pid}: "
+                             f"{e}", code="container-gone",
+                             hint="the container stopped; the step is not retried") from None
+    mask = int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("CapBnd:")), 16)
+    return frozenset(n for i, n in enumerate(CAPABILITIES) if mask >> i & 1)
+
+
+def bounded(setpriv: str, caps: frozenset[str]) -> list[str]:
+    """A prefix that runs a command with only ``caps`` in its bounding set and
+    none inheritable (root's next exec gets no other), for it and all it runs."""
+    keep = ",".join(f"+{c}" for c in CAPABILITIES if c in caps)
+    return [setpriv, "--inh-caps=-all", f"--bounding-set=-all,{keep}", "--"]
 
 
 def _empty_dir(path: Path | None) -> int:
@@ -184,7 +240,8 @@ async def set_last_pid(shim: Shim, last: int, init_binary: str) -> None:
     # Only the PID namespace is entered: the sysctl acts on the writer's PID
     # namespace, and the container's /proc/sys is mounted read-only.
     proc = await asyncio.create_subprocess_exec(
-        "nsenter", "-t", str(shim.pid), "-p", "--", init_binary,
+        *bounded(_which("setpriv"), SET_LAST_PID_CAPABILITIES),
+        _which("nsenter"), "-t", str(shim.pid), "-p", "--", init_binary,
         "--set-last-pid", str(last), stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     if proc.returncode != 0:

@@ -1,0 +1,57 @@
+"""smr.unstop continues the agent's own stopped processes of a run, and no other."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+from smr import unstop
+from smr.gpuinfo import process_tree
+
+
+def _wait_state(pid: int, stopped: bool) -> None:
+    deadline = time.monotonic() + 5
+    while unstop.stopped(pid) != stopped:
+        assert time.monotonic() < deadline, f"{pid} never {'stopped' if stopped else 'ran'}"
+        time.sleep(0.01)
+
+
+async def test_a_stopped_process_of_the_run_is_continued_and_others_are_left_stopped() -> None:
+    sleep, tail = shutil.which("sleep"), shutil.which("tail")
+    assert sleep and tail
+    # The run: a sh (the root) with two children, one of the agent's programs
+    # (sleep, here) and one that is not (tail: a restored tree's process).
+    run = await asyncio.create_subprocess_exec(
+        "sh", "-c", f"{sleep} 30 & {tail} -f /dev/null & wait", start_new_session=True)
+    try:
+        own, theirs = unstop.programs([sleep]), unstop.programs([tail])
+        deadline = time.monotonic() + 5
+        while True:  # until both children have run exec
+            exes = {p: unstop.identity(f"/proc/{p}/exe") for p in process_tree(run.pid)}
+            mine = [p for p, i in exes.items() if i in own]
+            other = [p for p, i in exes.items() if i in theirs]
+            if mine and other:
+                break
+            assert time.monotonic() < deadline, exes
+            await asyncio.sleep(0.01)
+        mine, other = mine[0], other[0]
+        for p in (mine, other):
+            os.kill(p, signal.SIGSTOP)
+            _wait_state(p, True)
+        stops = unstop.Stops()
+        watch = asyncio.create_task(unstop.keep_running(run.pid, own, stops, interval=0.01))
+        try:
+            await asyncio.to_thread(_wait_state, mine, False)
+            os.kill(mine, signal.SIGSTOP)  # again: continued again
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(_wait_state, mine, False)
+        finally:
+            watch.cancel()
+        assert stops.count >= 2 and stops.pids == {mine}, stops
+        assert unstop.stopped(other), "a process that is not the agent's own was continued"
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        await run.wait()
