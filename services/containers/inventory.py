@@ -189,7 +189,13 @@ ENTRIES: tuple[Entry, ...] = (
            "services.containers.host:children", "services.containers.host:environ",
            "services.containers.host:is_shim", "services.containers.gpus:_parent",
            "services.containers.gpus:_uid", "services.containers.gpus:_pidns",
-           "services.restorer.pod:_find_ns_pid")),
+           "services.restorer.pod:_find_ns_pid", "services.containers.host:_nspids",
+           "services.containers.incontainer:container_capabilities")),
+    Entry("proc-ns-mnt", "/proc/<smr-init>/ns/mnt", "kernel",
+          "opened O_RDONLY, NS_GET_USERNS, fstat of the owner",
+          "a shim whose mount namespace is not owned by the agent's user namespace (made by "
+          "the tenant) is refused before its mounts are read or CRIU joins it",
+          ("services.containers.host:check_mount_namespace",)),
     Entry("proc-mountinfo", "/proc/<smr-init>/mountinfo", "kernel", "read whole",
           "the writable layer (overlay upperdir of /): smr-init's, which the workload cannot "
           "change", ("services.containers.host:upperdir",)),
@@ -244,7 +250,6 @@ NOT_FOR_A_CONTAINER: dict[str, str] = {
     "services.agent.install:install": "the host's containerd config and /usr/local/bin",
     "services.restorer.stream:scratch_for": "the agent's own memory (/proc/meminfo)",
     "services.restorer.stream:memory_headroom": "the agent's own cgroup",
-    "services.checkpointer.dumpstamp:booted_at": "/proc/stat's boot time",
     "smr.linkremap:capture": "a local job's /dev/shm (smr up), not a container's",
     "smr.linkremap:_link_one": "a local job's /dev/shm (smr up), not a container's",
     "smr.linkremap:_unlink_if": "a local job's /dev/shm (smr up), not a container's",
