@@ -82,12 +82,27 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "poddisruptionbudgets": ("PodDisruptionBudget", True, "/apis/policy/v1"),
     "customresourcedefinitions": ("CustomResourceDefinition", False,
                                   "/apis/apiextensions.k8s.io/v1"),
+    # What deploy/kustomize's overlays hold (tests/test_overlays.py applies them).
+    "namespaces": ("Namespace", False, "/api/v1"),
+    "configmaps": ("ConfigMap", True, "/api/v1"),
+    "services": ("Service", True, "/api/v1"),
+    "serviceaccounts": ("ServiceAccount", True, "/api/v1"),
+    "deployments": ("Deployment", True, "/apis/apps/v1"),
+    "daemonsets": ("DaemonSet", True, "/apis/apps/v1"),
+    "statefulsets": ("StatefulSet", True, "/apis/apps/v1"),
+    "networkpolicies": ("NetworkPolicy", True, "/apis/networking.k8s.io/v1"),
+    "roles": ("Role", True, "/apis/rbac.authorization.k8s.io/v1"),
+    "rolebindings": ("RoleBinding", True, "/apis/rbac.authorization.k8s.io/v1"),
+    "clusterroles": ("ClusterRole", False, "/apis/rbac.authorization.k8s.io/v1"),
+    "clusterrolebindings": ("ClusterRoleBinding", False, "/apis/rbac.authorization.k8s.io/v1"),
 }
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
                "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1",
-               "/apis/apiextensions.k8s.io/v1": "apiextensions.k8s.io/v1"}
+               "/apis/apiextensions.k8s.io/v1": "apiextensions.k8s.io/v1",
+               "/apis/apps/v1": "apps/v1", "/apis/networking.k8s.io/v1": "networking.k8s.io/v1",
+               "/apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io/v1"}
 GROUPS = {prefix: "" if prefix == "/api/v1" else prefix.split("/")[2] for prefix in API_VERSION}
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
@@ -330,8 +345,12 @@ class FakeApiServer:
     def __init__(self, *, history: int = 10_000, bookmark_interval: float = 1.0,
                  eviction_delay: float = 0.3, podgc_delay: float = 1.0,
                  kubelets: bool = False, watch_jitter: float = 0.0,
-                 rbac: Rbac | None = None) -> None:
+                 rbac: Rbac | None = None, namespaces: bool = False) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # True: a namespaced object is created only in a Namespace that exists
+        # (the real server's NamespaceLifecycle admission), and the cluster
+        # starts with default, kube-system and kube-public. False: any namespace.
+        self.namespaces = namespaces
         # What it serves: the built-in resources, and each CRD's once it is created.
         self.resources = dict(RESOURCES)
         self.api_versions = dict(API_VERSION)
@@ -366,6 +385,9 @@ class FakeApiServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
+        if namespaces:
+            for ns in ("default", "kube-system", "kube-public"):
+                self.put("namespaces", {"metadata": {"name": ns}})
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -797,6 +819,17 @@ class FakeApiServer:
             obj["metadata"]["name"] = name
         if not name:
             return status(422, "Invalid", "metadata.name: Required value")
+        kind, namespaced, prefix = self.resources[plural]
+        if obj.get("kind", kind) != kind or obj.get("apiVersion",
+                                                   self.api_versions[prefix]) != \
+                self.api_versions[prefix]:
+            return status(400, "BadRequest", f"the body is a {obj.get('apiVersion')} "
+                          f"{obj.get('kind')}, not a {self.api_versions[prefix]} {kind}")
+        if namespaced and obj["metadata"].get("namespace", ns) != ns:
+            return status(400, "BadRequest", "the namespace of the provided object does not "
+                          "match the namespace sent on the request")
+        if namespaced and self.namespaces and ("namespaces", "", ns) not in self.objects:
+            return status(404, "NotFound", f'namespaces "{ns}" not found')
         key = (plural, ns, name)
         if key in self.objects:
             return status(409, "AlreadyExists", f'{plural} "{name}" already exists')
