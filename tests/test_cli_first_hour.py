@@ -402,3 +402,26 @@ def test_a_failed_dump_names_a_full_log_that_exists(
             assert "Error" in Path(path).read_text(errors="replace")
     finally:
         kill_job(env, job)
+
+
+def test_a_jobs_log_holds_only_its_own_output_after_a_final_checkpoint_and_restore(
+        ups: list[Up], tmp_path: Path, env: dict[str, str]) -> None:
+    up(ups, tmp_path, env).wait_up()
+    job = start_job(env)
+    log = tmp_path / "data" / "logs" / f"{job}.log"
+    try:
+        for args in (["checkpoint", job], ["restore", job]):
+            r = smr(env, *args)
+            assert r.returncode == 0, r.stdout + r.stderr
+        # The restored job writes on: its next line shows the log is live again.
+        before = log.read_text(errors="replace").count("\n")
+        deadline = time.monotonic() + 30
+        while log.read_text(errors="replace").count("\n") <= before + 1:
+            assert time.monotonic() < deadline, "the restored job writes nothing"
+            time.sleep(0.1)
+    finally:
+        kill_job(env, job)
+    text = log.read_text(errors="replace")
+    strangers = [line for line in text.splitlines()
+                 if not line.startswith("step=")]
+    assert not strangers, f"lines in the job's log that the job did not write: {strangers}"
