@@ -235,6 +235,9 @@ SETTINGS: tuple[Setting, ...] = (
             "reach a lockable point"),
     Setting("KUBE_API", "", str, "Kubernetes API URL; empty: in-cluster, else "
             "~/.kube/config"),
+    Setting("CHECKPOINT_RESOURCES", "off", _choice("off", "on"), "the storage service keeps "
+            "a Checkpoint resource (smr.dev) per stored checkpoint in its namespace, for "
+            "`kubectl get checkpoints` (docs/kubernetes.md); needs the CRD and its RBAC"),
     Setting("KUBE_TOKEN_FILE", "", str, "bearer token file for SMR_KUBE_API (a service "
             "account's token); empty: none"),
     Setting("LABEL_PREFIX", "smr.dev", _label_prefix, "prefix of the opt-in pod labels "

@@ -73,9 +73,12 @@ class Criu:
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
                  fds: Sequence[int] = (), network_lock: str = "nftables",
                  preload: str = "", env: Mapping[str, str] | None = None,
-                 programs: Sequence[str] = ()) -> None:
+                 programs: Sequence[str] = (), kept_logs: Path | None = None) -> None:
         self.binary = binary
         self.programs = unstop.programs(programs or ([] if prefix else [binary]))
+        # A failed run's log is copied here: the step removes its work
+        # directory, and with it the log, before the user reads the hint.
+        self.kept_logs = kept_logs
         # nftables: CRIU locks connections through its own libnftables, so no
         # iptables binary is needed where it runs (inside a container too).
         self.network_lock = network_lock
@@ -248,7 +251,7 @@ class Criu:
             raise TemporaryError(
                 f"criu {args[0]} did not finish within {self.timeout:.0f}s",
                 code=f"{code}-timeout", detail=failing_line(log),
-                hint="raise SMR_CRIU_TIMEOUT for large processes",
+                hint="raise SMR_CRIU_TIMEOUT for large processes" + self._keep(log),
             ) from None
         finally:
             watch.cancel()
@@ -268,24 +271,44 @@ class Criu:
                 what, code, hint = known
                 error = TemporaryError if code in TEMPORARY else CriuError
                 raise error(f"criu {args[0]} failed: {what}", code=code, detail=detail,
-                            hint=f"{hint}; full log: {log}")
-            hint = f"full log: {log}"
+                            hint=hint + self._keep(log))
+            hint = self._keep(log).removeprefix("; ")
             if why := await self.problem():
-                hint = f"{why}; {hint}"
+                hint = f"{why}; {hint}" if hint else why
             why = _ERROR_PREFIX.sub("", detail.splitlines()[0]) if detail else ""
             raise CriuError(f"criu {args[0]} failed (exit {proc.returncode})"
                             + (f": {why}" if why else ""), code=code, detail=detail, hint=hint)
         return CriuRun(seconds, log)
 
+    def _keep(self, log: Path) -> str:
+        """The hint's "; full log: PATH", PATH a copy of ``log`` in
+        ``kept_logs`` (the newest KEPT_LOGS are kept), or "" where none can
+        be kept: a hint names only a file that is still there when read."""
+        if self.kept_logs is None or not log.is_file():
+            return ""
+        try:
+            self.kept_logs.mkdir(parents=True, exist_ok=True)
+            # The step's directory is its request id: one name per failure.
+            kept = self.kept_logs / (
+                f"{time.strftime('%Y%m%dT%H%M%S')}-{log.parent.parent.name}-{log.parent.name}"
+                f"-{log.name}")
+            shutil.copyfile(log, kept)
+            old = sorted(self.kept_logs.iterdir(), key=lambda p: p.stat().st_mtime)
+            for p in old[:-KEPT_LOGS]:
+                p.unlink(missing_ok=True)
+        except OSError:
+            return ""  # a full disk, say: the failure itself matters more
+        return f"; full log: {kept}"
 
-    @staticmethod
-    def _stopped(action: str, stops: unstop.Stops, log: Path, what: str) -> CriuStopped:
+
+    def _stopped(self, action: str, stops: unstop.Stops, log: Path, what: str
+                 ) -> CriuStopped:
         return CriuStopped(
             f"criu {action} {what} while it was stopped {stops.count} times (SIGSTOP) by a "
             "process that can signal it: one of the container's own, or of a pod sharing its "
             "PID namespace; the agent continued it each time", detail=failing_line(log),
             hint="find the workload's process that stops others (kill -STOP, a debugger) and "
-            f"stop it from doing so during checkpoints; full log: {log}")
+            "stop it from doing so during checkpoints" + self._keep(log))
 
     def _env(self) -> dict[str, str] | None:
         """A run's environment: ``env`` or this process's, with the preload;
@@ -327,6 +350,9 @@ _RUNAWAY = re.compile(r"Runaway socket: ino (\d+) peer_ino (\d+).*?name (.*)$", 
 _SYSV = re.compile(r"Task (\d+) with SysVIPC shmem map @\w+ doesn't live in IPC ns")
 _RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
 
+
+# Failed runs' logs kept (smr.criu.Criu.kept_logs), the oldest removed first.
+KEPT_LOGS = 50
 
 # Failures that pass: the step is retried rather than failed.
 GHOST_LIMIT = "512M"

@@ -1,6 +1,6 @@
 """Local jobs: launching them in their own PID namespace, and their registry.
 
-A job runs in a new PID namespace (``unshare --pid --fork``) whose init,
+A job runs in a new PID namespace (made by ``smr-init --local-ns``) whose init,
 smr-init in its ``--local`` mode, leads its own session and starts the
 command: that is what CRIU needs to dump the tree and to restore it beside a
 still-running original (inside the namespace the PIDs are the same, outside
@@ -103,7 +103,7 @@ def proc_start_ticks(pid: int) -> int | None:
 
 def own_pid_namespace(pid: int) -> bool:
     """Does ``pid`` run in a PID namespace other than ours (a job started by
-    unshare)? Its restore then brings the namespace back, with any host PIDs."""
+    smr-init --local-ns)? Its restore then brings the namespace back, with any host PIDs."""
     try:
         return os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -111,8 +111,8 @@ def own_pid_namespace(pid: int) -> bool:
 
 
 def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
-    """The host PID of the job: the child that the wrapper (unshare, or
-    smr.reaper) forked."""
+    """The host PID of the job: the child that the wrapper (smr-init
+    --local-ns, or smr.reaper) forked."""
     deadline = time.monotonic() + timeout
     path = Path(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children")
     while time.monotonic() < deadline:
@@ -163,7 +163,9 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
     log.parent.mkdir(parents=True, exist_ok=True)
     if own_pid_namespace:
         init = config.load().init_binary()
-        prefix = ["unshare", "--pid", "--ipc", "--fork", "setsid", init, "--local", "--"]
+        # smr-init makes the namespaces and waits for its PID 1 there: util-linux's
+        # `unshare --fork` wrote a line of its own into the log after a killed job.
+        prefix = [init, "--local-ns", "--"]
     else:
         prefix = [sys.executable, "-m", "smr.reaper", "--"]
     with open(log, "ab") as out, open(os.devnull, "rb") as devnull:

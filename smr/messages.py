@@ -166,6 +166,8 @@ class _Result(_Request):
 @dataclass(slots=True, kw_only=True)
 class CkptDone(_Result):
     SCHEMA: ClassVar[str] = "ckpt.done"
+    # Why a requested pre-dump was not taken (the dump was a full one).
+    pre_dump_skipped: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)

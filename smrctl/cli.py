@@ -66,6 +66,8 @@ def _report(result: CkptDone | RestoreDone, what: str) -> int:
         print(f"{what} {result.checkpoint_id}: generation {result.generation}, "
               f"{fmt_bytes(result.size_bytes)}"
               + (f" in {took:.2f}s" if took else "") + extra)
+        if isinstance(result, CkptDone) and result.pre_dump_skipped:
+            print(f"  no pre-dump: {result.pre_dump_skipped}; the dump was a full one")
         if result.location:
             print(f"  stored at {result.location}")
         if held := sockets.summary(result.sockets, restored=isinstance(result, RestoreDone)):
@@ -359,7 +361,10 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("checkpoint", help="checkpoint a job")
     c.add_argument("id")
     c.add_argument("--leave-running", action="store_true", help="keep it running afterwards")
-    c.add_argument("--pre-dump", action="store_true", help="pre-copy memory: shorter freeze")
+    c.add_argument("--pre-dump", action="store_true",
+                   help="copy memory while the job runs, then dump what changed: a shorter "
+                   "freeze (the job still stops unless --leave-running); where the kernel "
+                   "cannot track dirty memory, a full dump, said with the result")
     c.add_argument("--close-connections", action="store_true",
                    help="close its TCP connections instead of keeping them (it will resume "
                    "on another machine: peers see a reset now and reconnect)")

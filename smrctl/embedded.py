@@ -150,7 +150,8 @@ class EmbeddedNode:
         if not reaper.become_subreaper():
             log.warning("cannot become a child subreaper: restored jobs are left to PID 1")
         self._reaping = asyncio.create_task(_reap_forever())
-        criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
+        criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload(),
+                    kept_logs=s.data_path / "logs" / "criu")
         self.criu_problem = await criu.problem()
         if self.criu_problem:
             log.error("%s", self.criu_problem)

@@ -61,7 +61,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
@@ -84,13 +84,31 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "jobs": ("Job", True, "/apis/batch/v1"),
     # Kueue's custom resource, served as its CRD makes a real server serve it.
     "workloads": ("Workload", True, "/apis/kueue.x-k8s.io/v1beta1"),
+    "customresourcedefinitions": ("CustomResourceDefinition", False,
+                                  "/apis/apiextensions.k8s.io/v1"),
+    # What deploy/kustomize's overlays hold (tests/test_overlays.py applies them).
+    "namespaces": ("Namespace", False, "/api/v1"),
+    "configmaps": ("ConfigMap", True, "/api/v1"),
+    "services": ("Service", True, "/api/v1"),
+    "serviceaccounts": ("ServiceAccount", True, "/api/v1"),
+    "deployments": ("Deployment", True, "/apis/apps/v1"),
+    "daemonsets": ("DaemonSet", True, "/apis/apps/v1"),
+    "statefulsets": ("StatefulSet", True, "/apis/apps/v1"),
+    "networkpolicies": ("NetworkPolicy", True, "/apis/networking.k8s.io/v1"),
+    "roles": ("Role", True, "/apis/rbac.authorization.k8s.io/v1"),
+    "rolebindings": ("RoleBinding", True, "/apis/rbac.authorization.k8s.io/v1"),
+    "clusterroles": ("ClusterRole", False, "/apis/rbac.authorization.k8s.io/v1"),
+    "clusterrolebindings": ("ClusterRoleBinding", False, "/apis/rbac.authorization.k8s.io/v1"),
 }
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
                "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1",
                "/apis/batch/v1": "batch/v1",
-               "/apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io/v1beta1"}
+               "/apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io/v1beta1",
+               "/apis/apiextensions.k8s.io/v1": "apiextensions.k8s.io/v1",
+               "/apis/apps/v1": "apps/v1", "/apis/networking.k8s.io/v1": "networking.k8s.io/v1",
+               "/apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io/v1"}
 GROUPS = {prefix: "" if prefix == "/api/v1" else prefix.split("/")[2] for prefix in API_VERSION}
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
@@ -111,6 +129,55 @@ def _truthy(v: str | None) -> bool:
 SHUTDOWN = ("Terminated", "Pod was terminated in response to imminent node shutdown.")
 PRESSURE = ("Evicted", "The node was low on resource: memory. Threshold quantity: 100Mi, "
                        "available: 80Mi. ")
+
+
+def wants_table(request: web.Request) -> bool:
+    """Does the request accept a meta.k8s.io/v1 Table (kubectl get's
+    ``application/json;as=Table;v=v1;g=meta.k8s.io``)?"""
+    for kind in request.headers.get("Accept", "").split(","):
+        params = {p.strip() for p in kind.split(";")[1:]}
+        if {"as=Table", "v=v1", "g=meta.k8s.io"} <= params:
+            return True
+    return False
+
+
+def _cell(column: dict[str, Any], obj: dict[str, Any]) -> Any:
+    """A printer column's cell: its JSONPath (a plain ``.a.b`` path here) in
+    ``obj``; None where missing (kubectl prints <none>)."""
+    path = column["jsonPath"]
+    assert re.fullmatch(r"(\.[A-Za-z0-9_]+)+", path), f"JSONPath {path} is not supported"
+    value: Any = obj
+    for part in path.split(".")[1:]:
+        value = value.get(part) if isinstance(value, dict) else None
+    if column["type"] == "date" and isinstance(value, str) and value:
+        return human_duration(datetime.now(UTC) - datetime.fromisoformat(
+            value.replace("Z", "+00:00")))
+    return value
+
+
+def human_duration(d: timedelta) -> str:
+    """kube's duration.HumanDuration, as kubectl shows an age."""
+    s = int(d.total_seconds())
+    if s < 0:
+        return "<invalid>"
+    if s < 120:
+        return f"{s}s"
+    m = s // 60
+    if m < 10:
+        return f"{m}m{s % 60}s" if s % 60 else f"{m}m"
+    if m < 180:
+        return f"{m}m"
+    h = m // 60
+    if h < 8:
+        return f"{h}h{m % 60}m" if m % 60 else f"{h}h"
+    if h < 48:
+        return f"{h}h"
+    days = h // 24
+    if h < 24 * 8:
+        return f"{days}d{h % 24}h" if h % 24 else f"{days}d"
+    if days < 365 * 2:
+        return f"{days}d"
+    return f"{days // 365}y{days % 365}d" if days < 365 * 8 else f"{days // 365}y"
 
 
 def disruption_condition(reason: str, message: str) -> dict[str, Any]:
@@ -284,8 +351,17 @@ class FakeApiServer:
     def __init__(self, *, history: int = 10_000, bookmark_interval: float = 1.0,
                  eviction_delay: float = 0.3, podgc_delay: float = 1.0,
                  kubelets: bool = False, watch_jitter: float = 0.0,
-                 rbac: Rbac | None = None) -> None:
+                 rbac: Rbac | None = None, namespaces: bool = False) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # True: a namespaced object is created only in a Namespace that exists
+        # (the real server's NamespaceLifecycle admission), and the cluster
+        # starts with default, kube-system and kube-public. False: any namespace.
+        self.namespaces = namespaces
+        # What it serves: the built-in resources, and each CRD's once it is created.
+        self.resources = dict(RESOURCES)
+        self.api_versions = dict(API_VERSION)
+        self.groups = dict(GROUPS)
+        self.printer_columns: dict[str, list[dict[str, Any]]] = {}  # plural → a CRD's
         self.rv = 0
         self.history: list[Change] = []
         self.max_history = history
@@ -315,6 +391,9 @@ class FakeApiServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
+        if namespaces:
+            for ns in ("default", "kube-system", "kube-public"):
+                self.put("namespaces", {"metadata": {"name": ns}})
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -394,6 +473,13 @@ class FakeApiServer:
                                  "system:authenticated"))
         return tok
 
+    def user_token(self, user: str, groups: tuple[str, ...] = ()) -> str:
+        """A bearer token of a person (what an OIDC or client-certificate
+        user is to a real API server), bound to Roles by ``kind: User``."""
+        tok = f"user-{user}-{uuid.uuid4().hex[:8]}"
+        self.identities[tok] = (user, (*groups, "system:authenticated"))
+        return tok
+
     def preempt(self, name: str, namespace: str = "default") -> None:
         """The scheduler preempts the pod to place a higher-priority one: the
         DisruptionTarget condition first, then a delete with its own grace."""
@@ -414,7 +500,7 @@ class FakeApiServer:
 
     def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create or replace an object without HTTP."""
-        ns = obj["metadata"].get("namespace", "") if RESOURCES[plural][1] else ""
+        ns = obj["metadata"].get("namespace", "") if self.resources[plural][1] else ""
         key = (plural, ns, obj["metadata"]["name"])
         return self._write(plural, key, copy.deepcopy(obj), "MODIFIED" if key in self.objects
                            else "ADDED")
@@ -445,13 +531,47 @@ class FakeApiServer:
         meta["resourceVersion"] = str(self.rv)
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", _now())
-        if RESOURCES[plural][1]:
+        if self.resources[plural][1]:
             meta["namespace"] = key[1]
-        kind, _, prefix = RESOURCES[plural]
-        obj["kind"], obj["apiVersion"] = kind, API_VERSION[prefix]
+        kind, _, prefix = self.resources[plural]
+        obj["kind"], obj["apiVersion"] = kind, self.api_versions[prefix]
         self.objects[key] = obj
+        if plural == "customresourcedefinitions":
+            self._serve(obj)
         self._record(Change(self.rv, plural, type_, copy.deepcopy(obj)))
         return copy.deepcopy(obj)
+
+    def _serve(self, crd: dict[str, Any]) -> None:
+        """Serve a CRD's resources, as the real server does once it is
+        Established: its group/version's routes, its scope, its printer
+        columns (the served version's; Age where it names none)."""
+        spec, names = crd["spec"], crd["spec"]["names"]
+        version = next(v for v in spec["versions"] if v.get("served") and v.get("storage"))
+        prefix = f"/apis/{spec['group']}/{version['name']}"
+        self.api_versions[prefix] = f"{spec['group']}/{version['name']}"
+        self.groups[prefix] = spec["group"]
+        self.resources[names["plural"]] = (names["kind"], spec["scope"] == "Namespaced", prefix)
+        self.printer_columns[names["plural"]] = version.get("additionalPrinterColumns") or [
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+
+    def _table(self, plural: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """A meta.k8s.io/v1 Table of ``items``, as the real server builds it for a
+        custom resource (kubectl get asks for one): a Name column, then each
+        printer column, its cell read by its JSONPath; a date as a duration
+        (kube's HumanDuration); the rows' objects as metadata only."""
+        cols = self.printer_columns.get(plural) or [
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        defs = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
+                 "description": "Name must be unique within a namespace."}] + [
+            {"name": c["name"], "type": c["type"], "format": c.get("format", ""),
+             "description": c.get("description", ""), "priority": c.get("priority", 0)}
+            for c in cols]
+        rows = [{"cells": [o["metadata"]["name"], *(_cell(c, o) for c in cols)],
+                 "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                            "metadata": o["metadata"]}} for o in items]
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1",
+                "metadata": {"resourceVersion": str(self.rv)},
+                "columnDefinitions": defs, "rows": rows}
 
     def _delete(self, key: tuple[str, str, str]) -> dict[str, Any]:
         obj = self.objects.pop(key)
@@ -504,7 +624,7 @@ class FakeApiServer:
 
     def _route(self, path: str) -> tuple[str, str | None, str | None, str | None] | None:
         """(plural, namespace, name, subresource) of an API path."""
-        for prefix in API_VERSION:
+        for prefix in self.api_versions:
             if not path.startswith(prefix + "/"):
                 continue
             parts = path[len(prefix) + 1:].strip("/").split("/")
@@ -512,7 +632,7 @@ class FakeApiServer:
             if parts[0] == "namespaces" and len(parts) >= 3:
                 ns, parts = parts[1], parts[2:]
             plural = parts[0]
-            if plural not in RESOURCES or RESOURCES[plural][2] != prefix:
+            if plural not in self.resources or self.resources[plural][2] != prefix:
                 return None
             name = parts[1] if len(parts) > 1 else None
             sub = parts[2] if len(parts) > 2 else None
@@ -542,7 +662,7 @@ class FakeApiServer:
                 verb = "delete" if name else "deletecollection"
             else:
                 verb = VERBS.get(m, m.lower())
-            r = Request(verb, GROUPS[RESOURCES[plural][2]], plural, sub, ns, name)
+            r = Request(verb, self.groups[self.resources[plural][2]], plural, sub, ns, name)
         user, groups = who
         grant = self.rbac.grant_for(user, groups, r)
         if grant is not None:
@@ -572,7 +692,7 @@ class FakeApiServer:
         if route is None:
             return status(404, "NotFound", f"the server could not find {request.path}")
         plural, ns, name, sub = route
-        namespaced = RESOURCES[plural][1]
+        namespaced = self.resources[plural][1]
         if namespaced and name is not None and ns is None:
             return status(404, "NotFound", f"{plural} are namespaced")
         key = (plural, ns or "", name or "")
@@ -591,6 +711,8 @@ class FakeApiServer:
                 obj = self.objects.get(key)
                 if obj is None:
                     return status(404, "NotFound", f'{plural} "{name}" not found')
+                if wants_table(request):
+                    return self._json(self._table(plural, [obj]))
                 return web.json_response(obj, dumps=lambda o: orjson.dumps(o).decode())
             if m == "PUT":
                 return await self._replace(request, key)
@@ -626,8 +748,10 @@ class FakeApiServer:
         fields = request.query.get("fieldSelector", "")
         items = [o for (p, _, _), o in self.objects.items()
                  if p == plural and self._matches(Watch(plural, ns, labels, fields), plural, o)]
-        kind, _, prefix = RESOURCES[plural]
-        return self._json({"kind": f"{kind}List", "apiVersion": API_VERSION[prefix],
+        if wants_table(request):
+            return self._json(self._table(plural, items))
+        kind, _, prefix = self.resources[plural]
+        return self._json({"kind": f"{kind}List", "apiVersion": self.api_versions[prefix],
                            "metadata": {"resourceVersion": str(self.rv)}, "items": items})
 
     async def _watch(self, request: web.Request, plural: str,
@@ -659,7 +783,7 @@ class FakeApiServer:
                     if ch.rv > int(since) and self._matches(w, ch.plural, ch.obj):
                         w.queue.put_nowait(ch)
             deadline = None if timeout is None else time.monotonic() + timeout
-            kind = RESOURCES[plural][0]
+            kind = self.resources[plural][0]
             while True:
                 wait = self.bookmark_interval if bookmarks else None
                 if deadline is not None:
@@ -672,7 +796,8 @@ class FakeApiServer:
                 except TimeoutError:
                     if bookmarks:
                         bm = {"type": "BOOKMARK", "object": {
-                            "kind": kind, "apiVersion": API_VERSION[RESOURCES[plural][2]],
+                            "kind": kind,
+                            "apiVersion": self.api_versions[self.resources[plural][2]],
                             "metadata": {"resourceVersion": str(self.rv)}}}
                         await resp.write(orjson.dumps(bm) + b"\n")
                     continue
@@ -700,6 +825,17 @@ class FakeApiServer:
             obj["metadata"]["name"] = name
         if not name:
             return status(422, "Invalid", "metadata.name: Required value")
+        kind, namespaced, prefix = self.resources[plural]
+        if obj.get("kind", kind) != kind or obj.get("apiVersion",
+                                                   self.api_versions[prefix]) != \
+                self.api_versions[prefix]:
+            return status(400, "BadRequest", f"the body is a {obj.get('apiVersion')} "
+                          f"{obj.get('kind')}, not a {self.api_versions[prefix]} {kind}")
+        if namespaced and obj["metadata"].get("namespace", ns) != ns:
+            return status(400, "BadRequest", "the namespace of the provided object does not "
+                          "match the namespace sent on the request")
+        if namespaced and self.namespaces and ("namespaces", "", ns) not in self.objects:
+            return status(404, "NotFound", f'namespaces "{ns}" not found')
         key = (plural, ns, name)
         if key in self.objects:
             return status(409, "AlreadyExists", f'{plural} "{name}" already exists')
@@ -809,7 +945,7 @@ class FakeApiServer:
                 new = merge_patch(cur, body, MERGE_KEYS)
             else:
                 return status(415, "UnsupportedMediaType", f"patch type {ctype} not supported")
-        except (KeyError, ValueError, IndexError) as e:
+        except (KeyError, ValueError, IndexError, TypeError) as e:
             return status(422, "Invalid", f"the patch could not be applied: {e}")
         want = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) \
             else None

@@ -37,6 +37,12 @@ BUILTIN: dict[str, list[dict[str, Any]]] = {
         {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"],
          "verbs": ["create"]}],
 }
+# Built-in ClusterRoles made by aggregation (the bootstrap policy's aggregationRule):
+# each holds the rules of every ClusterRole with its label. Their own rules
+# (pods, services…) are left out: no test asks for them.
+AGGREGATED = {"view": "rbac.authorization.k8s.io/aggregate-to-view",
+              "edit": "rbac.authorization.k8s.io/aggregate-to-edit",
+              "admin": "rbac.authorization.k8s.io/aggregate-to-admin"}
 
 
 @dataclass(frozen=True)
@@ -88,12 +94,25 @@ class Rbac:
     def from_docs(cls, docs: list[dict[str, Any]]) -> Rbac:
         roles: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {
             ("ClusterRole", n, None): rules for n, rules in BUILTIN.items()}
+        selectors = {name: [{"matchLabels": {label: "true"}}]
+                     for name, label in AGGREGATED.items()}
         for d in docs:
-            if d["kind"] == "ClusterRole":
+            if d["kind"] == "ClusterRole" and d.get("aggregationRule"):
+                selectors[d["metadata"]["name"]] = \
+                    d["aggregationRule"].get("clusterRoleSelectors") or []
+            elif d["kind"] == "ClusterRole":
                 roles[("ClusterRole", d["metadata"]["name"], None)] = d.get("rules") or []
             elif d["kind"] == "Role":
                 roles[("Role", d["metadata"]["name"], d["metadata"]["namespace"])] = \
                     d.get("rules") or []
+        for name, sels in selectors.items():
+            # The aggregation controller's union (matchLabels selectors only).
+            roles[("ClusterRole", name, None)] = [
+                rule for d in docs if d["kind"] == "ClusterRole" and not d.get("aggregationRule")
+                and any(all((d["metadata"].get("labels") or {}).get(k) == v
+                            for k, v in (sel.get("matchLabels") or {}).items())
+                        for sel in sels)
+                for rule in d.get("rules") or []]
         out = cls()
         for d in docs:
             if d["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
@@ -107,15 +126,19 @@ class Rbac:
             for s in d.get("subjects") or []:
                 if s["kind"] == "ServiceAccount":
                     user = f"system:serviceaccount:{s['namespace']}:{s['name']}"
-                    out.grants.setdefault(user, []).extend(
-                        Grant(r, ns, f"{ref['kind']}/{ref['name']}") for r in rules)
+                else:  # a User by name; a Group's grants are kept under "group:NAME"
+                    user = s["name"] if s["kind"] == "User" else f"group:{s['name']}"
+                out.grants.setdefault(user, []).extend(
+                    Grant(r, ns, f"{ref['kind']}/{ref['name']}") for r in rules)
         return out
 
     def grant_for(self, user: str, groups: tuple[str, ...], r: Request) -> str | None:
         """What grants ``r`` ("system:masters", "ClusterRole/NAME"), or None."""
         if MASTERS in groups:
             return MASTERS
-        return next((g.source for g in self.grants.get(user, []) if g.allows(r)), None)
+        held = [*self.grants.get(user, []),
+                *(g for group in groups for g in self.grants.get(f"group:{group}", []))]
+        return next((g.source for g in held if g.allows(r)), None)
 
 
 def find_kustomize() -> str:
@@ -128,9 +151,19 @@ def find_kustomize() -> str:
                        "server reads its RBAC rules from deploy/kustomize)")
 
 
-@functools.cache
 def shipped() -> Rbac:
     """The RBAC of deploy/kustomize, rendered once per test session."""
+    return _shipped()
+
+
+@functools.cache
+def _shipped() -> Rbac:
+    return Rbac.from_docs(shipped_docs())
+
+
+@functools.cache
+def shipped_docs() -> tuple[dict[str, Any], ...]:
+    """deploy/kustomize as applied (see the module's docstring), rendered once."""
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "kustomization.yaml").write_text(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
@@ -141,4 +174,4 @@ def shipped() -> Rbac:
                               "LoadRestrictionsNone", tmp], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"kustomize build (for the fake's RBAC): {out.stderr}")
-    return Rbac.from_docs([d for d in yaml.safe_load_all(out.stdout) if d])
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)

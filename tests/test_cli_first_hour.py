@@ -352,3 +352,76 @@ def test_a_stopped_copy_is_pointed_at_the_checkpoint_it_came_from(
     finally:
         kill_job(env, copy)
         kill_job(env, job)
+
+
+def tracks_dirty_memory(criu: str) -> bool:
+    r = subprocess.run([criu, "check", "--feature", "mem_dirty_track"], capture_output=True)
+    return r.returncode == 0 and b"OFF" not in r.stdout + r.stderr
+
+
+def test_a_pre_dump_this_kernel_cannot_take_is_said_to_have_been_a_full_dump(
+        ups: list[Up], tmp_path: Path, env: dict[str, str]) -> None:
+    up(ups, tmp_path, env).wait_up()
+    job = start_job(env)
+    try:
+        r = smr(env, "checkpoint", job, "--leave-running", "--pre-dump")
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = "no pre-dump: this kernel cannot track dirty memory" in r.stdout
+        if tracks_dirty_memory(env["SMR_CRIU"]):
+            assert not said, r.stdout
+        else:
+            assert said and "the dump was a full one" in r.stdout, \
+                f"the fallback to a full dump went unsaid:\n{r.stdout}"
+    finally:
+        kill_job(env, job)
+
+
+TRACED = """
+import ctypes, os, time
+if os.fork() == 0:
+    ctypes.CDLL(None).ptrace(0, 0, None, None)  # PTRACE_TRACEME: CRIU cannot seize it
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_failed_dump_names_a_full_log_that_exists(
+        ups: list[Up], tmp_path: Path, env: dict[str, str]) -> None:
+    up(ups, tmp_path, env).wait_up()
+    job = f"j-{uuid.uuid4().hex[:6]}"
+    r = smr(env, "exec", "-i", job, "--", sys.executable, "-c", TRACED)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        r = smr(env, "checkpoint", job, "--leave-running")
+        assert r.returncode == 1, r.stdout + r.stderr
+        named = re.findall(r"full log: (\S+)", r.stderr)
+        assert named, f"the hint names no log:\n{r.stderr}"
+        for path in named:
+            assert Path(path).is_file(), f"the hint names {path}, which is gone:\n{r.stderr}"
+            assert "Error" in Path(path).read_text(errors="replace")
+    finally:
+        kill_job(env, job)
+
+
+def test_a_jobs_log_holds_only_its_own_output_after_a_final_checkpoint_and_restore(
+        ups: list[Up], tmp_path: Path, env: dict[str, str]) -> None:
+    up(ups, tmp_path, env).wait_up()
+    job = start_job(env)
+    log = tmp_path / "data" / "logs" / f"{job}.log"
+    try:
+        for args in (["checkpoint", job], ["restore", job]):
+            r = smr(env, *args)
+            assert r.returncode == 0, r.stdout + r.stderr
+        # The restored job writes on: its next line shows the log is live again.
+        before = log.read_text(errors="replace").count("\n")
+        deadline = time.monotonic() + 30
+        while log.read_text(errors="replace").count("\n") <= before + 1:
+            assert time.monotonic() < deadline, "the restored job writes nothing"
+            time.sleep(0.1)
+    finally:
+        kill_job(env, job)
+    text = log.read_text(errors="replace")
+    strangers = [line for line in text.splitlines()
+                 if not line.startswith("step=")]
+    assert not strangers, f"lines in the job's log that the job did not write: {strangers}"

@@ -24,7 +24,7 @@ SERVICES = Path(__file__).resolve().parent.parent / "services"
 # Whose service account runs the code of each package.
 ACCOUNT_OF = {"watcher": ("smr-watcher",), "agent": ("smr-agent",),
               "containers": ("smr-agent",), "webhook": ("smr-webhook",),
-              "natsauth": ("smr-natsauth",),
+              "natsauth": ("smr-natsauth",), "storage": ("smr-storage",),
               # a Job's suspension, read by the watcher and by the agent's preStop
               "suspension.py": ("smr-watcher", "smr-agent")}
 TENANT = "team-a"  # any namespace of the cluster's workloads
@@ -98,6 +98,15 @@ CALLS = [
     Call("smr-webhook", "replace_mutating_webhook_configuration", "update",
          "admissionregistration.k8s.io", "mutatingwebhookconfigurations", None,
          "ClusterRole/smr-webhook", name="smr-webhook"),
+    # The storage service: the Checkpoint resources, a mirror of the bucket.
+    Call("smr-storage", "list_cluster_custom_object", "list", "smr.dev", "checkpoints", None,
+         "ClusterRole/smr-storage-checkpoints"),
+    Call("smr-storage", "create_namespaced_custom_object", "create", "smr.dev", "checkpoints",
+         TENANT, "ClusterRole/smr-storage-checkpoints"),
+    Call("smr-storage", "replace_namespaced_custom_object", "update", "smr.dev",
+         "checkpoints", TENANT, "ClusterRole/smr-storage-checkpoints", name="web-0.main"),
+    Call("smr-storage", "delete_namespaced_custom_object", "delete", "smr.dev", "checkpoints",
+         TENANT, "ClusterRole/smr-storage-checkpoints", name="web-0.main"),
     # The NATS auth callout: agents' projected tokens.
     Call("smr-natsauth", "create_token_review", "create", "authentication.k8s.io",
          "tokenreviews", None, "ClusterRole/system:auth-delegator"),

@@ -52,10 +52,12 @@ class NodeAgent:
         if self.cache is not None:
             store = store.with_cache(self.cache)
         self.prepull = Prepull(store, s.template_prepull if self.cache is not None else ())
-        self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload())
+        self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload(),
+                         kept_logs=s.work_path / "criu-logs")
         common = dict(
             bundle=CriuBundle(s.criu_root(), s.criu_preload(), s.criu_root_switch(),
-                              plugins=s.work_path / ".criu-plugins"),
+                              plugins=s.work_path / ".criu-plugins",
+                              kept_logs=s.work_path / "criu-logs"),
             criu=self.criu,
             store=store, pods=self.pods,
             lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait,

@@ -65,7 +65,11 @@ class CheckpointStep(LocalJobStep):
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
-        return self._result(req, gen, current, durations=durations, started_at=started)
+        skipped = None
+        if req.pre_dump and not gen.manifest.get("pre_dump"):
+            skipped = gen.manifest.get("pre_dump_skipped") or "no pre-dump was taken"
+        return self._result(req, gen, current, durations=durations, started_at=started,
+                            pre_dump_skipped=skipped)
 
     def _dump_on_disk(self, req: CkptRequested, job: Job) -> bool:
         """Is a finished dump of ``req`` on disk, to be stored? One a host
@@ -136,8 +140,9 @@ class CheckpointStep(LocalJobStep):
                 "nothing was frozen, the job runs on", code="gpu-pre-dump",
                 hint="checkpoint it without --pre-dump: its freeze is the driver's copy of "
                      "GPU memory, which a pre-dump would not shorten")
-        pre_dump = req.pre_dump and await self._can_pre_dump(job.id)
-        if pre_dump:
+        # Why not, told to the user with the result and kept with the generation.
+        skipped = await self._why_no_pre_dump(job.id) if req.pre_dump else None
+        if req.pre_dump and not skipped:
             progress.update("pre-dump")
             run = await self._criu(job, self.criu.pre_dump(job.pid, work / "pre"),
                                    running=True)
@@ -145,7 +150,7 @@ class CheckpointStep(LocalJobStep):
             parent = work / "pre"
         # The dump's place in the job's order, taken under its lock as it starts.
         stamp = await dumpstamp.take(self.lock, job.id, req.request_id)
-        gpu, tcp = await self._prepare(req, job, work, stamp)
+        gpu, tcp = await self._prepare(req, job, work, stamp, skipped)
         cuda_pids = gpu["pids"] if gpu else []
         frozen_at = time.monotonic()
         if cuda_pids:
@@ -359,7 +364,7 @@ class CheckpointStep(LocalJobStep):
         return await self.cuda.processes(job.pid)
 
     async def _prepare(self, req: CkptRequested, job: Job, work: Path,
-                       stamp: dict[str, Any] | None = None
+                       stamp: dict[str, Any] | None = None, pre_dump_skipped: str | None = None
                        ) -> tuple[dict[str, Any] | None, sockets.Tcp]:
         """The job's GPU use and what its TCP connections get, recorded for
         the manifest (and for a recovered commit)."""
@@ -371,6 +376,7 @@ class CheckpointStep(LocalJobStep):
         held = {**sockets.inventory(gpuinfo.process_tree(job.pid)), "tcp": tcp}
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
+            **({"pre_dump_skipped": pre_dump_skipped} if pre_dump_skipped else {}),
             "gpu": {k: v for k, v in gpu.items() if k != "pids"} if gpu else None,
             "sockets": held, "process": {
                 "pid": job.pid, "start_ticks": job.start_ticks,
@@ -393,13 +399,14 @@ class CheckpointStep(LocalJobStep):
         gpu = gpuinfo.for_checkpoint(pids, work)
         return {**gpu, "pids": pids} if gpu else None
 
-    async def _can_pre_dump(self, job_id: str) -> bool:
+    async def _why_no_pre_dump(self, job_id: str) -> str | None:
+        """Why a pre-dump cannot be taken here (None: it can)."""
         if await self.criu.tracks_memory():
-            return True
+            return None
         # A checkpoint matters more than a shorter freeze: dump in full.
-        log.warning("pre-dump of %s skipped: this kernel cannot track dirty memory "
-                    "(CONFIG_MEM_SOFT_DIRTY is off); doing a full dump", job_id)
-        return False
+        why = "this kernel cannot track dirty memory (CONFIG_MEM_SOFT_DIRTY is off)"
+        log.warning("pre-dump of %s skipped: %s; doing a full dump", job_id, why)
+        return why
 
     async def _criu(self, job: Job, call: Any, *, running: bool) -> Any:
         """``call`` (a CRIU run); ``running``: CRIU's thaw on failure is all
@@ -440,6 +447,8 @@ class CheckpointStep(LocalJobStep):
             "request_id": req.request_id, "node": self.node, "reason": req.reason,
             "target": req.target.to_dict(), "leave_running": req.leave_running,
             "pre_dump": (self._work(req) / "pre").is_dir(),
+            **({"pre_dump_skipped": facts["pre_dump_skipped"]}
+               if facts.get("pre_dump_skipped") else {}),
             "versions": {"criu": await self.criu.version(), "smr": __version__,
                          **(gpuinfo.versions() if gpu else {})},
             "gpu": gpu,

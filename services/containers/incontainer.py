@@ -104,12 +104,14 @@ class CriuBundle:
     """The agent's CRIU (under ``root``: usr/sbin/criu and its libraries), held
     open for running inside containers; ``root_switch`` is criu-root.so;
     ``plugins``, a directory of the agent's (made here, kept empty), is the
-    only one CRIU loads plugins from."""
+    only one CRIU loads plugins from; ``kept_logs``: where a failed run's
+    log is kept (smr.criu.Criu)."""
 
     def __init__(self, root: Path, preload: str = "", root_switch: str = "",
-                 plugins: Path | None = None) -> None:
+                 plugins: Path | None = None, kept_logs: Path | None = None) -> None:
         self.root = root
         self.plugins = plugins
+        self.kept_logs = kept_logs
         # criu-limits.so (smr.criu.Criu's preload), opened like CRIU's own files.
         self.preload = Path(preload) if preload else None
         self.root_switch = Path(root_switch) if root_switch else None
@@ -177,7 +179,7 @@ class CriuBundle:
         caps = CRIU_CAPABILITIES | container_capabilities(shim.pid)
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view,
                     options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
-                    fds=(*fds, work_fd), env=ENTER_ROOT,
+                    fds=(*fds, work_fd), env=ENTER_ROOT, kept_logs=self.kept_logs,
                     programs=[sh, setpriv, nsenter, str(self.loader)], prefix=[
                         *join, *bounded(setpriv, caps),
                         nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",

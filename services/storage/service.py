@@ -11,7 +11,9 @@
 - Every SMR_GC_INTERVAL: uploads and manifest-less generations older than
   SMR_GC_GRACE are removed (what crashed writers left).
 - Every SCAN_INTERVAL_S: the metrics of what is stored (bytes, generations,
-  each checkpoint's newest commit time) are read from storage itself.
+  each checkpoint's newest commit time) are read from storage itself; with a
+  ``mirror`` (on Kubernetes), the Checkpoint resources are brought up to
+  date from the same reading (services/storage/mirror.py).
 
 Every handler is idempotent, so replicas can run side by side.
 """
@@ -23,11 +25,13 @@ import contextlib
 import logging
 from typing import Any
 
+from kubernetes_asyncio.client.exceptions import ApiException
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.storage.layout import LOCAL_NAMESPACE, namespace_of
+from services.storage.mirror import Mirror
 from services.storage.store import CheckpointStore, Generation, created_epoch
 from smr import metrics, tracing
 from smr.aio import wait_event
@@ -55,8 +59,9 @@ class StorageService:
     def __init__(self, bus: Bus, store: CheckpointStore, *, keep: int = 0,
                  max_age_s: float = 0, gc_grace_s: float = 3600,
                  gc_interval_s: float = 600, durable: str = "storage-retention",
-                 scan_interval_s: float = SCAN_INTERVAL_S) -> None:
+                 scan_interval_s: float = SCAN_INTERVAL_S, mirror: Mirror | None = None) -> None:
         self.bus = bus
+        self.mirror = mirror
         self.durable = durable
         self.store = store
         self.keep = keep
@@ -172,9 +177,14 @@ class StorageService:
     async def _scan_loop(self) -> None:
         while True:
             try:
-                await self.scan()
+                every = await self.scan()
+                if self.mirror is not None:
+                    await self.mirror.sync(every)
             except SmrError as e:
                 log.warning("reading storage for metrics failed, will retry: %s", e)
+            except ApiException as e:
+                log.warning("the Checkpoint resources could not be brought up to date, will "
+                            "retry: %s %s", e.status, e.reason)
             except Exception:  # a bug must not freeze the metrics for good
                 log.exception("reading storage for metrics failed unexpectedly, will retry")
             await wait_event(self._rescan, self.scan_interval_s)
@@ -183,8 +193,8 @@ class StorageService:
             self._rescan.clear()
             await asyncio.sleep(SCAN_SETTLE_S)  # one scan for a burst of checkpoints
 
-    async def scan(self) -> None:
-        """Set the storage metrics from what storage holds now."""
+    async def scan(self) -> dict[tuple[str, str], list[Generation]]:
+        """Set the storage metrics from what storage holds now, and return it."""
         every = await self.store.inventory()
         metrics.STORED_BYTES.set(sum(g.manifest.get("stored_bytes", g.size_bytes)
                                      for gens in every.values() for g in gens))
@@ -195,3 +205,4 @@ class StorageService:
         for (ns, ckpt), gens in every.items():
             metrics.LATEST.labels(ns, ckpt).set(created_epoch(gens[-1]))
         self._reported = set(every)
+        return every

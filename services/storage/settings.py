@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.storage.codec import Codec, load_keys
 from services.storage.local import LocalBackend
+from services.storage.mirror import Mirror
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from smr.bus import Bus
@@ -27,6 +28,7 @@ def make_store(settings: Settings) -> CheckpointStore:
     return CheckpointStore(LocalBackend(settings.storage_root), codec, heartbeat_s=beat)
 
 
-def make_storage_service(bus: Bus, store: CheckpointStore, s: Settings) -> StorageService:
+def make_storage_service(bus: Bus, store: CheckpointStore, s: Settings,
+                         mirror: Mirror | None = None) -> StorageService:
     return StorageService(bus, store, keep=s.keep_generations, max_age_s=s.max_age,
-                          gc_grace_s=s.gc_grace, gc_interval_s=s.gc_interval)
+                          gc_grace_s=s.gc_grace, gc_interval_s=s.gc_interval, mirror=mirror)

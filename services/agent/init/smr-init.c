@@ -66,6 +66,14 @@
  * for a moment in its working directory, lands in neither the job's directory
  * nor a read-only one.
  *
+ *   smr-init --local-ns [--] COMMAND [ARG...]
+ *
+ * What `smr exec` runs (smr/jobs.py): makes the job's PID and IPC namespaces
+ * (unshare), forks the namespace's PID 1, a `smr-init --local` in its own
+ * session, waits for it and exits with its status, quietly. util-linux's
+ * `unshare --fork` did this before, and after a killed child (every final
+ * checkpoint) wrote "unshare: sigprocmask unblock failed" into the job's log.
+ *
  * A static C binary, so it runs in any image (no libc, shell or Python
  * needed there). `smr-init --set-last-pid N` writes the namespace's
  * ns_last_pid: the agent uses it so that its own tools, run inside the
@@ -77,6 +85,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <stddef.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/file.h>
 #include <signal.h>
@@ -302,7 +311,24 @@ static int run_local(char **argv) {
     }
 }
 
+/* smr-init --local-ns: see the top. */
+static int run_local_ns(char **argv) {
+    if (unshare(CLONE_NEWPID | CLONE_NEWIPC) < 0) die("unshare");
+    pid_t init = fork();
+    if (init < 0) die("fork");
+    if (init == 0) {
+        setsid();  /* CRIU dumps a tree whose root leads its own session */
+        return run_local(argv);
+    }
+    int st;
+    while (waitpid(init, &st, 0) < 0)
+        if (errno != EINTR) die("waitpid");
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
 int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "--local-ns") == 0)
+        return run_local_ns(argv + (argc > 3 && strcmp(argv[2], "--") == 0 ? 3 : 2));
     if (argc > 2 && strcmp(argv[1], "--local") == 0)
         return run_local(argv + (argc > 3 && strcmp(argv[2], "--") == 0 ? 3 : 2));
     if (argc == 3 && strcmp(argv[1], "--set-last-pid") == 0) {
@@ -328,6 +354,7 @@ int main(int argc, char **argv) {
     if (first >= argc) {
         fprintf(stderr, "usage: smr-init [--] COMMAND [ARG...]\n"
                         "       smr-init --local [--] COMMAND [ARG...]\n"
+                        "       smr-init --local-ns [--] COMMAND [ARG...]\n"
                         "       smr-init --wait-final SECONDS\n"
                         "       smr-init --started\n");
         return 64;
