@@ -5,7 +5,7 @@ checkpoint) and N migrations (checkpoint, then restore) through smr's bus,
 then the job runs to its end and its ``final=`` hash must equal that of an
 uninterrupted run of the same command on the same GPU.
 
-    python3 bench/frameworks.py [--only NAME ...] [--migrations 3] > log
+    python3 bench/frameworks.py [--only NAME ...] [--migrations 3] [--throughput] > log
 
 ``--only hf-generate`` runs the Hugging Face server (smr/workloads/hf_generate.py):
 its answers over HTTP, not steps, are compared (run_hf).
@@ -68,6 +68,12 @@ WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
     # sockets only (no CUDA IPC between the two processes).
     "ddp-nccl": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                   "-m", "smr.workloads.ddp_train", "--steps", "300"],
+                 {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    # The same with smr's cooperative path (`import smr.coop`, docs/gpu.md):
+    # NCCL's own transports (P2P over NVLink) between checkpoints; before
+    # each, the ranks drop their communicators at a step boundary.
+    "ddp-coop": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                  "-m", "smr.workloads.ddp_train", "--steps", "300", "--coop"],
                  {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "ddp-nccl-net": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                       "2", "-m", "smr.workloads.ddp_train", "--steps", "300"],
@@ -346,14 +352,50 @@ async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
     return res
 
 
+def throughput(out: Path, steps: int = 400, width: int = 4096) -> dict[str, Any]:
+    """Steps per second of the DDP loop between checkpoints (no sleep, a
+    wider model), three ways in one call: no smr at all (plain torchrun,
+    NCCL's own P2P); started as `smr exec --gpu` starts it (smr.reaper, its
+    seccomp filter) with the cooperative library and its directory; the same
+    without the library over sockets only (NCCL_P2P_DISABLE=1
+    NCCL_SHM_DISABLE=1), what a job without the library needs to migrate."""
+    ddp = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "smr.workloads.ddp_train", "--steps", str(steps), "--interval", "0",
+           "--width", str(width)]
+    coop_dir = Path(tempfile.mkdtemp(prefix="smr-coop-"))
+    reaper = [PY, "-m", "smr.reaper", "--"]
+    ways = {
+        "no smr, P2P": (ddp, {}),
+        "smr, cooperative library, P2P": (reaper + ddp + ["--coop"],
+                                          {"SMR_COOP_DIR": str(coop_dir)}),
+        "smr, sockets only": (reaper + ddp, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+    }
+    res: dict[str, Any] = {"workload": "ddp-throughput", "steps": steps, "width": width}
+    for rnd in range(2):  # interleaved, twice: each way's two rates
+        for way, (cmd, env) in ways.items():
+            r = subprocess.run(cmd, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                                         **env}, capture_output=True, text=True, timeout=300)
+            rate = next((ln.split()[0][5:] for ln in r.stdout.splitlines()
+                         if ln.startswith("rate=")), None)
+            res.setdefault(way, []).append(float(rate) if rate else None)
+            print(f"[throughput] round {rnd + 1} {way}: {rate} steps/s "
+                  f"{'' if rate else (r.stdout + r.stderr)[-1500:]}", flush=True)
+    shutil.rmtree(coop_dir, ignore_errors=True)
+    return res
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--migrations", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--throughput", action="store_true",
+                    help="DDP steps/s: no smr, the cooperative library, sockets only")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.throughput:
+        print("RESULT " + json.dumps(throughput(out)), flush=True)
     for name, (cmd, env) in WORKLOADS.items():
         if a.only and name not in a.only:
             continue

@@ -3,7 +3,8 @@
 # .whl/ and .device/tools.tar.xz made as scripts/device-bundle.sh makes
 # them): the multi-GPU rows of bench/frameworks.py (FRAMEWORKS, MIGRATIONS:
 # 2 by default, a heartbeat before them), each against an uninterrupted run
-# in the same call. Logs go to $OUT.
+# in the same call; THROUGHPUT=1 first measures DDP's steps/s with no smr, with
+# the cooperative library and over sockets only. Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,4 +24,4 @@ export SMR_CRIU=$T/criu SMR_CRIU_ROOT=$T SMR_NATS_SERVER=$T/usr/sbin/nats-server
   echo always > /sys/kernel/mm/transparent_hugepage/enabled
 } 2>&1 | tee "$OUT/env.txt"
 python3 bench/frameworks.py --only ${FRAMEWORKS:-jax-2gpu ddp-nccl ddp-nccl-net} \
-  --migrations ${MIGRATIONS:-2} --out "$OUT" 2>&1 | tee "$OUT/frameworks.log"
+  --migrations ${MIGRATIONS:-2} ${THROUGHPUT:+--throughput} --out "$OUT" 2>&1 | tee "$OUT/frameworks.log"

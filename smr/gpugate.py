@@ -110,7 +110,8 @@ def _maps_xla(pid: int) -> bool:
     return "xla_extension" in maps or "/jaxlib" in maps
 
 
-def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()) -> None:
+def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = (),
+                released: Collection[int] = ()) -> None:
     """Refuse what driver 580 checkpoints and never restores, told from the
     GPUs each CUDA process holds (``gpus``: pid → GPU UUIDs, NVML's):
 
@@ -123,7 +124,9 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
       peer's GPU memory, and driver 580 answers that restore 801, then 304
       for good (``nccl-p2p``).
 
-    ``allow``: refusals the node's settings lift (SMR_GPU_ALLOW)."""
+    ``allow``: refusals the node's settings lift (SMR_GPU_ALLOW); ``released``:
+    ranks that dropped their NCCL communicators on smr's request (the
+    cooperative path, smr.coopgate): they map no peer's memory."""
     if "peer-access" not in allow:
         for pid, held in sorted(gpus.items()):
             if len(held) >= 2:
@@ -139,7 +142,7 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
                          "driver restores it, set SMR_GPU_ALLOW=peer-access on the node "
                          "(docs/gpu.md)")
     if "nccl-p2p" not in allow:
-        on = {p for p in gpus if _maps_nccl(p)
+        on = {p for p in gpus if p not in released and _maps_nccl(p)
               and _environ(p).get("NCCL_P2P_DISABLE", "0").lower() not in ("1", "true")}
         used = {u for p in on for u in gpus[p]}
         if len(on) >= 2 and len(used) >= 2:
@@ -155,12 +158,12 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
 
 
 def before_lock(tree: list[int], cuda_pids: list[int], gpus: Mapping[int, Collection[str]],
-                allow: Collection[str] = ()) -> None:
+                allow: Collection[str] = (), released: Collection[int] = ()) -> None:
     """Everything known to make the driver's or CRIU's part fail, checked on
     the running tree before anything is locked."""
     check_io_uring(tree)
     check_mappings(tree, cuda_pids)
-    check_peers(gpus, allow)
+    check_peers(gpus, allow, released)
 
 
 def after_lock(tree: list[int], cuda_pids: list[int]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from services.storage.settings import make_store
-from smr import config, metrics, sockets
+from smr import config, coopgate, metrics, sockets
 from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
 from smr.errors import SmrError
@@ -169,7 +169,11 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         if a.gpus and not a.gpu:
             raise SmrError("--gpus is for a GPU job", code="invalid-gpus",
                            hint="smr exec --gpu --gpus N -i ID -- CMD")
-        env = gpu_env(os.environ, a.gpus) if a.gpu else None
+        env = gpu_env(os.environ, a.gpus) if a.gpu else dict(os.environ)
+        # Where a job that imports smr.coop meets smr's checkpoints (smr.coopgate).
+        coop = coopgate.directory(s.work_path, a.id)
+        shutil.rmtree(coop, ignore_errors=True)  # a former job's ranks are not this one's
+        env[coopgate.ENV] = str(coop)
         job = launch(a.id, a.cmd, log=log.resolve(), cwd=Path.cwd(), node=s.node,
                      own_pid_namespace=not a.gpu, env=env)
         job.tcp = a.tcp

@@ -84,6 +84,23 @@ def test_nccl_ranks_on_two_gpus_with_p2p_on_are_refused(
     gpugate.check_peers({s0: [A], s1: [B]})  # sockets only: let through
 
 
+def test_nccl_ranks_that_released_their_communicators_pass_and_others_are_refused(
+        procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """The cooperative path: NCCL ranks that dropped their communicators on
+    smr's request hold no peer memory and pass, beside torchrun's agent
+    (which maps libnccl too); ranks that did not release are still refused."""
+    lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
+    r0, r1 = mapping(procs, lib), mapping(procs, lib)
+    gpus = {r0: [A], r1: [B]}
+    gpugate.check_peers(gpus, released=[r0, r1])
+    with pytest.raises(gpugate.GateRefused) as refused:
+        gpugate.check_peers(gpus, released=[])
+    assert refused.value.code == "nccl-p2p"
+    # torchrun's agent loads torch, and with it libnccl, and never registers.
+    agent = mapping(procs, lib)
+    gpugate.check_peers({**gpus, agent: [A]}, released=[r0, r1])
+
+
 def test_a_process_holding_an_io_uring_is_refused_naming_it(
         procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     plain = mapping(procs, tmp_path / "plain")

@@ -18,7 +18,17 @@ from services.checkpointer.durable import StorageUnavailable, result, until_stor
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import __version__, frozen, gpugate, gpuinfo, linkremap, netlock, reaper, sockets
+from smr import (
+    __version__,
+    coopgate,
+    frozen,
+    gpugate,
+    gpuinfo,
+    linkremap,
+    netlock,
+    reaper,
+    sockets,
+)
 from smr.bus import Progress
 from smr.criu import CriuError, dump_finished, wait_finished
 from smr.cuda_checkpoint import GpuStateLost, lost_after
@@ -35,6 +45,14 @@ log = logging.getLogger("smr.checkpointer")
 
 class CheckpointStep(LocalJobStep):
     kind = "ckpt.requested"
+    # How long the ranks of a cooperative job (smr.coop) have to reach a
+    # step boundary and release their communicators.
+    coop_deadline_s = 120.0
+
+    @property
+    def _paused(self) -> dict[str, list[int]]:
+        """Per job being checkpointed: its ranks that released their communicators."""
+        return self.__dict__.setdefault("_paused_ranks", {})
 
     def _work(self, req: CkptRequested) -> Path:
         return self.work_dir / req.request_id
@@ -61,7 +79,23 @@ class CheckpointStep(LocalJobStep):
                 await self._settle(req, job, gen, current)
                 durations: dict[str, float] = {}
             else:
-                gen, current, durations = await self._checkpoint(req, job, progress)
+                coop = coopgate.directory(self.work_dir, job.id)
+                try:
+                    # Before anything else sees the job: its ranks at a step
+                    # boundary without communicators (smr.coopgate).
+                    t_coop = time.monotonic()
+                    paused = self._paused[job.id] = await coopgate.pause(
+                        coop, gpuinfo.process_tree(job.pid) if job.alive() else [],
+                        req.request_id, self.coop_deadline_s)
+                    paused_s = time.monotonic() - t_coop
+                    gen, current, durations = await self._checkpoint(req, job, progress)
+                    if paused:
+                        durations["coop_pause"] = paused_s
+                finally:
+                    # Heartbeat, refusal or failure: the ranks go on; after a
+                    # final checkpoint its restored copy finds no request.
+                    self._paused.pop(job.id, None)
+                    coopgate.release(coop)
         finally:
             await self.lock.release(job_id, req.request_id)
         durations["total"] = time.monotonic() - t0
@@ -395,7 +429,9 @@ class CheckpointStep(LocalJobStep):
         if pids:
             # Before the lock: what the driver or CRIU cannot bring back is
             # refused while the job still runs (smr.gpugate).
-            gpugate.before_lock(tree, pids, gpuinfo.gpus_by_pid(pids), self.cuda.allow)
+            # Ranks that dropped their communicators (smr.coopgate) hold no P2P.
+            gpugate.before_lock(tree, pids, gpuinfo.gpus_by_pid(pids), self.cuda.allow,
+                                released=self._paused.get(job.id, ()))
         gpu = gpuinfo.for_checkpoint(pids, work)
         return {**gpu, "pids": pids} if gpu else None
 

@@ -8,6 +8,11 @@ rank after the all-reduce), to compare with an uninterrupted run.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \\
         -m smr.workloads.ddp_train --steps 300
+
+``--coop`` adds the one line of smr's cooperative path (``import smr.coop``,
+docs/gpu.md), with which smr checkpoints ranks that use NCCL's P2P transport.
+``--cpu`` runs on the CPU over gloo (the tests' stand-in for NCCL). At the
+end, rank 0 prints ``rate=`` (steps per second after the first 20 steps).
 """
 
 from __future__ import annotations
@@ -30,24 +35,35 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=0.5, help="GPU ballast per rank")
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--coop", action="store_true", help="import smr.coop")
+    ap.add_argument("--cpu", action="store_true", help="gloo on the CPU")
     a = ap.parse_args()
+    if a.coop:
+        import smr.coop  # noqa: F401  (the one line a training script adds)
 
     local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if a.cpu:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev)
     rank = dist.get_rank()
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
-    dev = torch.device("cuda", local)
     w = a.width
     model = torch.nn.Sequential(torch.nn.Linear(w, 4 * w), torch.nn.GELU(),
                                 torch.nn.Linear(4 * w, w)).to(dev)
-    ddp = DistributedDataParallel(model, device_ids=[local])
+    ddp = DistributedDataParallel(model, device_ids=None if a.cpu else [local])
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     # GPU memory a checkpoint must carry, with content to check after a restore.
     ballast = torch.arange(int(a.gib * 2**30) // 4, device=dev, dtype=torch.float32) % 1021
     ballast_sum = float(ballast.sum().item())
+    t20 = time.monotonic()
     for i in range(1, a.steps + 1):
+        if i == 21:
+            t20 = time.monotonic()
         g = torch.Generator().manual_seed(SEED + 2 * i + rank)
         x = torch.randn(256, w, generator=g).to(dev)
         loss = ((ddp(x) - torch.sin(x)) ** 2).mean()
@@ -57,7 +73,9 @@ def main() -> None:
         if rank == 0:
             print(f"step={i} loss={loss.item():.6f}", flush=True)
         time.sleep(a.interval)
-    torch.cuda.synchronize()
+    if not a.cpu:
+        torch.cuda.synchronize()
+    rate = (a.steps - 20) / (time.monotonic() - t20) if a.steps > 20 else 0.0
     assert float(ballast.sum().item()) == ballast_sum, "the GPU ballast changed"
     h = hashlib.sha256()
     for p in model.parameters():
@@ -70,6 +88,7 @@ def main() -> None:
     same = all(bool((o == digest).all()) for o in others)
     if rank == 0:
         print(f"final={h.hexdigest()} ranks_agree={same}", flush=True)
+        print(f"rate={rate:.2f} steps/s", flush=True)
     dist.destroy_process_group()
 
 
