@@ -99,6 +99,7 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "rolebindings": ("RoleBinding", True, "/apis/rbac.authorization.k8s.io/v1"),
     "clusterroles": ("ClusterRole", False, "/apis/rbac.authorization.k8s.io/v1"),
     "clusterrolebindings": ("ClusterRoleBinding", False, "/apis/rbac.authorization.k8s.io/v1"),
+    "priorityclasses": ("PriorityClass", False, "/apis/scheduling.k8s.io/v1"),
 }
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
@@ -108,7 +109,8 @@ API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8
                "/apis/kueue.x-k8s.io/v1beta1": "kueue.x-k8s.io/v1beta1",
                "/apis/apiextensions.k8s.io/v1": "apiextensions.k8s.io/v1",
                "/apis/apps/v1": "apps/v1", "/apis/networking.k8s.io/v1": "networking.k8s.io/v1",
-               "/apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io/v1"}
+               "/apis/rbac.authorization.k8s.io/v1": "rbac.authorization.k8s.io/v1",
+               "/apis/scheduling.k8s.io/v1": "scheduling.k8s.io/v1"}
 GROUPS = {prefix: "" if prefix == "/api/v1" else prefix.split("/")[2] for prefix in API_VERSION}
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
