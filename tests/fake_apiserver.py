@@ -58,7 +58,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -80,11 +80,16 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
                                       "/apis/admissionregistration.k8s.io/v1"),
     "runtimeclasses": ("RuntimeClass", False, "/apis/node.k8s.io/v1"),
     "poddisruptionbudgets": ("PodDisruptionBudget", True, "/apis/policy/v1"),
+    # The workload controllers' objects (tests/fake_controllers.py acts on them).
+    "replicasets": ("ReplicaSet", True, "/apis/apps/v1"),
+    "statefulsets": ("StatefulSet", True, "/apis/apps/v1"),
+    "jobs": ("Job", True, "/apis/batch/v1"),
 }
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
                "/apis/admissionregistration.k8s.io/v1": "admissionregistration.k8s.io/v1",
-               "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1"}
+               "/apis/node.k8s.io/v1": "node.k8s.io/v1", "/apis/policy/v1": "policy/v1",
+               "/apis/apps/v1": "apps/v1", "/apis/batch/v1": "batch/v1"}
 GROUPS = {prefix: "" if prefix == "/api/v1" else prefix.split("/")[2] for prefix in API_VERSION}
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 MERGE_KEYS = {"taints": "key", "conditions": "type", "containers": "name", "env": "name",
@@ -291,6 +296,8 @@ class FakeApiServer:
         self.kubelets = kubelets
         self.watch_jitter = watch_jitter
         self.watches: list[Watch] = []
+        # In-process informers (tests/fake_controllers.py): told of every change.
+        self.listeners: list[Callable[[Change], None]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path) log, for assertions
         # What cluster DNS would resolve: (namespace, service) → (host, port).
         self.services: dict[tuple[str, str], tuple[str, int]] = {}
@@ -485,6 +492,8 @@ class FakeApiServer:
         for w in self.watches:
             if self._matches(w, ch.plural, ch.obj):
                 w.queue.put_nowait(ch)
+        for listener in self.listeners:
+            listener(ch)
 
     @staticmethod
     def _matches(w: Watch, plural: str, obj: dict[str, Any]) -> bool:

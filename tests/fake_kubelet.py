@@ -384,6 +384,16 @@ class FakeKubelet:
             return st.containers[container].log.read_text(errors="replace")
         return ""
 
+    def log_of(self, uid: str, container: str = "main") -> str:
+        """The log of the pod of ``uid`` this kubelet ran (a StatefulSet's pods
+        share their names)."""
+        st = self.pods.get(uid)
+        if st is None or container not in st.containers:
+            return ""
+        with contextlib.suppress(OSError):
+            return st.containers[container].log.read_text(errors="replace")
+        return ""
+
     def did(self, name: str, what: str) -> list[tuple[float, str, str, str]]:
         return [a for a in self.actions if a[1] == name and a[3] == what]
 
