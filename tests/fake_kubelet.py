@@ -662,7 +662,10 @@ class FakeKubelet:
                    restarts: int) -> Running:
         cid = uuid.uuid4().hex
         await self._image(c["image"])
-        log = self.dir / "logs" / f"{pod['metadata']['name']}_{c['name']}_{restarts}.log"
+        # By uid too, as the kubelet's /var/log/pods/<ns>_<name>_<uid>: a
+        # StatefulSet's pod of the same name back on this node has its own log.
+        log = self.dir / "logs" / (f"{pod['metadata']['name']}_{pod['metadata']['uid']}_"
+                                   f"{c['name']}_{restarts}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         env = [f"{e['name']}={e['value']}" for e in c.get("env") or []]
         args = ["run", "-d", "--log-uri", f"file://{log}"]
