@@ -137,3 +137,49 @@ async def test_statefulset_replacement_resumes_from_the_final_checkpoint(
         cluster: Cluster, controllers: FakeControllers) -> None:
     cluster.kube.put("statefulsets", statefulset("db", template("db-1")))
     await drain_three_times(cluster, controllers, "db-1")
+
+
+async def test_a_replacement_whose_predecessor_took_no_final_checkpoint_restores_the_latest(
+        cluster: Cluster, controllers: FakeControllers) -> None:
+    """A plain delete asks for no final checkpoint: the ReplicaSet's replacement
+    still waits for the old pod to end (a workload that ignores SIGTERM, so it
+    runs until the delete's grace of 10 s is over), then restores the latest
+    checkpoint (the cordon's) and says in a Warning Event that no final one came."""
+    a, b = list(cluster.kubelets)
+    stubborn = template("web-2")
+    stubborn["spec"]["containers"][0]["command"] = [
+        "/bin/sh", "-c", "trap '' TERM; x=$(busybox seq 1 3000000); . /bin/counter"]
+    cluster.kube.put("replicasets", replicaset("web", stubborn, deployment="web"))
+    name, uid, node = await running(cluster, controllers, set())
+    assert node == a
+    await cluster.until_steps(name, a, 5, timeout=90)
+    await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+    cordon = await cluster.latest("web-2", timeout=90)
+    assert cordon["reason"] == "cordon"
+    # kubectl delete pod --grace-period=10
+    await cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=10)
+    new, new_uid, new_node = await running(cluster, controllers, {uid})
+    assert new_node == b
+    overlap, last = [], (0, 0)
+    t0 = time.monotonic()
+    while True:
+        now = (len(steps(cluster.kubelets[a].log_of(uid))),
+               len(steps(cluster.kubelets[b].log_of(new_uid))))
+        if now[0] > last[0] and now[1] > last[1]:
+            overlap.append(round(time.monotonic() - t0, 2))
+        last = now
+        if cluster.kube.get("pods", name, "default") is None and now[1] >= 5:
+            break
+        assert time.monotonic() - t0 < 120, f"{new} did not run on {b}"
+        await asyncio.sleep(0.1)
+    assert not overlap, f"{name} and {new} both ran at t={overlap} s"
+    before = steps(cluster.kubelets[a].log_of(uid))
+    after = steps(cluster.kubelets[b].log_of(new_uid))
+    assert_continues(before, after, before[-1][0])
+    message = await restored_event(cluster, new_uid)
+    assert f"generation {cordon['generation']} (cordon" in message, message
+    missing = [e for e in cluster.events("FinalCheckpointMissing")
+               if e["involvedObject"].get("uid") == new_uid]
+    assert missing and missing[0]["type"] == "Warning", cluster.events("FinalCheckpointReady")
+    assert f"restoring generation {cordon['generation']} (cordon)" in missing[0]["message"], \
+        missing[0]["message"]
