@@ -59,7 +59,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -100,6 +100,8 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "clusterroles": ("ClusterRole", False, "/apis/rbac.authorization.k8s.io/v1"),
     "clusterrolebindings": ("ClusterRoleBinding", False, "/apis/rbac.authorization.k8s.io/v1"),
     "priorityclasses": ("PriorityClass", False, "/apis/scheduling.k8s.io/v1"),
+    # The workload controllers' objects (tests/fake_controllers.py acts on them).
+    "replicasets": ("ReplicaSet", True, "/apis/apps/v1"),
 }
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 API_VERSION = {"/api/v1": "v1", "/apis/coordination.k8s.io/v1": "coordination.k8s.io/v1",
@@ -375,6 +377,8 @@ class FakeApiServer:
         self.kubelets = kubelets
         self.watch_jitter = watch_jitter
         self.watches: list[Watch] = []
+        # In-process informers (tests/fake_controllers.py): told of every change.
+        self.listeners: list[Callable[[Change], None]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path) log, for assertions
         # What cluster DNS would resolve: (namespace, service) → (host, port).
         self.services: dict[tuple[str, str], tuple[str, int]] = {}
@@ -613,6 +617,8 @@ class FakeApiServer:
         for w in self.watches:
             if self._matches(w, ch.plural, ch.obj):
                 w.queue.put_nowait(ch)
+        for listener in self.listeners:
+            listener(ch)
 
     @staticmethod
     def _matches(w: Watch, plural: str, obj: dict[str, Any]) -> bool:

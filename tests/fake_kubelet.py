@@ -384,6 +384,16 @@ class FakeKubelet:
             return st.containers[container].log.read_text(errors="replace")
         return ""
 
+    def log_of(self, uid: str, container: str = "main") -> str:
+        """The log of the pod of ``uid`` this kubelet ran (a StatefulSet's pods
+        share their names)."""
+        st = self.pods.get(uid)
+        if st is None or container not in st.containers:
+            return ""
+        with contextlib.suppress(OSError):
+            return st.containers[container].log.read_text(errors="replace")
+        return ""
+
     def did(self, name: str, what: str) -> list[tuple[float, str, str, str]]:
         return [a for a in self.actions if a[1] == name and a[3] == what]
 
@@ -652,7 +662,10 @@ class FakeKubelet:
                    restarts: int) -> Running:
         cid = uuid.uuid4().hex
         await self._image(c["image"])
-        log = self.dir / "logs" / f"{pod['metadata']['name']}_{c['name']}_{restarts}.log"
+        # By uid too, as the kubelet's /var/log/pods/<ns>_<name>_<uid>: a
+        # StatefulSet's pod of the same name back on this node has its own log.
+        log = self.dir / "logs" / (f"{pod['metadata']['name']}_{pod['metadata']['uid']}_"
+                                   f"{c['name']}_{restarts}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         env = [f"{e['name']}={e['value']}" for e in c.get("env") or []]
         args = ["run", "-d", "--log-uri", f"file://{log}"]

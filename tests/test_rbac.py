@@ -74,6 +74,9 @@ CALLS = [
          "ClusterRole/smr-agent", name="trainer"),
     Call("smr-agent", "list_pod_for_all_namespaces", "list", "", "pods", None,
          "ClusterRole/smr-agent"),
+    # A container start waits for another pod of its checkpoint id still ending.
+    Call("smr-agent", "list_namespaced_pod", "list", "", "pods", TENANT,
+         "ClusterRole/smr-agent"),
     Call("smr-agent", "read_node", "get", "", "nodes", None, "ClusterRole/smr-agent",
          name="node-1"),
     Call("smr-agent", "patch_node", "patch", "", "nodes", None, "ClusterRole/smr-agent",

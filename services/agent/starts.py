@@ -29,6 +29,7 @@ from typing import Any, get_args
 
 from opentelemetry import trace
 
+from services.agent.lineage import Lineage, Waited
 from services.containers import host
 from services.containers.confined import UnsafePath
 from services.containers.host import Shim
@@ -57,6 +58,7 @@ class StartRestores:
         self.pods = pods
         self.s = settings
         self.node = settings.node
+        self.lineage = Lineage(pods.core, settings)
         self._seen: dict[tuple[int, int], float] = {}  # shim (pid, start) → first seen
         self._busy: set[tuple[int, int]] = set()
         self._done: set[tuple[int, int]] = set()
@@ -145,15 +147,20 @@ class StartRestores:
             await asyncio.to_thread(shim.decide, "restoring")
         gen: dict[str, Any] | None = None
         if mine is not None:
-            reply = await self.bus.query(QUERY_LATEST, StorageQuery(
-                checkpoint_id=mine.checkpoint_id, namespace=meta["namespace"]), timeout=10)
-            if reply.error:
-                # Not "no checkpoint": a fresh start now would become the latest
-                # checkpoint over the real one. Asked again shortly.
-                raise TemporaryError(f"cannot ask storage for checkpoint {mine.checkpoint_id}: "
-                                     f"{reply.error.get('message', reply.error)}",
-                                     code="storage-query-failed")
-            gen = reply.generations[0] if reply.generations else None
+            # A copy of this lineage still ending (its controller replaced it
+            # at its deletionTimestamp) is waited for: its final checkpoint is
+            # what this container resumes from (services/agent/lineage.py).
+            found = await self.lineage.predecessors(pod, mine.checkpoint_id)
+            waited: Waited | None = None
+            before: dict[str, Any] | None = None
+            if found:
+                # smr-init must not time out into a fresh start meanwhile.
+                await asyncio.to_thread(shim.decide, "restoring")
+                before = await self._latest(mine.checkpoint_id, meta["namespace"])
+                waited = await self.lineage.wait(pod, name, mine.checkpoint_id, found)
+            gen = await self._latest(mine.checkpoint_id, meta["namespace"])
+            if waited is not None:
+                await self._waited(pod, name, mine.checkpoint_id, waited, before, gen)
         if gen is not None:
             assert mine is not None
             ckpt = mine.checkpoint_id
@@ -198,6 +205,40 @@ class StartRestores:
         log.warning("pod %s/%s container %s starts fresh: restore failed (%s)",
                     meta["namespace"], meta["name"], name, message)
         return "fresh"
+
+
+    async def _latest(self, ckpt: str, namespace: str) -> dict[str, Any] | None:
+        reply = await self.bus.query(QUERY_LATEST, StorageQuery(
+            checkpoint_id=ckpt, namespace=namespace), timeout=10)
+        if reply.error:
+            # Not "no checkpoint": a fresh start now would become the latest
+            # checkpoint over the real one. Asked again shortly.
+            raise TemporaryError(f"cannot ask storage for checkpoint {ckpt}: "
+                                 f"{reply.error.get('message', reply.error)}",
+                                 code="storage-query-failed")
+        return reply.generations[0] if reply.generations else None
+
+    async def _waited(self, pod: dict[str, Any], container: str, ckpt: str, waited: Waited,
+                      before: dict[str, Any] | None, gen: dict[str, Any] | None) -> None:
+        """What the wait for the copies still ending came to, in an Event."""
+        names = ", ".join(p.name for p in waited.predecessors)
+        ended = f"pod {names} {'ran on past its grace' if waited.timed_out else 'ended'} " \
+                f"after {waited.seconds:.1f} s"
+        number = (gen or {}).get("generation")
+        if gen is not None and number != (before or {}).get("generation"):
+            await self.lineage.event(
+                pod, "FinalCheckpointReady", container, ckpt,
+                f"container {container}: {ended}; restoring checkpoint {ckpt} generation "
+                f"{number} ({gen.get('reason')}), stored while it ended")
+            return
+        why = (f"no checkpoint of {ckpt} was stored while it ended (its final checkpoint "
+               "failed or was not asked for)")
+        await self.lineage.event(
+            pod, "FinalCheckpointMissing", container, ckpt,
+            f"container {container}: {ended}; {why}: " + (
+                f"restoring generation {number} ({gen.get('reason')}), the latest before it"
+                if gen is not None else "no checkpoint exists, so it starts fresh"),
+            warning=True)
 
 
 def _statuses(skip: set[tuple[int, int]]
