@@ -1,85 +1,119 @@
-"""A batch queue preempting an Indexed Job (Kueue sets ``spec.suspend``; the
-Job controller deletes its pods with their grace) and admitting it again on
-other nodes: each index resumes its own state. Real containerd, runc and
-CRIU on two nodes; the FAKE API server and kubelets (tests/agent/cluster.py);
-the test plays Kueue and the Job controller's suspend semantics."""
+"""A batch queue preempting an Indexed Job and admitting it again on other
+nodes: each index resumes its own state. Real containerd, runc, CRIU,
+smr-init, the webhook, the watcher and the agents on two nodes; the FAKE API
+server, kubelets, Job controller and scheduler (tests/fake_controllers.py:
+the Job controller deletes a suspended Job's pods with their grace and makes
+new ones when it is unsuspended, as the real one does); the test plays Kueue
+(``spec.suspend`` and the Workload's ``Evicted`` condition)."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-from tests.agent.cluster import Cluster, assert_continues, steps, workload
+import pytest
+from kubernetes_asyncio import client
 
-INDEX = "batch.kubernetes.io/job-completion-index"
+from tests.agent.cluster import Cluster, assert_continues, steps
+from tests.agent.test_injection import plain_pod
+from tests.fake_controllers import INDEX, FakeControllers, job
+
 JOB = "train"
+COMMAND = ["/bin/sh", "-c", ". /bin/counter"]
+TURNS = 3
 
 
-def job() -> dict[str, Any]:
-    return {"metadata": {"name": JOB, "namespace": "default",
-                         "uid": str(uuid.uuid5(uuid.NAMESPACE_DNS, JOB))},
-            "spec": {"suspend": False, "completionMode": "Indexed", "completions": 2,
-                     "parallelism": 2}}
+@pytest.fixture
+async def controllers(cluster: Cluster) -> AsyncIterator[FakeControllers]:
+    c = await FakeControllers(cluster.kube).start()
+    yield c
+    await c.stop()
 
 
-def index_pod(index: int, turn: int, node: str) -> dict[str, Any]:
-    """Index ``index``'s pod of admission ``turn``, as the Job controller
-    makes it (owner, completion index), bound to ``node``."""
-    p = workload(f"{JOB}-{index}-t{turn}", node, env={"SMR_CHECKPOINT": JOB}, owner=JOB,
-                 final_wait=80, grace=90)
-    p["metadata"]["annotations"][INDEX] = str(index)
-    p["metadata"]["labels"][INDEX] = str(index)
-    return p
+def workload(job_uid: str, evicted: bool) -> dict[str, Any]:
+    """Kueue's Workload of the Job, as Kueue writes it."""
+    conditions = [{"type": "Admitted", "status": "False" if evicted else "True",
+                   "reason": "NoReservation" if evicted else "Admitted"}]
+    if evicted:
+        conditions.append({"type": "Evicted", "status": "True", "reason": "Preempted",
+                           "message": "Preempted to accommodate a higher priority workload"})
+    return {"metadata": {"name": f"job-{JOB}-3f2a1", "namespace": "default",
+                         "labels": {"kueue.x-k8s.io/job-uid": job_uid}},
+            "spec": {"queueName": "user-queue"}, "status": {"conditions": conditions}}
+
+
+async def index_pods(cluster: Cluster, ctl: FakeControllers, seen: set[str],
+                     timeout: float = 90) -> dict[int, tuple[str, str]]:
+    """index → (pod name, node) of the Job's new pods (uids not in ``seen``),
+    once both are bound."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found: dict[int, tuple[str, str]] = {}
+        for name in ctl.created:
+            p = cluster.kube.get("pods", name, "default")
+            if p and p["metadata"]["uid"] not in seen and p["spec"].get("nodeName"):
+                found[int(p["metadata"]["annotations"][INDEX])] = (name, p["spec"]["nodeName"])
+        if len(found) == 2:
+            for name, _ in found.values():
+                seen.add(cluster.kube.get("pods", name, "default")["metadata"]["uid"])  # type: ignore[index]
+            return found
+        assert time.monotonic() < deadline, f"the Job's pods did not come: {ctl.created}"
+        await asyncio.sleep(0.1)
 
 
 async def gone(cluster: Cluster, name: str, timeout: float = 150) -> None:
-    for _ in range(int(timeout * 10)):
-        if cluster.kube.get("pods", name, "default") is None:
-            return
+    deadline = time.monotonic() + timeout
+    while cluster.kube.get("pods", name, "default") is not None:
+        assert time.monotonic() < deadline, f"pod {name} was not stopped within {timeout}s"
         await asyncio.sleep(0.1)
-    raise AssertionError(f"pod {name} was not stopped within {timeout}s")
 
 
 async def test_an_indexed_job_preempted_by_the_queue_resumes_each_index_on_other_nodes(
-        cluster: Cluster) -> None:
+        cluster: Cluster, controllers: FakeControllers) -> None:
     """Three preemptions: each suspension takes a final checkpoint of both
     indices; each admission lands on the other node (the old one cordoned),
     and index i goes on from index i's last step, its memory intact."""
     a, b = list(cluster.kubelets)
-    cluster.kube.put("jobs", job())
-    on, last = a, {0: [], 1: []}  # type: ignore[var-annotated]
-    for turn in range(4):
-        for i in (0, 1):
-            cluster.kube.put("pods", index_pod(i, turn, on))
-        for i in (0, 1):
-            after = await cluster.until_steps(f"{JOB}-{i}-t{turn}", on, 5, timeout=90)
+    jobs = client.BatchV1Api(cluster.core.api_client)
+    await cluster.core.patch_node(b, {"spec": {"unschedulable": True}})
+    p = plain_pod("x", None, env={"SMR_CHECKPOINT": JOB}, command=COMMAND)
+    p["spec"]["terminationGracePeriodSeconds"] = 120
+    cluster.kube.put("jobs", job(JOB, {"metadata": {"labels": {"app": JOB}}, "spec": p["spec"]},
+                                 completionMode="Indexed", completions=2, parallelism=2))
+    uid = cluster.kube.get("jobs", JOB, "default")["metadata"]["uid"]  # type: ignore[index]
+    seen: set[str] = set()
+    last: dict[int, list[tuple[int, int, str]]] = {}
+    for turn in range(TURNS + 1):
+        pods = await index_pods(cluster, controllers, seen)
+        for i, (name, node) in pods.items():
+            after = await cluster.until_steps(name, node, 5, timeout=90)
             if turn:
                 before = last[i]
                 assert_continues(before, after, before[-1][0])
                 assert after[0][0] == before[-1][0] + 1, (
                     f"index {i}, admission {turn}: steps lost or done twice "
                     f"(stopped at {before[-1][0]}, went on at {after[0][0]})")
-                assert after[0][2] == before[0][2], f"index {i} resumed another index's state"
-        if turn == 3:
+        if turn == TURNS:
             break
-        # Kueue preempts: the Job suspended first, then its controller
-        # deletes the active pods with their grace (a plain delete).
-        cluster.kube.put("jobs", {**job(), "spec": {**job()["spec"], "suspend": True}})
-        for i in (0, 1):
-            await cluster.core.delete_namespaced_pod(f"{JOB}-{i}-t{turn}", "default")
-        for i in (0, 1):
-            await gone(cluster, f"{JOB}-{i}-t{turn}")
-            last[i] = steps(cluster.log(f"{JOB}-{i}-t{turn}", on))
-        for i in (0, 1):
+        # Kueue preempts: the Workload evicted, the Job suspended; the Job
+        # controller deletes both pods with their grace.
+        cluster.kube.put("workloads", workload(uid, evicted=True))
+        await jobs.patch_namespaced_job(JOB, "default", {"spec": {"suspend": True}})
+        for i, (name, node) in pods.items():
+            await gone(cluster, name)
+            last[i] = steps(cluster.log(name, node))
+        for i in pods:
             latest = await cluster.store.latest("default", f"{JOB}-{i}")
             assert latest is not None and latest.manifest["reason"] == "suspended", (
                 f"index {i}: no final checkpoint at the suspension: {latest and latest.manifest}")
             assert latest.manifest["leave_running"] is False
-        # Admitted again on the other node.
-        await cluster.core.patch_node(on, {"spec": {"unschedulable": True}})
-        other = b if on == a else a
+        # Admitted again, on the other node.
+        was = pods[0][1]
+        other = b if was == a else a
         await cluster.core.patch_node(other, {"spec": {"unschedulable": False}})
-        cluster.kube.put("jobs", job())
-        on = other
-    assert len(cluster.events("job-suspended")) == 6
+        await cluster.core.patch_node(was, {"spec": {"unschedulable": True}})
+        cluster.kube.put("workloads", workload(uid, evicted=False))
+        await jobs.patch_namespaced_job(JOB, "default", {"spec": {"suspend": False}})
+    assert len(cluster.events("preempted-by-queue")) == 2 * TURNS
