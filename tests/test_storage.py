@@ -673,10 +673,11 @@ async def test_a_store_nothing_was_written_to_lists_nothing(backend: Backend,
     assert await backend.pending_uploads("") == []
 
 
-def stamped(rid: str, seq: int | None, epoch: str = "e1") -> dict[str, object]:
+def stamped(rid: str, seq: int | None, epoch: str = "e1",
+            started_at: str = "2026-11-28T01:00:00.000Z") -> dict[str, object]:
     m = meta(rid)
     if seq is not None:
-        m["dump"] = {"seq": seq, "lock_epoch": epoch, "started_at": "2026-11-28T01:00:00Z",
+        m["dump"] = {"seq": seq, "lock_epoch": epoch, "started_at": started_at,
                      "boot_id": "b"}
     return m
 
@@ -703,3 +704,23 @@ async def test_latest_follows_the_dump_order_not_the_commit_order(
     assert (await store.latest(NS, "o")).number == old.number > 1  # type: ignore[union-attr]
     fresh = await store.commit(NS, "o", src, stamped("new-bucket", 1, epoch="e2"))
     assert (await store.latest(NS, "o")).number == fresh.number > old.number  # type: ignore[union-attr]
+
+
+async def test_a_dump_of_an_old_lock_bucket_recovered_late_never_becomes_latest(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """The lock bucket made again (NATS lost it) starts its sequence over: a
+    dump taken before that, recovered and committed after a later dump of the
+    new bucket, is older by when it started, and latest stays."""
+    store = CheckpointStore(backend)
+    src = images(tmp_path, size=1024)
+    later = await store.commit(NS, "b", src, stamped(
+        "new-bucket", 1, epoch="e2", started_at="2026-11-28T01:05:00.000Z"))
+    old = await store.commit(NS, "b", src, stamped(
+        "old-bucket", 40, epoch="e1", started_at="2026-11-28T01:00:00.000Z"))
+    assert old.number > later.number
+    latest = await store.latest(NS, "b")
+    assert latest and latest.number == later.number, (
+        f"latest moved to generation {latest and latest.number}, dumped at 01:00 before "
+        f"generation {later.number} (01:05) of a lock bucket made again")
+    assert await store.prune(NS, "b", keep=1) == [old.number]

@@ -5,8 +5,11 @@ a dump stored by a recovery (its worker died between dump and commit) is
 committed after dumps taken later. A manifest's ``dump`` records the dump
 sequence its step took under the job's (or container's) lock as the dump
 started (``seq``, from the lock bucket ``lock_epoch``), so two dumps of one
-bucket compare by it. Manifests without it (older smr), or of different
-buckets (one made again starts over), compare by number, as before.
+bucket compare by it. Two of different buckets (one made again starts its
+sequence over) compare by the time each dump started (``started_at``, the
+node's clock: a recovered dump is older than a later one by far more than
+nodes' clocks differ). Manifests without a stamp (older smr), or two
+started in the same millisecond, compare by number, as before.
 """
 
 from __future__ import annotations
@@ -15,18 +18,24 @@ import functools
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
+from smr.messages import epoch
+
 
 class HasManifest(Protocol):
     @property
     def manifest(self) -> dict[str, Any]: ...
 
 
-def _stamp(m: dict[str, Any]) -> tuple[str, int] | None:
+def _stamp(m: dict[str, Any]) -> tuple[str, int, float | None] | None:
     d = m.get("dump")
     if not isinstance(d, dict) or not isinstance(d.get("seq"), int) or \
             not isinstance(d.get("lock_epoch"), str):
         return None
-    return d["lock_epoch"], d["seq"]
+    try:
+        started: float | None = epoch(str(d.get("started_at")))
+    except ValueError:
+        started = None
+    return d["lock_epoch"], d["seq"], started
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> int:
@@ -35,6 +44,8 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> int:
     sa, sb = _stamp(a), _stamp(b)
     if sa and sb and sa[0] == sb[0] and sa[1] != sb[1]:
         return -1 if sa[1] < sb[1] else 1
+    if sa and sb and sa[0] != sb[0] and None not in (sa[2], sb[2]) and sa[2] != sb[2]:
+        return -1 if sa[2] < sb[2] else 1  # type: ignore[operator]
     ga, gb = int(a["generation"]), int(b["generation"])
     return (ga > gb) - (ga < gb)
 
