@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -890,7 +891,8 @@ async def test_gpu_checkpoint_is_refused_where_it_cannot_be_restored(h: Harness)
 async def test_a_failed_criu_run_says_why_in_criu_own_words(criu_binary: str,
                                                            tmp_path: Path) -> None:
     """Not only "criu dump failed (exit 1)": the message quotes CRIU's first
-    error line, the detail keeps it whole, the hint points at the log."""
+    error line, the detail keeps it whole, the hint points at a kept copy of
+    the log (the step removes its work directory, and the log with it)."""
     from smr.criu import CriuError
 
     gone = launch("gone", [sys.executable, "-c", "pass"], log=tmp_path / "gone.log",
@@ -900,12 +902,14 @@ async def test_a_failed_criu_run_says_why_in_criu_own_words(criu_binary: str,
             break
         await asyncio.sleep(0.05)
     with pytest.raises(CriuError) as caught:
-        await Criu(criu_binary).dump(gone.pid, tmp_path / "images")
+        await Criu(criu_binary, kept_logs=tmp_path / "kept").dump(gone.pid, tmp_path / "images")
     e = caught.value
     assert e.message.startswith("criu dump failed (exit 1): ")
     assert str(gone.pid) in e.message and "Error (" not in e.message
     assert "Error (" in e.detail and e.message.split(": ", 1)[1] in e.detail
-    assert str(tmp_path / "images" / "dump.log") in e.hint
+    shutil.rmtree(tmp_path / "images")  # as the step does
+    kept = e.hint.split("full log: ", 1)[1].strip()
+    assert Path(kept).parent == tmp_path / "kept" and "Error (" in Path(kept).read_text()
 
 
 def test_local_init_runs_the_command_forwards_signals_and_exits_with_its_status(
