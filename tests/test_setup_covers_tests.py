@@ -26,6 +26,7 @@ ABSOLUTE = re.compile(r"^/usr/s?bin/([\w.+-]+)$")
 # which `make setup` itself runs on: the check above install-tools.sh's.
 BASE = {
     "sh": "dash", "sleep": "coreutils", "test": "coreutils", "true": "coreutils",
+    "tail": "coreutils",
     "mount": "mount", "umount": "mount", "fallocate": "util-linux", "setpriv": "util-linux",
     "unshare": "util-linux", "ldconfig": "libc-bin", "ldd": "libc-bin", "tar": "tar",
     "python3": "python3",
