@@ -49,6 +49,7 @@ from tests.agent.cluster import (
 )
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
+from tests.fake_controllers import FakeControllers
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
 from tests.programs import node, pool
 
@@ -281,3 +282,10 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
                              f"(deploy/kustomize/base): {kube.denied[:5]}")
 
 
+@pytest.fixture
+async def controllers(cluster: Cluster) -> AsyncIterator[FakeControllers]:
+    """The FAKE workload controllers and scheduler (tests/fake_controllers.py)
+    acting on this cluster's API server."""
+    c = await FakeControllers(cluster.kube).start()
+    yield c
+    await c.stop()

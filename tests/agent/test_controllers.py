@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
-
-import pytest
 
 from tests.agent.cluster import Cluster, assert_continues, steps
 from tests.agent.test_injection import plain_pod
@@ -31,13 +28,6 @@ from tests.fake_controllers import FakeControllers, job, replicaset, statefulset
 # replacement created at the eviction to be answered before it is stored.
 COMMAND = ["/bin/sh", "-c", "x=$(busybox seq 1 3000000); . /bin/counter"]
 RUNS = 3
-
-
-@pytest.fixture
-async def controllers(cluster: Cluster) -> AsyncIterator[FakeControllers]:
-    c = await FakeControllers(cluster.kube).start()
-    yield c
-    await c.stop()
 
 
 def template(ckpt: str) -> dict[str, Any]:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 from kubernetes_asyncio import client
 
 from tests.agent.cluster import Cluster, assert_continues, steps
@@ -23,13 +21,6 @@ from tests.fake_controllers import INDEX, FakeControllers, job
 JOB = "train"
 COMMAND = ["/bin/sh", "-c", ". /bin/counter"]
 TURNS = 3
-
-
-@pytest.fixture
-async def controllers(cluster: Cluster) -> AsyncIterator[FakeControllers]:
-    c = await FakeControllers(cluster.kube).start()
-    yield c
-    await c.stop()
 
 
 def workload(job_uid: str, evicted: bool) -> dict[str, Any]:
