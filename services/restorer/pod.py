@@ -359,11 +359,12 @@ def _decide_restored(shim: Shim, inner: int) -> None:
     except Exception as e:
         if (root := _find_ns_pid(shim, inner)) is not None:
             kill_tree(root)
-        if isinstance(e, OSError):
+        if isinstance(e, OSError | PermanentError):
+            why = (f"{e.strerror} on {shim.dir}/decision" if isinstance(e, OSError)
+                   else e.message)  # a file the workload replaced (UnsafePath)
             raise PermanentError(
-                f"could not tell smr-init that its workload was restored ({e.strerror} on "
-                f"{shim.dir}/decision); the restored processes were ended",
-                code="restore-undecided",
+                f"could not tell smr-init that its workload was restored ({why}); the "
+                "restored processes were ended", code="restore-undecided",
                 hint="the workload must leave smr's files under /smr alone") from None
         raise
 
