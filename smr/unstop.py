@@ -68,11 +68,27 @@ def stopped(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"T"
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[1])
+
+
 def continue_stopped(root: int, own: frozenset[tuple[int, int]], stops: Stops) -> None:
     """One look: continue every stopped process of ``root``'s tree that runs one
-    of the ``own`` programs."""
+    of the ``own`` programs, except a child forked by its parent without an
+    exec (the same program as its parent): CRIU stops such children of its
+    own on purpose (its kernel and vDSO checks stop one and inspect it), and
+    continuing one breaks CRIU. A tenant stopping one of those only holds
+    the run until its timeout."""
     for pid in process_tree(root):
-        if stopped(pid) and identity(f"/proc/{pid}/exe") in own:
+        if stopped(pid) and (exe := identity(f"/proc/{pid}/exe")) in own:
+            parent = _parent(pid)
+            if parent is not None and identity(f"/proc/{parent}/exe") == exe:
+                continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 stops.count += 1

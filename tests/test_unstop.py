@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import sys
 import time
 
 from smr import unstop
@@ -52,6 +53,41 @@ async def test_a_stopped_process_of_the_run_is_continued_and_others_are_left_sto
             watch.cancel()
         assert stops.count >= 2 and stops.pids == {mine}, stops
         assert unstop.stopped(other), "a process that is not the agent's own was continued"
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        await run.wait()
+
+
+async def test_a_child_its_parent_forked_and_stopped_is_left_to_its_parent() -> None:
+    """CRIU's kernel and vDSO checks fork a child of CRIU's own program that
+    stops itself, and inspect it: continuing it breaks CRIU (a dump hung
+    after its vDSO check when it was). Such a child, the same program as its
+    parent, is left stopped; the parent, when stopped, is continued."""
+    code = ("import os, signal, sys, time\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "    os._exit(0)\n"
+            "print(pid, flush=True)\n"
+            "time.sleep(30)\n")
+    # Run by a shell (the run's root), as the agent runs CRIU under sh.
+    run = await asyncio.create_subprocess_exec(
+        "sh", "-c", f'{sys.executable} -c "$0"; true', code,
+        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        assert run.stdout is not None
+        child = int((await run.stdout.readline()).decode())
+        _wait_state(child, True)
+        parent = next(p for p in process_tree(run.pid) if p not in (run.pid, child))
+        os.kill(parent, signal.SIGSTOP)
+        _wait_state(parent, True)
+        own = unstop.programs([sys.executable])
+        stops = unstop.Stops()
+        unstop.continue_stopped(run.pid, own, stops)
+        await asyncio.to_thread(_wait_state, parent, False)
+        assert stops.pids == {parent}, stops
+        await asyncio.sleep(0.2)
+        assert unstop.stopped(child), "the child its parent stopped on purpose was continued"
     finally:
         os.killpg(run.pid, signal.SIGKILL)
         await run.wait()

@@ -333,7 +333,10 @@ class PodCheckpointStep(PodStep):
                 raise
             finally:
                 holding.cancel()
-                await asyncio.to_thread(shim.hold, False)
+                # A container the kubelet stopped meanwhile has no hold left
+                # to release: its outcome above stands.
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    await asyncio.to_thread(shim.hold, False)
         finally:
             if work_fd >= 0:
                 os.close(work_fd)
