@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,9 @@ from smr.gpuinfo import process_tree
 # Often enough that a stop costs CRIU little, rarely enough to cost nothing:
 # a few /proc reads per look.
 INTERVAL = 0.02
+# How long a stopped child of CRIU's own program is left to CRIU (its checks
+# hold one for milliseconds) before it counts as a tenant's stop.
+CHILD_GRACE = 1.0
 
 
 @dataclass
@@ -41,6 +45,9 @@ class Stops:
 
     count: int = 0
     pids: set[int] = field(default_factory=set)
+    # CRIU's own stopped children (see continue_stopped): when each was first
+    # seen stopped.
+    held: dict[int, float] = field(default_factory=dict)
 
 
 def identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
@@ -79,16 +86,19 @@ def _parent(pid: int) -> int | None:
 
 def continue_stopped(root: int, own: frozenset[tuple[int, int]], stops: Stops) -> None:
     """One look: continue every stopped process of ``root``'s tree that runs one
-    of the ``own`` programs, except a child forked by its parent without an
-    exec (the same program as its parent): CRIU stops such children of its
-    own on purpose (its kernel and vDSO checks stop one and inspect it), and
-    continuing one breaks CRIU. A tenant stopping one of those only holds
-    the run until its timeout."""
+    of the ``own`` programs. A child forked by its parent without an exec
+    (the same program as its parent) may be CRIU's own, stopped on purpose:
+    its kernel and vDSO checks stop one and inspect it for milliseconds, and
+    continuing it then breaks CRIU. Such a child is continued only once it
+    has stayed stopped for ``CHILD_GRACE`` (a tenant's stop, not CRIU's)."""
+    now = time.monotonic()
     for pid in process_tree(root):
         if stopped(pid) and (exe := identity(f"/proc/{pid}/exe")) in own:
             parent = _parent(pid)
             if parent is not None and identity(f"/proc/{parent}/exe") == exe:
-                continue
+                if now - stops.held.setdefault(pid, now) < CHILD_GRACE:
+                    continue
+                stops.held.pop(pid, None)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 stops.count += 1
