@@ -33,9 +33,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from services.containers.pods import Pods
 from services.policy import policy_for
 from smr.config import Settings
 from smr.errors import TemporaryError
@@ -77,8 +77,9 @@ def _ended(pod: dict[str, Any] | None, uid: str) -> bool:
 
 
 class Lineage:
-    def __init__(self, core: client.CoreV1Api, settings: Settings) -> None:
-        self.core = core
+    def __init__(self, pods: Pods, settings: Settings) -> None:
+        self.pods = pods
+        self.core = pods.core
         self.s = settings
 
     async def predecessors(self, pod: dict[str, Any], checkpoint_id: str
@@ -129,7 +130,7 @@ class Lineage:
         while pending:
             now = time.monotonic()
             for uid, (p, until) in list(pending.items()):
-                if _ended(await self._read(meta["namespace"], p.name), uid):
+                if _ended(await self.pods.read(meta["namespace"], p.name), uid):
                     del pending[uid]
                 elif now > until:
                     log.warning("pod %s/%s still runs %.0f s after its grace began (its node "
@@ -141,17 +142,6 @@ class Lineage:
             if pending:
                 await asyncio.sleep(POLL_S)
         return Waited(tuple(found), time.monotonic() - t0, timed_out)
-
-    async def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False,
-                                                       _request_timeout=10)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise TemporaryError(f"cannot read pod {namespace}/{name}: {e.reason}",
-                                 code="kube-api") from None
-        return orjson.loads(await resp.read())  # type: ignore[no-any-return]
 
     async def event(self, pod: dict[str, Any], reason: str, container: str, key: str,
                     message: str, *, warning: bool = False) -> None:

@@ -58,7 +58,7 @@ class StartRestores:
         self.pods = pods
         self.s = settings
         self.node = settings.node
-        self.lineage = Lineage(pods.core, settings)
+        self.lineage = Lineage(pods, settings)
         self._seen: dict[tuple[int, int], float] = {}  # shim (pid, start) → first seen
         self._busy: set[tuple[int, int]] = set()
         self._done: set[tuple[int, int]] = set()

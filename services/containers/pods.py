@@ -106,9 +106,11 @@ class Pods:
         self.core = client.CoreV1Api(api)
         self.node = node
 
-    async def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod as the API server has it now (None: gone)."""
         try:
-            resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            resp = await self.core.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                       _request_timeout=10)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -131,7 +133,7 @@ class Pods:
             raise PermanentError(f"the node agent handles pod containers; {target} is not one",
                                  code="target-unsupported",
                                  hint="local jobs are handled by `smr up`")
-        pod = await self._read(target.namespace, target.pod)
+        pod = await self.read(target.namespace, target.pod)
         if pod is None:
             raise PermanentError(f"{target}: no such pod", code="pod-not-found")
         uid = pod["metadata"].get("uid")
