@@ -24,6 +24,7 @@ from tests import nats_auth
 from tests.helpers import steplocks
 from tests.otlp import Processors, Receiver
 from tests.otlp import serve as serve_otlp
+from tests.test_local_smr import Harness, running
 
 
 @pytest.fixture(scope="session")
@@ -207,3 +208,12 @@ def kustomize() -> str:
     if os.environ.get("CI"):
         pytest.fail("kustomize is not installed: `make setup` installs it")
     pytest.skip("kustomize is not installed (make setup)")
+
+
+@pytest.fixture
+async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
+            ) -> AsyncIterator[Harness]:
+    """An embedded node (`smr up`'s services, CRIU, nats-server with the
+    shipped users, a local store) for the local-job tests."""
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
+        yield harness

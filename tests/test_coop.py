@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,7 @@ import pytest
 from services.checkpointer.step import CheckpointStep
 from smr import coopgate, coopproto
 from smr.jobs import launch
-from tests import nats_auth
-from tests.test_local_smr import Harness, running
+from tests.test_local_smr import Harness
 
 pytestmark = pytest.mark.criu
 
@@ -40,13 +38,6 @@ while True:
         print(f"step={n}", flush=True)
     time.sleep(0.05)
 """
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
-        yield harness
 
 
 def steps(log: Path) -> list[int]:

@@ -11,14 +11,12 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from smr.jobs import Job, launch
-from tests import nats_auth
-from tests.test_local_smr import Harness, running
+from tests.test_local_smr import Harness
 
 pytestmark = pytest.mark.criu
 
@@ -40,13 +38,6 @@ while True:
     print(f"step={n}", flush=True)
     time.sleep(0.05)
 """
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
-        yield harness
 
 
 def attempts(job: Job) -> list[str]:

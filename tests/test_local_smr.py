@@ -148,13 +148,6 @@ async def running(cls: type[H], criu_binary: str, nats: nats_auth.SecuredNats,
         await admin.close()
 
 
-@pytest.fixture
-async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
-        yield harness
-
-
 def assert_continues(lines: list[dict[str, str]], frozen: int, mib: int) -> None:
     """After the checkpoint the job's next line is step frozen+1, and its memory
     digest is the one recomputed from scratch for that step."""

@@ -22,7 +22,6 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,7 @@ from services.restorer import step as restorer_step
 from smr import reaper
 from smr.gpuinfo import process_tree
 from smr.jobs import launch, proc_start_ticks, signal_tree
-from tests import nats_auth
-from tests.test_local_smr import Harness, running
+from tests.test_local_smr import Harness
 
 pytestmark = pytest.mark.criu
 
@@ -58,13 +56,6 @@ if __name__ == "__main__":
         print(f"step={n}", flush=True)
         time.sleep(0.05)
 """
-
-
-@pytest.fixture
-async def h(criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str
-            ) -> AsyncIterator[Harness]:
-    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0) as harness:
-        yield harness
 
 
 def steps(log: Path) -> list[int]:
