@@ -93,7 +93,12 @@ def continue_stopped(root: int, own: frozenset[tuple[int, int]], stops: Stops) -
     has stayed stopped for ``CHILD_GRACE`` (a tenant's stop, not CRIU's)."""
     now = time.monotonic()
     for pid in process_tree(root):
-        if stopped(pid) and (exe := identity(f"/proc/{pid}/exe")) in own:
+        if not stopped(pid):
+            # A grace counts from the current stop: one seen running (its
+            # parent continued it, or the pid is a new process's) starts over.
+            stops.held.pop(pid, None)
+            continue
+        if (exe := identity(f"/proc/{pid}/exe")) in own:
             parent = _parent(pid)
             if parent is not None and identity(f"/proc/{parent}/exe") == exe:
                 if now - stops.held.setdefault(pid, now) < CHILD_GRACE:

@@ -97,3 +97,41 @@ async def test_a_child_its_parent_forked_and_stopped_is_left_to_its_parent() -> 
     finally:
         os.killpg(run.pid, signal.SIGKILL)
         await run.wait()
+
+
+async def test_a_child_stopped_again_after_running_gets_a_fresh_grace() -> None:
+    """The grace of a child of its parent's own program counts from its
+    current stop: a child its parent stopped, continued, and stops again
+    later (or a new child on a reused pid) is left to its parent again, not
+    continued at once on its earlier stop's time."""
+    code = ("import os, signal, sys, time\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "    time.sleep(0.5)\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "    os._exit(0)\n"
+            "print(pid, flush=True)\n"
+            "time.sleep(30)\n")
+    run = await asyncio.create_subprocess_exec(
+        "sh", "-c", f'{sys.executable} -c "$0"; true', code,
+        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        assert run.stdout is not None
+        child = int((await run.stdout.readline()).decode())
+        _wait_state(child, True)
+        own = unstop.programs([sys.executable])
+        stops = unstop.Stops()
+        unstop.continue_stopped(run.pid, own, stops)  # its first stop is seen
+        first = time.monotonic()
+        os.kill(child, signal.SIGCONT)  # its parent's continue, within the grace
+        _wait_state(child, False)
+        unstop.continue_stopped(run.pid, own, stops)  # seen running
+        await asyncio.to_thread(_wait_state, child, True)  # its second stop
+        await asyncio.sleep(max(0.0, first + unstop.CHILD_GRACE + 0.1 - time.monotonic()))
+        unstop.continue_stopped(run.pid, own, stops)
+        assert unstop.stopped(child) and not stops.pids, (
+            "a child stopped anew was continued on its earlier stop's time", stops)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        await run.wait()
