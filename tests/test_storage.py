@@ -733,3 +733,27 @@ async def test_a_dump_of_an_old_lock_bucket_recovered_late_never_becomes_latest(
         f"latest moved to generation {latest and latest.number}, dumped at 01:00 before "
         f"generation {later.number} (01:05) of a lock bucket made again")
     assert await store.prune(NS, "b", keep=1) == [old.number]
+
+
+async def test_a_later_bucket_dump_is_latest_whatever_the_nodes_clocks_say(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """Review 2: the last dump of a lock bucket, taken on a node whose clock
+    runs 5 s fast, and the first dump of the bucket made again 4 s later on a
+    node with a right clock, committed in that order (no recovery at all):
+    the later one is latest. Node clocks must not order buckets: the bucket's
+    epoch (its stream's creation time, NATS's one clock) does, since every dump
+    of the new bucket started after it was made, and every dump of the old one
+    took its sequence before it was lost."""
+    store = CheckpointStore(backend)
+    src = images(tmp_path, size=1024)
+    e1, e2 = "2026-11-28T00:00:00.123456+00:00", "2026-11-28T01:00:08.500000+00:00"
+    first = await store.commit(NS, "k", src, stamped(
+        "fast-node", 7, epoch=e1, started_at="2026-11-28T01:00:10.000Z"))
+    second = await store.commit(NS, "k", src, stamped(
+        "right-node", 1, epoch=e2, started_at="2026-11-28T01:00:09.000Z"))
+    latest = await store.latest(NS, "k")
+    assert latest and latest.number == second.number, (
+        f"latest stayed at {latest and latest.number}: the new bucket's first dump "
+        f"(generation {second.number}) lost to a fast clock")
+    assert await store.prune(NS, "k", keep=1) == [first.number]

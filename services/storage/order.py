@@ -6,10 +6,14 @@ committed after dumps taken later. A manifest's ``dump`` records the dump
 sequence its step took under the job's (or container's) lock as the dump
 started (``seq``, from the lock bucket ``lock_epoch``), so two dumps of one
 bucket compare by it. Two of different buckets (one made again starts its
-sequence over) compare by the time each dump started (``started_at``, the
-node's clock: a recovered dump is older than a later one by far more than
-nodes' clocks differ). Manifests without a stamp (older smr), or two
-started in the same millisecond, compare by number, as before.
+sequence over) compare by their buckets' epochs (each the creation time of
+its bucket's stream, on NATS's clock): every dump of a bucket made again
+started after it was made, and every dump of the old one took its sequence
+before that one was lost, so nodes' clocks, which may differ by more than
+two dumps lie apart, never order them. Epochs that are not timestamps fall
+back to the time each dump started (``started_at``, the node's clock).
+Manifests without a stamp (older smr), or two started in the same
+millisecond, compare by number, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from smr.messages import epoch
 class HasManifest(Protocol):
     @property
     def manifest(self) -> dict[str, Any]: ...
+
+
+def _when(ts: object) -> float | None:
+    try:
+        return epoch(str(ts))
+    except ValueError:
+        return None
 
 
 def _stamp(m: dict[str, Any]) -> tuple[str, int, float | None] | None:
@@ -44,6 +55,10 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> int:
     sa, sb = _stamp(a), _stamp(b)
     if sa and sb and sa[0] == sb[0] and sa[1] != sb[1]:
         return -1 if sa[1] < sb[1] else 1
+    if sa and sb and sa[0] != sb[0]:
+        ea, eb = _when(sa[0]), _when(sb[0])
+        if ea is not None and eb is not None and ea != eb:
+            return -1 if ea < eb else 1
     if sa and sb and sa[0] != sb[0] and None not in (sa[2], sb[2]) and sa[2] != sb[2]:
         return -1 if sa[2] < sb[2] else 1  # type: ignore[operator]
     ga, gb = int(a["generation"]), int(b["generation"])
