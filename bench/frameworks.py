@@ -134,6 +134,37 @@ def nvidia_maps(pid: int | None) -> str:
     return "; ".join(out)
 
 
+TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
+              "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
+              "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
+
+
+def tcp_table(path: Path) -> None:
+    """Every TCP socket of the host with its state, ports and holder (pid and
+    comm from /proc/*/fd; TIME_WAIT and orphans have none): the machine lacks
+    `ss`, and a restore's `Address already in use` needs the port's holder."""
+    holders: dict[str, str] = {}
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            comm = (fd_dir.parent / "comm").read_text().strip()
+            for fd in fd_dir.iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    holders[link[8:-1]] = f"{fd_dir.parent.name}({comm})"
+        except OSError:
+            continue
+    lines = []
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = row.split()
+            local, remote, st, inode = f[1], f[2], f[3], f[9]
+            lport, rport = int(local.split(":")[1], 16), int(remote.split(":")[1], 16)
+            lines.append(f"{table} {TCP_STATES.get(st, st):12} local :{lport} remote :{rport}"
+                         f" inode {inode} "
+                         f"{holders.get(inode, '-')}")
+    path.write_text("\n".join(sorted(lines)) + "\n")
+
+
 def gib(n: int | None) -> str:
     return f"{(n or 0) / 2**30:.2f} GiB"
 
@@ -191,6 +222,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
         print(f"[{name}] nvidia maps after the heartbeat: {nvidia_maps(pid)}", flush=True)
         for m in range(1, migrations + 1):
             at = await wait_step(log, steps(log) + 10)
+            tcp_table(out / f"tcp-{name}-before-migration-{m}.txt")
             t0 = time.monotonic()
             done = await ckpt(False)
             ev = {"event": f"migration {m}", "checkpoint": done.status,
@@ -213,6 +245,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
                   f"{ev['size']} downtime {ev['downtime_s']}s restore-to-running "
                   f"{ev['restore_to_running_s']} {rest.error or ''}", flush=True)
             if rest.status != "succeeded":
+                tcp_table(out / f"tcp-{name}-after-failed-restore-{m}.txt")
                 break
             pid = rest.pid or pid
             print(f"[{name}] nvidia maps after the restore: {nvidia_maps(pid)}", flush=True)
@@ -238,6 +271,9 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
             up.wait(60)
         except subprocess.TimeoutExpired:
             up.kill()
+        # A failed CRIU run's log is kept under the data directory: keep it here too.
+        if (data / "logs" / "criu").is_dir():
+            shutil.copytree(data / "logs" / "criu", out / f"criu-logs-{name}", dirs_exist_ok=True)
         shutil.rmtree(data, ignore_errors=True)
         print(f"[{name}] job log tail:\n" + "\n".join(
             log.read_text(errors="replace").splitlines()[-6:]) if log.exists() else "", flush=True)
@@ -331,6 +367,7 @@ async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
                   f"{ev['downtime_s']}s restore-to-running {ev['restore_to_running_s']} "
                   f"{rest.error or ''}", flush=True)
             if rest.status != "succeeded":
+                tcp_table(out / f"tcp-{name}-after-failed-restore-{m}.txt")
                 break
             await ask(f"after restore {m}", range(6, 9))
         res["equal"] = bool(res["answers"]) and all(res["answers"].values())
