@@ -139,6 +139,14 @@ TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FI
               "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
 
 
+def addr(hexaddr: str) -> str:
+    """/proc/net/tcp's `0100007F:6D7C` as `127.0.0.1:28028` (v6 as hex)."""
+    ip, port = hexaddr.split(":")
+    if len(ip) == 8:
+        ip = ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    return f"{ip}:{int(port, 16)}"
+
+
 def tcp_table(path: Path) -> None:
     """Every TCP socket of the host with its state, ports and holder (pid and
     comm from /proc/*/fd; TIME_WAIT and orphans have none): the machine lacks
@@ -158,11 +166,18 @@ def tcp_table(path: Path) -> None:
         for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
             f = row.split()
             local, remote, st, inode = f[1], f[2], f[3], f[9]
-            lport, rport = int(local.split(":")[1], 16), int(remote.split(":")[1], 16)
-            lines.append(f"{table} {TCP_STATES.get(st, st):12} local :{lport} remote :{rport}"
+            lines.append(f"{table} {TCP_STATES.get(st, st):12} local {addr(local)} "
+                         f"remote {addr(remote)}"
                          f" inode {inode} "
                          f"{holders.get(inode, '-')}")
     path.write_text("\n".join(sorted(lines)) + "\n")
+
+
+def keep_criu_logs(data: Path, out: Path, name: str) -> None:
+    """A failed CRIU run's log is kept under the data directory: copy it out
+    before the directory goes."""
+    if (data / "logs" / "criu").is_dir():
+        shutil.copytree(data / "logs" / "criu", out / f"criu-logs-{name}", dirs_exist_ok=True)
 
 
 def gib(n: int | None) -> str:
@@ -246,7 +261,9 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
                   f"{ev['restore_to_running_s']} {rest.error or ''}", flush=True)
             if rest.status != "succeeded":
                 tcp_table(out / f"tcp-{name}-after-failed-restore-{m}.txt")
-                break
+                keep_criu_logs(data, out, name)
+                res["final"], res["equal"] = None, False
+                return res
             pid = rest.pid or pid
             print(f"[{name}] nvidia maps after the restore: {nvidia_maps(pid)}", flush=True)
         deadline = time.monotonic() + 400
@@ -271,9 +288,7 @@ async def run_one(name: str, cmd: list[str], env: dict[str, str], migrations: in
             up.wait(60)
         except subprocess.TimeoutExpired:
             up.kill()
-        # A failed CRIU run's log is kept under the data directory: keep it here too.
-        if (data / "logs" / "criu").is_dir():
-            shutil.copytree(data / "logs" / "criu", out / f"criu-logs-{name}", dirs_exist_ok=True)
+        keep_criu_logs(data, out, name)
         shutil.rmtree(data, ignore_errors=True)
         print(f"[{name}] job log tail:\n" + "\n".join(
             log.read_text(errors="replace").splitlines()[-6:]) if log.exists() else "", flush=True)
@@ -368,7 +383,9 @@ async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
                   f"{rest.error or ''}", flush=True)
             if rest.status != "succeeded":
                 tcp_table(out / f"tcp-{name}-after-failed-restore-{m}.txt")
-                break
+                keep_criu_logs(data, out, name)
+                res["final"], res["equal"] = None, False
+                return res
             await ask(f"after restore {m}", range(6, 9))
         res["equal"] = bool(res["answers"]) and all(res["answers"].values())
         print(f"[{name}] every answer equal to the uninterrupted server's: {res['equal']}",
