@@ -47,12 +47,13 @@ import shutil
 import stat
 import struct
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from smr.criuimages import fields, records
 from smr.errors import PermanentError, TemporaryError
 
 SHM = "/dev/shm"
@@ -67,9 +68,6 @@ POD_NAMES = "linkremap-names.json"
 LOCK = Path("/run/lock/smr-link-remaps.lock")
 REMAP_NAME = re.compile(r"link_remap\.\d+")
 
-# CRIU image files: a magic (two for most: the common one, then the image's
-# own), then records, each a little-endian u32 size and a protobuf message.
-_COMMON_MAGICS = (0x54564319, 0x55105940)  # IMG_COMMON_MAGIC, IMG_SERVICE_MAGIC
 _LINKED = 0  # remap_type LINKED (remap-fpath.proto), also the field's default
 
 
@@ -77,63 +75,20 @@ class LinkRemapError(PermanentError):
     code = "link-remap-unsupported"
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return n, i
-        shift += 7
-
-
-def _fields(msg: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of a protobuf message: varints as int,
-    length-delimited fields as bytes; fixed-width ones skipped."""
-    i = 0
-    while i < len(msg):
-        key, i = _varint(msg, i)
-        kind = key & 7
-        if kind == 0:
-            v, i = _varint(msg, i)
-            yield key >> 3, v
-        elif kind == 2:
-            n, i = _varint(msg, i)
-            yield key >> 3, msg[i:i + n]
-            i += n
-        elif kind in (1, 5):
-            i += 8 if kind == 1 else 4
-        else:
-            raise ValueError(f"protobuf wire type {kind}")
-
-
-def _records(path: Path) -> Iterator[bytes]:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return
-    i = 8 if struct.unpack_from("<I", data)[0] in _COMMON_MAGICS else 4
-    while i < len(data):
-        (n,) = struct.unpack_from("<I", data, i)
-        yield data[i + 4:i + 4 + n]
-        i += 4 + n
-
-
 def linked(images: Path) -> list[tuple[str, str]]:
     """(link, deleted name) of each link remap of a dump: CRIU's paths,
     relative to the root of the dumped tree's mount namespace."""
     remaps = []
-    for rec in _records(images / "remap-fpath.img"):
-        f = dict(_fields(rec))
+    for rec in records(images / "remap-fpath.img"):
+        f = dict(fields(rec))
         if f.get(3, _LINKED) == _LINKED:
             remaps.append((f[1], f[2]))  # orig_id, remap_id
     names: dict[int, str] = {}
-    for rec in _records(images / "files.img"):
-        entry = dict(_fields(rec))
+    for rec in records(images / "files.img"):
+        entry = dict(fields(rec))
         reg = entry.get(3)  # file_entry.reg: a reg_file_entry
         if isinstance(reg, bytes):
-            r = dict(_fields(reg))
+            r = dict(fields(reg))
             names[r[1]] = r[6].decode(errors="surrogateescape")  # id, name
     return [(names[remap], names[orig]) for orig, remap in remaps]
 

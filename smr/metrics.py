@@ -35,7 +35,7 @@ FAILURES = Counter("smr_step_failures_total", "Failed steps, by error code",
                    ["kind", "code"], registry=REGISTRY)
 PHASE = Histogram("smr_step_phase_seconds", "Seconds each phase of a step took, by phase: "
                   "pre_dump, dump, rootfs, durable, download, restore, verify, "
-                  "verify_after_criu, cuda_lock, coop_pause, "
+                  "verify_after_criu, cuda_lock, coop_pause, time_wait, "
                   "cuda_checkpoint, cuda_restore, cuda_unlock, pid_wait, downtime, total "
                   "(schemas/common.json says what each times)",
                   ["kind", "phase"], registry=REGISTRY,

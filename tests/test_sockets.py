@@ -324,3 +324,36 @@ def test_a_taken_proc_mount_point_is_named_and_retried(tmp_path: Path) -> None:
     what, code, hint = explain(log) or ("", "", "")
     assert code == "criu-proc-mountpoint-taken" and code in TEMPORARY
     assert "proc.crtools" in what and "proc.crtools" in hint
+
+
+# Python's socketserver as its defaults are: no SO_REUSEADDR, and the server
+# closes each connection first, so each one it served waits in TIME_WAIT on
+# the listening port for a minute after the job is gone.
+COUNTER_SERVER = """
+import socketserver, sys
+served = 0
+class Count(socketserver.StreamRequestHandler):
+    def handle(self):
+        global served
+        served += 1
+        self.wfile.write(b"%d\\n" % served)
+socketserver.TCPServer(("127.0.0.1", int(sys.argv[1])), Count).serve_forever()
+"""
+
+
+async def test_a_server_restored_on_its_host_waits_out_the_time_wait_of_its_own_connections(
+        h: Harness) -> None:
+    port = free_port()
+    job = await start(h, [sys.executable, "-c", COUNTER_SERVER, str(port)], port=port)
+
+    def ask() -> int:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            return int(c.makefile().readline())
+
+    first = ask()  # start() connected once too
+    assert first >= 1
+    assert (await h.checkpoint(job.id)).status == "succeeded"
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    assert restored.durations.get("time_wait", 0) > 0, restored.durations
+    assert ask() == first + 1, "the restored server lost its count"
