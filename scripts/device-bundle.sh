@@ -3,7 +3,7 @@
 # git-ignored folders that `device` carries: .whl/ (wheels for its Python
 # 3.12), .device/tools.tar.xz (CRIU 4.2 with its libraries, nats-server,
 # from `make setup`'s .tools) and .device/containerd.tar.xz (containerd, runc,
-# busybox, smr-init, smr-runtime). scripts/device-gpu.sh unpacks them there.
+# busybox, smr-init, smr-runtime, CRIU's preloads). scripts/device-gpu.sh unpacks them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}
@@ -28,7 +28,10 @@ cp "$(command -v containerd)" "$(command -v ctr)" "$(command -v containerd-shim-
    "$(command -v runc)" "$(command -v busybox)" .tools/bin/smr-init .tools/bin/smr-runtime \
    .tools/bin/kustomize "$C/bin/"
 cp -L "$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')" "$C/lib/"
-tar -C "$C" -cJf .device/containerd.tar.xz bin lib
+# The libraries the node agent preloads into CRIU (native/): without
+# criu-root.so the agent refuses to checkpoint a pod at all.
+mkdir -p "$C/smrlib" && cp .tools/lib/criu-root.so .tools/lib/criu-limits.so "$C/smrlib/"
+tar -C "$C" -cJf .device/containerd.tar.xz bin lib smrlib
 rm -rf "$C"
 # moto's S3 server and aioboto3 for bench/warmstart.py: .device/s3.tar.xz.
 PIP="$PIP" scripts/device-s3-bundle.sh

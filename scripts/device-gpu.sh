@@ -17,10 +17,11 @@ L=$T/usr/lib/x86_64-linux-gnu
 printf '#!/bin/sh\nexec %s/ld-linux-x86-64.so.2 --library-path %s %s/usr/sbin/criu "$@"\n' \
   "$L" "$L" "$T" > $T/criu && chmod +x $T/criu
 export SMR_CRIU=$T/criu SMR_CRIU_ROOT=$T SMR_NATS_SERVER=$T/usr/sbin/nats-server
-# The agent's GPU pod tests: containerd, runc, busybox on PATH; smr-init and
-# smr-runtime where the tests look for them.
+# The agent's GPU pod tests: containerd, runc, busybox on PATH; smr-init,
+# smr-runtime and CRIU's preloads where the agent and the tests look for them.
 C=/tmp/smr-ctd-bin; mkdir -p $C && tar -C $C -xJf .device/containerd.tar.xz || exit 1
 mkdir -p .tools/bin && cp $C/bin/smr-init $C/bin/smr-runtime .tools/bin/
+mkdir -p .tools/lib && cp $C/smrlib/*.so .tools/lib/ || exit 1
 ldconfig -p | grep -q libseccomp.so.2 || export LD_LIBRARY_PATH=$C/lib
 export PATH=$C/bin:$PATH SMR_TEST_STORAGE=local
 {
