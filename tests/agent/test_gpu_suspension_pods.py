@@ -3,7 +3,7 @@ an NVIDIA GPU (the device machine; skipped elsewhere).
 
 The Indexed Job (one completion) runs the PyTorch training loop of
 tests/agent/test_gpu_pods.py (fixed seeds, deterministic algorithms, a GPU
-ballast it checks). The test plays Kueue as tests/agent/test_suspension_pods.py
+ballast it checks), STEPS long. The test plays Kueue as tests/agent/test_suspension_pods.py
 does: the Workload evicted and ``spec.suspend: true``, then admitted again on
 the other node (the old one cordoned). Each suspension must take a final
 checkpoint of the index with its GPU state; each admission must resume it at
@@ -11,9 +11,8 @@ its last step + 1 with its GPU memory intact; the weights it ends with must
 equal those of the same loop run once without interruption on this GPU.
 
 Printed, not asserted, for each turn: from ``suspend: true`` to the pod's
-final checkpoint durable (its preStop hook released: smr-init's hook returns
-once the agent has stored the final state), and from ``suspend: false`` to
-the first step the resumed pod logs.
+final checkpoint durable (the store's latest of the index, looked for every
+50 ms), and from ``suspend: false`` to the first step the resumed pod logs.
 
 REAL: containerd + runc + CRIU 4.2, the CUDA driver's checkpoint API, the
 webhook, smr-runtime, nats-server, the watcher and two agents. FAKE: the API
@@ -24,23 +23,39 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
 
 from smr import cuda_checkpoint
-from tests.agent import test_gpu_pods
 from tests.agent.cluster import Cluster
-from tests.agent.test_gpu_pods import assert_resumed, finish, steps, train_pod
+from tests.agent.test_gpu_pods import assert_resumed, finish, steps, train_pod, uninterrupted
 from tests.agent.test_suspension_pods import gone, index_pods, workload
 from tests.fake_controllers import FakeControllers, job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API")]
 
-reference = test_gpu_pods.reference
 JOB = "train-gpu-job"
 TURNS = 3
+# Enough steps that the loop cannot end before its third suspension, however
+# long each suspension and admission takes (each turn waits for 20 steps).
+STEPS = 1500
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return uninterrupted(tmp_path_factory, STEPS)
+
+
+def job_spec() -> dict[str, Any]:
+    """The pod template of the training Job: test_gpu_pods.py's pod, STEPS long."""
+    spec: dict[str, Any] = train_pod("x", None, JOB)["spec"]  # type: ignore[arg-type]
+    argv = spec["containers"][0]["command"]
+    argv[2] = str(STEPS)  # [python, /app/train.py, steps, GiB, pause, ...]
+    spec["terminationGracePeriodSeconds"] = 120
+    return spec
 
 
 async def first_step(cluster: Cluster, name: str, node: str, at_least: int = 1,
@@ -56,12 +71,30 @@ async def first_step(cluster: Cluster, name: str, node: str, at_least: int = 1,
     return got, first if first is not None else time.monotonic()
 
 
-def hook_released(cluster: Cluster, node: str, name: str) -> tuple[float, str]:
-    """When the pod's preStop hook ended, and what it said."""
-    done = [(t, what) for t, pod, _, what in cluster.kubelets[node].actions
+async def durable(cluster: Cluster, ckpt: str, after: int, name: str, node: str,
+                  timeout: float = 180) -> tuple[float, Any]:
+    """When a final checkpoint of ``ckpt`` newer than generation ``after``
+    became its latest (looked for every 50 ms), and that generation."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gen = await cluster.store.latest("default", ckpt)
+        if gen is not None and gen.number > after and gen.manifest["reason"] == "suspended":
+            return time.monotonic(), gen
+        if time.monotonic() > deadline:
+            events = [(e["reason"], e["message"]) for e in cluster.kube.list("events", "default")
+                      if e["involvedObject"]["name"] == name]
+            acts = [x[3] for x in cluster.kubelets[node].actions if x[1] == name]
+            raise AssertionError(
+                f"no final checkpoint of {ckpt} after the suspension (latest: "
+                f"{gen and gen.manifest.get('reason')}); Events on {name}: {events}; its "
+                f"kubelet did {acts}; its log ends {cluster.log(name, node)[-600:]!r}")
+        await asyncio.sleep(0.05)
+
+
+def hook_said(cluster: Cluster, node: str, name: str) -> str:
+    done = [what for _, pod, _, what in cluster.kubelets[node].actions
             if pod == name and what.startswith("prestop-done")]
-    assert done, f"the preStop hook of {name} did not end"
-    return done[0]
+    return done[0] if done else "no preStop hook ended"
 
 
 async def test_a_gpu_training_job_preempted_three_times_ends_with_the_same_weights(
@@ -69,15 +102,13 @@ async def test_a_gpu_training_job_preempted_three_times_ends_with_the_same_weigh
     a, b = list(cluster.kubelets)
     jobs = client.BatchV1Api(cluster.core.api_client)
     await cluster.core.patch_node(b, {"spec": {"unschedulable": True}})
-    spec = train_pod("x", None, JOB)["spec"]  # type: ignore[arg-type]
-    spec["terminationGracePeriodSeconds"] = 120
-    cluster.kube.put("jobs", job(JOB, {"metadata": {"labels": {"app": JOB}}, "spec": spec},
+    cluster.kube.put("jobs", job(JOB, {"metadata": {"labels": {"app": JOB}}, "spec": job_spec()},
                                  completionMode="Indexed", completions=1, parallelism=1))
     uid = cluster.kube.get("jobs", JOB, "default")["metadata"]["uid"]  # type: ignore[index]
     seen: set[str] = set()
     before: list[tuple[int, str]] = []
     timings = []
-    unsuspended, was = 0.0, ""
+    unsuspended, was, generation = 0.0, "", 0
     for turn in range(TURNS + 1):
         (name, node), = (await index_pods(cluster, controllers, seen, timeout=120,
                                           n=1)).values()
@@ -100,15 +131,14 @@ async def test_a_gpu_training_job_preempted_three_times_ends_with_the_same_weigh
         cluster.kube.put("workloads", workload(uid, evicted=True))
         suspended = time.monotonic()
         await jobs.patch_namespaced_job(JOB, "default", {"spec": {"suspend": True}})
+        released, latest = await durable(cluster, f"{JOB}-0", generation, name, node)
+        generation = latest.number
         await gone(cluster, name)
-        released, said = hook_released(cluster, node, name)
-        assert "final checkpoint done" in said, f"turn {turn + 1}: the hook said {said}"
+        print(f"turn {turn + 1}: the preStop hook of {name}: {hook_said(cluster, node, name)}")
         before = steps(cluster.log(name, node))
-        latest = await cluster.store.latest("default", f"{JOB}-0")
-        assert latest is not None and latest.manifest["reason"] == "suspended", (
-            f"turn {turn + 1}: no final checkpoint at the suspension: "
-            f"{latest and latest.manifest}")
         assert latest.manifest["gpu"]["used_bytes"] > 0, latest.manifest["gpu"]
+        assert (await cluster.store.latest("default", f"{JOB}-0")).number == generation, (  # type: ignore[union-attr]
+            "a checkpoint after the final one")
         timings.append({"suspend_to_durable_s": released - suspended,
                         "size_gib": latest.size_bytes / 2**30,
                         "gpu_gib": latest.manifest["gpu"]["used_bytes"] / 2**30})
