@@ -1,4 +1,5 @@
-"""Kubernetes Events on pods: checkpoint and restore outcomes, policy problems.
+"""Kubernetes Events on pods (checkpoint and restore outcomes, policy problems)
+and on Jobs (a lineage their pods share).
 
 Each Event's name is derived from what it reports (a request_id, a problem),
 so a redelivered result or a second replica posts it once: the API server
@@ -29,12 +30,18 @@ class EventRecorder:
     async def pod_event(self, namespace: str, pod: str, *, reason: str, message: str,
                         key: str, warning: bool = False, uid: str | None = None) -> bool:
         """Post once per ``key``; False if it was already there."""
+        return await self.event({"kind": "Pod", "apiVersion": "v1", "namespace": namespace,
+                                 "name": pod}, reason=reason, message=message, key=key,
+                                warning=warning, uid=uid)
+
+    async def event(self, ref: dict[str, Any], *, reason: str, message: str, key: str,
+                    warning: bool = False, uid: str | None = None) -> bool:
+        """Post an Event on the object ``ref`` (kind, apiVersion, namespace,
+        name) once per ``key``; False if it was already there."""
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        name = f"{pod[:200]}.smr-{derive_request_id(reason, key)[:16]}"
-        ref: dict[str, Any] = {"kind": "Pod", "apiVersion": "v1", "namespace": namespace,
-                               "name": pod}
-        if uid:
-            ref["uid"] = uid
+        namespace = ref["namespace"]
+        name = f"{ref['name'][:200]}.smr-{derive_request_id(reason, key)[:16]}"
+        ref = {**ref, "uid": uid} if uid else dict(ref)
         body = {"metadata": {"name": name, "namespace": namespace}, "involvedObject": ref,
                 "reason": reason, "message": message[:1024],
                 "type": "Warning" if warning else "Normal",

@@ -59,6 +59,7 @@ from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer, rv_of
 from services.watcher.leader import Leadership
+from services.watcher.lineages import SharedLineages
 from services.watcher.templates import (
     is_ready,
     ready_since,
@@ -110,6 +111,7 @@ class Watcher:
             renew_s=settings.lease_renew_deadline, retry_s=settings.lease_retry,
             lead=self._lead)
         self.events = EventRecorder(api)
+        self.lineages = SharedLineages(api, self.events)
         self.stats: Counter[str] = Counter()
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
@@ -366,6 +368,7 @@ class Watcher:
                 self._recreate_later(pod, policy)
                 self._pod_requests.pop(uid, None)
                 self._suspended.discard(uid)
+                self.lineages.forget(uid)
                 self._templated.pop(uid, None)
                 self._template_failed.discard(uid)
             elif shut_down_by_kubelet(pod) and uid not in self._replacing:
@@ -374,6 +377,7 @@ class Watcher:
             return
         if self.leadership.leading.is_set():
             await self._keep_beat(pod, policy)
+            self._check_lineage(pod, policy)
         episode = self._episodes.get(node) if node and policy.opted_in else None
         if episode is not None:
             # On a node going away: the node's reasons, and a drain if it terminates.
@@ -508,6 +512,11 @@ class Watcher:
         elif meta.get("uid") in self.schedule.entries:
             await self.schedule.remove(meta["uid"])
 
+    def _check_lineage(self, pod: dict[str, Any], policy: PodPolicy) -> None:
+        """The leader warns on a Job whose pods share one lineage (services/watcher/lineages)."""
+        if self.lineages.wants(pod, policy):
+            self._spawn(self.lineages.check(pod, policy))
+
     async def _lead(self) -> None:
         """Run the heartbeat schedule while this replica leads."""
         await self.pods.synced.wait()
@@ -517,7 +526,8 @@ class Watcher:
             await self.schedule.remove(uid)
         for pod in list(self.pods.cache.values()):
             if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-                await self._keep_beat(pod, self._policy(pod))
+                await self._keep_beat(pod, policy := self._policy(pod))
+                self._check_lineage(pod, policy)
         log.info("heartbeat schedule: %d pods", len(self.schedule.entries))
         await self.schedule.run()
 

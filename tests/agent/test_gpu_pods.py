@@ -47,16 +47,21 @@ STEP = re.compile(r"^step (\d+) loss \S+ ballast_ok (\w+)$", re.M)
 FINAL = re.compile(r"^final ([0-9a-f]{64})$", re.M)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The weights' sha256 after STEPS uninterrupted steps on this GPU."""
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, n: int = STEPS) -> str:
+    """The weights' sha256 after ``n`` uninterrupted steps on this GPU."""
     script = tmp_path_factory.mktemp("ref") / "train.py"
     script.write_bytes(TRAIN)
-    out = subprocess.run([sys.executable, str(script), str(STEPS), str(GIB), "0"],
+    out = subprocess.run([sys.executable, str(script), str(n), str(GIB), "0"],
                          capture_output=True, text=True, env={**os.environ, **ENV}, timeout=300)
     m = FINAL.search(out.stdout)
     assert m, out.stdout[-2000:] + out.stderr[-2000:]
     return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The weights' sha256 after STEPS uninterrupted steps on this GPU."""
+    return uninterrupted(tmp_path_factory)
 
 
 def train_pod(name: str, node: str, checkpoint: str, helpers: int = 0,

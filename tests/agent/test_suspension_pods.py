@@ -36,9 +36,9 @@ def workload(job_uid: str, evicted: bool) -> dict[str, Any]:
 
 
 async def index_pods(cluster: Cluster, ctl: FakeControllers, seen: set[str],
-                     timeout: float = 90) -> dict[int, tuple[str, str]]:
-    """index → (pod name, node) of the Job's new pods (uids not in ``seen``),
-    once both are bound."""
+                     timeout: float = 90, n: int = 2) -> dict[int, tuple[str, str]]:
+    """index → (pod name, node) of the Job's ``n`` new pods (uids not in
+    ``seen``), once all are bound."""
     deadline = time.monotonic() + timeout
     while True:
         found: dict[int, tuple[str, str]] = {}
@@ -46,7 +46,7 @@ async def index_pods(cluster: Cluster, ctl: FakeControllers, seen: set[str],
             p = cluster.kube.get("pods", name, "default")
             if p and p["metadata"]["uid"] not in seen and p["spec"].get("nodeName"):
                 found[int(p["metadata"]["annotations"][INDEX])] = (name, p["spec"]["nodeName"])
-        if len(found) == 2:
+        if len(found) == n:
             for name, _ in found.values():
                 seen.add(cluster.kube.get("pods", name, "default")["metadata"]["uid"])  # type: ignore[index]
             return found
