@@ -1,0 +1,217 @@
+"""kubectl drain cordons, then evicts: the final request of a pod whose cordon
+dump is in flight takes that dump over (services/checkpointer/takeover)
+instead of waiting for it and dumping again. Real containerd, runc, CRIU,
+nats-server and moto; the kubelet and API server are the repo's fakes.
+
+The workload holds BALLAST_MIB of memory, every page written and checked.
+The test evicts once the cordon's dump has frozen it (its processes in
+CRIU's tracing stop). On this shared machine the final request can reach the
+agent seconds after the eviction (every service shares one process here),
+so ``in_order`` makes the order certain: the cordon dump's captures (the
+tree still frozen) wait until the final request's step has started on the
+agent. Nothing is faked: the real functions run, only later."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import re
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from services import timings
+from services.checkpointer import pod
+from services.checkpointer.pod import PodCheckpointStep
+from services.storage.backend import StorageError
+from smr.bus import KV_TIMINGS
+from smr.messages import CkptRequested
+from tests import oci_image
+from tests.agent.cluster import COUNTER, Cluster, assert_continues, steps, workload
+from tests.agent.test_kubelet import evict, hook_said, seconds_between
+from tests.agent.test_restore_memory import BALLAST
+
+IMAGE = "smr.test/ballast-drain:1"
+BALLAST_MIB = 384
+NODE_RESTORE = {"smr.dev/node-restore": "true"}
+
+
+@pytest.fixture(scope="module")
+def drain_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ballast-drain")
+    (d / "ballast.c").write_text(BALLAST)
+    subprocess.run(["gcc", "-static", "-O2", "-o", d / "ballast", d / "ballast.c"], check=True)
+    start = f"#!/bin/sh\n/bin/ballast {BALLAST_MIB} &\nexec /bin/counter\n".encode()
+    return oci_image.build(d / "ballast.tar", IMAGE, files={
+        "/bin/counter": COUNTER, "/bin/start": start,
+        "/bin/ballast": (d / "ballast").read_bytes()})
+
+
+def _ballast_pids() -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if (p / "cmdline").read_bytes().split(b"\0")[:2] == \
+                        [b"/bin/ballast", str(BALLAST_MIB).encode()]:
+                    found.append(int(p.name))
+            except OSError:
+                continue
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+async def until_frozen(timeout: float = 60) -> None:
+    """Until the ballast (the only one running here) is in CRIU's stop: its dump began."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = _ballast_pids()
+        if pids and all(_state(p) in ("t", "T") for p in pids):
+            return
+        assert time.monotonic() < deadline, "no dump of the ballast began"
+        await asyncio.sleep(0.005)
+
+
+async def start(cluster: Cluster, image: Path, name: str, node: str) -> None:
+    for n, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(n, image)
+    p = workload(name, node, image=IMAGE, labels=NODE_RESTORE, final_wait=80, grace=90)
+    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/start"]
+    cluster.kube.put("pods", p)
+    await cluster.until_steps(name, node, 5, timeout=60)
+    deadline = time.monotonic() + 30
+    while "ballast 0 intact" not in cluster.log(name, node):
+        assert time.monotonic() < deadline, "the ballast never checked its memory"
+        await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def in_order(cluster: Cluster, node: str, name: str) -> AsyncIterator[None]:
+    """The captures of ``name``'s leave-running dumps on ``node`` wait (at
+    most 60 s) until a final request for it has started there."""
+    agent = cluster.agents[node]
+    step = next(w.step.step for w in agent.workers  # the worker's Fresh(step)
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    final_started = asyncio.Event()
+    leave_running: set[str] = set()
+    real_run, real_capture = step.run, pod.capture
+
+    async def run(req: CkptRequested, progress: Any) -> Any:
+        if req.target.pod == name:
+            if req.leave_running:
+                leave_running.add(req.request_id)
+            else:
+                final_started.set()
+        return await real_run(req, progress)
+
+    async def capture(shim: Any, work: Path, *a: Any) -> None:
+        if work.name in leave_running:
+            await asyncio.wait_for(final_started.wait(), 60)
+        await real_capture(shim, work, *a)
+
+    step.run, pod.capture = run, capture  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        step.run, pod.capture = real_run, real_capture  # type: ignore[method-assign]
+
+
+def records(gens: list[Any]) -> list[tuple[int, str, bool]]:
+    return [(g.number, g.manifest["reason"], g.manifest["leave_running"]) for g in gens]
+
+
+async def resumes_intact(cluster: Cluster, name: str, a: str, b: str) -> None:
+    """Restored on ``b``: the next step after the last on ``a``, its ballast intact."""
+    before = steps(cluster.log(name, a))
+    cluster.schedule(name, b)
+    after = await cluster.until_steps(name, b, 5, timeout=90)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, f"{name}: steps lost after the final checkpoint"
+    deadline = time.monotonic() + 30
+    while not (checks := re.findall(r"^ballast \d+ (\w+)$", cluster.log(name, b), re.M)):
+        assert time.monotonic() < deadline, "the restored ballast never checked its memory"
+        await asyncio.sleep(0.2)
+    assert set(checks) == {"intact"}, checks
+
+
+async def test_a_drain_dumps_a_pod_whose_cordon_dump_is_in_flight_once(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The eviction's final request comes while the cordon's dump holds the
+    tree frozen: that dump becomes the final checkpoint, the only one; the
+    replacement resumes from it at the next step, its memory intact."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "drained", a)
+
+    async with in_order(cluster, a, "drained"):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl drain
+        await until_frozen()
+        await evict(cluster, "drained")
+        await cluster.recreated("drained", timeout=120)
+
+    gens = await cluster.store.generations("default", "drained.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    assert "final checkpoint done" in hook_said(cluster, a, "drained")
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert m.get("final_request_id"), m
+    latest = await cluster.store.latest("default", "drained.main")
+    assert latest is not None and latest.number == gens[0].number
+    # Timings to read, not to assert: the hook, and what one dump of it took
+    # (two dumps would take about twice that, and more on a shared link).
+    entry = await cluster.bus.kv(KV_TIMINGS).get(timings.key("default", "drained.main"))
+    one = float(orjson.loads(entry.value or b"{}").get("seconds", 0.0))
+    print(f"\ndrain while the cordon dump is frozen: preStop hook "
+          f"{seconds_between(cluster, a, 'drained', 'prestop', 'prestop-done'):.2f}s; "
+          f"one dump (freeze to stored) {one:.2f}s, two dumps about {2 * one:.2f}s")
+    await resumes_intact(cluster, "drained", a, b)
+
+
+async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final_dump(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The cordon's dump, taken over by the final request, cannot be stored
+    (its manifest refused until the commit deadline): its tree runs on, and
+    the final request dumps it itself, within the grace; the replacement
+    resumes from that final checkpoint."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "refused", a)
+    for o in gc.get_objects():  # the agents' steps: a short deadline for the test
+        if isinstance(o, PodCheckpointStep):
+            o.commit_deadline = 3.0
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+
+    async def failing(key: str, data: bytes, **kw: Any) -> str:
+        # The manifest of the cordon's dump (taken over: its reason is the
+        # final's, its request the cordon's) is refused; the final's own passes.
+        if key.endswith("manifest.json") and b'"final_request_id"' in data:
+            raise StorageError(f"injected: S3 500 on {key}", hint="a test fault")
+        return str(await real(key, data, **kw))
+
+    backend.put_bytes = failing
+    try:
+        async with in_order(cluster, a, "refused"):
+            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+            await until_frozen()
+            await evict(cluster, "refused")
+            await cluster.recreated("refused", timeout=120)
+    finally:
+        backend.put_bytes = real
+
+    assert "final checkpoint done" in hook_said(cluster, a, "refused")
+    assert not cluster.kubelets[a].did("refused", "KILL"), "it outlived its grace period"
+    gens = await cluster.store.generations("default", "refused.main")
+    assert [(r, lr) for _, r, lr in records(gens)] == [("drain", False)], records(gens)
+    assert "final_request_id" not in gens[0].manifest, "the refused dump was stored"
+    await resumes_intact(cluster, "refused", a, b)
