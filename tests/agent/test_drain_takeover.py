@@ -98,9 +98,10 @@ async def start(cluster: Cluster, image: Path, name: str, node: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def in_order(cluster: Cluster, node: str, name: str) -> AsyncIterator[None]:
+async def in_order(cluster: Cluster, node: str, name: str,
+                   wait_s: float = 60) -> AsyncIterator[None]:
     """The captures of ``name``'s leave-running dumps on ``node`` wait (at
-    most 60 s) until a final request for it has started there."""
+    most ``wait_s``, then go on) until a final request for it has started there."""
     agent = cluster.agents[node]
     step = next(w.step.step for w in agent.workers  # the worker's Fresh(step)
                 if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
@@ -118,7 +119,8 @@ async def in_order(cluster: Cluster, node: str, name: str) -> AsyncIterator[None
 
     async def capture(shim: Any, work: Path, *a: Any) -> None:
         if work.name in leave_running:
-            await asyncio.wait_for(final_started.wait(), 60)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(final_started.wait(), wait_s)
         await real_capture(shim, work, *a)
 
     step.run, pod.capture = run, capture  # type: ignore[method-assign]
@@ -215,3 +217,26 @@ async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final
     assert [(r, lr) for _, r, lr in records(gens)] == [("drain", False)], records(gens)
     assert "final_request_id" not in gens[0].manifest, "the refused dump was stored"
     await resumes_intact(cluster, "refused", a, b)
+
+
+async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken(
+        cluster: Cluster, drain_image: Path) -> None:
+    """One checkpoint slot (SMR_CHECKPOINTS_PER_NODE=1), taken by the
+    cordon's dump: the final request still starts at once, outside the
+    slots, and takes that dump over (waiting for the slot, it would find the
+    dump over and dump again). ``in_order`` waits at most 20 s for it."""
+    a, b = list(cluster.kubelets)
+    worker = next(w for w in cluster.agents[a].workers
+                  if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    worker.concurrency = 1
+    await start(cluster, drain_image, "one-slot", a)
+    async with in_order(cluster, a, "one-slot", wait_s=20):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await until_frozen()
+        await evict(cluster, "one-slot")
+        await cluster.recreated("one-slot", timeout=120)
+    gens = await cluster.store.generations("default", "one-slot.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    assert (gens[0].manifest["reason"], gens[0].manifest["leave_running"]) == ("drain", False)
+    assert "final checkpoint done" in hook_said(cluster, a, "one-slot")
+    await resumes_intact(cluster, "one-slot", a, b)
