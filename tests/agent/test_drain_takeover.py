@@ -240,3 +240,42 @@ async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken
     assert (gens[0].manifest["reason"], gens[0].manifest["leave_running"]) == ("drain", False)
     assert "final checkpoint done" in hook_said(cluster, a, "one-slot")
     await resumes_intact(cluster, "one-slot", a, b)
+
+
+async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_final_one(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The cordon's step ends (cancelled from inside, as a library's given-up
+    call ends it: the worker has it redelivered) after the takeover and the
+    dump, before its manifest is stored: its work directory and the marker
+    naming the final request stay. The final request, under the lock, stores
+    that dump as the final checkpoint, ends the workload and answers the
+    hook; the cordon's redelivery stores nothing again. One generation."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "cut", a)
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+    cut: list[str] = []
+
+    async def cut_once(key: str, data: bytes, **kw: Any) -> str:
+        if key.endswith("manifest.json") and b'"final_request_id"' in data and not cut:
+            cut.append(key)
+            raise asyncio.CancelledError  # the step ends here, its dump on disk
+        return str(await real(key, data, **kw))
+
+    backend.put_bytes = cut_once
+    try:
+        async with in_order(cluster, a, "cut"):
+            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+            await until_frozen()
+            await evict(cluster, "cut")
+            await cluster.recreated("cut", timeout=120)
+    finally:
+        backend.put_bytes = real
+
+    assert cut, "the taken-over dump's manifest was never put"
+    gens = await cluster.store.generations("default", "cut.main")
+    assert len(gens) == 1, f"the drain stored {len(gens)} generations: {records(gens)}"
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert "final checkpoint done" in hook_said(cluster, a, "cut")
+    await resumes_intact(cluster, "cut", a, b)
