@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import orjson
 from nats.js.kv import KeyValue
 
 from services import timings
-from services.checkpointer import dumpstamp
+from services.checkpointer import dumpstamp, takeover
 from services.checkpointer.admission import over_threshold, resident_bytes
 from services.checkpointer.durable import result, until_stored
 from services.containers import host, rootfs
@@ -43,6 +45,8 @@ from smr.identity import write_durably
 from smr.jobs import proc_start_ticks, signal_tree, wait_exit
 from smr.messages import CkptDone, CkptRequested, now
 from smr.metrics import GPU_STATE_LOST
+
+log = logging.getLogger("smr.checkpointer")
 
 CONTAINER_FILE = "container.json"
 # Written once the layer and /dev/shm of a finished dump are captured whole.
@@ -152,6 +156,7 @@ class PodCheckpointStep(PodStep):
         # The size of each checkpoint's last dump here: a GPU workload's
         # device memory is in its images, not in its resident memory.
         self._last_size: dict[tuple[str, str], int] = {}
+        self.flights = takeover.Flights()  # a final takes over a dump in flight
 
     def budget(self, c: PodContainer) -> rootfs.Budget:
         """What the captures of ``c``'s checkpoint may write: its own
@@ -161,6 +166,12 @@ class PodCheckpointStep(PodStep):
         if limit is not None:
             return rootfs.Budget(limit, f"{c.target()}'s ephemeral-storage limit")
         return rootfs.Budget(self.capture_bytes, "SMR_CAPTURE_BYTES")
+
+    def rides(self, req: CkptRequested) -> bool:
+        """A final request whose container's leave-running dump is in flight
+        here, not yet run on: it takes that dump over, and starts at once."""
+        flight = None if req.leave_running else self.flights.flight(takeover.key(req.target))
+        return flight is not None and flight.phase in ("before", "frozen")
 
     async def estimate(self, req: CkptRequested) -> int:
         """The bytes this request's dump will write: its workload's resident
@@ -177,7 +188,23 @@ class PodCheckpointStep(PodStep):
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started, t0 = now(), time.monotonic()
-        c = await self.pods.container(req.target)
+        if req.leave_running:
+            return await self._run(req, progress, await self.pods.container(req.target),
+                                   started, t0)
+        # A leave-running dump of this container in flight is taken over,
+        # not waited for and dumped again (services/checkpointer/takeover).
+        key = takeover.key(req.target)
+        with self.flights.final(key, req):
+            c = await self.pods.container(req.target)
+            flight = self.flights.flight(key)
+            if flight is not None and flight.container_id == c.container_id and \
+                    (got := await takeover.wait(flight, req, progress)):
+                return self._result(req, *got, durations={"total": time.monotonic() - t0},
+                                    started_at=started)
+            return await self._run(req, progress, c, started, t0)
+
+    async def _run(self, req: CkptRequested, progress: Progress, c: PodContainer,
+                   started: str, t0: float) -> CkptDone:
         shim = self.shim_of(c)
         # Under the container's lock: a restore into it (which holds the lock)
         # is over, and smr-init told so, before its workload is looked for.
@@ -186,7 +213,12 @@ class PodCheckpointStep(PodStep):
         work = self.work(req.request_id)
         work_fd = -1
         keep_work = False  # a finished dump that could not be stored yet: recover() stores it
+        flight = self.flights.begin(takeover.key(req.target), req, c.container_id) \
+            if req.leave_running else None
+        outcome: tuple[Generation, bool] | None = None
         try:
+            if not req.leave_running and (done := await self._taken_over(req, c, shim)):
+                return done  # answered from the dump it took over (a redelivery)
             pid, inner = await asyncio.to_thread(self._workload, req, shim)
             # Also a dump that starts alone: none may take the node into
             # DiskPressure, whose evictions give no grace at all.
@@ -242,6 +274,18 @@ class PodCheckpointStep(PodStep):
                         "its checkpoint began; nothing was saved", code="terminating",
                         hint="a final checkpoint must come before the kubelet's SIGTERM: "
                              "the preStop hook smr's webhook adds waits for it")
+                if flight and (final := self.flights.final_for(takeover.key(req.target))):
+                    # Nothing frozen yet: the final request dumps, once.
+                    raise PermanentError(
+                        f"the final checkpoint of {req.target} ({final.request_id}), asked "
+                        "for meanwhile, takes this one's place; nothing was dumped for it",
+                        code="taken-over", hint="the final checkpoint is the workload's "
+                        "state; nothing to do")
+                if flight:
+                    # From here a final request takes the dump over, as it
+                    # ends; a GPU tree's (resumed by resume_after, or its
+                    # heartbeat's caller) is not: a final then dumps again.
+                    flight.phase = "ran-on" if cuda_pids else "frozen"
                 durations: dict[str, float] = {}
                 frozen_at = time.monotonic()
                 if cuda_pids:
@@ -264,9 +308,12 @@ class PodCheckpointStep(PodStep):
                 # died touching a GPU mapping between CRIU's thaw and the
                 # driver's restore), as for a local job.
                 gpu_heartbeat = bool(cuda_pids and req.leave_running)
+                held = None
+                if flight and not cuda_pids:
+                    held = lambda: self._hold_for_final(req, flight, work)  # noqa: E731
                 dump = asyncio.create_task(self._dump(c, shim, criu, pid, inner, work, upper,
                                                       req.leave_running, tcp,
-                                                      gpu=bool(cuda_pids)))
+                                                      gpu=bool(cuda_pids), held=held))
                 syncing = asyncio.create_task(self._mark_synced(work, dump))
                 resumed = None
                 if gpu_heartbeat:
@@ -310,8 +357,10 @@ class PodCheckpointStep(PodStep):
                         # Never left locked: back to running whatever failed,
                         # held stopped until its GPU state is back, checked.
                         await self._bring_back(pid, str(c.target()))
-                    elif not req.leave_running and dumped(dump):
-                        # Not stored: the workload, held stopped, runs on.
+                    elif (not req.leave_running or (flight and flight.phase == "taken")) \
+                            and dumped(dump):
+                        # Not stored: the workload, held stopped, runs on (a
+                        # final request that took it over dumps it itself).
                         signal_tree(pid, signal.SIGCONT)
                     raise
                 durations.update(dump.result())
@@ -319,11 +368,12 @@ class PodCheckpointStep(PodStep):
                 # From the freeze to stored: what a final checkpoint of it
                 # needs of the pod's grace period (services/webhook/admission).
                 measured = time.monotonic() - frozen_at
-                if not req.leave_running:
+                if not req.leave_running or (flight and flight.phase == "taken"):
                     signal_tree(pid, signal.SIGKILL)  # durable: its stopped tree ends
                     if ticks is not None:
                         await wait_exit(pid, ticks)
                     await asyncio.to_thread(shim.final, f"done {gen.number}")
+                    outcome = (gen, current)
             except Exception as e:
                 # The preStop hook waits for this. Not on a cancel: the agent
                 # stopping is no failure, and recover() may still store the dump.
@@ -343,6 +393,8 @@ class PodCheckpointStep(PodStep):
             if not keep_work:
                 await self._drop(work)
             await self.lock.release(c.lock_key(), req.request_id)
+            if flight:
+                self.flights.end(takeover.key(req.target), flight, outcome)
         durations["total"] = time.monotonic() - t0
         self._last_size[(c.namespace, req.checkpoint_id)] = gen.size_bytes
         if self.timings is not None:
@@ -371,6 +423,46 @@ class PodCheckpointStep(PodStep):
     async def _drop(self, work: Path) -> None:
         await asyncio.to_thread(shutil.rmtree, work, True)
         self._synced_file(work).unlink(missing_ok=True)
+        takeover.marker(work).unlink(missing_ok=True)
+
+    def _hold_for_final(self, req: CkptRequested, flight: takeover.Flight, work: Path) -> bool:
+        """At the end of a leave-running dump, before its tree runs on: a
+        final request of this container in progress takes it over (True):
+        recorded durably first, its manifest-to-be made the final's."""
+        final = self.flights.final_for(takeover.key(req.target))
+        if final is None:
+            flight.phase = "ran-on"
+            return False
+        try:
+            takeover.hold_for(work, req, final)
+        except OSError as e:
+            # Not recorded, so not taken over: the tree runs on, and the
+            # final request dumps it itself.
+            log.warning("dump %s of %s cannot be held for final checkpoint %s (%s); it runs "
+                        "on", req.request_id, req.target, final.request_id, e)
+            takeover.marker(work).unlink(missing_ok=True)
+            flight.phase = "ran-on"
+            return False
+        if flight.meta is not None:
+            takeover.as_final(flight.meta, final)
+        flight.phase = "taken"
+        log.info("dump %s of %s is finished as final checkpoint %s: its tree stays stopped",
+                 req.request_id, req.target, final.request_id)
+        return True
+
+    async def _taken_over(self, req: CkptRequested, c: PodContainer,
+                          shim: Shim) -> CkptDone | None:
+        """Under the lock, for a final request: a dump it took over, left
+        here by a step that ended before storing or settling it (the agent
+        died), stored and settled now; then the answer if latest is that
+        dump (recorded as this request's), else None: it dumps itself."""
+        for dumped in takeover.naming(self.work_dir, req.request_id):
+            await self._recover(dumped, c, shim)
+        ns = c.namespace
+        latest = await self.store.latest(ns, req.checkpoint_id)
+        if latest is None or latest.manifest.get("final_request_id") != req.request_id:
+            return None
+        return self._result(req, latest, True)
 
     def _check_trusted(self, req: CkptRequested, work: Path) -> None:
         try:
@@ -421,7 +513,8 @@ class PodCheckpointStep(PodStep):
 
     async def _dump(self, c: PodContainer, shim: Shim, criu: Any, pid: int, inner: int,
                     work: Any, upper: Any, leave_running: bool, tcp: sockets.Tcp, *,
-                    gpu: bool = False) -> dict[str, float]:
+                    gpu: bool = False, held: Callable[[], bool] | None = None
+                    ) -> dict[str, float]:
         # The tree stays stopped from its dump until its layer and /dev/shm are
         # read: a final dump's until its images are durable (then it is
         # killed) or cannot be stored (then it runs on), so that its state is
@@ -479,7 +572,9 @@ class PodCheckpointStep(PodStep):
             # recover() to capture again from the tree still stopped.
             if not (cancelled and not leave_running):
                 _drop_link_remaps(shim.pid, remaps)
-            if (leave_running or failed) and not gpu:
+            if leave_running and not (failed or cancelled) and held and held():
+                pass  # a final request took this dump over: its tree stays stopped
+            elif (leave_running or failed) and not gpu:
                 # A heartbeat runs on; so does a final dump's tree when its
                 # captures failed (nothing is stored; a GPU tree is resumed
                 # by the caller, its GPU state first).
@@ -506,6 +601,13 @@ class PodCheckpointStep(PodStep):
             meta["sockets"] = held
         if stamp := container.pop("dump", None):
             meta["dump"] = stamp
+        if final := takeover.taken_by(work):
+            takeover.as_final(meta, final)
+        elif (flight := self.flights.flight(takeover.key(req.target))) and \
+                flight.request_id == req.request_id:
+            # Read by the store once the dump is written: a takeover until
+            # then is recorded (_hold_for_final).
+            flight.meta = meta
         gen = await self.store.commit(
             c.namespace, req.checkpoint_id, work, meta,
             writer=writer, on_bytes=lambda n: progress.update(done_bytes=n))
@@ -595,7 +697,13 @@ class PodCheckpointStep(PodStep):
         if c is None or shim is None or _dumped_in(work) != c.container_id:
             return  # nothing of that dump is left (settled already), or replaced
         running = await asyncio.to_thread(shim.workload)
-        if req.leave_running:
+        final = takeover.taken_by(work)
+        if final is not None and sig != signal.SIGKILL:
+            # A final request took this dump over, and it is not stored:
+            # the tree runs on, and that request dumps it itself (its hook
+            # waits for that one).
+            outcome = ""
+        if req.leave_running and final is None:
             # A heartbeat's tree, left stopped by an agent that died before
             # it ran on, runs on whatever the outcome (a SIGCONT to a
             # running one changes nothing). A GPU tree gets its GPU state

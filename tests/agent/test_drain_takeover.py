@@ -1,0 +1,319 @@
+"""kubectl drain cordons, then evicts: the final request of a pod whose cordon
+dump is in flight takes that dump over (services/checkpointer/takeover)
+instead of waiting for it and dumping again. Real containerd, runc, CRIU,
+nats-server and moto; the kubelet and API server are the repo's fakes.
+
+The workload holds BALLAST_MIB of memory, every page written and checked.
+The test evicts once the cordon's dump has frozen it (its processes in
+CRIU's tracing stop). On this shared machine the final request can reach the
+agent seconds after the eviction (every service shares one process here),
+so ``in_order`` makes the order certain: the cordon dump's captures (the
+tree still frozen) wait until the final request's step has started on the
+agent. Nothing is faked: the real functions run, only later."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import re
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from services import timings
+from services.checkpointer import dumpstamp, pod
+from services.checkpointer.pod import PodCheckpointStep
+from services.storage.backend import StorageError
+from smr.bus import KV_TIMINGS
+from smr.messages import CkptRequested
+from tests import oci_image
+from tests.agent.cluster import COUNTER, Cluster, assert_continues, steps, workload
+from tests.agent.test_kubelet import evict, hook_said, seconds_between
+from tests.agent.test_restore_memory import BALLAST
+
+IMAGE = "smr.test/ballast-drain:1"
+BALLAST_MIB = 384
+NODE_RESTORE = {"smr.dev/node-restore": "true"}
+
+
+@pytest.fixture(scope="module")
+def drain_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ballast-drain")
+    (d / "ballast.c").write_text(BALLAST)
+    subprocess.run(["gcc", "-static", "-O2", "-o", d / "ballast", d / "ballast.c"], check=True)
+    start = f"#!/bin/sh\n/bin/ballast {BALLAST_MIB} &\nexec /bin/counter\n".encode()
+    return oci_image.build(d / "ballast.tar", IMAGE, files={
+        "/bin/counter": COUNTER, "/bin/start": start,
+        "/bin/ballast": (d / "ballast").read_bytes()})
+
+
+def _ballast_pids() -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if (p / "cmdline").read_bytes().split(b"\0")[:2] == \
+                        [b"/bin/ballast", str(BALLAST_MIB).encode()]:
+                    found.append(int(p.name))
+            except OSError:
+                continue
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+async def until_frozen(timeout: float = 60) -> None:
+    """Until the ballast (the only one running here) is in CRIU's stop: its dump began."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = _ballast_pids()
+        if pids and all(_state(p) in ("t", "T") for p in pids):
+            return
+        assert time.monotonic() < deadline, "no dump of the ballast began"
+        await asyncio.sleep(0.005)
+
+
+async def start(cluster: Cluster, image: Path, name: str, node: str) -> None:
+    for n, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(n, image)
+    p = workload(name, node, image=IMAGE, labels=NODE_RESTORE, final_wait=80, grace=90)
+    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/start"]
+    cluster.kube.put("pods", p)
+    await cluster.until_steps(name, node, 5, timeout=60)
+    deadline = time.monotonic() + 30
+    while "ballast 0 intact" not in cluster.log(name, node):
+        assert time.monotonic() < deadline, "the ballast never checked its memory"
+        await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def in_order(cluster: Cluster, node: str, name: str, wait_s: float = 60,
+                   before_freeze: bool = False) -> AsyncIterator[None]:
+    """The captures of ``name``'s leave-running dumps on ``node`` (or, with
+    ``before_freeze``, the step before it freezes anything: its dump's place
+    in the order, taken under the lock) wait (at most ``wait_s``, then go
+    on) until a final request for it has started there."""
+    agent = cluster.agents[node]
+    step = next(w.step.step for w in agent.workers  # the worker's Fresh(step)
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    final_started = asyncio.Event()
+    leave_running: set[str] = set()
+    real_run, real_capture, real_take = step.run, pod.capture, dumpstamp.take
+
+    async def run(req: CkptRequested, progress: Any) -> Any:
+        if req.target.pod == name:
+            if req.leave_running:
+                leave_running.add(req.request_id)
+            else:
+                final_started.set()
+        return await real_run(req, progress)
+
+    async def capture(shim: Any, work: Path, *a: Any) -> None:
+        if work.name in leave_running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(final_started.wait(), wait_s)
+        await real_capture(shim, work, *a)
+
+    async def take(lock: Any, key: str, request_id: str) -> Any:
+        if request_id in leave_running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(final_started.wait(), wait_s)
+        return await real_take(lock, key, request_id)
+
+    step.run = run  # type: ignore[method-assign]
+    if before_freeze:
+        dumpstamp.take = take
+    else:
+        pod.capture = capture
+    try:
+        yield
+    finally:
+        step.run, pod.capture, dumpstamp.take = real_run, real_capture, real_take  # type: ignore[method-assign]
+
+
+def records(gens: list[Any]) -> list[tuple[int, str, bool]]:
+    return [(g.number, g.manifest["reason"], g.manifest["leave_running"]) for g in gens]
+
+
+async def resumes_intact(cluster: Cluster, name: str, a: str, b: str) -> None:
+    """Restored on ``b``: the next step after the last on ``a``, its ballast intact."""
+    before = steps(cluster.log(name, a))
+    cluster.schedule(name, b)
+    after = await cluster.until_steps(name, b, 5, timeout=90)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, f"{name}: steps lost after the final checkpoint"
+    deadline = time.monotonic() + 30
+    while not (checks := re.findall(r"^ballast \d+ (\w+)$", cluster.log(name, b), re.M)):
+        assert time.monotonic() < deadline, "the restored ballast never checked its memory"
+        await asyncio.sleep(0.2)
+    assert set(checks) == {"intact"}, checks
+
+
+async def test_a_drain_dumps_a_pod_whose_cordon_dump_is_in_flight_once(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The eviction's final request comes while the cordon's dump holds the
+    tree frozen: that dump becomes the final checkpoint, the only one; the
+    replacement resumes from it at the next step, its memory intact."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "drained", a)
+
+    async with in_order(cluster, a, "drained"):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl drain
+        await until_frozen()
+        await evict(cluster, "drained")
+        await cluster.recreated("drained", timeout=120)
+
+    gens = await cluster.store.generations("default", "drained.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    assert "final checkpoint done" in hook_said(cluster, a, "drained")
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert m.get("final_request_id"), m
+    latest = await cluster.store.latest("default", "drained.main")
+    assert latest is not None and latest.number == gens[0].number
+    # Timings to read, not to assert: the hook, and what one dump of it took
+    # (two dumps would take about twice that, and more on a shared link).
+    entry = await cluster.bus.kv(KV_TIMINGS).get(timings.key("default", "drained.main"))
+    one = float(orjson.loads(entry.value or b"{}").get("seconds", 0.0))
+    print(f"\ndrain while the cordon dump is frozen: preStop hook "
+          f"{seconds_between(cluster, a, 'drained', 'prestop', 'prestop-done'):.2f}s; "
+          f"one dump (freeze to stored) {one:.2f}s, two dumps about {2 * one:.2f}s")
+    await resumes_intact(cluster, "drained", a, b)
+
+
+async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final_dump(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The cordon's dump, taken over by the final request, cannot be stored
+    (its manifest refused until the commit deadline): its tree runs on, and
+    the final request dumps it itself, within the grace; the replacement
+    resumes from that final checkpoint."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "refused", a)
+    for o in gc.get_objects():  # the agents' steps: a short deadline for the test
+        if isinstance(o, PodCheckpointStep):
+            o.commit_deadline = 3.0
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+
+    async def failing(key: str, data: bytes, **kw: Any) -> str:
+        # The manifest of the cordon's dump (taken over: its reason is the
+        # final's, its request the cordon's) is refused; the final's own passes.
+        if key.endswith("manifest.json") and b'"final_request_id"' in data:
+            raise StorageError(f"injected: S3 500 on {key}", hint="a test fault")
+        return str(await real(key, data, **kw))
+
+    backend.put_bytes = failing
+    try:
+        async with in_order(cluster, a, "refused"):
+            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+            await until_frozen()
+            await evict(cluster, "refused")
+            await cluster.recreated("refused", timeout=120)
+    finally:
+        backend.put_bytes = real
+
+    assert "final checkpoint done" in hook_said(cluster, a, "refused")
+    assert not cluster.kubelets[a].did("refused", "KILL"), "it outlived its grace period"
+    gens = await cluster.store.generations("default", "refused.main")
+    assert [(r, lr) for _, r, lr in records(gens)] == [("drain", False)], records(gens)
+    assert "final_request_id" not in gens[0].manifest, "the refused dump was stored"
+    await resumes_intact(cluster, "refused", a, b)
+
+
+async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken(
+        cluster: Cluster, drain_image: Path) -> None:
+    """One checkpoint slot (SMR_CHECKPOINTS_PER_NODE=1), taken by the
+    cordon's dump: the final request still starts at once, outside the
+    slots, and takes that dump over (waiting for the slot, it would find the
+    dump over and dump again). ``in_order`` waits at most 20 s for it."""
+    a, b = list(cluster.kubelets)
+    worker = next(w for w in cluster.agents[a].workers
+                  if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    worker.concurrency = 1
+    await start(cluster, drain_image, "one-slot", a)
+    async with in_order(cluster, a, "one-slot", wait_s=20):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await until_frozen()
+        await evict(cluster, "one-slot")
+        await cluster.recreated("one-slot", timeout=120)
+    gens = await cluster.store.generations("default", "one-slot.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    assert (gens[0].manifest["reason"], gens[0].manifest["leave_running"]) == ("drain", False)
+    assert "final checkpoint done" in hook_said(cluster, a, "one-slot")
+    await resumes_intact(cluster, "one-slot", a, b)
+
+
+async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_final_one(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The cordon's step ends (cancelled from inside, as a library's given-up
+    call ends it: the worker has it redelivered) after the takeover and the
+    dump, before its manifest is stored: its work directory and the marker
+    naming the final request stay. The final request, under the lock, stores
+    that dump as the final checkpoint, ends the workload and answers the
+    hook; the cordon's redelivery stores nothing again. One generation."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "cut", a)
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+    cut: list[str] = []
+
+    async def cut_once(key: str, data: bytes, **kw: Any) -> str:
+        if key.endswith("manifest.json") and b'"final_request_id"' in data and not cut:
+            cut.append(key)
+            raise asyncio.CancelledError  # the step ends here, its dump on disk
+        return str(await real(key, data, **kw))
+
+    backend.put_bytes = cut_once
+    try:
+        async with in_order(cluster, a, "cut"):
+            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+            await until_frozen()
+            await evict(cluster, "cut")
+            await cluster.recreated("cut", timeout=120)
+    finally:
+        backend.put_bytes = real
+
+    assert cut, "the taken-over dump's manifest was never put"
+    gens = await cluster.store.generations("default", "cut.main")
+    assert len(gens) == 1, f"the drain stored {len(gens)} generations: {records(gens)}"
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert "final checkpoint done" in hook_said(cluster, a, "cut")
+    await resumes_intact(cluster, "cut", a, b)
+
+
+async def test_a_cordon_dump_not_yet_frozen_steps_aside_for_the_final_one(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The final request starts while the cordon's step holds the lock and
+    has frozen nothing yet: the cordon's step ends without a dump
+    (`taken-over`), and the final request dumps, once."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "aside", a)
+    async with in_order(cluster, a, "aside", before_freeze=True):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        # The cordon's step holds the lock once its work directory is made.
+        work_dir = cluster.agents[a].workers[0].step.step.work_dir
+        deadline = time.monotonic() + 60
+        while not any(p.is_dir() for p in work_dir.glob("*")):
+            assert time.monotonic() < deadline, "the cordon's step never began"
+            await asyncio.sleep(0.05)
+        await evict(cluster, "aside")
+        await cluster.recreated("aside", timeout=120)
+    gens = await cluster.store.generations("default", "aside.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert "final_request_id" not in m, "the final request's own dump"
+    assert "final checkpoint done" in hook_said(cluster, a, "aside")
+    await resumes_intact(cluster, "aside", a, b)
