@@ -303,6 +303,15 @@ SETTINGS: tuple[Setting, ...] = (
             "remove them and restart containerd. In every mode it then labels the node "
             "runtime.smr.dev/<handler>=true for each handler there (none after an "
             "uninstall): the labels the smr RuntimeClasses schedule on"),
+    Setting("AGENT_WAIT", 600, _count, "node agent: how long after its last sign of life a "
+            "container starting on its node still waits for an agent (one being replaced in a "
+            "DaemonSet rollout, or restarting) before smr-init gives up and applies the "
+            "pod's restore-failure policy (docs/kubernetes.md, \"Upgrading smr\"); written "
+            "into smr-runtime.env. 0: smr-init's own SMR_INIT_TIMEOUT only"),
+    Setting("AGENT_MARK", "", str, "node agent: the file it touches every few seconds while "
+            "it runs, whose age smr-runtime reads (AGENT_WAIT); default: "
+            "HOST_ROOT/var/lib/smr/bin/agent-alive (beside smr-runtime; an uninstall "
+            "removes it) when it installs smr-runtime, else none"),
     Setting("HOST_ROOT", "/proc/1/root", str, "node agent: the node's root file system "
             "(it shares the host's PID namespace)"),
     Setting("RUNTIME_BINARY", "", str, "node agent: its own smr-runtime; default: `make "
@@ -386,6 +395,15 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "container's memory cgroup as it writes"),
     ReadElsewhere("LOG", "smr-runtime, from smr-runtime.env", "a file it appends its log "
                   "to; default: stderr (containerd's log)"),
+    ReadElsewhere("AGENT_MARK", "smr-runtime, from smr-runtime.env", "the file the node "
+                  "agent touches while it runs (SMR_AGENT_MARK); unset: no agent is waited for"),
+    ReadElsewhere("AGENT_WAIT", "smr-runtime, from smr-runtime.env", "SMR_AGENT_WAIT, as "
+                  "the agent wrote it; default 0"),
+    ReadElsewhere("SMR_INIT_AGENT_WAIT", "smr-init, in the container (set by smr-runtime)",
+                  "seconds smr-init waits for an agent when the node's agent ran just before "
+                  "the container was created (being replaced, or restarting): what is left "
+                  "of SMR_AGENT_WAIT since its last sign of life. Longer than "
+                  "SMR_INIT_TIMEOUT, it replaces it"),
     ReadElsewhere("OTEL_EXPORTER_OTLP_ENDPOINT", "every smr service (smr/tracing.py)",
                   "OTLP/HTTP collector; set: traces are exported (docs/observability.md)"),
     ReadElsewhere("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "smr/tracing.py", "the same, for "
@@ -530,6 +548,14 @@ class Settings:
         name: a local step's work directory is WORK_DIR/<request_id>, emptied as
         it starts, and no request_id starts with a dot (schemas/common.json)."""
         return self.work_path / ".held"
+
+    @property
+    def agent_mark_path(self) -> Path | None:
+        if self.values["AGENT_MARK"]:
+            return Path(self.values["AGENT_MARK"])
+        if self.values["RUNTIME_INSTALL"] in ("files", "restart"):
+            return Path(self.values["HOST_ROOT"]) / "var/lib/smr/bin/agent-alive"
+        return None
 
     @property
     def step_lock_path(self) -> Path:

@@ -222,6 +222,31 @@ def test_gpu_nodes_run_the_gpu_agent_and_every_node_runs_one(kustomize: str) -> 
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_upgrade_starts_each_nodes_new_agent_before_it_stops_the_old_one(
+        kustomize: str, overlay: str) -> None:
+    """Every agent DaemonSet rolls with maxSurge and no unavailability (a
+    node is never without an agent: tests/agent/test_rollout_pods.py), and
+    nothing in its pod keeps the new one from running beside the old: no
+    hostPort, no hostNetwork; its step locks (and starts lock) are the
+    node's, a hostPath the two share."""
+    docs = render(kustomize, overlay)
+    for ds in deploy_placement.agent_daemonsets(docs):
+        name, spec = ds["metadata"]["name"], ds["spec"]["template"]["spec"]
+        rolling = ds["spec"]["updateStrategy"]
+        assert rolling["type"] == "RollingUpdate", name
+        assert rolling["rollingUpdate"].get("maxUnavailable") in (0, "0%"), name
+        assert rolling["rollingUpdate"].get("maxSurge") not in (None, 0, "0%"), name
+        assert not spec.get("hostNetwork"), name
+        for c in spec["containers"]:
+            assert all("hostPort" not in p for p in c.get("ports") or []), name
+        env = {e["name"]: e.get("value") for c in spec["containers"] for e in c.get("env") or []}
+        mounts = {m["mountPath"]: m["name"] for c in spec["containers"]
+                  for m in c.get("volumeMounts") or []}
+        volume = {v["name"]: v for v in spec["volumes"]}[mounts[env["SMR_STEP_LOCK_DIR"]]]
+        assert "hostPath" in volume, f"{name}: its step locks are not the node's"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_agent_is_placed_on_a_windows_node(kustomize: str, overlay: str) -> None:
     """The agent tolerates every taint, so only its node selector keeps it
     off a mixed cluster's Windows nodes, where it could not start."""

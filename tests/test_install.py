@@ -49,14 +49,16 @@ def binaries() -> tuple[Path, Path]:
 
 def test_install_is_idempotent_and_containerd_reads_the_handlers(node: Path) -> None:
     runtime, init = binaries()
-    first = install(node, runtime, init)
+    first = install(node, runtime, init, agent_wait=600)
     assert first.changed and first.handlers == ["smr"] and first.config_version == 2
     assert (node / "var/lib/smr/bin/smr-runtime").read_bytes() == runtime.read_bytes()
     env = (node / "var/lib/smr/bin/smr-runtime.env").read_text()
     assert "RUNTIME=/usr/bin/runc" in env and "INIT=/var/lib/smr/bin/smr-init" in env
+    # smr-init waits for an agent up to 600 s after the agent's last touch of its mark.
+    assert "AGENT_MARK=/var/lib/smr/bin/agent-alive\nAGENT_WAIT=600\n" in env
     main = (node / "etc/containerd/config.toml").read_text()
     assert main.startswith(MAIN) and main.count(BEGIN) == 1
-    again = install(node, runtime, init)
+    again = install(node, runtime, init, agent_wait=600)
     assert not again.changed, "a second install changes nothing"
     assert (node / "etc/containerd/config.toml").read_text() == main
 

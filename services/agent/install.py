@@ -6,7 +6,8 @@ Idempotent; run by the agent at start when SMR_RUNTIME_INSTALL is not `off`:
 1. the agent's own smr-runtime and smr-init are copied to
    ``<host>/var/lib/smr/bin`` with ``smr-runtime.env`` beside them (the real
    runtime: the host's runc; for `smr-nvidia`, the NVIDIA runtime, where the
-   node has one);
+   node has one; the agent's mark of life and how long to wait for an agent
+   after it);
 2. containerd gets the runtime handlers ``smr`` (and ``smr-nvidia``) in its
    ``<host>/etc/containerd/config.toml``, in a marked block at its end, in the
    form of the file's config version: 1 and 2 (containerd 1.x), 3
@@ -48,6 +49,7 @@ from typing import Any
 log = logging.getLogger("smr.agent")
 
 BIN = "var/lib/smr/bin"
+MARK = f"{BIN}/agent-alive"  # SMR_AGENT_MARK's default (smr/config.py)
 STATE = "/run/smr/containers"
 CONFIG = "etc/containerd/config.toml"
 CONTAINERD = ("usr/bin/containerd", "usr/local/bin/containerd")
@@ -221,10 +223,12 @@ def _copy(src: Path, dst: Path) -> bool:
 
 
 def install(host: Path, runtime_binary: Path, init_binary: Path,
-            check: Check = containerd_rejects) -> Installed:
+            check: Check = containerd_rejects, agent_wait: int = 0) -> Installed:
     """Install into the host's file system, seen at ``host`` (/proc/1/root
     from the agent's pod, which shares the host's PID namespace). ``check``:
-    why containerd would reject a config file (host, path on the host)."""
+    why containerd would reject a config file (host, path on the host);
+    ``agent_wait``: SMR_AGENT_WAIT, for smr-runtime (it reads the age of
+    MARK, which the agent touches while it runs: services/agent/alive.py)."""
     def find(candidates: tuple[str, ...]) -> str | None:
         return next(("/" + c for c in candidates if (host / c).is_file()), None)
 
@@ -235,15 +239,17 @@ def install(host: Path, runtime_binary: Path, init_binary: Path,
     changed = _copy(runtime_binary, bin_dir / "smr-runtime")
     changed |= _copy(init_binary, bin_dir / "smr-init")
     handlers = {"smr": Path("/" + BIN) / "smr-runtime"}
+    waits = f"AGENT_MARK=/{MARK}\nAGENT_WAIT={agent_wait}\n"
     changed |= _write(bin_dir / "smr-runtime.env",
-                      f"RUNTIME={runc}\nINIT=/{BIN}/smr-init\nSTATE={STATE}\n")
+                      f"RUNTIME={runc}\nINIT=/{BIN}/smr-init\nSTATE={STATE}\n{waits}")
     if nvidia := find(NVIDIA):
         # A second copy, so it reads its own settings (the NVIDIA runtime).
         nv_dir = host / BIN / "nvidia"
         changed |= _copy(runtime_binary, nv_dir / "smr-runtime")
         changed |= _copy(init_binary, nv_dir / "smr-init")
         changed |= _write(nv_dir / "smr-runtime.env",
-                          f"RUNTIME={nvidia}\nINIT=/{BIN}/nvidia/smr-init\nSTATE={STATE}\n")
+                          f"RUNTIME={nvidia}\nINIT=/{BIN}/nvidia/smr-init\nSTATE={STATE}\n"
+                          f"{waits}")
         handlers["smr-nvidia"] = Path("/" + BIN) / "nvidia" / "smr-runtime"
     main = host / CONFIG
     text = main.read_text() if main.is_file() else None
@@ -274,13 +280,13 @@ async def restart_containerd() -> None:
 
 
 async def install_on_node(mode: str, host: Path, runtime_binary: Path,
-                          init_binary: Path) -> None:
+                          init_binary: Path, agent_wait: int = 0) -> None:
     """The agent's start-up step; a failure is logged, never fatal: the
     hand-written manifest path works without it."""
     if mode == "off":
         return
     try:
-        done = install(host, runtime_binary, init_binary)
+        done = install(host, runtime_binary, init_binary, agent_wait=agent_wait)
     except (OSError, ValueError) as e:
         log.error("smr-runtime not installed on this node (%s): pods opted in by label "
                   "only will start unprotected here; see docs/node-agent.md", e)

@@ -133,7 +133,7 @@ async def install_and_label(s: Settings, core: client.CoreV1Api) -> None:
             return
         if s.runtime_install != "off":
             await install.install_on_node(s.runtime_install, host, Path(s.runtime_binary()),
-                                          Path(s.init_binary()))
+                                          Path(s.init_binary()), s.agent_wait)
         await publish(core, s.node, *installed_handlers(host))
     except (OSError, RuntimeError, ApiException) as e:
         # Never fatal: the agent still serves the pods already on its node.

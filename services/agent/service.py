@@ -6,6 +6,7 @@ pods on its node:
     restore.requested.<node>.<ns> (pod target) ──▶ PodRestoreStep
     a container's smr-init waiting              ──▶ StartRestores (restore or fresh)
     a preStop hook no final checkpoint answers  ──▶ PreStopWaits (released)
+    while it runs                               ──▶ its mark of life (alive.py)
     SMR_TEMPLATE_PREPULL's templates in storage ──▶ Prepull (into the template cache)
 """
 
@@ -18,7 +19,7 @@ import time
 
 from kubernetes_asyncio import client
 
-from services.agent import nodelabel
+from services.agent import alive, nodelabel
 from services.agent.prepull import Prepull
 from services.agent.prestop import PreStopWaits
 from services.agent.starts import StartRestores
@@ -98,6 +99,7 @@ class NodeAgent:
         started = time.monotonic()
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.starts.run(self._stop)))
+        tasks.append(asyncio.create_task(alive.keep_alive(self.s.agent_mark_path, self._stop)))
         tasks.append(asyncio.create_task(self.prestop.run(self._stop)))
         tasks.append(asyncio.create_task(self.prepull.run(self._stop)))
         idle = asyncio.gather(*(w.idle.wait() for w in self.workers))

@@ -25,10 +25,13 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Coroutine
 from typing import Any, get_args
 
 from opentelemetry import trace
 
+from services.agent import unanswered
+from services.agent.alive import StartsTurn
 from services.agent.lineage import Lineage, Waited
 from services.containers import host
 from services.containers.confined import UnsafePath
@@ -62,20 +65,27 @@ class StartRestores:
         self._seen: dict[tuple[int, int], float] = {}  # shim (pid, start) → first seen
         self._busy: set[tuple[int, int]] = set()
         self._done: set[tuple[int, int]] = set()
+        self._checked: set[tuple[int, int]] = set()  # running: looked for `unanswered`
         self._tasks: set[asyncio.Task[None]] = set()
         self._listed_at = -math.inf
 
     async def run(self, stop: asyncio.Event) -> None:
+        # One agent of the node answers starts (the old one of a rollout,
+        # until it ends): services/agent/alive.py.
+        turn = StartsTurn(self.s.step_lock_path)
         try:
+            if not await turn.take(stop):
+                return
             while not stop.is_set():
                 await self.scan()
                 await wait_event(stop, SCAN_S)
         finally:
             for t in self._tasks:
                 t.cancel()
+            turn.release()
 
     async def scan(self) -> None:
-        waiting, alive = [], set()
+        waiting, alive, fresh = [], set(), []
         # Off the event loop: /proc and the status file of each container not
         # answered yet. One answered, or refused once, is not read again.
         for key, shim, st in await asyncio.to_thread(_statuses, self._done | self._busy):
@@ -86,16 +96,25 @@ class StartRestores:
                 log.warning("container of pid %s: %s", shim.pid, st.message)
                 self._done.add(key)  # not answered: smr-init's own timeout applies
                 continue
+            if st and st[0] == "running" and key not in self._checked:
+                # Started fresh by smr-init's own timeout (no agent answered
+                # in time): said once, in a Warning Event (unanswered.py).
+                self._checked.add(key)
+                if await asyncio.to_thread(shim.unanswered):
+                    fresh.append(shim)
+                continue
             if not st or st[0] != "waiting":
                 continue
             self._seen.setdefault(key, time.monotonic())
             waiting.append((key, shim))
         # Forget containers that are gone (their keys never come back).
         self._done &= alive
+        self._checked &= alive
         self._seen = {k: v for k, v in self._seen.items() if k in alive}
         now = time.monotonic()
-        if not waiting or (now - self._listed_at < RECHECK_S
-                           and all(now - self._seen[k] > UNKNOWN_FOR_S for k, _ in waiting)):
+        if not fresh and (not waiting or (
+                now - self._listed_at < RECHECK_S
+                and all(now - self._seen[k] > UNKNOWN_FOR_S for k, _ in waiting))):
             return
         self._listed_at = now
         try:
@@ -103,14 +122,20 @@ class StartRestores:
         except SmrError as e:
             log.warning("cannot list this node's pods: %s", e.message)
             return
+        for shim in fresh:
+            if found := _claim(pods, host.container_id_of(shim.pid) or ""):
+                self._spawn(unanswered.report(self, *found))
         for key, shim in waiting:
             found = _claim(pods, host.container_id_of(shim.pid) or "")
             if found is None:
                 continue  # looked for again while smr-init waits
             self._busy.add(key)
-            task = asyncio.create_task(self._answer(key, shim, *found))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._answer(key, shim, *found))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _answer(self, key: tuple[int, int], shim: Shim, pod: dict[str, Any],
                       status: dict[str, Any]) -> None:

@@ -265,6 +265,17 @@ class Shim:
         except OSError:
             return []
 
+    def unanswered(self) -> bool:
+        """Whether smr-init started the workload fresh for want of an agent's
+        answer (its file ``unanswered``; only its presence is read, never its
+        text, which is the tenant's to change)."""
+        try:
+            with self.confined() as root:
+                root.read(f"{self.dir}/unanswered")
+            return True
+        except (UnsafePath, OSError):
+            return False
+
     def decide(self, decision: str) -> None:
         with self.confined() as root:
             root.replace(f"{self.dir}/decision", (decision + "\n").encode())

@@ -51,6 +51,7 @@ from tests.fake_apiserver import FakeApiServer
 from tests.fake_apiserver import node as a_node
 from tests.fake_controllers import FakeControllers
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
+from tests.helpers.steplocks import node_locks
 from tests.programs import node, pool
 
 
@@ -69,6 +70,13 @@ def runtime_state(node_bin: Path) -> Path:
     return node_bin / "run" / "smr" / "containers"
 
 
+def agent_mark(node_bin: Path) -> Path:
+    """The node agent's mark of life in the tests (services/agent/alive.py),
+    beside smr-runtime as on a node. No AGENT_WAIT in smr-runtime.env: smr-init
+    waits only its own timeout unless a test sets one."""
+    return node_bin / "agent-alive"
+
+
 @pytest.fixture(scope="session")
 def smr_runtime(smr_init: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """smr-runtime as the agent installs it on a node: the binary, with its
@@ -84,7 +92,7 @@ def smr_runtime(smr_init: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     # directory's parents do not exist yet (smr-runtime creates them).
     (d / "smr-runtime.env").write_text(
         f"RUNTIME={shutil.which('runc')}\nINIT={smr_init}\nSTATE={runtime_state(d)}\n"
-        f"LOG={d / 'smr-runtime.log'}\n")
+        f"LOG={d / 'smr-runtime.log'}\nAGENT_MARK={agent_mark(d)}\n")
     return d / "smr-runtime"
 
 
@@ -217,8 +225,11 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
     marker = request.node.get_closest_marker("agent_process")
     in_process = nodes[:1] if marker else nodes
     # Each node its own work directory, as on real nodes (its template cache is there).
+    # Each node its own step locks (and starts lock: services/agent/alive.py).
+    base = base.replace(agent_mark=str(agent_mark(smr_runtime.parent)))
     agents = [NodeAgent(buses[n], apis[1 + i], store,
-                        base.replace(node_name=n, work_dir=str(tmp_path / f"work-{n}")))
+                        base.replace(node_name=n, work_dir=str(tmp_path / f"work-{n}"),
+                                     step_lock_dir=str(node_locks(n).root)))
               for i, n in enumerate(in_process)]
     kubelets = {}
     for n in nodes:
@@ -245,6 +256,7 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
             token_file = tmp_path / "agent-token"
             token_file.write_text(kube.token("smr-agent"))
             env = env_of(base.replace(node_name=nodes[1], nats_user=agent_user.user,
+                                      step_lock_dir=str(node_locks(nodes[1]).root),
                                       nats_password=agent_user.password, nats_setup=False),
                          **where, ZSTD_LEVEL="1",
                          KUBE_API=kube.url, KUBE_TOKEN_FILE=str(token_file),

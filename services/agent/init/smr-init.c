@@ -21,6 +21,12 @@
  * restore-failure: fail): then it exits 70 as for `fail`, and the kubelet's
  * restart asks the agent again. No answer may mean a checkpoint that was
  * not restored, and a fresh run's next checkpoint would become the latest.
+ * Where the node's agent ran a moment before the container was created (it
+ * is being replaced, in a DaemonSet rollout, or restarts), smr-runtime sets
+ * $SMR_INIT_AGENT_WAIT: smr-init then waits that long instead, when it is
+ * longer, since an agent is coming. Started fresh for want of an answer, it
+ * writes why to `unanswered`; the agent, when one comes, posts it in a
+ * Warning Event on the pod (services/agent/unanswered.py).
  *
  * Then it is a plain init: it forwards SIGTERM and friends to the workload,
  * reaps every child, and exits with the workload's status (also when a
@@ -339,6 +345,7 @@ int main(int argc, char **argv) {
     const char *base = getenv("SMR_INIT_DIR"), *name = getenv("SMR_CONTAINER");
     const char *limit = getenv("SMR_INIT_TIMEOUT");
     const char *policy = getenv("SMR_RESTORE_FAILURE");
+    const char *coming = getenv("SMR_INIT_AGENT_WAIT");
     snprintf(dir, sizeof dir, "%s/%s", base && *base ? base : "/smr",
              name && *name ? name : "main");
     if (argc == 3 && strcmp(argv[1], "--wait-final") == 0) return wait_final(argv[2]);
@@ -360,6 +367,8 @@ int main(int argc, char **argv) {
         return 64;
     }
     double timeout = limit && *limit ? atof(limit) : 30.0;
+    double agent_wait = coming && *coming ? atof(coming) : 0.0;
+    if (agent_wait > timeout) timeout = agent_wait;
     mkdirs(dir);
 
     /* No SA_RESTART: a signal wakes the loops below, which forward it. */
@@ -377,6 +386,8 @@ int main(int argc, char **argv) {
     snprintf(path, sizeof path, "%s/final", dir);
     unlink(path);
     snprintf(path, sizeof path, "%s/waiter", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/unanswered", dir);
     unlink(path);
     char line[4096];
     snprintf(line, sizeof line, "waiting %d\n", (int)getpid());
@@ -401,16 +412,25 @@ int main(int argc, char **argv) {
             }
         }
         if (!how && deadline > 0 && now() > deadline) {
+            /* Why no agent answered, as far as smr-init can tell. */
+            const char *why = agent_wait > 0
+                ? "an agent ran on this node just before this container was created, "
+                  "but none answered (is the smr-agent pod of this node running?)"
+                : "no agent ran on this node lately (is the smr-agent DaemonSet installed, "
+                  "and its pod on this node running?)";
             if (policy && strcmp(policy, "fail") == 0) {
-                fprintf(stderr, "smr-init: no answer from the smr node agent within %gs, "
+                fprintf(stderr, "smr-init: no answer from the smr node agent within %gs (%s), "
                                 "and the pod's policy restore-failure=fail forbids a fresh "
                                 "start; exiting (the container's restart asks again)\n",
-                        timeout);
+                        timeout, why);
                 put("status", "failed no answer from the node agent\n");
                 return 70;
             }
-            fprintf(stderr, "smr-init: no answer from the smr node agent within %gs; "
-                            "starting fresh\n", timeout);
+            fprintf(stderr, "smr-init: no answer from the smr node agent within %gs (%s); "
+                            "starting fresh\n", timeout, why);
+            snprintf(line, sizeof line, "no answer from the smr node agent within %gs (%s); "
+                     "started fresh, not from any checkpoint\n", timeout, why);
+            put("unanswered", line);
             workload = start(argv + first);
             how = "fresh";
         }

@@ -34,6 +34,14 @@
  *   STATE    per-container directories (default: /run/smr/containers)
  *   SIZE     each container's /smr tmpfs, as tmpfs's size= takes it (default: 4m)
  *   LOG      a file to append to (default: stderr, which containerd logs)
+ *   AGENT_MARK  a file the node agent touches while it runs (install.py names it)
+ *   AGENT_WAIT  seconds (default: 0, none): a container created within this
+ *            long of the agent's last touch of AGENT_MARK gets
+ *            SMR_INIT_AGENT_WAIT, the seconds left of it, in its environment:
+ *            smr-init then waits that long for an agent (one being replaced, in
+ *            a DaemonSet rollout, or restarting) before it gives up on one
+ *            (docs/kubernetes.md, "Upgrading smr"). No mark, or an older one:
+ *            no agent is coming, and smr-init's own SMR_INIT_TIMEOUT applies.
  *
  * A static C binary: it runs on the host, which may have nothing else. JSON
  * through cJSON (Debian's source package, built in by `make setup`).
@@ -64,7 +72,8 @@
 
 static char runtime[PATH_MAX] = "runc", init_path[PATH_MAX] = "",
             state[PATH_MAX] = "/run/smr/containers", log_path[PATH_MAX] = "",
-            size[PATH_MAX] = DEFAULT_SIZE;
+            size[PATH_MAX] = DEFAULT_SIZE, agent_mark[PATH_MAX] = "",
+            agent_wait[PATH_MAX] = "0";
 
 static void say(const char *fmt, ...) {
     FILE *out = stderr;
@@ -97,7 +106,9 @@ static void load_settings(void) {
         *eq = 0;
         char *dst = !strcmp(line, "RUNTIME") ? runtime : !strcmp(line, "INIT") ? init_path
                   : !strcmp(line, "STATE") ? state : !strcmp(line, "LOG") ? log_path
-                  : !strcmp(line, "SIZE") ? size : NULL;
+                  : !strcmp(line, "SIZE") ? size
+                  : !strcmp(line, "AGENT_MARK") ? agent_mark
+                  : !strcmp(line, "AGENT_WAIT") ? agent_wait : NULL;
         if (dst) snprintf(dst, PATH_MAX, "%s", eq + 1);
     }
     fclose(f);
@@ -257,6 +268,32 @@ static cJSON *bind_mount(const char *dst, const char *src, const char *mode) {
     return m;
 }
 
+/* SMR_INIT_AGENT_WAIT: how much longer than its start timeout smr-init may
+   wait for the node's agent (see AGENT_WAIT at the top). Any value the
+   pod's manifest set goes first: the node's setting decides. */
+static void set_agent_wait(cJSON *proc) {
+    cJSON *env = cJSON_GetObjectItemCaseSensitive(proc, "env");
+    if (!cJSON_IsArray(env)) {
+        cJSON_DeleteItemFromObjectCaseSensitive(proc, "env");
+        env = cJSON_AddArrayToObject(proc, "env");
+    }
+    for (int i = cJSON_GetArraySize(env) - 1; i >= 0; i--) {
+        cJSON *e = cJSON_GetArrayItem(env, i);
+        if (cJSON_IsString(e) && !strncmp(e->valuestring, "SMR_INIT_AGENT_WAIT=", 20))
+            cJSON_DeleteItemFromArray(env, i);
+    }
+    long wait = atol(agent_wait), left = 0;
+    struct stat st;
+    if (*agent_mark && wait > 0 && stat(agent_mark, &st) == 0) {
+        long age = (long)(time(NULL) - st.st_mtime);
+        left = age < 0 ? wait : wait - age;
+    }
+    if (left <= 0) return;
+    char line[64];
+    snprintf(line, sizeof line, "SMR_INIT_AGENT_WAIT=%ld", left);
+    cJSON_AddItemToArray(env, cJSON_CreateString(line));
+}
+
 /* Wrap the container of bundle `dir` if it is ours. Returns a reason it was
    left alone (NULL: wrapped), for the log. */
 static const char *wrap(const char *bundle, const char *id) {
@@ -336,6 +373,7 @@ static const char *wrap(const char *bundle, const char *id) {
     cJSON_AddItemToArray(mounts, bind_mount(INIT_IN_CONTAINER, init_path, "ro"));
     cJSON_InsertItemInArray(args, 0, cJSON_CreateString("--"));
     cJSON_InsertItemInArray(args, 0, cJSON_CreateString(INIT_IN_CONTAINER));
+    set_agent_wait(proc);
     char *out = cJSON_PrintUnformatted(spec);
     cJSON_Delete(spec);
     if (!out || write_file(path, out) != 0) why = "cannot write config.json";

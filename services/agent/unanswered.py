@@ -1,0 +1,52 @@
+"""A container smr-init started fresh because no agent answered in time.
+
+smr-init waits for its node's agent: its own SMR_INIT_TIMEOUT, or longer
+when an agent ran on the node just before (services/agent/alive.py). When
+that runs out it starts the workload fresh and leaves the file
+``unanswered``. The agent that comes later (or the one that was there but
+could not claim the container) posts a Warning Event on the pod, once: a
+container that should have resumed from a checkpoint and did not is then
+seen in ``kubectl describe pod``, not only in its log. Only the file's
+presence is read: its text is the tenant's to change, and the Event's words
+are the agent's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from services.policy import policy_for
+from smr.errors import SmrError
+
+if TYPE_CHECKING:
+    from services.agent.starts import StartRestores
+
+log = logging.getLogger("smr.agent")
+
+REASON = "StartedWithoutAgent"
+
+
+async def report(starts: StartRestores, pod: dict[str, Any], status: dict[str, Any]) -> None:
+    meta, name = pod["metadata"], status["name"]
+    mine = next((c for c in policy_for(pod, starts.s).restorable() if c.name == name), None)
+    if mine is None:
+        what = "it resumes from no checkpoint, so nothing was lost"
+    else:
+        try:
+            gen = await starts._latest(mine.checkpoint_id, meta["namespace"])
+        except SmrError:
+            gen = {"generation": "?"}
+        what = (f"checkpoint {mine.checkpoint_id} generation {gen.get('generation')} was NOT "
+                "restored, and this container's next checkpoint will become its latest"
+                if gen is not None else f"checkpoint {mine.checkpoint_id} has no generation "
+                "stored, so nothing was lost")
+    message = (f"container {name} started fresh: smr-init got no answer from the smr node "
+               "agent in time (no agent ran on this node, or none came within "
+               f"SMR_AGENT_WAIT, {starts.s.agent_wait} s, of the last one: see the smr-agent "
+               f"pod of node {starts.node}); {what}. Label the pod "
+               f"{starts.s.label_prefix}/restore-failure=fail to have it wait instead")
+    log.warning("pod %s/%s: %s", meta["namespace"], meta["name"], message)
+    # Keyed by the container ID: once per start of this container.
+    await starts.lineage.event(pod, REASON, name, status.get("containerID") or "", message,
+                               warning=True)
