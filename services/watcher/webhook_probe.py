@@ -53,8 +53,9 @@ UNREACHABLE_HINT = (
     "its ipBlock must hold the API server's address); the Service smr-webhook in "
     "smr-system has ready endpoints (`kubectl -n smr-system get endpoints smr-webhook`); "
     "the caBundle of the MutatingWebhookConfiguration smr-webhook matches the "
-    "certificate in the Secret smr-webhook-tls (the webhook's log says when it updates it)"
-    " (docs/kubernetes.md, \"Check the webhook\")")
+    "certificate in the Secret smr-webhook-tls (the webhook's log says when it updates it); "
+    "that configuration exists, with its entry probe.pods.smr.dev (deploy/kustomize/base/"
+    "webhook.yaml) (docs/kubernetes.md, \"Check the webhook\")")
 
 
 @dataclass(frozen=True)
