@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -129,7 +131,8 @@ async def test_a_dry_run_is_refused_where_a_matching_webhook_may_have_side_effec
 
 
 def reachable_gauge() -> float | None:
-    return metrics.REGISTRY.get_sample_value("smr_webhook_reachable")
+    return metrics.REGISTRY.get_sample_value("smr_webhook_reachable",
+                                             {"configuration": "smr-webhook"})
 
 
 async def recorded(reader: Bus, timeout: float = 20) -> dict[str, Any]:
@@ -147,7 +150,7 @@ async def test_the_watcher_probes_a_reachable_webhook_and_smr_status_says_so(
         storage: CheckpointStore) -> None:  # noqa: F811
     """The watcher's own loop, as deployed: it probes at start, records for
     `smr status`, sets the gauge; the probe pod is never stored."""
-    metrics.WEBHOOK_REACHABLE.set(0)
+    metrics.WEBHOOK_REACHABLE.labels("smr-webhook").set(0)
     w = Watcher(watcher_bus, api, watch_settings)
     task = asyncio.create_task(w.run())
     try:
@@ -199,7 +202,7 @@ async def test_an_unreachable_webhook_is_reported_with_what_to_do(
     webhook's timeout and failurePolicy Ignore and admits the pod unmutated;
     the probe says unreachable and what to check, the gauge is 0, `smr
     status` says so, and no pod is ever stored."""
-    metrics.WEBHOOK_REACHABLE.set(1)
+    metrics.WEBHOOK_REACHABLE.labels("smr-webhook").set(1)
     with silent_port() as silent:
         kube.services[SERVICE] = ("127.0.0.1", silent if how == "silent" else closed_port())
         stop = asyncio.Event()
@@ -233,3 +236,17 @@ async def test_only_the_probe_entry_selects_the_probe_pod(
     await dry_run(admin, pod("agent", None, namespace="smr-system",
                              labels={"smr.dev/node-restore": "true"}), "smr-system")
     assert len(kube.admission_log) == 1, kube.admission_log
+
+
+def test_a_process_that_never_probed_exports_no_reachability() -> None:
+    """Every smr process (agents, storage, webhook, `smr up`) serves the same
+    registry: one that never probed must serve no smr_webhook_reachable series,
+    or its 0 would fire SmrWebhookUnreachable on every healthy cluster."""
+    served = subprocess.run(
+        [sys.executable, "-c", "from prometheus_client import generate_latest; "
+         "from smr import metrics; print(generate_latest(metrics.REGISTRY).decode())"],
+        capture_output=True, text=True, check=True).stdout
+    samples = [line for line in served.splitlines()
+               if line.startswith("smr_webhook_") and not line.startswith("#")]
+    assert "# TYPE smr_webhook_reachable gauge" in served
+    assert samples == [], samples

@@ -120,9 +120,9 @@ async def probe(core: client.CoreV1Api, s: Settings, *, namespace: str,
                                         f"came back mutated ({s.label_prefix}/injected: "
                                         f"{injected})")
     seconds = time.monotonic() - start
-    metrics.WEBHOOK_REACHABLE.set(1 if reachable else 0)
-    metrics.WEBHOOK_PROBE_SECONDS.observe(seconds)
-    metrics.WEBHOOK_PROBED_AT.set(time.time())
+    metrics.WEBHOOK_REACHABLE.labels(s.webhook_config).set(1 if reachable else 0)
+    metrics.WEBHOOK_PROBE_SECONDS.labels(s.webhook_config).observe(seconds)
+    metrics.WEBHOOK_PROBED_AT.labels(s.webhook_config).set(time.time())
     return ProbeResult(reachable, message, time.time(), seconds, by)
 
 
