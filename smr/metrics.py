@@ -67,6 +67,21 @@ STORED_BYTES = Gauge("smr_storage_stored_bytes", "Bytes of committed checkpoint 
 STORED_GENERATIONS = Gauge("smr_storage_generations", "Committed generations in storage at "
                            "the last scan", registry=REGISTRY)
 
+# Labelled by the MutatingWebhookConfiguration probed, so that only a process that
+# probed has a series: an unlabelled gauge is 0 in every smr process, and would fire
+# the alert everywhere.
+WEBHOOK_REACHABLE = Gauge("smr_webhook_reachable", "Whether the API server reached the "
+                          "webhook at the last probe (1) or admitted the probe pod unmutated "
+                          "(0: opted-in pods start unprotected); the watcher's dry-run probe",
+                          ["configuration"], registry=REGISTRY)
+WEBHOOK_PROBE_SECONDS = Histogram("smr_webhook_probe_seconds", "How long the watcher's "
+                                  "dry-run probe of the webhook took (the API server's "
+                                  "admission included)", ["configuration"], registry=REGISTRY,
+                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30))
+WEBHOOK_PROBED_AT = Gauge("smr_webhook_probe_timestamp_seconds", "When the watcher last "
+                          "probed the webhook (Unix time)", ["configuration"],
+                          registry=REGISTRY)
+
 
 def kind_label(step_kind: str) -> str:
     """The ``kind`` label of a step kind (``ckpt.requested`` → ``checkpoint``)."""

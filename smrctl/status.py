@@ -4,27 +4,31 @@
   and size (from the storage service, ``storage.checkpoints``);
 - running requests: their phase and progress (the step-state KV, which the
   workers update at each keepalive);
-- the last failures with their reasons (failed steps, and dead letters).
+- the last failures with their reasons (failed steps, and dead letters);
+- whether the API server reaches the webhook, and when that was last
+  probed (the watcher's dry-run probe, KV bucket ``smr-health``).
 
 Works against `smr up` and a cluster alike: everything comes over the bus.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import nats
 import orjson
 from nats.js.errors import NotFoundError
 
-from smr.bus import KV_STEPS, QUERY_CHECKPOINTS, STREAM_DLQ, Bus, kind_of
+from smr.bus import KV_HEALTH, KV_STEPS, QUERY_CHECKPOINTS, STREAM_DLQ, Bus, kind_of
 from smr.errors import SmrError
 from smr.messages import StorageQuery, epoch
 from smr.metrics import kind_label
 
 FAILURES_SHOWN = 5
+HEALTH_READ_S = 5.0  # a user that may not read smr-health gets no answer, only a timeout
 
 
 async def gather(bus: Bus, *, namespace: str | None = None, failures: int = FAILURES_SHOWN
@@ -55,7 +59,23 @@ async def gather(bus: Bus, *, namespace: str | None = None, failures: int = FAIL
          for r in [st.get("result") or {}]),
         key=lambda f: -f["finished"])[:failures]
     return {"checkpoints": checkpoints, "running": running, "failures": failed,
-            "dead_letters": await dead_letters(bus, failures)}
+            "dead_letters": await dead_letters(bus, failures),
+            "webhook": await webhook_probe(bus)}
+
+
+async def webhook_probe(bus: Bus) -> dict[str, Any] | None:
+    """The watcher's last probe of the webhook (services/watcher/webhook_probe),
+    None where none was recorded (`smr up`: no webhook), or what kept it from
+    being read. Read with one message get: the CLI binds no bucket its node's
+    user may not read."""
+    try:
+        m = await asyncio.wait_for(bus.js.get_last_msg(
+            f"KV_{KV_HEALTH}", f"$KV.{KV_HEALTH}.webhook"), HEALTH_READ_S)
+    except NotFoundError:
+        return None
+    except (TimeoutError, nats.errors.Error) as e:
+        return {"error": f"cannot read the bucket {KV_HEALTH}: {type(e).__name__} {e}"}
+    return orjson.loads(m.data or b"{}")  # type: ignore[no-any-return]
 
 
 async def step_states(bus: Bus) -> dict[str, dict[str, Any]]:
@@ -126,7 +146,22 @@ def render(st: dict[str, Any]) -> str:
     lines.append(f"DEAD LETTERS ({dl['count']} kept)")
     for d in dl["last"]:
         lines.append(f"  {d['subject']}: {d['code']}: {(d['message'] or '')[:100]}")
+    lines += render_webhook(st.get("webhook"))
     return "\n".join(lines)
+
+
+def render_webhook(probe: dict[str, Any] | None, now: float | None = None) -> list[str]:
+    if probe is None:
+        return ["WEBHOOK no probe recorded (`smr up` has no webhook; on a cluster the "
+                "smr-watcher Deployment probes it every minute: check that it runs)"]
+    if "error" in probe:
+        return [f"WEBHOOK unknown: {probe['error']}"]
+    at = datetime.fromtimestamp(probe["at"], UTC)
+    age = fmt_age((time.time() if now is None else now) - probe["at"])
+    state = "reachable" if probe["reachable"] else "UNREACHABLE"
+    return [f"WEBHOOK {state} (last probe {at:%Y-%m-%d %H:%M:%S} UTC, {age} ago, "
+            f"{probe['seconds']:.2f}s, by {probe.get('by') or '?'})",
+            f"  {probe['message']}"]
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -12,9 +12,12 @@ It implements the part of the API smr uses, with the semantics clients rely on:
   ``timeoutSeconds``; label selectors (``=``, ``!=``, ``in``, ``notin``,
   exists, ``!``) and field selectors (``metadata.name``,
   ``metadata.namespace``, ``spec.nodeName``);
-- get, create (409 AlreadyExists), replace (409 Conflict on a stale
-  resourceVersion), patch (JSON merge, strategic merge with the merge keys
-  of node taints, conditions and pod containers, JSON patch), delete;
+- get, create (409 AlreadyExists; ``dryRun=All``: admitted, mutating
+  webhooks called with ``dryRun`` true, refused where a matching one may
+  have side effects, nothing stored: no resourceVersion, no watch event),
+  replace (409 Conflict on a stale resourceVersion), patch (JSON merge,
+  strategic merge with the merge keys of node taints, conditions and pod
+  containers, JSON patch), delete;
 - pod eviction through PodDisruptionBudgets (policy/v1; 429 while a budget
   forbids it, as the eviction API answers); the ``DisruptionTarget``
   condition each disruption sets first, with the real reasons: the eviction
@@ -383,6 +386,7 @@ class FakeApiServer:
         # What cluster DNS would resolve: (namespace, service) → (host, port).
         self.services: dict[tuple[str, str], tuple[str, int]] = {}
         self.admission_log: list[str] = []  # what each webhook call came to
+        self.dry_runs: list[dict[str, Any]] = []  # what each dry-run create answered (unstored)
         # TokenReview: token → (user info as the API server returns it, audiences).
         self.tokens: dict[str, tuple[dict[str, Any], list[str]]] = {}
         # Authentication: bearer token → (user, groups); RBAC from deploy/kustomize.
@@ -822,8 +826,13 @@ class FakeApiServer:
 
     async def _create(self, request: web.Request, plural: str, ns: str) -> web.Response:
         obj = await request.json()
+        # dryRun=All: every admission step runs, nothing is stored (as the real one)
+        dry_run = request.query.getall("dryRun", [])
+        if any(d != "All" for d in dry_run):
+            return status(400, "BadRequest", f'dryRun: Unsupported value: "{dry_run[0]}": '
+                          'supported values: "All"')
         if plural == "pods":
-            admitted = await self._admit(obj, ns)
+            admitted = await self._admit(obj, ns, dry_run=bool(dry_run))
             if isinstance(admitted, web.Response):
                 return admitted
             obj = admitted
@@ -849,26 +858,40 @@ class FakeApiServer:
             return status(409, "AlreadyExists", f'{plural} "{name}" already exists')
         obj["metadata"].pop("resourceVersion", None)
         obj["metadata"].pop("uid", None)
+        if dry_run:
+            obj["metadata"]["uid"] = str(uuid.uuid4())
+            obj["metadata"]["creationTimestamp"] = _now()
+            self.dry_runs.append(obj)
+            return self._json(obj, 201)
         return self._json(self._write(plural, key, obj, "ADDED"), 201)
 
     # -- admission: mutating webhooks, called as kube-apiserver calls them -----------
 
-    async def _admit(self, pod: dict[str, Any], ns: str) -> dict[str, Any] | web.Response:
+    async def _admit(self, pod: dict[str, Any], ns: str, *, dry_run: bool = False
+                     ) -> dict[str, Any] | web.Response:
         """Run every matching mutating webhook on a pod being created: an
         AdmissionReview v1 over HTTPS (verified with ``caBundle`` against the
         Service's DNS name), its JSONPatch applied; a failed call is ignored or
-        refuses the pod, by the webhook's failurePolicy."""
-        for cfg in self.list("mutatingwebhookconfigurations"):
-            for hook in cfg.get("webhooks") or []:
-                if not self._hook_matches(hook, pod, ns):
-                    continue
-                try:
-                    pod = await self._call(hook, pod, ns)
-                except Exception as e:
-                    self.admission_log.append(f"{hook['name']}: failed: {e!r}")
-                    if hook.get("failurePolicy", "Fail") == "Fail":
-                        return status(500, "InternalError", f'failed calling webhook '
-                                      f'"{hook["name"]}": {e}')
+        refuses the pod, by the webhook's failurePolicy. A dry run is refused
+        when a matching webhook may have side effects (sideEffects other than
+        None or NoneOnDryRun), as the real server refuses it."""
+        hooks = [h for cfg in self.list("mutatingwebhookconfigurations")
+                 for h in cfg.get("webhooks") or []]
+        for hook in hooks:
+            if dry_run and self._hook_matches(hook, pod, ns) and \
+                    hook.get("sideEffects") not in ("None", "NoneOnDryRun"):
+                return status(400, "BadRequest", f'admission webhook "{hook["name"]}" '
+                              "does not support dry run")
+        for hook in hooks:
+            if not self._hook_matches(hook, pod, ns):
+                continue
+            try:
+                pod = await self._call(hook, pod, ns, dry_run=dry_run)
+            except Exception as e:
+                self.admission_log.append(f"{hook['name']}: failed: {e!r}")
+                if hook.get("failurePolicy", "Fail") == "Fail":
+                    return status(500, "InternalError", f'failed calling webhook '
+                                  f'"{hook["name"]}": {e}')
         return pod
 
     @staticmethod
@@ -895,7 +918,8 @@ class FakeApiServer:
                 and self._selects(hook.get("objectSelector"),
                                   (pod.get("metadata") or {}).get("labels") or {}))
 
-    async def _call(self, hook: dict[str, Any], pod: dict[str, Any], ns: str) -> dict[str, Any]:
+    async def _call(self, hook: dict[str, Any], pod: dict[str, Any], ns: str, *,
+                    dry_run: bool = False) -> dict[str, Any]:
         cc = hook["clientConfig"]
         svc = cc["service"]
         host, port = self.services[(svc["namespace"], svc["name"])]
@@ -906,7 +930,7 @@ class FakeApiServer:
             "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
             "resource": {"group": "", "version": "v1", "resource": "pods"},
             "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "namespace": ns, "operation": "CREATE", "object": pod, "dryRun": False,
+            "namespace": ns, "operation": "CREATE", "object": pod, "dryRun": dry_run,
             "userInfo": {"username": "test"}}}
         timeout = aiohttp.ClientTimeout(total=hook.get("timeoutSeconds", 10))
         async with aiohttp.ClientSession(timeout=timeout) as session, session.post(

@@ -332,7 +332,9 @@ def test_the_webhook_is_called_for_opted_in_pods_by_their_labels_and_briefly(
     """Each entry of the MutatingWebhookConfiguration selects pods by one
     opt-in label (services/policy), so a pod without one costs no call on its
     creation; one entry, for the env-var opt-in no selector can see, takes the
-    pods with none of them. Each call is short, and never refuses a pod."""
+    pods with none of them. Each call is short, and never refuses a pod. The
+    watcher's reachability probe has an entry of its own, for its label in
+    smr's own namespace only; every entry allows a dry run (no side effects)."""
     from services.policy import HEARTBEAT, NODE_RESTORE, SNAPSHOT_WHEN_READY, START_FROM
 
     labels = {f"smr.dev/{name}" for name in (NODE_RESTORE, HEARTBEAT, SNAPSHOT_WHEN_READY,
@@ -344,6 +346,14 @@ def test_the_webhook_is_called_for_opted_in_pods_by_their_labels_and_briefly(
         for h in hooks:
             assert h["timeoutSeconds"] <= 3 and h["failurePolicy"] == "Ignore", h["name"]
             assert h["reinvocationPolicy"] == "IfNeeded", h["name"]
+            assert h["sideEffects"] == "None", h["name"]
+        [probe] = [h for h in hooks if h["name"] == "probe.pods.smr.dev"]
+        assert probe["objectSelector"] == {"matchExpressions": [
+            {"key": "smr.dev/webhook-probe", "operator": "Exists"}]}
+        assert probe["namespaceSelector"] == {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In",
+             "values": ["smr-system"]}]}
+        hooks = [h for h in hooks if h is not probe]
         terms = [[(e["key"], e["operator"]) for e in h["objectSelector"]["matchExpressions"]]
                  for h in hooks]
         by_label = sorted(t[0][0] for t in terms if len(t) == 1 and t[0][1] == "Exists")

@@ -75,7 +75,7 @@ def test_promtool_checks_the_rules_and_passes_their_unit_tests(promtool: str,
     check = subprocess.run([promtool, "check", "rules", "rules.yaml"], cwd=tmp_path,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 5 rules found" in check.stdout
+    assert "SUCCESS: 6 rules found" in check.stdout
     test = subprocess.run([promtool, "test", "rules", "rules.test.yaml"], cwd=tmp_path,
                           capture_output=True, text=True)
     assert test.returncode == 0, test.stdout + test.stderr
@@ -102,3 +102,21 @@ def test_dashboard_and_rules_name_only_metrics_smr_exports() -> None:
     families = {f.name for f in metrics.REGISTRY.collect()}
     shown = {f for f in families if any(u.startswith(f) for u in used)}
     assert shown == families, families - shown
+
+
+def test_every_metric_smr_exports_is_on_the_dashboard_and_in_the_docs_table() -> None:
+    """Each metric family of the registry is queried by a dashboard panel (an
+    alert rule alone is not enough: the dashboard is where an operator looks)
+    and has its row in docs/observability.md's metrics table."""
+    on_board = {m for e in dashboard_exprs() for m in re.findall(r"\bsmr_\w+", e)}
+    doc = (OBSERVABILITY.parents[1] / "docs" / "observability.md").read_text()
+    in_table = set(re.findall(r"^\| `(smr_\w+)` \|", doc, re.M))
+    off_board, undocumented = [], []
+    for family in metrics.REGISTRY.collect():
+        samples = {family.name + s for s in ("", "_total", "_bucket", "_count", "_sum")}
+        if not samples & on_board:
+            off_board.append(family.name)
+        if not samples & in_table:
+            undocumented.append(family.name)
+    assert not off_board, f"metrics no dashboard panel shows: {off_board}"
+    assert not undocumented, f"metrics with no row in docs/observability.md: {undocumented}"

@@ -60,6 +60,10 @@ CALLS = [
          "ClusterRole/smr-watcher"),
     Call("smr-watcher", "create_namespaced_pod", "create", "", "pods", TENANT,
          "ClusterRole/smr-watcher"),
+    # Its probe of the webhook: a dry-run create (dryRun=All, which RBAC checks as a
+    # create) of a pod in its own namespace; nothing is stored.
+    Call("smr-watcher", "create_namespaced_pod", "create", "", "pods", SYSTEM,
+         "ClusterRole/smr-watcher"),
     # A bare pod that graceful node shutdown left Failed is deleted, then created again.
     Call("smr-watcher", "delete_namespaced_pod", "delete", "", "pods", TENANT,
          "ClusterRole/smr-watcher", name="trainer"),

@@ -906,10 +906,14 @@ async def test_replicas_ready_together_take_one_template(
     await watchers.start()
     async with ckpts(bus, node) as c:
         await asyncio.sleep(0.5)
-        for name in ("web-0", "web-1"):  # Ready together
+        # Ready together, in one second, as the kubelet records the transition
+        # (without it the Ready time is the creation's, before the watcher started)
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        for name in ("web-0", "web-1"):
             p = kube.get("pods", name, "default")
             assert p is not None
-            p["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+            p["status"]["conditions"] = [{"type": "Ready", "status": "True",
+                                          "lastTransitionTime": now}]
             for st in p["status"]["containerStatuses"]:
                 st["ready"] = True
             kube.put("pods", p)

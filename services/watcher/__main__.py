@@ -5,12 +5,12 @@ from __future__ import annotations
 from services.kubeapi import api_client
 from services.watcher.service import Watcher
 from smr import config, serve
-from smr.bus import KV_BEATS, KV_EPISODES, KV_STEPS, Bus
+from smr.bus import KV_BEATS, KV_EPISODES, KV_HEALTH, KV_STEPS, Bus
 
 # The KV buckets it uses: its NATS user may read no others. smr-steps only
 # read (its user may not write it), to recreate a drained bare pod once its
-# checkpoint is over.
-BUCKETS = (KV_BEATS, KV_EPISODES, KV_STEPS)
+# checkpoint is over; smr-health holds its probe of the webhook.
+BUCKETS = (KV_BEATS, KV_EPISODES, KV_HEALTH, KV_STEPS)
 
 
 async def make(bus: Bus, settings: config.Settings) -> tuple[serve.Service, list[serve.Cleanup]]:

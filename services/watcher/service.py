@@ -66,8 +66,9 @@ from services.watcher.templates import (
     takes_template,
     template_requests,
 )
+from services.watcher.webhook_probe import WebhookProbe
 from smr import tracing
-from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
+from smr.bus import KV_BEATS, KV_EPISODES, KV_HEALTH, QUERY_LATEST, Bus, node_token
 from smr.config import Settings
 from smr.errors import TemporaryError
 from smr.messages import (
@@ -112,6 +113,10 @@ class Watcher:
             lead=self._lead)
         self.events = EventRecorder(api)
         self.lineages = SharedLineages(api, self.events)
+        # In the watcher's own namespace, which only the webhook's probe entry selects.
+        self.webhook_probe = WebhookProbe(self.core, bus.kv(KV_HEALTH), settings,
+                                          namespace=settings.lease_namespace,
+                                          identity=self.identity)
         self.stats: Counter[str] = Counter()
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
@@ -139,9 +144,9 @@ class Watcher:
                  self.bus.consume_events(f"{durable_prefix}-restore-done", "restore.done",
                                          self.events.outcome, service="watcher",
                                          stop=self._stop),
-                 self.consumers.run(self._stop)]
+                 self.consumers.run(self._stop), self.webhook_probe.run(self._stop)]
         names = ["pod informer", "node informer", "leader election", "ckpt.done consumer",
-                 "restore.done consumer", "nodes' request consumers"]
+                 "restore.done consumer", "nodes' request consumers", "webhook probe"]
         tasks = [asyncio.create_task(c) for c in loops]
         try:
             await self.pods.synced.wait()

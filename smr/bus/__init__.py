@@ -18,6 +18,7 @@ from smr.bus.liveness import StepLocks
 from smr.bus.topology import (
     KV_BEATS,
     KV_EPISODES,
+    KV_HEALTH,
     KV_JOBS,
     KV_LOCKS,
     KV_STEPS,
@@ -42,7 +43,8 @@ from smr.bus.topology import (
 from smr.bus.worker import Progress, Step, Worker
 
 __all__ = [
-    "KV_BEATS", "KV_EPISODES", "KV_JOBS", "KV_LOCKS", "KV_STEPS", "KV_TIMINGS", "QUERY_CHECKPOINTS",
+    "KV_BEATS", "KV_EPISODES", "KV_HEALTH", "KV_JOBS", "KV_LOCKS", "KV_STEPS", "KV_TIMINGS",
+    "QUERY_CHECKPOINTS",
     "QUERY_GENERATIONS", "QUERY_LATEST", "RESULT_OF", "STREAM_DLQ", "STREAM_EVENTS",
     "STREAM_EXHAUSTED", "STREAM_REQUESTS", "SUBJECT_TYPES", "Bus", "BusConfig", "Progress",
     "Step", "StepLocks", "Worker", "kind_of", "message_subject", "node_filter",

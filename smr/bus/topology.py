@@ -59,6 +59,7 @@ KV_LOCKS = "smr-locks"
 KV_EPISODES = "smr-episodes"  # watcher: node drain episodes (node → episode id)
 KV_BEATS = "smr-beats"  # watcher: the heartbeat schedule (pod uid → next beat)
 KV_TIMINGS = "smr-timings"  # agent → webhook: each checkpoint's last measured time
+KV_HEALTH = "smr-health"  # watcher → `smr status`: its last probe of the webhook
 
 # The message class of each subject's first two tokens.
 SUBJECT_TYPES: dict[str, type[Message]] = {
@@ -205,7 +206,8 @@ def streams(config: BusConfig) -> tuple[js_api.StreamConfig, ...]:
 STEP_STATE_TTL = 8 * DAY
 # A checkpoint time not measured again for 30 days is forgotten (its workload gone).
 BUCKETS = ((KV_STEPS, 1, STEP_STATE_TTL), (KV_JOBS, 5, 0.0), (KV_LOCKS, 1, 0.0),
-           (KV_EPISODES, 1, 0.0), (KV_BEATS, 1, 0.0), (KV_TIMINGS, 1, 30 * DAY))
+           (KV_EPISODES, 1, 0.0), (KV_BEATS, 1, 0.0), (KV_TIMINGS, 1, 30 * DAY),
+           (KV_HEALTH, 1, 0.0))
 
 
 def request_consumer(kind: str, node: str, config: BusConfig,
