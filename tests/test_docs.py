@@ -23,7 +23,8 @@ from smrctl import cli
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DOC = REPO / "docs" / "configuration.md"
 # The docs whose links and paths are checked: what a user reads.
-DOCS = [REPO / "README.md", REPO / "schemas" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "schemas" / "README.md", REPO / "tests" / "README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
 TOP = ("smr", "smrctl", "services", "tests", "deploy", "docs", "schemas", "scripts", "bench")
 CODE = [p for d in ("smr", "services", "smrctl") for p in (REPO / d).rglob("*.py")]
 
@@ -120,6 +121,18 @@ def test_the_path_check_sees_a_missing_path(tmp_path: Path) -> None:
     assert _broken(doc) == ["x.md: link (no-such.md)", "x.md: path `tests/no_such_test.py`",
                             "x.md: no test `tests/test_docs.py::test_gone`"]
 
+
+
+def test_the_tests_map_names_every_test_file() -> None:
+    """tests/README.md maps each area to its files: a test file, or its
+    folder, is named there (a new file goes into its area's row)."""
+    text = (REPO / "tests" / "README.md").read_text()
+    named = set(re.findall(r"`(tests/[\w/.]+)`", text))
+    files = sorted(_rel(p) for p in (REPO / "tests").rglob("test_*.py")
+                   if "__pycache__" not in p.parts)
+    missing = [f for f in files
+               if f not in named and not any(f.startswith(d) for d in named if d.endswith("/"))]
+    assert not missing, "not in tests/README.md's map of areas:\n" + "\n".join(missing)
 
 # -- the README's commands ---------------------------------------------------------------
 
