@@ -1,4 +1,4 @@
-"""Which GPUs a checkpoint's GPU state goes back onto (issue #28).
+"""Which GPUs a checkpoint's GPU state goes back onto.
 
 The checkpoint's manifest records the GPUs its processes held (``gpu.devices``:
 uuid, model, used_bytes; smr.gpuinfo.job_gpus). A restore has target GPUs:

@@ -735,11 +735,11 @@ class FakeApiServer:
         return status(405, "MethodNotAllowed", f"{m} {request.path} is not supported")
 
     async def _token_review(self, request: web.Request) -> web.Response:
-        """As the real one answers: 201 with the review's status; a token it
+        """As the real one answers: 201 with the TokenReview's status; a token it
         does not know, or not for one of the asked audiences, is not
         authenticated (with an error), never a failed request."""
-        review = orjson.loads(await request.read())
-        spec = review.get("spec") or {}
+        token_review = orjson.loads(await request.read())
+        spec = token_review.get("spec") or {}
         user, audiences = self.tokens.get(spec.get("token", ""), ({}, []))
         asked = spec.get("audiences") or audiences
         if user and set(asked) & set(audiences):
@@ -926,7 +926,8 @@ class FakeApiServer:
         ctx = ssl.create_default_context(
             cadata=base64.b64decode(cc.get("caBundle") or "").decode() or None)
         uid = str(uuid.uuid4())
-        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        admission_review = {
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
             "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
             "resource": {"group": "", "version": "v1", "resource": "pods"},
             "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
@@ -934,7 +935,7 @@ class FakeApiServer:
             "userInfo": {"username": "test"}}}
         timeout = aiohttp.ClientTimeout(total=hook.get("timeoutSeconds", 10))
         async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                f"https://{host}:{port}{svc.get('path', '/')}", json=review, ssl=ctx,
+                f"https://{host}:{port}{svc.get('path', '/')}", json=admission_review, ssl=ctx,
                 server_hostname=f"{svc['name']}.{svc['namespace']}.svc") as resp:
             answer = await resp.json()
         r = answer["response"]

@@ -23,7 +23,8 @@ from smrctl import cli
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DOC = REPO / "docs" / "configuration.md"
 # The docs whose links and paths are checked: what a user reads.
-DOCS = [REPO / "README.md", REPO / "schemas" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "schemas" / "README.md", REPO / "tests" / "README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
 TOP = ("smr", "smrctl", "services", "tests", "deploy", "docs", "schemas", "scripts", "bench")
 CODE = [p for d in ("smr", "services", "smrctl") for p in (REPO / d).rglob("*.py")]
 
@@ -121,12 +122,24 @@ def test_the_path_check_sees_a_missing_path(tmp_path: Path) -> None:
                             "x.md: no test `tests/test_docs.py::test_gone`"]
 
 
+
+def test_the_tests_map_names_every_test_file() -> None:
+    """tests/README.md maps each area to its files: a test file, or its
+    folder, is named there (a new file goes into its area's row)."""
+    text = (REPO / "tests" / "README.md").read_text()
+    named = set(re.findall(r"`(tests/[\w/.]+)`", text))
+    files = sorted(_rel(p) for p in (REPO / "tests").rglob("test_*.py")
+                   if "__pycache__" not in p.parts)
+    missing = [f for f in files
+               if f not in named and not any(f.startswith(d) for d in named if d.endswith("/"))]
+    assert not missing, "not in tests/README.md's map of areas:\n" + "\n".join(missing)
+
 # -- the README's commands ---------------------------------------------------------------
 
-def _readme_commands() -> list[str]:
-    """Every `smr …` line of the README's shell blocks."""
+def _shell_commands(doc: Path) -> list[str]:
+    """Every `smr …` line of a page's shell blocks."""
     cmds = []
-    for block in re.findall(r"^```sh\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M):
+    for block in re.findall(r"^```sh\n(.*?)^```", doc.read_text(), re.S | re.M):
         for line in block.splitlines():
             line = re.sub(r"\s+#.*$", "", line).rstrip(" &")
             if line.startswith("smr "):
@@ -134,14 +147,16 @@ def _readme_commands() -> list[str]:
     return cmds
 
 
-def _inline_commands() -> list[str]:
-    text = FENCE.sub("", (REPO / "README.md").read_text())
+def _inline_commands(doc: Path) -> list[str]:
+    text = FENCE.sub("", doc.read_text())
     return [s for s in CODE_SPAN.findall(text) if s.startswith("smr ")]
 
 
-def test_readme_commands_parse_with_the_cli() -> None:
-    cmds = _readme_commands()
-    assert len(cmds) >= 10, cmds
+def test_docs_shell_commands_parse_with_the_cli() -> None:
+    """The README's quick start and every page's shell blocks (what moved
+    out of the README is checked where it now lives)."""
+    assert len(_shell_commands(REPO / "README.md")) >= 10, "the README's quick start is gone"
+    cmds = [c for doc in DOCS for c in _shell_commands(doc)]
     p = cli.parser()
     bad = []
     for cmd in cmds:
@@ -152,14 +167,15 @@ def test_readme_commands_parse_with_the_cli() -> None:
     assert not bad, f"the CLI rejects: {bad}"
 
 
-def test_readme_inline_commands_name_real_subcommands_and_flags() -> None:
-    """Inline mentions are fragments (`smr exec --tcp close`): each names a
-    subcommand that exists and only flags that subcommand has."""
+def test_docs_inline_commands_name_real_subcommands_and_flags() -> None:
+    """Inline mentions are fragments (`smr exec --tcp close`), in the README
+    and every page: each names a subcommand that exists and only flags that
+    subcommand has."""
     subs = next(a for a in cli.parser()._actions if a.dest == "command").choices
     top = {o for a in cli.parser()._actions for o in a.option_strings}
     bad = []
-    spans = _inline_commands()
-    assert len(spans) >= 5, spans
+    assert len(_inline_commands(REPO / "README.md")) >= 5, "the README names no commands"
+    spans = [s for doc in DOCS for s in _inline_commands(doc)]
     for span in spans:
         words = shlex.split(span)
         while len(words) > 1 and words[1] in top:  # `smr -v ps`: smr's own flags first

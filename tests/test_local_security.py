@@ -1,4 +1,4 @@
-"""An unprivileged local user against root's `smr up` (#30's local mode).
+"""An unprivileged local user against root's `smr up` (the local mode).
 
 The attacker is the `nobody` user with Debian's own Python and a raw socket
 speaking the NATS protocol: it finds the embedded server's port (anyone can,

@@ -1,4 +1,4 @@
-"""Nothing lost below the retries (#32): storage failing after the dump,
+"""Nothing lost below the retries: storage failing after the dump,
 crashes between commit steps, GPU state left suspended by a dead worker,
 lock contention, lock release races, exhausted advisories for live steps,
 and what the bus keeps for ever.
@@ -346,7 +346,7 @@ async def test_recovery_of_a_restore_brings_the_gpu_back_to_running(h: Harness) 
     assert drv.states[pid] is CudaState.RUNNING, "left checkpointed: it would hang"
 
 
-# -- 6b. which GPU a restore puts GPU state onto (issue #28; stand-in driver) -----------
+# -- 6b. which GPU a restore puts GPU state onto (stand-in driver) ------------------------
 
 MIB = 1 << 20
 H200 = "NVIDIA H200"

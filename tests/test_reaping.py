@@ -1,5 +1,5 @@
 """Local jobs whose restore must not depend on the host's PID 1, and the
-report of a restored process that ended at once (issue #26). Real CRIU,
+report of a restored process that ended at once. Real CRIU,
 real nats-server, real `smr` processes; no GPU needed."""
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import http.client
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -30,10 +31,12 @@ import redis
 
 from smr import sockets
 from smr.criu import Criu, explain
+from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
 from smr.jobs import Job, launch
 from smr.natsserver import free_port
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
+from tests.test_nothing_lost import FailingPuts, StandInDriver, ckpt_step
 
 pytestmark = pytest.mark.criu
 
@@ -357,3 +360,92 @@ async def test_a_server_restored_on_its_host_waits_out_the_time_wait_of_its_own_
     assert restored.status == "succeeded", restored.error
     assert restored.durations.get("time_wait", 0) > 0, restored.durations
     assert ask() == first + 1, "the restored server lost its count"
+
+# -- connections of a job whose dump leaves it stopped: a GPU job's heartbeat
+# (--leave-stopped, so its GPU state comes back before it runs) and a final
+# checkpoint that cannot be stored. CRIU unlocks the TCP connections it dumped
+# only for a tree it lets run: a GPU job's connections (a parameter server,
+# NCCL's TCP bootstrap, a data service) must go on as a CPU job's do. The CUDA
+# driver is the stand-in of tests/test_nothing_lost.py (no GPU here).
+
+class OldDriver(StandInDriver):
+    """A driver without cuCheckpointProcessGetRestoreThreadId (before 570):
+    the stopped tree is continued, then its GPU state restored."""
+
+    def restore_tid(self, pid: int) -> int | None:
+        if pid not in self.states:
+            raise CudaError(f"{pid}: no CUDA context (stand-in)")
+        return None
+
+
+async def test_a_gpu_jobs_connection_goes_on_after_a_heartbeat(h: Harness) -> None:
+    """A GPU job's heartbeat leaves its tree stopped until its GPU state is
+    back; its client's connection goes on after it as a CPU job's does."""
+    step = ckpt_step(h)
+    drv = OldDriver()
+    step.cuda = CudaCheckpoint(drv)  # type: ignore[arg-type]
+    job, port = await start_redis(h, keys=1000)
+    drv.states[job.pid] = CudaState.RUNNING  # "holds a GPU"
+    r = client(port)
+    me = r.client_id()
+    assert r.incr("n") == 1
+    beat = await h.checkpoint(job.id, leave_running=True)
+    assert beat.status == "succeeded", beat.error
+    assert drv.states[job.pid] is CudaState.RUNNING
+    assert beat.sockets and beat.sockets["connections"] == "kept"
+    try:
+        n = r.incr("n")
+    except Exception as e:
+        raise AssertionError(f"the GPU job's client connection died at its heartbeat: "
+                             f"{type(e).__name__}: {e}") from None
+    assert n == 2 and r.client_id() == me
+    r.close()
+
+
+async def test_a_final_checkpoint_that_cannot_be_stored_leaves_the_connections_working(
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str) -> None:
+    """Storage stays down past the commit deadline after a final dump that
+    kept the job's connections (held stopped, for a restore on this node):
+    the request fails and the job runs on where it was (nothing lost), and
+    so must its clients' connections."""
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
+                       storage_path=str(tmp_path / "store"), commit_deadline=6.0) as node_h:
+        job, port = await start_redis(node_h, keys=1000)
+        r = client(port)
+        assert r.incr("n") == 1
+        await unstorable_final_checkpoint(node_h, job.id)
+        assert_counts_on(r, 2)
+        # Nor is the connection left in CRIU's lock table on the node (its
+        # packets dropped should the 4-tuple come back, the table kept for ever).
+        mine = r.connection._sock.getsockname()[1]  # type: ignore[union-attr]
+        assert f". {mine} ." not in locked(), f"port {mine} still in CRIU's lock: {locked()}"
+        r.close()
+
+
+async def unstorable_final_checkpoint(node_h: Harness, job_id: str) -> None:
+    """A final checkpoint of ``job_id`` whose manifest storage refuses past
+    the commit deadline: it fails as storage-unavailable."""
+    fault = FailingPuts(ckpt_step(node_h).store.backend, "manifest.json", times=None)
+    try:
+        done = await node_h.checkpoint(job_id)
+    finally:
+        fault.restore()
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "storage-unavailable", done.error
+
+
+def assert_counts_on(r: Any, n: int) -> None:
+    """The job's client, on the connection it had, gets its next count."""
+    try:
+        got = r.incr("n")
+    except Exception as e:
+        raise AssertionError(f"the job runs on, its client's connection does not: "
+                             f"{type(e).__name__}: {e}") from None
+    assert got == n
+
+
+def locked() -> str:
+    """The connections CRIU's lock tables on this node drop (their set elements)."""
+    out = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True,
+                         check=True).stdout
+    return "\n".join(line for line in out.splitlines() if "elements" in line or ". " in line)

@@ -1,6 +1,6 @@
 """A local job whose Python multiprocessing workers are started by 'spawn'
 and share semaphores (what a PyTorch DataLoader with spawn workers does;
-issue #26's DataLoader row). Real CRIU, real nats-server; no GPU needed.
+the GPU frameworks matrix's DataLoader row). Real CRIU, real nats-server; no GPU needed.
 
 glibc's sem_open creates /dev/shm/sem.XXXXXX, maps it, links it to the
 semaphore's name and unlinks the first name: the creator's mapping names a

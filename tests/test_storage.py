@@ -738,7 +738,7 @@ async def test_a_dump_of_an_old_lock_bucket_recovered_late_never_becomes_latest(
 async def test_a_later_bucket_dump_is_latest_whatever_the_nodes_clocks_say(
     backend: Backend, tmp_path: Path
 ) -> None:
-    """Review 2: the last dump of a lock bucket, taken on a node whose clock
+    """The last dump of a lock bucket, taken on a node whose clock
     runs 5 s fast, and the first dump of the bucket made again 4 s later on a
     node with a right clock, committed in that order (no recovery at all):
     the later one is latest. Node clocks must not order buckets: the bucket's

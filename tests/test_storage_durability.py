@@ -1,4 +1,4 @@
-"""Nothing lost, for real (issue #32, the storage layer): a part that fails
+"""Nothing lost, for real (the storage layer): a part that fails
 fails the commit; links the dump makes are stored; files beyond 10,000
 parts; hostile manifests; GC against live writers; an upload already
 aborted; power loss on the local backend; conditional writes whose answer

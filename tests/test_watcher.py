@@ -893,7 +893,7 @@ async def test_replicas_ready_together_take_one_template(
         node: str) -> None:
     """Two replicas of a Deployment labelled snapshot-when-ready turn Ready at
     once, before any template is stored: one template checkpoint, of the
-    replica created first, not one per replica (#28; the review of #29 saw
+    replica created first, not one per replica (each replica took one:
     `[('template_tpl.main', 'web-0'), ('template_tpl.main', 'web-1')]`)."""
     kube.put("nodes", a_node(node))
     labels = {"smr.dev/snapshot-when-ready": "tpl"}
@@ -956,7 +956,7 @@ async def test_a_replica_ready_after_the_one_taking_the_template_takes_none(
         node: str) -> None:
     """The replica created second turns Ready first and takes the template;
     the one created first turns Ready a moment later, its template still being
-    taken: one template, not two (#28 ordered by creation, so the first
+    taken: one template, not two (ordered by creation alone, the first
     created took a second one)."""
     kube.put("nodes", a_node(node))
     kube.put("pods", replica("web-0", node, created=ago(60), ready_at=None))
@@ -983,8 +983,8 @@ async def test_a_template_deleted_from_storage_is_taken_by_a_restarted_replica(
         node: str, tmp_path: Path) -> None:
     """docs/warm-start.md: to take a template again, delete it from storage
     and restart a labelled pod. The replicas Ready for an hour had their turn;
-    the restarted one, Ready now, takes it (#28 let the one created first, long
-    done with its turn, stand in its way for ever)."""
+    the restarted one, Ready now, takes it (before, the one created first, long
+    done with its turn, stood in its way for ever)."""
     kube.put("nodes", a_node(node))
     await stored(storage, tmp_path, "default", "template_tpl.main", reason="template")
     for name in ("web-0", "web-1"):
@@ -1005,8 +1005,8 @@ async def test_the_next_replica_takes_the_template_when_the_one_taking_it_goes(
         kube: FakeApiServer, bus: Bus, watchers: Watchers, storage: CheckpointStore,
         node: str) -> None:
     """The replica taking the template is deleted before it is stored: the
-    other Ready one takes it, without a change of its own (#28 waited for
-    one, which a Ready pod left alone may never have)."""
+    other Ready one takes it, without a change of its own (before, the watcher
+    waited for one, which a Ready pod left alone may never have)."""
     kube.put("nodes", a_node(node))
     kube.put("pods", replica("web-0", node, created=ago(60), ready_at=ago(5)))
     kube.put("pods", replica("web-1", node, created=ago(30), ready_at=ago(4)))
@@ -1025,7 +1025,8 @@ async def test_the_next_replica_takes_the_template_when_the_takers_request_fails
         node: str) -> None:
     """The template request of the replica taking it fails (its node's agent
     answers with an error, as for a workload CRIU refuses): the other Ready
-    replica takes it (#28 left it to the failed one, which never asks again)."""
+    replica takes it (before, it was left to the failed one, which never asks
+    again)."""
     kube.put("nodes", a_node(node))
     kube.put("pods", replica("web-0", node, created=ago(60), ready_at=ago(5)))
     kube.put("pods", replica("web-1", node, created=ago(30), ready_at=ago(4)))

@@ -1,4 +1,4 @@
-"""The informer's per-object queues (services/watcher/kube.py, #29) against
+"""The informer's per-object queues (services/watcher/kube.py) against
 sequences that could lose, double or reorder a change: a full queue while a
 watch expires, an object deleted and created again under its name while
 unwatched, a superseded retry whose handler ignores its cancellation (as

@@ -1,5 +1,5 @@
-"""Two processes on two GPUs with NCCL for the GPU frameworks matrix (issue
-#26): an MLP under DistributedDataParallel, its gradients all-reduced by NCCL
+"""Two processes on two GPUs with NCCL for the GPU frameworks matrix
+(docs/compatibility.md): an MLP under DistributedDataParallel, its gradients all-reduced by NCCL
 every step, started by torchrun as a user would. Each rank draws its own
 batch i from a generator seeded with i and its rank, so a run is the same
 whenever it is interrupted. Rank 0 prints each step and, at the end,

@@ -1,4 +1,5 @@
-"""A Hugging Face generation server for the GPU frameworks matrix (issue #26):
+"""A Hugging Face generation server for the GPU frameworks matrix
+(docs/compatibility.md):
 a Llama-shaped causal LM built with ``from_config`` (random weights, fixed
 seed, no download; about 1.4 GiB in bf16), saved once with
 ``save_pretrained`` (safetensors) and loaded back with ``from_pretrained``

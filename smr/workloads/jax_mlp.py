@@ -1,4 +1,5 @@
-"""A deterministic JAX training loop (the GPU frameworks matrix, issue #26):
+"""A deterministic JAX training loop (the GPU frameworks matrix of
+docs/compatibility.md):
 a two-layer MLP under ``jax.jit``, trained by SGD with momentum on batches
 drawn from a fixed key folded with the step number, beside a ballast array
 that never changes. Each line carries the step, the loss and a digest of the

@@ -1,5 +1,5 @@
-"""Deterministic PyTorch training loops for the GPU frameworks matrix (issue
-#26): an MLP trained by SGD with momentum, optionally compiled
+"""Deterministic PyTorch training loops for the GPU frameworks matrix
+(docs/compatibility.md): an MLP trained by SGD with momentum, optionally compiled
 (``--compile default``: Inductor's Triton kernels; ``reduce-overhead``: CUDA
 graphs too), optionally fed by a DataLoader with worker processes and pinned
 memory (``--loader``: num_workers=2, pin_memory=True, persistent_workers=True).

@@ -137,7 +137,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
              # PyTorch, the NVIDIA driver's libraries).
              oci_image.build(d / "gpu.tar", GPU_IMAGE,
                              files={"/app/train.py": TRAIN,
-                                    # The frameworks' workloads (issue #26).
+                                    # The frameworks' workloads.
                                     "/app/jax_mlp.py": Path(jax_mlp.__file__).read_bytes(),
                                     "/app/torch_train.py":
                                         Path(torch_train.__file__).read_bytes(),

@@ -1,4 +1,4 @@
-"""A tenant's container attacks the node agent (issue #35). Real containerd,
+"""A tenant's container attacks the node agent. Real containerd,
 runc and CRIU; each attempt must fail, leave the host's files untouched and
 be reported (docs/security.md lists them).
 
@@ -231,9 +231,10 @@ async def test_symlinks_in_smr_are_refused_and_reported(hostile: Cluster,
 
 async def test_signal_lock_and_final_links_are_not_followed(hostile: Cluster,
                                                             tmp_path: Path) -> None:
-    """Attack 2, #34's files: `signal.lock` (which the agent opens and flocks
-    to take its hold) and `final`, `final.tmp` (where it tells the preStop hook
-    how a final checkpoint went) pointed at a host file."""
+    """Attack 2, the step's own files in the container: `signal.lock` (which
+    the agent opens and flocks to take its hold) and `final`, `final.tmp`
+    (where it tells the preStop hook how a final checkpoint went) pointed at
+    a host file."""
     a, _ = list(hostile.kubelets)
     canary = tmp_path / "host-canary"
     canary.write_text("host-secret-7f3a\n")
@@ -397,7 +398,7 @@ async def test_directory_swapped_for_symlink_copies_nothing_of_the_host(
 
 async def test_dev_shm_links_and_swaps_copy_nothing_of_the_host(
         hostile: Cluster, tmp_path: Path) -> None:
-    """The container's /dev/shm, carried with its checkpoint (#27), is the
+    """The container's /dev/shm, carried with its checkpoint, is the
     tenant's too: a link in it to a host file, and a directory swapped for a
     link to a host directory while it is read."""
     a, _ = list(hostile.kubelets)

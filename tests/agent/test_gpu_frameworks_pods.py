@@ -1,4 +1,4 @@
-"""GPU frameworks in pod containers through the node agent (issue #26), on a
+"""GPU frameworks in pod containers through the node agent, on a
 machine with an NVIDIA GPU and the framework installed (the H100 device
 machine; skipped elsewhere; tests/agent/test_gpu_pod_order.py runs the same
 order of steps in CI with a stand-in driver).

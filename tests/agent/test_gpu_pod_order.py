@@ -1,5 +1,5 @@
 """A GPU pod's threads stay held until its GPU state is back, at a heartbeat
-and at a restore on another node (issue #26: JAX threads that ran between
+and at a restore on another node (JAX threads that ran between
 CRIU's thaw and the driver's restore died of SIGSEGV in libcuda on the H100).
 
 REAL: containerd + runc + CRIU 4.2, smr-init, the webhook, the watcher, two
@@ -27,9 +27,9 @@ from services.restorer.pod import PodRestoreStep
 from smr import cuda_checkpoint, gpuinfo
 from smr.messages import CkptRequested, RestoreRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
+from tests.agent.test_dev_shm_pods import steps_of
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_programs_pods import migrate
-from tests.agent.test_review3_pods import steps_of
 from tests.chaos import gpu_standin
 
 CKPT = "gpu-order"

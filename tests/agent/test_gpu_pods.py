@@ -237,7 +237,7 @@ def gpu_of(cluster: Cluster, name: str) -> set[str]:
 
 @pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
 async def test_a_pod_migrates_onto_the_other_gpu(cluster: Cluster, reference: str) -> None:
-    """Issue #28: node a's (fake) device plugin has GPU 0, node b's GPU 1.
+    """Node a's (fake) device plugin has GPU 0, node b's GPU 1.
     The pod's process is checkpointed on GPU 0 by a drain; the new pod on
     node b is given GPU 1 only (its device node, NVIDIA_VISIBLE_DEVICES), and
     the agent restores the GPU state onto it (the driver's gpuPairs, 0→1).
@@ -270,7 +270,7 @@ async def test_a_pod_migrates_onto_the_other_gpu(cluster: Cluster, reference: st
 @pytest.mark.skipif(len(gpuinfo.devices()) < 2, reason="needs two GPUs")
 async def test_a_replica_starts_on_the_other_gpu_from_a_template(cluster: Cluster,
                                                                  reference: str) -> None:
-    """Issue #28, warm starts: the template is taken on node a's GPU 0 once
+    """Warm starts: the template is taken on node a's GPU 0 once
     the pod is Ready; a replica on node b, whose device plugin has GPU 1
     only, starts from it there (the driver's gpuPairs, 0→1). Both end with
     the weights of an uninterrupted run."""

@@ -1,5 +1,5 @@
 """A pod whose Python workers are started by 'spawn' and share semaphores
-(a PyTorch DataLoader with spawn workers; issue #26), through a heartbeat
+(a PyTorch DataLoader with spawn workers), through a heartbeat
 and two drains, each resumed on the other node.
 
 CRIU saves the creator's mapping of a semaphore (a deleted name of a file

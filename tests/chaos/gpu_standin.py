@@ -49,8 +49,8 @@ class StandInDriver:
     ``held``: the driver's restore also checks what the real one needs and
     cannot check itself: that no thread of the process but the one it
     restores through runs until its GPU state is back (a JAX thread that
-    touched a GPU mapping in that gap died of SIGSEGV in libcuda, H100, issue
-    #26). A restore that finds another thread running is refused; each
+    touched a GPU mapping in that gap died of SIGSEGV in libcuda on an
+    H100). A restore that finds another thread running is refused; each
     restore's count of held threads goes to ``restores``."""
 
     def __init__(self, root: Path, *, held: bool = False) -> None:

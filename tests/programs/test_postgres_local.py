@@ -150,7 +150,7 @@ async def test_postgres_checkpointed_mid_transaction_restores_consistent(h: Harn
 
 
 @pytest.mark.parametrize(("line", "code", "named"), [
-    # The lines CRIU 4.2 wrote, in this order, as each was fixed (#27).
+    # The lines CRIU 4.2 wrote, in the order each was met and fixed.
     ("pie: 1: Error (criu/pie/parasite.c:641): can't dump unprivileged task whose /proc "
      "doesn't belong to it", "unprivileged-tree-root", "smr exec"),
     ("(00.289261) Error (criu/cr-dump.c:478): Task 23602 with SysVIPC shmem map "

@@ -1,4 +1,4 @@
-"""Review of #29/#32 against a real nats-server killed with SIGKILL and
+"""The bus's steps against a real nats-server killed with SIGKILL and
 started again on the same store directory and port, at the worst moment of a
 final checkpoint: its dump stored, its job held stopped, nothing of it yet
 in NATS (the registry's record, the step's result). NATS stays away past the
@@ -26,7 +26,7 @@ from smr.messages import CkptDone, CkptRequested, Target
 from tests import nats_auth
 from tests.test_bus import stored
 from tests.test_local_smr import Harness, running
-from tests.test_review_32 import copies
+from tests.test_step_recovery_faults import copies
 
 DOWN_S = 30.0  # past retry_nats's ~21 s of waits
 

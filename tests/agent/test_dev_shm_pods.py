@@ -1,5 +1,5 @@
-"""Review of the pod data path merged for #27 (the container's /dev/shm
-carried as devshm.tar): sequences that must neither tear nor lose the
+"""A pod's /dev/shm carried with its checkpoint (as devshm.tar), through
+agent deaths and recoveries: sequences that must neither tear nor lose the
 /dev/shm a checkpoint carries. Real containerd, runc, CRIU and S3 (moto);
 the harness is tests/agent/cluster.py.
 

@@ -1,5 +1,5 @@
-"""Review of the bounded download (#35: AHEAD_BYTES, EARLY_CHUNKS, the staged
-page image): faults on ranged GETs that the cap holds back, and a restore
+"""The bounded download (AHEAD_BYTES, EARLY_CHUNKS, the staged page
+image): faults on ranged GETs that the cap holds back, and a restore
 cancelled while ranges are queued, against moto's S3 server over HTTP through
 a proxy that breaks the chosen ranges (tests/chaos/proxy.py).
 

@@ -1,4 +1,4 @@
-"""Review of #32, pods: a final checkpoint of a pod whose storage stays down
+"""Nothing lost in a pod: a final checkpoint of a pod whose storage stays down
 past SMR_COMMIT_DEADLINE (the local-job step holds its job stopped and lets it
 run on; docs/reliability.md promises the same)."""
 

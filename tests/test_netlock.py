@@ -1,4 +1,4 @@
-"""Review of 054ec21 (smr.netlock): a checkpoint that stores nothing gives
+"""The network lock undone (smr.netlock): a checkpoint that stores nothing gives
 the job its kept connections back, every one of them, whatever kind of dump
 locked them. Real CRIU, real redis-server and a real Python server, real
 clients on the other end."""
@@ -21,8 +21,15 @@ from smr.natsserver import free_port
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import ckpt_step
-from tests.test_review3_sockets import assert_counts_on, locked, unstorable_final_checkpoint
-from tests.test_sockets import client, h, start, start_redis  # noqa: F401
+from tests.test_sockets import (  # noqa: F401
+    assert_counts_on,
+    client,
+    h,
+    locked,
+    start,
+    start_redis,
+    unstorable_final_checkpoint,
+)
 
 pytestmark = pytest.mark.criu
 

@@ -1,6 +1,6 @@
-"""An adversarial review of #32 ("Nothing lost, for real"): sequences of
-events that the fixes for #32 do not cover, each tried against the real
-parts (a real nats-server, real CRIU, the real embedded node). Faults are
+"""Nothing lost when an answer or a write goes missing: sequences of events
+around a step's keepalive, its records and its recovery, each tried against
+the real parts (a real nats-server, real CRIU, the real embedded node). Faults are
 injected where the real system meets them: at the NATS client's call, as a
 reply that never came back though the server carried the write out.
 """
