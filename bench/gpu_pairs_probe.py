@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from smr.cuda_checkpoint import CudaError, driver
+from smr.gpu.cuda_checkpoint import CudaError, driver
 
 PROGRAM = r'''
 import hashlib, sys, time, torch

@@ -62,10 +62,10 @@ from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore, Generation
 from smr import config
-from smr.criu import Criu
+from smr.contract.messages import Target
 from smr.jobs import launch, proc_start_ticks
-from smr.messages import Target
 from smr.natsserver import free_port
+from smr.process.criu import Criu
 
 HOLDER = r"""
 import os, sys, time

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Review of smr.frozen (#26): the agent that holds a restored GPU process's
+"""Review of smr.gpu.frozen (#26): the agent that holds a restored GPU process's
 threads (ptrace) is killed while the hold is on. A real multi-threaded
 process; the holder is a process of its own, killed with SIGKILL. No GPU."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from smr import frozen
+from smr.gpu import frozen
 from tests.test_frozen import WORKLOAD, counts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ptrace of another process needs root")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ptrace of another pro
 # A holder like the agent's worker thread: the driver's restore (work) never ends.
 HOLDER = """
 import sys, time
-from smr import frozen
+from smr.gpu import frozen
 from pathlib import Path
 frozen.with_only(int(sys.argv[1]), int(sys.argv[2]), lambda: time.sleep(3600),
                  Path(sys.argv[3]))

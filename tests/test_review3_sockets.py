@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.gpu.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import FailingPuts, StandInDriver, ckpt_step

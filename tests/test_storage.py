@@ -48,9 +48,9 @@ from services.storage.store import (
     ScratchFull,
     StreamedImages,
 )
-from smr.errors import ConfigError
-from smr.imagestream import FileRange
-from smr.messages import Target
+from smr.contract.errors import ConfigError
+from smr.contract.messages import Target
+from smr.process.imagestream import FileRange
 
 NS = layout.LOCAL_NAMESPACE
 

@@ -39,8 +39,8 @@ from services.storage.store import (
     Generation,
     StreamedImages,
 )
-from smr.errors import PermanentError, SmrError
-from smr.messages import Target
+from smr.contract.errors import PermanentError, SmrError
+from smr.contract.messages import Target
 from smr.natsserver import free_port
 from tests.chaos.proxy import _HOP, _XML, FaultProxy
 

@@ -34,15 +34,17 @@ from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.containers.pods import PodContainer, PodStep
 from services.policy import tcp_policy
 from services.storage.store import Generation
-from smr import __version__, frozen, gpugate, gpuinfo, linkremap, sockets
+from smr import __version__
 from smr.bus import Progress
-from smr.criu import CriuError, dump_finished
-from smr.cuda_checkpoint import GpuStateLost, lost_after
-from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.messages import CkptDone, CkptRequested, now
+from smr.gpu import frozen, gpugate, gpuinfo
+from smr.gpu.cuda_checkpoint import GpuStateLost, lost_after
 from smr.identity import write_durably
 from smr.jobs import proc_start_ticks, signal_tree, wait_exit
-from smr.messages import CkptDone, CkptRequested, now
 from smr.metrics import GPU_STATE_LOST
+from smr.process import linkremap, sockets
+from smr.process.criu import CriuError, dump_finished
 
 CONTAINER_FILE = "container.json"
 # Written once the layer and /dev/shm of a finished dump are captured whole.
@@ -209,7 +211,7 @@ class PodCheckpointStep(PodStep):
             # Host PIDs: the driver's checkpoint API takes them from outside.
             cuda_pids = await self.cuda.processes(pid) if self.cuda else []
             # Before anything is locked or frozen, as for a local job: what
-            # the driver or CRIU cannot bring back (smr.gpugate).
+            # the driver or CRIU cannot bring back (smr.gpu.gpugate).
             await asyncio.to_thread(gpugate.check_io_uring, host.tree(pid))
             if cuda_pids:
                 assert self.cuda
@@ -260,7 +262,7 @@ class PodCheckpointStep(PodStep):
                         raise
                 progress.update("dump")
                 # A GPU heartbeat leaves the tree stopped too: its GPU state
-                # comes back before any of its threads runs (smr.frozen; JAX's
+                # comes back before any of its threads runs (smr.gpu.frozen; JAX's
                 # died touching a GPU mapping between CRIU's thaw and the
                 # driver's restore), as for a local job.
                 gpu_heartbeat = bool(cuda_pids and req.leave_running)

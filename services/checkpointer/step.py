@@ -18,25 +18,18 @@ from services.checkpointer.durable import StorageUnavailable, result, until_stor
 from services.local_job import LocalJobStep
 from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.store import Generation
-from smr import (
-    __version__,
-    coopgate,
-    frozen,
-    gpugate,
-    gpuinfo,
-    linkremap,
-    netlock,
-    reaper,
-    sockets,
-)
+from smr import __version__
 from smr.bus import Progress
-from smr.criu import CriuError, dump_finished, wait_finished
-from smr.cuda_checkpoint import GpuStateLost, lost_after
-from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.messages import CkptDone, CkptRequested, now
+from smr.gpu import coopgate, frozen, gpugate, gpuinfo
+from smr.gpu.cuda_checkpoint import GpuStateLost, lost_after
 from smr.identity import write_durably
 from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
-from smr.messages import CkptDone, CkptRequested, now
 from smr.metrics import GPU_STATE_LOST
+from smr.process import linkremap, netlock, reaper, sockets
+from smr.process.criu import CriuError, dump_finished, wait_finished
+from smr.process.tree import process_tree
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.checkpointer")
@@ -82,10 +75,10 @@ class CheckpointStep(LocalJobStep):
                 coop = coopgate.directory(self.work_dir, job.id)
                 try:
                     # Before anything else sees the job: its ranks at a step
-                    # boundary without communicators (smr.coopgate).
+                    # boundary without communicators (smr.gpu.coopgate).
                     t_coop = time.monotonic()
                     paused = self._paused[job.id] = await coopgate.pause(
-                        coop, gpuinfo.process_tree(job.pid) if job.alive() else [],
+                        coop, process_tree(job.pid) if job.alive() else [],
                         req.request_id, self.coop_deadline_s)
                     paused_s = time.monotonic() - t_coop
                     gen, current, durations = await self._checkpoint(req, job, progress)
@@ -390,7 +383,7 @@ class CheckpointStep(LocalJobStep):
     async def _cuda_pids(self, job: Job) -> list[int]:
         if not self.cuda or not job.alive():
             return []
-        tree = gpuinfo.process_tree(job.pid)
+        tree = process_tree(job.pid)
         if any(frozen.stopping(p) for p in tree):
             # Left stopped by a dump: the driver's GetState would wait for the
             # process itself; resume_tree finds the CUDA ones of the tree.
@@ -403,11 +396,11 @@ class CheckpointStep(LocalJobStep):
         """The job's GPU use and what its TCP connections get, recorded for
         the manifest (and for a recovered commit)."""
         # CRIU cannot save an io_uring, a job's without GPU neither.
-        gpugate.check_io_uring(gpuinfo.process_tree(job.pid))
+        gpugate.check_io_uring(process_tree(job.pid))
         gpu = await self._gpu(job, work)
         tcp = sockets.dump_mode(policy=job.tcp, leave_running=req.leave_running,
                                 reason=req.reason, requested=req.tcp)
-        held = {**sockets.inventory(gpuinfo.process_tree(job.pid)), "tcp": tcp}
+        held = {**sockets.inventory(process_tree(job.pid)), "tcp": tcp}
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             **({"pre_dump_skipped": pre_dump_skipped} if pre_dump_skipped else {}),
@@ -415,7 +408,7 @@ class CheckpointStep(LocalJobStep):
             "sockets": held, "process": {
                 "pid": job.pid, "start_ticks": job.start_ticks,
                 # A restore in the host's PID namespace needs all of these free.
-                "pids": gpuinfo.process_tree(job.pid),
+                "pids": process_tree(job.pid),
                 "own_pid_namespace": own_pid_namespace(job.pid)},
             "leave_running": req.leave_running, **({"dump": stamp} if stamp else {})}))
         return gpu, tcp
@@ -425,11 +418,11 @@ class CheckpointStep(LocalJobStep):
         if self.cuda is None:
             return None
         pids = await self.cuda.processes(job.pid)
-        tree = gpuinfo.process_tree(job.pid)
+        tree = process_tree(job.pid)
         if pids:
             # Before the lock: what the driver or CRIU cannot bring back is
-            # refused while the job still runs (smr.gpugate).
-            # Ranks that dropped their communicators (smr.coopgate) hold no P2P.
+            # refused while the job still runs (smr.gpu.gpugate).
+            # Ranks that dropped their communicators (smr.gpu.coopgate) hold no P2P.
             gpugate.before_lock(tree, pids, gpuinfo.gpus_by_pid(pids), self.cuda.allow,
                                 released=self._paused.get(job.id, ()))
         gpu = gpuinfo.for_checkpoint(pids, work)
@@ -467,10 +460,10 @@ class CheckpointStep(LocalJobStep):
         a tree stopped before it seized one its stop back), and checked again
         as CRIU will find it: a worker that mapped the GPU's devices, or an
         io_uring made, since the check before the lock."""
-        tree = gpuinfo.process_tree(job.pid)
+        tree = process_tree(job.pid)
         signal_tree(job.pid, signal.SIGSTOP)
         await asyncio.to_thread(frozen.wait_stopped, tree)
-        gpugate.after_lock(gpuinfo.process_tree(job.pid), cuda_pids)
+        gpugate.after_lock(process_tree(job.pid), cuda_pids)
 
     async def _store(self, req: CkptRequested, job: Job, progress: Progress,
                      writer: asyncio.Task[Any] | None = None) -> tuple[Generation, float]:

@@ -1,6 +1,6 @@
 """A restore that streams: CRIU restores while the page images download.
 
-CRIU runs with ``--stream`` as soon as the restore starts; smr.imagestream
+CRIU runs with ``--stream`` as soon as the restore starts; smr.process.imagestream
 answers its requests from storage (services.storage.store.StreamedImages).
 The small images are fetched in parallel at once; the page images flow from
 the ranged GETs through decoding and hashing into CRIU's pipe, so the
@@ -28,10 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.storage.store import CheckpointStore, Generation, StreamedImages
-from smr import sockets
-from smr.criu import Criu, CriuRun
-from smr.errors import SmrError
-from smr.imagestream import ImageStreamer
+from smr.contract.errors import SmrError
+from smr.process import sockets
+from smr.process.criu import Criu, CriuRun
+from smr.process.imagestream import ImageStreamer
 
 log = logging.getLogger("smr.restorer")
 

@@ -36,8 +36,8 @@ from services.storage.store import CheckpointStore, Generation, created_epoch
 from smr import metrics, tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus, query_subject
-from smr.errors import ContractError, SmrError
-from smr.messages import CkptDone, StorageQuery, StorageReply
+from smr.contract.errors import ContractError, SmrError
+from smr.contract.messages import CkptDone, StorageQuery, StorageReply
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.storage")

@@ -45,11 +45,12 @@ from services.storage.cache import CachedObject, ObjectCache
 from services.storage.codec import Codec, DecodeError
 from services.storage.download import PLAIN, Chunk, Diverged, Sink, decoded, plain
 from services.storage.upload import Uploader
-from smr import contract, tracing
-from smr.errors import ContractError, PermanentError, TemporaryError
-from smr.imagestream import Chunk as StreamChunk
-from smr.imagestream import FileRange
-from smr.messages import SCHEMA_VERSION, epoch, now
+from smr import tracing
+from smr.contract import schemas as contract
+from smr.contract.errors import ContractError, PermanentError, TemporaryError
+from smr.contract.messages import SCHEMA_VERSION, epoch, now
+from smr.process.imagestream import Chunk as StreamChunk
+from smr.process.imagestream import FileRange
 
 log = logging.getLogger("smr.storage")
 
@@ -905,7 +906,7 @@ def out_of_space(e: BaseException) -> bool:
 
 class StreamedImages:
     """A generation's CRIU images for ``criu restore --stream``
-    (smr.imagestream): the small ones fetched and verified into memory at
+    (smr.process.imagestream): the small ones fetched and verified into memory at
     once, in parallel; each page image streamed from storage, verified as
     ``read_file`` does, when CRIU asks for it."""
 

@@ -68,8 +68,8 @@ from services.watcher.templates import (
 from smr import tracing
 from smr.bus import KV_BEATS, KV_EPISODES, QUERY_LATEST, Bus, node_token
 from smr.config import Settings
-from smr.errors import TemporaryError
-from smr.messages import (
+from smr.contract.errors import TemporaryError
+from smr.contract.messages import (
     CkptRequested,
     Message,
     NodeDraining,

@@ -38,8 +38,8 @@ from smr.bus.topology import (
     BusConfig,
     kind_of,
 )
-from smr.errors import ContractError, SmrError, TemporaryError
-from smr.messages import (
+from smr.contract.errors import ContractError, SmrError, TemporaryError
+from smr.contract.messages import (
     CkptDone,
     CkptRequested,
     Message,

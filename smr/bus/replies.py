@@ -18,8 +18,8 @@ from nats.js.kv import KeyValue
 
 from smr import tracing
 from smr.bus.topology import RESULT_OF, kind_of
-from smr.errors import SmrError, TemporaryError
-from smr.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
+from smr.contract.errors import SmrError, TemporaryError
+from smr.contract.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
 
 # How often a waiter asks for a step's state: soon at first (most steps the
 # CLI and tests wait on are short), then at most this often.

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from nats.js import api as js_api
 
 from smr.config import Settings
-from smr.messages import (
+from smr.contract.messages import (
     LOCAL_NAMESPACE,
     CkptDone,
     CkptRequested,

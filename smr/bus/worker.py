@@ -44,8 +44,8 @@ from smr.bus.topology import (
     node_filter,
     node_token,
 )
-from smr.errors import ContractError, SmrError, StepError, TemporaryError, disk_full
-from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
+from smr.contract.errors import ContractError, SmrError, StepError, TemporaryError, disk_full
+from smr.contract.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
 from smr.retry import NATS_TRANSIENT, NATS_UNAVAILABLE, retry_nats
 
 log = logging.getLogger("smr.bus")

@@ -15,7 +15,7 @@ import orjson
 from jsonschema import Draft202012Validator, FormatChecker
 from referencing import Registry, Resource
 
-from smr.errors import ContractError, clip
+from smr.contract.errors import ContractError, clip
 
 SCHEMA_NAMES = (
     "node.draining",
@@ -32,7 +32,7 @@ SCHEMA_NAMES = (
 
 def schema_dir() -> Path:
     """The schemas: beside the package in a checkout, inside it in a wheel."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the smr package
     for cand in (here.parent / "schemas", here / "_schemas"):
         if (cand / "common.json").is_file():
             return cand

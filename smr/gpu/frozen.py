@@ -36,9 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
-log = logging.getLogger("smr.frozen")
+log = logging.getLogger("smr.gpu.frozen")
 
 T = TypeVar("T")
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import orjson
 
-from smr.errors import PermanentError, TemporaryError
+from smr.contract.errors import PermanentError, TemporaryError
 
 SHM = "/dev/shm"
 PREFIX = "/dev/shm/"  # CRIU's names, in the dumped tree's mount namespace
@@ -239,7 +239,7 @@ def action_script(work: Path, images: Path, carry: Path) -> Path:
         "#!/bin/sh\n"
         '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
         f"[ -s {shlex.quote(str(images / 'remap-fpath.img'))} ] || exit 0\n"
-        f"exec {shlex.quote(sys.executable)} -m smr.linkremap "
+        f"exec {shlex.quote(sys.executable)} -m smr.process.linkremap "
         f"{shlex.quote(str(images))} {shlex.quote(str(carry))}\n")
     script.chmod(0o700)
     return script

@@ -18,8 +18,8 @@ import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from smr.errors import PermanentError
-from smr.gpuinfo import check_mappings
+from smr.contract.errors import PermanentError
+from smr.gpu.gpuinfo import check_mappings
 
 # How Linux names an io_uring instance's descriptor and its ring mappings.
 IO_URING = "anon_inode:[io_uring]"
@@ -126,7 +126,7 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
 
     ``allow``: refusals the node's settings lift (SMR_GPU_ALLOW); ``released``:
     ranks that dropped their NCCL communicators on smr's request (the
-    cooperative path, smr.coopgate): they map no peer's memory."""
+    cooperative path, smr.gpu.coopgate): they map no peer's memory."""
     if "peer-access" not in allow:
         for pid, held in sorted(gpus.items()):
             if len(held) >= 2:

@@ -8,7 +8,7 @@ uninterrupted one (same GPU, same flags).
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 \\
     XLA_FLAGS="--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0" \\
-    python -m smr.workloads.jax_mlp --steps 400 --gib 1 [--interval 0.05]
+    python -m tests.workloads.jax_mlp --steps 400 --gib 1 [--interval 0.05]
 """
 
 from __future__ import annotations

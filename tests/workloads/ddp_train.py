@@ -7,7 +7,7 @@ whenever it is interrupted. Rank 0 prints each step and, at the end,
 rank after the all-reduce), to compare with an uninterrupted run.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        -m smr.workloads.ddp_train --steps 300
+        -m tests.workloads.ddp_train --steps 300
 
 ``--coop`` adds the one line of smr's cooperative path (``import smr.coop``,
 docs/gpu.md), with which smr checkpoints ranks that use NCCL's P2P transport.

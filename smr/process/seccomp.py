@@ -6,7 +6,7 @@ the call fails. The filter is inherited by every child and saved and
 restored by CRIU, so installed before a job's exec it covers the job's
 whole tree for good. smr-init does the same for pods and `smr exec` jobs
 in their own PID namespace (services/agent/init/smr-init.c); this is for
-the jobs ``smr.reaper`` starts (GPU jobs). ``SMR_IO_URING=allow`` in the
+the jobs ``smr.process.reaper`` starts (GPU jobs). ``SMR_IO_URING=allow`` in the
 job's environment keeps io_uring (its checkpoint is then refused).
 """
 

@@ -6,7 +6,7 @@ memory (``--loader``: num_workers=2, pin_memory=True, persistent_workers=True).
 Each line carries the step and the loss; the last says ``final=<sha256>`` of
 the weights and the optimizer state, to compare with an uninterrupted run.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m smr.workloads.torch_train \\
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python -m tests.workloads.torch_train \\
         --steps 300 [--compile reduce-overhead] [--loader [--spawn]] [--gib 1]
 """
 

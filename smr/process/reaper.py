@@ -7,7 +7,7 @@ reaper (a plain program in a container or VM) keeps the PID taken: the
 restore failed with CRIU's ``Can't fork for N: File exists``. So nothing of
 a job is left to PID 1:
 
-- `smr exec` starts a job under ``python -m smr.reaper -- CMD``: a child
+- `smr exec` starts a job under ``python -m smr.process.reaper -- CMD``: a child
   subreaper that waits for the job and every orphan of its tree, and ends
   when they have.
 - `smr up` (the embedded node) is a child subreaper too: a tree CRIU restores
@@ -28,8 +28,8 @@ import signal
 import sys
 from pathlib import Path
 
-from smr.gpuinfo import process_tree
-from smr.seccomp import deny_io_uring
+from smr.process.seccomp import deny_io_uring
+from smr.process.tree import process_tree
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -136,12 +136,12 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m smr.reaper -- CMD...``: run CMD as its own session's
+    """``python -m smr.process.reaper -- CMD...``: run CMD as its own session's
     leader, reap it and every orphan of its tree, and end with its status."""
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m smr.reaper -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m smr.process.reaper -- CMD [ARGS...]", file=sys.stderr)
         return 2
     become_subreaper()
     child = os.fork()

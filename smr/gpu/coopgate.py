@@ -21,8 +21,8 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from smr.coopproto import ENV, REQUEST, ack_file, rank_file, read_json, write_json
-from smr.gpugate import GateRefused, comm
+from smr.gpu.coopproto import ENV, REQUEST, ack_file, rank_file, read_json, write_json
+from smr.gpu.gpugate import GateRefused, comm
 
 __all__ = ["ENV", "directory", "pause", "ranks", "release"]
 

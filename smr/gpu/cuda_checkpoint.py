@@ -25,12 +25,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from smr import frozen
-from smr.errors import PermanentError, SmrError, TemporaryError
-from smr.gpuinfo import process_tree
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
+from smr.gpu import frozen
+from smr.process.tree import process_tree
 
 # (checkpointed GPU's UUID, GPU to restore onto), one for every GPU the
-# process had: smr.gpupairs decides them; None restores onto the same GPUs.
+# process had: smr.gpu.gpupairs decides them; None restores onto the same GPUs.
 GpuPairs = list[tuple[str, str]] | None
 
 log = logging.getLogger("smr.cuda")
@@ -254,12 +254,12 @@ class CudaCheckpoint:
                  hold_dir: Path | None = None, allow: tuple[str, ...] = ()) -> None:
         self._drv = drv
         self.lock_timeout_s = lock_timeout_s
-        # The GPU gate's refusals this node lifts (smr.gpugate, SMR_GPU_ALLOW).
+        # The GPU gate's refusals this node lifts (smr.gpu.gpugate, SMR_GPU_ALLOW).
         self.allow = allow
         # Processes (pid, start time) whose restore the driver refused, and
         # its answer: a failure path must not try one again.
         self.refused: dict[tuple[int, str], CudaError] = {}
-        # Where a held restore thread's own signal mask is kept (smr.frozen):
+        # Where a held restore thread's own signal mask is kept (smr.gpu.frozen):
         # a directory that outlives the agent's process.
         self.hold_dir = hold_dir
 

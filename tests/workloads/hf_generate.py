@@ -7,7 +7,7 @@ the KV cache. Its answers before a heartbeat, between a heartbeat and a
 migration and after the restore must be token-identical to those of an
 uninterrupted server (bench/frameworks.py ``hf-generate``).
 
-    python -m smr.workloads.hf_generate --dir /tmp/hf-model --port 8731
+    python -m tests.workloads.hf_generate --dir /tmp/hf-model --port 8731
 
 POST /generate {"ids": [int, ...], "new": N} -> {"tokens": [int, ...]}
 GET /health -> "ok". Prints ``ready port=P`` once it serves. ``ask`` is its

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-log = logging.getLogger("smr.criu")
+log = logging.getLogger("smr.process.criu")
 
 SOCKET = "streamer-serve.sock"
 # Larger pipes mean fewer wake-ups per image; above /proc/sys/fs/pipe-max-size

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, Self
 
-from smr import contract
+from smr.contract import schemas as contract
 
 SCHEMA_VERSION = 1
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from smr import linkremap, unstop
-from smr.errors import PermanentError, TemporaryError
-from smr.gpuinfo import process_tree
-from smr.sockets import Tcp
+from smr.contract.errors import PermanentError, TemporaryError
+from smr.process import linkremap, unstop
+from smr.process.sockets import Tcp
+from smr.process.tree import process_tree
 
 # CRIU prints these on every run here (an rlimit call without CAP_SYS_RESOURCE;
 # its probe for /dev/net/tun, which a container lacks); they are harmless and
@@ -37,7 +37,7 @@ _NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE|tun: Unable to create tu
 SOCKETS_KERNEL = (6, 16)
 SOCKETS_CRIU = (4, 2)
 
-logger = logging.getLogger("smr.criu")
+logger = logging.getLogger("smr.process.criu")
 
 
 class CriuError(PermanentError):
@@ -67,7 +67,7 @@ class Criu:
     HOME or LD_* of its own reach CRIU); None inherits this process's.
     ``programs``: the files of the programs a run consists of (the prefix's
     and CRIU's, as /proc/PID/exe names them; CRIU's binary without a prefix):
-    one of them found stopped during a run is continued (smr.unstop)."""
+    one of them found stopped during a run is continued (smr.process.unstop)."""
 
     def __init__(self, binary: str, timeout: float = 600.0, *, prefix: Sequence[str] = (),
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
@@ -154,14 +154,14 @@ class Criu:
         for the caller to kill once the images are stored, or to continue if
         they cannot be). On failure CRIU thaws the tree: it keeps running.
 
-        ``tcp`` (smr.sockets): keep the established connections, or close
+        ``tcp`` (smr.process.sockets): keep the established connections, or close
         them (not saved; peers see the close once the tree is gone).
 
         ``carry``: a file the tree maps under a deleted name while another
         name still links it (a 'spawn' multiprocessing semaphore) is saved
         through a link CRIU makes beside it (--link-remap), which is copied
         into ``carry`` while the tree is frozen and taken out of the file
-        system (smr.linkremap: a local job's /dev/shm is the host's). Without
+        system (smr.process.linkremap: a local job's /dev/shm is the host's). Without
         it (or ``link_remap``: CRIU's links left where it makes them, for a
         caller that carries that directory) such a dump fails."""
         # --skip-in-flight: a server under load has half-open connections that
@@ -198,14 +198,14 @@ class Criu:
                       stream: Path | None = None, leave_stopped: bool = False) -> CriuRun:
         """Restore detached (the tree outlives this call); ``leave_stopped``:
         every task left in SIGSTOP (a GPU process gets its GPU state back
-        before any of its threads runs: smr.frozen).
+        before any of its threads runs: smr.gpu.frozen).
 
         ``inherit`` maps a file path as CRIU recorded it to an open descriptor
         of ours: the restored tree gets that descriptor instead of reopening the
         file, so a log that grew since the dump is still accepted. ``tcp``:
         bring saved connections back, or restore them closed (the process
         sees a reset on its next read or write). ``stream``: the directory of
-        an smr.imagestream socket that CRIU asks for each image instead of
+        an smr.process.imagestream socket that CRIU asks for each image instead of
         reading files (its log still goes to ``images``).
         """
         args = ["restore", "-d", "--file-locks", "--pidfile", self.view(pidfile),
@@ -351,7 +351,7 @@ _SYSV = re.compile(r"Task (\d+) with SysVIPC shmem map @\w+ doesn't live in IPC 
 _RLIMIT = re.compile(r"Can't get rlimit \d+: (Operation not permitted)")
 
 
-# Failed runs' logs kept (smr.criu.Criu.kept_logs), the oldest removed first.
+# Failed runs' logs kept (smr.process.criu.Criu.kept_logs), the oldest removed first.
 KEPT_LOGS = 50
 
 # Failures that pass: the step is retried rather than failed.

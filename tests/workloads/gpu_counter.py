@@ -4,7 +4,7 @@ carries the step, whether every counter element equals it, and a fingerprint
 of the random tensor: a restored job that goes on with the next step, ok=True
 and the first line's fingerprint has its GPU memory intact.
 
-    python -m smr.workloads.gpu_counter --gib 8 [--interval 0.1] [--busy-s 5]
+    python -m tests.workloads.gpu_counter --gib 8 [--interval 0.1] [--busy-s 5]
 
 ``--busy-s`` keeps a spinning kernel on the GPU for that long each step: a job
 whose GPU work cannot reach a lockable point quickly (the lock-timeout test).

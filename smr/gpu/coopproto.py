@@ -1,5 +1,5 @@
 """The request/acknowledge protocol of the cooperative path, between smr
-(smr/coopgate.py) and the ranks of a training job (smr/coop.py). Standard
+(smr/gpu/coopgate.py) and the ranks of a training job (smr/coop.py). Standard
 library only: the tests' stand-in ranks speak it too.
 
 In the directory smr gives the job (``SMR_COOP_DIR``):

@@ -32,7 +32,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from smr.gpuinfo import process_tree
+from smr.process.tree import process_tree
 
 log = logging.getLogger(__name__)
 

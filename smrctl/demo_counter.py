@@ -3,7 +3,7 @@ every step. Each line it prints carries the step and the digest of its whole
 memory, which ``expected_digest`` recomputes independently: a restored process
 that continues with the right step and digest has its state intact.
 
-    python -m smr.workloads.counter --mib 256 [--interval 0.2]
+    python -m smrctl.demo_counter --mib 256 [--interval 0.2]
         [--state-file PATH] [--child]
 """
 

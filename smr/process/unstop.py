@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from smr.gpuinfo import process_tree
+from smr.process.tree import process_tree
 
 # Often enough that a stop costs CRIU little, rarely enough to cost nothing:
 # a few /proc reads per look.

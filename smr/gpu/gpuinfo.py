@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 HEADROOM = 1.10  # the driver's copy of GPU memory plus what CRIU and the page cache need
 
@@ -33,23 +33,6 @@ def _nvml() -> Any | None:
     except Exception:  # no library, no driver, no GPU: all mean "no GPU here"
         return None
 
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and its descendants, from /proc's children lists."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:  # a process that exits meanwhile takes its task directory along
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-            except OSError:
-                pass
-    return sorted(set(out))
 
 
 def devices() -> list[dict[str, Any]]:
@@ -120,7 +103,7 @@ def for_checkpoint(pids: list[int], work_dir: Path) -> dict[str, Any] | None:
     gpu = job_gpus(pids) or {"model": "unknown", "count": 0, "used_bytes": 0}
     check_room_for_checkpoint(gpu, work_dir, host=host_bytes(pids))
     # Each process's GPUs, as they were: what a failed restore is explained
-    # by (smr.gpugate.restore_cause), not the driver's answer alone.
+    # by (smr.gpu.gpugate.restore_cause), not the driver's answer alone.
     if by_pid := gpus_by_pid(pids):
         gpu["processes"] = {str(p): u for p, u in sorted(by_pid.items())}
     return gpu

@@ -1,7 +1,7 @@
 """Which GPUs a checkpoint's GPU state goes back onto (issue #28).
 
 The checkpoint's manifest records the GPUs its processes held (``gpu.devices``:
-uuid, model, used_bytes; smr.gpuinfo.job_gpus). A restore has target GPUs:
+uuid, model, used_bytes; smr.gpu.gpuinfo.job_gpus). A restore has target GPUs:
 for a local job this node's (or those ``smr restore --gpus`` names), for a
 pod container those the runtime gave the new container
 (services/containers/gpus). Where every checkpointed GPU is among the
@@ -9,7 +9,7 @@ targets, with room, nothing is passed to the driver: it restores onto the
 GPUs the process had, as it always did. Otherwise each checkpointed GPU is
 paired, in order, with the next target GPU of its model with room for its
 memory, and the driver's restore gets the pairs
-(CUcheckpointRestoreArgs.gpuPairs, driver 580; smr.cuda_checkpoint.Driver.
+(CUcheckpointRestoreArgs.gpuPairs, driver 580; smr.gpu.cuda_checkpoint.Driver.
 restore). What cannot be paired is refused here, before a byte is
 downloaded or CRIU runs.
 """
@@ -20,8 +20,8 @@ import logging
 import re
 from typing import Any
 
-from smr import gpuinfo
-from smr.gpuinfo import GpuMismatch
+from smr.gpu import gpuinfo
+from smr.gpu.gpuinfo import GpuMismatch
 
 log = logging.getLogger("smr.gpu")
 
@@ -36,7 +36,7 @@ def decide(record: dict[str, Any] | None, targets: list[dict[str, Any]],
     """The pairs for the driver's restore; None where the checkpointed GPUs
     are all among ``targets`` with room (or the record names no GPU by
     UUID: a manifest from before smr recorded them). ``targets``: dicts as
-    smr.gpuinfo.devices gives them (uuid, model, memory_free), in the order
+    smr.gpu.gpuinfo.devices gives them (uuid, model, memory_free), in the order
     to pair them in. Raises GpuMismatch naming both sides."""
     saved = [d for d in (record or {}).get("devices") or [] if d.get("uuid")]
     if not saved:
@@ -98,7 +98,7 @@ def for_restore(record: dict[str, Any] | None, what: str, *, has_api: bool,
     """Everything a restore checks of the GPU before any byte moves: the node
     can restore GPU state at all, and which of ``targets`` it goes onto
     (``decide``). Where the targets are unknown (None), or the manifest names
-    no GPU by UUID, the node-wide check of before (smr.gpuinfo.check_fits: a
+    no GPU by UUID, the node-wide check of before (smr.gpu.gpuinfo.check_fits: a
     GPU of the model with room) and no pairs: the driver restores onto the
     checkpointed GPUs."""
     if not record:
