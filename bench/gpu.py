@@ -43,8 +43,9 @@ from typing import Any
 
 from services.restorer.stream import restore_streamed
 from services.storage.codec import Codec
+from services.storage.generation import Generation
 from services.storage.local import LocalBackend
-from services.storage.store import CheckpointStore, Generation
+from services.storage.store import CheckpointStore
 from smr import config
 from smr.contract.messages import Target
 from smr.gpu import gpuinfo

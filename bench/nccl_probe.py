@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from smr.gpu.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState, Driver, driver
+from smr.gpu.cuda_checkpoint import CudaCheckpoint, driver
+from smr.gpu.driver import CudaError, CudaState, Driver
 from smr.process.tree import process_tree
 
 

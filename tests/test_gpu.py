@@ -22,7 +22,7 @@ import pytest
 from services.storage.layout import LOCAL_NAMESPACE
 from smr.contract.messages import CkptRequested, Target
 from smr.gpu import cuda_checkpoint, gpuinfo
-from smr.gpu.cuda_checkpoint import CudaState
+from smr.gpu.driver import CudaState
 from smr.jobs import Job, launch, proc_start_ticks, wait_exit
 from smrctl import demo_counter as counter
 from tests import nats_auth

@@ -34,7 +34,8 @@ from smr.bus import KV_LOCKS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, Pro
 from smr.bus.exhausted import Exhausted
 from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from smr.gpu import gpuinfo
-from smr.gpu.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaState
 from smr.identity import ProcessIdentity
 from smr.jobs import JobLock
 from tests import nats_auth

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from smr.gpu.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaState
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import FailingPuts, StandInDriver, ckpt_step

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from services.storage.store import Generation
+from services.storage.generation import Generation
 from smr.bus import Progress
 from smr.contract.errors import PermanentError, SmrError, TemporaryError
 from smr.contract.messages import CkptDone, CkptRequested

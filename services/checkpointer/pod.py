@@ -33,7 +33,7 @@ from services.containers.host import Shim
 from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.containers.pods import PodContainer, PodStep
 from services.policy import tcp_policy
-from services.storage.store import Generation
+from services.storage.generation import Generation
 from smr import __version__
 from smr.bus import Progress
 from smr.contract.errors import PermanentError, SmrError, TemporaryError

@@ -16,8 +16,8 @@ import orjson
 from services.checkpointer import dumpstamp
 from services.checkpointer.durable import StorageUnavailable, result, until_stored
 from services.local_job import LocalJobStep
+from services.storage.generation import Generation
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import Generation
 from smr import __version__
 from smr.bus import Progress
 from smr.contract.errors import PermanentError, SmrError, TemporaryError

@@ -37,7 +37,7 @@ from services.containers.pods import PodContainer, PodStep
 from services.restorer import imageref
 from services.restorer.stream import restore_streamed
 from services.storage import layout
-from services.storage.store import Generation, streamable
+from services.storage.generation import Generation, streamable
 from smr.bus import Progress
 from smr.contract.errors import PermanentError
 from smr.contract.messages import RestoreDone, RestoreRequested, now

@@ -14,13 +14,13 @@ from typing import Any
 
 from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
+from services.storage.generation import Generation, streamable
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import Generation, streamable
 from smr.bus import Progress
 from smr.contract.errors import PermanentError, TemporaryError
 from smr.contract.messages import RestoreDone, RestoreRequested, now
 from smr.gpu import gpugate, gpupairs
-from smr.gpu.cuda_checkpoint import CudaError
+from smr.gpu.driver import CudaError
 from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobChanged
 from smr.process import linkremap, reaper, sockets

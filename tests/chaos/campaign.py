@@ -88,8 +88,9 @@ import orjson
 from services.checkpointer import dumpstamp
 from services.restorer.step import IDENTITY as RESTORED_IDENTITY
 from services.storage import layout
+from services.storage.claims import MISSED_RENEWALS, RENEW_S_MAX
 from services.storage.s3 import S3Backend
-from services.storage.store import MISSED_RENEWALS, RENEW_S_MAX, CheckpointStore
+from services.storage.store import CheckpointStore
 from smr import config
 from smr.bus import (
     KV_JOBS,
