@@ -4,7 +4,7 @@ The CUDA driver restores a process's GPU state through one of the process's
 own threads (the one ``cuCheckpointProcessGetRestoreThreadId`` names). Until
 it has, the process's memory lacks the driver's mappings, and any other
 thread that touches one dies: a jitted JAX loop was killed by SIGSEGV in
-libcuda.so the moment CRIU resumed it (H100, driver 580; issue #26). So a
+libcuda.so the moment CRIU resumed it (H100, driver 580). So a
 restored GPU process is left stopped by CRIU (``--leave-stopped``), and
 ``with_only(pid, tid, work)``:
 

@@ -1,4 +1,4 @@
-"""Which GPUs a checkpoint's GPU state goes back onto (issue #28).
+"""Which GPUs a checkpoint's GPU state goes back onto.
 
 The checkpoint's manifest records the GPUs its processes held (``gpu.devices``:
 uuid, model, used_bytes; smr.gpu.gpuinfo.job_gpus). A restore has target GPUs:
@@ -9,7 +9,7 @@ targets, with room, nothing is passed to the driver: it restores onto the
 GPUs the process had, as it always did. Otherwise each checkpointed GPU is
 paired, in order, with the next target GPU of its model with room for its
 memory, and the driver's restore gets the pairs
-(CUcheckpointRestoreArgs.gpuPairs, driver 580; smr.gpu.cuda_checkpoint.Driver.
+(CUcheckpointRestoreArgs.gpuPairs, driver 580; smr.gpu.driver.Driver.
 restore). What cannot be paired is refused here, before a byte is
 downloaded or CRIU runs.
 """

@@ -33,7 +33,8 @@ from smr.process.tree import process_tree
 _NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE|tun: Unable to create tun")
 
 # Linux 6.16 refuses SO_PASSCRED/SO_PASSSEC on INET sockets, which CRIU before
-# 4.2 asks for on every socket it dumps (criu#2705, fixed in 4.2).
+# 4.2 asks for on every socket it dumps (fixed in 4.2:
+# github.com/checkpoint-restore/criu/issues/2705).
 SOCKETS_KERNEL = (6, 16)
 SOCKETS_CRIU = (4, 2)
 
