@@ -17,7 +17,7 @@ setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime 
 .tools/bin/smr-init: services/agent/init/smr-init.c .tools/.installed-v3
 	gcc -static -Os -Wall -Wextra -o $@ $<
 
-# Preloaded into CRIU (smr.criu): reads the limits of a task of another user
+# Preloaded into CRIU (smr.process.criu): reads the limits of a task of another user
 # from /proc where root lacks CAP_SYS_RESOURCE (native/criu-limits.c).
 .tools/lib/criu-limits.so: native/criu-limits.c .tools/.installed-v3
 	mkdir -p .tools/lib

@@ -19,7 +19,7 @@ importer, the exporter, both, both with the
 importer restored first), a fresh pair: the exporter fills a tensor and
 hands it to the importer, which reads its sum every 50 ms. The probe prints
 what each holds (descriptors, mappings of the GPU's files), suspends the
-chosen ones as smr does (smr.cuda_checkpoint: locked, then checkpointed),
+chosen ones as smr does (smr.gpu.cuda_checkpoint: locked, then checkpointed),
 restores and unlocks them (a failed restore is tried once more after
 the others run again), and checks that the importer still reads the
 same sum. Every driver answer is printed as the driver gave it."""
@@ -192,9 +192,9 @@ def raw_worker(log: str, kind: str) -> None:
 
 def probe(kind: str, which: str, out: Path) -> None:
     from bench.nccl_probe import holdings, suspend_and_restore  # printed alike
-    from smr.cuda_checkpoint import driver
-    from smr.errors import PermanentError
-    from smr.gpuinfo import check_mappings
+    from smr.contract.errors import PermanentError
+    from smr.gpu.cuda_checkpoint import driver
+    from smr.gpu.gpuinfo import check_mappings
 
     tag = f"{kind}-{which}"
     log = out / f"ipc-{tag}.log"

@@ -29,8 +29,8 @@ from services.checkpointer.dumpstamp import SYNC_AFTER_S, sync_tree
 from services.storage.local import LocalBackend
 from services.storage.store import CheckpointStore
 from smr import config
-from smr.criu import Criu
 from smr.jobs import launch
+from smr.process.criu import Criu
 
 
 async def synced_after(work: Path, after: float) -> None:
@@ -70,7 +70,7 @@ async def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="dump-sync-", dir=a.dir))
     criu = Criu(s.criu_binary())
     store = CheckpointStore(LocalBackend(root / "store"))
-    job = launch("sync", [sys.executable, "-m", "smr.workloads.counter", "--mib", str(a.mib),
+    job = launch("sync", [sys.executable, "-m", "smrctl.demo_counter", "--mib", str(a.mib),
                           "--interval", "0.2"], log=root / "job.log", cwd=root, node="bench")
     await asyncio.sleep(2 + a.mib / 512)  # its memory written
     kinds = {"no fsync": None, f"fsync +{a.after:.0f}s": a.after, "fsync at once": 0.0}

@@ -26,7 +26,7 @@ from statistics import median
 from services.storage.codec import Codec
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore
-from smr.messages import Target
+from smr.contract.messages import Target
 from smr.natsserver import free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ uninterrupted run of the same command on the same GPU.
 
     python3 bench/frameworks.py [--only NAME ...] [--migrations 3] [--throughput] > log
 
-``--only hf-generate`` runs the Hugging Face server (smr/workloads/hf_generate.py):
+``--only hf-generate`` runs the Hugging Face server (tests/workloads/hf_generate.py):
 its answers over HTTP, not steps, are compared (run_hf).
 
 Prints, per workload and step, the result, the checkpoint size, the
@@ -33,50 +33,50 @@ from pathlib import Path
 from typing import Any
 
 from smr import config
-from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
-from smr.workloads import hf_generate
+from smr.contract.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smrctl import embedded
+from tests.workloads import hf_generate
 
 PY = sys.executable
 DET_XLA = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "jax-noprealloc": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "400", "--gib", "1"],
+    "jax-noprealloc": ([PY, "-m", "tests.workloads.jax_mlp", "--steps", "400", "--gib", "1"],
                        {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": DET_XLA}),
-    "jax-frac012": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
+    "jax-frac012": ([PY, "-m", "tests.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
                     {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.12", "XLA_FLAGS": DET_XLA}),
     # One JAX process that sees both GPUs of a two-GPU machine: XLA enables
     # peer access between them, which driver 580 does not restore; smr
     # refuses it before the lock (gpu-peer-access) and it runs on.
-    "jax-2gpu": ([PY, "-m", "smr.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
+    "jax-2gpu": ([PY, "-m", "tests.workloads.jax_mlp", "--steps", "300", "--gib", "1"],
                  {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.12", "XLA_FLAGS": DET_XLA}),
-    "torch-compile": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
+    "torch-compile": ([PY, "-m", "tests.workloads.torch_train", "--steps", "400",
                        "--compile", "default"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     # Inductor's compile workers forked after a restore map /dev/nvidia*
     # without a CUDA context, and the next dump fails (handle_device_vma):
     # with one compile thread, Inductor compiles in the process itself.
-    "torch-compile-1t": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
+    "torch-compile-1t": ([PY, "-m", "tests.workloads.torch_train", "--steps", "400",
                           "--compile", "default"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
                                                     "TORCHINDUCTOR_COMPILE_THREADS": "1"}),
-    "torch-compile-ro": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400",
+    "torch-compile-ro": ([PY, "-m", "tests.workloads.torch_train", "--steps", "400",
                           "--compile", "reduce-overhead"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
-    "dataloader": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader"],
+    "dataloader": ([PY, "-m", "tests.workloads.torch_train", "--steps", "400", "--loader"],
                    {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
-    "dataloader-spawn": ([PY, "-m", "smr.workloads.torch_train", "--steps", "400", "--loader",
+    "dataloader-spawn": ([PY, "-m", "tests.workloads.torch_train", "--steps", "400", "--loader",
                           "--spawn"], {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     # Two processes on two GPUs, NCCL all-reducing every step (nvidia-h200-x2):
     # as NCCL picks its transports (P2P over NVLink, shared memory), and over
     # sockets only (no CUDA IPC between the two processes).
     "ddp-nccl": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                  "-m", "smr.workloads.ddp_train", "--steps", "300"],
+                  "-m", "tests.workloads.ddp_train", "--steps", "300"],
                  {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     # The same with smr's cooperative path (`import smr.coop`, docs/gpu.md):
     # NCCL's own transports (P2P over NVLink) between checkpoints; before
     # each, the ranks drop their communicators at a step boundary.
     "ddp-coop": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                  "-m", "smr.workloads.ddp_train", "--steps", "300", "--coop"],
+                  "-m", "tests.workloads.ddp_train", "--steps", "300", "--coop"],
                  {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "ddp-nccl-net": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                      "2", "-m", "smr.workloads.ddp_train", "--steps", "300"],
+                      "2", "-m", "tests.workloads.ddp_train", "--steps", "300"],
                      {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_P2P_DISABLE": "1",
                       "NCCL_SHM_DISABLE": "1"}),
 }
@@ -118,7 +118,7 @@ def nvidia_maps(pid: int | None) -> str:
     (what CRIU's handle_device_vma meets if the driver left any)."""
     from collections import Counter
 
-    from smr.gpuinfo import process_tree
+    from smr.process.tree import process_tree
 
     if not pid:
         return "?"
@@ -305,12 +305,12 @@ async def wait_ready(log: Path, timeout: float = 300) -> None:
 
 
 async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
-    """The Hugging Face server (smr/workloads/hf_generate.py): the answers of
+    """The Hugging Face server (tests/workloads/hf_generate.py): the answers of
     an uninterrupted server, then under smr up: three prompts before a
     heartbeat, three between it and the first migration, three after each
     restore; every answer's tokens must equal the uninterrupted one's."""
     name, model_dir = "hf-generate", Path(tempfile.mkdtemp(prefix="smr-hf-model-"))
-    cmd = [PY, "-m", "smr.workloads.hf_generate", "--dir", str(model_dir)]
+    cmd = [PY, "-m", "tests.workloads.hf_generate", "--dir", str(model_dir)]
     res: dict[str, Any] = {"workload": name, "events": [], "answers": {}}
     base_log = out / "hf-baseline.log"
     with open(base_log, "wb") as f:
@@ -409,15 +409,15 @@ async def run_hf(migrations: int, out: Path) -> dict[str, Any]:
 def throughput(out: Path, steps: int = 400, width: int = 4096) -> dict[str, Any]:
     """Steps per second of the DDP loop between checkpoints (no sleep, a
     wider model), three ways in one call: no smr at all (plain torchrun,
-    NCCL's own P2P); started as `smr exec --gpu` starts it (smr.reaper, its
+    NCCL's own P2P); started as `smr exec --gpu` starts it (smr.process.reaper, its
     seccomp filter) with the cooperative library and its directory; the same
     without the library over sockets only (NCCL_P2P_DISABLE=1
     NCCL_SHM_DISABLE=1), what a job without the library needs to migrate."""
     ddp = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "smr.workloads.ddp_train", "--steps", str(steps), "--interval", "0",
+           "tests.workloads.ddp_train", "--steps", str(steps), "--interval", "0",
            "--width", str(width)]
     coop_dir = Path(tempfile.mkdtemp(prefix="smr-coop-"))
-    reaper = [PY, "-m", "smr.reaper", "--"]
+    reaper = [PY, "-m", "smr.process.reaper", "--"]
     ways = {
         "no smr, P2P": (ddp, {}),
         "smr, cooperative library, P2P": (reaper + ddp + ["--coop"],

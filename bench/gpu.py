@@ -1,6 +1,6 @@
 """GPU checkpoint and restore timings on a real GPU, each beside its reference.
 
-For each size, a PyTorch job (smr.workloads.gpu_counter) holds that many GiB
+For each size, a PyTorch job (tests.workloads.gpu_counter) holds that many GiB
 on the GPU, and in the same run:
 
   baseline   driver lock+checkpoint, CRIU dump to disk, then upload (no
@@ -43,13 +43,15 @@ from typing import Any
 
 from services.restorer.stream import restore_streamed
 from services.storage.codec import Codec
+from services.storage.generation import Generation
 from services.storage.local import LocalBackend
-from services.storage.store import CheckpointStore, Generation
-from smr import config, gpuinfo
-from smr.criu import Criu, CriuRun
-from smr.cuda_checkpoint import CudaCheckpoint
+from services.storage.store import CheckpointStore
+from smr import config
+from smr.contract.messages import Target
+from smr.gpu import gpuinfo
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
 from smr.jobs import Job, launch, proc_start_ticks, wait_exit
-from smr.messages import Target
+from smr.process.criu import Criu, CriuRun
 
 # Heartbeat downtime measured before this issue (bench/results/gpu-h100-2026-11-21.txt).
 PR_SET_CHILD_SUBREAPER = 36
@@ -82,7 +84,7 @@ def meta(gib: float) -> dict[str, object]:
 async def one_size(gib: float, criu: Criu, cuda: CudaCheckpoint) -> dict[str, float]:
     r: dict[str, float] = {}
     tag = f"gpu{gib:g}-{uuid.uuid4().hex[:4]}"
-    job = launch(tag, [sys.executable, "-m", "smr.workloads.gpu_counter", "--gib", str(gib),
+    job = launch(tag, [sys.executable, "-m", "tests.workloads.gpu_counter", "--gib", str(gib),
                        "--interval", "0.05"], log=DISK / f"{tag}.log", cwd=DISK, node="bench",
                  own_pid_namespace=False)
     await wait_lines(job, 3, job.pid)

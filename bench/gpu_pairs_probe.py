@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from smr.cuda_checkpoint import CudaError, driver
+from smr.gpu.cuda_checkpoint import driver
+from smr.gpu.driver import CudaError
 
 PROGRAM = r'''
 import hashlib, sys, time, torch

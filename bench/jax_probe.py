@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smr import frozen
-from smr.criu import Criu
-from smr.cuda_checkpoint import CudaCheckpoint
+from smr.gpu import frozen
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.process.criu import Criu
 
 
 def threads(pid: int) -> str:
@@ -60,11 +60,11 @@ async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env", action="append", default=[])
     ap.add_argument("--out", default="/tmp/jaxprobe")
-    ap.add_argument("--module", default="smr.workloads.jax_mlp")
+    ap.add_argument("--module", default="tests.workloads.jax_mlp")
     ap.add_argument("--wait-step", type=int, default=20)
     ap.add_argument("--frozen", action="store_true",
                     help="restore as smr does: CRIU leaves it stopped, the driver restores "
-                         "it with only its restore thread running (smr.frozen), then SIGCONT")
+                         "it with only its restore thread running (smr.gpu.frozen), then SIGCONT")
     ap.add_argument("rest", nargs="*")
     a = ap.parse_args()
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER

@@ -3,11 +3,11 @@ the driver's level only (no CRIU), on a machine with two GPUs:
 
     python3 bench/nccl_probe.py --variant p2p|net [--interval 0.05] [--steps 300]
 
-It starts smr/workloads/ddp_train.py under torchrun (two ranks, NCCL
+It starts tests/workloads/ddp_train.py under torchrun (two ranks, NCCL
 all-reduce every step; ``net``: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, so the
 ranks share no GPU memory), prints what each rank holds (descriptors,
 mappings of the GPU's and shared-memory files, NVML's view), then suspends
-every rank as smr does (smr.cuda_checkpoint: all locked, in rounds, then all
+every rank as smr does (smr.gpu.cuda_checkpoint: all locked, in rounds, then all
 checkpointed), restores and unlocks them, and lets the job finish. ``--ref``
 runs the job uninterrupted and prints its final hash. Every driver answer is
 printed as the driver gave it."""
@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState, Driver, driver
-from smr.gpuinfo import process_tree
+from smr.gpu.cuda_checkpoint import CudaCheckpoint, driver
+from smr.gpu.driver import CudaError, CudaState, Driver
+from smr.process.tree import process_tree
 
 
 def nvidia_smi() -> str:
@@ -101,7 +102,7 @@ def main() -> int:
     job_log = a.out / f"nccl-{tag}-job.log"
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "smr.workloads.ddp_train", "--steps", a.steps, "--interval", a.interval],
+         "-m", "tests.workloads.ddp_train", "--steps", a.steps, "--interval", a.interval],
         env=env, stdout=job_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def step() -> int:

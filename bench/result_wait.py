@@ -40,7 +40,7 @@ def _cpu_s(pid: int) -> float:
 async def measure(n: int, waiters: int) -> dict[str, Any]:
     from smr import config
     from smr.bus import Bus, Worker
-    from smr.messages import CkptDone, CkptRequested, Target
+    from smr.contract.messages import CkptDone, CkptRequested, Target
     from smr.natsserver import NatsServer
 
     ended: dict[str, float] = {}

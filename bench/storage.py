@@ -58,14 +58,15 @@ from statistics import median
 
 from services.restorer.stream import restore_streamed
 from services.storage.codec import Codec
+from services.storage.generation import Generation
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointStore, Generation
+from services.storage.store import CheckpointStore
 from smr import config
-from smr.criu import Criu
+from smr.contract.messages import Target
 from smr.jobs import launch, proc_start_ticks
-from smr.messages import Target
 from smr.natsserver import free_port
+from smr.process.criu import Criu
 
 HOLDER = r"""
 import os, sys, time

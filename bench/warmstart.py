@@ -61,7 +61,7 @@ from services.containers.pods import runtime_id  # noqa: E402
 from services.policy import policy_for  # noqa: E402
 from services.restorer import pod as pod_restore  # noqa: E402
 from services.storage.layout import template_id  # noqa: E402
-from smr.messages import derive_request_id, epoch  # noqa: E402
+from smr.contract.messages import derive_request_id, epoch  # noqa: E402
 from smr.natsserver import free_port  # noqa: E402
 from tests import oci_image  # noqa: E402
 from tests.fake_apiserver import pod  # noqa: E402

@@ -63,8 +63,8 @@ from smr.bus import (
     StepLocks,
     Worker,
 )
-from smr.errors import SmrError
-from smr.messages import CkptDone, CkptRequested
+from smr.contract.errors import SmrError
+from smr.contract.messages import CkptDone, CkptRequested
 from smr.natsserver import NatsServer, free_port
 from tests.fake_apiserver import FakeApiServer, node, pod
 from tests.nats_cluster import NatsCluster

@@ -13,7 +13,7 @@
  * this answers from there. Nothing else changes; with CAP_SYS_RESOURCE the
  * kernel answers and this is never used.
  *
- * Loaded into CRIU only (smr.criu sets LD_PRELOAD for its runs).
+ * Loaded into CRIU only (smr.process.criu sets LD_PRELOAD for its runs).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -15,7 +15,7 @@ if [ -n "${PROBE:-}" ]; then
   for variant in ${PROBE_VARIANTS:-old frozen}; do
     F=""; case $variant in *frozen*) F=--frozen ;; esac
     W="--env XLA_PYTHON_CLIENT_MEM_FRACTION=0.12"; A="--steps ${STEPS:-200} --gib 1"
-    case $variant in torch*) W="--module smr.workloads.gpu_counter"; A="--gib 1" ;; esac
+    case $variant in torch*) W="--module tests.workloads.gpu_counter"; A="--gib 1" ;; esac
     timeout 240 python3 bench/jax_probe.py $F $W --out /dev/shm/probe-$variant -- $A 2>&1 \
       | tee "$OUT/probe-$variant.log"
     rm -rf /dev/shm/probe-$variant/images

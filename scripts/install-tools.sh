@@ -18,7 +18,7 @@ CRIU_MIN=4.2
 
 # From the system's own (bookworm) sources: containerd and runc for the node
 # agent's container tests, iptables-restore for CRIU's network lock, nft to undo
-# that lock when a final checkpoint cannot be stored (smr/netlock.py), busybox
+# that lock when a final checkpoint cannot be stored (smr/process/netlock.py), busybox
 # for test images, gcc to build smr-init, and redis-server, PostgreSQL 15,
 # Node.js and a JDK, programs nobody here wrote, that the socket and program
 # tests checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kubernetes_asyncio import client, config
 
-from smr.errors import ConfigError
+from smr.contract.errors import ConfigError
 
 TOKEN_REREAD_S = 60  # a projected service account token is rotated in its file
 

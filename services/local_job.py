@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.storage.store import CheckpointStore
-from smr.criu import Criu
-from smr.cuda_checkpoint import CudaCheckpoint
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
+from smr.contract.messages import Target
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
 from smr.jobs import JobLock, JobRegistry
-from smr.messages import Target
+from smr.process.criu import Criu
 
 
 class LocalJobStep:

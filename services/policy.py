@@ -10,7 +10,7 @@
     <prefix>/restore-failure: fresh|fail     when a restore is refused or fails, the
                                              container starts over (default) or fails
     <prefix>/tcp-connections: auto|close     established TCP connections at a
-                                             checkpoint (smr/sockets.py): kept where
+                                             checkpoint (smr/process/sockets.py): kept where
                                              they can go on (default), or always closed
     <prefix>/snapshot-when-ready: "<name>"   once the pod is first Ready, one leave-
                                              running checkpoint of each container as
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smr.config import Settings
-from smr.sockets import POLICIES as TCP_POLICIES
+from smr.process.sockets import POLICIES as TCP_POLICIES
 
 ALIAS_PREFIX = "cedana.ai"
 NODE_RESTORE = "node-restore"
@@ -65,7 +65,7 @@ class PodPolicy:
     containers: tuple[ContainerPolicy, ...] = ()
     problems: tuple[str, ...] = ()
     restore_failure: str = "fresh"  # or "fail"
-    tcp: str = "auto"  # or "close" (smr.sockets.POLICIES)
+    tcp: str = "auto"  # or "close" (smr.process.sockets.POLICIES)
     snapshot_when_ready: str | None = None  # a template's name (docs/warm-start.md)
     start_from: str | None = None  # a template's name
 

@@ -24,7 +24,7 @@ import orjson
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 
 log = logging.getLogger("smr.suspension")
 

@@ -31,7 +31,7 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
 
 def cancelling() -> bool:
     """Is the current task being cancelled? A loop that runs until cancelled
-    and catches broad errors checks this: nats-py (nats-io/nats.py#373) and
+    and catches broad errors checks this: nats-py (github.com/nats-io/nats.py/issues/373) and
     aiohttp can hand a cancellation back as a TimeoutError, and the loop would
     take it for an ordinary failure and go on forever."""
     task = asyncio.current_task()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smr.errors import ConfigError
+from smr.contract.errors import ConfigError
 
 PREFIX = "SMR_"
 REPO_TOOLS = Path(__file__).resolve().parent.parent / ".tools" / "bin"
@@ -379,7 +379,7 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "start when no agent answers within SMR_INIT_TIMEOUT either (exit 70; the "
                   "container's restart asks again). Set by the webhook on pods labelled "
                   "restore-failure: fail (by hand in a hand-written manifest)"),
-    ReadElsewhere("SMR_IO_URING", "smr-init and smr.reaper, in a job's or container's "
+    ReadElsewhere("SMR_IO_URING", "smr-init and smr.process.reaper, in a job's or container's "
                   "environment", "`allow`: the workload keeps io_uring; otherwise "
                   "io_uring_setup fails with ENOSYS in its whole tree (libuv then uses epoll), "
                   "since CRIU cannot save an io_uring (docs/gpu.md)"),

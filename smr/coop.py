@@ -10,7 +10,7 @@ step), destroys its process group (the NCCL communicators, and with them the
 imported memory), says so, and waits. smr checkpoints the tree. When the
 request is gone (the heartbeat is stored, the checkpoint was refused, or
 this is the restored copy) every rank builds the process group again, under
-a new store prefix, and training goes on. The protocol is smr/coopproto.py;
+a new store prefix, and training goes on. The protocol is smr/gpu/coopproto.py;
 without ``SMR_COOP_DIR`` (a job smr did not start) nothing here runs.
 
 Imports the standard library and torch only.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smr.coopproto import ENV, Rank
+from smr.gpu.coopproto import ENV, Rank
 
 
 class _Torch:

@@ -41,9 +41,9 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from smr import config
-from smr.errors import PermanentError, SmrError, TemporaryError
-from smr.gpugate import GPU_JOB_DEFAULTS
-from smr.gpuinfo import process_tree
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
+from smr.gpu.gpugate import GPU_JOB_DEFAULTS
+from smr.process.tree import process_tree
 
 log = logging.getLogger("smr.jobs")
 
@@ -61,7 +61,7 @@ class Job:
     checkpoint_id: str = ""
     generation: int | None = None  # latest checkpoint generation
     restored_by: str | None = None  # request_id of the restore that started this pid
-    tcp: str = "auto"  # TCP connection policy (smr.sockets.POLICIES)
+    tcp: str = "auto"  # TCP connection policy (smr.process.sockets.POLICIES)
     created_at: float = field(default_factory=time.time)
     sig: str = ""  # HMAC of the rest, by the registry's key (JobRegistry)
 
@@ -112,7 +112,7 @@ def own_pid_namespace(pid: int) -> bool:
 
 def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
     """The host PID of the job: the child that the wrapper (smr-init
-    --local-ns, or smr.reaper) forked."""
+    --local-ns, or smr.process.reaper) forked."""
     deadline = time.monotonic() + timeout
     path = Path(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children")
     while time.monotonic() < deadline:
@@ -128,7 +128,7 @@ def ns_init_pid(wrapper_pid: int, timeout: float = 5.0) -> int:
 
 def gpu_env(base: Mapping[str, str], gpus: str | None = None) -> dict[str, str]:
     """The environment of a GPU job started from ``base``: GPU_JOB_DEFAULTS
-    (smr.gpugate) where ``base`` sets none of them (its own value is the opt-out), and
+    (smr.gpu.gpugate) where ``base`` sets none of them (its own value is the opt-out), and
     ``gpus`` ("N": the first N GPUs; "0,2" or UUIDs: those) as
     CUDA_VISIBLE_DEVICES: a process that sees one GPU enables no peer access
     (XLA enables it between all visible GPUs, and driver 580 cannot restore
@@ -154,7 +154,7 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
     (cudaGetDeviceCount: error 304, measured on the H100 machine), and a
     private /proc makes CRIU's dump fail. Their restore needs the dumped PIDs
     free, which they are once the checkpointed original is reaped: they run
-    under ``smr.reaper``, a child subreaper that reaps the job and every
+    under ``smr.process.reaper``, a child subreaper that reaps the job and every
     orphan of its tree (the host's PID 1 may never do it).
 
     In its own namespace the job's PID is its init's (smr-init ``--local``):
@@ -167,7 +167,7 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
         # `unshare --fork` wrote a line of its own into the log after a killed job.
         prefix = [init, "--local-ns", "--"]
     else:
-        prefix = [sys.executable, "-m", "smr.reaper", "--"]
+        prefix = [sys.executable, "-m", "smr.process.reaper", "--"]
     with open(log, "ab") as out, open(os.devnull, "rb") as devnull:
         wrapper = subprocess.Popen(
             [*prefix, *cmd],

@@ -24,7 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from smr.messages import CkptDone, RestoreDone
+from smr.contract.messages import CkptDone, RestoreDone
 
 disable_created_metrics()  # no *_created series: Prometheus does not need them
 REGISTRY = CollectorRegistry(auto_describe=True)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 
 
 def free_port() -> int:
@@ -32,7 +32,7 @@ class NatsServer:
         ``jetstream_flags``: False where the configuration file (``-c`` in
         ``extra_args``) enables JetStream on ``store_dir`` itself, for a server
         that reloads it: nats-server 2.10 forgets the command line's -js and -sd
-        on a reload and shuts JetStream down (nats-io/nats-server#6606).
+        on a reload and shuts JetStream down (github.com/nats-io/nats-server/issues/6606).
         ``die_with_parent``: the kernel ends the server when the thread that
         started it ends, however it ends (`smr up` killed with SIGKILL leaves
         no server behind on its data directory); start it from a thread that

@@ -19,7 +19,7 @@ from aiohttp import web
 from smr import config, metrics, tracing
 from smr.aio import dump_tasks_on_signal
 from smr.bus import Bus, BusConfig
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 
 log = logging.getLogger("smr.serve")
 

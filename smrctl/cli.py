@@ -21,13 +21,11 @@ from typing import Any
 import orjson
 
 from services.storage.settings import make_store
-from smr import config, coopgate, metrics, sockets
+from smr import config, metrics
 from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
-from smr.errors import SmrError
-from smr.gpupairs import GPU_UUID
-from smr.jobs import JobChanged, JobLock, JobRegistry, gpu_env, job_key, launch, signal_tree
-from smr.messages import (
+from smr.contract.errors import SmrError
+from smr.contract.messages import (
     CkptDone,
     CkptRequested,
     RestoreDone,
@@ -35,6 +33,10 @@ from smr.messages import (
     Target,
     epoch,
 )
+from smr.gpu import coopgate
+from smr.gpu.gpupairs import GPU_UUID
+from smr.jobs import JobChanged, JobLock, JobRegistry, gpu_env, job_key, launch, signal_tree
+from smr.process import sockets
 from smrctl import embedded
 from smrctl.status import fmt_bytes
 
@@ -170,7 +172,7 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
             raise SmrError("--gpus is for a GPU job", code="invalid-gpus",
                            hint="smr exec --gpu --gpus N -i ID -- CMD")
         env = gpu_env(os.environ, a.gpus) if a.gpu else dict(os.environ)
-        # Where a job that imports smr.coop meets smr's checkpoints (smr.coopgate).
+        # Where a job that imports smr.coop meets smr's checkpoints (smr.gpu.coopgate).
         coop = coopgate.directory(s.work_path, a.id)
         shutil.rmtree(coop, ignore_errors=True)  # a former job's ranks are not this one's
         env[coopgate.ENV] = str(coop)

@@ -21,10 +21,10 @@ from services.storage.layout import LOCAL_NAMESPACE
 from services.storage.settings import make_store
 from smr.bus import KV_JOBS, Bus
 from smr.config import Settings
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
+from smr.contract.messages import CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.jobs import JobRegistry, job_key, launch, proc_start_ticks
-from smr.messages import CkptRequested, RestoreDone, RestoreRequested, Target
-from smr.workloads import counter
+from smrctl import demo_counter as counter
 from smrctl import embedded
 
 
@@ -71,7 +71,7 @@ async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
     jobs = JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path))
     job_id = f"demo-{uuid.uuid4().hex[:6]}"
     log = (s.data_path / "logs" / f"{job_id}.log").resolve()
-    cmd = [sys.executable, "-m", "smr.workloads.counter", "--mib", str(mib)]
+    cmd = [sys.executable, "-m", "smrctl.demo_counter", "--mib", str(mib)]
     job = launch(job_id, cmd, log=log, cwd=Path.cwd(), node=s.node)
     await jobs.put(job)
     say(f"1. started job {job_id} (pid {job.pid}) holding {mib} MiB; log {log}")

@@ -19,14 +19,16 @@ from services.restorer.step import RestoreStep
 from services.storage.service import StorageService
 from services.storage.settings import make_storage_service, make_store
 from services.storage.store import CheckpointStore
-from smr import cuda_checkpoint, gpuinfo, reaper, tracing
+from smr import tracing
 from smr.aio import ended_why, stop_task
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, Worker
 from smr.config import Settings, without_credentials
-from smr.criu import Criu
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
+from smr.gpu import cuda_checkpoint, gpuinfo
 from smr.jobs import JobLock, JobRegistry, job_key
 from smr.natsserver import NatsServer
+from smr.process import reaper
+from smr.process.criu import Criu
 
 log = logging.getLogger("smr.embedded")
 
@@ -146,7 +148,7 @@ class EmbeddedNode:
         os.chmod(s.data_path, 0o700)
         self._lock_fd, last = hold_data_dir(s)
         # The trees CRIU restores come to this process when CRIU exits, not
-        # to PID 1 (which may never reap them): see smr.reaper.
+        # to PID 1 (which may never reap them): see smr.process.reaper.
         if not reaper.become_subreaper():
             log.warning("cannot become a child subreaper: restored jobs are left to PID 1")
         self._reaping = asyncio.create_task(_reap_forever())

@@ -23,8 +23,8 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from smr.bus import KV_HEALTH, KV_STEPS, QUERY_CHECKPOINTS, STREAM_DLQ, Bus, kind_of
-from smr.errors import SmrError
-from smr.messages import StorageQuery, epoch
+from smr.contract.errors import SmrError
+from smr.contract.messages import StorageQuery, epoch
 from smr.metrics import kind_label
 
 FAILURES_SHOWN = 5

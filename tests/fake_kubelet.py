@@ -163,7 +163,7 @@ GPU_COMPANIONS = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset
 
 def node_gpus() -> list[FakeGpu]:
     """This machine's GPUs as a device plugin lists them (NVML's order)."""
-    from smr import gpuinfo
+    from smr.gpu import gpuinfo
 
     return [FakeGpu(d["uuid"], Path(f"/dev/nvidia{d['minor']}")) for d in gpuinfo.devices()]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from smr.bus import Bus, BusConfig, node_token
 from smr.config import REPO_TOOLS
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 from smr.natsserver import NatsServer
 from tests import deploy_render
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nats
 
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 from smr.natsserver import NatsServer, free_port
 from tests import nats_auth
 

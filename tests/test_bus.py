@@ -31,7 +31,7 @@ from smr.bus import (
     subject,
 )
 from smr.bus.topology import request_consumer
-from smr.messages import CkptDone, CkptRequested, DeadLetter, Target
+from smr.contract.messages import CkptDone, CkptRequested, DeadLetter, Target
 from smr.natsserver import NatsServer
 from tests.helpers.steplocks import node_locks
 
@@ -292,7 +292,7 @@ class FlakyStep(CountingStep):
     """Fails for now twice, then succeeds."""
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
-        from smr.errors import TemporaryError
+        from smr.contract.errors import TemporaryError
 
         self.seen.append(req.request_id)
         if len(self.seen) < 3:
@@ -313,7 +313,7 @@ async def test_temporary_failure_is_retried_with_backoff(bus: Bus, node: str) ->
 
 class AlwaysDown(CountingStep):
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
-        from smr.errors import TemporaryError
+        from smr.contract.errors import TemporaryError
 
         self.seen.append(req.request_id)
         raise TemporaryError("storage unreachable", hint="check the S3 endpoint")

@@ -30,7 +30,7 @@ from services.storage.mirror import DELETE_DATA, GROUP, PLURAL, VERSION, Mirror
 from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from smr.bus import BusConfig
-from smr.messages import Target
+from smr.contract.messages import Target
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_rbac import Rbac, shipped_docs

@@ -31,8 +31,8 @@ from smr.bus import (
     subject,
     topology,
 )
-from smr.errors import SmrError
-from smr.messages import CkptDone, CkptRequested, StorageQuery, Target
+from smr.contract.errors import SmrError
+from smr.contract.messages import CkptDone, CkptRequested, StorageQuery, Target
 from smr.natsserver import NatsServer
 from smr.retry import retry_nats
 from tests import nats_auth

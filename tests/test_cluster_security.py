@@ -42,7 +42,13 @@ from smr.bus import (
     Worker,
     subject,
 )
-from smr.messages import CkptRequested, NodeDraining, RestoreRequested, StorageQuery, Target
+from smr.contract.messages import (
+    CkptRequested,
+    NodeDraining,
+    RestoreRequested,
+    StorageQuery,
+    Target,
+)
 from tests import nats_auth
 from tests.helpers.steplocks import node_locks
 from tests.test_bus import CountingStep

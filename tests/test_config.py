@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from smr import config
-from smr.errors import ConfigError
+from smr.contract.errors import ConfigError
 
 
 def test_defaults() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from smr import contract
-from smr.errors import ContractError
-from smr.messages import (
+from smr.contract import schemas as contract
+from smr.contract.errors import ContractError
+from smr.contract.messages import (
     CkptDone,
     CkptRequested,
     DeadLetter,

@@ -1,11 +1,11 @@
-"""The cooperative path (smr/coop.py, smr/coopgate.py): before the GPU lock,
+"""The cooperative path (smr/coop.py, smr/gpu/coopgate.py): before the GPU lock,
 the ranks of a job that imported ``smr.coop`` reach a step boundary, drop
 their process group and acknowledge; after the checkpoint, or in the
 restored copy, they build it again and training goes on.
 
 Real CRIU, a real nats-server, real processes: stand-in ranks that speak
 the request/acknowledge protocol through the library's own protocol class
-(``smr.coopproto.Rank``) and never acknowledge."""
+(``smr.gpu.coopproto.Rank``) and never acknowledge."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.checkpointer.step import CheckpointStep
-from smr import coopgate, coopproto
+from smr.gpu import coopgate, coopproto
 from smr.jobs import launch
 from tests.test_local_smr import Harness
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.criu
 SILENT_RANKS = r"""
 import os, sys, time
 from pathlib import Path
-from smr.coopproto import ENV, Rank
+from smr.gpu.coopproto import ENV, Rank
 rank = 0 if os.fork() else 1
 Rank(Path(os.environ[ENV]), rank, 2).register()
 n = 0

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from smr.criu import Criu
-from smr.errors import TemporaryError
+from smr.contract.errors import TemporaryError
+from smr.process.criu import Criu
 
 # A STAND-IN for CRIU (no real CRIU hangs on demand): it ignores SIGTERM,
 # starts a helper of its own, says its PIDs and waits forever.

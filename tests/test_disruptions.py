@@ -16,7 +16,7 @@ from kubernetes_asyncio import client
 
 from services.storage.store import CheckpointStore
 from smr.bus import KV_STEPS, Bus
-from smr.messages import CkptDone, CkptRequested, epoch
+from smr.contract.messages import CkptDone, CkptRequested, epoch
 from tests import test_watcher
 from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, pod
 from tests.fake_apiserver import node as a_node

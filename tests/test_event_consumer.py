@@ -18,10 +18,10 @@ import pytest
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
-from smr import frozen
 from smr.aio import ended_why
 from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, node_token
-from smr.messages import CkptDone
+from smr.contract.messages import CkptDone
+from smr.gpu import frozen
 from smr.natsserver import NatsServer
 from tests.test_bus import CountingStep, request, run_worker, stop
 

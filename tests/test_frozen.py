@@ -1,4 +1,4 @@
-"""smr.frozen: one thread of a stopped process runs while the others stay
+"""smr.gpu.frozen: one thread of a stopped process runs while the others stay
 stopped (how a restored GPU process gets its GPU state back before any of
 its threads can touch it), also when the holder is killed mid-hold. A real
 multi-threaded process; no GPU."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from smr import frozen
-from smr.gpuinfo import process_tree
+from smr.gpu import frozen
+from smr.process.tree import process_tree
 
 # Every thread counts in a file named by its thread id, every 2 ms.
 WORKLOAD = """
@@ -99,7 +99,7 @@ def test_a_tree_whose_stop_is_still_on_its_way_is_continued(tmp_path: Path) -> N
     import asyncio
     import threading
 
-    from smr.cuda_checkpoint import CudaCheckpoint
+    from smr.gpu.cuda_checkpoint import CudaCheckpoint
     from tests.chaos import gpu_standin
 
     gpu_dir = tmp_path / "gpu"
@@ -181,7 +181,7 @@ def test_a_stopped_process_whose_main_thread_ended_is_continued(tmp_path: Path) 
     running process, never continued, and the job stayed stopped for good."""
     import asyncio
 
-    from smr.cuda_checkpoint import CudaCheckpoint
+    from smr.gpu.cuda_checkpoint import CudaCheckpoint
     from tests.chaos import gpu_standin
 
     (tmp_path / "gpu").mkdir()
@@ -313,7 +313,7 @@ def test_a_tree_whose_stop_is_still_pending_is_held() -> None:
 # A holder like the agent's worker thread: the driver's restore (work) never ends.
 HOLDER = """
 import sys, time
-from smr import frozen
+from smr.gpu import frozen
 from pathlib import Path
 frozen.with_only(int(sys.argv[1]), int(sys.argv[2]), lambda: time.sleep(3600),
                  Path(sys.argv[3]))

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from smr import contract, metrics
+from smr import metrics
 from smr.bus import (
     QUERY_CHECKPOINTS,
     QUERY_GENERATIONS,
@@ -44,9 +44,10 @@ from smr.bus import (
     query_subject,
     subject,
 )
-from smr.errors import ContractError
-from smr.messages import CkptRequested, RestoreRequested, Target
-from smr.workloads import counter
+from smr.contract import schemas as contract
+from smr.contract.errors import ContractError
+from smr.contract.messages import CkptRequested, RestoreRequested, Target
+from smrctl import demo_counter as counter
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from services.storage.layout import LOCAL_NAMESPACE
-from smr import cuda_checkpoint, gpuinfo
-from smr.cuda_checkpoint import CudaState
+from smr.contract.messages import CkptRequested, Target
+from smr.gpu import cuda_checkpoint, gpuinfo
+from smr.gpu.driver import CudaState
 from smr.jobs import Job, launch, proc_start_ticks, wait_exit
-from smr.messages import CkptRequested, Target
-from smr.workloads import counter
+from smrctl import demo_counter as counter
 from tests import nats_auth
 from tests.test_local_smr import Harness, assert_unlocked, flip_byte, running
 
@@ -41,7 +41,7 @@ pytestmark = [
 class GpuHarness(Harness):
     async def start_gpu(self, gib: float = GIB, *extra: str) -> Job:
         job_id = f"gpu-{uuid.uuid4().hex[:6]}"
-        cmd = [sys.executable, "-m", "smr.workloads.gpu_counter", "--gib", str(gib), *extra]
+        cmd = [sys.executable, "-m", "tests.workloads.gpu_counter", "--gib", str(gib), *extra]
         job = launch(job_id, cmd, log=self.tmp / f"{job_id}.log", cwd=self.tmp,
                      node=self.settings.node, own_pid_namespace=False)
         self.pids.append(job.pid)

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from smr import frozen, gpugate
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.gpu import frozen, gpugate
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaState
 from smr.jobs import Job, launch, proc_start_ticks
 from tests import nats_auth
 from tests.test_local_smr import Harness, running

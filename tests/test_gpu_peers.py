@@ -1,5 +1,5 @@
 """A job of several CUDA processes that wait on one another's GPU work, as
-NCCL's ranks do, through the checkpoint engine (smr.cuda_checkpoint) with a
+NCCL's ranks do, through the checkpoint engine (smr.gpu.cuda_checkpoint) with a
 **stand-in** driver (no GPU here) that behaves as the real one did on two
 H200s with a DDP job (bench/results/frameworks-ddp-nccl-h200x2-2026-11-24.log):
 the second rank's lock times out (CUDA_ERROR_NOT_READY: its all-reduce waits
@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaLockTimeout, CudaState
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaLockTimeout, CudaState
 from tests.test_nothing_lost import StandInDriver
 
 # The ranks launch a collective every PERIOD seconds, at offsets of a fraction
@@ -177,7 +178,7 @@ async def test_ranks_all_locked_are_all_checkpointed_and_all_come_back() -> None
 
 
 async def test_every_process_of_a_job_is_restored_with_the_restores_gpu_pairs() -> None:
-    """A restore onto other GPUs (smr.gpupairs) hands each CUDA process of
+    """A restore onto other GPUs (smr.gpu.gpupairs) hands each CUDA process of
     the job the same pairs (the manifest records the job's GPUs); a
     suspend's own rollback passes none."""
     drv = StandInDriver()
@@ -227,7 +228,7 @@ def test_a_restore_onto_other_gpus_hands_the_driver_its_documented_arguments() -
     a recording **stand-in** for libcuda; no GPU here."""
     import ctypes
 
-    from smr.cuda_checkpoint import Driver
+    from smr.gpu.driver import Driver
 
     got: list[bytes] = []
 
@@ -259,7 +260,7 @@ def test_a_restore_refused_is_not_blamed_on_a_cause_the_answer_cannot_tell(rc: i
     another's GPU memory, and others: the error names the process and the
     driver's answer, and blames no cause the answer alone cannot tell. A
     recording **stand-in** for libcuda; no GPU here."""
-    from smr.cuda_checkpoint import Driver
+    from smr.gpu.driver import Driver
 
     class Lib:
         def cuCheckpointProcessRestore(self, pid: int, args: Any) -> int:
@@ -281,7 +282,7 @@ def test_a_restore_refused_with_gpu_pairs_says_what_the_pairs_must_name() -> Non
     """Another answer (out of memory) keeps the plain error; INVALID_VALUE
     where GPU pairs were given says what they must name (measured: a list
     missing one of the process's GPUs is refused so)."""
-    from smr.cuda_checkpoint import Driver
+    from smr.gpu.driver import Driver
 
     answer = 2
 

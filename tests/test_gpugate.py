@@ -1,4 +1,4 @@
-"""smr.gpugate's refusals before the GPU lock, on real processes: what they
+"""smr.gpu.gpugate's refusals before the GPU lock, on real processes: what they
 map (a file named as XLA's or NCCL's library, mapped for real), their
 environment, the io_uring a real kernel gives them. The GPUs each process
 holds are NVML's answer, given here as the dict NVML's reading makes (no
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from smr import gpugate
+from smr.gpu import gpugate
 
 A = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 B = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
@@ -122,7 +122,7 @@ def test_a_restore_is_explained_by_the_gpus_recorded_at_checkpoint_time() -> Non
 
 def test_gpus_by_pid_reads_nvml_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVML's per-GPU process lists (a **stand-in** for its reading) turned per process."""
-    from smr import gpuinfo
+    from smr.gpu import gpuinfo
     monkeypatch.setattr(gpuinfo, "devices", lambda: [
         {"uuid": A, "processes": {7: 1, 8: 1, 9: 1}}, {"uuid": B, "processes": {7: 1}}])
     assert gpuinfo.gpus_by_pid([7, 8]) == {7: [A, B], 8: [A]}
@@ -132,7 +132,7 @@ def test_criu_failing_on_a_gpu_device_mapping_is_explained(tmp_path: Path) -> No
     """CRIU's words when a process maps /dev/nvidia* outside a CUDA context
     (criu/proc_parse.c, handle_vma_plugin; its errno is stale) are told as
     gpu-forked-mapping, naming the process it was collecting."""
-    from smr.criu import explain
+    from smr.process.criu import explain
 
     log = tmp_path / "dump.log"
     log.write_text("(00.010) Collect mappings (pid: 4711)\n"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from smr import gpuinfo
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
+from smr.gpu import gpuinfo
 
 GIB = 1 << 30
 GPU = {"used_bytes": GIB}

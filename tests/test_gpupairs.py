@@ -1,6 +1,6 @@
-"""Which GPUs a restore puts GPU state onto (smr.gpupairs), and which GPUs a
+"""Which GPUs a restore puts GPU state onto (smr.gpu.gpupairs), and which GPUs a
 pod container was given (services/containers/gpus): no GPU needed, the GPUs
-are dicts as smr.gpuinfo.devices gives them."""
+are dicts as smr.gpu.gpuinfo.devices gives them."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 
 from services.containers import gpus
 from services.restorer.pod import PodRestoreStep
-from smr import gpuinfo, gpupairs
-from smr.errors import ContractError, PermanentError
-from smr.gpuinfo import GpuMismatch
-from smr.messages import RestoreRequested, Target
+from smr.contract.errors import ContractError, PermanentError
+from smr.contract.messages import RestoreRequested, Target
+from smr.gpu import gpuinfo, gpupairs
+from smr.gpu.gpuinfo import GpuMismatch
 from smrctl.cli import gpu_list
 
 MIB = 1 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from smr.imagestream import StreamerError, decode_request, encode_reply
+from smr.process.imagestream import StreamerError, decode_request, encode_reply
 
 
 def test_a_name_longer_than_one_varint_byte_decodes() -> None:

@@ -1,6 +1,6 @@
 """`smr exec` jobs run with io_uring_setup failing (ENOSYS), as libuv needs
 to fall back to epoll, in both of their launchers (smr-init --local in a PID
-namespace of the job's own; smr.reaper for GPU jobs); the filter comes back
+namespace of the job's own; smr.process.reaper for GPU jobs); the filter comes back
 with a restored job (CRIU saves and restores it). Real CRIU, a real
 nats-server, the real kernel."""
 
@@ -99,7 +99,7 @@ async def test_criu_failing_on_an_io_uring_is_explained(criu_binary: str,
     mapped ring ('Unknown shit 600 (anon_inode:[io_uring])') is told as
     io-uring, naming the process. (A ring's descriptor alone fails later, in
     'send_fds failed (-22)', which does not say why: smr's gate finds it.)"""
-    from smr.criu import Criu, CriuError
+    from smr.process.criu import Criu, CriuError
 
     p = await asyncio.create_subprocess_exec(
         sys.executable, "-c", RING, "mapped", stdout=asyncio.subprocess.PIPE,

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
-from smr.errors import TemporaryError
+from smr.contract.errors import TemporaryError
 from smr.jobs import Job, JobLock, JobRegistry
 
 

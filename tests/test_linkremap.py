@@ -1,4 +1,4 @@
-"""smr.linkremap puts CRIU's links back in the host's /dev/shm, which every
+"""smr.process.linkremap puts CRIU's links back in the host's /dev/shm, which every
 user writes to: it follows no link there and takes no name that is not its
 own. (The migrations themselves: tests/test_spawn_semaphore.py.)"""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from smr import linkremap
-from smr.errors import TemporaryError
+from smr.contract.errors import TemporaryError
+from smr.process import linkremap
 
 SHM = Path(linkremap.SHM)
 

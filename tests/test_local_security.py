@@ -24,8 +24,8 @@ import pytest
 
 from smr import config
 from smr.bus import KV_JOBS
+from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from smr.jobs import Job, proc_start_ticks
-from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from smrctl.embedded import EmbeddedNode, url_file
 
 pytestmark = pytest.mark.criu

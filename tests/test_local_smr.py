@@ -29,7 +29,7 @@ import pytest
 
 from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
-from smr import config, reaper
+from smr import config
 from smr.bus import (
     KV_JOBS,
     KV_LOCKS,
@@ -40,13 +40,14 @@ from smr.bus import (
     StepLocks,
     message_subject,
 )
-from smr.criu import Criu
-from smr.errors import SmrError, TemporaryError
+from smr.contract.errors import SmrError, TemporaryError
+from smr.contract.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.identity import ProcessIdentity, booted_at
 from smr.jobs import Job, JobLock, JobRegistry, job_key, launch, proc_start_ticks
-from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.natsserver import NatsServer
-from smr.workloads import counter
+from smr.process import reaper
+from smr.process.criu import Criu
+from smrctl import demo_counter as counter
 from smrctl import embedded
 from smrctl.embedded import EmbeddedNode, windows
 from tests import nats_auth
@@ -72,7 +73,7 @@ class Harness:
     async def start(self, mib: int, *extra: str, job_id: str | None = None,
                     own_pid_namespace: bool = True) -> Job:
         job_id = job_id or f"job-{uuid.uuid4().hex[:6]}"
-        cmd = [sys.executable, "-m", "smr.workloads.counter", "--mib", str(mib),
+        cmd = [sys.executable, "-m", "smrctl.demo_counter", "--mib", str(mib),
                "--interval", "0.05", *extra]
         job = launch(job_id, cmd, log=self.tmp / f"{job_id}.log", cwd=self.tmp,
                      node=self.settings.node, own_pid_namespace=own_pid_namespace)
@@ -513,7 +514,7 @@ def copies(h: Harness) -> list[int]:
             here = os.readlink(entry / "cwd") == str(h.tmp)
         except OSError:
             continue
-        if here and argv[0] == sys.executable.encode() and b"smr.workloads.counter" in argv:
+        if here and argv[0] == sys.executable.encode() and b"smrctl.demo_counter" in argv:
             found.append(int(entry.name))
     return found
 
@@ -886,7 +887,7 @@ async def test_a_failed_criu_run_says_why_in_criu_own_words(criu_binary: str,
     """Not only "criu dump failed (exit 1)": the message quotes CRIU's first
     error line, the detail keeps it whole, the hint points at a kept copy of
     the log (the step removes its work directory, and the log with it)."""
-    from smr.criu import CriuError
+    from smr.process.criu import CriuError
 
     gone = launch("gone", [sys.executable, "-c", "pass"], log=tmp_path / "gone.log",
                   cwd=tmp_path, node="n", own_pid_namespace=False)
@@ -928,7 +929,7 @@ async def test_a_service_that_ends_cancelled_as_the_node_starts_is_a_start_failu
     task ended cancelled (a cancel a library handed back) made the check of
     its error raise that CancelledError instead: a traceback and exit 1."""
     from services.storage.service import StorageService
-    from smr.errors import SmrError
+    from smr.contract.errors import SmrError
 
     async def cancelled(self: StorageService) -> None:
         raise asyncio.CancelledError
@@ -994,7 +995,7 @@ async def test_smr_demo_on_a_shared_nats_runs_as_its_nodes_user(h: Harness) -> N
     assert "starting an embedded node" not in out, f"it did not reach the running node:\n{out}"
     assert "demo passed" in out, out
     job_id = f"cli-{uuid.uuid4().hex[:6]}"
-    for args in (["exec", "-i", job_id, "--", sys.executable, "-m", "smr.workloads.counter",
+    for args in (["exec", "-i", job_id, "--", sys.executable, "-m", "smrctl.demo_counter",
                   "--mib", "8", "--interval", "0.05"],
                  ["checkpoint", job_id], ["restore", job_id], ["ps"], ["kill", job_id]):
         rc, out = await smr_cli(h, *args)

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from smr import metrics
 from smr.bus import subject
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from smr.natsserver import free_port
 from tests import nats_auth
 from tests.test_local_smr import Harness, running

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from smr.bus.topology import STREAM_EVENTS, subject
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests import nats_auth
 from tests.test_bus import stored
 from tests.test_local_smr import Harness, running

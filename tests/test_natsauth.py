@@ -24,7 +24,7 @@ from services.natsauth.callout import NODE_EXTRA, Callout
 from services.natsauth.nkeys import KeyPair
 from smr import config
 from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, STREAM_REQUESTS, Bus, BusConfig, Worker
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer
 from tests.helpers.steplocks import node_locks

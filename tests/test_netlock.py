@@ -1,4 +1,4 @@
-"""The network lock undone (smr.netlock): a checkpoint that stores nothing gives
+"""The network lock undone (smr.process.netlock): a checkpoint that stores nothing gives
 the job its kept connections back, every one of them, whatever kind of dump
 locked them. Real CRIU, real redis-server and a real Python server, real
 clients on the other end."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from smr import netlock
 from smr.natsserver import free_port
+from smr.process import netlock
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import ckpt_step

@@ -30,13 +30,14 @@ from services.checkpointer.step import CheckpointStep
 from services.restorer.step import IDENTITY, RestoreStep
 from services.storage.backend import StorageError
 from services.storage.layout import LOCAL_NAMESPACE
-from smr import gpuinfo
 from smr.bus import KV_LOCKS, KV_STEPS, STREAM_EVENTS, STREAM_REQUESTS, Bus, Progress, Worker
 from smr.bus.exhausted import Exhausted
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
+from smr.gpu import gpuinfo
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaState
 from smr.identity import ProcessIdentity
 from smr.jobs import JobLock
-from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
 from tests.helpers.steplocks import node_locks
 from tests.test_local_smr import Harness, assert_continues, running
@@ -194,7 +195,7 @@ async def test_recovery_of_a_commit_that_stopped_before_latest_moves_latest(
 # -- 6, 7. CUDA state through recovery (a stand-in driver) -----------------------------
 
 class StandInDriver:
-    """A **stand-in** for the CUDA driver's checkpoint API (smr.cuda_checkpoint.
+    """A **stand-in** for the CUDA driver's checkpoint API (smr.gpu.cuda_checkpoint.
     Driver): per-process states with the real state machine (RUNNING →
     LOCKED → CHECKPOINTED → LOCKED → RUNNING), for processes registered as
     holding a CUDA context. No GPU is touched. ``restored_onto`` records

@@ -28,8 +28,8 @@ import pytest
 from services.checkpointer.step import CheckpointStep
 from services.storage.layout import LOCAL_NAMESPACE
 from smr.bus import KV_LOCKS, KV_STEPS, Progress
+from smr.contract.messages import CkptRequested, Target
 from smr.jobs import Job
-from smr.messages import CkptRequested, Target
 from tests import nats_auth
 from tests.test_local_smr import Harness, assert_continues, running
 

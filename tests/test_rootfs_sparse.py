@@ -21,7 +21,7 @@ import pytest
 
 from services.containers import rootfs
 from services.containers.confined import Root
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: needs root")
 

@@ -16,7 +16,7 @@ from services.storage.__main__ import BUCKETS, make
 from services.storage.local import LocalBackend
 from services.storage.store import CheckpointStore
 from smr import config, serve
-from smr.messages import Target, epoch
+from smr.contract.messages import Target, epoch
 from smr.natsserver import free_port
 from tests import nats_auth
 

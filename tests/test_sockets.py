@@ -29,11 +29,12 @@ from typing import Any
 import pytest
 import redis
 
-from smr import sockets
-from smr.criu import Criu, explain
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaState
 from smr.jobs import Job, launch
 from smr.natsserver import free_port
+from smr.process import sockets
+from smr.process.criu import Criu, explain
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import FailingPuts, StandInDriver, ckpt_step
@@ -257,7 +258,7 @@ def test_a_final_pod_checkpoint_asked_to_keep_its_connections_closes_them() -> N
     connections whatever the checkpoint did): connections kept by its final
     dump would only stay locked, their peers waiting for a TCP timeout
     instead of a reset, and if the dump cannot be stored the workload runs on
-    with them dead (nothing unlocks a pod's: smr.netlock is local jobs')."""
+    with them dead (nothing unlocks a pod's: smr.process.netlock is local jobs')."""
     assert sockets.dump_mode(policy="auto", leave_running=False, reason="api",
                              requested="keep", same_netns_possible=False) == "close"
     assert sockets.dump_mode(policy="auto", leave_running=False, reason="drain",
@@ -297,7 +298,7 @@ async def test_criu_too_old_for_the_kernel_is_named(criu: str, kernel: str, bad:
                                                      monkeypatch: Any) -> None:
     c = Criu("criu")
     c._version = criu
-    monkeypatch.setattr("smr.criu.platform.release", lambda: kernel)
+    monkeypatch.setattr("smr.process.criu.platform.release", lambda: kernel)
     problem = await c.problem()
     assert bool(problem) == bad
     if bad:
@@ -320,7 +321,7 @@ def test_a_taken_proc_mount_point_is_named_and_retried(tmp_path: Path) -> None:
     local job under smr-init --local); the fresh-clone CI saw that name taken
     once, as a bare permanent `criu-dump-failed`. The log line is CRIU 4.2's
     (criu/pie/parasite.c:634), as the CI's dump.log quoted it."""
-    from smr.criu import TEMPORARY
+    from smr.process.criu import TEMPORARY
 
     log = tmp_path / "dump.log"
     log.write_text("pie: 1: Error (criu/pie/parasite.c:634): Can't create a directory (-17)\n")

@@ -7,7 +7,7 @@ semaphore's name and unlinks the first name: the creator's mapping names a
 deleted path of a file that still has a link (the worker maps it by that
 link). CRIU dumps such a file only with --link-remap, through a hard link
 it leaves in /dev/shm for the restore; smr carries those links in the
-checkpoint (smr.linkremap). Before, every dump failed ('Can't create link
+checkpoint (smr.process.linkremap). Before, every dump failed ('Can't create link
 remap for /dev/shm/sem.R1Yr50. Use link-remap option.'), and with CRIU's
 links left in the host's /dev/shm a heartbeat could not be restored.
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 
 from services.restorer import step as restorer_step
-from smr import reaper
-from smr.gpuinfo import process_tree
 from smr.jobs import launch, proc_start_ticks, signal_tree
+from smr.process import reaper
+from smr.process.tree import process_tree
 from tests.test_local_smr import Harness
 
 pytestmark = pytest.mark.criu

@@ -23,8 +23,8 @@ import pytest
 
 from services.restorer.step import IDENTITY
 from smr.bus import KV_STEPS, Bus, Progress, Worker
+from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from smr.identity import ProcessIdentity
-from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import nats_auth
 from tests.helpers.steplocks import node_locks
 from tests.test_local_smr import Harness, running
@@ -159,7 +159,7 @@ def copies(cwd: Path) -> list[int]:
             fields = (p / "stat").read_text().split(")")[1].split()
         except OSError:
             continue
-        if not here or b"smr.workloads.counter" not in args or fields[0] in ("Z", "X") \
+        if not here or b"smrctl.demo_counter" not in args or fields[0] in ("Z", "X") \
                 or args[0].endswith(b"smr-init"):
             continue
         parent = Path(f"/proc/{fields[1]}/cmdline")

@@ -26,6 +26,7 @@ import pytest
 from services.restorer import stream
 from services.storage import download, layout, upload
 from services.storage.backend import Backend, Conflict
+from services.storage.claims import HEARTBEAT_S, MISSED_RENEWALS
 from services.storage.codec import (
     FRAME_SIZE,
     Codec,
@@ -35,22 +36,20 @@ from services.storage.codec import (
     load_keys,
     namespace_key,
 )
-from services.storage.local import LocalBackend
-from services.storage.s3 import S3Backend
-from services.storage.store import (
-    HEARTBEAT_S,
-    MISSED_RENEWALS,
-    SCRATCH_FILES,
+from services.storage.generation import (
     CheckpointCorrupt,
     CheckpointNotFound,
-    CheckpointStore,
     Generation,
     ScratchFull,
-    StreamedImages,
 )
-from smr.errors import ConfigError
-from smr.imagestream import FileRange
-from smr.messages import Target
+from services.storage.local import LocalBackend
+from services.storage.s3 import S3Backend
+from services.storage.scatter import SCRATCH_FILES
+from services.storage.store import CheckpointStore
+from services.storage.streamed import StreamedImages
+from smr.contract.errors import ConfigError
+from smr.contract.messages import Target
+from smr.process.imagestream import FileRange
 
 NS = layout.LOCAL_NAMESPACE
 

@@ -22,9 +22,11 @@ from aiohttp import web
 
 from services.storage import download, layout
 from services.storage.codec import Codec
+from services.storage.generation import CheckpointCorrupt, Generation
 from services.storage.s3 import S3Backend
-from services.storage.store import CheckpointCorrupt, CheckpointStore, Generation, StreamedImages
-from smr.imagestream import FileRange
+from services.storage.store import CheckpointStore
+from services.storage.streamed import StreamedImages
+from smr.process.imagestream import FileRange
 from tests.chaos.proxy import _HOP, _XML, FaultProxy, _drop
 from tests.test_storage import NS, meta
 from tests.test_storage_durability import new_bucket, small_frames, small_parts_s3  # noqa: F401

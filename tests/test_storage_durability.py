@@ -28,19 +28,15 @@ from botocore.config import Config
 
 from services.storage import layout, upload, writeback
 from services.storage.backend import Backend, PendingUpload, StorageError
+from services.storage.claims import MISSED_RENEWALS
 from services.storage.codec import Codec
+from services.storage.generation import CheckpointCorrupt, CheckpointNotFound, Generation
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
-from services.storage.store import (
-    MISSED_RENEWALS,
-    CheckpointCorrupt,
-    CheckpointNotFound,
-    CheckpointStore,
-    Generation,
-    StreamedImages,
-)
-from smr.errors import PermanentError, SmrError
-from smr.messages import Target
+from services.storage.store import CheckpointStore
+from services.storage.streamed import StreamedImages
+from smr.contract.errors import PermanentError, SmrError
+from smr.contract.messages import Target
 from smr.natsserver import free_port
 from tests.chaos.proxy import _HOP, _XML, FaultProxy
 

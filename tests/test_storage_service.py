@@ -17,7 +17,7 @@ from services.storage.service import StorageService
 from services.storage.store import CheckpointStore
 from smr import metrics
 from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus, BusConfig
-from smr.messages import CkptDone, StorageQuery, StorageReply, Target, epoch
+from smr.contract.messages import CkptDone, StorageQuery, StorageReply, Target, epoch
 from tests import nats_auth
 from tests.test_bus import dlq_messages
 

@@ -17,8 +17,9 @@ from services.storage import layout
 from services.storage.backend import Backend
 from services.storage.cache import ObjectCache
 from services.storage.codec import Codec
-from services.storage.store import CheckpointCorrupt, CheckpointStore, Generation
-from smr.errors import SmrError, TemporaryError
+from services.storage.generation import CheckpointCorrupt, Generation
+from services.storage.store import CheckpointStore
+from smr.contract.errors import SmrError, TemporaryError
 from tests.test_storage import backend, images, meta  # noqa: F401  (backend: a fixture)
 
 NS = "default"

@@ -1,4 +1,4 @@
-"""smr.unstop continues the agent's own stopped processes of a run, and no other."""
+"""smr.process.unstop continues the agent's own stopped processes of a run, and no other."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 
-from smr import unstop
-from smr.gpuinfo import process_tree
+from smr.process import unstop
+from smr.process.tree import process_tree
 
 
 def _wait_state(pid: int, stopped: bool) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from services.policy import pod_policy
 from services.watcher.templates import template_requests
-from smr import contract
+from smr.contract import schemas as contract
 from tests.fake_apiserver import pod
 
 POLICY = {"prefix": "smr.dev", "heartbeat_min": 30, "heartbeat_max": 3600}

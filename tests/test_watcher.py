@@ -44,7 +44,7 @@ from smr.bus import (
     Worker,
     node_token,
 )
-from smr.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
+from smr.contract.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer, disruption_condition, pod, with_condition
 from tests.fake_apiserver import node as a_node
@@ -489,7 +489,7 @@ async def test_policy_values_and_aliases(
 async def test_outcome_events_on_pods_once(
         kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
     await watchers.start()
-    from smr.messages import Target
+    from smr.contract.messages import Target
 
     t = Target(kind="pod", namespace="ml", pod="trainer-0", container="main")
     ok = CkptDone(request_id="r-ok-" + node, checkpoint_id="trainer-0.main", target=t,

@@ -22,7 +22,7 @@ from services.kubeapi import api_client
 from services.watcher.kube import Informer
 from services.watcher.service import Watcher
 from smr.bus import KV_EPISODES, STREAM_EVENTS, STREAM_REQUESTS, Bus, node_token
-from smr.messages import CkptRequested, NodeDraining
+from smr.contract.messages import CkptRequested, NodeDraining
 from tests import test_watcher
 from tests.fake_apiserver import FakeApiServer, pod
 from tests.fake_apiserver import node as a_node

@@ -38,8 +38,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from services.containers.pods import Pods
 from services.policy import policy_for
 from smr.config import Settings
-from smr.errors import TemporaryError
-from smr.messages import derive_request_id
+from smr.contract.errors import TemporaryError
+from smr.contract.messages import derive_request_id
 
 log = logging.getLogger("smr.agent")
 

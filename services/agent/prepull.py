@@ -18,7 +18,7 @@ import logging
 from services.storage import layout
 from services.storage.store import CheckpointStore
 from smr.aio import wait_event
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 
 log = logging.getLogger("smr.agent")
 

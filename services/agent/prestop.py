@@ -36,7 +36,7 @@ from services.containers.pods import Pods
 from services.suspension import suspension_of
 from services.triggers import final_expected
 from smr.aio import wait_event
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 from smr.jobs import proc_start_ticks
 
 log = logging.getLogger("smr.agent")

@@ -30,13 +30,13 @@ from services.containers.pods import Fresh, Pods
 from services.restorer.pod import PodRestoreStep
 from services.storage.cache import ObjectCache
 from services.storage.store import CheckpointStore
-from smr import cuda_checkpoint
 from smr.aio import ended_why, until_stopped
 from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS, Bus, StepLocks, Worker
 from smr.config import Settings
-from smr.criu import Criu
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
+from smr.gpu import cuda_checkpoint
 from smr.jobs import JobLock
+from smr.process.criu import Criu
 
 log = logging.getLogger("smr.agent")
 

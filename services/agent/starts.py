@@ -43,9 +43,9 @@ from smr import tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_LATEST, Bus
 from smr.config import Settings
-from smr.errors import SmrError, TemporaryError
+from smr.contract.errors import SmrError, TemporaryError
+from smr.contract.messages import Reason, RestoreRequested, StorageQuery, Target, derive_request_id
 from smr.jobs import proc_start_ticks
-from smr.messages import Reason, RestoreRequested, StorageQuery, Target, derive_request_id
 
 log = logging.getLogger("smr.agent")
 

@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from services.policy import policy_for
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 
 if TYPE_CHECKING:
     from services.agent.starts import StartRestores

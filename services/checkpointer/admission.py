@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from smr.config import Settings, eviction_hard
-from smr.errors import PermanentError
-from smr.messages import CkptRequested
+from smr.contract.errors import PermanentError
+from smr.contract.messages import CkptRequested
 
 THRESHOLD = "eviction-threshold"
 

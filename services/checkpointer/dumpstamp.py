@@ -26,10 +26,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
+from smr.contract.messages import now
 from smr.identity import boot_id, booted_at
 from smr.jobs import JobLock
-from smr.messages import now
 
 SYNC_AFTER_S = 30.0
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from services.storage.store import Generation
-from smr import sockets
+from services.storage.generation import Generation
 from smr.bus import Progress
-from smr.errors import PermanentError, SmrError, TemporaryError
-from smr.messages import CkptDone, CkptRequested
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.messages import CkptDone, CkptRequested
+from smr.process import sockets
 
 log = logging.getLogger("smr.checkpointer")
 

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import stat
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,28 +28,26 @@ from services import timings
 from services.checkpointer import dumpstamp, takeover
 from services.checkpointer.admission import over_threshold, resident_bytes
 from services.checkpointer.durable import result, until_stored
+from services.checkpointer.pod_capture import CONTAINER_FILE, capture
+from services.checkpointer.pod_recovery import PodRecovery
 from services.containers import host, rootfs
 from services.containers.confined import Root, UnsafePath
 from services.containers.host import Shim
 from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.containers.pods import PodContainer, PodStep
 from services.policy import tcp_policy
-from services.storage.store import Generation
-from smr import __version__, frozen, gpugate, gpuinfo, linkremap, sockets
+from services.storage.generation import Generation
+from smr import __version__
 from smr.bus import Progress
-from smr.criu import CriuError, dump_finished
-from smr.cuda_checkpoint import GpuStateLost, lost_after
-from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.messages import CkptDone, CkptRequested, now
+from smr.gpu import frozen, gpugate, gpuinfo
 from smr.identity import write_durably
 from smr.jobs import proc_start_ticks, signal_tree, wait_exit
-from smr.messages import CkptDone, CkptRequested, now
-from smr.metrics import GPU_STATE_LOST
+from smr.process import linkremap, sockets
+from smr.process.criu import CriuError, dump_finished
 
 log = logging.getLogger("smr.checkpointer")
-
-CONTAINER_FILE = "container.json"
-# Written once the layer and /dev/shm of a finished dump are captured whole.
-CAPTURED = "captured"
 
 
 # smr-init ignores a hold not touched for HOLD_STALE_S (60 s, smr-init.c): a
@@ -68,30 +65,6 @@ async def _keep_holding(shim: Shim) -> None:
 def dumped(dump: asyncio.Task[Any]) -> bool:
     """Did the dump task end with CRIU's success (the images complete)?"""
     return dump.done() and not dump.cancelled() and dump.exception() is None
-
-
-async def capture(shim: Shim, work: Path, upper: Path | None, budget: rootfs.Budget) -> None:
-    """Read the stopped workload's writable layer and /dev/shm into ``work``,
-    within ``budget``, and then mark them complete (CAPTURED): a dump whose
-    captures were cut short (the agent killed) is never stored as it is."""
-    (work / CAPTURED).unlink(missing_ok=True)
-    if upper is not None:
-        await rootfs.capture(upper, work / rootfs.TAR, budget)
-    await rootfs.capture_shm(shim.pid, work / rootfs.SHM_TAR, budget)
-    (work / CAPTURED).touch()
-
-
-def captured(work: Path) -> bool:
-    return (work / CAPTURED).is_file()
-
-
-def _dumped_in(work: Path) -> str | None:
-    """The container a dump in ``work`` was taken of (None: none is left)."""
-    try:
-        found = orjson.loads((work / CONTAINER_FILE).read_bytes()).get("container_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return found if isinstance(found, str) else None
 
 
 def _note_link_names(pid: int, remaps: list[tuple[str, str]], work: Path) -> None:
@@ -144,7 +117,7 @@ def _maybe_running(shim: Shim) -> bool:
         return True
 
 
-class PodCheckpointStep(PodStep):
+class PodCheckpointStep(PodRecovery, PodStep):
     kind = "ckpt.requested"
 
     def __init__(self, *, timings: KeyValue | None = None, capture_bytes: int = 16 << 30,
@@ -241,7 +214,7 @@ class PodCheckpointStep(PodStep):
             # Host PIDs: the driver's checkpoint API takes them from outside.
             cuda_pids = await self.cuda.processes(pid) if self.cuda else []
             # Before anything is locked or frozen, as for a local job: what
-            # the driver or CRIU cannot bring back (smr.gpugate).
+            # the driver or CRIU cannot bring back (smr.gpu.gpugate).
             await asyncio.to_thread(gpugate.check_io_uring, host.tree(pid))
             if cuda_pids:
                 assert self.cuda
@@ -304,7 +277,7 @@ class PodCheckpointStep(PodStep):
                         raise
                 progress.update("dump")
                 # A GPU heartbeat leaves the tree stopped too: its GPU state
-                # comes back before any of its threads runs (smr.frozen; JAX's
+                # comes back before any of its threads runs (smr.gpu.frozen; JAX's
                 # died touching a GPU mapping between CRIU's thaw and the
                 # driver's restore), as for a local job.
                 gpu_heartbeat = bool(cuda_pids and req.leave_running)
@@ -474,22 +447,6 @@ class PodCheckpointStep(PodStep):
                                 f"latest of {req.checkpoint_id} is kept; a restore "
                                 "resumes from it")
 
-    async def _bring_back(self, pid: int, target: str) -> None:
-        """After a failure past the GPU lock (the one being handled): the
-        workload's GPU state back, each process checked RUNNING, before its
-        tree runs on; then the failure says it keeps running. If the driver
-        does not give every process back, the workload (which could not run
-        on) is ended and the failure is GpuStateLost."""
-        failure = sys.exc_info()[1]
-        try:
-            await asyncio.shield(self.cuda.recover_tree(pid))  # type: ignore[union-attr]
-        except GpuStateLost as lost:
-            signal_tree(pid, signal.SIGKILL)
-            GPU_STATE_LOST.inc()
-            raise lost_after(lost, failure, target) from failure
-        if isinstance(failure, SmrError) and "keeps running" not in failure.message:
-            failure.message = f"{failure.message}; {target} keeps running"
-
     def _workload(self, req: CkptRequested, shim: Shim) -> tuple[int, int]:
         """The workload's (host pid, namespace pid), or why there is none to save."""
         running = shim.workload()
@@ -635,103 +592,3 @@ class PodCheckpointStep(PodStep):
     def _result(self, req: CkptRequested, gen: Generation, current: bool,
                 **kw: Any) -> CkptDone:
         return result(req, gen, current, f"a restore of {req.checkpoint_id}", **kw)
-
-    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
-        """A worker died mid-checkpoint: committed → that result; a finished
-        dump in the work directory → store it; either way a final dump's
-        workload, held stopped, is then ended (or, if it cannot be stored,
-        runs on). Otherwise run again. Under the container's lock, taken
-        again (its worker beats for this request meanwhile): a later
-        checkpoint waits for it. A dump committed behind a later one leaves
-        latest there and is answered superseded."""
-        try:
-            c: PodContainer | None = await self.pods.container(req.target)
-            shim: Shim | None = self.shim_of(c)  # type: ignore[arg-type]
-        except PermanentError:
-            c = shim = None
-        if c is None:
-            return await self._recover(req, c, shim)
-        await self.lock.acquire(c.lock_key(), req.request_id)
-        try:
-            return await self._recover(req, c, shim)
-        finally:
-            await self.lock.release(c.lock_key(), req.request_id)
-
-    async def _recover(self, req: CkptRequested, c: PodContainer | None,
-                       shim: Shim | None) -> CkptDone | None:
-        ns = req.target.namespace or ""
-        work = self.work(req.request_id)
-        if gen := await self._committed(req):
-            current = await self.store.ensure_latest(ns, req.checkpoint_id, gen)
-            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
-            await self._drop(work)
-            return self._result(req, gen, current)
-        if c is None or shim is None:
-            return None  # run() reports it
-        if dump_finished(work / "images"):
-            if not captured(work) and not await self._capture_again(c, shim, work):
-                # Its layer and /dev/shm can no longer be read as the dump
-                # left them: never stored without them; run again.
-                await self._settle_held(req, c, shim, work, signal.SIGCONT, "")
-                await self._drop(work)
-                return None
-            try:
-                self._check_trusted(req, work)
-                gen, current = await self._durable(req, c, shim, Progress())
-            except PermanentError as e:
-                await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
-                await self._drop(work)
-                return CkptDone.for_request(req, status="failed", error=e.as_dict())
-            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
-            await self._drop(work)
-            return self._result(req, gen, current)
-        return None
-
-    async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
-                           shim: Shim | None, work: Any, sig: int, outcome: str) -> None:
-        """End (SIGKILL) or continue (SIGCONT) the workload a final dump left
-        stopped, and tell its preStop hook the ``outcome`` (as run() does: the
-        hook waits for it, and the kubelet's SIGTERM waits for the hook): only
-        in the very container that was dumped, never a restored one that has
-        replaced it since."""
-        if c is None or shim is None or _dumped_in(work) != c.container_id:
-            return  # nothing of that dump is left (settled already), or replaced
-        running = await asyncio.to_thread(shim.workload)
-        final = takeover.taken_by(work)
-        if final is not None and sig != signal.SIGKILL:
-            # A final request took this dump over, and it is not stored:
-            # the tree runs on, and that request dumps it itself (its hook
-            # waits for that one).
-            outcome = ""
-        if req.leave_running and final is None:
-            # A heartbeat's tree, left stopped by an agent that died before
-            # it ran on, runs on whatever the outcome (a SIGCONT to a
-            # running one changes nothing). A GPU tree gets its GPU state
-            # back first, its threads held meanwhile, as the resume would
-            # have done: continued without it, they run on a GPU state that
-            # is not there.
-            if running is not None and self.cuda:
-                await self.cuda.resume_tree(running[0], quiet=True)
-            elif running is not None:
-                signal_tree(running[0], signal.SIGCONT)
-            return
-        if running is not None:
-            signal_tree(running[0], sig)
-        if outcome:
-            await asyncio.to_thread(shim.final, outcome)
-
-    async def _capture_again(self, c: PodContainer, shim: Shim, work: Path) -> bool:
-        """The captures of a finished dump, cut short (the agent died), done
-        again: only from the very container dumped, its workload still held
-        stopped as the dump left it (a running one has moved on from its
-        memory image). False where they cannot be."""
-        if _dumped_in(work) != c.container_id:
-            return False
-        running = await asyncio.to_thread(shim.workload)
-        if running is None or not await asyncio.to_thread(frozen.held, host.tree(running[0])):
-            return False
-        try:
-            await capture(shim, work, host.upperdir(shim.pid), self.budget(c))
-        except PermanentError:
-            return False  # over its cap: run again, which reports it
-        return True

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,36 +14,38 @@ import orjson
 
 from services.checkpointer import dumpstamp
 from services.checkpointer.durable import StorageUnavailable, result, until_stored
+from services.checkpointer.step_recovery import LocalRecovery
 from services.local_job import LocalJobStep
+from services.storage.generation import Generation
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import Generation
-from smr import (
-    __version__,
-    coopgate,
-    frozen,
-    gpugate,
-    gpuinfo,
-    linkremap,
-    netlock,
-    reaper,
-    sockets,
-)
+from smr import __version__
 from smr.bus import Progress
-from smr.criu import CriuError, dump_finished, wait_finished
-from smr.cuda_checkpoint import GpuStateLost, lost_after
-from smr.errors import PermanentError, SmrError, TemporaryError
+from smr.contract.errors import PermanentError, TemporaryError
+from smr.contract.messages import CkptDone, CkptRequested, now
+from smr.gpu import coopgate, frozen, gpugate, gpuinfo
 from smr.identity import write_durably
 from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
-from smr.messages import CkptDone, CkptRequested, now
-from smr.metrics import GPU_STATE_LOST
+from smr.process import linkremap, reaper, sockets
+from smr.process.criu import CriuError, dump_finished
+from smr.process.tree import process_tree
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.checkpointer")
 
 
+def finished(dump: asyncio.Task[Any]) -> bool:
+    """Did the dump task end with CRIU's success (the images complete on disk)?"""
+    return dump.done() and not dump.cancelled() and dump.exception() is None
 
-class CheckpointStep(LocalJobStep):
+
+def _restore_args(job: Job) -> str:
+    source = job.checkpoint_id or job.id
+    return source if source == job.id else f"{source} --as {job.id}"
+
+
+class CheckpointStep(LocalRecovery, LocalJobStep):
     kind = "ckpt.requested"
+
     # How long the ranks of a cooperative job (smr.coop) have to reach a
     # step boundary and release their communicators.
     coop_deadline_s = 120.0
@@ -82,10 +83,10 @@ class CheckpointStep(LocalJobStep):
                 coop = coopgate.directory(self.work_dir, job.id)
                 try:
                     # Before anything else sees the job: its ranks at a step
-                    # boundary without communicators (smr.coopgate).
+                    # boundary without communicators (smr.gpu.coopgate).
                     t_coop = time.monotonic()
                     paused = self._paused[job.id] = await coopgate.pause(
-                        coop, gpuinfo.process_tree(job.pid) if job.alive() else [],
+                        coop, process_tree(job.pid) if job.alive() else [],
                         req.request_id, self.coop_deadline_s)
                     paused_s = time.monotonic() - t_coop
                     gen, current, durations = await self._checkpoint(req, job, progress)
@@ -318,55 +319,6 @@ class CheckpointStep(LocalJobStep):
                 with attempt:
                     await self.jobs.put(job)
 
-    async def _give_up(self, req: CkptRequested, job: Job, cuda_pids: list[int]) -> None:
-        """Nothing was stored: the job goes on where it was (CRIU thawed it after
-        a failed dump; a finished final dump left it stopped), its GPU running.
-
-        Called with the failure being handled: its message says "keeps
-        running" only once that is so. A GPU job whose processes the driver
-        did not all give back cannot run on: it is ended, and the failure
-        becomes GpuStateLost (the error that was handled named in it)."""
-        failure = sys.exc_info()[1]
-        lost: GpuStateLost | None = None
-        if job.alive():
-            # A final dump that kept connections left them in repair mode
-            # behind CRIU's lock, for a restore that now never comes; so did
-            # any dump whose CRIU was killed (a heartbeat's too, its tree
-            # running again already): undone before the tree runs again.
-            await asyncio.shield(netlock.release(job.pid, self._work(req) / "images" / "dump.log"))
-        if cuda_pids and job.alive():
-            # Held stopped while every process's GPU state comes back, each
-            # checked RUNNING; only then continued.
-            try:
-                await asyncio.shield(self.cuda.recover_tree(job.pid))  # type: ignore[union-attr]
-            except GpuStateLost as e:
-                lost = e
-        elif not req.leave_running and job.alive():
-            signal_tree(job.pid, signal.SIGCONT)
-        self._facts_file(req).unlink(missing_ok=True)
-        await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
-        shutil.rmtree(self._work(req), ignore_errors=True)
-        if lost is not None:
-            await self._lost(job, lost, failure)
-        if isinstance(failure, SmrError) and job.alive() and "keeps running" not in \
-                failure.message:
-            failure.message = f"{failure.message}; job {job.id} keeps running"
-
-    async def _lost(self, job: Job, lost: GpuStateLost, failure: BaseException | None) -> None:
-        """The job's GPU state is gone: its tree (held stopped) is ended and
-        its record says failed; raises ``lost``, saying what failed first."""
-        signal_tree(job.pid, signal.SIGKILL)
-        await wait_exit(job.pid, job.start_ticks)
-        reaper.reap()
-        job.state = "failed"
-        async for attempt in retry_nats():
-            with attempt:
-                await self.jobs.put(job)
-        GPU_STATE_LOST.inc()
-        lost_after(lost, failure, f"job {job.id}")
-        log.error("%s", lost.message)
-        raise lost from failure
-
     def _held_for(self, req: CkptRequested, job: Job) -> str | None:
         """Another request whose final dump of this very process waits on
         disk for its commit (its worker stopped or died after the dump; its
@@ -390,7 +342,7 @@ class CheckpointStep(LocalJobStep):
     async def _cuda_pids(self, job: Job) -> list[int]:
         if not self.cuda or not job.alive():
             return []
-        tree = gpuinfo.process_tree(job.pid)
+        tree = process_tree(job.pid)
         if any(frozen.stopping(p) for p in tree):
             # Left stopped by a dump: the driver's GetState would wait for the
             # process itself; resume_tree finds the CUDA ones of the tree.
@@ -403,11 +355,11 @@ class CheckpointStep(LocalJobStep):
         """The job's GPU use and what its TCP connections get, recorded for
         the manifest (and for a recovered commit)."""
         # CRIU cannot save an io_uring, a job's without GPU neither.
-        gpugate.check_io_uring(gpuinfo.process_tree(job.pid))
+        gpugate.check_io_uring(process_tree(job.pid))
         gpu = await self._gpu(job, work)
         tcp = sockets.dump_mode(policy=job.tcp, leave_running=req.leave_running,
                                 reason=req.reason, requested=req.tcp)
-        held = {**sockets.inventory(gpuinfo.process_tree(job.pid)), "tcp": tcp}
+        held = {**sockets.inventory(process_tree(job.pid)), "tcp": tcp}
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._facts_file(req).write_bytes(orjson.dumps({
             **({"pre_dump_skipped": pre_dump_skipped} if pre_dump_skipped else {}),
@@ -415,7 +367,7 @@ class CheckpointStep(LocalJobStep):
             "sockets": held, "process": {
                 "pid": job.pid, "start_ticks": job.start_ticks,
                 # A restore in the host's PID namespace needs all of these free.
-                "pids": gpuinfo.process_tree(job.pid),
+                "pids": process_tree(job.pid),
                 "own_pid_namespace": own_pid_namespace(job.pid)},
             "leave_running": req.leave_running, **({"dump": stamp} if stamp else {})}))
         return gpu, tcp
@@ -425,11 +377,11 @@ class CheckpointStep(LocalJobStep):
         if self.cuda is None:
             return None
         pids = await self.cuda.processes(job.pid)
-        tree = gpuinfo.process_tree(job.pid)
+        tree = process_tree(job.pid)
         if pids:
             # Before the lock: what the driver or CRIU cannot bring back is
-            # refused while the job still runs (smr.gpugate).
-            # Ranks that dropped their communicators (smr.coopgate) hold no P2P.
+            # refused while the job still runs (smr.gpu.gpugate).
+            # Ranks that dropped their communicators (smr.gpu.coopgate) hold no P2P.
             gpugate.before_lock(tree, pids, gpuinfo.gpus_by_pid(pids), self.cuda.allow,
                                 released=self._paused.get(job.id, ()))
         gpu = gpuinfo.for_checkpoint(pids, work)
@@ -467,10 +419,10 @@ class CheckpointStep(LocalJobStep):
         a tree stopped before it seized one its stop back), and checked again
         as CRIU will find it: a worker that mapped the GPU's devices, or an
         io_uring made, since the check before the lock."""
-        tree = gpuinfo.process_tree(job.pid)
+        tree = process_tree(job.pid)
         signal_tree(job.pid, signal.SIGSTOP)
         await asyncio.to_thread(frozen.wait_stopped, tree)
-        gpugate.after_lock(gpuinfo.process_tree(job.pid), cuda_pids)
+        gpugate.after_lock(process_tree(job.pid), cuda_pids)
 
     async def _store(self, req: CkptRequested, job: Job, progress: Progress,
                      writer: asyncio.Task[Any] | None = None) -> tuple[Generation, float]:
@@ -514,71 +466,3 @@ class CheckpointStep(LocalJobStep):
     def _result(self, req: CkptRequested, gen: Generation, current: bool,
                 **kw: Any) -> CkptDone:
         return result(req, gen, current, f"`smr restore {self.job_id(req.target)}`", **kw)
-
-    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
-        """A worker died mid-checkpoint (or storage failed after the dump).
-        Committed, or a finished dump on disk → stored, latest moved unless a
-        later dump holds it (then answered superseded), the job settled. Job
-        still running → dump again (its GPU made to run first). Under the
-        job's lock, taken again (its worker beats for this request
-        meanwhile): a later checkpoint waits for it, not the other way."""
-        job_id = self.job_id(req.target)
-        await self.lock.acquire(job_id, req.request_id)
-        try:
-            return await self._recover(req, job_id)
-        finally:
-            await self.lock.release(job_id, req.request_id)
-
-    async def _recover(self, req: CkptRequested, job_id: str) -> CkptDone | None:
-        await wait_finished(self._work(req) / "images", self.criu.timeout)
-        job = await self.jobs.find(job_id)
-        current = True
-        if job is not None and dump_finished(self._work(req) / "images"):
-            # The dump is the job's state (a final one holds the job stopped):
-            # an earlier attempt's commit counts, else it is stored from disk,
-            # retried until the deadline like a failure in run(), not given up
-            # after the few quick deliveries of a storage error raised here.
-            try:
-                gen = await self._committed(req)
-                if gen is None:
-                    self._dump_on_disk(req, job)
-                    gen, current = await self._durable(req, job, Progress())
-                else:
-                    current = await self.store.ensure_latest(
-                        LOCAL_NAMESPACE, req.checkpoint_id, gen)
-            except PermanentError as e:
-                if e.code == "dump-unverified" and job.alive():
-                    await self._give_up(req, job, await self._cuda_pids(job))
-                    return None  # dumped again
-                return CkptDone.for_request(req, status="failed", error=e.as_dict())
-        else:
-            gen = await self._committed(req)
-            if job is None:
-                if gen is None:
-                    return None  # run() reports the missing job
-                current = await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen)
-                return self._result(req, gen, current)
-            if gen is not None:
-                current = await self.store.ensure_latest(LOCAL_NAMESPACE, req.checkpoint_id, gen)
-        if gen is not None:
-            await self._settle(req, job, gen, current)
-            return self._result(req, gen, current)
-        if job.alive():
-            # CRIU thaws a tree whose dump did not finish: safe to redo, once
-            # the GPU that was suspended for it runs again.
-            await self._give_up(req, job, await self._cuda_pids(job))
-            return None
-        return CkptDone.for_request(req, status="failed", error={
-            "code": "interrupted",
-            "message": f"the checkpoint of job {job_id} was interrupted and the job is gone",
-            "hint": f"restore its latest checkpoint: smr restore {job_id}"})
-
-
-def finished(dump: asyncio.Task[Any]) -> bool:
-    """Did the dump task end with CRIU's success (the images complete on disk)?"""
-    return dump.done() and not dump.cancelled() and dump.exception() is None
-
-
-def _restore_args(job: Job) -> str:
-    source = job.checkpoint_id or job.id
-    return source if source == job.id else f"{source} --as {job.id}"

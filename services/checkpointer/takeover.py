@@ -39,10 +39,10 @@ from typing import Any
 
 import orjson
 
-from services.storage.store import Generation
+from services.storage.generation import Generation
 from smr.bus import Progress
+from smr.contract.messages import CkptRequested, Target
 from smr.identity import write_durably
-from smr.messages import CkptRequested, Target
 
 log = logging.getLogger("smr.checkpointer")
 

@@ -27,7 +27,7 @@ import os
 import stat
 from collections.abc import Iterator
 
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 SYS_OPENAT2 = 437  # x86_64 and aarch64 alike
 RESOLVE_NO_MAGICLINKS = 0x02

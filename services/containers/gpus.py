@@ -1,6 +1,6 @@
 """The GPUs a pod container was given, as its runtime was told to give them.
 
-A restore onto another GPU (smr.gpupairs) needs the new container's GPUs.
+A restore onto another GPU (smr.gpu.gpupairs) needs the new container's GPUs.
 They are read from the OCI spec its runtime started it from: the bundle's
 config.json that containerd writes, root's, beside (never inside) the
 container's root file system. The bundle is found through the runtime's shim,
@@ -49,7 +49,7 @@ from typing import Any
 import orjson
 
 from services.containers.confined import Root
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 log = logging.getLogger("smr.agent")
 
@@ -106,7 +106,7 @@ def runtime_spec(init_pid: int, container_id: str) -> dict[str, Any] | None:
 
 def granted(spec: dict[str, Any], node: list[dict[str, Any]], init_pid: int | None = None
             ) -> list[dict[str, Any]] | None:
-    """The GPUs of ``node`` (smr.gpuinfo.devices()) the spec gives the
+    """The GPUs of ``node`` (smr.gpu.gpuinfo.devices()) the spec gives the
     container, in the node's order; None where the spec names GPUs this
     cannot tell (MIG devices, an index or UUID this node lacks). ``init_pid``:
     the container's first process, through whose root the device nodes of

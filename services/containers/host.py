@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.containers.confined import Root, UnsafePath
-from smr.errors import SmrError, TemporaryError
-from smr.gpuinfo import ns_pid
-from smr.gpuinfo import process_tree as tree
+from smr.contract.errors import SmrError, TemporaryError
+from smr.gpu.gpuinfo import ns_pid
+from smr.process.tree import process_tree as tree
 
 log = logging.getLogger("smr.agent")
 

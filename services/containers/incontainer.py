@@ -38,7 +38,7 @@ namespace only). What stays: in the container's root, glibc would load an
 NSS module a lookup needed from there (CRIU makes none in a dump or a
 restore: tests/agent/test_attacks.py names one for every database), and CRIU
 runs in the container's PID namespace, where the workload's root can signal
-it: a stopped CRIU (or nsenter) is continued by the agent (smr.unstop).
+it: a stopped CRIU (or nsenter) is continued by the agent (smr.process.unstop).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from pathlib import Path
 
 from services.containers import host
 from services.containers.host import Shim
-from smr.criu import Criu
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
+from smr.process.criu import Criu
 
 NAMESPACES = ["-m", "-p", "-n", "-i", "-u"]
 # A tree that maps System V shared memory (PostgreSQL) is dumped by a CRIU
@@ -105,14 +105,14 @@ class CriuBundle:
     open for running inside containers; ``root_switch`` is criu-root.so;
     ``plugins``, a directory of the agent's (made here, kept empty), is the
     only one CRIU loads plugins from; ``kept_logs``: where a failed run's
-    log is kept (smr.criu.Criu)."""
+    log is kept (smr.process.criu.Criu)."""
 
     def __init__(self, root: Path, preload: str = "", root_switch: str = "",
                  plugins: Path | None = None, kept_logs: Path | None = None) -> None:
         self.root = root
         self.plugins = plugins
         self.kept_logs = kept_logs
-        # criu-limits.so (smr.criu.Criu's preload), opened like CRIU's own files.
+        # criu-limits.so (smr.process.criu.Criu's preload), opened like CRIU's own files.
         self.preload = Path(preload) if preload else None
         self.root_switch = Path(root_switch) if root_switch else None
         self.binary = root / "usr/sbin/criu"

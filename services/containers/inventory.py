@@ -6,7 +6,7 @@ functions. One list; docs/security.md's inventory table is rendered from it
 A path cannot be added without an entry, by two checks in tests/test_inventory.py:
 
 - every function of the container-facing code (services/containers, agent,
-  checkpointer, restorer, smr/linkremap.py, and the C of smr-runtime,
+  checkpointer, restorer, smr/process/linkremap.py, and the C of smr-runtime,
   smr-init and native/) that calls an opener (``Root.of_pid``,
   ``Shim.confined``, ``open_regular_at``, ``reopen``, ``CriuBundle.inside``,
   ``os.fwalk``, anything with ``dir_fd=``, a ``/proc/`` path; in C open,
@@ -130,8 +130,8 @@ ENTRIES: tuple[Entry, ...] = (
           "a restore (hard links made by descriptors)",
           ("services.checkpointer.pod:_note_link_names",
            "services.checkpointer.pod:_drop_link_remaps",
-           "services.restorer.pod:_point_link_names", "smr.linkremap:other_names",
-           "smr.linkremap:point_name"), plant=True),
+           "services.restorer.pod:_point_link_names", "smr.process.linkremap:other_names",
+           "smr.process.linkremap:point_name"), plant=True),
     Entry("layer", "<upperdir>/**", "tenant",
           "the overlay upperdir found in smr-init's mountinfo, opened O_DIRECTORY|O_NOFOLLOW; "
           "walked with os.fwalk; each file as in /dev/shm (O_PATH first)",
@@ -250,9 +250,9 @@ NOT_FOR_A_CONTAINER: dict[str, str] = {
     "services.agent.install:install": "the host's containerd config and /usr/local/bin",
     "services.restorer.stream:scratch_for": "the agent's own memory (/proc/meminfo)",
     "services.restorer.stream:memory_headroom": "the agent's own cgroup",
-    "smr.linkremap:capture": "a local job's /dev/shm (smr up), not a container's",
-    "smr.linkremap:_link_one": "a local job's /dev/shm (smr up), not a container's",
-    "smr.linkremap:_unlink_if": "a local job's /dev/shm (smr up), not a container's",
+    "smr.process.linkremap:capture": "a local job's /dev/shm (smr up), not a container's",
+    "smr.process.linkremap:_link_one": "a local job's /dev/shm (smr up), not a container's",
+    "smr.process.linkremap:_unlink_if": "a local job's /dev/shm (smr up), not a container's",
 }
 
 

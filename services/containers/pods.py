@@ -21,11 +21,11 @@ from services.containers.host import Shim
 from services.containers.incontainer import CriuBundle
 from services.storage.store import CheckpointStore
 from smr.bus import Progress
-from smr.criu import Criu
-from smr.cuda_checkpoint import CudaCheckpoint
-from smr.errors import PermanentError, TemporaryError
+from smr.contract.errors import PermanentError, TemporaryError
+from smr.contract.messages import Target, epoch
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
 from smr.jobs import JobLock
-from smr.messages import Target, epoch
+from smr.process.criu import Criu
 
 
 def runtime_id(container_id: str) -> str:

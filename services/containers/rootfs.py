@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from services.containers.confined import Root, UnsafePath, open_regular_at
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 TAR = "rootfs.tar"
 # The container's /dev/shm (its own tmpfs, not in the layer): POSIX shared

@@ -14,7 +14,7 @@ from services.kubeapi import api_client
 from services.natsauth.callout import Callout
 from services.natsauth.nkeys import KeyPair
 from smr import config, serve
-from smr.errors import ConfigError
+from smr.contract.errors import ConfigError
 
 NEEDS_BUS = False  # core NATS only, as smr-natsauth: no stream, no bucket
 

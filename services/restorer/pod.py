@@ -37,13 +37,14 @@ from services.containers.pods import PodContainer, PodStep
 from services.restorer import imageref
 from services.restorer.stream import restore_streamed
 from services.storage import layout
-from services.storage.store import Generation, streamable
-from smr import gpuinfo, gpupairs, linkremap, sockets
+from services.storage.generation import Generation, streamable
 from smr.bus import Progress
-from smr.criu import kill_tree
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
+from smr.contract.messages import RestoreDone, RestoreRequested, now
+from smr.gpu import gpuinfo, gpupairs
 from smr.identity import ProcessIdentity
-from smr.messages import RestoreDone, RestoreRequested, now
+from smr.process import linkremap, sockets
+from smr.process.criu import kill_tree
 
 # Beside CRIU's restored.pid: the restored tree's root, by its host PID,
 # start tick and boot (smr.identity); what a recovery adopts, and only that.
@@ -203,7 +204,7 @@ class PodRestoreStep(PodStep):
         pidfile = work / "restored.pid"
         # A new container has a new network namespace: connections come back closed.
         tcp = sockets.restore_mode(gen.manifest, same_place=False)
-        # A GPU tree stays stopped until its GPU state is back (smr.frozen):
+        # A GPU tree stays stopped until its GPU state is back (smr.gpu.frozen):
         # a thread that ran before would touch GPU mappings not yet there.
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
         if pages_ok is not None and not gpu:
@@ -387,7 +388,7 @@ def _point_link_names(pid: int, records_file: Path) -> None:
     the file CRIU's link restores (the tree's own mapping of it): devshm.tar
     made each a file of its own, and a worker started after the restore,
     opening the semaphore by its name, would not share the tree's. Through
-    the container's root; no link followed (smr.linkremap.point_name)."""
+    the container's root; no link followed (smr.process.linkremap.point_name)."""
     try:
         records = orjson.loads(records_file.read_bytes())
     except FileNotFoundError:

@@ -14,17 +14,18 @@ from typing import Any
 
 from services.local_job import LocalJobStep
 from services.restorer.stream import restore_streamed
+from services.storage.generation import Generation, streamable
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import Generation, streamable
-from smr import gpugate, gpupairs, linkremap, reaper, sockets, timewait
 from smr.bus import Progress
-from smr.criu import wait_finished
-from smr.cuda_checkpoint import CudaError
-from smr.errors import PermanentError, TemporaryError
-from smr.gpuinfo import process_tree
+from smr.contract.errors import PermanentError, TemporaryError
+from smr.contract.messages import RestoreDone, RestoreRequested, now
+from smr.gpu import gpugate, gpupairs
+from smr.gpu.driver import CudaError
 from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobChanged
-from smr.messages import RestoreDone, RestoreRequested, now
+from smr.process import linkremap, reaper, sockets, timewait
+from smr.process.criu import wait_finished
+from smr.process.tree import process_tree
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.restorer")
@@ -93,7 +94,7 @@ class RestoreStep(LocalJobStep):
             sockets=sockets.outcome(gen.manifest, tcp))
 
     async def _link_remaps(self, gen: Generation, work: Path, streamed: bool) -> Path:
-        """Where the checkpoint's link remaps (smr.linkremap) are on disk: a
+        """Where the checkpoint's link remaps (smr.process.linkremap) are on disk: a
         streamed restore fetches them alone (they are small: semaphores)."""
         if not streamed:
             return work / linkremap.CARRY
@@ -389,7 +390,7 @@ class RestoreStep(LocalJobStep):
     def _gpu_pairs(self, req: RestoreRequested, gen: Generation, *, restored: int | None = None
                    ) -> gpupairs.Pairs | None:
         """Refuse GPU state this node cannot take back, and say which of its
-        GPUs it goes onto (smr.gpupairs): those ``req.gpus`` names, else the
+        GPUs it goes onto (smr.gpu.gpupairs): those ``req.gpus`` names, else the
         checkpointed ones where this node has them with room, else others
         of their model. None: onto the checkpointed GPUs, as before pairs.
         ``restored``: a recovery's restored process, whose checks passed

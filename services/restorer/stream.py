@@ -1,7 +1,7 @@
 """A restore that streams: CRIU restores while the page images download.
 
-CRIU runs with ``--stream`` as soon as the restore starts; smr.imagestream
-answers its requests from storage (services.storage.store.StreamedImages).
+CRIU runs with ``--stream`` as soon as the restore starts; smr.process.imagestream
+answers its requests from storage (services.storage.streamed.StreamedImages).
 The small images are fetched in parallel at once; the page images flow from
 the ranged GETs through decoding and hashing into CRIU's pipe, so the
 download overlaps the restore. The largest page image starts at once. On a
@@ -27,11 +27,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from services.storage.store import CheckpointStore, Generation, StreamedImages
-from smr import sockets
-from smr.criu import Criu, CriuRun
-from smr.errors import SmrError
-from smr.imagestream import ImageStreamer
+from services.storage.generation import Generation
+from services.storage.store import CheckpointStore
+from services.storage.streamed import StreamedImages
+from smr.contract.errors import SmrError
+from smr.process import sockets
+from smr.process.criu import Criu, CriuRun
+from smr.process.imagestream import ImageStreamer
 
 log = logging.getLogger("smr.restorer")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from smr.errors import TemporaryError
+from smr.contract.errors import TemporaryError
 
 
 class StorageError(TemporaryError):

@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from smr.errors import ConfigError, PermanentError
+from smr.contract.errors import ConfigError, PermanentError
 
 FRAME_SIZE = 8 << 20
 NONCE = 12

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 
-from smr.messages import LOCAL_NAMESPACE, Target
+from smr.contract.messages import LOCAL_NAMESPACE, Target
 
 __all__ = ["LOCAL_NAMESPACE"]
 GEN_WIDTH = 8  # zero-padded so lexical order is numeric order

@@ -20,7 +20,7 @@ from pathlib import Path
 from services.storage import writeback
 from services.storage.backend import Conflict, NotFound, PendingUpload, StorageError
 from smr.aio import in_thread
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 UPLOAD_MARK = ".upload-"
 

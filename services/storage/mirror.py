@@ -23,8 +23,9 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from services.storage.generation import Generation
 from services.storage.layout import LOCAL_NAMESPACE
-from services.storage.store import CheckpointStore, Generation
+from services.storage.store import CheckpointStore
 
 log = logging.getLogger("smr.storage.mirror")
 

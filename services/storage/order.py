@@ -22,7 +22,7 @@ import functools
 from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
-from smr.messages import epoch
+from smr.contract.messages import epoch
 
 
 class HasManifest(Protocol):

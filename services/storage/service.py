@@ -30,14 +30,15 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.storage.generation import Generation, created_epoch
 from services.storage.layout import LOCAL_NAMESPACE, namespace_of
 from services.storage.mirror import Mirror
-from services.storage.store import CheckpointStore, Generation, created_epoch
+from services.storage.store import CheckpointStore
 from smr import metrics, tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus, query_subject
-from smr.errors import ContractError, SmrError
-from smr.messages import CkptDone, StorageQuery, StorageReply
+from smr.contract.errors import ContractError, SmrError
+from smr.contract.messages import CkptDone, StorageQuery, StorageReply
 from smr.retry import retry_nats
 
 log = logging.getLogger("smr.storage")

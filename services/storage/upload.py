@@ -32,7 +32,7 @@ from typing import Any
 
 from services.storage.backend import Backend
 from services.storage.codec import FRAME_SIZE, Codec
-from smr.errors import PermanentError
+from smr.contract.errors import PermanentError
 
 STREAMED = "pages-*.img"  # append-only while CRIU dumps
 PART_TARGET = 8 << 20  # S3 wants parts of at least 5 MiB, but the last

@@ -15,7 +15,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from smr.messages import CkptDone, RestoreDone, derive_request_id
+from smr.contract.messages import CkptDone, RestoreDone, derive_request_id
 
 log = logging.getLogger("smr.watcher.events")
 

@@ -32,7 +32,7 @@ from nats.js.kv import KeyValue
 
 from smr import metrics
 from smr.aio import cancelling, wait_event
-from smr.messages import CkptRequested, Target, derive_request_id
+from smr.contract.messages import CkptRequested, Target, derive_request_id
 
 log = logging.getLogger("smr.watcher.heartbeats")
 

@@ -24,7 +24,6 @@ duplicates, and JetStream drops those (``Nats-Msg-Id``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import logging
 import os
@@ -32,66 +31,41 @@ import socket
 import time
 import uuid
 from collections import Counter, OrderedDict
-from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
-import orjson
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.checkpointer.admission import agent_windows
 from services.policy import PodPolicy, policy_for
 from services.suspension import owner_job, suspension_of
 from services.triggers import (
-    FINAL,
     FINAL_DISRUPTIONS,
-    KUBELET,
-    MESSAGE_REASON,
     disruption,
     node_reasons,
     pod_reasons,
     shut_down_by_kubelet,
 )
+from services.watcher.drains import Drains
 from services.watcher.durables import NodeConsumers
 from services.watcher.events import EventRecorder
 from services.watcher.heartbeats import HeartbeatSchedule
-from services.watcher.kube import Informer, rv_of
+from services.watcher.kube import Informer
 from services.watcher.leader import Leadership
+from services.watcher.limits import MEMO_SIZE, READY_SETTLE_S, REQUEST_TTL_S, STOP_WAIT_S
 from services.watcher.lineages import SharedLineages
-from services.watcher.templates import (
-    is_ready,
-    ready_since,
-    takes_template,
-    template_requests,
-)
+from services.watcher.recreation import Recreation, deadline_of
+from services.watcher.templates import is_ready, ready_since, takes_template, template_requests
 from services.watcher.webhook_probe import WebhookProbe
-from smr import tracing
-from smr.bus import KV_BEATS, KV_EPISODES, KV_HEALTH, QUERY_LATEST, Bus, node_token
+from smr.bus import KV_BEATS, KV_HEALTH, QUERY_LATEST, Bus
 from smr.config import Settings
-from smr.errors import TemporaryError
-from smr.messages import (
-    CkptRequested,
-    Message,
-    NodeDraining,
-    StorageQuery,
-    Target,
-    derive_request_id,
-    epoch,
-)
+from smr.contract.errors import TemporaryError
+from smr.contract.messages import CkptRequested, Message, StorageQuery
 
 log = logging.getLogger("smr.watcher")
 
-MEMO_SIZE = 200_000
-RESULT_WAIT_S = 900.0  # how long a recreation waits for the pod's last checkpoint
-REQUEST_TTL_S = 900.0  # a node signal's requests: refused by the agent after this
-READY_SETTLE_S = 2.0  # a Ready pod waits this past its Ready second before taking a template
-API_TIMEOUT_S = 30.0  # one Kubernetes API call (a hung connection must not hold a handler)
-STOP_WAIT_S = 10.0  # how long a stopping watcher waits for its tasks
 
-
-class Watcher:
+class Watcher(Drains, Recreation):
     def __init__(self, bus: Bus, api: client.ApiClient, settings: Settings, *,
                  identity: str | None = None, durable_prefix: str = "watcher") -> None:
         self.bus = bus
@@ -132,8 +106,6 @@ class Watcher:
         self._templated: dict[str, set[str]] = {}  # pod uid → template requests looked at
         self._template_failed: set[str] = set()  # pod uids whose template request failed
         self._tasks: set[asyncio.Task[Any]] = set()
-
-    # -- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> None:
         durable_prefix = self.durable_prefix
@@ -194,8 +166,6 @@ class Watcher:
         if not task.cancelled() and task.exception() is not None:
             log.error("watcher task failed", exc_info=task.exception())
 
-    # -- publishing ----------------------------------------------------------------------
-
     async def _publish_all(self, msgs: list[Message]) -> None:
         """Publish what this process has not yet sent, up to
         SMR_PUBLISH_CONCURRENCY at once."""
@@ -211,131 +181,6 @@ class Watcher:
         todo = [m for m in msgs if m.request_id not in self._published]  # type: ignore[attr-defined]
         if todo:
             await asyncio.gather(*(one(m) for m in todo))
-
-    # -- nodes ---------------------------------------------------------------------------
-
-    async def _on_node(self, kind: str, node: dict[str, Any], old: dict[str, Any] | None
-                       ) -> None:
-        name = node["metadata"]["name"]
-        if kind != "DELETED":
-            self.consumers.seen(name)  # its agent waits for them
-        await self.pods.synced.wait()  # the pods on it must be known
-        if kind == "DELETED":
-            now = self.nodes.cache.get(name)
-            if now is not None and now["metadata"].get("uid") != node["metadata"].get("uid"):
-                # Registered again under its name (a re-list hands on the old
-                # one's deletion once the new one is known): the pods on that
-                # name run on the new Node, which is not going away. The new
-                # one's own change, next, closes any episode of the old.
-                return
-            self._gone.add(name)
-            reasons = {"node-deleted": "the Node was deleted"}
-        else:
-            self._gone.discard(name)
-            reasons = node_reasons(node, self.s.preemption_taints)
-        if not reasons:
-            if name in self._episodes or name not in self._clean:
-                await self._close_episode(name, node)
-            return
-        with tracing.tracer.start_as_current_span(
-                "node going away", attributes={"k8s.node.name": name,
-                                               "smr.reasons": ",".join(reasons)}):
-            episode = await self._open_episode(name, node)
-            # Those already handled are skipped; later pods come through _on_pod.
-            new = [r for r in reasons
-                   if derive_request_id("draining", episode, r) not in self._published]
-            if not new:
-                return
-            drains = [NodeDraining(request_id=derive_request_id("draining", episode, r),
-                                   node=name, reason=MESSAGE_REASON.get(r, r),  # type: ignore[arg-type]
-                                   detail=reasons[r])
-                      for r in new]
-            for d in drains:
-                log.info("node %s: %s (%s); checkpointing its opted-in pods", name, d.reason,
-                         d.detail)
-            # A pod may have been seen terminating before its node (the two
-            # watches have no order): it gets its final checkpoint here too.
-            await self._publish_requests([
-                r for p in self._pods_on(name)
-                for reason in pod_reasons(p, new)
-                for r in self._drain_requests(p, episode, reason)])
-            await self._publish_all(drains)
-
-    async def _open_episode(self, node: str, obj: dict[str, Any]) -> str:
-        """The node's open drain episode, created once for all replicas."""
-        key = f"node.{node_token(node)}"
-        node_uid = obj["metadata"].get("uid", "")
-        kv = self.bus.kv(KV_EPISODES)
-        while True:
-            try:
-                e = await kv.get(key)
-            except KeyNotFoundError:
-                e = None
-            doc = orjson.loads(e.value) if e and e.value else None
-            if doc and doc.get("node_uid") == node_uid:
-                break
-            new = {"episode": uuid.uuid4().hex, "node_uid": node_uid,
-                   "node_rv": rv_of(obj)}
-            try:
-                if e is None:
-                    await kv.create(key, orjson.dumps(new))
-                else:  # deleted, or a new Node of the same name
-                    await kv.update(key, orjson.dumps(new), last=e.revision)
-            except KeyWrongLastSequenceError:
-                continue  # another replica opened it first: use theirs
-            doc = new
-            break
-        self._episodes[node] = doc["episode"]
-        self._clean.discard(node)
-        return str(doc["episode"])
-
-    async def _close_episode(self, node: str, obj: dict[str, Any]) -> None:
-        """The node is back to normal (uncordoned): a later cordon is a new episode.
-
-        Only a view of the Node newer than the one that opened the episode
-        closes it: a replica whose list is a moment behind another's must not
-        end the episode that one just opened (its requests would be sent
-        again under new ids)."""
-        self._episodes.pop(node, None)
-        key = f"node.{node_token(node)}"
-        kv = self.bus.kv(KV_EPISODES)
-        with contextlib.suppress(KeyNotFoundError, KeyWrongLastSequenceError):
-            e = await kv.get(key)
-            doc = orjson.loads(e.value) if e.value else None
-            if doc and _newer(rv_of(obj), doc.get("node_rv", "")):
-                await kv.delete(key, last=e.revision)
-        self._clean.add(node)
-
-    def _pods_on(self, node: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods.cache.values()
-                if (p.get("spec") or {}).get("nodeName") == node
-                and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
-
-    def _drain_requests(self, pod: dict[str, Any], episode: str, reason: str
-                        ) -> list[CkptRequested]:
-        policy = self._policy(pod)
-        meta, node = pod["metadata"], pod["spec"]["nodeName"]
-        out = []
-        # A pod's own disruption (an eviction, a preemption) is one per pod,
-        # whatever its node does: the same request whichever event shows it.
-        key = "pod" if reason in FINAL_DISRUPTIONS.values() else episode
-        for c in policy.containers:
-            rid = derive_request_id("ckpt", key, reason, meta["uid"], c.name)
-            out.append(CkptRequested(
-                request_id=rid, checkpoint_id=c.checkpoint_id, node=node,
-                reason=MESSAGE_REASON.get(reason, reason),  # type: ignore[arg-type]
-                # Only when the kubelet is stopping the pod (its preStop hook
-                # waits for this): the others may be undone (triggers.py).
-                leave_running=reason not in FINAL,
-                deadline=deadline_of(pod),
-                target=Target(kind="pod", namespace=meta["namespace"], pod=meta["name"],
-                              container=c.name, pod_uid=meta["uid"])))
-            requests = self._pod_requests.setdefault(meta["uid"], [])
-            if rid not in requests:
-                requests.append(rid)
-        return out
-
-    # -- pods ----------------------------------------------------------------------------
 
     def _policy(self, pod: dict[str, Any]) -> PodPolicy:
         policy = policy_for(pod, self.s)
@@ -535,104 +380,3 @@ class Watcher:
                 self._check_lineage(pod, policy)
         log.info("heartbeat schedule: %d pods", len(self.schedule.entries))
         await self.schedule.run()
-
-    # -- bare pods -----------------------------------------------------------------------
-
-    def _recreate_later(self, pod: dict[str, Any], policy: PodPolicy) -> None:
-        """A bare node-restore pod that a disruption ended comes back (a
-        controller's pod is recreated by its controller): evicted or
-        preempted anywhere; else gone from a node going away. A pod deleted
-        with no disruption is the user's delete, never undone; one that a
-        node-pressure eviction failed is left as Kubernetes leaves it."""
-        meta = pod["metadata"]
-        node = (pod.get("spec") or {}).get("nodeName")
-        if not policy.node_restore or meta.get("ownerReferences") or not node:
-            return
-        by = disruption(pod)
-        if by is None or (by == KUBELET and not shut_down_by_kubelet(pod)):
-            return
-        if by not in FINAL_DISRUPTIONS and node not in self._episodes \
-                and node not in self._gone:
-            return
-        self._spawn(self._recreate(pod, self._pod_requests.get(meta["uid"], []), by))
-
-    async def _replace_failed(self, pod: dict[str, Any], policy: PodPolicy) -> None:
-        """Graceful node shutdown leaves a bare pod Failed, not deleted: once
-        its final checkpoint is over, delete it; its deletion recreates it
-        (``_recreate_later``), as for a drained pod."""
-        meta = pod["metadata"]
-        node = (pod.get("spec") or {}).get("nodeName")
-        if not policy.node_restore or meta.get("ownerReferences") or not node:
-            return
-        if requests := self._pod_requests.get(meta["uid"]):
-            with contextlib.suppress(TimeoutError):
-                await self.bus.wait_result(requests[-1], "ckpt.requested",
-                                           timeout=RESULT_WAIT_S)
-        try:
-            await self.core.delete_namespaced_pod(
-                meta["name"], meta["namespace"], body={"preconditions": {"uid": meta["uid"]}},
-                _request_timeout=API_TIMEOUT_S)
-        except ApiException as e:
-            if e.status != 404:  # 404: gone already (another replica, the pod GC)
-                log.warning("Failed pod %s/%s could not be deleted to recreate it: %s",
-                            meta["namespace"], meta["name"], e.reason)
-        except (TimeoutError, aiohttp.ClientError) as e:
-            log.warning("deleting Failed pod %s/%s failed (%r); it is not recreated",
-                        meta["namespace"], meta["name"], e)
-
-    async def _recreate(self, pod: dict[str, Any], requests: list[str], by: str) -> None:
-        meta = pod["metadata"]
-        if requests:  # the pod's last checkpoint must finish first
-            try:
-                await self.bus.wait_result(requests[-1], "ckpt.requested",
-                                           timeout=RESULT_WAIT_S)
-            except TimeoutError:
-                log.warning("pod %s/%s: no checkpoint result within %.0fs; recreating it "
-                            "anyway", meta["namespace"], meta["name"], RESULT_WAIT_S)
-        ann = dict(meta.get("annotations") or {})
-        ann[f"{self.s.label_prefix}/recreated-from-node"] = pod["spec"]["nodeName"]
-        spec = {k: v for k, v in pod["spec"].items() if k != "nodeName"}
-        body = {"apiVersion": "v1", "kind": "Pod", "spec": spec, "metadata": {
-            "name": meta["name"], "namespace": meta["namespace"],
-            "labels": meta.get("labels") or {}, "annotations": ann}}
-        try:
-            new = await self.core.create_namespaced_pod(meta["namespace"], body,
-                                                        _preload_content=False,
-                                                        _request_timeout=API_TIMEOUT_S)
-            created = orjson.loads(await new.read())
-        except ApiException as e:
-            if e.status != 409:  # 409: another replica recreated it
-                log.warning("pod %s/%s could not be recreated: %s", meta["namespace"],
-                            meta["name"], e.reason)
-            return
-        self.stats["recreated"] += 1
-        node = pod["spec"]["nodeName"]
-        log.info("pod %s/%s recreated away from node %s (%s)", meta["namespace"], meta["name"],
-                 node, by)
-        why = f"its {by} on node {node}" if by in FINAL_DISRUPTIONS \
-            else f"node {node} went away ({by})"
-        await self._post(created["metadata"], "Recreated",
-                         f"recreated by smr after {why}; it resumes from its latest checkpoint",
-                         key=created["metadata"]["uid"])
-
-
-def deadline_of(pod: dict[str, Any]) -> str:
-    """When a checkpoint request for ``pod`` stops making sense: a terminating
-    pod's deletionTimestamp, the end of its grace period (the API server sets
-    it to the request's time plus the grace: the kubelet kills it then), else
-    REQUEST_TTL_S."""
-    meta = pod["metadata"]
-    if since := meta.get("deletionTimestamp"):
-        end = epoch(since)
-    else:
-        end = time.time() + REQUEST_TTL_S
-    return datetime.fromtimestamp(end, UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z")
-
-
-def _newer(rv: str, than: str) -> bool:
-    """resourceVersions of one object are etcd revisions: integers that grow."""
-    try:
-        return int(rv) > int(than)
-    except ValueError:
-        return True

@@ -19,7 +19,7 @@ from typing import Any
 
 from services.policy import PodPolicy
 from services.storage.layout import template_id
-from smr.messages import CkptRequested, Target, derive_request_id, epoch
+from smr.contract.messages import CkptRequested, Target, derive_request_id, epoch
 
 
 def is_ready(pod: dict[str, Any]) -> bool:

@@ -58,7 +58,7 @@ import orjson
 
 from services.policy import policy_for
 from smr.config import Settings
-from smr.gpugate import GPU_JOB_DEFAULTS
+from smr.gpu.gpugate import GPU_JOB_DEFAULTS
 
 log = logging.getLogger("smr.webhook")
 

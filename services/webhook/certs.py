@@ -20,7 +20,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from smr.config import Settings
-from smr.errors import TemporaryError
+from smr.contract.errors import TemporaryError
 
 log = logging.getLogger("smr.webhook")
 

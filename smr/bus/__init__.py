@@ -4,7 +4,8 @@
 - ``client``: ``Bus``, one NATS connection: ensure, publish, consume events,
   step state;
 - ``worker``: ``Worker``, the loop that turns a request into exactly one
-  executed step (``Step``, ``Progress``);
+  executed step;
+- ``progress``: what it runs (``Step``) and hears back (``Progress``);
 - ``replies``: waiting for a step's result, storage queries;
 - ``deadletters``: dead letters;
 - ``exhausted``: the requests JetStream gave up on, answered;
@@ -15,6 +16,7 @@ Everything a service needs is importable from ``smr.bus``.
 
 from smr.bus.client import Bus
 from smr.bus.liveness import StepLocks
+from smr.bus.progress import Progress, Step
 from smr.bus.topology import (
     KV_BEATS,
     KV_EPISODES,
@@ -40,7 +42,7 @@ from smr.bus.topology import (
     query_subject,
     subject,
 )
-from smr.bus.worker import Progress, Step, Worker
+from smr.bus.worker import Worker
 
 __all__ = [
     "KV_BEATS", "KV_EPISODES", "KV_HEALTH", "KV_JOBS", "KV_LOCKS", "KV_STEPS", "KV_TIMINGS",

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from nats.aio.msg import Msg
 
-from smr.errors import ContractError
+from smr.contract.errors import ContractError
 
 # How long a worker waits for a request's size estimate before starting it
 # unestimated (an estimate is a guess; a stuck one must not hold a final back).

@@ -38,8 +38,8 @@ from smr.bus.topology import (
     BusConfig,
     kind_of,
 )
-from smr.errors import ContractError, SmrError, TemporaryError
-from smr.messages import (
+from smr.contract.errors import ContractError, SmrError, TemporaryError
+from smr.contract.messages import (
     CkptDone,
     CkptRequested,
     Message,
@@ -237,7 +237,7 @@ class Bus:
         privileged party's work: the watcher for each Node, the operator for
         `smr up` on a shared NATS (`smr node-consumers`). A node's own user
         may create none: nats-server does not hold a push consumer's deliver
-        subject to its creator's permissions (nats-io/nats-server#8274), and
+        subject to its creator's permissions (github.com/nats-io/nats-server/issues/8274), and
         the node writes requests of its own into SMR_REQUESTS."""
         for kind, window in windows.items():
             cfg = topology.request_consumer(kind, node, self.config, window)
@@ -392,7 +392,7 @@ class Bus:
         tombstone: a get tells them apart). Asked of the bucket's stream
         (STREAM.INFO with a subjects filter), not listed with a consumer as
         ``KeyValue.keys`` does: a node's user may create no consumer on a bucket
-        it writes (docs/security.md, nats-io/nats-server#8274)."""
+        it writes (docs/security.md, github.com/nats-io/nats-server/issues/8274)."""
         prefix = f"$KV.{bucket}."
         subjects = await self._paged(
             f"$JS.API.STREAM.INFO.KV_{bucket}", {"subjects_filter": f"{prefix}>"},

@@ -16,8 +16,8 @@ import orjson
 
 from smr import metrics
 from smr.bus.topology import MAX_DLQ_PAYLOAD, kind_of
-from smr.errors import SmrError
-from smr.messages import DeadLetter
+from smr.contract.errors import SmrError
+from smr.contract.messages import DeadLetter
 
 log = logging.getLogger("smr.bus")
 

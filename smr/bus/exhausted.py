@@ -31,7 +31,7 @@ from smr.bus.topology import (
     SUBJECT_TYPES,
     request_consumer,
 )
-from smr.errors import ContractError, SmrError
+from smr.contract.errors import ContractError, SmrError
 
 log = logging.getLogger("smr.bus")
 

@@ -18,8 +18,8 @@ from nats.js.kv import KeyValue
 
 from smr import tracing
 from smr.bus.topology import RESULT_OF, kind_of
-from smr.errors import SmrError, TemporaryError
-from smr.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
+from smr.contract.errors import SmrError, TemporaryError
+from smr.contract.messages import CkptDone, RestoreDone, StorageQuery, StorageReply
 
 # How often a waiter asks for a step's state: soon at first (most steps the
 # CLI and tests wait on are short), then at most this often.
@@ -35,7 +35,7 @@ async def wait_result(steps: KeyValue, request_id: str, kind: str, *,
     sees each running state it finds on the way."""
     # Polled with direct gets, not watched: a watch is a push consumer on the
     # bucket's stream, and a user that may create one may aim its deliveries
-    # at any subject (nats-io/nats-server#8274), so the node users get no
+    # at any subject (github.com/nats-io/nats-server/issues/8274), so the node users get no
     # consumer on the buckets they write (docs/security.md).
     deadline = None if timeout is None else time.monotonic() + timeout
     pause, seen = POLL_FIRST_S, -1

@@ -23,7 +23,7 @@ duplicate within the dedupe window. Each node has one durable pull consumer per
 request kind; its worker runs a few steps at once and may hold more, fetched
 ahead, to start the most urgent first (smr/bus/ahead.py). A node's NATS user
 may create no consumer (a push one would deliver its own requests anywhere:
-nats-io/nats-server#8274), so the watcher, or the operator, makes them
+github.com/nats-io/nats-server/issues/8274), so the watcher, or the operator, makes them
 (``Bus.make_node_consumers``) and the worker waits for them.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from nats.js import api as js_api
 
 from smr.config import Settings
-from smr.messages import (
+from smr.contract.messages import (
     LOCAL_NAMESPACE,
     CkptDone,
     CkptRequested,

@@ -15,8 +15,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 import nats
 import orjson
@@ -33,6 +32,7 @@ from smr.bus.deadletters import peek_request_id
 from smr.bus.exhausted import Exhausted
 from smr.bus.keepalive import beat, held, recovery_claim
 from smr.bus.liveness import StepLocks
+from smr.bus.progress import Progress, Step
 from smr.bus.topology import (
     KV_STEPS,
     RESULT_OF,
@@ -44,54 +44,20 @@ from smr.bus.topology import (
     node_filter,
     node_token,
 )
-from smr.errors import ContractError, SmrError, StepError, TemporaryError, disk_full
-from smr.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
+from smr.contract.errors import ContractError, SmrError, StepError, TemporaryError, disk_full
+from smr.contract.messages import CkptDone, RestoreDone
 from smr.retry import NATS_TRANSIENT, NATS_UNAVAILABLE, retry_nats
 
 log = logging.getLogger("smr.bus")
 
+
 LAG_EVERY_S = 5.0  # how often the backlog metric is read from the consumer
+
+
 FETCH_RETRY_S = 0.5  # after a fetch that failed for another reason than "nothing new"
+
+
 KEEP_CANCELLING_S = 0.5  # a loop whose cancel nats-py dropped is cancelled again (smr.aio)
-
-Req = TypeVar("Req", CkptRequested, RestoreRequested)
-Res = TypeVar("Res", CkptDone, RestoreDone)
-
-
-@dataclass
-class Progress:
-    """What a running step reports; written to its KV state at each keepalive."""
-
-    phase: str = "starting"
-    done_bytes: int = 0
-    total_bytes: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    span: trace.Span | None = None  # the step's span: each phase is an event on it
-
-    def update(self, phase: str | None = None, *, done_bytes: int | None = None,
-               total_bytes: int | None = None, **extra: Any) -> None:
-        if phase:
-            if self.span is not None and phase != self.phase:
-                self.span.add_event(f"phase {phase}")
-            self.phase = phase
-        if done_bytes is not None:
-            self.done_bytes = done_bytes
-        if total_bytes is not None:
-            self.total_bytes = total_bytes
-        self.extra.update(extra)
-
-
-class Step(Protocol, Generic[Req, Res]):
-    """A checkpoint or restore step, as the worker runs it."""
-
-    kind: str  # "ckpt.requested" or "restore.requested"
-
-    async def run(self, req: Req, progress: Progress) -> Res: ...
-
-    async def recover(self, req: Req, state: dict[str, Any]) -> Res | None:
-        """An earlier attempt died mid-step. Return its result if the world shows
-        one (finished, or failed for good); None if running the step again is safe."""
-        ...
 
 
 class Worker:
@@ -523,3 +489,5 @@ def annotate(span: trace.Span, result: CkptDone | RestoreDone) -> None:
         span.set_attribute("smr.pid", result.pid)
     for phase, seconds in result.durations.items():
         span.set_attribute(f"smr.seconds.{phase}", round(seconds, 6))
+
+

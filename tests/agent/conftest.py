@@ -30,7 +30,6 @@ from smr import config
 from smr.bus import BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
-from smr.workloads import hf_generate, jax_mlp, torch_train
 from tests import nats_auth, oci_image
 from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
@@ -53,6 +52,7 @@ from tests.fake_controllers import FakeControllers
 from tests.fake_kubelet import Containerd, FakeKubelet, containerd_missing
 from tests.helpers.steplocks import node_locks
 from tests.programs import node, pool
+from tests.workloads import hf_generate, jax_mlp, torch_train
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ import pytest
 
 from services.containers import host
 from services.containers.host import Shim
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests import oci_image
 from tests.agent.cluster import COUNTER, Cluster, steps, workload
 from tests.agent.opens import Opens

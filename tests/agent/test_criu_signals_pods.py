@@ -22,8 +22,8 @@ import pytest
 
 from services.containers import host, incontainer
 from services.containers.pods import runtime_id
-from smr.criu import Criu
-from smr.gpuinfo import process_tree
+from smr.process.criu import Criu
+from smr.process.tree import process_tree
 from tests import oci_image
 from tests.agent.cluster import COUNTER, Cluster, steps, workload
 from tests.agent.test_attacks import _smr_file, checkpoint

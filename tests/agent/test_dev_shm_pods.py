@@ -25,9 +25,9 @@ from services.checkpointer.pod import PodCheckpointStep
 from services.containers import host, rootfs
 from services.containers.host import Shim
 from services.restorer.pod import IDENTITY, PodRestoreStep
-from smr import frozen
+from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
+from smr.gpu import frozen
 from smr.identity import ProcessIdentity
-from smr.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from tests import oci_image
 from tests.agent.cluster import CMD, Cluster, steps, workload
 

@@ -31,7 +31,7 @@ from services.checkpointer import dumpstamp, pod
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.bus import KV_TIMINGS
-from smr.messages import CkptRequested
+from smr.contract.messages import CkptRequested
 from tests import oci_image
 from tests.agent.cluster import COUNTER, Cluster, assert_continues, steps, workload
 from tests.agent.test_kubelet import evict, hook_said, seconds_between

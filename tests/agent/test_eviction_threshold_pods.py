@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests import oci_image
 from tests.agent.cluster import CMD, COUNTER, Cluster, steps, workload
 

@@ -6,13 +6,13 @@ order of steps in CI with a stand-in driver).
 Each workload in a pod: one heartbeat, then three drains, each resumed on the
 other node; its final hash must equal that of the same loop run once without
 interruption on this GPU. The workloads: a jitted JAX training loop
-(smr/workloads/jax_mlp.py); PyTorch loops (smr/workloads/torch_train.py)
+(tests/workloads/jax_mlp.py); PyTorch loops (tests/workloads/torch_train.py)
 under ``torch.compile`` (Inductor's Triton kernels), with
 ``mode="reduce-overhead"`` (CUDA graphs too) and without, and fed by a
 DataLoader whose two workers are started by 'spawn' (pinned memory,
 persistent workers).
 
-A Hugging Face ``transformers`` generation server (smr/workloads/hf_generate.py:
+A Hugging Face ``transformers`` generation server (tests/workloads/hf_generate.py:
 a Llama-shaped causal LM of 1.4 GiB bf16 weights, loaded with
 ``from_pretrained`` from a hostPath volume, greedy ``generate`` with the KV
 cache over HTTP), asked in the pod's network namespace: before a heartbeat,
@@ -46,13 +46,13 @@ from typing import Any
 
 import pytest
 
-from smr import cuda_checkpoint
+from smr.gpu import cuda_checkpoint
 from smr.natsserver import free_port
-from smr.workloads import hf_generate
 from tests.agent.cluster import GPU_IMAGE, Cluster, netns_pid
 from tests.agent.test_gpu_pods import checkpoint
 from tests.fake_apiserver import pod
 from tests.helpers.netns import in_netns
+from tests.workloads import hf_generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not cuda_checkpoint.available(), reason="no NVIDIA driver with the CUDA checkpoint API")]
@@ -138,7 +138,7 @@ def workload(request: pytest.FixtureRequest) -> tuple[str, Workload]:
 def reference(workload: tuple[str, Workload]) -> str:
     """The final hash after STEPS uninterrupted steps on this GPU."""
     w = workload[1]
-    out = subprocess.run([sys.executable, "-m", f"smr.workloads.{w.script}", *w.args],
+    out = subprocess.run([sys.executable, "-m", f"tests.workloads.{w.script}", *w.args],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, **COMMON, **w.env})
     m = FINAL.search(out.stdout)
@@ -262,7 +262,7 @@ def hf_reference(tmp_path: Path) -> tuple[Path, list[list[int]]]:
     model, log, port = tmp_path / "hf-model", tmp_path / "hf-reference.log", free_port()
     with open(log, "wb") as f:
         server = subprocess.Popen(
-            [sys.executable, "-m", f"smr.workloads.{HF.script}", "--dir", str(model),
+            [sys.executable, "-m", f"tests.workloads.{HF.script}", "--dir", str(model),
              "--port", str(port)], stdout=f, stderr=subprocess.STDOUT,
             env={**os.environ, **COMMON, **HF.env})
     try:

@@ -24,8 +24,8 @@ import pytest
 
 from services.containers.host import Shim
 from services.restorer.pod import PodRestoreStep
-from smr import cuda_checkpoint, gpuinfo
-from smr.messages import CkptRequested, RestoreRequested, Target
+from smr.contract.messages import CkptRequested, RestoreRequested, Target
+from smr.gpu import cuda_checkpoint, gpuinfo
 from tests.agent.cluster import USR_IMAGE, Cluster
 from tests.agent.test_dev_shm_pods import steps_of
 from tests.agent.test_injection import create, plain_pod

@@ -31,8 +31,8 @@ import pytest
 
 from services.containers import host
 from services.storage.layout import template_id
-from smr import cuda_checkpoint, gpuinfo
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
+from smr.gpu import cuda_checkpoint, gpuinfo
 from tests.agent.cluster import GPU_IMAGE, TRAIN, Cluster
 from tests.fake_apiserver import pod
 from tests.fake_kubelet import node_gpus

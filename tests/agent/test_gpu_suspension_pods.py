@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from smr import cuda_checkpoint
+from smr.gpu import cuda_checkpoint
 from tests.agent.cluster import Cluster
 from tests.agent.test_gpu_pods import assert_resumed, finish, steps, train_pod, uninterrupted
 from tests.agent.test_suspension_pods import gone, index_pods, workload

@@ -50,7 +50,7 @@ from services.checkpointer import pod as ckpt_pod
 from services.containers import confined, gpus, inventory, rootfs
 from services.containers.host import Shim
 from services.restorer import pod as restore_pod
-from smr.errors import SmrError
+from smr.contract.errors import SmrError
 from tests.agent.cluster import Cluster, workload
 from tests.agent.opens import Opens
 from tests.agent.runc_bundle import busybox_bundle

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.containers.host import Shim
-from smr.criu import kill_tree
+from smr.process.criu import kill_tree
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import (
     ENTRY_IMAGE,
     IMAGE,

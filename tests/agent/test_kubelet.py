@@ -21,7 +21,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from services.containers import gpus, host
 from smr.bus import KV_TIMINGS
-from smr.messages import CkptRequested, Target, epoch
+from smr.contract.messages import CkptRequested, Target, epoch
 from tests.agent.cluster import USR_IMAGE, Cluster, assert_continues, steps, workload
 from tests.agent.test_injection import create, plain_pod
 from tests.fake_kubelet import FakeGpu

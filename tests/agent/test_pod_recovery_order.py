@@ -14,7 +14,7 @@ import pytest
 
 from services.checkpointer.pod import PodCheckpointStep
 from smr.bus import Progress
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, workload
 
 

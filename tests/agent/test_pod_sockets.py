@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import REDIS_IMAGE, Cluster, netns_pid, workload
 from tests.helpers.netns import in_netns
 

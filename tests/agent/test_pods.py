@@ -12,7 +12,7 @@ import pytest
 
 from services.agent import starts
 from services.storage.service import StorageService
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests import oci_image
 from tests.agent.cluster import (
     COUNTER,

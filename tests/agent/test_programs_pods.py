@@ -55,7 +55,7 @@ import jupyter_client
 import psycopg
 import pytest
 
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster, netns_pid
 from tests.agent.test_injection import create, plain_pod
 from tests.helpers.netns import in_netns

@@ -15,7 +15,7 @@ import pytest
 from services.containers import host
 from services.containers.host import Shim
 from services.containers.pods import runtime_id
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests import oci_image
 from tests.agent.cluster import CMD, COUNTER, Cluster, workload
 

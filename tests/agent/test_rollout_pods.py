@@ -15,7 +15,7 @@ from typing import Any
 
 from services.agent.alive import StartsTurn
 from services.agent.service import NodeAgent
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import IMAGE, Cluster, assert_continues, steps, workload
 from tests.fake_apiserver import pod
 

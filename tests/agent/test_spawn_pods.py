@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import USR_IMAGE, Cluster
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_programs_pods import migrate

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, steps, workload
 
 

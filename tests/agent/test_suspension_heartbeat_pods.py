@@ -23,7 +23,7 @@ from kubernetes_asyncio import client
 
 from services.storage import layout
 from smr.bus import KV_STEPS
-from smr.messages import CkptDone, CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import Cluster, assert_continues, steps
 from tests.agent.test_injection import plain_pod
 from tests.agent.test_kubelet import hook_said

@@ -16,7 +16,7 @@ from services.storage.layout import template_id
 from services.watcher import templates
 from services.watcher.heartbeats import Beat
 from smr.config import Settings
-from smr.messages import CkptRequested, Target
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import SLOW_IMAGE, Cluster, workload
 
 ANSWER = re.compile(r"^answer (\d+) secret (\S+)$", re.M)

@@ -88,8 +88,9 @@ import orjson
 from services.checkpointer import dumpstamp
 from services.restorer.step import IDENTITY as RESTORED_IDENTITY
 from services.storage import layout
+from services.storage.claims import MISSED_RENEWALS, RENEW_S_MAX
 from services.storage.s3 import S3Backend
-from services.storage.store import MISSED_RENEWALS, RENEW_S_MAX, CheckpointStore
+from services.storage.store import CheckpointStore
 from smr import config
 from smr.bus import (
     KV_JOBS,
@@ -102,13 +103,13 @@ from smr.bus import (
     node_token,
     subject,
 )
-from smr.criu import Criu
-from smr.gpuinfo import process_tree
+from smr.contract.messages import CkptRequested, RestoreRequested, Target
 from smr.identity import ProcessIdentity
 from smr.jobs import JobLock, JobRegistry, job_key, launch, own_pid_namespace
-from smr.messages import CkptRequested, RestoreRequested, Target
 from smr.natsserver import NatsServer, free_port
-from smr.workloads import counter
+from smr.process.criu import Criu
+from smr.process.tree import process_tree
+from smrctl import demo_counter as counter
 from smrctl.embedded import windows
 from tests import nats_auth
 from tests.chaos import gpu_standin
@@ -294,7 +295,7 @@ def processes_of(w: Workload) -> list[int]:
         except OSError:
             continue
         # The counter itself, not the `unshare` that started it (its arguments name it too).
-        if (b"smr.workloads.counter" in cmd and b"python" in cmd.split(b"\0")[0]
+        if (b"smrctl.demo_counter" in cmd and b"python" in cmd.split(b"\0")[0]
                 and state != "Z"):
             found.append(int(p.name))
     return found
@@ -562,7 +563,7 @@ class Campaign:
             cwd = self.root / "jobs" / wid
             cwd.mkdir(parents=True)
             w = Workload(wid, NODES[i % 2], cwd, cwd / "out.log")
-            job = launch(wid, [sys.executable, "-m", "smr.workloads.counter", "--mib", str(MIB),
+            job = launch(wid, [sys.executable, "-m", "smrctl.demo_counter", "--mib", str(MIB),
                                "--interval", "0.05"], log=w.log, cwd=cwd, node=w.node,
                          env={**os.environ, gpu_standin.ENV: wid})
             await self.jobs.put(job)

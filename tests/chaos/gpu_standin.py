@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smr import cuda_checkpoint, frozen, gpuinfo
-from smr.cuda_checkpoint import CudaCheckpoint, CudaError, CudaState
+from smr.gpu import cuda_checkpoint, frozen, gpuinfo
+from smr.gpu.cuda_checkpoint import CudaCheckpoint
+from smr.gpu.driver import CudaError, CudaState
 
 ENV = "SMR_STANDIN_GPU"  # in a workload's environment: it "holds a GPU"
 DIR_ENV = "SMR_STANDIN_GPU_DIR"  # where the states live (shared by the nodes)

@@ -16,7 +16,7 @@ from services.storage.backend import Backend
 from services.storage.local import LocalBackend
 from services.storage.s3 import S3Backend
 from services.storage.store import CheckpointStore
-from smr.messages import Target
+from smr.contract.messages import Target
 
 
 async def main(argv: list[str]) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from smr import reaper
+from smr.process import reaper
 
 A = """
 import ctypes, subprocess, sys, threading, time

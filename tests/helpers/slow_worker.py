@@ -19,7 +19,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from smr.bus import Bus, BusConfig, Progress, Worker
-from smr.messages import CkptDone, CkptRequested
+from smr.contract.messages import CkptDone, CkptRequested
 from tests.helpers.steplocks import node_locks
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from smr.criu import explain
 from smr.natsserver import free_port
+from smr.process.criu import explain
 from tests import nats_auth
 from tests.programs import pg
 from tests.programs.conftest import other_node

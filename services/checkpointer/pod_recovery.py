@@ -1,0 +1,146 @@
+"""A pod container's checkpoint after a failure: its container brought back
+after a failed dump, and, after its worker died mid-step, what the world
+shows (a generation committed, a dump on disk, the container held) decides
+whether the step finished, failed, or runs again."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.checkpointer import takeover
+from services.checkpointer.pod_capture import _dumped_in, capture, captured
+from services.containers import host
+from services.containers.host import Shim
+from services.containers.pods import PodContainer
+from smr.bus import Progress
+from smr.contract.errors import PermanentError, SmrError
+from smr.contract.messages import CkptDone, CkptRequested
+from smr.gpu import frozen
+from smr.gpu.cuda_checkpoint import GpuStateLost, lost_after
+from smr.jobs import signal_tree
+from smr.metrics import GPU_STATE_LOST
+from smr.process.criu import dump_finished
+
+
+class PodRecovery:
+    """The recovery side of PodCheckpointStep (pod.py)."""
+
+    async def _bring_back(self, pid: int, target: str) -> None:
+        """After a failure past the GPU lock (the one being handled): the
+        workload's GPU state back, each process checked RUNNING, before its
+        tree runs on; then the failure says it keeps running. If the driver
+        does not give every process back, the workload (which could not run
+        on) is ended and the failure is GpuStateLost."""
+        failure = sys.exc_info()[1]
+        try:
+            await asyncio.shield(self.cuda.recover_tree(pid))  # type: ignore[union-attr]
+        except GpuStateLost as lost:
+            signal_tree(pid, signal.SIGKILL)
+            GPU_STATE_LOST.inc()
+            raise lost_after(lost, failure, target) from failure
+        if isinstance(failure, SmrError) and "keeps running" not in failure.message:
+            failure.message = f"{failure.message}; {target} keeps running"
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        """A worker died mid-checkpoint: committed → that result; a finished
+        dump in the work directory → store it; either way a final dump's
+        workload, held stopped, is then ended (or, if it cannot be stored,
+        runs on). Otherwise run again. Under the container's lock, taken
+        again (its worker beats for this request meanwhile): a later
+        checkpoint waits for it. A dump committed behind a later one leaves
+        latest there and is answered superseded."""
+        try:
+            c: PodContainer | None = await self.pods.container(req.target)
+            shim: Shim | None = self.shim_of(c)  # type: ignore[arg-type]
+        except PermanentError:
+            c = shim = None
+        if c is None:
+            return await self._recover(req, c, shim)
+        await self.lock.acquire(c.lock_key(), req.request_id)
+        try:
+            return await self._recover(req, c, shim)
+        finally:
+            await self.lock.release(c.lock_key(), req.request_id)
+
+    async def _recover(self, req: CkptRequested, c: PodContainer | None,
+                       shim: Shim | None) -> CkptDone | None:
+        ns = req.target.namespace or ""
+        work = self.work(req.request_id)
+        if gen := await self._committed(req):
+            current = await self.store.ensure_latest(ns, req.checkpoint_id, gen)
+            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
+            await self._drop(work)
+            return self._result(req, gen, current)
+        if c is None or shim is None:
+            return None  # run() reports it
+        if dump_finished(work / "images"):
+            if not captured(work) and not await self._capture_again(c, shim, work):
+                # Its layer and /dev/shm can no longer be read as the dump
+                # left them: never stored without them; run again.
+                await self._settle_held(req, c, shim, work, signal.SIGCONT, "")
+                await self._drop(work)
+                return None
+            try:
+                self._check_trusted(req, work)
+                gen, current = await self._durable(req, c, shim, Progress())
+            except PermanentError as e:
+                await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
+                await self._drop(work)
+                return CkptDone.for_request(req, status="failed", error=e.as_dict())
+            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
+            await self._drop(work)
+            return self._result(req, gen, current)
+        return None
+
+    async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
+                           shim: Shim | None, work: Any, sig: int, outcome: str) -> None:
+        """End (SIGKILL) or continue (SIGCONT) the workload a final dump left
+        stopped, and tell its preStop hook the ``outcome`` (as run() does: the
+        hook waits for it, and the kubelet's SIGTERM waits for the hook): only
+        in the very container that was dumped, never a restored one that has
+        replaced it since."""
+        if c is None or shim is None or _dumped_in(work) != c.container_id:
+            return  # nothing of that dump is left (settled already), or replaced
+        running = await asyncio.to_thread(shim.workload)
+        final = takeover.taken_by(work)
+        if final is not None and sig != signal.SIGKILL:
+            # A final request took this dump over, and it is not stored:
+            # the tree runs on, and that request dumps it itself (its hook
+            # waits for that one).
+            outcome = ""
+        if req.leave_running and final is None:
+            # A heartbeat's tree, left stopped by an agent that died before
+            # it ran on, runs on whatever the outcome (a SIGCONT to a
+            # running one changes nothing). A GPU tree gets its GPU state
+            # back first, its threads held meanwhile, as the resume would
+            # have done: continued without it, they run on a GPU state that
+            # is not there.
+            if running is not None and self.cuda:
+                await self.cuda.resume_tree(running[0], quiet=True)
+            elif running is not None:
+                signal_tree(running[0], signal.SIGCONT)
+            return
+        if running is not None:
+            signal_tree(running[0], sig)
+        if outcome:
+            await asyncio.to_thread(shim.final, outcome)
+
+    async def _capture_again(self, c: PodContainer, shim: Shim, work: Path) -> bool:
+        """The captures of a finished dump, cut short (the agent died), done
+        again: only from the very container dumped, its workload still held
+        stopped as the dump left it (a running one has moved on from its
+        memory image). False where they cannot be."""
+        if _dumped_in(work) != c.container_id:
+            return False
+        running = await asyncio.to_thread(shim.workload)
+        if running is None or not await asyncio.to_thread(frozen.held, host.tree(running[0])):
+            return False
+        try:
+            await capture(shim, work, host.upperdir(shim.pid), self.budget(c))
+        except PermanentError:
+            return False  # over its cap: run again, which reports it
+        return True

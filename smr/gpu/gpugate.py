@@ -1,0 +1,189 @@
+"""The gate a job passes before its GPU is locked, and again after.
+
+The driver's lock and checkpoint are a one-way door for a process it cannot
+restore: they succeed, the restore fails, and a failed restore fails for
+good (driver 580). So what the driver or CRIU is known not to bring back is
+refused here, before the lock, with smr's own code naming the process; the
+job runs on. What can appear between this check and CRIU's (a forked worker
+mapping the GPU's device files, a new io_uring) is checked again with the
+tree stopped, after the lock (``after_lock``).
+
+Everything read here is the tenant's (/proc/PID/fd, maps, environ): it is
+only compared, never followed or trusted; a forged entry refuses its own job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+from smr.contract.errors import PermanentError
+from smr.gpu.gpuinfo import check_mappings
+
+# How Linux names an io_uring instance's descriptor and its ring mappings.
+IO_URING = "anon_inode:[io_uring]"
+# Refusals a node's settings may lift (SMR_GPU_ALLOW), each where the
+# operator knows better than driver 580's measured behaviour.
+LIFTABLE = ("peer-access", "nccl-p2p")
+
+
+# What a GPU job smr starts gets unless its environment says otherwise
+# (`smr exec --gpu`, smr.jobs.gpu_env; a GPU container, the webhook):
+# Inductor's compile pool forks workers that map the GPU's device files
+# without a CUDA context, which CRIU cannot save, and after the check before
+# the lock. With one compile thread there is no pool.
+GPU_JOB_DEFAULTS = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
+class GateRefused(PermanentError):
+    code = "gpu-gate"
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+
+
+def io_uring_held(pid: int) -> str | None:
+    """How ``pid`` holds an io_uring (a descriptor or a mapping), or None."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == IO_URING:
+                return f"descriptor {fd}"
+        except OSError:
+            continue
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return None
+    return "a mapping of one" if IO_URING in maps else None
+
+
+def check_io_uring(tree: list[int]) -> None:
+    """Refuse a tree that holds an io_uring: CRIU cannot save one (it fails
+    on the ring's mapping, 'Unknown shit 600 (anon_inode:[io_uring])'), and
+    found after the GPU lock, the job's GPU state is at stake. libuv 1.50
+    and later makes one in every event loop (torchrun's rendezvous store)."""
+    for pid in tree:
+        if how := io_uring_held(pid):
+            raise GateRefused(
+                f"process {pid} ({comm(pid)}) holds an io_uring ({how}), which CRIU cannot "
+                "save; nothing was frozen", code="io-uring",
+                hint="start it with `smr exec`, or in a pod smr injects: their seccomp filter "
+                     "makes io_uring_setup fail, and libuv uses epoll instead; a job started "
+                     "with SMR_IO_URING=allow keeps io_uring and cannot be checkpointed "
+                     "(docs/compatibility.md)")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            out[k.decode(errors="replace")] = v.decode(errors="replace")
+    return out
+
+
+def _maps_nccl(pid: int) -> bool:
+    try:
+        return "/libnccl" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _maps_xla(pid: int) -> bool:
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    return "xla_extension" in maps or "/jaxlib" in maps
+
+
+def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = (),
+                released: Collection[int] = ()) -> None:
+    """Refuse what driver 580 checkpoints and never restores, told from the
+    GPUs each CUDA process holds (``gpus``: pid → GPU UUIDs, NVML's):
+
+    - a process holding contexts on two GPUs or more: with peer access
+      between them (XLA turns it on between every pair of visible GPUs, and
+      nothing switches it off) its restore fails (CUDA_ERROR_INVALID_VALUE),
+      and from outside, peer access cannot be told apart (``peer-access``);
+    - NCCL ranks of one tree on different GPUs with NCCL's P2P transport on
+      (NCCL_P2P_DISABLE not 1 in the rank's environment): each imports its
+      peer's GPU memory, and driver 580 answers that restore 801, then 304
+      for good (``nccl-p2p``).
+
+    ``allow``: refusals the node's settings lift (SMR_GPU_ALLOW); ``released``:
+    ranks that dropped their NCCL communicators on smr's request (the
+    cooperative path, smr.gpu.coopgate): they map no peer's memory."""
+    if "peer-access" not in allow:
+        for pid, held in sorted(gpus.items()):
+            if len(held) >= 2:
+                xla = " (XLA enables peer access between all visible GPUs)" \
+                    if _maps_xla(pid) else ""
+                raise GateRefused(
+                    f"process {pid} ({comm(pid)}) holds CUDA contexts on {len(held)} GPUs "
+                    f"({', '.join(sorted(held))}){xla}: driver 580 does not restore a process "
+                    "with peer access between its GPUs, and that cannot be told from outside; "
+                    "nothing was frozen, the job runs on", code="gpu-peer-access",
+                    hint="give each process one GPU (smr exec --gpus 1, or "
+                         "CUDA_VISIBLE_DEVICES); where the job uses no peer access, or the "
+                         "driver restores it, set SMR_GPU_ALLOW=peer-access on the node "
+                         "(docs/gpu.md)")
+    if "nccl-p2p" not in allow:
+        on = {p for p in gpus if p not in released and _maps_nccl(p)
+              and _environ(p).get("NCCL_P2P_DISABLE", "0").lower() not in ("1", "true")}
+        used = {u for p in on for u in gpus[p]}
+        if len(on) >= 2 and len(used) >= 2:
+            named = ", ".join(f"{p} ({comm(p)})" for p in sorted(on))
+            raise GateRefused(
+                f"NCCL ranks {named} run on {len(used)} GPUs with NCCL's P2P transport on "
+                "(NCCL_P2P_DISABLE is not 1 in their environment): each maps its peer's GPU "
+                "memory, which driver 580 checkpoints and never restores; nothing was frozen, "
+                "the job runs on", code="nccl-p2p",
+                hint="start the job with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL over "
+                     "sockets, slower); where the driver restores it, set "
+                     "SMR_GPU_ALLOW=nccl-p2p on the node (docs/gpu.md)")
+
+
+def before_lock(tree: list[int], cuda_pids: list[int], gpus: Mapping[int, Collection[str]],
+                allow: Collection[str] = (), released: Collection[int] = ()) -> None:
+    """Everything known to make the driver's or CRIU's part fail, checked on
+    the running tree before anything is locked."""
+    check_io_uring(tree)
+    check_mappings(tree, cuda_pids)
+    check_peers(gpus, allow, released)
+
+
+def after_lock(tree: list[int], cuda_pids: list[int]) -> None:
+    """The checks whose subject can appear after ``before_lock`` ran (a
+    worker of a compile pool mapping the GPU's devices; a new io_uring),
+    again on the tree smr holds stopped, just before CRIU sees it."""
+    check_io_uring(tree)
+    check_mappings(tree, cuda_pids)
+
+
+def restore_cause(gpu: Mapping[str, object] | None) -> str:
+    """What the checkpoint's recorded facts (its manifest's ``gpu``) say of
+    why the driver may refuse its restore; empty where they say nothing."""
+    held = (gpu or {}).get("processes") or {}
+    if not isinstance(held, Mapping):
+        return ""
+    several = sorted(str(p) for p, u in held.items() if isinstance(u, list) and len(u) >= 2)
+    if several:
+        return (f"process {', '.join(several)} held CUDA contexts on two GPUs or more when "
+                "checkpointed: driver 580 does not restore a process with peer access between "
+                "its GPUs (XLA turns it on between all visible GPUs); checkpoint such a job "
+                "with one GPU per process (docs/gpu.md)")
+    return ""

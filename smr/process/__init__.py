@@ -1,0 +1,5 @@
+"""The process side: CRIU (criu.py, images streamed to it: imagestream.py,
+a stopped CRIU continued: unstop.py), a process tree (tree.py), its
+sockets and the network lock (sockets.py, netlock.py), its /dev/shm
+links (linkremap.py), reaping local jobs (reaper.py) and the io_uring
+filter (seccomp.py). Stands on smr.contract.schemas only."""

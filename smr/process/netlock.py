@@ -1,0 +1,162 @@
+"""Undoing what a dump that kept TCP connections leaves behind, for a tree
+that runs on instead of being restored.
+
+A dump with ``--tcp-established`` that leaves the tree stopped (or kills it)
+expects a restore on this node: CRIU keeps each dumped socket in TCP repair
+mode (it sends nothing, not even a reset) and an nftables table,
+``inet CRIU-<run id>``, dropping the connections' packets, so that the peers
+see a pause until the restore, which unlocks both. If the checkpoint cannot be
+stored, no restore comes: smr continues the stopped tree, and without this the
+connections stay dead for good (the process writes into a socket that never
+sends; its peer's packets are dropped) and the table stays in the node's
+network namespace for ever. So does a CRIU killed before it ends (past its
+timeout, by the OOM killer), whatever the dump: it never unlocks.
+
+Both are undone the way CRIU's restore does: repair mode off on each of the
+tree's TCP sockets in it (a copy of the descriptor through pidfd_getfd(2);
+the socket is the process's, unchanged otherwise), then the
+table deleted (the nft command; `make setup` and the agent image install it).
+Only the table of this dump's CRIU run is touched: another job's dump may be
+holding its own at the same moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+from smr.process.tree import process_tree
+
+log = logging.getLogger(__name__)
+
+TCP_REPAIR = 19  # linux/tcp.h
+TCP_REPAIR_OFF = 0
+_SYS_PIDFD_GETFD = 438  # x86_64 and arm64 (asm-generic) alike
+
+_RUN_ID = re.compile(r"CRIU run id = ([0-9a-f-]{36})")
+# CRIU names its table "inet CRIU-<run id>" in a 32-byte buffer: the id is cut
+# after 21 characters (criu/netfilter.c, nftables_get_table).
+_TABLE_ID_CHARS = 21
+
+
+def table_of(dump_log: Path) -> str | None:
+    """The nftables table a CRIU dump locked its connections with, from the
+    run id on the first line of its log (written at -v4), or None."""
+    try:
+        with open(dump_log, "rb") as f:
+            head = f.read(4096).decode(errors="replace")
+    except OSError:
+        return None
+    m = _RUN_ID.search(head)
+    return f"CRIU-{m.group(1)[:_TABLE_ID_CHARS]}" if m else None
+
+
+async def release(root: int, dump_log: Path) -> bool:
+    """Give the tree under ``root`` its kept connections back after the dump
+    logged in ``dump_log``: repair mode off, the dump's lock table deleted.
+    True if there was a lock to undo (none where CRIU unlocked itself). Call
+    it before a stopped tree runs again: a process continued first would
+    write into a socket that sends nothing."""
+    table = table_of(dump_log)
+    if table is None:
+        return False
+    if nft_binary() is None:
+        log.warning("nft is missing: CRIU's lock table inet %s may stay, and the TCP "
+                    "connections of process %d stay dead; install nftables (`make setup` "
+                    "does)", table, root)
+        return False
+    if not await _table_exists(table):
+        return False  # CRIU unlocked itself (a failed dump) or kept nothing
+    turned = await asyncio.to_thread(repair_off, process_tree(root))
+    await _nft("delete", "table", "inet", table)
+    log.info("released %d kept TCP connection(s) of process %d and CRIU's lock %s",
+             turned, root, table)
+    return True
+
+
+def repair_off(pids: list[int]) -> int:
+    """Turn TCP repair mode off on each TCP socket the processes ``pids``
+    hold that is in it; how many. Not only established ones: CRIU keeps a
+    half-closed connection too (CLOSE_WAIT: the peer has sent all it will and
+    waits for the answer; FIN_WAIT, LAST_ACK, CLOSING), and one left in
+    repair mode sends nothing, not even its close. A socket not in repair
+    mode is left as it is (turning it off would reset its SO_REUSEADDR and
+    send a window probe), so is every socket of a process that only took a
+    listed pid meanwhile."""
+    done = 0
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            for fd in _socket_fds(pid):
+                with contextlib.suppress(OSError):
+                    copy = _pidfd_getfd(pidfd, fd)
+                    try:
+                        s = socket.socket(fileno=copy)
+                        try:
+                            if s.family in (socket.AF_INET, socket.AF_INET6) \
+                                    and s.type == socket.SOCK_STREAM \
+                                    and s.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR):
+                                s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF)
+                                done += 1
+                        finally:
+                            s.detach()
+                    finally:
+                        os.close(copy)
+        finally:
+            os.close(pidfd)
+    return done
+
+
+def _socket_fds(pid: int) -> list[int]:
+    fds = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                # readlink of a /proc fd entry is the kernel's text, never a
+                # path of the tenant's that would be followed.
+                if os.readlink(entry.path).startswith("socket:["):
+                    fds.append(int(entry.name))
+    return fds
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    copy = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if copy < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(copy)
+
+
+def nft_binary() -> str | None:
+    return shutil.which("nft") or next(
+        (p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+
+
+async def _table_exists(table: str) -> bool:
+    return await _nft("list", "table", "inet", table, quiet=True)
+
+
+async def _nft(*args: str, quiet: bool = False) -> bool:
+    nft = nft_binary()
+    if nft is None:
+        return False
+    proc = await asyncio.create_subprocess_exec(
+        nft, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    if proc.returncode != 0 and not quiet:
+        log.warning("nft %s failed: %s", " ".join(args), err.decode(errors="replace").strip())
+    return proc.returncode == 0
