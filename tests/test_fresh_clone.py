@@ -150,8 +150,17 @@ def test_the_readme_one_machine_section_runs_as_written_on_a_fresh_clone(
             assert r.returncode == 0, f"`{line}` exited {r.returncode}:\n{said}"
             _clean(f"`{line}`", said)
         assert up is not None, "the section starts no `smr up &`"
+    except BaseException:
+        # What `smr up` and the jobs said, for the failure's report (pytest shows it).
+        for log in [up_out, *sorted((tmp_path / "data" / "logs").glob("*.log"))]:
+            if log.is_file():
+                print(f"--- {log.name}:\n{log.read_text(errors='replace')[-4000:]}")
+        raise
     finally:
-        for job in jobs:  # before `smr up` stops: a kill needs it
+        # Every job recorded (a restore records its own), before `smr up` stops: a kill needs it.
+        ps = subprocess.run(["bash", "-c", "\n".join([*shell, "smr ps"])], cwd=clone, env=env,
+                            capture_output=True, text=True, timeout=120)
+        for job in {*jobs, *(ln.split()[0] for ln in ps.stdout.splitlines()[1:] if ln.strip())}:
             subprocess.run(["bash", "-c", "\n".join([*shell, f"smr kill {shlex.quote(job)}"])],
                            cwd=clone, env=env, capture_output=True, timeout=120)
         if up is not None:
