@@ -97,8 +97,9 @@ async def url_of_running(settings: Settings) -> str:
                 raise SmrError(f"smr up (pid {said}) stopped before it started serving",
                                code="not-running",
                                hint="its output says why; start it again with `smr up`")
-            # No `smr up` here: a URL file left is tried (it fails as unreachable).
-            return _read(url_file(settings))
+            # No `smr up` here: a URL file left is a dead one's (only the
+            # holder writes it), not worth ten seconds of reconnecting.
+            return ""
         if url := _read(url_file(settings)):
             return url
         if said is None:
