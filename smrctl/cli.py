@@ -16,32 +16,25 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from services.storage.settings import make_store
-from smr import config, metrics
-from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
-from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus
+# Only what parsing and `smr up`'s lock need: the rest is imported by the
+# command that uses it (two seconds of imports), after `smr up` holds its
+# data directory, so that a command started beside it finds it starting.
+from smr import config
 from smr.contract.errors import SmrError
-from smr.contract.messages import (
-    CkptDone,
-    CkptRequested,
-    RestoreDone,
-    RestoreRequested,
-    Target,
-    epoch,
-)
-from smr.gpu import coopgate
 from smr.gpu.gpupairs import GPU_UUID
-from smr.jobs import JobChanged, JobLock, JobRegistry, gpu_env, job_key, launch, signal_tree
 from smr.process import sockets
-from smrctl import embedded
-from smrctl.status import fmt_bytes
+from smrctl import uplock
+
+if TYPE_CHECKING:
+    from smr.bus import Bus
+    from smr.contract.messages import CkptDone, CkptRequested, RestoreDone, RestoreRequested
 
 
 def _progress_printer() -> Any:
+    from smrctl.status import fmt_bytes
+
     start = time.monotonic()
     tty = sys.stderr.isatty()
     last = [""]
@@ -60,6 +53,9 @@ def _progress_printer() -> Any:
 
 
 def _report(result: CkptDone | RestoreDone, what: str) -> int:
+    from smr.contract.messages import CkptDone, RestoreDone
+    from smrctl.status import fmt_bytes
+
     if sys.stderr.isatty():
         print("\r".ljust(62), end="\r", file=sys.stderr)
     if result.status == "succeeded":
@@ -104,12 +100,16 @@ async def _wait(bus: Bus, rid: str, kind: str, what: str, timeout: float) -> int
 # -- commands -------------------------------------------------------------------------
 
 async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
+    from smr import metrics
+    from smr.aio import dump_tasks_on_signal, ended_why, until_stopped
+    from smrctl import embedded
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     dump_tasks_on_signal()
-    async with embedded.EmbeddedNode(s) as node:
+    async with embedded.EmbeddedNode(s, held=a.held) as node:
         served = None
         if s.metrics_port:
             try:
@@ -140,6 +140,8 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_node_consumers(s: config.Settings, a: argparse.Namespace) -> int:
     """The operator's step for `smr up` on a shared NATS: each machine's
     request durables, which its own user may not create (docs/security.md)."""
+    from smrctl import embedded
+
     bus = await embedded.connect(s)
     try:
         for node in a.nodes:
@@ -153,6 +155,11 @@ async def cmd_node_consumers(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
     if not a.cmd:
         raise SmrError("no command given", hint="smr exec -i ID -- CMD [ARGS...]")
+    from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS
+    from smr.gpu import coopgate
+    from smr.jobs import JobChanged, JobLock, JobRegistry, gpu_env, job_key, launch, signal_tree
+    from smrctl import embedded
+
     bus = await embedded.connect(s)
     # Under the job's lock, as its checkpoints and restores: a restore of
     # this id in progress is waited for, then seen running.
@@ -216,6 +223,10 @@ def _runnable(program: str) -> None:
 
 
 async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
+    from smr.bus import KV_JOBS
+    from smr.jobs import JobRegistry, job_key
+    from smrctl import embedded
+
     bus = await embedded.connect(s)
     try:
         jobs = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).all(
@@ -232,6 +243,8 @@ async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
 async def _request(s: config.Settings, a: argparse.Namespace,
                    req: CkptRequested | RestoreRequested, what: str) -> int:
     """Publish a request; with --wait, show its progress and result."""
+    from smrctl import embedded
+
     bus = await embedded.connect(s)
     try:
         ack = await bus.publish(req)
@@ -245,6 +258,8 @@ async def _request(s: config.Settings, a: argparse.Namespace,
 
 
 async def cmd_checkpoint(s: config.Settings, a: argparse.Namespace) -> int:
+    from smr.contract.messages import CkptRequested, Target
+
     return await _request(s, a, CkptRequested(
         request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
         target=Target.job(a.id), node=s.node, reason="api",
@@ -253,6 +268,8 @@ async def cmd_checkpoint(s: config.Settings, a: argparse.Namespace) -> int:
 
 
 async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
+    from smr.contract.messages import RestoreRequested, Target
+
     return await _request(s, a, RestoreRequested(
         request_id=a.request_id or uuid.uuid4().hex, checkpoint_id=a.id,
         target=Target.job(a.as_id or a.id), node=s.node, reason="api",
@@ -274,6 +291,9 @@ def gpu_list(text: str) -> list[str]:
 
 async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
     from services.storage.layout import LOCAL_NAMESPACE
+    from services.storage.settings import make_store
+    from smr.contract.messages import epoch
+    from smrctl.status import fmt_bytes
 
     gens = await make_store(s).generations(LOCAL_NAMESPACE, a.id)
     if not gens:
@@ -289,7 +309,9 @@ async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
 
 
 async def cmd_status(s: config.Settings, a: argparse.Namespace) -> int:
-    from smrctl import status
+    import orjson
+
+    from smrctl import embedded, status
 
     bus = await embedded.connect(s)
     try:
@@ -301,6 +323,10 @@ async def cmd_status(s: config.Settings, a: argparse.Namespace) -> int:
 
 
 async def cmd_kill(s: config.Settings, a: argparse.Namespace) -> int:
+    from smr.bus import KV_JOBS
+    from smr.jobs import JobRegistry, job_key
+    from smrctl import embedded
+
     bus = await embedded.connect(s)
     try:
         job, _ = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).get(a.id)
@@ -447,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         s = config.load()
         if a.command == "config":
             return cmd_config(s, a)
+        # `smr up` holds its data directory first thing: a command started
+        # beside it (`smr up &` then `smr exec`) then finds it starting.
+        a.held = uplock.hold_data_dir(s) if a.command == "up" else None
         return asyncio.run(COMMANDS[a.command](s, a))
     except SmrError as e:
         print(f"smr {a.command}: {e}", file=sys.stderr)

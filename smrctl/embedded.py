@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
@@ -29,6 +28,7 @@ from smr.jobs import JobLock, JobRegistry, job_key
 from smr.natsserver import NatsServer
 from smr.process import reaper
 from smr.process.criu import Criu
+from smrctl.uplock import hold_data_dir, url_file, url_of_running, write_holder
 
 log = logging.getLogger("smr.embedded")
 
@@ -43,47 +43,6 @@ def windows(s: Settings) -> dict[str, int]:
     """Each request kind's window of this machine's workers (max_ack_pending
     of its durables): made by whoever makes them (`smr node-consumers`)."""
     return {"ckpt.requested": 1, "restore.requested": s.restores_per_node}
-
-
-def url_file(settings: Settings) -> Path:
-    """The embedded NATS's URL with its token: root-only, like the data dir."""
-    return settings.data_path / "nats.url"
-
-
-def lock_file(settings: Settings) -> Path:
-    """Held by the one `smr up` of a data directory; says its PID and its nats-server's."""
-    return settings.data_path / "up.lock"
-
-
-def hold_data_dir(settings: Settings) -> tuple[int, str]:
-    """An flock on the data directory's lock file for as long as this node
-    runs: a second `smr up` there would start a second nats-server on the
-    same JetStream directory and take over the first one's URL file. The
-    kernel lets it go however this process ends. Returns the descriptor and
-    what the last holder wrote (its nats-server may have outlived it)."""
-    path = lock_file(settings)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 256, 0).decode(errors="replace").split()
-        os.close(fd)
-        raise SmrError(
-            f"smr up is already running on {settings.data_path} "
-            f"(pid {holder[0] if holder else '?'})", code="already-running",
-            hint="use that one (`smr ps`), or stop it first; for a second node on this "
-            "machine give it its own SMR_DATA_DIR") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    last = os.pread(fd, 256, 0).decode(errors="replace")
-    _write_holder(fd, f"{os.getpid()}\n")
-    return fd, last
-
-
-def _write_holder(fd: int, text: str) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, text.encode(), 0)
 
 
 def end_leftover_server(last_holder: str, store_dir: Path) -> None:
@@ -122,8 +81,11 @@ def write_private(path: Path, text: str) -> None:
 class EmbeddedNode:
     """Everything a node runs, started and stopped in order."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, held: tuple[int, str] | None = None) -> None:
+        """``held``: the data directory's lock, where `smr up` took it before
+        its imports (smrctl.uplock); else it is taken at the start."""
         self.settings = settings
+        self._held = held
         self.server: NatsServer | None = None
         self.bus: Bus | None = None
         self.workers: list[Worker] = []
@@ -146,7 +108,8 @@ class EmbeddedNode:
         # NATS token: the data dir is its owner's alone.
         s.data_path.mkdir(parents=True, exist_ok=True)
         os.chmod(s.data_path, 0o700)
-        self._lock_fd, last = hold_data_dir(s)
+        self._lock_fd, last = self._held or hold_data_dir(s)
+        self._held = None  # the descriptor is closed at the stop
         # The trees CRIU restores come to this process when CRIU exits, not
         # to PID 1 (which may never reap them): see smr.process.reaper.
         if not reaper.become_subreaper():
@@ -167,7 +130,7 @@ class EmbeddedNode:
             # the thread that started it, and this one lives as long as we do.
             self.server.spawn()
             assert self.server.proc is not None
-            _write_holder(self._lock_fd, f"{os.getpid()} {self.server.proc.pid}\n")
+            write_holder(self._lock_fd, f"{os.getpid()} {self.server.proc.pid}\n")
             await asyncio.to_thread(self.server.wait_listening)
             write_private(url_file(s), self.server.client_url)
         tracing.setup("node")
@@ -254,42 +217,11 @@ async def _reap_forever(interval: float = 0.5) -> None:
         await asyncio.sleep(interval)
 
 
-STARTING_WAIT_S = 60.0  # a `smr up` that holds its data directory but has no URL yet
-
-
-def held(settings: Settings) -> bool:
-    """Whether a `smr up` holds this data directory (is starting or running)."""
-    try:
-        fd = os.open(lock_file(settings), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-async def _url_of_running(settings: Settings) -> str:
-    """The running `smr up`'s URL; one that is still starting (`smr up &`
-    then a command at once) is waited for rather than called not running."""
-    deadline = time.monotonic() + STARTING_WAIT_S
-    while True:
-        try:
-            return url_file(settings).read_text().strip()
-        except OSError:
-            if not held(settings) or time.monotonic() > deadline:
-                return ""
-        await asyncio.sleep(0.1)
-
-
 async def connect(settings: Settings) -> Bus:
     """The bus of the running `smr up` (or SMR_NATS_URL) for CLI commands."""
     url = settings.nats_url
     if not url:
-        url = await _url_of_running(settings)
+        url = await url_of_running(settings)
     if not url:
         raise SmrError("smr is not running on this machine", code="not-running",
                        hint="start it with `smr up` (or set SMR_NATS_URL)")

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+import smr.jobs
 from services.restorer.step import IDENTITY
 from services.storage.layout import LOCAL_NAMESPACE
 from smr import config
@@ -834,7 +835,8 @@ async def test_smr_exec_never_overwrites_a_job_record_a_restore_wrote_meanwhile(
         t.join()
         return started
 
-    monkeypatch.setattr(cli, "launch", launch_while_a_restore_records)
+    # smr.jobs's: `smr exec` imports its parts when it runs (smrctl/cli.py).
+    monkeypatch.setattr(smr.jobs, "launch", launch_while_a_restore_records)
     args = argparse.Namespace(id=job_id, cmd=["sleep", "600"], log=None, gpu=False,
                               gpus=None, tcp="auto")
     err: SmrError | None = None
