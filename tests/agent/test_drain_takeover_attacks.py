@@ -8,13 +8,25 @@ until the final request's step has started."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from services.checkpointer import pod
+from services.checkpointer.pod import PodCheckpointStep
 from services.storage.layout import template_id
+from smr.bus import Progress
+from smr.errors import PermanentError
 from smr.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster
 from tests.agent.test_drain_takeover import (
+    _ballast_pids,
+    _state,
     drain_image,  # noqa: F401  (a fixture)
     in_order,
     records,
@@ -54,3 +66,84 @@ async def test_a_final_during_a_template_dump_of_another_lineage_stores_the_pods
     assert [(r, lr) for _, r, lr in records(own)] == [("drain", False)], \
         f"the pod's lineage holds {records(own)}; the template's {records(shared)}"
     await resumes_intact(cluster, "templated", a, b)
+
+
+@pytest.mark.parametrize("first", ["final", "leave-running"])
+async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_request_comes_back_first(
+        cluster: Cluster, drain_image: Path, first: str) -> None:  # noqa: F811
+    """The final request has taken over the frozen leave-running dump (its
+    marker written); the agent dies before storing it, both steps cut off.
+    Redelivered (the worker's recover(), then run() where that answers
+    nothing), in either order: one generation, the final one, both requests
+    answered with it, the workload ended."""
+    a = next(iter(cluster.kubelets))
+    await start(cluster, drain_image, "crashed", a)
+    [step] = [o for o in gc.get_objects()
+              if isinstance(o, PodCheckpointStep) and o.node == a]
+    p = cluster.kube.get("pods", "crashed", "default")
+    assert p is not None
+    target = Target(kind="pod", namespace="default", pod="crashed", container="main",
+                    pod_uid=p["metadata"]["uid"])
+    lr = CkptRequested(request_id=f"cordon-{uuid.uuid4().hex[:8]}", checkpoint_id="crashed.main",
+                       node=a, reason="cordon", leave_running=True, target=target)
+    final = CkptRequested(request_id=f"final-{uuid.uuid4().hex[:8]}",
+                          checkpoint_id="crashed.main", node=a, reason="drain",
+                          leave_running=False, target=target)
+    final_started = asyncio.Event()
+    real_capture, real_commit = pod.capture, step.store.commit
+    final_task: asyncio.Task[Any] | None = None
+
+    async def capture(shim: Any, work: Path, *args: Any) -> None:
+        if work.name == lr.request_id:
+            await asyncio.wait_for(final_started.wait(), 60)
+        await real_capture(shim, work, *args)
+
+    async def die_after_dump(ns: str, ckpt: str, src: Path, meta: dict[str, Any], *,
+                             writer: Any = None, on_bytes: Any = None) -> Any:
+        if meta["request_id"] == lr.request_id:
+            await writer
+            assert final_task is not None
+            final_task.cancel()  # the agent dies: both steps end here
+            raise asyncio.CancelledError
+        return await real_commit(ns, ckpt, src, meta, writer=writer, on_bytes=on_bytes)
+
+    pod.capture, step.store.commit = capture, die_after_dump  # type: ignore[method-assign]
+    try:
+        leave = asyncio.create_task(step.run(lr, Progress()))
+        await until_frozen()
+        dumped = _ballast_pids()
+        final_task = asyncio.create_task(step.run(final, Progress()))
+        await asyncio.sleep(0.5)  # its step has started: it sees the dump frozen
+        final_started.set()
+        for t in (leave, final_task):
+            with pytest.raises(asyncio.CancelledError):
+                await t
+    finally:
+        pod.capture, step.store.commit = real_capture, real_commit  # type: ignore[method-assign]
+
+    state = {"state": "running", "heartbeat": 0}
+
+    async def redeliver(req: CkptRequested) -> tuple[str, int | None]:
+        try:  # as the worker answers it
+            d = await step.recover(req, state) or await step.run(req, Progress())
+        except PermanentError as e:
+            return f"failed {e.code}: {e}", None
+        return d.status, d.generation
+
+    order = [final, lr] if first == "final" else [lr, final]
+    got = {r.request_id: await redeliver(r) for r in order}
+    gens = await cluster.store.generations("default", "crashed.main")
+    assert [(r, lr_) for _, r, lr_ in records(gens)] == [("drain", False)], records(gens)
+    assert gens[0].manifest.get("final_request_id") == final.request_id, gens[0].manifest
+    assert got == {final.request_id: ("succeeded", gens[0].number),
+                   lr.request_id: ("succeeded", gens[0].number)}, got
+    # The dumped tree ended (the kubelet may start the container again
+    # meanwhile: no eviction holds it here).
+    deadline = time.monotonic() + 30  # a SIGKILLed tree of 384 MiB takes a moment
+    while True:
+        alive = [pid for pid in dumped if Path(f"/proc/{pid}").exists()]
+        if not alive or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert not alive, ("the dumped workload outlived its final checkpoint: "
+                       f"{[(pid, _state(pid)) for pid in alive]}")
