@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import time
 import uuid
 from pathlib import Path
@@ -19,11 +20,12 @@ import pytest
 
 from services.checkpointer import pod
 from services.checkpointer.pod import PodCheckpointStep
+from services.storage.backend import StorageError
 from services.storage.layout import template_id
 from smr.bus import Progress
 from smr.errors import PermanentError
 from smr.messages import CkptRequested, Target
-from tests.agent.cluster import Cluster
+from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_drain_takeover import (
     _ballast_pids,
     _state,
@@ -35,6 +37,8 @@ from tests.agent.test_drain_takeover import (
     until_frozen,
 )
 from tests.agent.test_kubelet import evict, hook_said
+
+NODE_RESTORE = {"smr.dev/node-restore": "true"}
 
 
 async def test_a_final_during_a_template_dump_of_another_lineage_stores_the_pods_final(
@@ -147,3 +151,42 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
         await asyncio.sleep(0.2)
     assert not alive, ("the dumped workload outlived its final checkpoint: "
                        f"{[(pid, _state(pid)) for pid in alive]}")
+
+
+async def test_a_storage_blip_before_a_final_dump_does_not_fail_the_final(
+        cluster: Cluster) -> None:
+    """An eviction with no dump in flight: one read of the store fails (an S3
+    503) as the final request starts. Nothing is frozen yet and the store is
+    back at once: the final checkpoint is still taken and stored within the
+    grace (a dump's own storage errors are retried until the commit
+    deadline), and the replacement resumes from it."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("blip", a, labels=NODE_RESTORE, final_wait=25, grace=30))
+    await cluster.until_steps("blip", a, 3)
+    [step] = [o for o in gc.get_objects()
+              if isinstance(o, PodCheckpointStep) and o.node == a]
+    real = step.store.latest
+    failed: list[str] = []
+
+    async def blip(namespace: str, checkpoint_id: str) -> Any:
+        if not failed and any(f.function == "_taken_over" for f in inspect.stack()):
+            failed.append(checkpoint_id)
+            raise StorageError(f"injected: S3 503 reading latest of {checkpoint_id}",
+                               hint="a test fault")
+        return await real(namespace, checkpoint_id)
+
+    step.store.latest = blip  # type: ignore[method-assign]
+    try:
+        await evict(cluster, "blip")
+        await cluster.recreated("blip", timeout=90)
+    finally:
+        step.store.latest = real  # type: ignore[method-assign]
+
+    assert failed, "the final request never read latest: the fault was not injected"
+    said = hook_said(cluster, a, "blip")
+    gens = await cluster.store.generations("default", "blip.main")
+    assert "final checkpoint done" in said, f"{failed}: the hook said {said!r}; {records(gens)}"
+    before = steps(cluster.log("blip", a))
+    cluster.schedule("blip", b)
+    after = await cluster.until_steps("blip", b, 5, timeout=90)
+    assert_continues(before, after, before[-1][0])
