@@ -190,3 +190,58 @@ async def test_a_storage_blip_before_a_final_dump_does_not_fail_the_final(
     cluster.schedule("blip", b)
     after = await cluster.until_steps("blip", b, 5, timeout=90)
     assert_continues(before, after, before[-1][0])
+
+
+async def test_a_cordon_dump_stepping_aside_before_its_freeze_leaves_one_final(
+        cluster: Cluster) -> None:
+    """kubectl drain: the cordon's dump holds the container's lock, not yet
+    frozen, when the eviction's final request starts. It steps aside
+    (``taken-over``); the final request dumps, once; the replacement
+    resumes from that final checkpoint at the next step."""
+    a, b = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("aside", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("aside", a, 3)
+    [step] = [o for o in gc.get_objects()
+              if isinstance(o, PodCheckpointStep) and o.node == a]
+    final_started, waited = asyncio.Event(), asyncio.Event()
+    real_run, real_estimate = step.run, step.estimate
+    answers: dict[str, Any] = {}
+
+    async def run(req: CkptRequested, progress: Any) -> Any:
+        if req.target.pod == "aside" and not req.leave_running:
+            final_started.set()
+        try:
+            done = await real_run(req, progress)
+        except Exception as e:
+            answers[req.request_id] = (req.leave_running, f"failed {getattr(e, 'code', e)}")
+            raise
+        answers[req.request_id] = (req.leave_running, done.status)
+        return done
+
+    async def estimate(req: CkptRequested) -> int:
+        if req.target.pod == "aside" and req.leave_running:
+            waited.set()  # under the lock, before anything is frozen
+            await asyncio.wait_for(final_started.wait(), 60)
+        return await real_estimate(req)
+
+    step.run, step.estimate = run, estimate  # type: ignore[method-assign]
+    try:
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await asyncio.wait_for(waited.wait(), 60)
+        await evict(cluster, "aside")
+        await cluster.recreated("aside", timeout=90)
+    finally:
+        step.run, step.estimate = real_run, real_estimate  # type: ignore[method-assign]
+
+    assert "final checkpoint done" in hook_said(cluster, a, "aside")
+    gens = await cluster.store.generations("default", "aside.main")
+    assert [(r, lr) for _, r, lr in records(gens)] == [("drain", False)], \
+        f"{records(gens)}; answers {answers}"
+    assert sorted(answers.values()) == [(False, "succeeded"), (True, "failed taken-over")], \
+        answers
+    before = steps(cluster.log("aside", a))
+    cluster.schedule("aside", b)
+    after = await cluster.until_steps("aside", b, 5, timeout=90)
+    assert_continues(before, after, before[-1][0])
+    assert after[0][0] == before[-1][0] + 1, "steps lost after the final checkpoint"
