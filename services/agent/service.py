@@ -76,7 +76,8 @@ class NodeAgent:
                    ahead=LOOK_AHEAD,
                    admission=CheckpointAdmission(s.work_path / "pods", checkpoints.estimate,
                                                  s.checkpoint_scratch,
-                                                 s.kubelet_eviction_hard)),
+                                                 s.kubelet_eviction_hard,
+                                                 rides=checkpoints.rides)),
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
         ]

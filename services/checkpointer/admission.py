@@ -59,9 +59,11 @@ def urgency(req: CkptRequested) -> int:
 
 class CheckpointAdmission:
     def __init__(self, scratch: Path, estimate: Callable[[CkptRequested], Awaitable[int]],
-                 limit: int = 0, eviction: str = "") -> None:
+                 limit: int = 0, eviction: str = "",
+                 rides: Callable[[CkptRequested], bool] | None = None) -> None:
         self.scratch = scratch
         self._estimate = estimate
+        self._rides = rides  # a final that takes over a dump in flight: no slot
         self.limit = limit  # 0: the free space alone
         self.eviction = eviction  # the kubelet's --eviction-hard; "": no threshold
 
@@ -70,6 +72,9 @@ class CheckpointAdmission:
 
     async def estimate(self, req: CkptRequested) -> int:
         return await self._estimate(req)
+
+    def rides(self, req: CkptRequested) -> bool:
+        return self._rides is not None and self._rides(req)
 
     def room(self) -> int:
         free, size = space(self.scratch)

@@ -167,6 +167,12 @@ class PodCheckpointStep(PodStep):
             return rootfs.Budget(limit, f"{c.target()}'s ephemeral-storage limit")
         return rootfs.Budget(self.capture_bytes, "SMR_CAPTURE_BYTES")
 
+    def rides(self, req: CkptRequested) -> bool:
+        """A final request whose container's leave-running dump is in flight
+        here, not yet run on: it takes that dump over, and starts at once."""
+        flight = None if req.leave_running else self.flights.flight(takeover.key(req.target))
+        return flight is not None and flight.phase in ("before", "frozen")
+
     async def estimate(self, req: CkptRequested) -> int:
         """The bytes this request's dump will write: its workload's resident
         memory, or its last dump's size if larger, and what its writable
@@ -192,7 +198,7 @@ class PodCheckpointStep(PodStep):
             c = await self.pods.container(req.target)
             flight = self.flights.flight(key)
             if flight is not None and flight.container_id == c.container_id and \
-                    (got := await takeover.wait(flight, req)):
+                    (got := await takeover.wait(flight, req, progress)):
                 return self._result(req, *got, durations={"total": time.monotonic() - t0},
                                     started_at=started)
             return await self._run(req, progress, c, started, t0)
@@ -427,7 +433,16 @@ class PodCheckpointStep(PodStep):
         if final is None:
             flight.phase = "ran-on"
             return False
-        takeover.hold_for(work, req, final)
+        try:
+            takeover.hold_for(work, req, final)
+        except OSError as e:
+            # Not recorded, so not taken over: the tree runs on, and the
+            # final request dumps it itself.
+            log.warning("dump %s of %s cannot be held for final checkpoint %s (%s); it runs "
+                        "on", req.request_id, req.target, final.request_id, e)
+            takeover.marker(work).unlink(missing_ok=True)
+            flight.phase = "ran-on"
+            return False
         if flight.meta is not None:
             takeover.as_final(flight.meta, final)
         flight.phase = "taken"

@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from services.storage.store import Generation
+from smr.bus import Progress
 from smr.identity import write_durably
 from smr.messages import CkptRequested, Target
 
@@ -111,10 +112,12 @@ class Flights:
                 del self._finals[key]
 
 
-async def wait(flight: Flight, req: CkptRequested) -> tuple[Generation, bool] | None:
+async def wait(flight: Flight, req: CkptRequested,
+               progress: Progress) -> tuple[Generation, bool] | None:
     """What ``req`` (a final request) gets from ``flight``: the generation of
     the dump it took over, or None where it must dump itself."""
     if flight.phase == "frozen":
+        progress.update("taking-over", taking_over=flight.request_id)
         log.info("final checkpoint %s of %s takes over dump %s in flight (frozen): "
                  "one dump", req.request_id, req.target, flight.request_id)
         got = await asyncio.shield(flight.outcome)

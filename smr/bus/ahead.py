@@ -46,6 +46,15 @@ class Admission(Protocol):
         ...
 
 
+def rides(admission: Admission | None, req: Any) -> bool:
+    """Does ``req`` only wait on a step in flight (a final checkpoint on its
+    container's leave-running dump, which it takes over)? Such a request
+    starts at once, outside the slots: waiting for one, it would find that
+    dump over and dump again. An admission without ``rides`` says no."""
+    ask = getattr(admission, "rides", None)
+    return bool(ask and req is not None and ask(req))
+
+
 @dataclass
 class Waiting:
     """A fetched request not yet started."""
@@ -54,6 +63,7 @@ class Waiting:
     request_id: str | None
     key: tuple[int, int, int]  # (urgency, stream sequence, arrival)
     estimate: int | None = None  # asked for once, when it is next to start
+    req: Any = None  # the request, parsed (None: a bad one)
 
 
 class Ahead:
@@ -89,7 +99,15 @@ class Ahead:
         urgency = -1 if req is None else \
             (self.admission.urgency(req) if self.admission else 0)
         n = next(self._arrivals)
-        self._waiting[n] = Waiting(m, rid, (urgency, seq, n))
+        self._waiting[n] = Waiting(m, rid, (urgency, seq, n), req=req)
+
+    def riders(self) -> list[Msg]:
+        """The waiting requests that ride on a step in flight (``rides``),
+        taken out to start now."""
+        if self.admission is None:
+            return []
+        out = [n for n, w in self._waiting.items() if rides(self.admission, w.req)]
+        return [self._waiting.pop(n).msg for n in out]
 
     def messages(self) -> list[Msg]:
         return [w.msg for w in self._waiting.values()]

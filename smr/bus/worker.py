@@ -142,6 +142,10 @@ class Worker:
         serving: set[asyncio.Task[None]] = set()
         try:
             while not self._stop.is_set():
+                for m in waiting.riders():  # outside the slots (smr/bus/ahead.rides)
+                    t = self._start(waiting, m, 0)
+                    serving.add(t)
+                    t.add_done_callback(serving.discard)
                 while len(serving) < self.concurrency and \
                         (nxt := await waiting.next(len(serving))):
                     t = self._start(waiting, *nxt)

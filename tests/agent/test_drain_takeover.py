@@ -27,7 +27,7 @@ import orjson
 import pytest
 
 from services import timings
-from services.checkpointer import pod
+from services.checkpointer import dumpstamp, pod
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.bus import KV_TIMINGS
@@ -98,15 +98,18 @@ async def start(cluster: Cluster, image: Path, name: str, node: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def in_order(cluster: Cluster, node: str, name: str) -> AsyncIterator[None]:
-    """The captures of ``name``'s leave-running dumps on ``node`` wait (at
-    most 60 s) until a final request for it has started there."""
+async def in_order(cluster: Cluster, node: str, name: str, wait_s: float = 60,
+                   before_freeze: bool = False) -> AsyncIterator[None]:
+    """The captures of ``name``'s leave-running dumps on ``node`` (or, with
+    ``before_freeze``, the step before it freezes anything: its dump's place
+    in the order, taken under the lock) wait (at most ``wait_s``, then go
+    on) until a final request for it has started there."""
     agent = cluster.agents[node]
     step = next(w.step.step for w in agent.workers  # the worker's Fresh(step)
                 if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
     final_started = asyncio.Event()
     leave_running: set[str] = set()
-    real_run, real_capture = step.run, pod.capture
+    real_run, real_capture, real_take = step.run, pod.capture, dumpstamp.take
 
     async def run(req: CkptRequested, progress: Any) -> Any:
         if req.target.pod == name:
@@ -118,14 +121,25 @@ async def in_order(cluster: Cluster, node: str, name: str) -> AsyncIterator[None
 
     async def capture(shim: Any, work: Path, *a: Any) -> None:
         if work.name in leave_running:
-            await asyncio.wait_for(final_started.wait(), 60)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(final_started.wait(), wait_s)
         await real_capture(shim, work, *a)
 
-    step.run, pod.capture = run, capture  # type: ignore[method-assign]
+    async def take(lock: Any, key: str, request_id: str) -> Any:
+        if request_id in leave_running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(final_started.wait(), wait_s)
+        return await real_take(lock, key, request_id)
+
+    step.run = run  # type: ignore[method-assign]
+    if before_freeze:
+        dumpstamp.take = take
+    else:
+        pod.capture = capture
     try:
         yield
     finally:
-        step.run, pod.capture = real_run, real_capture  # type: ignore[method-assign]
+        step.run, pod.capture, dumpstamp.take = real_run, real_capture, real_take  # type: ignore[method-assign]
 
 
 def records(gens: list[Any]) -> list[tuple[int, str, bool]]:
@@ -215,3 +229,91 @@ async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final
     assert [(r, lr) for _, r, lr in records(gens)] == [("drain", False)], records(gens)
     assert "final_request_id" not in gens[0].manifest, "the refused dump was stored"
     await resumes_intact(cluster, "refused", a, b)
+
+
+async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken(
+        cluster: Cluster, drain_image: Path) -> None:
+    """One checkpoint slot (SMR_CHECKPOINTS_PER_NODE=1), taken by the
+    cordon's dump: the final request still starts at once, outside the
+    slots, and takes that dump over (waiting for the slot, it would find the
+    dump over and dump again). ``in_order`` waits at most 20 s for it."""
+    a, b = list(cluster.kubelets)
+    worker = next(w for w in cluster.agents[a].workers
+                  if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    worker.concurrency = 1
+    await start(cluster, drain_image, "one-slot", a)
+    async with in_order(cluster, a, "one-slot", wait_s=20):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await until_frozen()
+        await evict(cluster, "one-slot")
+        await cluster.recreated("one-slot", timeout=120)
+    gens = await cluster.store.generations("default", "one-slot.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    assert (gens[0].manifest["reason"], gens[0].manifest["leave_running"]) == ("drain", False)
+    assert "final checkpoint done" in hook_said(cluster, a, "one-slot")
+    await resumes_intact(cluster, "one-slot", a, b)
+
+
+async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_final_one(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The cordon's step ends (cancelled from inside, as a library's given-up
+    call ends it: the worker has it redelivered) after the takeover and the
+    dump, before its manifest is stored: its work directory and the marker
+    naming the final request stay. The final request, under the lock, stores
+    that dump as the final checkpoint, ends the workload and answers the
+    hook; the cordon's redelivery stores nothing again. One generation."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "cut", a)
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+    cut: list[str] = []
+
+    async def cut_once(key: str, data: bytes, **kw: Any) -> str:
+        if key.endswith("manifest.json") and b'"final_request_id"' in data and not cut:
+            cut.append(key)
+            raise asyncio.CancelledError  # the step ends here, its dump on disk
+        return str(await real(key, data, **kw))
+
+    backend.put_bytes = cut_once
+    try:
+        async with in_order(cluster, a, "cut"):
+            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+            await until_frozen()
+            await evict(cluster, "cut")
+            await cluster.recreated("cut", timeout=120)
+    finally:
+        backend.put_bytes = real
+
+    assert cut, "the taken-over dump's manifest was never put"
+    gens = await cluster.store.generations("default", "cut.main")
+    assert len(gens) == 1, f"the drain stored {len(gens)} generations: {records(gens)}"
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert "final checkpoint done" in hook_said(cluster, a, "cut")
+    await resumes_intact(cluster, "cut", a, b)
+
+
+async def test_a_cordon_dump_not_yet_frozen_steps_aside_for_the_final_one(
+        cluster: Cluster, drain_image: Path) -> None:
+    """The final request starts while the cordon's step holds the lock and
+    has frozen nothing yet: the cordon's step ends without a dump
+    (`taken-over`), and the final request dumps, once."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "aside", a)
+    async with in_order(cluster, a, "aside", before_freeze=True):
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        # The cordon's step holds the lock once its work directory is made.
+        work_dir = cluster.agents[a].workers[0].step.step.work_dir
+        deadline = time.monotonic() + 60
+        while not any(p.is_dir() for p in work_dir.glob("*")):
+            assert time.monotonic() < deadline, "the cordon's step never began"
+            await asyncio.sleep(0.05)
+        await evict(cluster, "aside")
+        await cluster.recreated("aside", timeout=120)
+    gens = await cluster.store.generations("default", "aside.main")
+    assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
+    m = gens[0].manifest
+    assert (m["reason"], m["leave_running"]) == ("drain", False), records(gens)
+    assert "final_request_id" not in m, "the final request's own dump"
+    assert "final checkpoint done" in hook_said(cluster, a, "aside")
+    await resumes_intact(cluster, "aside", a, b)
