@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services.checkpointer import pod
+from services.checkpointer import pod, takeover
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from services.storage.layout import template_id
@@ -245,3 +245,67 @@ async def test_a_cordon_dump_stepping_aside_before_its_freeze_leaves_one_final(
     after = await cluster.until_steps("aside", b, 5, timeout=90)
     assert_continues(before, after, before[-1][0])
     assert after[0][0] == before[-1][0] + 1, "steps lost after the final checkpoint"
+
+
+async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that_one(
+        cluster: Cluster, drain_image: Path) -> None:  # noqa: F811
+    """The final request is known to the step (so the cordon's dump, ending,
+    is held for it) but looks at that dump only after: it must not dump
+    again, and both requests are answered with the one generation."""
+    a, b = list(cluster.kubelets)
+    await start(cluster, drain_image, "held", a)
+    [step] = [o for o in gc.get_objects()
+              if isinstance(o, PodCheckpointStep) and o.node == a]
+    final_started, held = asyncio.Event(), asyncio.Event()
+    real_run, real_capture, real_hold = step.run, pod.capture, step._hold_for_final
+    real_container = step.pods.container
+    answers: dict[str, Any] = {}
+    mine: set[str] = set()
+    seen: list[str] = []  # the dump's phase as the final request looks at it
+
+    async def run(req: CkptRequested, progress: Any) -> Any:
+        if req.target.pod == "held":
+            mine.add(req.request_id)
+            if not req.leave_running:
+                final_started.set()
+        done = await real_run(req, progress)
+        answers[req.request_id] = (req.leave_running, done.status, done.generation)
+        return done
+
+    async def capture(shim: Any, work: Path, *args: Any) -> None:
+        if work.name in mine:
+            await asyncio.wait_for(final_started.wait(), 60)
+        await real_capture(shim, work, *args)
+
+    def hold_for_final(*args: Any) -> bool:
+        try:
+            return real_hold(*args)
+        finally:
+            held.set()
+
+    async def container(target: Any) -> Any:
+        if target.pod == "held" and final_started.is_set() and not held.is_set():
+            await asyncio.wait_for(held.wait(), 60)  # the final looks after the hold
+            flight = step.flights.flight(takeover.key(target))
+            seen.append(flight.phase if flight else "none")
+        return await real_container(target)
+
+    step.run, pod.capture = run, capture  # type: ignore[method-assign]
+    step._hold_for_final, step.pods.container = hold_for_final, container  # type: ignore
+    try:
+        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
+        await until_frozen()
+        await evict(cluster, "held")
+        await cluster.recreated("held", timeout=120)
+    finally:
+        step.run, pod.capture = real_run, real_capture  # type: ignore[method-assign]
+        step._hold_for_final, step.pods.container = real_hold, real_container  # type: ignore
+
+    assert seen == ["taken"], f"the order was not the one meant: {seen}"
+    assert "final checkpoint done" in hook_said(cluster, a, "held")
+    gens = await cluster.store.generations("default", "held.main")
+    assert [(r, lr) for _, r, lr in records(gens)] == [("drain", False)], \
+        f"{records(gens)}; answers {answers}"
+    assert sorted(answers.values()) == [(False, "succeeded", gens[0].number),
+                                        (True, "succeeded", gens[0].number)], answers
+    await resumes_intact(cluster, "held", a, b)
