@@ -309,3 +309,54 @@ async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that
     assert sorted(answers.values()) == [(False, "succeeded", gens[0].number),
                                         (True, "succeeded", gens[0].number)], answers
     await resumes_intact(cluster, "held", a, b)
+
+
+async def test_a_template_dump_does_not_step_aside_for_a_final_of_another_lineage(
+        cluster: Cluster) -> None:
+    """A snapshot-when-ready template dump holds the lock, not yet frozen,
+    when the pod's final request starts: the final is not of its lineage
+    and takes nothing of it, so the template is still stored, and the final
+    checkpoint in the pod's lineage."""
+    a = next(iter(cluster.kubelets))
+    cluster.kube.put("pods", workload("tmpl", a, labels=NODE_RESTORE, final_wait=25,
+                                      grace=30))
+    await cluster.until_steps("tmpl", a, 3)
+    [step] = [o for o in gc.get_objects()
+              if isinstance(o, PodCheckpointStep) and o.node == a]
+    p = cluster.kube.get("pods", "tmpl", "default")
+    assert p is not None
+    tmpl = template_id("warm-tmpl", "main")
+    req = CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=tmpl, node=a, reason="template",
+        leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="tmpl", container="main",
+                      pod_uid=p["metadata"]["uid"]))
+    final_started, waited = asyncio.Event(), asyncio.Event()
+    real_run, real_estimate = step.run, step.estimate
+
+    async def run(r: CkptRequested, progress: Any) -> Any:
+        if r.target.pod == "tmpl" and not r.leave_running:
+            final_started.set()
+        return await real_run(r, progress)
+
+    async def estimate(r: CkptRequested) -> int:
+        if r.request_id == req.request_id:
+            waited.set()  # under the lock, before anything is frozen
+            await asyncio.wait_for(final_started.wait(), 60)
+        return await real_estimate(r)
+
+    step.run, step.estimate = run, estimate  # type: ignore[method-assign]
+    try:
+        await cluster.bus.publish(req)
+        await asyncio.wait_for(waited.wait(), 60)
+        await evict(cluster, "tmpl")
+        await cluster.recreated("tmpl", timeout=90)
+        done = await cluster.bus.wait_result(req.request_id, "ckpt.requested", timeout=60)
+    finally:
+        step.run, step.estimate = real_run, real_estimate  # type: ignore[method-assign]
+
+    own = await cluster.store.generations("default", "tmpl.main")
+    shared = await cluster.store.generations("default", tmpl)
+    assert [(r, lr) for _, r, lr in records(own)] == [("drain", False)], records(own)
+    assert (done.status, [(r, lr) for _, r, lr in records(shared)]) == \
+        ("succeeded", [("template", True)]), (done.status, done.error, records(shared))
