@@ -23,8 +23,8 @@ from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from services.storage.layout import template_id
 from smr.bus import Progress
-from smr.errors import PermanentError
-from smr.messages import CkptRequested, Target
+from smr.contract.errors import PermanentError
+from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_drain_takeover import (
     _ballast_pids,
