@@ -46,10 +46,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/smr demo
 
+# The suite on TEST_WORKERS pytest-xdist workers (it mostly waits on CRIU,
+# containerd and nats-server), the longest tests handed out first
+# (tests/helpers/ordering.py); then the `serial` tests alone, as they watch or
+# load the whole machine. Both print their 20 slowest tests.
+TEST_WORKERS ?= 4
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	  --durations=20 -m 'not serial'; parallel=$$?; \
+	$(PY) -m pytest -q -ra --durations=20 -m serial; serial=$$?; \
+	test $$parallel -eq 0 -a \( $$serial -eq 0 -o $$serial -eq 5 \)
 
 bench-storage: setup
 	$(PY) -m pip install -q -e '.[test,bench]'

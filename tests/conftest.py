@@ -21,10 +21,15 @@ from smr.bus import Bus, BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import NatsServer, free_port
 from tests import nats_auth
-from tests.helpers import steplocks
+from tests.helpers import ordering, steplocks
+from tests.helpers.lifetime import die_with_parent
 from tests.otlp import Processors, Receiver
 from tests.otlp import serve as serve_otlp
 from tests.test_local_smr import Harness, running
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    ordering.longest_first(items)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +52,8 @@ def step_locks(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory,
                 settings: config.Settings) -> Iterator[NatsServer]:
-    srv = NatsServer(settings.nats_server_binary(), tmp_path_factory.mktemp("nats"))
+    srv = NatsServer(settings.nats_server_binary(), tmp_path_factory.mktemp("nats"),
+                     die_with_parent=True)
     srv.start()
     yield srv
     srv.stop()
@@ -59,7 +65,7 @@ def s3_endpoint() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -94,6 +94,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, kubelet_failed
+from tests.helpers.lifetime import die_with_parent
 
 USER_WRAPPER = Path(__file__).with_name("fake_cri_user.py")
 
@@ -191,8 +192,10 @@ class Containerd:
             f'[ttrpc]\n  address = "{self.sock}.ttrpc"\n')
         log = open(self.root / "containerd.log", "ab")
         env = {**os.environ, "PATH": f"{self.criu_dir}:{os.environ['PATH']}"}
+        # It ends with the thread that started it (tests/helpers/lifetime.py).
         self.proc = subprocess.Popen(["containerd", "--config", str(cfg)], stdout=log,
-                                     stderr=log, start_new_session=True, env=env)
+                                     stderr=log, start_new_session=True, env=env,
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + 20
         while subprocess.run(self._ctr("default", "version"), capture_output=True).returncode:
             if time.monotonic() > deadline:

@@ -125,6 +125,9 @@ def _caps(pid: int) -> dict[str, str]:
     return dict(ln.split(":\t") for ln in lines if ln.startswith("Cap"))
 
 
+# Alone (`make test`'s serial run): it times a checkpoint against CRIU's timeout,
+# which other workers' dumps on the same cores would stretch.
+@pytest.mark.serial
 async def test_a_tenant_stopping_criu_holds_no_checkpoint(signals: Cluster) -> None:
     """An orphan of the workload stops CRIU over and over during a
     checkpoint: the agent continues it each time, the checkpoint succeeds
