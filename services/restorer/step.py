@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.local_job import LocalJobStep
+from services.restorer.ports import wait_ports_free
 from services.restorer.stream import restore_streamed
 from services.storage.generation import Generation, streamable
 from services.storage.layout import LOCAL_NAMESPACE
@@ -23,7 +24,7 @@ from smr.gpu import gpugate, gpupairs
 from smr.gpu.driver import CudaError
 from smr.identity import ProcessIdentity
 from smr.jobs import Job, JobChanged
-from smr.process import linkremap, reaper, sockets, timewait
+from smr.process import linkremap, reaper, sockets
 from smr.process.criu import wait_finished
 from smr.process.tree import process_tree
 from smr.retry import retry_nats
@@ -75,7 +76,7 @@ class RestoreStep(LocalJobStep):
             # A local job runs in its node's network namespace: its kept
             # connections can come back on the node that took them.
             tcp = sockets.restore_mode(gen.manifest, same_place=gen.manifest["node"] == self.node)
-            await self._ports_free(gen, work, streamed, progress, durations)
+            await wait_ports_free(self.store, gen, work, streamed, progress, durations)
             job = await self._restore(req, gen, work, (existing, revision), durations, tcp,
                                       progress, streamed, pairs)
             shutil.rmtree(work, ignore_errors=True)
@@ -244,28 +245,6 @@ class RestoreStep(LocalJobStep):
             await asyncio.sleep(0.1)
         if told is not None:
             durations["pid_wait"] = time.monotonic() - t
-
-    async def _ports_free(self, gen: Generation, work: Path, streamed: bool,
-                          progress: Progress, durations: dict[str, float]) -> None:
-        """A local job comes back in this host's network namespace, where the
-        connections it closed before the dump may still hold its listeners'
-        ports in TIME_WAIT for up to a minute (smr.timewait): wait that out,
-        saying so, rather than fail the restore with CRIU's "Address already
-        in use"."""
-        images = work / "images"
-        if streamed:  # CRIU reads the rest from the stream: fetch the socket images alone
-            names = {f"images/{n}" for n in timewait.IMAGES}
-            await self.store.fetch(gen, work / "bound", only=lambda p: p in names)
-            images = work / "bound" / "images"
-
-        def waiting(busy: set[timewait.Endpoint], waited: float) -> None:
-            ports = ", ".join(sorted(map(str, busy)))
-            log.info("restore waits %.0fs so far for the kernel to let go of %s (TIME_WAIT of "
-                     "connections the job closed before its dump)", waited, ports)
-            progress.update("waiting-for-ports", waiting_for=f"{ports} in TIME_WAIT")
-
-        if waited := await timewait.wait_free(images, on_wait=waiting):
-            durations["time_wait"] = waited
 
     async def _running(self, pid: int, step: str, job_log: str, criu_log: Path) -> None:
         """The restored process still runs ``settle_s`` after it was let go;
