@@ -143,7 +143,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
     def rides(self, req: CkptRequested) -> bool:
         """A final request whose container's leave-running dump is in flight
         here, not yet run on: it takes that dump over, and starts at once."""
-        flight = None if req.leave_running else self.flights.flight(takeover.key(req.target))
+        flight = None if req.leave_running else \
+            self.flights.flight_for(takeover.key(req.target), req)
         return flight is not None and flight.phase in ("before", "frozen")
 
     async def estimate(self, req: CkptRequested) -> int:
@@ -168,8 +169,19 @@ class PodCheckpointStep(PodRecovery, PodStep):
         # not waited for and dumped again (services/checkpointer/takeover).
         key = takeover.key(req.target)
         with self.flights.final(key, req):
-            c = await self.pods.container(req.target)
-            flight = self.flights.flight(key)
+            try:
+                c = await self.pods.container(req.target)
+            except PermanentError:
+                # Its container gone: a generation that names this request
+                # (a taken-over dump, stored by the leave-running step's
+                # recovery, the pod ended since) is its answer.
+                if gen := await self._committed(req):
+                    current = await self.store.ensure_latest(req.target.namespace or "",
+                                                             req.checkpoint_id, gen)
+                    return self._result(req, gen, current, started_at=started,
+                                        durations={"total": time.monotonic() - t0})
+                raise
+            flight = self.flights.flight_for(key, req)
             if flight is not None and flight.container_id == c.container_id and \
                     (got := await takeover.wait(flight, req, progress)):
                 return self._result(req, *got, durations={"total": time.monotonic() - t0},
@@ -247,7 +259,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
                         "its checkpoint began; nothing was saved", code="terminating",
                         hint="a final checkpoint must come before the kubelet's SIGTERM: "
                              "the preStop hook smr's webhook adds waits for it")
-                if flight and (final := self.flights.final_for(takeover.key(req.target))):
+                if flight and (final := self.flights.final_for(takeover.key(req.target),
+                                                               flight)):
                     # Nothing frozen yet: the final request dumps, once.
                     raise PermanentError(
                         f"the final checkpoint of {req.target} ({final.request_id}), asked "
@@ -402,7 +415,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         """At the end of a leave-running dump, before its tree runs on: a
         final request of this container in progress takes it over (True):
         recorded durably first, its manifest-to-be made the final's."""
-        final = self.flights.final_for(takeover.key(req.target))
+        final = self.flights.final_for(takeover.key(req.target), flight)
         if final is None:
             flight.phase = "ran-on"
             return False

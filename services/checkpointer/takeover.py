@@ -5,7 +5,10 @@ opted-in pod gets a leave-running request, and a moment later its final one.
 A final that waited for the leave-running dump and then dumped again would
 cost two dumps inside the pod's grace. Instead, on this agent, the final
 request finds the leave-running step of the same container (the same
-container id) where it is:
+container id) in its own lineage (the same namespace and checkpoint id)
+where it is; a leave-running dump of another lineage (a snapshot-when-ready
+template, say) is neither taken over nor made to step aside: the final one
+waits for the container's lock and dumps, as without a takeover:
 
 - before the freeze (its lock taken, pre-freeze work): the leave-running step
   steps aside, nothing frozen, answered failed ``taken-over``; the final one
@@ -53,6 +56,7 @@ SUFFIX = ".final"
 class Flight:
     """A leave-running dump of one container in progress on this agent."""
     request_id: str
+    checkpoint_id: str  # its lineage: only a final of the same one takes it over
     container_id: str
     # before → frozen → taken (held for a final) or ran-on (or failed)
     phase: str = "before"
@@ -81,7 +85,7 @@ class Flights:
         self._finals: dict[Key, CkptRequested] = {}
 
     def begin(self, key: Key, req: CkptRequested, container_id: str) -> Flight:
-        flight = self._flights[key] = Flight(req.request_id, container_id)
+        flight = self._flights[key] = Flight(req.request_id, req.checkpoint_id, container_id)
         return flight
 
     def end(self, key: Key, flight: Flight,
@@ -94,9 +98,19 @@ class Flights:
     def flight(self, key: Key) -> Flight | None:
         return self._flights.get(key)
 
-    def final_for(self, key: Key) -> CkptRequested | None:
-        """The final request of this pod container in progress here."""
-        return self._finals.get(key)
+    def flight_for(self, key: Key, final: CkptRequested) -> Flight | None:
+        """The leave-running dump of this pod container in flight here that
+        ``final`` may take over: one of its own lineage, never another's."""
+        flight = self._flights.get(key)
+        return flight if flight is not None and flight.checkpoint_id == final.checkpoint_id \
+            else None
+
+    def final_for(self, key: Key, flight: Flight) -> CkptRequested | None:
+        """The final request of this pod container in progress here that
+        takes ``flight`` over (or makes it step aside): one of its lineage."""
+        final = self._finals.get(key)
+        return final if final is not None and final.checkpoint_id == flight.checkpoint_id \
+            else None
 
     @contextlib.contextmanager
     def final(self, key: Key, req: CkptRequested) -> Iterator[None]:
@@ -116,10 +130,12 @@ async def wait(flight: Flight, req: CkptRequested,
                progress: Progress) -> tuple[Generation, bool] | None:
     """What ``req`` (a final request) gets from ``flight``: the generation of
     the dump it took over, or None where it must dump itself."""
-    if flight.phase == "frozen":
+    if flight.phase in ("frozen", "taken"):
+        # Taken: held for a final of this container already (this one, or
+        # another id of it): its outcome is the answer, as when frozen.
         progress.update("taking-over", taking_over=flight.request_id)
-        log.info("final checkpoint %s of %s takes over dump %s in flight (frozen): "
-                 "one dump", req.request_id, req.target, flight.request_id)
+        log.info("final checkpoint %s of %s takes over dump %s in flight (%s): "
+                 "one dump", req.request_id, req.target, flight.request_id, flight.phase)
         got = await asyncio.shield(flight.outcome)
         if got is None:
             log.warning("final checkpoint %s: the dump it took over (%s) was not stored; "

@@ -140,9 +140,11 @@ class Commit:
     async def committed(self, namespace: str, checkpoint_id: str,
                         request_id: str) -> Generation | None:
         """The generation a commit for ``request_id`` wrote, if any (a step's
-        recovery asks, when its work directory may be gone)."""
+        recovery asks, when its work directory may be gone): also one that a
+        final request took over, which names it ``final_request_id``."""
         for gen in reversed(await self.generations(namespace, checkpoint_id)):
-            if gen.manifest.get("request_id") == request_id:
+            if request_id in (gen.manifest.get("request_id"),
+                              gen.manifest.get("final_request_id")):
                 return gen
         return None
 

@@ -159,6 +159,12 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
         await asyncio.sleep(0.2)
     assert not alive, ("the dumped workload outlived its final checkpoint: "
                        f"{[(pid, _state(pid)) for pid in alive]}")
+    if first == "leave-running":
+        # Delivered once more with no recovery (its container gone): run()
+        # answers with the generation that names it, storing nothing more.
+        d = await step.run(final, Progress())
+        assert (d.status, d.generation) == ("succeeded", gens[0].number), d
+        assert len(await cluster.store.generations("default", "crashed.main")) == 1
 
 
 async def test_a_storage_blip_before_a_final_dump_does_not_fail_the_final(
