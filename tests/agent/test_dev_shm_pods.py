@@ -423,7 +423,13 @@ async def test_a_pod_restore_whose_agent_died_as_criu_returned_adopts_the_tree_i
 
         done = await step.recover(req, {})
         shim = step.shim_of(await step.pods.container(req.target))
-        status = await asyncio.to_thread(shim.status)
+        # smr-init acts on the decision in its own time: its status says
+        # "running" once it has adopted the tree (30 s bounds a hang).
+        for _ in range(300):
+            status = await asyncio.to_thread(shim.status)
+            if status[:1] == ["running"]:
+                break
+            await asyncio.sleep(0.1)
     finally:
         crash.set()
     assert done is not None and done.status == "succeeded", \
