@@ -29,7 +29,7 @@ BASE = {
     "tail": "coreutils",
     "mount": "mount", "umount": "mount", "fallocate": "util-linux", "setpriv": "util-linux",
     "unshare": "util-linux", "ldconfig": "libc-bin", "ldd": "libc-bin", "tar": "tar",
-    "python3": "python3",
+    "python3": "python3", "bash": "bash",
 }
 
 

@@ -90,6 +90,10 @@ ENTRIES: tuple[Entry, ...] = (
           "made O_CREAT|O_EXCL|O_NOFOLLOW",
           "the new file renamed over decision, restored or final (.NAME.smr-tmp each)",
           ("services.containers.confined:Root.replace",), plant=True),
+    Entry("unanswered", f"{SMR}/unanswered", "tenant", READ,
+          "smr-init started the workload fresh for want of an agent's answer: only the "
+          "file's presence counts (the Warning Event's words are the agent's own)",
+          ("services.containers.host:Shim.unanswered", "smr-init.c:put"), plant=True),
     Entry("restored", f"{SMR}/restored", "tenant", REPLACED,
           "the note a restored workload may read (what it was restored from); removed by "
           "the directory's descriptor",
@@ -164,7 +168,7 @@ ENTRIES: tuple[Entry, ...] = (
           "only from an empty directory of the agent's (-L), an environment built from "
           "nothing; NSS: CRIU makes no lookup",
           ("services.containers.incontainer:CriuBundle.inside",
-           "services.checkpointer.pod:PodCheckpointStep.run",
+           "services.checkpointer.pod:PodCheckpointStep._run",
            "services.restorer.pod:PodRestoreStep._restore_verified",
            "criu-root.c:enter_container_root"), plant=True, runs=True),
     Entry("workload", "the container's command (process.args)", "tenant",

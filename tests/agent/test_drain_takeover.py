@@ -53,14 +53,22 @@ def drain_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "/bin/ballast": (d / "ballast").read_bytes()})
 
 
-def _ballast_pids() -> list[int]:
+def _ballast_pids(cluster: Cluster | None = None) -> list[int]:
+    """The ballast processes on this machine; with ``cluster``, only those in
+    its kubelets' containers (one a test before left, still being killed,
+    is not this test's)."""
+    ids = {r.id for k in cluster.kubelets.values() for st in k.pods.values()
+           for r in st.containers.values()} if cluster else None
     found = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if (p / "cmdline").read_bytes().split(b"\0")[:2] == \
+                if (p / "cmdline").read_bytes().split(b"\0")[:2] != \
                         [b"/bin/ballast", str(BALLAST_MIB).encode()]:
-                    found.append(int(p.name))
+                    continue
+                if ids is not None and not any(i in (p / "cgroup").read_text() for i in ids):
+                    continue
+                found.append(int(p.name))
             except OSError:
                 continue
     return found
@@ -73,14 +81,17 @@ def _state(pid: int) -> str:
         return "?"
 
 
-async def until_frozen(timeout: float = 60) -> None:
-    """Until the ballast (the only one running here) is in CRIU's stop: its dump began."""
+async def until_frozen(cluster: Cluster, timeout: float = 60) -> None:
+    """Until the ballast (the only one in ``cluster``) is in CRIU's stop: its dump began."""
     deadline = time.monotonic() + timeout
     while True:
-        pids = _ballast_pids()
+        pids = _ballast_pids(cluster)
         if pids and all(_state(p) in ("t", "T") for p in pids):
             return
-        assert time.monotonic() < deadline, "no dump of the ballast began"
+        assert time.monotonic() < deadline, (
+            f"no dump of the ballast began: the cluster's ballasts {pids} are in states "
+            f"{[_state(p) for p in pids]}; on this machine: "
+            f"{[(q, _state(q)) for q in _ballast_pids()]}")
         await asyncio.sleep(0.005)
 
 
@@ -170,7 +181,7 @@ async def test_a_drain_dumps_a_pod_whose_cordon_dump_is_in_flight_once(
 
     async with in_order(cluster, a, "drained"):
         await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl drain
-        await until_frozen()
+        await until_frozen(cluster)
         await evict(cluster, "drained")
         await cluster.recreated("drained", timeout=120)
 
@@ -217,7 +228,7 @@ async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final
     try:
         async with in_order(cluster, a, "refused"):
             await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-            await until_frozen()
+            await until_frozen(cluster)
             await evict(cluster, "refused")
             await cluster.recreated("refused", timeout=120)
     finally:
@@ -244,7 +255,7 @@ async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken
     await start(cluster, drain_image, "one-slot", a)
     async with in_order(cluster, a, "one-slot", wait_s=20):
         await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-        await until_frozen()
+        await until_frozen(cluster)
         await evict(cluster, "one-slot")
         await cluster.recreated("one-slot", timeout=120)
     gens = await cluster.store.generations("default", "one-slot.main")
@@ -278,7 +289,7 @@ async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_fina
     try:
         async with in_order(cluster, a, "cut"):
             await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-            await until_frozen()
+            await until_frozen(cluster)
             await evict(cluster, "cut")
             await cluster.recreated("cut", timeout=120)
     finally:

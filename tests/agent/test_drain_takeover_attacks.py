@@ -60,7 +60,7 @@ async def test_a_final_during_a_template_dump_of_another_lineage_stores_the_pods
 
     async with in_order(cluster, a, "templated"):
         await cluster.bus.publish(req)
-        await until_frozen()
+        await until_frozen(cluster)
         await evict(cluster, "templated")
         await cluster.recreated("templated", timeout=120)
 
@@ -114,8 +114,8 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
     pod.capture, step.store.commit = capture, die_after_dump  # type: ignore[method-assign]
     try:
         leave = asyncio.create_task(step.run(lr, Progress()))
-        await until_frozen()
-        dumped = _ballast_pids()
+        await until_frozen(cluster)
+        dumped = _ballast_pids(cluster)
         final_task = asyncio.create_task(step.run(final, Progress()))
         await asyncio.sleep(0.5)  # its step has started: it sees the dump frozen
         final_started.set()
@@ -308,7 +308,7 @@ async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that
     step._hold_for_final, step.pods.container = hold_for_final, container  # type: ignore
     try:
         await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-        await until_frozen()
+        await until_frozen(cluster)
         await evict(cluster, "held")
         await cluster.recreated("held", timeout=120)
     finally:

@@ -81,7 +81,8 @@ WHERE = {"status": "/smr/main/status", "signal.lock": "/smr/main/signal.lock",
          "signalled": "/smr/main/signalled", "hold": "/smr/main/hold",
          "decision": "/smr/main/decision", "decision.tmp": "/smr/main/.decision.smr-tmp",
          "restored": "/smr/main/restored", "final": "/smr/main/final",
-         "waiter": "/smr/main/waiter", "smr-dir": "/smr/main", "dev-shm": "/dev/shm",
+         "waiter": "/smr/main/waiter", "unanswered": "/smr/main/unanswered",
+         "smr-dir": "/smr/main", "dev-shm": "/dev/shm",
          "dev-shm-file": "/dev/shm/f", "link-remap": "/dev/shm/link_remap.1",
          "layer": "/data/f", "restore-target": "/data/f", "gpu-node": "/dev/nvidia0"}
 # The codes a step may fail with: each names what it refused.
@@ -286,6 +287,7 @@ def _shim_ops(box: Box) -> None:
     shim = box.shim
     _coded(shim.status)
     _coded(shim.workload)
+    shim.unanswered()  # a bool, never an error: a planted node is never opened
     if _coded(lambda: shim.hold(True)):
         with contextlib.suppress(OSError, SmrError):  # as _keep_holding does
             shim.refresh_hold()
@@ -344,7 +346,8 @@ def _gpu(box: Box) -> None:
 
 STEPS: dict[str, Callable[..., None]] = {
     **{k: _shim_ops for k in ("status", "signal.lock", "signalled", "hold", "decision",
-                              "decision.tmp", "restored", "final", "smr-dir")},
+                              "decision.tmp", "restored", "final", "smr-dir",
+                              "unanswered")},
     "waiter": _waiting, "dev-shm": lambda b: (_capture_shm(b), _link_remaps(b)),
     "dev-shm-file": _capture_shm, "link-remap": _link_remaps, "layer": _capture_layer,
     "restore-target": _restore, "gpu-node": _gpu}
