@@ -11,11 +11,14 @@ whose /dev/shm is not the one its memory was saved with says "torn".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import io
 import tarfile
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +142,74 @@ def tree_states(shim: Shim) -> list[str]:
     return [frozen.state(p) for p in host.tree(running[0])] if running else []
 
 
+def agent_dies_in_capture_shm(
+        monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """The agent's capture of /dev/shm replaced by its death: ``entered`` is
+    set as a step gets there, which then waits for ``crash`` and fails as a
+    SIGKILL would have ended it."""
+    entered, crash = asyncio.Event(), asyncio.Event()
+
+    async def dies_here(pid: int, out: Path, budget: rootfs.Budget) -> None:
+        entered.set()
+        await crash.wait()  # the agent's last moment: SIGKILL comes here
+        raise RuntimeError("the agent was killed (test)")
+
+    monkeypatch.setattr(rootfs, "capture_shm", dies_here)
+    return entered, crash
+
+
+@dataclass
+class HeldRestore:
+    """A pod restore on node ``b`` whose agent is held the moment CRIU has
+    restored the tree: its step and the request it runs."""
+    a: str
+    b: str
+    step: PodRestoreStep
+    req: RestoreRequested
+
+
+@contextlib.asynccontextmanager
+async def restore_held_after_criu(shm: Cluster, monkeypatch: pytest.MonkeyPatch,
+                                  name: str) -> AsyncIterator[HeldRestore]:
+    """Pod ``NAME-1`` runs on the first node and is drained (a final
+    checkpoint); ``NAME-2`` is restored on the second, its agent held as CRIU
+    returns (as if killed there: the held step fails once released, at the
+    end of the block). What the test then does is the next agent's recovery."""
+    a, b = list(shm.kubelets)
+    shm.kube.put("pods", shm_pod(f"{name}-1", a, name))
+    await shm.until_steps(f"{name}-1", a, 10, timeout=60)
+    drain = await shm.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=name, node=a, reason="drain",
+        target=Target(kind="pod", namespace="default", pod=f"{name}-1", container="main")),
+        timeout=120)
+    assert drain.status == "succeeded", drain.error
+    reqs: list[RestoreRequested] = []
+    entered, crash = asyncio.Event(), asyncio.Event()
+    real, real_run = PodRestoreStep._restore, PodRestoreStep.run
+
+    async def dies_after_criu(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
+        await real(self, *args, **kw)  # the tree restored, CRIU done
+        entered.set()
+        await crash.wait()  # the agent's last moment: SIGKILL comes here
+        raise RuntimeError("the agent was killed (test)")
+
+    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
+        reqs.append(req)
+        return await real_run(self, req, progress)
+
+    monkeypatch.setattr(PodRestoreStep, "_restore", dies_after_criu)
+    monkeypatch.setattr(PodRestoreStep, "run", run)
+    shm.kube.put("pods", shm_pod(f"{name}-2", b, name))
+    try:
+        await asyncio.wait_for(entered.wait(), 90)
+        [step] = [o for o in gc.get_objects()
+                  if isinstance(o, PodRestoreStep) and o.node == b]
+        [req] = reqs
+        yield HeldRestore(a, b, step, req)
+    finally:
+        crash.set()
+
+
 async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
         shm: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent dies after CRIU finished a final dump and before /dev/shm
@@ -149,15 +220,8 @@ async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
     a, b = list(shm.kubelets)
     shm.kube.put("pods", shm_pod("fin-1", a, "fin"))
     await shm.until_steps("fin-1", a, 10, timeout=60)
-    entered, crash = asyncio.Event(), asyncio.Event()
     real = rootfs.capture_shm
-
-    async def dies_here(pid: int, out: Path, budget: rootfs.Budget) -> None:
-        entered.set()
-        await crash.wait()  # the agent's last moment: SIGKILL comes here
-        raise RuntimeError("the agent was killed (test)")
-
-    monkeypatch.setattr(rootfs, "capture_shm", dies_here)
+    entered, crash = agent_dies_in_capture_shm(monkeypatch)
     req = CkptRequested(
         request_id=uuid.uuid4().hex, checkpoint_id="fin", node=a,
         target=Target(kind="pod", namespace="default", pod="fin-1", container="main"))
@@ -186,8 +250,6 @@ async def test_a_recovered_final_dump_is_never_stored_without_its_dev_shm(
     after = await shm.until_steps("fin-2", b, 5, timeout=60)
     assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
     assert not torn(shm.log("fin-2", b)), torn(shm.log("fin-2", b))[:1]
-
-
 
 
 async def test_a_restored_event_names_the_pod_it_restored_by_uid(shm: Cluster) -> None:
@@ -234,15 +296,8 @@ async def test_a_heartbeat_whose_agent_died_mid_capture_runs_on_and_is_stored_wh
     while "Z" not in (seen := await asyncio.to_thread(tree_states, shim)):
         assert asyncio.get_running_loop().time() < deadline, f"no zombie in its tree: {seen}"
         await asyncio.sleep(0.05)
-    entered, crash = asyncio.Event(), asyncio.Event()
     real = rootfs.capture_shm
-
-    async def dies_here(pid: int, out: Path, budget: rootfs.Budget) -> None:
-        entered.set()
-        await crash.wait()
-        raise RuntimeError("the agent was killed (test)")
-
-    monkeypatch.setattr(rootfs, "capture_shm", dies_here)
+    entered, crash = agent_dies_in_capture_shm(monkeypatch)
     req = CkptRequested(
         request_id=uuid.uuid4().hex, checkpoint_id="hbr", node=a, leave_running=True,
         target=Target(kind="pod", namespace="default", pod="hbr-1", container="main"))
@@ -275,36 +330,8 @@ async def test_a_pod_restore_recovery_adopts_no_tree_whose_identity_does_not_mat
     tree ended and its PID was taken). Nothing is adopted: smr-init is not
     told to take that PID, the recovery answers nothing (the restore runs
     again), and no process is killed for it."""
-    a, b = list(shm.kubelets)
-    shm.kube.put("pods", shm_pod("ri-1", a, "ri"))
-    await shm.until_steps("ri-1", a, 10, timeout=60)
-    drain = await shm.bus.request(CkptRequested(
-        request_id=uuid.uuid4().hex, checkpoint_id="ri", node=a, reason="drain",
-        target=Target(kind="pod", namespace="default", pod="ri-1", container="main")),
-        timeout=120)
-    assert drain.status == "succeeded", drain.error
-    reqs: list[RestoreRequested] = []
-    entered, crash = asyncio.Event(), asyncio.Event()
-    real, real_run = PodRestoreStep._restore, PodRestoreStep.run
-
-    async def dies_after_criu(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
-        await real(self, *args, **kw)
-        entered.set()
-        await crash.wait()
-        raise RuntimeError("the agent was killed (test)")
-
-    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
-        reqs.append(req)
-        return await real_run(self, req, progress)
-
-    monkeypatch.setattr(PodRestoreStep, "_restore", dies_after_criu)
-    monkeypatch.setattr(PodRestoreStep, "run", run)
-    shm.kube.put("pods", shm_pod("ri-2", b, "ri"))
-    try:
-        await asyncio.wait_for(entered.wait(), 90)
-        [step] = [o for o in gc.get_objects()
-                  if isinstance(o, PodRestoreStep) and o.node == b]
-        [req] = reqs
+    async with restore_held_after_criu(shm, monkeypatch, "ri") as held:
+        step, req = held.step, held.req
         idfile = step.work(req.request_id) / IDENTITY
         ident = ProcessIdentity.read(idfile)
         assert ident is not None and ident.matches(), "no identity written as CRIU returned"
@@ -313,8 +340,6 @@ async def test_a_pod_restore_recovery_adopts_no_tree_whose_identity_does_not_mat
         done = await step.recover(req, {})
         shim = step.shim_of(await step.pods.container(req.target))
         status = await asyncio.to_thread(shim.status)
-    finally:
-        crash.set()
     assert done is None, f"a tree of another identity was adopted: {done}"
     assert status[:1] == ["waiting"], f"smr-init was told to adopt it: {status}"
     assert ident.matches(), "the recovery killed a process it did not adopt"
@@ -328,37 +353,8 @@ async def test_a_pod_restore_whose_agent_died_after_criu_runs_on_and_leaves_no_w
     adopted and running on from its memory, and remove the request's work
     directory (the downloaded writable layer), as run() does: kept, every
     recovered restore left its files on the node's disk for good."""
-    a, b = list(shm.kubelets)
-    shm.kube.put("pods", shm_pod("rr-1", a, "rr"))
-    await shm.until_steps("rr-1", a, 10, timeout=60)
-    drain = await shm.bus.request(CkptRequested(
-        request_id=uuid.uuid4().hex, checkpoint_id="rr", node=a, reason="drain",
-        target=Target(kind="pod", namespace="default", pod="rr-1", container="main")),
-        timeout=120)
-    assert drain.status == "succeeded", drain.error
-    reqs: list[RestoreRequested] = []
-    entered, crash = asyncio.Event(), asyncio.Event()
-    real = PodRestoreStep._restore
-
-    async def dies_after_criu(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
-        await real(self, *args, **kw)  # the tree restored, CRIU done
-        entered.set()
-        await crash.wait()  # the agent's last moment: SIGKILL comes here
-        raise RuntimeError("the agent was killed (test)")
-
-    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
-        reqs.append(req)
-        return await real_run(self, req, progress)
-
-    real_run = PodRestoreStep.run
-    monkeypatch.setattr(PodRestoreStep, "_restore", dies_after_criu)
-    monkeypatch.setattr(PodRestoreStep, "run", run)
-    shm.kube.put("pods", shm_pod("rr-2", b, "rr"))
-    try:
-        await asyncio.wait_for(entered.wait(), 90)
-        [step] = [o for o in gc.get_objects()
-                  if isinstance(o, PodRestoreStep) and o.node == b]
-        [req] = reqs
+    async with restore_held_after_criu(shm, monkeypatch, "rr") as held:
+        a, b, step, req = held.a, held.b, held.step, held.req
         assert (step.work(req.request_id) / "restored.pid").is_file()
         # What the redelivered request's worker does on the next agent.
         done = await step.recover(req, {})
@@ -370,8 +366,6 @@ async def test_a_pod_restore_whose_agent_died_after_criu_runs_on_and_leaves_no_w
         while (status := await asyncio.to_thread(shim.status))[:1] != ["running"]:
             assert asyncio.get_running_loop().time() < deadline, f"not adopted: {status}"
             await asyncio.sleep(0.1)
-    finally:
-        crash.set()
     assert status[1] == str(done.pid), status  # smr-init adopted the restored tree
     before = steps(shm.log("rr-1", a))  # read now: the log file lags the pipe
     assert after[0][0] == before[-1][0] + 1, "steps lost after a final checkpoint"
@@ -386,36 +380,8 @@ async def test_a_pod_restore_whose_agent_died_as_criu_returned_adopts_the_tree_i
     died): only CRIU's pidfile is left. The recovery adopts the tree that
     pidfile names, as it started after the restore began CRIU, instead of
     answering nothing, which would restore the pod again beside it."""
-    a, b = list(shm.kubelets)
-    shm.kube.put("pods", shm_pod("rp-1", a, "rp"))
-    await shm.until_steps("rp-1", a, 10, timeout=60)
-    drain = await shm.bus.request(CkptRequested(
-        request_id=uuid.uuid4().hex, checkpoint_id="rp", node=a, reason="drain",
-        target=Target(kind="pod", namespace="default", pod="rp-1", container="main")),
-        timeout=120)
-    assert drain.status == "succeeded", drain.error
-    reqs: list[RestoreRequested] = []
-    entered, crash = asyncio.Event(), asyncio.Event()
-    real, real_run = PodRestoreStep._restore, PodRestoreStep.run
-
-    async def dies_as_criu_returned(self: PodRestoreStep, *args: Any, **kw: Any) -> int:
-        await real(self, *args, **kw)
-        entered.set()
-        await crash.wait()
-        raise RuntimeError("the agent was killed (test)")
-
-    async def run(self: PodRestoreStep, req: RestoreRequested, progress: Any) -> Any:
-        reqs.append(req)
-        return await real_run(self, req, progress)
-
-    monkeypatch.setattr(PodRestoreStep, "_restore", dies_as_criu_returned)
-    monkeypatch.setattr(PodRestoreStep, "run", run)
-    shm.kube.put("pods", shm_pod("rp-2", b, "rp"))
-    try:
-        await asyncio.wait_for(entered.wait(), 90)
-        [step] = [o for o in gc.get_objects()
-                  if isinstance(o, PodRestoreStep) and o.node == b]
-        [req] = reqs
+    async with restore_held_after_criu(shm, monkeypatch, "rp") as held:
+        step, req = held.step, held.req
         work = step.work(req.request_id)
         ident = ProcessIdentity.read(work / IDENTITY)
         assert ident is not None and ident.matches(), "no identity written as CRIU returned"
@@ -430,8 +396,6 @@ async def test_a_pod_restore_whose_agent_died_as_criu_returned_adopts_the_tree_i
             if status[:1] == ["running"]:
                 break
             await asyncio.sleep(0.1)
-    finally:
-        crash.set()
     assert done is not None and done.status == "succeeded", \
         f"the tree CRIU restored (root pid {ident.pid}) was not adopted: the recovery " \
         f"answered {done}, and the restore would run again beside it (smr-init: {status})"
