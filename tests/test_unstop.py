@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 
 from smr.process import unstop
 from smr.process.tree import process_tree
@@ -18,6 +20,24 @@ def _wait_state(pid: int, stopped: bool) -> None:
     while unstop.stopped(pid) != stopped:
         assert time.monotonic() < deadline, f"{pid} never {'stopped' if stopped else 'ran'}"
         time.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def forking(code: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
+    """A Python program ``code`` that forks a child of its own program and
+    prints the child's pid, run by a shell (the run's root) as the agent runs
+    CRIU under sh: the run and the child, once stopped. Killed at the end."""
+    run = await asyncio.create_subprocess_exec(
+        "sh", "-c", f'{sys.executable} -c "$0"; true', code,
+        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        assert run.stdout is not None
+        child = int((await run.stdout.readline()).decode())
+        _wait_state(child, True)
+        yield run, child
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        await run.wait()
 
 
 async def test_a_stopped_process_of_the_run_is_continued_and_others_are_left_stopped() -> None:
@@ -71,14 +91,7 @@ async def test_a_child_its_parent_forked_and_stopped_is_left_to_its_parent() -> 
             "    os._exit(0)\n"
             "print(pid, flush=True)\n"
             "time.sleep(30)\n")
-    # Run by a shell (the run's root), as the agent runs CRIU under sh.
-    run = await asyncio.create_subprocess_exec(
-        "sh", "-c", f'{sys.executable} -c "$0"; true', code,
-        stdout=asyncio.subprocess.PIPE, start_new_session=True)
-    try:
-        assert run.stdout is not None
-        child = int((await run.stdout.readline()).decode())
-        _wait_state(child, True)
+    async with forking(code) as (run, child):
         parent = next(p for p in process_tree(run.pid) if p not in (run.pid, child))
         os.kill(parent, signal.SIGSTOP)
         _wait_state(parent, True)
@@ -94,9 +107,6 @@ async def test_a_child_its_parent_forked_and_stopped_is_left_to_its_parent() -> 
         await asyncio.sleep(unstop.CHILD_GRACE)
         unstop.continue_stopped(run.pid, own, stops)
         await asyncio.to_thread(_wait_state, child, False)
-    finally:
-        os.killpg(run.pid, signal.SIGKILL)
-        await run.wait()
 
 
 async def test_a_child_stopped_again_after_running_gets_a_fresh_grace() -> None:
@@ -113,13 +123,7 @@ async def test_a_child_stopped_again_after_running_gets_a_fresh_grace() -> None:
             "    os._exit(0)\n"
             "print(pid, flush=True)\n"
             "time.sleep(30)\n")
-    run = await asyncio.create_subprocess_exec(
-        "sh", "-c", f'{sys.executable} -c "$0"; true', code,
-        stdout=asyncio.subprocess.PIPE, start_new_session=True)
-    try:
-        assert run.stdout is not None
-        child = int((await run.stdout.readline()).decode())
-        _wait_state(child, True)
+    async with forking(code) as (run, child):
         own = unstop.programs([sys.executable])
         stops = unstop.Stops()
         unstop.continue_stopped(run.pid, own, stops)  # its first stop is seen
@@ -132,6 +136,3 @@ async def test_a_child_stopped_again_after_running_gets_a_fresh_grace() -> None:
         unstop.continue_stopped(run.pid, own, stops)
         assert unstop.stopped(child) and not stops.pids, (
             "a child stopped anew was continued on its earlier stop's time", stops)
-    finally:
-        os.killpg(run.pid, signal.SIGKILL)
-        await run.wait()
