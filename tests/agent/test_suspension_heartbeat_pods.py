@@ -25,10 +25,9 @@ from services.storage import layout
 from smr.bus import KV_STEPS
 from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import Cluster, assert_continues, steps
-from tests.agent.test_injection import plain_pod
 from tests.agent.test_kubelet import hook_said
-from tests.agent.test_suspension_pods import COMMAND, JOB, gone, index_pods, workload
-from tests.fake_controllers import FakeControllers, job
+from tests.agent.test_suspension_pods import JOB, gone, index_pods, indexed_job, workload
+from tests.fake_controllers import FakeControllers
 
 
 class HeldUploads:
@@ -107,12 +106,7 @@ async def test_a_job_suspended_while_its_heartbeats_are_stored_is_checkpointed_a
     with its memory intact: no step lost, none done twice."""
     a, b = list(cluster.kubelets)
     jobs = client.BatchV1Api(cluster.core.api_client)
-    await cluster.core.patch_node(b, {"spec": {"unschedulable": True}})
-    p = plain_pod("x", None, env={"SMR_CHECKPOINT": JOB}, command=COMMAND)
-    p["spec"]["terminationGracePeriodSeconds"] = 120
-    cluster.kube.put("jobs", job(JOB, {"metadata": {"labels": {"app": JOB}}, "spec": p["spec"]},
-                                 completionMode="Indexed", completions=2, parallelism=2))
-    uid = cluster.kube.get("jobs", JOB, "default")["metadata"]["uid"]  # type: ignore[index]
+    uid = await indexed_job(cluster)
     seen: set[str] = set()
     pods = await index_pods(cluster, controllers, seen)
     for name, node in pods.values():

@@ -61,6 +61,19 @@ async def gone(cluster: Cluster, name: str, timeout: float = 150) -> None:
         await asyncio.sleep(0.1)
 
 
+async def indexed_job(cluster: Cluster) -> str:
+    """The Indexed Job JOB of two counters (120 s of grace each, for their
+    final checkpoints), created with only the first node schedulable; its uid."""
+    await cluster.core.patch_node(list(cluster.kubelets)[1], {"spec": {"unschedulable": True}})
+    p = plain_pod("x", None, env={"SMR_CHECKPOINT": JOB}, command=COMMAND)
+    p["spec"]["terminationGracePeriodSeconds"] = 120
+    cluster.kube.put("jobs", job(JOB, {"metadata": {"labels": {"app": JOB}}, "spec": p["spec"]},
+                                 completionMode="Indexed", completions=2, parallelism=2))
+    made = cluster.kube.get("jobs", JOB, "default")
+    assert made is not None, f"the Job {JOB} was not created"
+    return str(made["metadata"]["uid"])
+
+
 async def test_an_indexed_job_preempted_by_the_queue_resumes_each_index_on_other_nodes(
         cluster: Cluster, controllers: FakeControllers) -> None:
     """Three preemptions: each suspension takes a final checkpoint of both
@@ -68,12 +81,7 @@ async def test_an_indexed_job_preempted_by_the_queue_resumes_each_index_on_other
     and index i goes on from index i's last step, its memory intact."""
     a, b = list(cluster.kubelets)
     jobs = client.BatchV1Api(cluster.core.api_client)
-    await cluster.core.patch_node(b, {"spec": {"unschedulable": True}})
-    p = plain_pod("x", None, env={"SMR_CHECKPOINT": JOB}, command=COMMAND)
-    p["spec"]["terminationGracePeriodSeconds"] = 120
-    cluster.kube.put("jobs", job(JOB, {"metadata": {"labels": {"app": JOB}}, "spec": p["spec"]},
-                                 completionMode="Indexed", completions=2, parallelism=2))
-    uid = cluster.kube.get("jobs", JOB, "default")["metadata"]["uid"]  # type: ignore[index]
+    uid = await indexed_job(cluster)
     seen: set[str] = set()
     last: dict[int, list[tuple[int, int, str]]] = {}
     for turn in range(TURNS + 1):
