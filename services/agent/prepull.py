@@ -6,7 +6,7 @@ waiting on storage (docs/warm-start.md).
 Storage is looked at every INTERVAL_S for each named template's containers
 (``template_<name>.<container>``) and their latest generation: one taken anew
 is pulled when it appears. What is pulled is read and verified as any read
-(services/storage/store.prepull); a pull that fails is logged and tried at
+(CheckpointStore.prepull, services/storage/fetching.py); a pull that fails is logged and tried at
 the next look. The cache's bound and eviction apply as to any entry.
 """
 

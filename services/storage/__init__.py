@@ -7,7 +7,13 @@
     codec     how a frame is stored: zstd, then AES-256-GCM
     upload    files cut into frames and sent while CRIU still writes them
     download  parallel ranged GETs, verified before a file gets its name
-    store     generations: commit (files, then manifest, then the latest pointer),
-              list, fetch, retention, garbage collection
+    store     generations (CheckpointStore), composed of its parts:
+      commit      claim, files, manifest, then the latest pointer
+      claims      a generation number claimed and its lease renewed
+      listing     generations, the latest, the inventory
+      fetching    a generation's files read and verified (streamed: for CRIU)
+      retention   prune, delete, garbage collection
+      generation  what a generation is; a hostile manifest refused
+    cache     a node's template cache; mirror: the Checkpoint resources
     service   the storage service on NATS: queries, retention on ckpt.done, GC
 """

@@ -4,7 +4,8 @@
 - ``client``: ``Bus``, one NATS connection: ensure, publish, consume events,
   step state;
 - ``worker``: ``Worker``, the loop that turns a request into exactly one
-  executed step;
+  executed step; ``ahead``: the requests it fetched ahead of a free slot,
+  finals first; ``keepalive``: the heartbeat of a step's state while it acts;
 - ``progress``: what it runs (``Step``) and hears back (``Progress``);
 - ``replies``: waiting for a step's result, storage queries;
 - ``deadletters``: dead letters;
