@@ -39,7 +39,7 @@ from smr.gpu.driver import CudaError, CudaState
 from smr.identity import ProcessIdentity
 from smr.jobs import JobLock
 from tests import nats_auth
-from tests.helpers.steplocks import node_locks
+from tests.helpers.steplocks import hold_lock, node_locks
 from tests.test_local_smr import Harness, assert_continues, running
 
 pytestmark = pytest.mark.criu
@@ -471,20 +471,6 @@ async def test_recovery_of_a_restore_whose_gpu_state_is_back_keeps_the_process(
 
 # -- 10. a restore during a long checkpoint --------------------------------------------
 
-async def hold_lock(h: Harness, job_id: str, holder: str, stop: asyncio.Event) -> None:
-    """A long step of another worker on ``job_id``: it holds the job's lock
-    and keeps its step state's heartbeat fresh until ``stop``."""
-    await h.bus.kv(KV_LOCKS).put(job_id, orjson.dumps({"request_id": holder, "at": time.time()}))
-    while not stop.is_set():
-        await h.bus.kv(KV_STEPS).put(holder, orjson.dumps(
-            {"state": "running", "owner": "elsewhere", "heartbeat": time.time(),
-             "subject": "ckpt.requested.x", "checkpoint_id": job_id}))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
-    await h.bus.kv(KV_STEPS).put(holder, orjson.dumps({"state": "done", "result": {}}))
-    await h.bus.kv(KV_LOCKS).delete(job_id)
-
-
 async def test_a_restore_waits_for_a_long_step_on_its_job_without_blocking_others(
         h: Harness) -> None:
     busy = await h.start(16)
@@ -492,7 +478,7 @@ async def test_a_restore_waits_for_a_long_step_on_its_job_without_blocking_other
     for j in (busy, other):
         assert (await h.checkpoint(j.id)).status == "succeeded"
     stop = asyncio.Event()
-    holder = asyncio.create_task(hold_lock(h, busy.id, "long-ckpt", stop))
+    holder = asyncio.create_task(hold_lock(h.bus, busy.id, "long-ckpt", stop))
     try:
         waiting = asyncio.create_task(h.restore(busy.id))
         await asyncio.sleep(1.0)

@@ -26,7 +26,7 @@ from smr.bus import KV_STEPS, Bus, Progress, Worker
 from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from smr.identity import ProcessIdentity
 from tests import nats_auth
-from tests.helpers.steplocks import node_locks
+from tests.helpers.steplocks import hold_lock, node_locks
 from tests.test_local_smr import Harness, running
 
 
@@ -171,21 +171,6 @@ def copies(cwd: Path) -> list[int]:
     return found
 
 
-async def hold_lock(h: Harness, job_id: str, holder: str, stop: asyncio.Event) -> None:
-    """A long step of another request on ``job_id``, alive: it holds the
-    job's lock and keeps its state's heartbeat fresh until ``stop``."""
-    from smr.bus import KV_LOCKS
-    await h.bus.kv(KV_LOCKS).put(job_id, orjson.dumps({"request_id": holder, "at": time.time()}))
-    while not stop.is_set():
-        await h.bus.kv(KV_STEPS).put(holder, orjson.dumps(
-            {"state": "running", "owner": "elsewhere", "heartbeat": time.time(),
-             "subject": "ckpt.requested.x", "checkpoint_id": job_id}))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
-    await h.bus.kv(KV_STEPS).put(holder, orjson.dumps({"state": "done", "result": {}}))
-    await h.bus.kv(KV_LOCKS).delete(job_id)
-
-
 @pytest.mark.criu
 async def test_a_restore_whose_keepalive_answer_was_lost_runs_the_job_once(
         h: Harness) -> None:
@@ -200,7 +185,7 @@ async def test_a_restore_whose_keepalive_answer_was_lost_runs_the_job_once(
     frozen = int(h.lines(job)[-1]["step"])
     assert copies(h.tmp) == []
     stop = asyncio.Event()
-    holder = asyncio.create_task(hold_lock(h, job.id, "long-step", stop))
+    holder = asyncio.create_task(hold_lock(h.bus, job.id, "long-step", stop))
     rid = uuid.uuid4().hex
     lost = LostAnswer(h.node_bus.kv(KV_STEPS), rid)
     step = h.node.workers[1].step
