@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import gc
 import re
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,10 +31,9 @@ from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.bus import KV_TIMINGS
 from smr.contract.messages import CkptRequested
-from tests import oci_image
-from tests.agent.cluster import COUNTER, Cluster, assert_continues, steps, workload
+from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_kubelet import evict, hook_said, seconds_between
-from tests.agent.test_restore_memory import BALLAST
+from tests.agent.test_restore_memory import build_ballast_image
 
 IMAGE = "smr.test/ballast-drain:1"
 BALLAST_MIB = 384
@@ -44,13 +42,7 @@ NODE_RESTORE = {"smr.dev/node-restore": "true"}
 
 @pytest.fixture(scope="module")
 def drain_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("ballast-drain")
-    (d / "ballast.c").write_text(BALLAST)
-    subprocess.run(["gcc", "-static", "-O2", "-o", d / "ballast", d / "ballast.c"], check=True)
-    start = f"#!/bin/sh\n/bin/ballast {BALLAST_MIB} &\nexec /bin/counter\n".encode()
-    return oci_image.build(d / "ballast.tar", IMAGE, files={
-        "/bin/counter": COUNTER, "/bin/start": start,
-        "/bin/ballast": (d / "ballast").read_bytes()})
+    return build_ballast_image(tmp_path_factory.mktemp("ballast-drain"), IMAGE, BALLAST_MIB)
 
 
 def _ballast_pids(cluster: Cluster | None = None) -> list[int]:
@@ -153,6 +145,16 @@ async def in_order(cluster: Cluster, node: str, name: str, wait_s: float = 60,
         step.run, pod.capture, dumpstamp.take = real_run, real_capture, real_take  # type: ignore[method-assign]
 
 
+async def drain(cluster: Cluster, node: str, name: str) -> None:
+    """``kubectl drain node`` as these tests play it: the node cordoned, until
+    the cordon's checkpoint has frozen the pod, then the pod evicted; returns
+    once its replacement is created."""
+    await cluster.core.patch_node(node, {"spec": {"unschedulable": True}})
+    await until_frozen(cluster)
+    await evict(cluster, name)
+    await cluster.recreated(name, timeout=120)
+
+
 def records(gens: list[Any]) -> list[tuple[int, str, bool]]:
     return [(g.number, g.manifest["reason"], g.manifest["leave_running"]) for g in gens]
 
@@ -180,10 +182,7 @@ async def test_a_drain_dumps_a_pod_whose_cordon_dump_is_in_flight_once(
     await start(cluster, drain_image, "drained", a)
 
     async with in_order(cluster, a, "drained"):
-        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl drain
-        await until_frozen(cluster)
-        await evict(cluster, "drained")
-        await cluster.recreated("drained", timeout=120)
+        await drain(cluster, a, "drained")
 
     gens = await cluster.store.generations("default", "drained.main")
     assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
@@ -227,10 +226,7 @@ async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final
     backend.put_bytes = failing
     try:
         async with in_order(cluster, a, "refused"):
-            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-            await until_frozen(cluster)
-            await evict(cluster, "refused")
-            await cluster.recreated("refused", timeout=120)
+            await drain(cluster, a, "refused")
     finally:
         backend.put_bytes = real
 
@@ -254,10 +250,7 @@ async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken
     worker.concurrency = 1
     await start(cluster, drain_image, "one-slot", a)
     async with in_order(cluster, a, "one-slot", wait_s=20):
-        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-        await until_frozen(cluster)
-        await evict(cluster, "one-slot")
-        await cluster.recreated("one-slot", timeout=120)
+        await drain(cluster, a, "one-slot")
     gens = await cluster.store.generations("default", "one-slot.main")
     assert len(gens) == 1, f"the drain dumped the pod {len(gens)} times: {records(gens)}"
     assert (gens[0].manifest["reason"], gens[0].manifest["leave_running"]) == ("drain", False)
@@ -288,10 +281,7 @@ async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_fina
     backend.put_bytes = cut_once
     try:
         async with in_order(cluster, a, "cut"):
-            await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-            await until_frozen(cluster)
-            await evict(cluster, "cut")
-            await cluster.recreated("cut", timeout=120)
+            await drain(cluster, a, "cut")
     finally:
         backend.put_bytes = real
 

@@ -29,6 +29,7 @@ from tests.agent.cluster import Cluster, assert_continues, steps, workload
 from tests.agent.test_drain_takeover import (
     _ballast_pids,
     _state,
+    drain,
     drain_image,  # noqa: F401  (a fixture)
     in_order,
     records,
@@ -307,10 +308,7 @@ async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that
     step.run, pod.capture = run, capture  # type: ignore[method-assign]
     step._hold_for_final, step.pods.container = hold_for_final, container  # type: ignore
     try:
-        await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
-        await until_frozen(cluster)
-        await evict(cluster, "held")
-        await cluster.recreated("held", timeout=120)
+        await drain(cluster, a, "held")
     finally:
         step.run, pod.capture = real_run, real_capture  # type: ignore[method-assign]
         step._hold_for_final, step.pods.container = real_hold, real_container  # type: ignore

@@ -51,15 +51,19 @@ int main(int argc, char **argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def ballast_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("ballast")
+def build_ballast_image(d: Path, image: str, mib: int) -> Path:
+    """An image whose /bin/start runs BALLAST of ``mib`` MiB beside the counter."""
     (d / "ballast.c").write_text(BALLAST)
     subprocess.run(["gcc", "-static", "-O2", "-o", d / "ballast", d / "ballast.c"], check=True)
-    start = f"#!/bin/sh\n/bin/ballast {MIB} &\nexec /bin/counter\n".encode()
-    return oci_image.build(d / "ballast.tar", IMAGE, files={
+    start = f"#!/bin/sh\n/bin/ballast {mib} &\nexec /bin/counter\n".encode()
+    return oci_image.build(d / "ballast.tar", image, files={
         "/bin/counter": COUNTER, "/bin/start": start,
         "/bin/ballast": (d / "ballast").read_bytes()})
+
+
+@pytest.fixture(scope="module")
+def ballast_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_ballast_image(tmp_path_factory.mktemp("ballast"), IMAGE, MIB)
 
 
 def memory_charged(pid: int) -> int:
