@@ -42,6 +42,18 @@ from tests.agent.test_kubelet import evict, hook_said
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
 
 
+def template_request(cluster: Cluster, pod: str, node: str, template: str) -> CkptRequested:
+    """A snapshot-when-ready template dump of ``pod``'s container, as the
+    watcher asks for one: leave-running, into the template's own lineage."""
+    p = cluster.kube.get("pods", pod, "default")
+    assert p is not None, f"pod {pod} is not there"
+    return CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=template, node=node, reason="template",
+        leave_running=True,
+        target=Target(kind="pod", namespace="default", pod=pod, container="main",
+                      pod_uid=p["metadata"]["uid"]))
+
+
 async def test_a_final_during_a_template_dump_of_another_lineage_stores_the_pods_final(
         cluster: Cluster, drain_image: Path) -> None:  # noqa: F811
     """A snapshot-when-ready template dump (leave-running, its own checkpoint
@@ -50,14 +62,8 @@ async def test_a_final_during_a_template_dump_of_another_lineage_stores_the_pods
     template's."""
     a, b = list(cluster.kubelets)
     await start(cluster, drain_image, "templated", a)
-    p = cluster.kube.get("pods", "templated", "default")
-    assert p is not None
     tmpl = template_id("warm", "main")
-    req = CkptRequested(
-        request_id=uuid.uuid4().hex, checkpoint_id=tmpl, node=a, reason="template",
-        leave_running=True,
-        target=Target(kind="pod", namespace="default", pod="templated", container="main",
-                      pod_uid=p["metadata"]["uid"]))
+    req = template_request(cluster, "templated", a, tmpl)
 
     async with in_order(cluster, a, "templated"):
         await cluster.bus.publish(req)
@@ -335,14 +341,8 @@ async def test_a_template_dump_does_not_step_aside_for_a_final_of_another_lineag
     await cluster.until_steps("tmpl", a, 3)
     [step] = [o for o in gc.get_objects()
               if isinstance(o, PodCheckpointStep) and o.node == a]
-    p = cluster.kube.get("pods", "tmpl", "default")
-    assert p is not None
     tmpl = template_id("warm-tmpl", "main")
-    req = CkptRequested(
-        request_id=uuid.uuid4().hex, checkpoint_id=tmpl, node=a, reason="template",
-        leave_running=True,
-        target=Target(kind="pod", namespace="default", pod="tmpl", container="main",
-                      pod_uid=p["metadata"]["uid"]))
+    req = template_request(cluster, "tmpl", a, tmpl)
     final_started, waited = asyncio.Event(), asyncio.Event()
     real_run, real_estimate = step.run, step.estimate
 
