@@ -134,6 +134,28 @@ def test_the_tests_map_names_every_test_file() -> None:
                if f not in named and not any(f.startswith(d) for d in named if d.endswith("/"))]
     assert not missing, "not in tests/README.md's map of areas:\n" + "\n".join(missing)
 
+# -- metrics ----------------------------------------------------------------------------
+METRIC = re.compile(r"\bsmr_[a-z0-9_]+\b")
+SERIES = ("", "_total", "_bucket", "_sum", "_count")  # a family's series names
+
+
+def _unknown_metrics(paths: list[Path]) -> list[str]:
+    """Every ``smr_*`` name in ``paths`` that smr's registry does not export."""
+    exported = {f.name + s for f in metrics.REGISTRY.collect() for s in SERIES}
+    return [f"{_rel(p)}: {name}" for p in paths
+            for name in sorted(set(METRIC.findall(p.read_text()))) if name not in exported]
+
+
+def test_every_metric_the_docs_and_alerts_name_is_exported() -> None:
+    """A metric that smr does not export is a query that is always empty: an
+    alert that never fires, a panel that stays blank, a tuning hint that shows
+    nothing. The docs, the alert rules and the dashboard name only real ones."""
+    shipped = sorted(p for p in (REPO / "deploy" / "observability").iterdir()
+                     if p.suffix in (".yaml", ".json"))
+    unknown = _unknown_metrics(DOCS + shipped)
+    assert not unknown, "named but not exported by smr/metrics.py:\n" + "\n".join(unknown)
+
+
 # -- the README's commands ---------------------------------------------------------------
 
 def _shell_commands(doc: Path) -> list[str]:
