@@ -18,8 +18,10 @@ with the next step and a sum that matches it, and find its birth mark.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +282,24 @@ def assert_continues(before: list[tuple[int, int, str]], after: list[tuple[int, 
     assert [x[0] for x in after] == list(range(first, first + len(after)))
 
 
+@contextlib.contextmanager
+def store_puts_through(cluster: Cluster, through: Callable[..., Awaitable[Any]]
+                       ) -> Iterator[None]:
+    """Every write to the store within the block goes through
+    ``through(real, key, data, **kw)``, ``real`` the backend's own write: a
+    fault where the test puts it. The agents' stores share the test's
+    backend (the S3 server), so theirs go through it too."""
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes
+
+    async def put(key: str, data: bytes, **kw: Any) -> Any:
+        return await through(real, key, data, **kw)
+
+    backend.put_bytes = put
+    try:
+        yield
+    finally:
+        backend.put_bytes = real
 
 
 def webhook_configuration(failure_policy: str = "Ignore") -> dict[str, Any]:

@@ -31,7 +31,7 @@ from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.bus import KV_TIMINGS
 from smr.contract.messages import CkptRequested
-from tests.agent.cluster import Cluster, assert_continues, steps, workload
+from tests.agent.cluster import Cluster, assert_continues, steps, store_puts_through, workload
 from tests.agent.test_kubelet import evict, hook_said, seconds_between
 from tests.agent.test_restore_memory import build_ballast_image
 
@@ -213,22 +213,17 @@ async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final
     for o in gc.get_objects():  # the agents' steps: a short deadline for the test
         if isinstance(o, PodCheckpointStep):
             o.commit_deadline = 3.0
-    backend: Any = cluster.store.backend
-    real = backend.put_bytes
 
-    async def failing(key: str, data: bytes, **kw: Any) -> str:
+    async def failing(real: Any, key: str, data: bytes, **kw: Any) -> str:
         # The manifest of the cordon's dump (taken over: its reason is the
         # final's, its request the cordon's) is refused; the final's own passes.
         if key.endswith("manifest.json") and b'"final_request_id"' in data:
             raise StorageError(f"injected: S3 500 on {key}", hint="a test fault")
         return str(await real(key, data, **kw))
 
-    backend.put_bytes = failing
-    try:
+    with store_puts_through(cluster, failing):
         async with in_order(cluster, a, "refused"):
             await drain(cluster, a, "refused")
-    finally:
-        backend.put_bytes = real
 
     assert "final checkpoint done" in hook_said(cluster, a, "refused")
     assert not cluster.kubelets[a].did("refused", "KILL"), "it outlived its grace period"
@@ -268,22 +263,17 @@ async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_fina
     hook; the cordon's redelivery stores nothing again. One generation."""
     a, b = list(cluster.kubelets)
     await start(cluster, drain_image, "cut", a)
-    backend: Any = cluster.store.backend
-    real = backend.put_bytes
     cut: list[str] = []
 
-    async def cut_once(key: str, data: bytes, **kw: Any) -> str:
+    async def cut_once(real: Any, key: str, data: bytes, **kw: Any) -> str:
         if key.endswith("manifest.json") and b'"final_request_id"' in data and not cut:
             cut.append(key)
             raise asyncio.CancelledError  # the step ends here, its dump on disk
         return str(await real(key, data, **kw))
 
-    backend.put_bytes = cut_once
-    try:
+    with store_puts_through(cluster, cut_once):
         async with in_order(cluster, a, "cut"):
             await drain(cluster, a, "cut")
-    finally:
-        backend.put_bytes = real
 
     assert cut, "the taken-over dump's manifest was never put"
     gens = await cluster.store.generations("default", "cut.main")

@@ -22,7 +22,14 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from services.containers import gpus, host
 from smr.bus import KV_TIMINGS
 from smr.contract.messages import CkptRequested, Target, epoch
-from tests.agent.cluster import USR_IMAGE, Cluster, assert_continues, steps, workload
+from tests.agent.cluster import (
+    USR_IMAGE,
+    Cluster,
+    assert_continues,
+    steps,
+    store_puts_through,
+    workload,
+)
 from tests.agent.test_injection import create, plain_pod
 from tests.fake_kubelet import FakeGpu
 
@@ -330,11 +337,9 @@ async def test_a_recovered_final_checkpoint_still_releases_the_prestop_hook(
     cluster.kube.put("pods", workload("recovered", a, labels=NODE_RESTORE, final_wait=25,
                                       grace=30))
     await cluster.until_steps("recovered", a, 5)
-    backend: Any = cluster.store.backend
-    real = backend.put_bytes
     stopped = []
 
-    async def stop_after_final_manifest(key: str, data: bytes, **kw: Any) -> str:
+    async def stop_after_final_manifest(real: Any, key: str, data: bytes, **kw: Any) -> str:
         out = str(await real(key, data, **kw))
         if key.endswith("manifest.json") and not orjson.loads(data)["leave_running"] \
                 and not stopped:
@@ -342,13 +347,10 @@ async def test_a_recovered_final_checkpoint_still_releases_the_prestop_hook(
             raise asyncio.CancelledError  # the step ends here, its manifest stored
         return out
 
-    backend.put_bytes = stop_after_final_manifest
-    try:
+    with store_puts_through(cluster, stop_after_final_manifest):
         await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
         await evict(cluster, "recovered")
         await cluster.recreated("recovered", timeout=60)
-    finally:
-        backend.put_bytes = real
     assert stopped, "the fault never fired"
     said = hook_said(cluster, a, "recovered")
     print(f"\nrecovered final: preStop hook ended after "

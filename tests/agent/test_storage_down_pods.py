@@ -13,7 +13,7 @@ from typing import Any
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.contract.messages import CkptRequested, Target
-from tests.agent.cluster import Cluster, steps, workload
+from tests.agent.cluster import Cluster, steps, store_puts_through, workload
 
 
 async def test_a_final_pod_checkpoint_that_cannot_be_stored_loses_no_state(
@@ -30,22 +30,17 @@ async def test_a_final_pod_checkpoint_that_cannot_be_stored_loses_no_state(
     for o in gc.get_objects():  # the agents' steps: a short deadline for the test
         if isinstance(o, PodCheckpointStep):
             o.commit_deadline = 4.0
-    backend: Any = cluster.store.backend
-    real = backend.put_bytes
 
-    async def failing(key: str, data: bytes, **kw: Any) -> str:
+    async def failing(real: Any, key: str, data: bytes, **kw: Any) -> str:
         if key.endswith("manifest.json"):
             raise StorageError(f"injected: S3 500 on {key}", hint="a test fault")
         return str(await real(key, data, **kw))
 
-    backend.put_bytes = failing
-    try:
+    with store_puts_through(cluster, failing):
         done = await cluster.bus.request(CkptRequested(
             request_id=uuid.uuid4().hex, checkpoint_id="held-1", node=a,
             target=Target(kind="pod", namespace="default", pod="held", container="main")),
             timeout=120)
-    finally:
-        backend.put_bytes = real
     assert done.status == "failed", done
     assert done.error and done.error["code"] == "storage-unavailable", done.error
     at = len(steps(cluster.log("held", a)))
