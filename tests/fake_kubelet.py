@@ -87,6 +87,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -97,6 +98,7 @@ from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, kubelet_fail
 from tests.helpers.lifetime import die_with_parent
 
 USER_WRAPPER = Path(__file__).with_name("fake_cri_user.py")
+LOG_DRIVER = Path(__file__).with_name("fake_cri_log.sh")
 
 
 class ContainerConfigError(Exception):
@@ -671,7 +673,10 @@ class FakeKubelet:
                                    f"{c['name']}_{restarts}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         env = [f"{e['name']}={e['value']}" for e in c.get("env") or []]
-        args = ["run", "-d", "--log-uri", f"file://{log}"]
+        # Written by a log driver that copies until the streams end, as CRI's
+        # own copy does (tests/fake_cri_log.sh says why not ctr's file://).
+        args = ["run", "-d", "--log-uri",
+                f"binary://{LOG_DRIVER}?log={urllib.parse.quote(str(log), safe='/')}"]
         if st.volume.is_dir():
             args += ["--mount", f"type=bind,src={st.volume},dst=/smr,options=rbind:rw"]
         # hostPath volumes, as the pod mounts them.
