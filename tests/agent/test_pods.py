@@ -75,7 +75,7 @@ async def test_restore_into_the_same_image_under_another_name_resumes(
                                files={"/bin/counter": COUNTER})
     await cluster.kubelets[b].ctd.import_image(b, mirrored)
     assert await cluster.kubelets[b].ctd.digest(b, MIRRORED) == \
-        await cluster.kubelets[a].ctd.digest(a, IMAGE), "not one image: the test proves nothing"
+        await cluster.kubelets[a].pull(IMAGE), "not one image: the test proves nothing"
     env = {"SMR_CHECKPOINT": "mirror-1"}
     cluster.kube.put("pods", workload("first", a, env=env, owner="j", restart="Never"))
     await cluster.until_steps("first", a, 3)
