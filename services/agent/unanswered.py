@@ -9,6 +9,12 @@ container that should have resumed from a checkpoint and did not is then
 seen in ``kubectl describe pod``, not only in its log. Only the file's
 presence is read: its text is the tenant's to change, and the Event's words
 are the agent's own.
+
+The file is the workload's to write as well (its /smr is its own), so its
+presence is a claim, not a fact: a start that an agent answered with a
+restore (its step is recorded under the request id derived from the
+container's ID, whichever agent ran it: the one a rollout replaced, too) is
+never reported as started fresh.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from services.containers.pods import runtime_id
 from services.policy import policy_for
 from smr.contract.errors import SmrError
+from smr.contract.messages import derive_request_id
 
 if TYPE_CHECKING:
     from services.agent.starts import StartRestores
@@ -29,6 +37,10 @@ REASON = "StartedWithoutAgent"
 
 async def report(starts: StartRestores, pod: dict[str, Any], status: dict[str, Any]) -> None:
     meta, name = pod["metadata"], status["name"]
+    if await _restored(starts, pod, status):
+        log.info("pod %s/%s container %s: 'unanswered' in its /smr, but an agent restored "
+                 "this start; no Event", meta["namespace"], meta["name"], name)
+        return
     mine = next((c for c in policy_for(pod, starts.s).restorable() if c.name == name), None)
     if mine is None:
         what = "it resumes from no checkpoint, so nothing was lost"
@@ -50,3 +62,19 @@ async def report(starts: StartRestores, pod: dict[str, Any], status: dict[str, A
     # Keyed by the container ID: once per start of this container.
     await starts.lineage.event(pod, REASON, name, status.get("containerID") or "", message,
                                warning=True)
+
+
+async def _restored(starts: StartRestores, pod: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Whether an agent answered this container start with a restore: the
+    step of the request it sent (services/agent/starts.py) is recorded. If
+    the step store cannot be read, the Event is left out: it only explains,
+    and the container's log says what smr-init did."""
+    rid = derive_request_id("restore", pod["metadata"].get("uid", ""), status["name"],
+                            runtime_id(status.get("containerID") or ""))
+    try:
+        state, _ = await starts.bus.step_state(rid)
+    except Exception as e:  # NATS's own errors too: the Event is only a note
+        log.warning("cannot read the step store (%s): no StartedWithoutAgent Event for pod "
+                    "%s/%s", e, pod["metadata"]["namespace"], pod["metadata"]["name"])
+        return True
+    return state is not None
