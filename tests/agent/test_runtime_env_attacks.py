@@ -2,7 +2,8 @@
 waits for a coming agent: services/agent/alive.py). The node decides it from
 the age of the agent's mark of life; whatever the pod's manifest or image
 puts in the environment under that name (duplicates, empty, huge, negative,
-infinite, not a number) never reaches smr-init, so a pod can neither stretch
+infinite, not a number), or under the names of the node's own settings
+(SMR_AGENT_WAIT, AGENT_WAIT, AGENT_MARK), never reaches smr-init, so a pod can neither stretch
 the node's wait nor be cut short by it, and smr-init still starts the
 workload (writing ``unanswered``) once the node's wait is over.
 
@@ -41,6 +42,9 @@ HOSTILE = {
     "empty": [f"{NAME}="],
     "overflowing": [f"{NAME}=1e999"],
     "duplicates": [f"{NAME}=99999999999", f"{NAME}=0", f"{NAME}=99999999999"],
+    # The node's own settings' names: smr-runtime reads them from its file only.
+    "node-settings": ["SMR_AGENT_WAIT=99999999999", "AGENT_WAIT=99999999999",
+                      "AGENT_MARK=/proc/self/exe"],
 }
 
 
