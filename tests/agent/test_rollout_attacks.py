@@ -19,6 +19,7 @@ from pathlib import Path
 from services.agent.starts import SCAN_S, StartRestores
 from services.containers import host
 from services.containers.pods import runtime_id
+from smr.contract.messages import CkptRequested, Target
 from smr.jobs import proc_start_ticks
 from tests.agent.cluster import Cluster, assert_continues, steps
 from tests.agent.test_rollout_pods import (
@@ -98,3 +99,35 @@ async def test_a_restored_container_asking_again_is_not_restored_twice(
     assert numbers == sorted(set(numbers)), \
         f"the workload went back to an earlier step (restored again): {later}"
     assert len({born for _, _, born in later}) == 1, "a second copy of the workload ran"
+
+
+async def test_a_container_checkpointed_after_its_start_is_never_said_to_have_lost_it(
+        cluster: Cluster) -> None:
+    """An agent answered the start (nothing to resume yet: a fresh start);
+    the container then stored its own first checkpoint. Its workload writes
+    ``unanswered`` and the node's agent is replaced: no Event says that
+    checkpoint was not restored, since it did not exist when the container
+    started."""
+    a, _ = list(cluster.kubelets)
+    ckpt = f"own-{uuid.uuid4().hex[:6]}"
+    await create_opted_in(cluster, "own", a, ckpt)
+    first = await cluster.until_steps("own", a, 3, timeout=60)
+    assert first[0][0] == 1, "it had nothing to resume, yet it did not start fresh"
+    done = await cluster.bus.request(CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=a, leave_running=True,
+        target=Target(kind="pod", namespace="default", pod="own", container="main")),
+        timeout=60)
+    assert done.status == "succeeded", done
+    st = cluster.kube.get("pods", "own", "default")
+    assert st is not None
+    shim = host.find_shim(runtime_id(st["status"]["containerStatuses"][0]["containerID"]))
+    assert shim is not None
+    (Path(f"/proc/{shim.pid}/root/smr/main") / "unanswered").write_text("no answer\n")
+    old = cluster.agents[a]
+    await stopped(old)
+    async with another_agent(old, cluster) as new:
+        await asyncio.wait_for(new.ready.wait(), 60)
+        await looked_at(new.starts, shim)
+    lies = [e["message"] for e in cluster.events("StartedWithoutAgent")
+            if e["involvedObject"]["name"] == "own" and "NOT restored" in e["message"]]
+    assert not lies, f"its own later checkpoint was said not to be restored: {lies}"
