@@ -87,6 +87,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -97,6 +98,7 @@ from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, kubelet_fail
 from tests.helpers.lifetime import die_with_parent
 
 USER_WRAPPER = Path(__file__).with_name("fake_cri_user.py")
+LOG_DRIVER = Path(__file__).with_name("fake_cri_log.sh")
 
 
 class ContainerConfigError(Exception):
@@ -314,8 +316,14 @@ def grace_of(pod: dict[str, Any]) -> float:
 class FakeKubelet:
     def __init__(self, kube: FakeApiServer, containerd: Containerd, node: str, workdir: Path,
                  smr_init: Path, runtime_classes: dict[str, str] | None = None,
-                 gpus: list[FakeGpu] | None = None, gpu_dev: Path = Path("/dev")) -> None:
+                 gpus: list[FakeGpu] | None = None, gpu_dev: Path = Path("/dev"),
+                 registry: dict[str, Path] | None = None) -> None:
         self.kube, self.ctd, self.node = kube, containerd, node
+        # The fake registry (image name → its tarball): an image a pod asks
+        # for is pulled, imported into this node's namespace, on first use,
+        # as a kubelet pulls with imagePullPolicy IfNotPresent.
+        self.registry = registry or {}
+        self._pulling = asyncio.Lock()
         # The fake device plugin's GPUs (None: every /dev/nvidia* to a pod
         # that asks); gpu_dev: where the toolkit's companion nodes are.
         self.gpus, self.gpu_dev = gpus, gpu_dev
@@ -656,22 +664,33 @@ class FakeKubelet:
 
         self._spawn(probe_once())
 
-    async def _image(self, ref: str) -> str:
+    async def pull(self, ref: str) -> str:
+        """The digest of image ``ref`` on this node, pulled first if missing."""
         if ref not in self.digests:
-            self.digests[ref] = await self.ctd.digest(self.ns, ref)
+            async with self._pulling:  # one pull of an image at a time, as the kubelet's
+                try:
+                    self.digests[ref] = await self.ctd.digest(self.ns, ref)
+                except KeyError:
+                    if ref not in self.registry:
+                        raise
+                    await self.ctd.import_image(self.ns, self.registry[ref])
+                    self.digests[ref] = await self.ctd.digest(self.ns, ref)
         return self.digests[ref]
 
     async def _run(self, pod: dict[str, Any], c: dict[str, Any], st: PodState,
                    restarts: int) -> Running:
         cid = uuid.uuid4().hex
-        await self._image(c["image"])
+        await self.pull(c["image"])
         # By uid too, as the kubelet's /var/log/pods/<ns>_<name>_<uid>: a
         # StatefulSet's pod of the same name back on this node has its own log.
         log = self.dir / "logs" / (f"{pod['metadata']['name']}_{pod['metadata']['uid']}_"
                                    f"{c['name']}_{restarts}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         env = [f"{e['name']}={e['value']}" for e in c.get("env") or []]
-        args = ["run", "-d", "--log-uri", f"file://{log}"]
+        # Written by a log driver that copies until the streams end, as CRI's
+        # own copy does (tests/fake_cri_log.sh says why not ctr's file://).
+        args = ["run", "-d", "--log-uri",
+                f"binary://{LOG_DRIVER}?log={urllib.parse.quote(str(log), safe='/')}"]
         if st.volume.is_dir():
             args += ["--mount", f"type=bind,src={st.volume},dst=/smr,options=rbind:rw"]
         # hostPath volumes, as the pod mounts them.

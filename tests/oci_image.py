@@ -97,3 +97,12 @@ def build(out: Path, ref: str, *, files: dict[str, bytes] | None = None,
         for digest, data in blobs.items():
             _add(tar, f"blobs/sha256/{digest.split(':')[1]}", data)
     return out
+
+
+def ref_of(tar: Path) -> str:
+    """The name an image tarball of build() carries (its index's ref.name)."""
+    with tarfile.open(tar) as t:
+        f = t.extractfile("index.json")
+        assert f is not None, f"{tar}: no index.json"
+        index = json.loads(f.read())
+    return str(index["manifests"][0]["annotations"]["io.containerd.image.name"])

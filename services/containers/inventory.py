@@ -92,7 +92,8 @@ ENTRIES: tuple[Entry, ...] = (
           ("services.containers.confined:Root.replace",), plant=True),
     Entry("unanswered", f"{SMR}/unanswered", "tenant", READ,
           "smr-init started the workload fresh for want of an agent's answer: only the "
-          "file's presence counts (the Warning Event's words are the agent's own)",
+          "file's presence counts (the Warning Event's words are the agent's own), and "
+          "not for a start an agent restored (its step is recorded)",
           ("services.containers.host:Shim.unanswered", "smr-init.c:put"), plant=True),
     Entry("restored", f"{SMR}/restored", "tenant", REPLACED,
           "the note a restored workload may read (what it was restored from); removed by "

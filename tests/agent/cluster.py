@@ -173,18 +173,6 @@ class Cluster:
     def log(self, name: str, node: str) -> str:
         return self.kubelets[node].log("default", name)
 
-    async def log_saying(self, name: str, node: str, text: str, timeout: float = 10) -> str:
-        """The log of ``name`` once it holds ``text``. A container's last words
-        can land in its log file after the kubelet saw it exit: the runc shim
-        copies its output there on its own and, as it deletes the task, waits
-        up to 2 s for that copy (containerd's process.Init.delete)."""
-        deadline = time.monotonic() + timeout
-        while text not in (log := self.log(name, node)):
-            assert time.monotonic() < deadline, \
-                f"pod {name} on {node}: {text!r} not in its log: {log[-2000:]!r}"
-            await asyncio.sleep(0.2)
-        return log
-
     async def until_steps(self, name: str, node: str, n: int = 3, timeout: float = 30
                           ) -> list[tuple[int, int, str]]:
         deadline = time.monotonic() + timeout

@@ -240,12 +240,14 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
                                      step_lock_dir=str(node_locks(n).root)))
               for i, n in enumerate(in_process)]
     kubelets = {}
+    # Pulled by each kubelet when a pod first asks (not imported up front:
+    # most tests run one or two of these images).
+    registry = {oci_image.ref_of(tar): tar for tar in images}
     for n in nodes:
         kube.put("nodes", a_node(n))
-        for tar in images:
-            await containerd.import_image(n, tar)
         kubelets[n] = await FakeKubelet(kube, containerd, n, tmp_path, smr_init,
-                                        runtime_classes={"smr": str(smr_runtime)}).start()
+                                        runtime_classes={"smr": str(smr_runtime)},
+                                        registry=registry).start()
     tasks = [asyncio.create_task(x.run()) for x in (storage, watcher, webhook, *agents)]
     await asyncio.wait_for(asyncio.gather(storage.ready.wait(), watcher.ready.wait(),
                                           webhook.ready.wait(),

@@ -645,3 +645,23 @@ def waiting_message(cluster: Cluster, name: str) -> str:
     p = cluster.kube.get("pods", name, "default") or {}
     return " ".join(((s.get("state") or {}).get("waiting") or {}).get("message", "")
                     for s in (p.get("status") or {}).get("containerStatuses") or [])
+
+
+async def test_a_containers_last_stderr_line_reaches_its_log(cluster: Cluster) -> None:
+    """What a container writes to stderr after its stdout has ended is in its
+    log once the kubelet reports it terminated, as with CRI (smr-init's reason
+    for a refused start is such a line: `kubectl logs` must show it)."""
+    a, _ = list(cluster.kubelets)
+    body = plain_pod("last-words", a, command=[
+        "/bin/sh", "-c", "echo first; exec 1>&-; sleep 0.5; echo last-words >&2; exit 3"])
+    body["spec"]["restartPolicy"] = "Never"
+    await create(cluster, body)
+    deadline = time.monotonic() + 30
+    while (p := cluster.kube.get("pods", "last-words", "default")) and \
+            p["status"].get("phase") != "Failed":
+        assert time.monotonic() < deadline, "the container did not end"
+        await asyncio.sleep(0.2)
+    assert p is not None
+    assert p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+    log = cluster.log("last-words", a)
+    assert "first" in log and "last-words" in log, log
