@@ -5,10 +5,14 @@ CRIU, nats-server and moto; the kubelet and API server are the repo's fakes."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
+from services.checkpointer import takeover
+from services.checkpointer.pod import PodCheckpointStep
 from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import Cluster, workload
+from tests.agent.test_drain_takeover import in_order
 
 
 def final(ckpt: str, node: str, pod: str) -> CkptRequested:
@@ -22,6 +26,17 @@ def final(ckpt: str, node: str, pod: str) -> CkptRequested:
 
 def outcomes(results: list[CkptDone]) -> list[tuple[str, int | None, str | None]]:
     return [(r.status, r.generation, (r.error or {}).get("code")) for r in results]
+
+
+async def frozen(cluster: Cluster, node: str, target: Target) -> None:
+    """Until the leave-running dump of ``target`` in flight on ``node`` holds
+    its tree frozen (held stopped for CRIU; its captures wait in ``in_order``)."""
+    step = next(w.step.step for w in cluster.agents[node].workers
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    deadline = time.monotonic() + 60
+    while (f := step.flights.flight(takeover.key(target))) is None or f.phase != "frozen":
+        assert time.monotonic() < deadline, f"the dump never froze its tree: {f}"
+        await asyncio.sleep(0.01)
 
 
 async def running(cluster: Cluster, name: str) -> tuple[str, str]:
@@ -60,3 +75,26 @@ async def test_a_final_checkpoint_asked_for_again_after_it_ended_the_workload_is
     assert outcomes([second]) == [("succeeded", first.generation, None)], second
     assert [g.number for g in await cluster.store.generations("default", ckpt)] == \
         [first.generation]
+
+
+async def test_two_final_requests_during_a_takeover_are_both_answered_with_the_taken_over_dump(
+        cluster: Cluster) -> None:
+    """A leave-running dump of the container is frozen (its captures wait)
+    when two final requests of it come, under different ids: the dump is
+    finished as the final checkpoint, once; both are answered with it, and
+    the lineage holds that dump and no other."""
+    a, ckpt = await running(cluster, "twice")
+    cordon = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=a,
+                           reason="drain", leave_running=True,
+                           target=Target(kind="pod", namespace="default", pod="twice",
+                                         container="main"))
+    async with in_order(cluster, a, "twice"):
+        leave = asyncio.create_task(cluster.bus.request(cordon, timeout=120))
+        await frozen(cluster, a, cordon.target)
+        finals = await asyncio.gather(*(cluster.bus.request(final(ckpt, a, "twice"),
+                                                            timeout=120) for _ in range(2)))
+        await leave
+    gens = await cluster.store.generations("default", ckpt)
+    assert outcomes(finals) == [("succeeded", 1, None)] * 2, outcomes(finals)
+    assert [(g.number, g.manifest["request_id"], g.manifest["leave_running"]) for g in gens] \
+        == [(1, cordon.request_id, False)], [g.manifest for g in gens]
