@@ -15,13 +15,14 @@ from tests.agent.cluster import Cluster, workload
 from tests.agent.test_drain_takeover import in_order
 
 
-def final(ckpt: str, node: str, pod: str) -> CkptRequested:
+def final(ckpt: str, node: str, pod: str, uid: str | None = None) -> CkptRequested:
     """A final checkpoint request of ``pod``'s container, under its own id (the
     watcher derives one per reason: an eviction and the node's shutdown, or
     the preStop hook retried, each ask for the same container's final)."""
     return CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=node,
                          reason="drain", target=Target(kind="pod", namespace="default",
-                                                       pod=pod, container="main"))
+                                                       pod=pod, container="main",
+                                                       pod_uid=uid))
 
 
 def outcomes(results: list[CkptDone]) -> list[tuple[str, int | None, str | None]]:
@@ -72,6 +73,26 @@ async def test_a_final_checkpoint_asked_for_again_after_it_ended_the_workload_is
     first = await cluster.bus.request(final(ckpt, a, "again"), timeout=120)
     assert first.status == "succeeded", first
     second = await cluster.bus.request(final(ckpt, a, "again"), timeout=120)
+    assert outcomes([second]) == [("succeeded", first.generation, None)], second
+    assert [g.number for g in await cluster.store.generations("default", ckpt)] == \
+        [first.generation]
+
+
+async def test_a_final_checkpoint_asked_for_again_after_its_pod_was_replaced_is_answered_with_it(
+        cluster: Cluster) -> None:
+    """The watcher's final requests name the pod by uid. One comes after
+    the pod's final checkpoint ended it and the pod was replaced by a new one
+    of its name (a bare pod recreated): it is answered with the final
+    checkpoint of the pod it names, not failed as a stale request."""
+    a, ckpt = await running(cluster, "gone")
+    before = cluster.kube.get("pods", "gone", "default")
+    assert before is not None
+    uid = before["metadata"]["uid"]
+    first = await cluster.bus.request(final(ckpt, a, "gone", uid), timeout=120)
+    assert first.status == "succeeded", first
+    cluster.kube.remove("pods", "gone", "default")
+    cluster.kube.put("pods", workload("gone", None, env={"SMR_CHECKPOINT": ckpt}, owner=ckpt))
+    second = await cluster.bus.request(final(ckpt, a, "gone", uid), timeout=120)
     assert outcomes([second]) == [("succeeded", first.generation, None)], second
     assert [g.number for g in await cluster.store.generations("default", ckpt)] == \
         [first.generation]
