@@ -9,7 +9,9 @@ lineage is a final dump (``leave_running: false``, also a taken-over one)
 of this very container (its ID in the manifest), and the workload is gone.
 A workload still there (a final stored, its tree not yet ended: the agent
 died in between) is not answered so: its step's recovery ends it, or the
-request dumps it again, as before.
+request dumps it again, as before. A request that names its pod by uid is
+answered so also once that pod is gone or replaced by a new one of its name
+(a bare pod recreated): the final dump was of the pod it names.
 """
 
 from __future__ import annotations
@@ -54,4 +56,23 @@ async def stored(store: CheckpointStore, req: CkptRequested,
              "(generation %d, request %s), which ended its workload; answered with it",
              req.request_id, req.target, latest.number,
              latest.manifest.get("final_request_id") or latest.manifest.get("request_id"))
+    return latest
+
+
+async def of_pod(store: CheckpointStore, req: CkptRequested) -> Generation | None:
+    """For ``req`` (a final request) whose pod is gone or replaced: ``latest``
+    of its lineage if that is a final dump of the very pod (by uid) and
+    container it names."""
+    if not req.target.pod_uid:
+        return None  # which pod it meant is not known
+    latest = await store.latest(req.target.namespace or "", req.checkpoint_id)
+    if latest is None or latest.manifest.get("leave_running") is not False:
+        return None
+    dumped = latest.manifest.get("target") or {}
+    if (dumped.get("pod_uid"), dumped.get("container")) != (req.target.pod_uid,
+                                                             req.target.container):
+        return None
+    log.info("final checkpoint %s of %s: its pod is gone, and its final checkpoint is "
+             "stored (generation %d); answered with it", req.request_id, req.target,
+             latest.number)
     return latest

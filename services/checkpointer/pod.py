@@ -174,8 +174,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
             except PermanentError:
                 # Its container gone: a generation that names this request
                 # (a taken-over dump, stored by the leave-running step's
-                # recovery, the pod ended since) is its answer.
-                if gen := await self._committed(req):
+                # recovery, the pod ended since), or its pod's final, is its answer.
+                if gen := await self._committed(req) or await finals.of_pod(self.store, req):
                     current = await self.store.ensure_latest(req.target.namespace or "",
                                                              req.checkpoint_id, gen)
                     return self._result(req, gen, current, started_at=started,
