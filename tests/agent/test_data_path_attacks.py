@@ -8,8 +8,13 @@ import asyncio
 import time
 import uuid
 
+import orjson
+import pytest
+
 from services.checkpointer import takeover
 from services.checkpointer.pod import PodCheckpointStep
+from smr.bus import KV_STEPS
+from smr.bus.liveness import StepLocks
 from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import Cluster, workload
 from tests.agent.test_drain_takeover import in_order
@@ -119,3 +124,28 @@ async def test_two_final_requests_during_a_takeover_are_both_answered_with_the_t
     assert outcomes(finals) == [("succeeded", 1, None)] * 2, outcomes(finals)
     assert [(g.number, g.manifest["request_id"], g.manifest["leave_running"]) for g in gens] \
         == [(1, cordon.request_id, False)], [g.manifest for g in gens]
+
+
+async def test_a_containers_lock_stays_with_a_live_step_whose_heartbeats_lag(
+        cluster: Cluster) -> None:
+    """A step of a pod container holds the container's lock; its worker is
+    alive (its node's step lock held) but its heartbeat is old (its event
+    loop stalled, NATS away for it). Another step of that container waits:
+    taking the lock over would dump, or kill, the container beside it (a
+    second final generation, or a final failed job-exited). Once the
+    holder's worker is gone, the lock is taken over."""
+    a, _ = list(cluster.kubelets)
+    agent = cluster.agents[a]
+    step = next(w.step.step for w in agent.workers
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    key, holder = f"pod.{uuid.uuid4()}.main", f"slow-{uuid.uuid4().hex}"
+    await cluster.bus.kv(KV_STEPS).put(holder, orjson.dumps(
+        {"state": "running", "heartbeat": time.time() - 3600}))
+    with StepLocks(agent.s.step_lock_path).hold(holder) as ours:
+        assert ours
+        await step.lock.acquire(key, holder)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(step.lock.acquire(key, "next"), 3)
+        assert await step.lock.holder(key) == holder, "the lock was taken from a live step"
+    await asyncio.wait_for(step.lock.acquire(key, "next"), 10)  # its worker gone
+    assert await step.lock.holder(key) == "next"
