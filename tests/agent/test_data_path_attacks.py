@@ -5,8 +5,11 @@ CRIU, nats-server and moto; the kubelet and API server are the repo's fakes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 import pytest
@@ -16,8 +19,9 @@ from services.checkpointer.pod import PodCheckpointStep
 from smr.bus import KV_STEPS
 from smr.bus.liveness import StepLocks
 from smr.contract.messages import CkptDone, CkptRequested, Target
-from tests.agent.cluster import Cluster, workload
+from tests.agent.cluster import Cluster, netns_pid, workload
 from tests.agent.test_drain_takeover import in_order
+from tests.agent.test_rollout_pods import another_agent
 
 
 def final(ckpt: str, node: str, pod: str, uid: str | None = None) -> CkptRequested:
@@ -149,3 +153,49 @@ async def test_a_containers_lock_stays_with_a_live_step_whose_heartbeats_lag(
         assert await step.lock.holder(key) == holder, "the lock was taken from a live step"
     await asyncio.wait_for(step.lock.acquire(key, "next"), 10)  # its worker gone
     assert await step.lock.holder(key) == "next"
+
+
+def criu_dumps_in(pid_ns: str) -> int:
+    """CRIU dumps running now in the PID namespace ``pid_ns`` (a container's:
+    the agent runs its CRIU there)."""
+    n = 0
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, UnicodeDecodeError):
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+            if Path(argv[0].decode()).name == "criu" and b"dump" in argv[1:2] \
+                    and os.readlink(p / "ns" / "pid") == pid_ns:
+                n += 1
+    return n
+
+
+async def test_two_agents_of_one_node_dump_one_container_once_for_finals_sent_together(
+        cluster: Cluster) -> None:
+    """maxSurge: the old and the new agent of node a both take checkpoint
+    requests. Three final requests of one container sent together, in rounds
+    (later rounds find it ended): CRIU never dumps it twice at once, one
+    generation is stored, and every request is answered with it."""
+    a, ckpt = await running(cluster, "both")
+    pid_ns = os.readlink(f"/proc/{netns_pid(cluster, 'both')}/ns/pid")
+    async with another_agent(cluster.agents[a], cluster) as new:
+        await asyncio.wait_for(new.ready.wait(), 60)
+        most = 0
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal most
+            while not done.is_set():
+                most = max(most, criu_dumps_in(pid_ns))
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            results = []
+            for _ in range(3):
+                results += await asyncio.gather(*(cluster.bus.request(
+                    final(ckpt, a, "both"), timeout=120) for _ in range(3)))
+        finally:
+            done.set()
+            await watcher
+    assert outcomes(results) == [("succeeded", 1, None)] * 9, outcomes(results)
+    assert [g.number for g in await cluster.store.generations("default", ckpt)] == [1]
+    assert most <= 1, f"{most} CRIU dumps of one container ran at once"
