@@ -346,12 +346,17 @@ class JobLock:
     """
 
     def __init__(self, kv: KeyValue, steps: KeyValue, *, wait_s: float = 3600.0,
-                 stale_after: float = 24.0, poll_s: float = 0.5) -> None:
+                 stale_after: float = 24.0, poll_s: float = 0.5,
+                 live: Callable[[str], bool] | None = None) -> None:
         self.kv = kv
         self.steps = steps
         self.wait_s = wait_s
         self.stale_after = stale_after
         self.poll_s = poll_s
+        # Whether a live worker of this node runs a request, as the kernel
+        # knows it (smr.bus.liveness): a holder whose heartbeats lag (its
+        # event loop stalled, NATS away for it) is alive all the same.
+        self.live = live
 
     async def acquire(self, job_id: str, request_id: str,
                       waiting: Callable[[str], None] | None = None) -> None:
@@ -397,6 +402,8 @@ class JobLock:
     async def _holder_active(self, holder: Any) -> bool:
         if not holder:
             return False
+        if self.live is not None and self.live(str(holder)):
+            return True
         try:
             e = await self.steps.get(holder)
         except KeyNotFoundError:

@@ -61,8 +61,11 @@ class NodeAgent:
                               kept_logs=s.work_path / "criu-logs"),
             criu=self.criu,
             store=store, pods=self.pods,
+            # A pod's steps all run on its node: a holder its node's step
+            # locks call live keeps the container's lock, whatever its beats.
             lock=JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait,
-                         stale_after=bus.config.stale_after),
+                         stale_after=bus.config.stale_after,
+                         live=StepLocks(s.step_lock_path).live),
             node=s.node, criu_timeout=s.criu_timeout, commit_deadline=s.commit_deadline,
             init_binary=s.init_binary(), label_prefix=s.label_prefix,
             work_dir=s.work_path / "pods",

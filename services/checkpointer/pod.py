@@ -25,7 +25,7 @@ import orjson
 from nats.js.kv import KeyValue
 
 from services import timings
-from services.checkpointer import dumpstamp, takeover
+from services.checkpointer import dumpstamp, finals, takeover
 from services.checkpointer.admission import over_threshold, resident_bytes
 from services.checkpointer.durable import result, until_stored
 from services.checkpointer.pod_capture import CONTAINER_FILE, capture
@@ -174,8 +174,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
             except PermanentError:
                 # Its container gone: a generation that names this request
                 # (a taken-over dump, stored by the leave-running step's
-                # recovery, the pod ended since) is its answer.
-                if gen := await self._committed(req):
+                # recovery, the pod ended since), or its pod's final, is its answer.
+                if gen := await self._committed(req) or await finals.of_pod(self.store, req):
                     current = await self.store.ensure_latest(req.target.namespace or "",
                                                              req.checkpoint_id, gen)
                     return self._result(req, gen, current, started_at=started,
@@ -190,7 +190,6 @@ class PodCheckpointStep(PodRecovery, PodStep):
 
     async def _run(self, req: CkptRequested, progress: Progress, c: PodContainer,
                    started: str, t0: float) -> CkptDone:
-        shim = self.shim_of(c)
         # Under the container's lock: a restore into it (which holds the lock)
         # is over, and smr-init told so, before its workload is looked for.
         await self.lock.acquire(c.lock_key(), req.request_id,
@@ -202,6 +201,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
             if req.leave_running else None
         outcome: tuple[Generation, bool] | None = None
         try:
+            if not req.leave_running and (gen := await finals.stored(self.store, req, c)):
+                return self._result(req, gen, True)  # another request's final ended it
+            shim = self.shim_of(c)  # under the lock: a final before it may have ended it
             if not req.leave_running and (done := await self._taken_over(req, c, shim)):
                 return done  # answered from the dump it took over (a redelivery)
             pid, inner = await asyncio.to_thread(self._workload, req, shim)

@@ -1,0 +1,201 @@
+"""Sequences on the checkpoint data path that must neither lose, corrupt nor
+double a checkpoint, nor answer a stored one failed. Real containerd, runc,
+CRIU, nats-server and moto; the kubelet and API server are the repo's fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+
+from services.checkpointer import takeover
+from services.checkpointer.pod import PodCheckpointStep
+from smr.bus import KV_STEPS
+from smr.bus.liveness import StepLocks
+from smr.contract.messages import CkptDone, CkptRequested, Target
+from tests.agent.cluster import Cluster, netns_pid, workload
+from tests.agent.test_drain_takeover import in_order
+from tests.agent.test_rollout_pods import another_agent
+
+
+def final(ckpt: str, node: str, pod: str, uid: str | None = None) -> CkptRequested:
+    """A final checkpoint request of ``pod``'s container, under its own id (the
+    watcher derives one per reason: an eviction and the node's shutdown, or
+    the preStop hook retried, each ask for the same container's final)."""
+    return CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=node,
+                         reason="drain", target=Target(kind="pod", namespace="default",
+                                                       pod=pod, container="main",
+                                                       pod_uid=uid))
+
+
+def outcomes(results: list[CkptDone]) -> list[tuple[str, int | None, str | None]]:
+    return [(r.status, r.generation, (r.error or {}).get("code")) for r in results]
+
+
+async def frozen(cluster: Cluster, node: str, target: Target) -> None:
+    """Until the leave-running dump of ``target`` in flight on ``node`` holds
+    its tree frozen (held stopped for CRIU; its captures wait in ``in_order``)."""
+    step = next(w.step.step for w in cluster.agents[node].workers
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    deadline = time.monotonic() + 60
+    while (f := step.flights.flight(takeover.key(target))) is None or f.phase != "frozen":
+        assert time.monotonic() < deadline, f"the dump never froze its tree: {f}"
+        await asyncio.sleep(0.01)
+
+
+async def running(cluster: Cluster, name: str) -> tuple[str, str]:
+    """Pod ``name`` on node a, counting; its node and checkpoint id."""
+    a, _ = list(cluster.kubelets)
+    ckpt = f"{name}-{uuid.uuid4().hex[:6]}"
+    cluster.kube.put("pods", workload(name, a, env={"SMR_CHECKPOINT": ckpt}, owner=ckpt,
+                                      restart="Never"))
+    await cluster.until_steps(name, a, 3)
+    return a, ckpt
+
+
+async def test_final_checkpoints_asked_for_together_are_all_answered_with_the_one_stored(
+        cluster: Cluster) -> None:
+    """Three final requests of one container under different ids, sent at
+    once: one dumps and ends the workload; the others are answered with that
+    same generation, not failed (the final state is stored), and no second
+    generation is made."""
+    a, ckpt = await running(cluster, "finals")
+    results = await asyncio.gather(*(cluster.bus.request(final(ckpt, a, "finals"), timeout=120)
+                                     for _ in range(3)))
+    gens = await cluster.store.generations("default", ckpt)
+    assert outcomes(results) == [("succeeded", 1, None)] * 3, outcomes(results)
+    assert [g.number for g in gens] == [1], [g.manifest for g in gens]
+
+
+async def test_a_final_checkpoint_asked_for_again_after_it_ended_the_workload_is_answered_with_it(
+        cluster: Cluster) -> None:
+    """A second final request of a container whose final checkpoint is stored
+    and whose workload it ended (its smr-init gone, the container exited)
+    is answered with that generation, not failed for want of a workload."""
+    a, ckpt = await running(cluster, "again")
+    first = await cluster.bus.request(final(ckpt, a, "again"), timeout=120)
+    assert first.status == "succeeded", first
+    second = await cluster.bus.request(final(ckpt, a, "again"), timeout=120)
+    assert outcomes([second]) == [("succeeded", first.generation, None)], second
+    assert [g.number for g in await cluster.store.generations("default", ckpt)] == \
+        [first.generation]
+
+
+async def test_a_final_checkpoint_asked_for_again_after_its_pod_was_replaced_is_answered_with_it(
+        cluster: Cluster) -> None:
+    """The watcher's final requests name the pod by uid. One comes after
+    the pod's final checkpoint ended it and the pod was replaced by a new one
+    of its name (a bare pod recreated): it is answered with the final
+    checkpoint of the pod it names, not failed as a stale request."""
+    a, ckpt = await running(cluster, "gone")
+    before = cluster.kube.get("pods", "gone", "default")
+    assert before is not None
+    uid = before["metadata"]["uid"]
+    first = await cluster.bus.request(final(ckpt, a, "gone", uid), timeout=120)
+    assert first.status == "succeeded", first
+    cluster.kube.remove("pods", "gone", "default")
+    cluster.kube.put("pods", workload("gone", None, env={"SMR_CHECKPOINT": ckpt}, owner=ckpt))
+    second = await cluster.bus.request(final(ckpt, a, "gone", uid), timeout=120)
+    assert outcomes([second]) == [("succeeded", first.generation, None)], second
+    assert [g.number for g in await cluster.store.generations("default", ckpt)] == \
+        [first.generation]
+
+
+async def test_two_final_requests_during_a_takeover_are_both_answered_with_the_taken_over_dump(
+        cluster: Cluster) -> None:
+    """A leave-running dump of the container is frozen (its captures wait)
+    when two final requests of it come, under different ids: the dump is
+    finished as the final checkpoint, once; both are answered with it, and
+    the lineage holds that dump and no other."""
+    a, ckpt = await running(cluster, "twice")
+    cordon = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=a,
+                           reason="drain", leave_running=True,
+                           target=Target(kind="pod", namespace="default", pod="twice",
+                                         container="main"))
+    async with in_order(cluster, a, "twice"):
+        leave = asyncio.create_task(cluster.bus.request(cordon, timeout=120))
+        await frozen(cluster, a, cordon.target)
+        finals = await asyncio.gather(*(cluster.bus.request(final(ckpt, a, "twice"),
+                                                            timeout=120) for _ in range(2)))
+        await leave
+    gens = await cluster.store.generations("default", ckpt)
+    assert outcomes(finals) == [("succeeded", 1, None)] * 2, outcomes(finals)
+    assert [(g.number, g.manifest["request_id"], g.manifest["leave_running"]) for g in gens] \
+        == [(1, cordon.request_id, False)], [g.manifest for g in gens]
+
+
+async def test_a_containers_lock_stays_with_a_live_step_whose_heartbeats_lag(
+        cluster: Cluster) -> None:
+    """A step of a pod container holds the container's lock; its worker is
+    alive (its node's step lock held) but its heartbeat is old (its event
+    loop stalled, NATS away for it). Another step of that container waits:
+    taking the lock over would dump, or kill, the container beside it (a
+    second final generation, or a final failed job-exited). Once the
+    holder's worker is gone, the lock is taken over."""
+    a, _ = list(cluster.kubelets)
+    agent = cluster.agents[a]
+    step = next(w.step.step for w in agent.workers
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    key, holder = f"pod.{uuid.uuid4()}.main", f"slow-{uuid.uuid4().hex}"
+    await cluster.bus.kv(KV_STEPS).put(holder, orjson.dumps(
+        {"state": "running", "heartbeat": time.time() - 3600}))
+    with StepLocks(agent.s.step_lock_path).hold(holder) as ours:
+        assert ours
+        await step.lock.acquire(key, holder)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(step.lock.acquire(key, "next"), 3)
+        assert await step.lock.holder(key) == holder, "the lock was taken from a live step"
+    await asyncio.wait_for(step.lock.acquire(key, "next"), 10)  # its worker gone
+    assert await step.lock.holder(key) == "next"
+
+
+def criu_dumps_in(pid_ns: str) -> int:
+    """CRIU dumps running now in the PID namespace ``pid_ns`` (a container's:
+    the agent runs its CRIU there)."""
+    n = 0
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, UnicodeDecodeError):
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+            if Path(argv[0].decode()).name == "criu" and b"dump" in argv[1:2] \
+                    and os.readlink(p / "ns" / "pid") == pid_ns:
+                n += 1
+    return n
+
+
+async def test_two_agents_of_one_node_dump_one_container_once_for_finals_sent_together(
+        cluster: Cluster) -> None:
+    """maxSurge: the old and the new agent of node a both take checkpoint
+    requests. Three final requests of one container sent together, in rounds
+    (later rounds find it ended): CRIU never dumps it twice at once, one
+    generation is stored, and every request is answered with it."""
+    a, ckpt = await running(cluster, "both")
+    pid_ns = os.readlink(f"/proc/{netns_pid(cluster, 'both')}/ns/pid")
+    async with another_agent(cluster.agents[a], cluster) as new:
+        await asyncio.wait_for(new.ready.wait(), 60)
+        most = 0
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal most
+            while not done.is_set():
+                most = max(most, criu_dumps_in(pid_ns))
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            results = []
+            for _ in range(3):
+                results += await asyncio.gather(*(cluster.bus.request(
+                    final(ckpt, a, "both"), timeout=120) for _ in range(3)))
+        finally:
+            done.set()
+            await watcher
+    assert outcomes(results) == [("succeeded", 1, None)] * 9, outcomes(results)
+    assert [g.number for g in await cluster.store.generations("default", ckpt)] == [1]
+    assert most <= 1, f"{most} CRIU dumps of one container ran at once"
