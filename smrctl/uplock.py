@@ -16,6 +16,7 @@ from smr.config import Settings
 from smr.contract.errors import SmrError
 
 STARTING_WAIT_S = 60.0  # a `smr up` that holds its data directory but has no URL yet
+LOOK_WAIT_S = 10.0  # commands looking at the lock, each for an instant, before `smr up` takes it
 
 
 def url_file(settings: Settings) -> Path:
@@ -41,7 +42,7 @@ def hold_data_dir(settings: Settings) -> tuple[int, str]:
     path = lock_file(settings)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock_past_lookers(fd)
     except BlockingIOError:
         holder = os.pread(fd, 256, 0).decode(errors="replace").split()
         os.close(fd)
@@ -59,6 +60,24 @@ def hold_data_dir(settings: Settings) -> tuple[int, str]:
     # gone, so that a command waits for this one's rather than calling that.
     url_file(settings).unlink(missing_ok=True)
     return fd, last
+
+
+def _lock_past_lookers(fd: int) -> None:
+    """The exclusive lock, or BlockingIOError where another `smr up` holds
+    it. A command's look (holder()) holds a shared lock for an instant: that
+    is no `smr up`, and is waited out rather than taken for one."""
+    deadline = time.monotonic() + LOOK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            # A shared lock is granted only where no one holds it exclusively.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
 
 
 def write_holder(fd: int, text: str) -> None:
