@@ -10,12 +10,16 @@ import fcntl
 import os
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 from smr.config import Settings
 from smr.contract.errors import SmrError
 
 STARTING_WAIT_S = 60.0  # a `smr up` that holds its data directory but has no URL yet
+UP_POLL_S = 0.25  # how often a waiting command looks whether its `smr up` still runs
+T = TypeVar("T")
 LOOK_WAIT_S = 10.0  # commands looking at the lock, each for an instant, before `smr up` takes it
 
 
@@ -138,3 +142,35 @@ def _read(path: Path) -> str:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+class UpStopped(Exception):
+    """The `smr up` a command was talking to stopped (or another one took its
+    data directory): its NATS went with it, on a port the next one does not
+    reuse."""
+
+    def __init__(self, pid: str) -> None:
+        super().__init__(f"smr up (pid {pid}) stopped")
+        self.pid = pid
+
+
+async def while_up_holds(settings: Settings, work: Awaitable[T]) -> T:
+    """``work``, or UpStopped as soon as the `smr up` that holds the data
+    directory now no longer does. Without this a command waiting for a
+    result reconnects to a dead port until its own timeout (15 minutes by
+    default). Where none holds it (SMR_NATS_URL), plainly ``work``."""
+    pid = None if settings.nats_url else holder(settings)
+    task = asyncio.ensure_future(work)
+    if pid is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=UP_POLL_S)
+            if done:
+                return task.result()
+            if holder(settings) != pid:
+                raise UpStopped(pid)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
