@@ -88,10 +88,11 @@ async def _wait(s: config.Settings, bus: Bus, rid: str, kind: str, what: str,
     except uplock.UpStopped as e:
         # Its NATS went with it: waiting on would reconnect to nothing. The
         # request is stored, and the next `smr up` takes it up.
-        print(f"{what}: {e} before the {what} had a result (request {rid})", file=sys.stderr)
-        print(f"  hint: the request stays queued and the next `smr up` runs it; then "
-              f"`smr {what} ... --request-id {rid}` waits for its result and runs nothing "
-              "twice", file=sys.stderr)
+        print(f"{what}: {e} while this command waited for the {what}'s result "
+              f"(request {rid})", file=sys.stderr)
+        print(f"  hint: a request it had not finished stays queued and the next `smr up` runs "
+              f"it; the same command again with `--request-id {rid}` then waits for its "
+              "result and runs nothing twice", file=sys.stderr)
         return 3
     except TimeoutError:
         if sys.stderr.isatty():
