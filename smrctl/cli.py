@@ -80,10 +80,20 @@ def _report(result: CkptDone | RestoreDone, what: str) -> int:
     return 1
 
 
-async def _wait(bus: Bus, rid: str, kind: str, what: str, timeout: float) -> int:
+async def _wait(s: config.Settings, bus: Bus, rid: str, kind: str, what: str,
+                timeout: float) -> int:
     try:
-        result = await bus.wait_result(rid, kind, timeout=timeout,
-                                       on_progress=_progress_printer())
+        result = await uplock.while_up_holds(s, bus.wait_result(
+            rid, kind, timeout=timeout, on_progress=_progress_printer()))
+    except uplock.UpStopped as e:
+        # Its NATS went with it: waiting on would reconnect to nothing. The
+        # request is stored, and the next `smr up` takes it up.
+        print(f"{what}: {e} while this command waited for the {what}'s result "
+              f"(request {rid})", file=sys.stderr)
+        print(f"  hint: a request it had not finished stays queued and the next `smr up` runs "
+              f"it; the same command again with `--request-id {rid}` then waits for its "
+              "result and runs nothing twice", file=sys.stderr)
+        return 3
     except TimeoutError:
         if sys.stderr.isatty():
             print("\r".ljust(62), end="\r", file=sys.stderr)
@@ -252,7 +262,7 @@ async def _request(s: config.Settings, a: argparse.Namespace,
               + (", a repeat" if ack.duplicate else "") + ")", file=sys.stderr)
         if not a.wait:
             return 0
-        return await _wait(bus, req.request_id, req.SCHEMA, what, a.timeout)
+        return await _wait(s, bus, req.request_id, req.SCHEMA, what, a.timeout)
     finally:
         await bus.close()
 

@@ -223,8 +223,13 @@ async def connect(settings: Settings) -> Bus:
     if not url:
         url = await url_of_running(settings)
     if not url:
-        raise SmrError("smr is not running on this machine", code="not-running",
-                       hint="start it with `smr up` (or set SMR_NATS_URL)")
+        # Name the data directory: a `smr up` run with another SMR_DATA_DIR
+        # (or HOME, or user) is invisible here, and starting one more is
+        # not what the user needs then.
+        raise SmrError(f"smr is not running on this machine (no `smr up` holds "
+                       f"{settings.data_path})", code="not-running",
+                       hint="start it with `smr up` (or set SMR_NATS_URL); if it runs with "
+                       "another SMR_DATA_DIR or HOME, run this command with the same")
     try:
         # The node's buckets only: on a shared NATS the CLI logs in as its
         # node's `smr up` (SMR_NATS_USER), which may read no others.

@@ -10,12 +10,17 @@ import fcntl
 import os
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 from smr.config import Settings
 from smr.contract.errors import SmrError
 
 STARTING_WAIT_S = 60.0  # a `smr up` that holds its data directory but has no URL yet
+UP_POLL_S = 0.25  # how often a waiting command looks whether its `smr up` still runs
+T = TypeVar("T")
+LOOK_WAIT_S = 10.0  # commands looking at the lock, each for an instant, before `smr up` takes it
 
 
 def url_file(settings: Settings) -> Path:
@@ -41,7 +46,7 @@ def hold_data_dir(settings: Settings) -> tuple[int, str]:
     path = lock_file(settings)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock_past_lookers(fd)
     except BlockingIOError:
         holder = os.pread(fd, 256, 0).decode(errors="replace").split()
         os.close(fd)
@@ -59,6 +64,24 @@ def hold_data_dir(settings: Settings) -> tuple[int, str]:
     # gone, so that a command waits for this one's rather than calling that.
     url_file(settings).unlink(missing_ok=True)
     return fd, last
+
+
+def _lock_past_lookers(fd: int) -> None:
+    """The exclusive lock, or BlockingIOError where another `smr up` holds
+    it. A command's look (holder()) holds a shared lock for an instant: that
+    is no `smr up`, and is waited out rather than taken for one."""
+    deadline = time.monotonic() + LOOK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            # A shared lock is granted only where no one holds it exclusively.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
 
 
 def write_holder(fd: int, text: str) -> None:
@@ -119,3 +142,35 @@ def _read(path: Path) -> str:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+class UpStopped(Exception):
+    """The `smr up` a command was talking to stopped (or another one took its
+    data directory): its NATS went with it, on a port the next one does not
+    reuse."""
+
+    def __init__(self, pid: str) -> None:
+        super().__init__(f"smr up (pid {pid}) stopped")
+        self.pid = pid
+
+
+async def while_up_holds(settings: Settings, work: Awaitable[T]) -> T:
+    """``work``, or UpStopped as soon as the `smr up` that holds the data
+    directory now no longer does. Without this a command waiting for a
+    result reconnects to a dead port until its own timeout (15 minutes by
+    default). Where none holds it (SMR_NATS_URL), plainly ``work``."""
+    pid = None if settings.nats_url else holder(settings)
+    task = asyncio.ensure_future(work)
+    if pid is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=UP_POLL_S)
+            if done:
+                return task.result()
+            if holder(settings) != pid:
+                raise UpStopped(pid)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

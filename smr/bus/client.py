@@ -101,8 +101,15 @@ class Bus:
         return bus
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        if self.nc.is_closed:
+            return
+        if self.nc.is_reconnecting or self.nc.is_connecting:
+            # Nothing in flight can be drained to a server that is gone, and
+            # drain() refuses then (ConnectionReconnectingError); the close
+            # itself may find the socket reset.
+            await quietly(self.nc.close())
+            return
+        await self.nc.drain()
 
     # -- topology -----------------------------------------------------------------
 
