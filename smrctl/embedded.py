@@ -138,8 +138,11 @@ class EmbeddedNode:
                                      name=f"smr-node-{s.node}",
                                      config=BusConfig.from_settings(s), buckets=BUCKETS)
         jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(s.job_key_path, create=True))
+        # A holder this node's step locks call live keeps a job's lock,
+        # whatever its heartbeats (a stalled event loop, NATS away for it).
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=s.lock_wait,
-                       stale_after=self.bus.config.stale_after)
+                       stale_after=self.bus.config.stale_after,
+                       live=StepLocks(s.step_lock_path).live)
         store = self.store = make_store(s)
         self.storage = make_storage_service(self.bus, store, s)
         cuda = cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,

@@ -1008,3 +1008,24 @@ async def test_smr_demo_on_a_shared_nats_runs_as_its_nodes_user(h: Harness) -> N
             await h.wait_step(record, 3)
         if args[0] == "ps":
             assert job_id in out, out
+
+
+async def test_a_jobs_lock_stays_with_a_live_step_whose_heartbeats_lag(h: Harness) -> None:
+    """A step of a local job holds the job's lock; its worker is alive (this
+    node's step lock held) but its heartbeat is old (its event loop stalled,
+    NATS away for it). Another step of the job waits instead of taking the
+    lock over and freezing or killing the job beside it; once the holder's
+    worker is gone, the lock is taken over."""
+    step = h.node.workers[0].step
+    lock = step.lock  # type: ignore[attr-defined]
+    key, holder = f"job-{uuid.uuid4().hex[:6]}", f"slow-{uuid.uuid4().hex}"
+    await h.bus.kv(KV_STEPS).put(holder, json.dumps(
+        {"state": "running", "heartbeat": time.time() - 3600}).encode())
+    with StepLocks(h.settings.step_lock_path).hold(holder) as ours:
+        assert ours
+        await lock.acquire(key, holder)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(lock.acquire(key, "next"), 3)
+        assert await lock.holder(key) == holder, "the lock was taken from a live step"
+    await asyncio.wait_for(lock.acquire(key, "next"), 10)  # its worker gone
+    assert await lock.holder(key) == "next"
