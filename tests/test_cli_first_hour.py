@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 from smr import config
 from smr.jobs import proc_start_ticks
 from smr.natsserver import NatsServer
+from tests.helpers.lifetime import interrupt
 
 # A log line as logging.basicConfig in smrctl.cli formats it.
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (DEBUG|INFO|WARNING|ERROR) ",
@@ -76,13 +76,8 @@ class Up:
         pytest.fail("no nats-server of this data directory runs")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            interrupt(self.proc)
 
 
 @pytest.fixture

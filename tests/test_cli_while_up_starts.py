@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.lifetime import interrupt
 
 # A log line as logging.basicConfig in smrctl.cli formats it.
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (DEBUG|INFO|WARNING|ERROR) ",
@@ -87,13 +88,7 @@ class HeldUp:
 
     def stop(self) -> str:
         self.release()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc)
         return self.out.read_text(errors="replace")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from smr.jobs import signal_tree
+from tests.helpers.lifetime import interrupt
 from tests.test_cli_while_up_starts import smr
 
 
@@ -48,14 +49,7 @@ class Up:
         return self.out.read_text(errors="replace")
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc)
         return self.out.read_text(errors="replace")
 
 

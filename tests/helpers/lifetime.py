@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import subprocess
 
 PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -20,3 +21,17 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 def die_with_parent() -> None:
     """A ``preexec_fn``: SIGTERM to the child when its parent thread ends."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def interrupt(proc: subprocess.Popen[bytes], grace: float = 60) -> None:
+    """End ``proc`` as a user's Ctrl-C does (SIGINT, continued first if it was
+    stopped), and kill it if it has not exited within ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
