@@ -44,7 +44,7 @@ from smr.contract.messages import RestoreDone, RestoreRequested, now
 from smr.gpu import gpuinfo, gpupairs
 from smr.identity import ProcessIdentity
 from smr.process import linkremap, sockets
-from smr.process.criu import kill_tree
+from smr.process.criu import criu_finished_in, kill_tree
 
 # Beside CRIU's restored.pid: the restored tree's root, by its host PID,
 # start tick and boot (smr.identity); what a recovery adopts, and only that.
@@ -71,6 +71,7 @@ class PodRestoreStep(PodStep):
         await self.lock.acquire(c.lock_key(), req.request_id)
         work = self.work(req.request_id)
         work_fd = -1
+        keep = False  # cancelled after CRIU began: its files are recover()'s
         try:
             st = await asyncio.to_thread(shim.status)
             if not st or st[0] != "waiting":
@@ -121,6 +122,16 @@ class PodRestoreStep(PodStep):
                 pid = await self._restore(gen, shim, work, work_fd, durations, streamed,
                                           progress, pages_ok, pairs)
                 await asyncio.to_thread(_decide_restored, shim, pid)
+            except asyncio.CancelledError:
+                # The agent stopping: a CRIU already started runs on, outside
+                # this task, and may yet bring the tree back into the
+                # container. Its pidfile and the note stay for recover(),
+                # which adopts that tree instead of restoring a second one.
+                keep = (work / BEGUN).exists()
+                if not keep:
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(shim.restored, None)
+                raise
             except BaseException:
                 with contextlib.suppress(Exception):  # the restore's own error is the one
                     await asyncio.to_thread(shim.restored, None)
@@ -128,7 +139,8 @@ class PodRestoreStep(PodStep):
         finally:
             if work_fd >= 0:
                 os.close(work_fd)
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            if not keep:
+                await asyncio.to_thread(shutil.rmtree, work, True)
             await self.lock.release(c.lock_key(), req.request_id)
         durations["total"] = time.monotonic() - t0
         return RestoreDone.for_request(
@@ -276,6 +288,10 @@ class PodRestoreStep(PodStep):
             st = []
         pidfile = self.work(req.request_id) / "restored.pid"
         inner, root = 0, None
+        if st and st[0] == "waiting" and (pidfile.parent / BEGUN).exists():
+            # A CRIU the dead or stopped step began may still be restoring:
+            # its pidfile comes at its end.
+            await criu_finished_in(shim.pid, self.criu_timeout)
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())

@@ -483,6 +483,41 @@ async def wait_finished(images: Path, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
+def _in_pid_ns(pid_ns: str) -> list[int]:
+    """The CRIUs running in the PID namespace ``pid_ns`` (a container's: the
+    agent runs its CRIU there). Only the command's name is read: a workload
+    that names a process criu only makes its own recovery wait."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            argv0 = (p / "cmdline").read_bytes().split(b"\0", 1)[0]
+            if Path(argv0.decode(errors="replace")).name == "criu" and \
+                    os.readlink(p / "ns" / "pid") == pid_ns:
+                found.append(int(p.name))
+        except OSError:
+            continue
+    return found
+
+
+async def criu_finished_in(pid: int, timeout: float) -> None:
+    """Until no CRIU runs in the PID namespace of ``pid`` (a container's
+    smr-init), or ``timeout``: then they are killed, as on a CRIU timeout."""
+    try:
+        pid_ns = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return  # the container is gone: no CRIU of its runs in it
+    deadline = time.monotonic() + timeout
+    while pids := _in_pid_ns(pid_ns):
+        if time.monotonic() > deadline:
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            return
+        await asyncio.sleep(0.1)
+
+
 def dump_finished(images: Path) -> bool:
     """Did a dump into ``images`` complete? (used when recovering a crash)."""
     try:

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from services.checkpointer import takeover
 from services.checkpointer.pod import PodCheckpointStep
+from services.restorer.pod import PodRestoreStep
 from smr.bus import KV_STEPS
 from smr.bus.liveness import StepLocks
 from smr.contract.messages import CkptDone, CkptRequested, Target
-from tests.agent.cluster import Cluster, netns_pid, workload
+from smr.process.criu import Criu
+from tests.agent.cluster import Cluster, netns_pid, steps, workload
 from tests.agent.test_drain_takeover import in_order
 from tests.agent.test_rollout_pods import another_agent
 
@@ -199,3 +203,58 @@ async def test_two_agents_of_one_node_dump_one_container_once_for_finals_sent_to
     assert outcomes(results) == [("succeeded", 1, None)] * 9, outcomes(results)
     assert [g.number for g in await cluster.store.generations("default", ckpt)] == [1]
     assert most <= 1, f"{most} CRIU dumps of one container ran at once"
+
+
+async def test_a_pod_restore_cancelled_as_criu_returns_is_adopted_not_run_again(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent stops (a rollout's old agent, past its grace) as CRIU returns
+    from a pod's restore: the step is cancelled with the tree already back in
+    the container (a CRIU that outlives its step, which nothing kills, ends
+    so too). The redelivered request's recovery adopts that tree: the pod
+    goes on from its next step, one copy, never restored a second time."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": f"cancelled-{uuid.uuid4().hex[:6]}"}
+    cluster.kube.put("pods", workload("cx-1", a, env=env, owner="cx", restart="Never"))
+    await cluster.until_steps("cx-1", a, 5)
+    done = await cluster.bus.request(final(env["SMR_CHECKPOINT"], a, "cx-1"), timeout=60)
+    assert done.status == "succeeded", done
+    before = steps(cluster.log("cx-1", a))
+    cancelled: list[str] = []
+    restores = 0  # CRIU restores begun
+    real_criu = Criu.restore  # streamed or from files, the restore comes here
+
+    async def cancelled_as_it_returns(run: Any) -> Any:
+        nonlocal restores
+        restores += 1
+        result = await run
+        task = asyncio.current_task()
+        assert task is not None
+        if not cancelled:
+            cancelled.append(task.get_name())
+            task.cancel()  # the agent's stop reaches the step here
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(Criu, "restore", lambda self, *a, **kw: cancelled_as_it_returns(
+        real_criu(self, *a, **kw)))
+    cluster.kube.put("pods", workload("cx-2", b, env=env, owner="cx", restart="Never"))
+    after = await cluster.until_steps("cx-2", b, 5, timeout=90)
+    assert cancelled, "the restore was never cancelled: the test proves nothing"
+    assert after[0][0] == before[-1][0] + 1, (
+        f"not resumed once from step {before[-1][0]}: {after[:3]} (restored again beside "
+        "the tree the cancelled step's CRIU brought back, or started over)")
+    # One copy: every step once, in order, in the container's log.
+    numbers = [s[0] for s in after]
+    assert numbers == sorted(set(numbers)), f"two copies ran in the container: {numbers[:20]}"
+    # smr-init adopts the tree the recovery found (30 s bounds a hang), and
+    # no second restore was ever begun for the container.
+    [step] = [o for o in gc.get_objects() if isinstance(o, PodRestoreStep) and o.node == b]
+    shim = step.shim_of(await step.pods.container(
+        Target(kind="pod", namespace="default", pod="cx-2", container="main")))
+    for _ in range(300):
+        status = await asyncio.to_thread(shim.status)
+        if status[:1] == ["running"] or restores > 1:
+            break
+        await asyncio.sleep(0.1)
+    assert restores == 1, f"the pod was restored {restores} times (smr-init: {status})"
+    assert status[:1] == ["running"], f"smr-init was never told of the tree: {status}"
