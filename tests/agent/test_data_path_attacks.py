@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from services.checkpointer import takeover
 from services.checkpointer.pod import PodCheckpointStep
+from services.restorer import pod as pod_module
 from services.restorer.pod import PodRestoreStep
 from smr.bus import KV_STEPS
 from smr.bus.liveness import StepLocks
@@ -258,3 +260,207 @@ async def test_a_pod_restore_cancelled_as_criu_returns_is_adopted_not_run_again(
         await asyncio.sleep(0.1)
     assert restores == 1, f"the pod was restored {restores} times (smr-init: {status})"
     assert status[:1] == ["running"], f"smr-init was never told of the tree: {status}"
+
+
+async def restored_pod(cluster: Cluster, prefix: str) -> tuple[str, str, dict[str, str],
+                                                                 list[tuple[int, int, str]]]:
+    """A pod on the first node with a final checkpoint: what the second
+    node's pod restores; its steps before the checkpoint."""
+    a, b = list(cluster.kubelets)
+    env = {"SMR_CHECKPOINT": f"{prefix}-{uuid.uuid4().hex[:6]}"}
+    cluster.kube.put("pods", workload("cx-1", a, env=env, owner="cx", restart="Never"))
+    await cluster.until_steps("cx-1", a, 5)
+    done = await cluster.bus.request(final(env["SMR_CHECKPOINT"], a, "cx-1"), timeout=60)
+    assert done.status == "succeeded", done
+    return a, b, env, steps(cluster.log("cx-1", a))
+
+
+async def restoring_shim(node: str) -> Any:
+    [step] = [o for o in gc.get_objects() if isinstance(o, PodRestoreStep) and o.node == node]
+    return step.shim_of(await step.pods.container(
+        Target(kind="pod", namespace="default", pod="cx-2", container="main")))
+
+
+async def test_a_pod_restore_cancelled_after_it_began_but_before_criu_ran_restores_once(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent stops after the restore marked its start but before any
+    CRIU ran (no tree in the container, the work directory kept): the
+    redelivered request restores the pod once and it goes on, one copy."""
+    _, b, env, before = await restored_pod(cluster, "began")
+    cancelled: list[str] = []
+    criu_runs = 0  # CRIU restores that ran
+    real_criu = Criu.restore
+
+    async def cancelled_before_criu(run: Any) -> Any:
+        nonlocal criu_runs
+        task = asyncio.current_task()
+        assert task is not None
+        if not cancelled:
+            cancelled.append(task.get_name())
+            run.close()  # no CRIU: nothing comes back into the container
+            task.cancel()
+            await asyncio.sleep(0)
+        criu_runs += 1
+        return await run
+
+    monkeypatch.setattr(Criu, "restore", lambda self, *a, **kw: cancelled_before_criu(
+        real_criu(self, *a, **kw)))
+    cluster.kube.put("pods", workload("cx-2", b, env=env, owner="cx", restart="Never"))
+    after = await cluster.until_steps("cx-2", b, 5, timeout=90)
+    assert cancelled, "the restore was never cancelled: the test proves nothing"
+    assert after[0][0] == before[-1][0] + 1, f"not resumed from step {before[-1][0]}: {after[:3]}"
+    numbers = [s[0] for s in after]
+    assert numbers == sorted(set(numbers)), f"two copies ran in the container: {numbers[:20]}"
+    shim = await restoring_shim(b)
+    for _ in range(300):
+        status = await asyncio.to_thread(shim.status)
+        if status[:1] == ["running"]:
+            break
+        await asyncio.sleep(0.1)
+    assert criu_runs == 1, f"CRIU restored the pod {criu_runs} times (smr-init: {status})"
+    assert status[:1] == ["running"], f"smr-init was never told of the tree: {status}"
+
+
+async def test_a_pod_restore_recovery_leaves_the_tenants_own_process_named_criu_alone(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process of the tenant's in its container is named ``criu`` (its own
+    tool, or one run by kubectl exec) as the agent stops mid-restore: the
+    recovery that waits for the agent's CRIU to end reads only that name. The
+    tenant's process is the tenant's: never killed by the agent."""
+    _, b, env, before = await restored_pod(cluster, "named")
+    cancelled: list[str] = []
+    tenant: list[subprocess.Popen[bytes]] = []
+    named = tmp_path / "criu"  # the tenant's program, called criu
+    named.symlink_to("/bin/sleep")
+    real_criu = Criu.restore
+    # A test-sized SMR_CRIU_TIMEOUT for the recovery's wait (600 s by default).
+    real_wait = pod_module.criu_finished_in
+    seen: list[list[int]] = []  # the tenant's criu, as each recovery's wait began
+    recovered: list[str] = []  # what each recovery answered
+
+    async def bounded_wait(pid: int, timeout: float) -> None:
+        seen.append(tenant_named_criu(pid))
+        await real_wait(pid, min(timeout, 5.0))
+
+    monkeypatch.setattr(pod_module, "criu_finished_in", bounded_wait)
+    real_recover = PodRestoreStep.recover
+
+    async def recovery(self: PodRestoreStep, req: Any, state: Any) -> Any:
+        result = await real_recover(self, req, state)
+        recovered.append(str(result and result.status))
+        return result
+
+    monkeypatch.setattr(PodRestoreStep, "recover", recovery)
+
+    async def cancelled_as_it_returns(run: Any) -> Any:
+        result = await run
+        task = asyncio.current_task()
+        assert task is not None
+        if not cancelled:
+            cancelled.append(task.get_name())
+            shim = await restoring_shim(b)
+            tenant.append(await asyncio.to_thread(run_in_pid_ns, shim.pid, named))
+            for _ in range(50):  # until it runs in the container's PID namespace
+                if any(tenant_named_criu(shim.pid)):
+                    break
+                await asyncio.sleep(0.1)
+            task.cancel()
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(Criu, "restore", lambda self, *a, **kw: cancelled_as_it_returns(
+        real_criu(self, *a, **kw)))
+    try:
+        cluster.kube.put("pods", workload("cx-2", b, env=env, owner="cx", restart="Never"))
+        after = await cluster.until_steps("cx-2", b, 5, timeout=90)
+        assert cancelled, "the restore was never cancelled: the test proves nothing"
+        assert after[0][0] == before[-1][0] + 1, f"not resumed once: {after[:3]}"
+        shim = await restoring_shim(b)
+        for _ in range(300):  # the redelivery's recovery (after stale_after)
+            if recovered:
+                break
+            await asyncio.sleep(0.1)
+        assert seen and seen[0], f"no recovery waited beside the tenant's criu: {seen}"
+        assert tenant_named_criu(shim.pid), (
+            "the agent killed the tenant's own process named criu in its container "
+            f"(nsenter's exit: {tenant[0].poll()}; the recovery answered {recovered})")
+    finally:
+        for p in tenant:
+            with contextlib.suppress(ProcessLookupError):
+                for q in tenant_named_criu_pids():
+                    os.kill(q, 9)
+                p.kill()
+            p.wait()
+
+
+def run_in_pid_ns(pid: int, program: Path) -> subprocess.Popen[bytes]:
+    """``program`` in the PID namespace of ``pid``, as kubectl exec runs one."""
+    return subprocess.Popen(["nsenter", "-t", str(pid), "-p", "--", str(program), "600"])
+
+
+def tenant_named_criu(pid: int) -> list[int]:
+    ns = os.readlink(f"/proc/{pid}/ns/pid")
+    return [q for q in tenant_named_criu_pids() if os.readlink(f"/proc/{q}/ns/pid") == ns]
+
+
+def tenant_named_criu_pids() -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if p.name.isdigit() and (p / "cmdline").read_bytes().split(b"\0")[0].endswith(
+                    b"/criu") and (p / "cmdline").read_bytes().split(b"\0")[1] == b"600":
+                found.append(int(p.name))
+    return found
+
+
+async def test_a_pod_deleted_after_its_restore_was_cancelled_mid_criu_leaves_no_work_directory(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent stops as CRIU returns from a pod's restore (its work
+    directory kept for the recovery), and the pod is deleted before the
+    redelivery: the recovery finds no container, and the directory (the
+    pod's writable layer) must not stay on the node for ever."""
+    _, b, env, _ = await restored_pod(cluster, "deleted")
+    cancelled: list[Path] = []
+    recovered: list[str] = []
+    real_criu = Criu.restore
+    real_recover = PodRestoreStep.recover
+
+    async def recovery(self: PodRestoreStep, req: Any, state: Any) -> Any:
+        try:
+            result = await real_recover(self, req, state)
+        except BaseException as e:
+            recovered.append(type(e).__name__)
+            raise
+        recovered.append(str(result and result.status))
+        return result
+
+    async def cancelled_as_it_returns(run: Any, images: Path) -> Any:
+        result = await run
+        task = asyncio.current_task()
+        assert task is not None
+        if not cancelled:
+            cancelled.append(images.parent)
+            task.cancel()
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(PodRestoreStep, "recover", recovery)
+    monkeypatch.setattr(Criu, "restore", lambda self, images, *a, **kw: cancelled_as_it_returns(
+        real_criu(self, images, *a, **kw), Path(images)))
+    cluster.kube.put("pods", workload("cx-2", b, env=env, owner="cx", restart="Never"))
+    for _ in range(600):
+        if cancelled:
+            break
+        await asyncio.sleep(0.1)
+    assert cancelled, "the restore was never cancelled: the test proves nothing"
+    cluster.kube.remove("pods", "cx-2", "default")
+    for _ in range(900):  # the redelivery's recovery (after stale_after)
+        if recovered:
+            break
+        await asyncio.sleep(0.1)
+    assert recovered, "the request was never recovered: the test proves nothing"
+    await asyncio.sleep(1)
+    work = cancelled[0]
+    assert not work.exists(), (
+        f"the deleted pod's restore work directory stays on the node after its recovery "
+        f"answered {recovered}: {work} holds {sorted(p.name for p in work.iterdir())}")
