@@ -281,6 +281,8 @@ class PodRestoreStep(PodStep):
             c = await self.pods.container(req.target)
             shim = self.shim_of(c)
         except PermanentError:
+            # The pod is gone: what a cancelled step kept for it is no one's.
+            await asyncio.to_thread(shutil.rmtree, self.work(req.request_id), True)
             return None
         try:
             st = await asyncio.to_thread(shim.status)

@@ -484,9 +484,9 @@ async def wait_finished(images: Path, timeout: float) -> None:
 
 
 def _in_pid_ns(pid_ns: str) -> list[int]:
-    """The CRIUs running in the PID namespace ``pid_ns`` (a container's: the
-    agent runs its CRIU there). Only the command's name is read: a workload
-    that names a process criu only makes its own recovery wait."""
+    """The processes named criu in the PID namespace ``pid_ns`` (a
+    container's: the agent runs its CRIU there). Only a name, which the
+    workload can take too: they are waited for, never signalled."""
     found = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -503,17 +503,15 @@ def _in_pid_ns(pid_ns: str) -> list[int]:
 
 async def criu_finished_in(pid: int, timeout: float) -> None:
     """Until no CRIU runs in the PID namespace of ``pid`` (a container's
-    smr-init), or ``timeout``: then they are killed, as on a CRIU timeout."""
+    smr-init), at most ``timeout``. A workload's own process of that name
+    delays only its own container's recovery, and is left alone."""
     try:
         pid_ns = os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return  # the container is gone: no CRIU of its runs in it
     deadline = time.monotonic() + timeout
-    while pids := _in_pid_ns(pid_ns):
+    while _in_pid_ns(pid_ns):
         if time.monotonic() > deadline:
-            for p in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
             return
         await asyncio.sleep(0.1)
 
