@@ -214,13 +214,7 @@ async def test_a_pod_restore_cancelled_as_criu_returns_is_adopted_not_run_again(
     the container (a CRIU that outlives its step, which nothing kills, ends
     so too). The redelivered request's recovery adopts that tree: the pod
     goes on from its next step, one copy, never restored a second time."""
-    a, b = list(cluster.kubelets)
-    env = {"SMR_CHECKPOINT": f"cancelled-{uuid.uuid4().hex[:6]}"}
-    cluster.kube.put("pods", workload("cx-1", a, env=env, owner="cx", restart="Never"))
-    await cluster.until_steps("cx-1", a, 5)
-    done = await cluster.bus.request(final(env["SMR_CHECKPOINT"], a, "cx-1"), timeout=60)
-    assert done.status == "succeeded", done
-    before = steps(cluster.log("cx-1", a))
+    _, b, env, before = await restored_pod(cluster, "cancelled")
     cancelled: list[str] = []
     restores = 0  # CRIU restores begun
     real_criu = Criu.restore  # streamed or from files, the restore comes here
@@ -250,9 +244,7 @@ async def test_a_pod_restore_cancelled_as_criu_returns_is_adopted_not_run_again(
     assert numbers == sorted(set(numbers)), f"two copies ran in the container: {numbers[:20]}"
     # smr-init adopts the tree the recovery found (30 s bounds a hang), and
     # no second restore was ever begun for the container.
-    [step] = [o for o in gc.get_objects() if isinstance(o, PodRestoreStep) and o.node == b]
-    shim = step.shim_of(await step.pods.container(
-        Target(kind="pod", namespace="default", pod="cx-2", container="main")))
+    shim = await restoring_shim(b)
     for _ in range(300):
         status = await asyncio.to_thread(shim.status)
         if status[:1] == ["running"] or restores > 1:

@@ -61,6 +61,16 @@ async def looked_at(starts: StartRestores, shim: host.Shim) -> None:
         await asyncio.sleep(0.1)
 
 
+async def replaced_agent_looks_at(cluster: Cluster, node: str, shim: host.Shim) -> None:
+    """The node's agent replaced (stopped, then its successor up), and the
+    successor's look at ``shim``'s container start done."""
+    old = cluster.agents[node]
+    await stopped(old)
+    async with another_agent(old, cluster) as new:
+        await asyncio.wait_for(new.ready.wait(), 60)
+        await looked_at(new.starts, shim)
+
+
 async def test_a_restored_container_claiming_it_started_unanswered_gets_no_warning(
         cluster: Cluster) -> None:
     """The workload writes ``unanswered`` (its /smr is its own) after the old
@@ -69,11 +79,7 @@ async def test_a_restored_container_claiming_it_started_unanswered_gets_no_warni
     a, _ = list(cluster.kubelets)
     shim, smr = await restored(cluster, "lie", a)
     (smr / "unanswered").write_text("no answer from the smr node agent\n")
-    old = cluster.agents[a]
-    await stopped(old)
-    async with another_agent(old, cluster) as new:
-        await asyncio.wait_for(new.ready.wait(), 60)
-        await looked_at(new.starts, shim)
+    await replaced_agent_looks_at(cluster, a, shim)
     lies = [e["message"] for e in cluster.events("StartedWithoutAgent")
             if e["involvedObject"]["name"] == "lie"]
     assert not lies, f"a restored container was reported as started fresh: {lies}"
@@ -123,11 +129,7 @@ async def test_a_container_checkpointed_after_its_start_is_never_said_to_have_lo
     shim = host.find_shim(runtime_id(st["status"]["containerStatuses"][0]["containerID"]))
     assert shim is not None
     (Path(f"/proc/{shim.pid}/root/smr/main") / "unanswered").write_text("no answer\n")
-    old = cluster.agents[a]
-    await stopped(old)
-    async with another_agent(old, cluster) as new:
-        await asyncio.wait_for(new.ready.wait(), 60)
-        await looked_at(new.starts, shim)
+    await replaced_agent_looks_at(cluster, a, shim)
     lies = [e["message"] for e in cluster.events("StartedWithoutAgent")
             if e["involvedObject"]["name"] == "own" and "NOT restored" in e["message"]]
     assert not lies, f"its own later checkpoint was said not to be restored: {lies}"
