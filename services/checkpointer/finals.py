@@ -41,12 +41,20 @@ def _workload_gone(container_id: str) -> bool:
         return False  # unreadable: not taken for an ending
 
 
+async def _final_latest(store: CheckpointStore, namespace: str,
+                        checkpoint_id: str) -> Generation | None:
+    """``latest`` of the lineage if it is a final dump (the workload ended by it)."""
+    latest = await store.latest(namespace, checkpoint_id)
+    return latest if latest is not None and latest.manifest.get("leave_running") is False \
+        else None
+
+
 async def stored(store: CheckpointStore, req: CkptRequested,
                  c: PodContainer) -> Generation | None:
     """The final checkpoint of ``c`` that ended its workload, if ``latest``
     of ``req``'s lineage is one: ``req`` (a final request) is answered with it."""
-    latest = await store.latest(c.namespace, req.checkpoint_id)
-    if latest is None or latest.manifest.get("leave_running") is not False:
+    latest = await _final_latest(store, c.namespace, req.checkpoint_id)
+    if latest is None:
         return None
     if (latest.manifest.get("container") or {}).get("container_id") != c.container_id:
         return None  # another container's (an earlier instance of the pod's)
@@ -65,8 +73,8 @@ async def of_pod(store: CheckpointStore, req: CkptRequested) -> Generation | Non
     container it names."""
     if not req.target.pod_uid:
         return None  # which pod it meant is not known
-    latest = await store.latest(req.target.namespace or "", req.checkpoint_id)
-    if latest is None or latest.manifest.get("leave_running") is not False:
+    latest = await _final_latest(store, req.target.namespace or "", req.checkpoint_id)
+    if latest is None:
         return None
     dumped = latest.manifest.get("target") or {}
     if (dumped.get("pod_uid"), dumped.get("container")) != (req.target.pod_uid,
