@@ -154,24 +154,30 @@ async def test_a_pod_no_agent_answers_starts_fresh_with_a_warning_event(
     assert "was NOT restored" in event["message"], event
 
 
-async def test_two_agents_of_one_node_never_answer_one_start_twice(cluster: Cluster) -> None:
+async def test_two_agents_of_one_node_never_answer_one_start_twice(
+        cluster: Cluster, smr_runtime: Path) -> None:
     """maxSurge: the new agent of node a runs beside the old one. A pod that
     resumes starts there: only the agent holding the node's starts lock (the
     old one) answers it; the new one waits its turn and takes over once the
-    old one ends, answering the next start."""
+    old one ends, answering the next start (which resumes, not starts fresh).
+    AGENT_WAIT as the agent's install writes it: smr-init waits for an agent
+    while the node's mark is fresh, not only its own 3 s here, which a loaded
+    machine can spend before the new agent's first scan."""
     a, b = list(cluster.kubelets)
     ckpt = f"surge-{uuid.uuid4().hex[:6]}"
     before = await checkpointed(cluster, "surge-x1", b, ckpt)
     old = cluster.agents[a]
-    async with another_agent(old, cluster) as new:
-        await asyncio.wait_for(new.ready.wait(), 60)
-        await create_opted_in(cluster, "surge-x2", a, ckpt)
-        after = await cluster.until_steps("surge-x2", a, 5, timeout=60)
-        assert_continues(before, after, before[-1][0])
-        assert old.starts._done, "the old agent did not answer the start"
-        assert new.starts._done == set() and new.starts._busy == set(), \
-            "the surge agent answered a start the old agent answers"
-        await stopped(old)
-        await create_opted_in(cluster, "surge-x3", a, ckpt)
-        await cluster.until_steps("surge-x3", a, 3, timeout=60)
-        assert new.starts._done, "the new agent did not take over the node's starts"
+    with agent_wait(smr_runtime, AGENT_WAIT_S):
+        async with another_agent(old, cluster) as new:
+            await asyncio.wait_for(new.ready.wait(), 60)
+            await create_opted_in(cluster, "surge-x2", a, ckpt)
+            after = await cluster.until_steps("surge-x2", a, 5, timeout=60)
+            assert_continues(before, after, before[-1][0])
+            assert old.starts._done, "the old agent did not answer the start"
+            assert new.starts._done == set() and new.starts._busy == set(), \
+                "the surge agent answered a start the old agent answers"
+            await stopped(old)
+            await create_opted_in(cluster, "surge-x3", a, ckpt)
+            again = await cluster.until_steps("surge-x3", a, 3, timeout=60)
+            assert_continues(before, again, before[-1][0])
+            assert new.starts._done, "the new agent did not take over the node's starts"
