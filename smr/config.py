@@ -8,10 +8,7 @@ default. Invalid values fail at start with the setting's name and the fix.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
-import re
 import shutil
 import socket
 import tomllib
@@ -20,135 +17,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smr.config_values import (
+    aes_key,
+    boolean,
+    choice,
+    count,
+    eviction_hard_text,
+    label_prefix,
+    names,
+    pairs,
+    pos_float,
+    pos_int,
+    replicas,
+    seconds,
+    zstd_level,
+)
 from smr.contract.errors import ConfigError
 
 PREFIX = "SMR_"
 REPO_TOOLS = Path(__file__).resolve().parent.parent / ".tools" / "bin"
-
-
-def _bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _pos_int(v: str) -> int:
-    n = int(v)
-    if n < 1:
-        raise ValueError("expected an integer >= 1")
-    return n
-
-
-def _count(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise ValueError("expected an integer >= 0")
-    return n
-
-
-def _replicas(v: str) -> int:
-    n = int(v)
-    if not 1 <= n <= 5:
-        raise ValueError("expected 1 to 5 (JetStream keeps at most 5 replicas)")
-    return n
-
-
-def _seconds(v: str) -> float:
-    x = float(v)
-    if x < 0:
-        raise ValueError("expected a number of seconds >= 0")
-    return x
-
-
-def _zstd_level(v: str) -> int:
-    n = int(v)
-    if not 0 <= n <= 22:
-        raise ValueError("expected 0 (no compression) to 22")
-    return n
-
-
-def _pos_float(v: str) -> float:
-    x = float(v)
-    if x <= 0:
-        raise ValueError("expected a number > 0")
-    return x
-
-
-def _label_prefix(v: str) -> str:
-    if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", v):
-        raise ValueError("expected a DNS subdomain such as smr.dev")
-    return v
-
-
-def _names(v: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in v.split(",") if x.strip())
-
-
-def _pairs(v: str) -> dict[str, str]:
-    """``a=b,c=d`` → {"a": "b", "c": "d"}."""
-    out = {}
-    for item in _names(v):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ValueError(f"{item!r} is not NAME=VALUE")
-        out[key.strip()] = value.strip()
-    return out
-
-
-# The kubelet's quantity suffixes (resource.Quantity), for its eviction thresholds.
-_QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-
-
-def eviction_hard(v: str) -> dict[str, tuple[float, int]]:
-    """The kubelet's ``--eviction-hard`` form, ``nodefs.available<10%,
-    imagefs.available<2Gi`` → {signal: (fraction of the file system, bytes)},
-    one of the two 0. Signals other than file system space are left out."""
-    out = {}
-    for item in _names(v):
-        m = re.fullmatch(r"([a-z]+fs\.available)<(?:(\d+(?:\.\d+)?)%|(\d+)([kMGT]i?|)?)", item)
-        if not m:
-            if re.fullmatch(r"[a-zA-Z.]+<\S+", item) and \
-                    not item.split("<")[0].endswith("fs.available"):
-                continue  # memory.available, nodefs.inodesFree, pid.available: not space
-            raise ValueError(f"{item!r} is not SIGNAL<PERCENT% or SIGNAL<QUANTITY "
-                             "(the kubelet's --eviction-hard, e.g. nodefs.available<10%)")
-        signal, pct, n, unit = m.groups()
-        if pct is not None and not 0 <= float(pct) < 100:
-            raise ValueError(f"{item!r}: expected a percentage below 100")
-        out[signal] = (float(pct) / 100, 0) if pct is not None else \
-            (0.0, int(n) * _QUANTITY[unit or ""])
-    return out
-
-
-def _eviction_hard(v: str) -> str:
-    eviction_hard(v)  # checked at start; kept as written, as the kubelet's flag reads
-    return v
-
-
-def _aes_key(v: str) -> str:
-    """Empty, or a base64-encoded 32-byte key: checked where every setting
-    is, not first by `smr up` after its nats-server has started."""
-    if v:
-        try:
-            key = base64.b64decode(v, validate=True)
-        except binascii.Error:
-            key = b""
-        if len(key) != 32:
-            raise ValueError("expected a base64-encoded 32-byte key "
-                             "(make one with: head -c 32 /dev/urandom | base64)")
-    return v
-
-
-def _choice(*opts: str) -> Callable[[str], str]:
-    def parse(v: str) -> str:
-        if v not in opts:
-            raise ValueError(f"expected one of {', '.join(opts)}")
-        return v
-
-    return parse
 
 
 def _default_data_dir() -> str:
@@ -169,7 +56,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("NATS_URL", "", str, "NATS server URL, or a comma-separated list of a cluster's "
             "servers (the client reconnects to any of them); empty: `smr up` starts an "
             "embedded nats-server"),
-    Setting("NATS_REPLICAS", 1, _replicas, "replicas of every JetStream stream and KV bucket "
+    Setting("NATS_REPLICAS", 1, replicas, "replicas of every JetStream stream and KV bucket "
             "smr creates (1 to 5; 3 on a 3-server NATS cluster, 1 on a single server); an "
             "existing one is updated to it at start"),
     Setting("NATS_CREDS", "", str, "a NATS credentials file (.creds) for a NATS that "
@@ -187,7 +74,7 @@ SETTINGS: tuple[Setting, ...] = (
             "the server's auth_callout issuer"),
     Setting("NATS_AGENT_TEMPLATE", "", str, "`smr natsauth`: agent-node.conf.template "
             "(components/nats-auth), the permissions it gives an agent for its node"),
-    Setting("NATS_SETUP", True, _bool, "create or update smr's streams and KV buckets at "
+    Setting("NATS_SETUP", True, boolean, "create or update smr's streams and KV buckets at "
             "start, and a node's own request consumers; false: wait for them (a NATS user "
             "that may not create them: in the cluster the storage service makes the streams, "
             "the watcher each node's consumers)"),
@@ -202,108 +89,108 @@ SETTINGS: tuple[Setting, ...] = (
             "worker whose heartbeats do not get through; every worker of a node must share "
             "it (the agent's is a hostPath); default: DATA_DIR/steps (never under WORK_DIR, "
             "whose entries a request's id names)"),
-    Setting("STORAGE", "local", _choice("local", "s3"), "checkpoint storage backend"),
+    Setting("STORAGE", "local", choice("local", "s3"), "checkpoint storage backend"),
     Setting("STORAGE_PATH", "", str, "local backend's directory; default: DATA_DIR/checkpoints"),
     Setting("S3_BUCKET", "", str, "S3 bucket (SMR_STORAGE=s3); credentials: the AWS chain"),
     Setting("S3_PREFIX", "smr", str, "key prefix inside the bucket"),
     Setting("S3_ENDPOINT", "", str, "S3-compatible endpoint URL; empty: AWS"),
     Setting("S3_REGION", "", str, "S3 region; empty: the AWS chain's"),
-    Setting("S3_PATH_STYLE", False, _bool, "path-style addressing (most non-AWS servers)"),
-    Setting("ZSTD_LEVEL", 3, _zstd_level, "zstd level of stored images; 0: none"),
-    Setting("ENCRYPTION_KEY", "", _aes_key,
+    Setting("S3_PATH_STYLE", False, boolean, "path-style addressing (most non-AWS servers)"),
+    Setting("ZSTD_LEVEL", 3, zstd_level, "zstd level of stored images; 0: none"),
+    Setting("ENCRYPTION_KEY", "", aes_key,
             "base64 32-byte AES-256-GCM key; empty: images in clear. Set on a node that has "
             "clear checkpoints, it makes them unrestorable there: migrate as "
             "docs/security.md says (\"Turning encryption on\")", secret=True),
     Setting("ENCRYPTION_KEY_FILE", "", str, "file holding such keys, one per line (a mounted "
             "Secret): the first writes, the others still read (rotation); each namespace's "
             "data key is derived from them"),
-    Setting("KEEP_GENERATIONS", 5, _count, "generations kept per checkpoint_id; 0: all"),
-    Setting("MAX_AGE", 0.0, _seconds, "seconds a generation is kept (latest always); 0: forever"),
-    Setting("GC_GRACE", 3600.0, _seconds,
+    Setting("KEEP_GENERATIONS", 5, count, "generations kept per checkpoint_id; 0: all"),
+    Setting("MAX_AGE", 0.0, seconds, "seconds a generation is kept (latest always); 0: forever"),
+    Setting("GC_GRACE", 3600.0, seconds,
             "age after which an unfinished upload is garbage. A writer renews its claim every "
             "grace/4 of its own setting and records that interval in the claim; GC takes it for "
             "dead only once silent for the longer of its own grace and 4 renewals, so a storage "
             "Deployment set shorter than the nodes never aborts a live writer"),
-    Setting("GC_INTERVAL", 600.0, _pos_float, "seconds between garbage collections"),
-    Setting("GPU", "auto", _choice("auto", "off"), "checkpoint GPU state through the CUDA "
+    Setting("GC_INTERVAL", 600.0, pos_float, "seconds between garbage collections"),
+    Setting("GPU", "auto", choice("auto", "off"), "checkpoint GPU state through the CUDA "
             "driver; auto: where the driver has the checkpoint API"),
-    Setting("GPU_ALLOW", (), _names, "refusals of smr's GPU gate lifted on this node "
+    Setting("GPU_ALLOW", (), names, "refusals of smr's GPU gate lifted on this node "
             "(comma-separated): peer-access (a process on two GPUs or more), nccl-p2p (NCCL "
             "ranks with the P2P transport on); driver 580 cannot restore either "
             "(docs/gpu.md)"),
-    Setting("CUDA_LOCK_TIMEOUT", 10.0, _pos_float, "seconds to wait for a job's GPU work to "
+    Setting("CUDA_LOCK_TIMEOUT", 10.0, pos_float, "seconds to wait for a job's GPU work to "
             "reach a lockable point"),
     Setting("KUBE_API", "", str, "Kubernetes API URL; empty: in-cluster, else "
             "~/.kube/config"),
-    Setting("CHECKPOINT_RESOURCES", "off", _choice("off", "on"), "the storage service keeps "
+    Setting("CHECKPOINT_RESOURCES", "off", choice("off", "on"), "the storage service keeps "
             "a Checkpoint resource (smr.dev) per stored checkpoint in its namespace, for "
             "`kubectl get checkpoints` (docs/kubernetes.md); needs the CRD and its RBAC"),
     Setting("KUBE_TOKEN_FILE", "", str, "bearer token file for SMR_KUBE_API (a service "
             "account's token); empty: none"),
-    Setting("LABEL_PREFIX", "smr.dev", _label_prefix, "prefix of the opt-in pod labels "
+    Setting("LABEL_PREFIX", "smr.dev", label_prefix, "prefix of the opt-in pod labels "
             "(<prefix>/node-restore, <prefix>/heartbeat-checkpoint); cedana.ai/ also works"),
-    Setting("PREEMPTION_TAINTS", (), _names, "extra taint keys (comma-separated) that mean "
+    Setting("PREEMPTION_TAINTS", (), names, "extra taint keys (comma-separated) that mean "
             "a node is about to be taken away"),
-    Setting("HEARTBEAT_MIN", 30.0, _pos_float, "shortest heartbeat-checkpoint interval "
+    Setting("HEARTBEAT_MIN", 30.0, pos_float, "shortest heartbeat-checkpoint interval "
             "accepted, seconds"),
-    Setting("HEARTBEAT_MAX", 604800.0, _pos_float, "longest heartbeat-checkpoint interval "
+    Setting("HEARTBEAT_MAX", 604800.0, pos_float, "longest heartbeat-checkpoint interval "
             "accepted, seconds"),
     Setting("LEASE_NAMESPACE", "smr-system", str, "namespace of the watcher's leader Lease"),
     Setting("LEASE_NAME", "smr-watcher", str, "name of the watcher's leader Lease"),
-    Setting("LEASE_DURATION", 15.0, _pos_float, "seconds a leader Lease is valid unrenewed"),
-    Setting("LEASE_RENEW_DEADLINE", 10.0, _pos_float, "seconds a leader keeps trying to renew"),
-    Setting("LEASE_RETRY", 2.0, _pos_float, "seconds between Lease attempts (at least 1)"),
-    Setting("PUBLISH_CONCURRENCY", 64, _pos_int, "requests the watcher publishes at once"),
+    Setting("LEASE_DURATION", 15.0, pos_float, "seconds a leader Lease is valid unrenewed"),
+    Setting("LEASE_RENEW_DEADLINE", 10.0, pos_float, "seconds a leader keeps trying to renew"),
+    Setting("LEASE_RETRY", 2.0, pos_float, "seconds between Lease attempts (at least 1)"),
+    Setting("PUBLISH_CONCURRENCY", 64, pos_int, "requests the watcher publishes at once"),
     Setting("CRIU", "", str, "criu binary; default: the one `make setup` installed, else PATH"),
-    Setting("METRICS_PORT", 9464, _count, "port of /metrics (Prometheus) for every "
+    Setting("METRICS_PORT", 9464, count, "port of /metrics (Prometheus) for every "
             "long-running service and `smr up` (0: none)"),
-    Setting("HEALTH_PORT", 8080, _count, "cluster services: port of /livez and /readyz for "
+    Setting("HEALTH_PORT", 8080, count, "cluster services: port of /livez and /readyz for "
             "the probes (0: none)"),
     Setting("INIT", "", str, "node agent: its own smr-init binary; default: `make setup`'s, "
             "else PATH (/usr/local/bin in the image)"),
     Setting("CRIU_ROOT", "", str, "node agent: the prefix CRIU is installed in, copied into "
             "pods (its usr/sbin/criu, usr/lib/x86_64-linux-gnu); default: `make setup`'s, else /"),
-    Setting("CRIU_TIMEOUT", 600.0, _pos_float, "seconds one CRIU dump or restore may take"),
-    Setting("COMMIT_DEADLINE", 1800.0, _pos_float, "seconds a finished dump is retried into "
+    Setting("CRIU_TIMEOUT", 600.0, pos_float, "seconds one CRIU dump or restore may take"),
+    Setting("COMMIT_DEADLINE", 1800.0, pos_float, "seconds a finished dump is retried into "
             "storage that fails (a final checkpoint's job held stopped meanwhile) before the "
             "checkpoint fails and the job runs on"),
-    Setting("LOCK_WAIT", 3600.0, _pos_float, "seconds a checkpoint or restore waits for "
+    Setting("LOCK_WAIT", 3600.0, pos_float, "seconds a checkpoint or restore waits for "
             "another live step on the same job before it is retried"),
-    Setting("CHECKPOINTS_PER_NODE", 4, _pos_int, "node agent: checkpoints of different "
+    Setting("CHECKPOINTS_PER_NODE", 4, pos_int, "node agent: checkpoints of different "
             "containers a node runs at once; final ones (drain, preemption, shutdown) start "
             "before the leave-running ones waiting"),
-    Setting("CHECKPOINT_SCRATCH", 0, _count, "node agent: bytes of its work directory the "
+    Setting("CHECKPOINT_SCRATCH", 0, count, "node agent: bytes of its work directory the "
             "dumps in flight may fill together (estimated from each workload's memory and "
             "its writable layer's and /dev/shm's data, or its last dump); 0: the free "
             "space there. A dump always starts when none runs"),
     Setting("KUBELET_EVICTION_HARD", "nodefs.available<10%,imagefs.available<15%",
-            _eviction_hard, "node agent: the kubelet's hard eviction thresholds for disk space, "
-            "in its --eviction-hard form (default: the kubelet's own); a dump never takes the "
-            "work directory's file system below the largest of them (the node would get "
+            eviction_hard_text, "node agent: the kubelet's hard eviction thresholds for disk "
+            "space, in its --eviction-hard form (default: the kubelet's own); a dump never takes "
+            "the work directory's file system below the largest of them (the node would get "
             "DiskPressure and its pods evicted with no grace): over it, the checkpoint fails "
             "with eviction-threshold and the workload runs on"),
-    Setting("CAPTURE_BYTES", 16 << 30, _count, "node agent: bytes a pod checkpoint's copies "
+    Setting("CAPTURE_BYTES", 16 << 30, count, "node agent: bytes a pod checkpoint's copies "
             "of its container's writable layer and /dev/shm may take together in its work "
             "directory where the container sets no ephemeral-storage limit (holes in sparse "
             "files take none); over it, the checkpoint fails with capture-too-large and the "
             "workload runs on"),
-    Setting("RESTORES_PER_NODE", 4, _pos_int, "restores of different jobs or containers a "
+    Setting("RESTORES_PER_NODE", 4, pos_int, "restores of different jobs or containers a "
             "node runs at once"),
-    Setting("TEMPLATE_CACHE_BYTES", 50 << 30, _count, "node agent: bytes of warm-start "
+    Setting("TEMPLATE_CACHE_BYTES", 50 << 30, count, "node agent: bytes of warm-start "
             "template objects kept in its work directory, so that replicas of one template "
             "on a node download each object once (docs/warm-start.md); 0: no cache"),
-    Setting("TEMPLATE_PREPULL", (), _names, "node agent: warm-start templates "
+    Setting("TEMPLATE_PREPULL", (), names, "node agent: warm-start templates "
             "(comma-separated `namespace/name`, as in the label smr.dev/start-from) it reads "
             "into its template cache as soon as storage holds them, and again when one is "
             "taken anew, before any replica starts (as an image pre-pull): a replica then "
             "restores from the node's disk (docs/warm-start.md)"),
-    Setting("RUNTIME_INSTALL", "off", _choice("off", "files", "restart", "uninstall"),
+    Setting("RUNTIME_INSTALL", "off", choice("off", "files", "restart", "uninstall"),
             "node agent: install smr-runtime and containerd's smr runtime handlers on the node "
             "at start (files), and restart containerd if they changed (restart); uninstall: "
             "remove them and restart containerd. In every mode it then labels the node "
             "runtime.smr.dev/<handler>=true for each handler there (none after an "
             "uninstall): the labels the smr RuntimeClasses schedule on"),
-    Setting("AGENT_WAIT", 600, _count, "node agent: how long after its last sign of life a "
+    Setting("AGENT_WAIT", 600, count, "node agent: how long after its last sign of life a "
             "container starting on its node still waits for an agent (one being replaced in a "
             "DaemonSet rollout, or restarting) before smr-init gives up and applies the "
             "pod's restore-failure policy (docs/kubernetes.md, \"Upgrading smr\"); written "
@@ -318,19 +205,19 @@ SETTINGS: tuple[Setting, ...] = (
             "setup`'s, else PATH (/usr/local/bin in the image)"),
     Setting("RUNTIME_CLASS", "smr", str, "webhook: the RuntimeClass given to opted-in pods "
             "(its handler runs smr-runtime in front of runc)"),
-    Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, _pairs, "webhook: a pod's own "
+    Setting("RUNTIME_CLASS_MAP", {"nvidia": "smr-nvidia"}, pairs, "webhook: a pod's own "
             "RuntimeClass → the smr class that wraps the same runtime (NAME=SMR_NAME,...)"),
-    Setting("FINAL_CHECKPOINT_SECONDS", 60, _count, "webhook: the least seconds added to an "
+    Setting("FINAL_CHECKPOINT_SECONDS", 60, count, "webhook: the least seconds added to an "
             "opted-in pod's terminationGracePeriodSeconds for its final checkpoint, which its "
             "preStop hook waits for before the kubelet's SIGTERM; more for a workload whose "
             "last checkpoint took longer (twice its measured time, plus 10 s). 0: no hook"),
-    Setting("RESTORE_SECONDS", 600, _count, "webhook: how long the startupProbe it adds to "
+    Setting("RESTORE_SECONDS", 600, count, "webhook: how long the startupProbe it adds to "
             "an opted-in container with a liveness probe waits for its workload to run "
             "(a restore), before the kubelet gives up on it"),
-    Setting("MAX_GRACE_SECONDS", 600, _count, "webhook: the longest "
+    Setting("MAX_GRACE_SECONDS", 600, count, "webhook: the longest "
             "terminationGracePeriodSeconds it sets; a pod's annotation "
             "smr.dev/max-grace-seconds lowers it"),
-    Setting("WEBHOOK_PORT", 8443, _count, "webhook: HTTPS port (0: any free one)"),
+    Setting("WEBHOOK_PORT", 8443, count, "webhook: HTTPS port (0: any free one)"),
     Setting("WEBHOOK_SERVICE", "smr-webhook", str, "webhook: its Service (the names its "
             "certificate is for)"),
     Setting("WEBHOOK_NAMESPACE", "smr-system", str, "webhook: its namespace and its Secret's"),
@@ -341,9 +228,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WEBHOOK_CERT_DIR", "", str, "webhook: read tls.crt/tls.key from here (cert-manager) "
             "instead of managing the Secret; empty: self-managed"),
     Setting("NATS_SERVER", "", str, "nats-server binary for the embedded mode"),
-    Setting("MAX_DELIVER", 5, _pos_int, "deliveries of one request before it is dead-lettered"),
-    Setting("ACK_WAIT", 30.0, _pos_float, "seconds before an un-acked request is redelivered"),
-    Setting("DEDUPE_WINDOW", 3600.0, _pos_float, "seconds JetStream remembers a request_id"),
+    Setting("MAX_DELIVER", 5, pos_int, "deliveries of one request before it is dead-lettered"),
+    Setting("ACK_WAIT", 30.0, pos_float, "seconds before an un-acked request is redelivered"),
+    Setting("DEDUPE_WINDOW", 3600.0, pos_float, "seconds JetStream remembers a request_id"),
 )
 
 
@@ -424,82 +311,6 @@ ELSEWHERE: tuple[ReadElsewhere, ...] = (
                   "http://deb.debian.org/debian"),
 )
 
-
-def _shown(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
-    if isinstance(value, tuple):
-        return ",".join(value)
-    return str(value)
-
-
-def _cell(text: str) -> str:
-    """Table-safe: ``|`` would end the cell, ``<x>`` would read as an HTML tag."""
-    return text.replace("|", "\\|").replace("<", "\\<")
-
-
-def without_credentials(url: str) -> str:
-    """``url`` (or a comma-separated list of them) with any user, password or
-    token replaced by ``***``: the embedded NATS's token rides in its URL."""
-    shown = []
-    for one in url.split(","):
-        scheme, sep, rest = one.rpartition("://")
-        if "@" in rest:
-            rest = "***@" + rest.rsplit("@", 1)[1]
-        shown.append(f"{scheme}{sep}{rest}")
-    return ",".join(shown)
-
-
-def shown(setting: Setting, value: Any) -> str:
-    """``value`` as it may be printed: secrets masked, URLs without credentials."""
-    if setting.secret and value:
-        return "***"
-    if setting.name == "NATS_URL" and value:
-        return without_credentials(str(value))
-    return str(value)
-
-
-def markdown() -> str:
-    """docs/configuration.md: ``smr config --markdown`` writes it, and a test
-    checks the file is exactly this, so the doc cannot drift from the code."""
-    out = [
-        "# Configuration",
-        "",
-        "<!-- Generated from smr/config.py by `smr config --markdown > docs/configuration.md`;",
-        "     edit the descriptions there. tests/test_docs.py fails when this file differs. -->",
-        "",
-        "Every smr program reads its settings from environment variables prefixed `SMR_`, or",
-        "from a TOML file named by `SMR_CONFIG` (keys: the names without the prefix, lower-case).",
-        "The environment wins over the file, the file over the default. An invalid value stops",
-        "the program at start, naming the setting and the fix. `smr config` prints the values",
-        "in force.",
-        "",
-        "## Settings",
-        "",
-        "| variable | default | meaning |",
-        "|---|---|---|",
-    ]
-    for s in SETTINGS:
-        default = _shown(s.default)
-        out.append(f"| `{PREFIX}{s.name}` | {f'`{default}`' if default else '(empty)'} "
-                   f"| {_cell(s.doc)} |")
-    out += [
-        "",
-        "## Other environment variables",
-        "",
-        "Read by another program (smr-init and smr-runtime on the node), from a pod's",
-        "container, or by a library, rather than as settings of every smr program.",
-        "",
-        "| variable | read by | meaning |",
-        "|---|---|---|",
-    ]
-    for e in ELSEWHERE:
-        out.append(f"| `{e.name}` | {_cell(e.read_by)} | {_cell(e.doc)} |")
-    return "\n".join(out) + "\n"
 
 def _find_binary(explicit: str, name: str, setting: str) -> str:
     if explicit:

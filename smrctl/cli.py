@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 # Only what parsing and `smr up`'s lock need: the rest is imported by the
 # command that uses it (two seconds of imports), after `smr up` holds its
 # data directory, so that a command started beside it finds it starting.
-from smr import config
+from smr import config, config_docs
 from smr.contract.errors import SmrError
 from smr.gpu.gpupairs import GPU_UUID
 from smr.process import sockets
@@ -371,10 +371,10 @@ async def cmd_service(s: config.Settings, a: argparse.Namespace) -> int:
 
 def cmd_config(s: config.Settings, a: argparse.Namespace) -> int:
     if a.markdown:
-        print(config.markdown(), end="")
+        print(config_docs.markdown(), end="")
         return 0
     for st in config.SETTINGS:
-        print(f"{config.PREFIX}{st.name}={config.shown(st, s.values[st.name]):<24} # {st.doc}")
+        print(f"{config.PREFIX}{st.name}={config_docs.shown(st, s.values[st.name]):<24} # {st.doc}")
     return 0
 
 

@@ -21,7 +21,8 @@ from services.storage.store import CheckpointStore
 from smr import tracing
 from smr.aio import ended_why, stop_task
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, Worker
-from smr.config import Settings, without_credentials
+from smr.config import Settings
+from smr.config_docs import without_credentials
 from smr.contract.errors import SmrError
 from smr.gpu import cuda_checkpoint, gpuinfo
 from smr.jobs import JobLock, JobRegistry, job_key

@@ -27,6 +27,7 @@ from smr.bus import (
     BusConfig,
     Progress,
     Worker,
+    consume_events,
     node_filter,
     subject,
     topology,
@@ -207,8 +208,8 @@ async def test_event_consumer_lives_through_its_leader_dying(
     async def handle(event: CkptDone) -> None:
         seen.add(event.request_id)
 
-    consuming = asyncio.create_task(bus.consume_events(
-        durable, "ckpt.done", handle, service="test", stop=stop_consuming))
+    consuming = asyncio.create_task(consume_events(
+        bus,         durable, "ckpt.done", handle, service="test", stop=stop_consuming))
     before = CkptDone.for_request(request(node, "before"), status="succeeded", generation=1)
     after = CkptDone.for_request(request(node, "after"), status="succeeded", generation=2)
     try:

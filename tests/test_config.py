@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from smr import config
+from smr import config, config_values
 from smr.contract.errors import ConfigError
 
 
@@ -66,7 +66,7 @@ def test_the_kubelets_eviction_thresholds_are_read_in_its_own_flag_form() -> Non
     from services.checkpointer.admission import reserve
 
     hard = "memory.available<100Mi,nodefs.available<1Gi,imagefs.available<15%,nodefs.inodesFree<5%"
-    assert config.eviction_hard(hard) == {"nodefs.available": (0.0, 1 << 30),
+    assert config_values.eviction_hard(hard) == {"nodefs.available": (0.0, 1 << 30),
                                           "imagefs.available": (0.15, 0)}
     # The largest applies: the work directory shares the images' file system.
     assert reserve(100 << 30, hard) == 15 << 30

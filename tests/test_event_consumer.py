@@ -19,7 +19,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
 from smr.aio import ended_why
-from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, node_token
+from smr.bus import STREAM_EVENTS, STREAM_REQUESTS, Bus, BusConfig, consume_events, node_token
 from smr.contract.messages import CkptDone
 from smr.gpu import frozen
 from smr.natsserver import NatsServer
@@ -31,8 +31,8 @@ Handler = Callable[[CkptDone], Awaitable[None]]
 def consume(bus: Bus, handle: Handler) -> tuple[asyncio.Event, asyncio.Task[None]]:
     """A consumer of ckpt.done events of its own (a durable no other test shares)."""
     stopping = asyncio.Event()
-    task = asyncio.create_task(bus.consume_events(
-        f"test-{uuid.uuid4().hex[:8]}", "ckpt.done", handle, service="test", stop=stopping,
+    task = asyncio.create_task(consume_events(
+        bus, f"test-{uuid.uuid4().hex[:8]}", "ckpt.done", handle, service="test", stop=stopping,
         retry_s=0.2))
     return stopping, task
 
@@ -206,7 +206,7 @@ async def test_an_event_consumer_whose_durable_was_deleted_consumes_again(
 
     durable = f"test-{uuid.uuid4().hex[:8]}"
     stopping = asyncio.Event()
-    task = asyncio.create_task(bus.consume_events(durable, "ckpt.done", handle, service="test",
+    task = asyncio.create_task(consume_events(bus, durable, "ckpt.done", handle, service="test",
                                                   stop=stopping, retry_s=0.2))
     await bus.publish(done(node, first))
     await until(lambda: bool(seen), task, 20)

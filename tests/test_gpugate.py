@@ -132,7 +132,7 @@ def test_criu_failing_on_a_gpu_device_mapping_is_explained(tmp_path: Path) -> No
     """CRIU's words when a process maps /dev/nvidia* outside a CUDA context
     (criu/proc_parse.c, handle_vma_plugin; its errno is stale) are told as
     gpu-forked-mapping, naming the process it was collecting."""
-    from smr.process.criu import explain
+    from smr.process.criu_log import explain
 
     log = tmp_path / "dump.log"
     log.write_text("(00.010) Collect mappings (pid: 4711)\n"

@@ -34,7 +34,8 @@ from smr.gpu.driver import CudaError, CudaState
 from smr.jobs import Job, launch
 from smr.natsserver import free_port
 from smr.process import sockets
-from smr.process.criu import Criu, explain
+from smr.process.criu import Criu
+from smr.process.criu_log import explain
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import FailingPuts, StandInDriver, ckpt_step
@@ -321,7 +322,7 @@ def test_a_taken_proc_mount_point_is_named_and_retried(tmp_path: Path) -> None:
     local job under smr-init --local); the fresh-clone CI saw that name taken
     once, as a bare permanent `criu-dump-failed`. The log line is CRIU 4.2's
     (criu/pie/parasite.c:634), as the CI's dump.log quoted it."""
-    from smr.process.criu import TEMPORARY
+    from smr.process.criu_log import TEMPORARY
 
     log = tmp_path / "dump.log"
     log.write_text("pie: 1: Error (criu/pie/parasite.c:634): Can't create a directory (-17)\n")

@@ -31,7 +31,8 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from smr.config import Settings, eviction_hard
+from smr.config import Settings
+from smr.config_values import eviction_hard
 from smr.contract.errors import PermanentError
 from smr.contract.messages import CkptRequested
 

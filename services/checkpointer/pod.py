@@ -15,9 +15,7 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +23,12 @@ import orjson
 from nats.js.kv import KeyValue
 
 from services import timings
-from services.checkpointer import dumpstamp, finals, takeover
+from services.checkpointer import dumpstamp, finals, pod_dump, takeover
 from services.checkpointer.admission import over_threshold, resident_bytes
 from services.checkpointer.durable import result, until_stored
-from services.checkpointer.pod_capture import CONTAINER_FILE, capture
+from services.checkpointer.pod_capture import CONTAINER_FILE
 from services.checkpointer.pod_recovery import PodRecovery
 from services.containers import host, rootfs
-from services.containers.confined import Root, UnsafePath
 from services.containers.host import Shim
 from services.containers.incontainer import NAMESPACES, NAMESPACES_SAVING_IPC
 from services.containers.pods import PodContainer, PodStep
@@ -44,8 +41,8 @@ from smr.contract.messages import CkptDone, CkptRequested, now
 from smr.gpu import frozen, gpugate, gpuinfo
 from smr.identity import write_durably
 from smr.jobs import proc_start_ticks, signal_tree, wait_exit
-from smr.process import linkremap, sockets
-from smr.process.criu import CriuError, dump_finished
+from smr.process import sockets
+from smr.process.criu import dump_finished
 
 log = logging.getLogger("smr.checkpointer")
 
@@ -60,61 +57,6 @@ async def _keep_holding(shim: Shim) -> None:
         await asyncio.sleep(HOLD_REFRESH_S)
         with contextlib.suppress(OSError, SmrError):  # the step itself reports
             await asyncio.to_thread(shim.refresh_hold)
-
-
-def dumped(dump: asyncio.Task[Any]) -> bool:
-    """Did the dump task end with CRIU's success (the images complete)?"""
-    return dump.done() and not dump.cancelled() and dump.exception() is None
-
-
-def _note_link_names(pid: int, remaps: list[tuple[str, str]], work: Path) -> None:
-    """Each link's other names in the container's /dev/shm (a semaphore's),
-    for the restore to point them at the file the link restores: devshm.tar
-    holds every name as a file of its own (services/restorer/pod.py)."""
-    if not remaps:
-        return
-    records = []
-    with Root.of_pid(pid) as root:
-        d = root.open(linkremap.SHM, os.O_RDONLY | os.O_DIRECTORY)  # listed: not O_PATH
-        try:
-            for link, _ in remaps:
-                name = os.path.basename(link)
-                try:
-                    st = os.stat(name, dir_fd=d, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # removed by the workload since the dump: no names to note
-                if stat.S_ISREG(st.st_mode):
-                    records.append({"link": name, "uid": st.st_uid,
-                                    "names": linkremap.other_names(d, name, st)})
-        finally:
-            os.close(d)
-    (work / linkremap.POD_NAMES).write_bytes(orjson.dumps(records))
-
-
-def _drop_link_remaps(pid: int, remaps: list[tuple[str, str]]) -> None:
-    """CRIU's link remaps (``linkremap.linked``), in the captures now, out of
-    the container of ``pid`` (its smr-init): one that runs on would keep
-    them, and its next dump would meet them. Through the container's root,
-    no link followed; only regular files of CRIU's names."""
-    if not remaps:
-        return
-    with Root.of_pid(pid) as root:
-        for link, _ in remaps:
-            parent, name = os.path.split(link)
-            if not linkremap.REMAP_NAME.fullmatch(name):
-                continue
-            with contextlib.suppress(FileNotFoundError, UnsafePath), root.dir(parent) as d:
-                if stat.S_ISREG(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=d)
-
-
-def _maybe_running(shim: Shim) -> bool:
-    """Does the workload still run? True when its status cannot be read
-    safely: the cautious answer (a GPU is resumed, a failure is not called an exit)."""
-    try:
-        return shim.workload() is not None
-    except SmrError:
-        return True
 
 
 class PodCheckpointStep(PodRecovery, PodStep):
@@ -299,9 +241,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 held = None
                 if flight and not cuda_pids:
                     held = lambda: self._hold_for_final(req, flight, work)  # noqa: E731
-                dump = asyncio.create_task(self._dump(c, shim, criu, pid, inner, work, upper,
-                                                      req.leave_running, tcp,
-                                                      gpu=bool(cuda_pids), held=held))
+                dump = asyncio.create_task(pod_dump.dump_tree(
+                    c, shim, criu, pid, inner, work, upper, req.leave_running, tcp,
+                    self.budget(c), gpu=bool(cuda_pids), held=held))
                 syncing = asyncio.create_task(self._mark_synced(work, dump))
                 resumed = None
                 if gpu_heartbeat:
@@ -314,7 +256,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
                         current = await self.store.ensure_latest(c.namespace,
                                                                  req.checkpoint_id, gen)
                     except TemporaryError as e:
-                        if not dumped(dump):
+                        if not pod_dump.dumped(dump):
                             raise
                         # The dump is complete in the volume: store it from
                         # there, never dump again (the workload may be gone).
@@ -328,7 +270,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
                     # stopped) stays for recover() to store and settle, also
                     # one whose captures were cut short (recover() does them);
                     # a heartbeat's GPU tree runs on meanwhile.
-                    keep_work = dumped(dump) or dump_finished(work / "images")
+                    keep_work = pod_dump.dumped(dump) or dump_finished(work / "images")
                     syncing.cancel()
                     if keep_work:  # on disk first, at once: a reboot may come next
                         await asyncio.gather(asyncio.shield(asyncio.create_task(
@@ -341,12 +283,12 @@ class PodCheckpointStep(PodRecovery, PodStep):
                     syncing.cancel()
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
-                    if cuda_pids and await asyncio.to_thread(_maybe_running, shim):
+                    if cuda_pids and await asyncio.to_thread(pod_dump.maybe_running, shim):
                         # Never left locked: back to running whatever failed,
                         # held stopped until its GPU state is back, checked.
                         await self._bring_back(pid, str(c.target()))
                     elif (not req.leave_running or (flight and flight.phase == "taken")) \
-                            and dumped(dump):
+                            and pod_dump.dumped(dump):
                         # Not stored: the workload, held stopped, runs on (a
                         # final request that took it over dumps it itself).
                         signal_tree(pid, signal.SIGCONT)
@@ -401,7 +343,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         such a dump; see services/checkpointer/dumpstamp). Cancelled once it
         is stored."""
         await asyncio.wait([dump])
-        if not dumped(dump):
+        if not pod_dump.dumped(dump):
             return
         await asyncio.sleep(after_s)
         await asyncio.to_thread(dumpstamp.sync_tree, work)
@@ -482,76 +424,6 @@ class PodCheckpointStep(PodRecovery, PodStep):
                                  hint="run the agent with the NVIDIA runtime (the gpu overlay) "
                                       "on a node with driver 560 or newer")
         return running
-
-    async def _dump(self, c: PodContainer, shim: Shim, criu: Any, pid: int, inner: int,
-                    work: Any, upper: Any, leave_running: bool, tcp: sockets.Tcp, *,
-                    gpu: bool = False, held: Callable[[], bool] | None = None
-                    ) -> dict[str, float]:
-        # The tree stays stopped from its dump until its layer and /dev/shm are
-        # read: a final dump's until its images are durable (then it is
-        # killed) or cannot be stored (then it runs on), so that its state is
-        # never in the dump alone; a heartbeat's until the captures are done
-        # (then it runs on), since a workload running meanwhile changes its
-        # /dev/shm and layer past what its memory image saw (a restored copy
-        # would find its shared memory ahead of itself). A GPU heartbeat's
-        # tree is continued by resume_after (it waits for this task), once
-        # the driver has its GPU state back.
-        if leave_running:
-            # CRIU unlocks the connections it dumped (TCP repair mode, their
-            # packets dropped) only for a tree it lets run: one it leaves
-            # stopped keeps them locked for good. A heartbeat's connections
-            # are never restored (a restore is in a new network namespace;
-            # sockets.restore_mode), so CRIU leaves them alone (--tcp-close:
-            # neither dumped nor locked) and they go on as they are ("keep").
-            tcp = "close"
-        try:
-            # CRIU's link remaps (a 'spawn' semaphore's mapping) go in the
-            # container's /dev/shm or layer, which the captures carry.
-            run = await criu.dump(inner, work / "images", leave_running=False,
-                                  leave_stopped=True, tcp=tcp, link_remap=True)
-        except CriuError as e:
-            if not await asyncio.to_thread(_maybe_running, shim):
-                raise PermanentError(f"{c.target()} exited during its checkpoint; nothing "
-                                     "was stored", code="job-exited", detail=e.detail) from None
-            if not gpu:  # a GPU tree runs on once its GPU state is back (_bring_back)
-                e.message = f"{e.message}; {c.target()} keeps running"
-            raise
-        t = time.monotonic()
-        remaps = await asyncio.to_thread(linkremap.linked, work / "images")
-        failed = cancelled = False
-        try:
-            if outside := [orig for link, orig in remaps
-                           if os.path.dirname(link) != linkremap.SHM]:
-                # Its link would be in a volume or the layer: a volume is not
-                # carried, so such an image would not restore elsewhere.
-                raise linkremap.LinkRemapError(
-                    f"{c.target()} maps or holds open {', '.join(outside)}, whose name was "
-                    "deleted while the file still has another: CRIU can save it only through "
-                    f"a link beside it, which smr carries only in {linkremap.SHM}; "
-                    f"{c.target()} keeps running",
-                    hint="close or unmap that file before the checkpoint, or keep it in "
-                         "/dev/shm")
-            await asyncio.to_thread(_note_link_names, shim.pid, remaps, work)
-            await capture(shim, work, upper, self.budget(c))
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            # A final dump cut short stays as it is, links and all, for
-            # recover() to capture again from the tree still stopped.
-            if not (cancelled and not leave_running):
-                _drop_link_remaps(shim.pid, remaps)
-            if leave_running and not (failed or cancelled) and held and held():
-                pass  # a final request took this dump over: its tree stays stopped
-            elif (leave_running or failed) and not gpu:
-                # A heartbeat runs on; so does a final dump's tree when its
-                # captures failed (nothing is stored; a GPU tree is resumed
-                # by the caller, its GPU state first).
-                signal_tree(pid, signal.SIGCONT)
-        return {"dump": run.seconds, "rootfs": time.monotonic() - t}
 
     async def _commit(self, req: CkptRequested, c: PodContainer, shim: Shim,
                       progress: Progress, writer: asyncio.Task[Any] | None

@@ -118,7 +118,7 @@ ENTRIES: tuple[Entry, ...] = (
           "descriptor, checked to be the one listed); counted for the admission",
           ("services.containers.rootfs:_capture_shm", "services.containers.rootfs:saved_bytes",
            "services.containers.rootfs:_walked_bytes",
-           "services.checkpointer.pod:_note_link_names",
+           "services.checkpointer.pod_dump:_note_link_names",
            "services.restorer.pod:_point_link_names"), plant=True, names=True),
     Entry("dev-shm-file", "/dev/shm/**", "tenant",
           "from its directory's descriptor: stat without following, then O_PATH|O_NOFOLLOW, "
@@ -133,8 +133,8 @@ ENTRIES: tuple[Entry, ...] = (
           "CRIU's link for a deleted, still-linked file (a semaphore): its other names noted "
           "at the dump, removed from a container that runs on, its names pointed at it after "
           "a restore (hard links made by descriptors)",
-          ("services.checkpointer.pod:_note_link_names",
-           "services.checkpointer.pod:_drop_link_remaps",
+          ("services.checkpointer.pod_dump:_note_link_names",
+           "services.checkpointer.pod_dump:_drop_link_remaps",
            "services.restorer.pod:_point_link_names", "smr.process.linkremap:other_names",
            "smr.process.linkremap:point_name"), plant=True),
     Entry("layer", "<upperdir>/**", "tenant",

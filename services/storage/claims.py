@@ -70,7 +70,10 @@ class Claims:
                     return gen, etag, claimed(claim)  # ours: the answer to our PUT was lost
                 gen += 1  # another writer took it: the next one
         raise Conflict(f"could not claim a generation of {checkpoint_id} after "
-                       f"{MAX_CLAIM_TRIES} tries", hint="too many concurrent writers")
+                       f"{MAX_CLAIM_TRIES} tries",
+                       hint="too many writers of this checkpoint id at once; the step is "
+                            "retried. Jobs that should not share it need checkpoint ids "
+                            "of their own")
 
     async def _keep_claim(self, ns: str, ckpt: str, gen: int, rid: str,
                           held: tuple[str, float], lost: asyncio.Event) -> None:

@@ -183,7 +183,10 @@ class Commit:
                 return True
             except Conflict:
                 continue  # moved meanwhile, or our own PUT whose answer was lost
-        raise Conflict(f"latest pointer of {checkpoint_id} kept changing")
+        raise Conflict(f"latest pointer of {checkpoint_id} kept changing",
+                       hint="other writers of this checkpoint id move it at the same time; "
+                            "the step is retried. Jobs that should not share it need "
+                            "checkpoint ids of their own")
 
     async def _later_than(self, namespace: str, checkpoint_id: str, manifest: dict[str, Any],
                           named: int) -> bool:

@@ -36,7 +36,14 @@ from services.storage.mirror import Mirror
 from services.storage.store import CheckpointStore
 from smr import metrics, tracing
 from smr.aio import wait_event
-from smr.bus import QUERY_CHECKPOINTS, QUERY_GENERATIONS, QUERY_LATEST, Bus, query_subject
+from smr.bus import (
+    QUERY_CHECKPOINTS,
+    QUERY_GENERATIONS,
+    QUERY_LATEST,
+    Bus,
+    consume_events,
+    query_subject,
+)
 from smr.contract.errors import ContractError, SmrError
 from smr.contract.messages import CkptDone, StorageQuery, StorageReply
 from smr.retry import retry_nats
@@ -91,7 +98,7 @@ class StorageService:
         loops = [asyncio.create_task(self._gc_loop()), asyncio.create_task(self._scan_loop())]
         self.ready.set()
         try:
-            await self.bus.consume_events(self.durable, "ckpt.done", self._retain,
+            await consume_events(self.bus, self.durable, "ckpt.done", self._retain,
                                           service="storage", stop=self._stop)
         finally:
             for loop in loops:

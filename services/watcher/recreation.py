@@ -74,10 +74,16 @@ class Recreation:
                 _request_timeout=API_TIMEOUT_S)
         except ApiException as e:
             if e.status != 404:  # 404: gone already (another replica, the pod GC)
-                log.warning("Failed pod %s/%s could not be deleted to recreate it: %s",
-                            meta["namespace"], meta["name"], e.reason)
+                log.warning("Failed pod %s/%s could not be deleted to recreate it: %s %s; "
+                            "it is not recreated. A 403 means the watcher's ClusterRole "
+                            "lacks delete on pods (deploy/kustomize/base/watcher.yaml). "
+                            "Delete it and apply its manifest again: it resumes from its "
+                            "latest checkpoint",
+                            meta["namespace"], meta["name"], e.status, e.reason)
         except (TimeoutError, aiohttp.ClientError) as e:
-            log.warning("deleting Failed pod %s/%s failed (%r); it is not recreated",
+            log.warning("deleting Failed pod %s/%s failed (%r); it is not recreated. Check "
+                        "that the watcher reaches the API server; delete the pod and apply "
+                        "its manifest again: it resumes from its latest checkpoint",
                         meta["namespace"], meta["name"], e)
 
     async def _recreate(self, pod: dict[str, Any], requests: list[str], by: str) -> None:
@@ -102,8 +108,11 @@ class Recreation:
             created = orjson.loads(await new.read())
         except ApiException as e:
             if e.status != 409:  # 409: another replica recreated it
-                log.warning("pod %s/%s could not be recreated: %s", meta["namespace"],
-                            meta["name"], e.reason)
+                log.warning("pod %s/%s could not be recreated: %s %s. A 403 means the "
+                            "watcher's ClusterRole lacks create on pods; otherwise the "
+                            "API server refused the pod as it was (its admission, a quota): "
+                            "apply its manifest again: it resumes from its latest checkpoint",
+                            meta["namespace"], meta["name"], e.status, e.reason)
             return
         self.stats["recreated"] += 1
         node = pod["spec"]["nodeName"]

@@ -57,7 +57,7 @@ from services.watcher.lineages import SharedLineages
 from services.watcher.recreation import Recreation, deadline_of
 from services.watcher.templates import is_ready, ready_since, takes_template, template_requests
 from services.watcher.webhook_probe import WebhookProbe
-from smr.bus import KV_BEATS, KV_HEALTH, QUERY_LATEST, Bus
+from smr.bus import KV_BEATS, KV_HEALTH, QUERY_LATEST, Bus, consume_events
 from smr.config import Settings
 from smr.contract.errors import TemporaryError
 from smr.contract.messages import CkptRequested, Message, StorageQuery
@@ -110,10 +110,10 @@ class Watcher(Drains, Recreation):
     async def run(self) -> None:
         durable_prefix = self.durable_prefix
         loops = [self.pods.run(), self.nodes.run(), self.leadership.run(),
-                 self.bus.consume_events(f"{durable_prefix}-ckpt-done", "ckpt.done",
+                 consume_events(self.bus, f"{durable_prefix}-ckpt-done", "ckpt.done",
                                          self.events.outcome, service="watcher",
                                          stop=self._stop),
-                 self.bus.consume_events(f"{durable_prefix}-restore-done", "restore.done",
+                 consume_events(self.bus, f"{durable_prefix}-restore-done", "restore.done",
                                          self.events.outcome, service="watcher",
                                          stop=self._stop),
                  self.consumers.run(self._stop), self.webhook_probe.run(self._stop)]

@@ -148,12 +148,21 @@ class WebhookProbe:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            # Neither a failed probe nor a failed record ends the watcher: next round.
             try:
                 self.last = await probe(self.core, self.s, namespace=self.namespace,
                                         by=self.identity)
-                if not self.last.reachable:
-                    log.warning("webhook probe: %s", self.last.message)
+            except Exception as e:
+                # probe() answers the API's own failures; this is anything else.
+                log.warning("webhook probe: the probe failed unexpectedly (%r); tried again "
+                            "in %.0fs", e, self.interval, exc_info=True)
+                await wait_event(stop, self.interval)
+                continue
+            if not self.last.reachable:
+                log.warning("webhook probe: %s", self.last.message)
+            try:
                 await record(self.kv, self.last)
-            except Exception as e:  # a failed record must not end the watcher: next round
-                log.warning("webhook probe: could not record its result: %s", e)
+            except Exception as e:
+                log.warning("webhook probe: could not record its result in NATS (%s); "
+                            "`smr status` shows the last one recorded", e)
             await wait_event(stop, self.interval)

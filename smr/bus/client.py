@@ -1,14 +1,15 @@
 """The Bus: one NATS connection and what smr does over it: the streams and
 buckets it ensures (smr/bus/topology.py), publishing with dedupe and trace
-context, validated event consumption, step state, and the request/reply and
-dead-letter paths (smr/bus/replies.py, smr/bus/deadletters.py)."""
+context, step state, and the request/reply and
+dead-letter paths (smr/bus/replies.py, smr/bus/deadletters.py). Events are
+consumed in smr/bus/events.py, requests in smr/bus/worker.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import nats
@@ -24,21 +25,20 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from smr import tracing
-from smr.aio import cancelling, quietly
+from smr.aio import quietly
 from smr.bus import deadletters, replies, topology
 from smr.bus.topology import (
     KV_STEPS,
     STREAM_EVENTS,
     STREAM_EXHAUSTED,
     STREAM_REQUESTS,
-    SUBJECT_TYPES,
     BusConfig,
     kind_of,
 )
-from smr.contract.errors import ContractError, SmrError, TemporaryError
+from smr.contract.errors import SmrError, TemporaryError
 from smr.contract.messages import (
     CkptDone,
     CkptRequested,
@@ -52,7 +52,6 @@ from smr.retry import retry_nats
 
 log = logging.getLogger("smr.bus")
 
-FETCH_RETRY_S = 0.5  # after a fetch failed for another reason than "nothing new"
 SETUP_WAIT_S = 1.0  # between looks for a stream another service creates
 ALL_BUCKETS = tuple(b for b, _, _ in topology.BUCKETS)
 
@@ -306,86 +305,6 @@ class Bus:
     async def ensure_event_consumer(self, name: str, kind: str) -> str:
         await self.js.add_consumer(STREAM_EVENTS, topology.event_consumer(name, kind, self.config))
         return name
-
-    async def consume_events(self, durable: str, kind: str,
-                             handle: Callable[[Any], Awaitable[None]], *, service: str,
-                             stop: asyncio.Event, retry_s: float = 5.0) -> None:
-        """Hand each ``kind`` event (validated) to ``handle`` until ``stop``.
-
-        A malformed event is dead-lettered and dropped; one whose handler
-        raises is redelivered after ``retry_s``. Replicas sharing ``durable``
-        share the work. Only ``stop``, this task's own cancel, or a connection
-        closed for good end it: it is a service's loop (in `smr up`, the
-        storage service's), and a service whose loop ended serves no more."""
-        # NATS may be restarting as this starts (as a node is restarted with it).
-        async for attempt in retry_nats():
-            with attempt:
-                name = await self.ensure_event_consumer(durable, kind)
-        sub = await self.js.pull_subscribe_bind(name, STREAM_EVENTS)
-        cls = SUBJECT_TYPES[kind]
-        try:
-            failing = 0
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(16, timeout=0.5)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    if cancelling():  # nats-py can hand a cancel back so (see smr.aio)
-                        raise
-                    continue
-                except (Exception, asyncio.CancelledError) as e:
-                    if cancelling() or self.nc.is_closed:
-                        raise
-                    # A NATS server lost: its stream or consumer elects a new
-                    # leader (503), or the client reconnects; or what else
-                    # nats-py raises for a pull (an APIError for a status it
-                    # does not know, a cancel it hands back). The events wait.
-                    failing += 1
-                    if failing == 1:
-                        log.warning("%s: fetching %s events failed (%s: %s); retrying",
-                                    service, kind, type(e).__name__, e)
-                    await asyncio.sleep(FETCH_RETRY_S)
-                    # Or its consumer is gone (deleted, its stream made
-                    # again): every fetch fails until it is made again.
-                    await quietly(self.ensure_event_consumer(durable, kind))
-                    continue
-                failing = 0
-                for m in msgs:
-                    await self._consume_event(m, kind, cls, handle, service=service,
-                                              retry_s=retry_s)
-        finally:
-            await quietly(sub.unsubscribe())
-
-    async def _consume_event(self, m: Any, kind: str, cls: Any,
-                             handle: Callable[[Any], Awaitable[None]], *, service: str,
-                             retry_s: float) -> None:
-        """One event: nothing but this task's own cancel escapes it, so the
-        loop goes on. A handling that failed, or whose ack NATS lost, comes again."""
-        with tracing.tracer.start_as_current_span(
-            f"consume {kind}", context=tracing.extract(m.headers),
-            kind=SpanKind.CONSUMER, attributes={"smr.service": service},
-        ) as span:
-            try:
-                try:
-                    event = cls.from_payload(m.data)
-                except ContractError as e:
-                    await self.dead_letter(m.subject, m.data, e, service=service)
-                    await m.term()
-                    return
-                await handle(event)
-                await m.ack()
-            except asyncio.CancelledError:
-                if cancelling():
-                    raise
-                # Not this loop's cancel: a library gave up a call that way
-                # (aiohttp, nats-py). A failure like any other.
-                span.set_status(Status(StatusCode.ERROR, "cancelled from inside"))
-                log.warning("%s: handling %s was cancelled from inside, will retry",
-                            service, m.subject)
-                await quietly(m.nak(delay=retry_s))
-            except Exception as e:
-                span.set_status(Status(StatusCode.ERROR, str(e)))
-                log.warning("%s: handling %s failed, will retry: %s", service, m.subject, e)
-                await quietly(m.nak(delay=retry_s))
 
     def kv(self, bucket: str) -> KeyValue:
         try:

@@ -37,6 +37,12 @@ class CudaState(enum.IntEnum):
     FAILED = 3
 
 
+# Said with a failure the driver returns without more words of its own.
+DRIVER_HINT = ("the NVIDIA driver refused it: the kernel log (`dmesg`, NVRM lines) says why; "
+               "docs/gpu.md, \"Failure behaviour\", says what smr does with the job then "
+               "and lists the known causes")
+
+
 class CudaError(PermanentError):
     code = "cuda-checkpoint-failed"
 
@@ -92,7 +98,8 @@ class Driver:
     def _call(self, fn: str, *args: object) -> None:
         rc = getattr(self.cu, fn)(*args)
         if rc != 0:
-            raise CudaError(f"{fn} failed: {self._name(rc)} ({rc})", detail=str(rc))
+            raise CudaError(f"{fn} failed: {self._name(rc)} ({rc})", detail=str(rc),
+                            hint=DRIVER_HINT)
 
     def state(self, pid: int) -> CudaState | None:
         """The process's checkpoint state; None if it holds no CUDA context."""
@@ -111,7 +118,8 @@ class Driver:
                 f"within {timeout_s:g}s ({self._name(rc)})",
                 hint=LOCK_TIMEOUT_HINT)
         if rc != 0:
-            raise CudaError(f"cuCheckpointProcessLock({pid}) failed: {self._name(rc)} ({rc})")
+            raise CudaError(f"cuCheckpointProcessLock({pid}) failed: {self._name(rc)} ({rc})",
+                            hint=DRIVER_HINT)
 
     def checkpoint(self, pid: int) -> None:
         self._call("cuCheckpointProcessCheckpoint", pid, None)
@@ -155,5 +163,5 @@ class Driver:
         rc = fn(pid, ctypes.byref(tid))
         if rc != 0:
             raise CudaError(f"cuCheckpointProcessGetRestoreThreadId({pid}) failed: "
-                            f"{self._name(rc)} ({rc})")
+                            f"{self._name(rc)} ({rc})", hint=DRIVER_HINT)
         return tid.value

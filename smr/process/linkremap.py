@@ -29,7 +29,7 @@ one started later wins the names.)
 
 A pod's /dev/shm is its own and carried whole (devshm.tar): there CRIU's
 links travel with it, and only ``linked``, ``other_names`` and
-``point_name`` serve (services/checkpointer/pod.py, services/restorer/pod.py).
+``point_name`` serve (services/checkpointer/pod_dump.py, services/restorer/pod.py).
 
 Everything in /dev/shm is the tenants': nothing here follows a link, and a
 file is used only if it is a regular file of the owner recorded at the dump.

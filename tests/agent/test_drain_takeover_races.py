@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services.checkpointer import pod, takeover
+from services.checkpointer import pod_dump, takeover
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from services.storage.layout import template_id
@@ -101,7 +101,7 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
                           checkpoint_id="crashed.main", node=a, reason="drain",
                           leave_running=False, target=target)
     final_started = asyncio.Event()
-    real_capture, real_commit = pod.capture, step.store.commit
+    real_capture, real_commit = pod_dump.capture, step.store.commit
     final_task: asyncio.Task[Any] | None = None
 
     async def capture(shim: Any, work: Path, *args: Any) -> None:
@@ -118,7 +118,7 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
             raise asyncio.CancelledError
         return await real_commit(ns, ckpt, src, meta, writer=writer, on_bytes=on_bytes)
 
-    pod.capture, step.store.commit = capture, die_after_dump  # type: ignore[method-assign]
+    pod_dump.capture, step.store.commit = capture, die_after_dump  # type: ignore[method-assign]
     try:
         leave = asyncio.create_task(step.run(lr, Progress()))
         await until_frozen(cluster)
@@ -130,7 +130,7 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
             with pytest.raises(asyncio.CancelledError):
                 await t
     finally:
-        pod.capture, step.store.commit = real_capture, real_commit  # type: ignore[method-assign]
+        pod_dump.capture, step.store.commit = real_capture, real_commit  # type: ignore[method-assign]
 
     state = {"state": "running", "heartbeat": 0}
 
@@ -278,7 +278,7 @@ async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that
     [step] = [o for o in gc.get_objects()
               if isinstance(o, PodCheckpointStep) and o.node == a]
     final_started, held = asyncio.Event(), asyncio.Event()
-    real_run, real_capture, real_hold = step.run, pod.capture, step._hold_for_final
+    real_run, real_capture, real_hold = step.run, pod_dump.capture, step._hold_for_final
     real_container = step.pods.container
     answers: dict[str, Any] = {}
     mine: set[str] = set()
@@ -311,12 +311,12 @@ async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that
             seen.append(flight.phase if flight else "none")
         return await real_container(target)
 
-    step.run, pod.capture = run, capture  # type: ignore[method-assign]
+    step.run, pod_dump.capture = run, capture  # type: ignore[method-assign]
     step._hold_for_final, step.pods.container = hold_for_final, container  # type: ignore
     try:
         await drain(cluster, a, "held")
     finally:
-        step.run, pod.capture = real_run, real_capture  # type: ignore[method-assign]
+        step.run, pod_dump.capture = real_run, real_capture  # type: ignore[method-assign]
         step._hold_for_final, step.pods.container = real_hold, real_container  # type: ignore
 
     assert seen == ["taken"], f"the order was not the one meant: {seen}"

@@ -10,7 +10,7 @@ Where it runs: one real runc container (busybox `sleep` as PID 1, its own
 mount and PID namespaces) carries every plant in turn; the step is the real
 function the agent calls (Shim.status/hold/decide/restored/final,
 prestop._waiting, rootfs.capture/capture_shm/saved_bytes/apply,
-checkpointer.pod._note_link_names/_drop_link_remaps,
+checkpointer.pod_dump._note_link_names/_drop_link_remaps,
 restorer.pod._point_link_names, gpus._check_node) on that container's PID.
 The pod path adds nothing there: the step finds the container's smr-init by
 its cgroup and calls these same functions with its PID (the layer's upperdir
@@ -46,7 +46,7 @@ import orjson
 import pytest
 
 from services.agent import prestop
-from services.checkpointer import pod as ckpt_pod
+from services.checkpointer import pod_dump as ckpt_pod
 from services.containers import confined, gpus, inventory, rootfs
 from services.containers.host import Shim
 from services.restorer import pod as restore_pod

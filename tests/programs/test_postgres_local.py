@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from smr.natsserver import free_port
-from smr.process.criu import explain
+from smr.process.criu_log import explain
 from tests import nats_auth
 from tests.programs import pg
 from tests.programs.conftest import other_node
