@@ -427,7 +427,8 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("id")
     st = sub.add_parser("status", help="protected workloads and their latest checkpoint, "
                         "running requests with their progress, recent failures")
-    st.add_argument("-n", "--namespace", help="only this namespace's checkpoints")
+    st.add_argument("-n", "--namespace", help="only this namespace's checkpoints, running "
+                    "requests and failures (`local`: the jobs of `smr up`)")
     st.add_argument("--failures", type=int, default=5, help="how many recent failures to show")
     st.add_argument("--json", action="store_true", help="print the facts as JSON")
     k = sub.add_parser("kill", help="kill a job")

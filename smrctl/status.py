@@ -22,9 +22,9 @@ import nats
 import orjson
 from nats.js.errors import NotFoundError
 
-from smr.bus import KV_HEALTH, KV_STEPS, QUERY_CHECKPOINTS, STREAM_DLQ, Bus, kind_of
+from smr.bus import KV_HEALTH, KV_STEPS, QUERY_CHECKPOINTS, STREAM_DLQ, Bus, kind_of, node_token
 from smr.contract.errors import SmrError
-from smr.contract.messages import StorageQuery, epoch
+from smr.contract.messages import StorageQuery, Target, epoch
 from smr.metrics import kind_label
 
 FAILURES_SHOWN = 5
@@ -41,7 +41,8 @@ async def gather(bus: Bus, *, namespace: str | None = None, failures: int = FAIL
                        f"{reply.error.get('message')}", code="storage-error",
                        hint=reply.error.get("hint", ""))
     checkpoints = [{**g, "age_s": now - epoch(g["created_at"])} for g in reply.generations]
-    states = await step_states(bus)
+    states = {rid: st for rid, st in (await step_states(bus)).items()
+              if namespace is None or _acts_in(st, namespace)}
     running = sorted(
         ({"request_id": rid, "kind": kind_label(kind_of(st.get("subject", ""))),
           "checkpoint_id": st.get("checkpoint_id"), "phase": st.get("phase"),
@@ -61,6 +62,15 @@ async def gather(bus: Bus, *, namespace: str | None = None, failures: int = FAIL
     return {"checkpoints": checkpoints, "running": running, "failures": failed,
             "dead_letters": await dead_letters(bus, failures),
             "webhook": await webhook_probe(bus)}
+
+
+def _acts_in(state: dict[str, Any], namespace: str) -> bool:
+    """Does the step act in ``namespace``? Its result's target says (``local``
+    for a job); while it runs, the last token of its request's subject."""
+    if target := (state.get("result") or {}).get("target"):
+        return bool(Target.from_dict(target).namespace_name == namespace)
+    subj = str(state.get("subject") or "")
+    return subj.rsplit(".", 1)[-1] == node_token(namespace)
 
 
 async def webhook_probe(bus: Bus) -> dict[str, Any] | None:

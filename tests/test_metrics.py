@@ -160,6 +160,13 @@ async def test_smr_status_shows_checkpoints_running_requests_and_failures(h: Har
     assert st["dead_letters"]["count"] >= 1
     text = status.render(st)
     assert job.id in text and "no-such-job" in text and failed.error["message"] in text  # type: ignore[index]
+    # -n: one namespace's checkpoints, running requests and failures only.
+    local = await status.gather(h.bus, namespace="local", failures=1000)
+    assert failed.request_id in {f["request_id"] for f in local["failures"]}
+    other = await status.gather(h.bus, namespace=f"none-{uuid.uuid4().hex[:6]}",
+                                failures=1000)
+    assert other["checkpoints"] == [] and other["running"] == [] and other["failures"] == [], \
+        f"`smr status -n` of a namespace with nothing in it lists: {other}"
 
 
 @pytest.fixture
