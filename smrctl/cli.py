@@ -286,6 +286,19 @@ async def cmd_restore(s: config.Settings, a: argparse.Namespace) -> int:
         generation=a.generation, gpus=a.gpus), "restore")
 
 
+def generation(text: str) -> int:
+    """``--generation N``: a stored generation's number; they count from 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: generations are numbered from 1 (`smr checkpoints ID` lists them); "
+            "leave --generation out for the latest")
+    return n
+
+
 def gpu_list(text: str) -> list[str]:
     """``--gpus UUID[,UUID]``: GPU UUIDs as nvidia-smi -L prints them, each once."""
     uuids = [u.strip() for u in text.split(",") if u.strip()]
@@ -412,7 +425,7 @@ def parser() -> argparse.ArgumentParser:
                    "on another machine: peers see a reset now and reconnect)")
     r = sub.add_parser("restore", help="restore a job from its checkpoint")
     r.add_argument("id", help="the checkpoint id (the job id it was taken from)")
-    r.add_argument("--generation", type=int, help="default: the latest")
+    r.add_argument("--generation", type=generation, help="default: the latest")
     r.add_argument("--as", dest="as_id", help="run the restored job under this id")
     r.add_argument("--gpus", type=gpu_list, metavar="UUID[,UUID]",
                    help="restore its GPU state onto these GPUs of this node, paired in "

@@ -422,3 +422,15 @@ def test_a_jobs_log_holds_only_its_own_output_after_a_final_checkpoint_and_resto
     strangers = [line for line in text.splitlines()
                  if not line.startswith("step=")]
     assert not strangers, f"lines in the job's log that the job did not write: {strangers}"
+
+
+@pytest.mark.parametrize("given", ["0", "-2", "latest"])
+def test_a_generation_that_cannot_exist_is_refused_before_smr_is_asked(
+        given: str, tmp_path: Path, env: dict[str, str]) -> None:
+    """Generations count from 1: `--generation 0` is refused by the command
+    line with the way to find one, not sent for the schema to refuse in its
+    own words. No `smr up` runs here: nothing was asked of it."""
+    r = smr(env, "restore", "some-job", "--generation", given)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "generations are numbered from 1" in r.stderr, r.stderr
+    assert "smr checkpoints ID" in r.stderr and "not running" not in r.stderr, r.stderr
