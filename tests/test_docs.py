@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from smr import config, config_docs, metrics
-from smrctl import cli
+from smrctl import args
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DOC = REPO / "docs" / "configuration.md"
@@ -179,7 +179,7 @@ def test_docs_shell_commands_parse_with_the_cli() -> None:
     out of the README is checked where it now lives)."""
     assert len(_shell_commands(REPO / "README.md")) >= 10, "the README's quick start is gone"
     cmds = [c for doc in DOCS for c in _shell_commands(doc)]
-    p = cli.parser()
+    p = args.parser()
     bad = []
     for cmd in cmds:
         try:
@@ -193,8 +193,8 @@ def test_docs_inline_commands_name_real_subcommands_and_flags() -> None:
     """Inline mentions are fragments (`smr exec --tcp close`), in the README
     and every page: each names a subcommand that exists and only flags that
     subcommand has."""
-    subs = next(a for a in cli.parser()._actions if a.dest == "command").choices
-    top = {o for a in cli.parser()._actions for o in a.option_strings}
+    subs = next(a for a in args.parser()._actions if a.dest == "command").choices
+    top = {o for a in args.parser()._actions for o in a.option_strings}
     bad = []
     assert len(_inline_commands(REPO / "README.md")) >= 5, "the README names no commands"
     spans = [s for doc in DOCS for s in _inline_commands(doc)]
@@ -232,7 +232,7 @@ def test_every_cli_command_and_option_is_documented() -> None:
     for words in _documented_commands():
         if len(words) > 1:
             shown.setdefault(words[1], set()).update(words[2:])
-    subs = next(a for a in cli.parser()._actions if a.dest == "command").choices
+    subs = next(a for a in args.parser()._actions if a.dest == "command").choices
     missing = []
     for name, sub in subs.items():
         if name not in shown:

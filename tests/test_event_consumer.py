@@ -1,4 +1,4 @@
-"""The event consumer (Bus.consume_events: the storage service's retention,
+"""The event consumer (smr.bus.consume_events: the storage service's retention,
 the watcher's outcomes) and the worker's fetch, against a real nats-server:
 each runs until it is stopped, whatever NATS or its handler does meanwhile.
 In `smr up` they are the node's tasks, and one that ends takes the node down

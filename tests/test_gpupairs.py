@@ -19,7 +19,7 @@ from smr.contract.errors import ContractError, PermanentError
 from smr.contract.messages import RestoreRequested, Target
 from smr.gpu import gpuinfo, gpupairs
 from smr.gpu.gpuinfo import GpuMismatch
-from smrctl.cli import gpu_list
+from smrctl.args import gpu_list
 
 MIB = 1 << 20
 H200 = "NVIDIA H200"

@@ -26,7 +26,7 @@ import orjson
 import pytest
 
 from services import timings
-from services.checkpointer import dumpstamp, pod
+from services.checkpointer import dumpstamp, pod_dump
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.bus import KV_TIMINGS
@@ -112,7 +112,7 @@ async def in_order(cluster: Cluster, node: str, name: str, wait_s: float = 60,
                 if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
     final_started = asyncio.Event()
     leave_running: set[str] = set()
-    real_run, real_capture, real_take = step.run, pod.capture, dumpstamp.take
+    real_run, real_capture, real_take = step.run, pod_dump.capture, dumpstamp.take
 
     async def run(req: CkptRequested, progress: Any) -> Any:
         if req.target.pod == name:
@@ -138,11 +138,11 @@ async def in_order(cluster: Cluster, node: str, name: str, wait_s: float = 60,
     if before_freeze:
         dumpstamp.take = take
     else:
-        pod.capture = capture
+        pod_dump.capture = capture
     try:
         yield
     finally:
-        step.run, pod.capture, dumpstamp.take = real_run, real_capture, real_take  # type: ignore[method-assign]
+        step.run, pod_dump.capture, dumpstamp.take = real_run, real_capture, real_take  # type: ignore[method-assign]
 
 
 async def drain(cluster: Cluster, node: str, name: str) -> None:
