@@ -30,7 +30,6 @@ from tests.test_local_smr import Harness, running
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ordering.longest_first(items)
-    ordering.pods_on_one_worker(items)
 
 
 @pytest.fixture(scope="session")

@@ -31,12 +31,3 @@ def rank(item: pytest.Item) -> int:
 def longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
-
-def pods_on_one_worker(items: list[pytest.Item]) -> None:
-    """With workers, the two-node pod tests run one after another on one of
-    them (xdist's ``loadgroup`` sends a group to one worker), the rest on the
-    others: two of those clusters at once on two cores missed their
-    deadlines (tests/README.md, "In parallel")."""
-    for item in items:
-        if rank(item) == 0:
-            item.add_marker(pytest.mark.xdist_group("pods"))
