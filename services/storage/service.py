@@ -99,7 +99,7 @@ class StorageService:
         self.ready.set()
         try:
             await consume_events(self.bus, self.durable, "ckpt.done", self._retain,
-                                          service="storage", stop=self._stop)
+                                 service="storage", stop=self._stop)
         finally:
             for loop in loops:
                 loop.cancel()

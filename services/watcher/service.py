@@ -111,11 +111,9 @@ class Watcher(Drains, Recreation):
         durable_prefix = self.durable_prefix
         loops = [self.pods.run(), self.nodes.run(), self.leadership.run(),
                  consume_events(self.bus, f"{durable_prefix}-ckpt-done", "ckpt.done",
-                                         self.events.outcome, service="watcher",
-                                         stop=self._stop),
+                                self.events.outcome, service="watcher", stop=self._stop),
                  consume_events(self.bus, f"{durable_prefix}-restore-done", "restore.done",
-                                         self.events.outcome, service="watcher",
-                                         stop=self._stop),
+                                self.events.outcome, service="watcher", stop=self._stop),
                  self.consumers.run(self._stop), self.webhook_probe.run(self._stop)]
         names = ["pod informer", "node informer", "leader election", "ckpt.done consumer",
                  "restore.done consumer", "nodes' request consumers", "webhook probe"]

@@ -363,16 +363,22 @@ def still_running(images: Path) -> list[int]:
     return found
 
 
+async def _until_none(find: Callable[[], list[int]], timeout: float) -> list[int]:
+    """Until ``find`` (a walk of /proc, run off the event loop) finds no
+    process, at most ``timeout``: what it found last ([] when none is left)."""
+    deadline = time.monotonic() + timeout
+    while pids := await asyncio.to_thread(find):
+        if time.monotonic() > deadline:
+            return pids
+        await asyncio.sleep(0.1)
+    return []
+
+
 async def wait_finished(images: Path, timeout: float) -> None:
     """Until no CRIU works on ``images`` (or ``timeout``: then it is killed)."""
-    deadline = time.monotonic() + timeout
-    while pids := still_running(images):
-        if time.monotonic() > deadline:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            return
-        await asyncio.sleep(0.1)
+    for pid in await _until_none(lambda: still_running(images), timeout):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _in_pid_ns(pid_ns: str) -> list[int]:
@@ -401,11 +407,7 @@ async def criu_finished_in(pid: int, timeout: float) -> None:
         pid_ns = os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return  # the container is gone: no CRIU of its runs in it
-    deadline = time.monotonic() + timeout
-    while _in_pid_ns(pid_ns):
-        if time.monotonic() > deadline:
-            return
-        await asyncio.sleep(0.1)
+    await _until_none(lambda: _in_pid_ns(pid_ns), timeout)
 
 
 def dump_finished(images: Path) -> bool:

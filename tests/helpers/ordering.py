@@ -30,4 +30,3 @@ def rank(item: pytest.Item) -> int:
 
 def longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
-
