@@ -70,7 +70,10 @@ def _drop_link_remaps(pid: int, remaps: list[tuple[str, str]]) -> None:
             parent, name = os.path.split(link)
             if not linkremap.REMAP_NAME.fullmatch(name):
                 continue
-            with contextlib.suppress(FileNotFoundError, UnsafePath), root.dir(parent) as d:
+            # OSError: the name changed since its check (a sidecar shares the
+            # pod's /dev/shm, and is never stopped): what is there now is not
+            # CRIU's, and is left as it is.
+            with contextlib.suppress(OSError, UnsafePath), root.dir(parent) as d:
                 if stat.S_ISREG(os.stat(name, dir_fd=d, follow_symlinks=False).st_mode):
                     os.unlink(name, dir_fd=d)
 
