@@ -43,14 +43,18 @@ from smr.contract.errors import PermanentError
 from smr.contract.messages import RestoreDone, RestoreRequested, now
 from smr.gpu import gpuinfo, gpupairs
 from smr.identity import ProcessIdentity
+from smr.jobs import proc_start_ticks, wait_exit
 from smr.process import linkremap, sockets
-from smr.process.criu import criu_finished_in, kill_tree
+from smr.process.criu import kill_tree
 
 # Beside CRIU's restored.pid: the restored tree's root, by its host PID,
 # start tick and boot (smr.identity); what a recovery adopts, and only that.
 IDENTITY = "restored.id"
 # Touched as CRIU starts: the restored tree's root started after it.
 BEGUN = "restore.begun"
+# Beside it: the host PID and start tick of the process the agent ran CRIU
+# through, which lives as long as that CRIU (recover waits for it).
+LAUNCHER = "criu.launcher"
 
 # Restore a template's images from the node's cached files where it holds them
 # all (False: stream them, as any checkpoint; bench/warmstart.py measures both).
@@ -226,6 +230,7 @@ class PodRestoreStep(PodStep):
             await pages_ok
             durations["verify"] = time.monotonic() - t
         (work / BEGUN).touch()  # dates the restored tree, if the agent dies (recover)
+        criu.on_start = lambda pid: _note_launcher(work, pid)
         try:
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
@@ -290,10 +295,11 @@ class PodRestoreStep(PodStep):
             st = []
         pidfile = self.work(req.request_id) / "restored.pid"
         inner, root = 0, None
-        if st and st[0] == "waiting" and (pidfile.parent / BEGUN).exists():
+        if st and st[0] == "waiting" and (launcher := _launcher(pidfile.parent)):
             # A CRIU the dead or stopped step began may still be restoring:
-            # its pidfile comes at its end.
-            await criu_finished_in(shim.pid, self.criu_timeout)
+            # its pidfile comes at its end. Known by the process the agent
+            # started it through, never by a name the workload can take too.
+            await wait_exit(*launcher, timeout=self.criu_timeout)
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
@@ -425,3 +431,16 @@ def _point_link_names(pid: int, records_file: Path) -> None:
                         linkremap.point_name(d, fd, other, r["uid"])
             finally:
                 os.close(fd)
+
+
+def _note_launcher(work: Path, pid: int) -> None:
+    (work / LAUNCHER).write_text(f"{pid} {proc_start_ticks(pid)}")
+
+
+def _launcher(work: Path) -> tuple[int, int] | None:
+    """The process a step of this agent ran its CRIU through, if it noted one."""
+    try:
+        pid, ticks = (work / LAUNCHER).read_text().split()
+        return int(pid), int(ticks)
+    except (OSError, ValueError):
+        return None  # none noted (CRIU never started), or it had ended already

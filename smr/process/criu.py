@@ -88,6 +88,9 @@ class Criu:
         self.env = dict(env) if env is not None else None
         self._tracks_memory: bool | None = None
         self._version: str | None = None
+        # Told the host PID of each run's first process as it starts (it
+        # lives until its CRIU ends: nsenter waits for the CRIU it forks).
+        self.on_start: Callable[[int], None] | None = None
 
     async def version(self) -> str:
         """CRIU's version (asked once: it goes into every manifest)."""
@@ -232,6 +235,8 @@ class Criu:
             stderr=asyncio.subprocess.PIPE, pass_fds=(*pass_fds, *self.fds),
             start_new_session=True, env=env,
         )
+        if self.on_start is not None:
+            self.on_start(proc.pid)
         stops = unstop.Stops()
         watch = asyncio.create_task(unstop.keep_running(proc.pid, self.programs, stops))
         try:
@@ -379,35 +384,6 @@ async def wait_finished(images: Path, timeout: float) -> None:
     for pid in await _until_none(lambda: still_running(images), timeout):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _in_pid_ns(pid_ns: str) -> list[int]:
-    """The processes named criu in the PID namespace ``pid_ns`` (a
-    container's: the agent runs its CRIU there). Only a name, which the
-    workload can take too: they are waited for, never signalled."""
-    found = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            argv0 = (p / "cmdline").read_bytes().split(b"\0", 1)[0]
-            if Path(argv0.decode(errors="replace")).name == "criu" and \
-                    os.readlink(p / "ns" / "pid") == pid_ns:
-                found.append(int(p.name))
-        except OSError:
-            continue
-    return found
-
-
-async def criu_finished_in(pid: int, timeout: float) -> None:
-    """Until no CRIU runs in the PID namespace of ``pid`` (a container's
-    smr-init), at most ``timeout``. A workload's own process of that name
-    delays only its own container's recovery, and is left alone."""
-    try:
-        pid_ns = os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return  # the container is gone: no CRIU of its runs in it
-    await _until_none(lambda: _in_pid_ns(pid_ns), timeout)
 
 
 def dump_finished(images: Path) -> bool:

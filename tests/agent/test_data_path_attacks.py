@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -317,24 +318,15 @@ async def test_a_pod_restore_recovery_leaves_the_tenants_own_process_named_criu_
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A process of the tenant's in its container is named ``criu`` (its own
     tool, or one run by kubectl exec) as the agent stops mid-restore: the
-    recovery that waits for the agent's CRIU to end reads only that name. The
-    tenant's process is the tenant's: never killed by the agent."""
+    recovery, which waits for the agent's own CRIU to end, neither waits for
+    it (a name proves nothing) nor kills it (it is the tenant's)."""
     _, b, env, before = await restored_pod(cluster, "named")
     cancelled: list[str] = []
     tenant: list[subprocess.Popen[bytes]] = []
     named = tmp_path / "criu"  # the tenant's program, called criu
     named.symlink_to("/bin/sleep")
     real_criu = Criu.restore
-    # A test-sized SMR_CRIU_TIMEOUT for the recovery's wait (600 s by default).
-    real_wait = pod_module.criu_finished_in
-    seen: list[list[int]] = []  # the tenant's criu, as each recovery's wait began
     recovered: list[str] = []  # what each recovery answered
-
-    async def bounded_wait(pid: int, timeout: float) -> None:
-        seen.append(tenant_named_criu(pid))
-        await real_wait(pid, min(timeout, 5.0))
-
-    monkeypatch.setattr(pod_module, "criu_finished_in", bounded_wait)
     real_recover = PodRestoreStep.recover
 
     async def recovery(self: PodRestoreStep, req: Any, state: Any) -> Any:
@@ -368,11 +360,12 @@ async def test_a_pod_restore_recovery_leaves_the_tenants_own_process_named_criu_
         assert cancelled, "the restore was never cancelled: the test proves nothing"
         assert after[0][0] == before[-1][0] + 1, f"not resumed once: {after[:3]}"
         shim = await restoring_shim(b)
-        for _ in range(300):  # the redelivery's recovery (after stale_after)
+        for _ in range(300):  # the redelivery's recovery (after stale_after), 30 s
             if recovered:
                 break
             await asyncio.sleep(0.1)
-        assert seen and seen[0], f"no recovery waited beside the tenant's criu: {seen}"
+        assert recovered, ("no recovery answered within 30 s beside the tenant's own process "
+                           "named criu (a wait for it would hold SMR_CRIU_TIMEOUT, 600 s)")
         assert tenant_named_criu(shim.pid), (
             "the agent killed the tenant's own process named criu in its container "
             f"(nsenter's exit: {tenant[0].poll()}; the recovery answered {recovered})")
@@ -383,6 +376,99 @@ async def test_a_pod_restore_recovery_leaves_the_tenants_own_process_named_criu_
                     os.kill(q, 9)
                 p.kill()
             p.wait()
+
+
+def agents_criu_restoring(pid: int) -> list[int]:
+    """The agent's CRIU restoring into the container of ``pid`` (its
+    smr-init): run by the dynamic loader through /proc/self/fd, as
+    services.containers.incontainer runs it, so named by no ``criu``."""
+    ns = os.readlink(f"/proc/{pid}/ns/pid")
+    found = []
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if not p.name.isdigit() or os.readlink(p / "ns" / "pid") != ns:
+                continue
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+            if argv[0].startswith(b"/proc/self/fd/") and b"restore" in argv:
+                found.append(int(p.name))
+    return found
+
+
+async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restored_again(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent stops while CRIU restores a pod (the step is cancelled; its
+    CRIU, which nothing kills, runs on, here held stopped for a few seconds,
+    as a loaded node or a large image makes it). The redelivered request's
+    recovery must wait for that CRIU (by the process the agent ran it
+    through) and adopt its tree;
+    it must not find "no tree" at once and restore a second time beside it."""
+    _, b, env, _ = await restored_pod(cluster, "midcriu")
+    cancelled: list[int] = []  # the agent's CRIU, held stopped
+    restores = 0
+    at_wait_end: list[list[int]] = []  # the agent's CRIU still there as a wait returned
+    real_criu = Criu.restore
+    real_wait = pod_module.wait_exit
+
+    def go_on() -> None:
+        for q in cancelled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(q, signal.SIGCONT)
+
+    async def waited(launcher: int, ticks: int, timeout: float) -> bool:
+        asyncio.get_running_loop().call_later(5, go_on)  # CRIU runs on 5 s on
+        shim = await restoring_shim(b)
+        gone = await real_wait(launcher, ticks, min(timeout, 30.0))
+        running = []
+        with contextlib.suppress(OSError):
+            running = agents_criu_restoring(shim.pid)
+        at_wait_end.append([q for q in cancelled if q in running])
+        return gone
+
+    async def cancelled_mid_criu(run: Any) -> Any:
+        nonlocal restores
+        restores += 1
+        inner = asyncio.ensure_future(run)
+        task = asyncio.current_task()
+        assert task is not None
+        if not cancelled:
+            shim = await restoring_shim(b)
+            for _ in range(500):
+                if (pids := agents_criu_restoring(shim.pid)) or inner.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert pids, "no CRIU was seen restoring: the test proves nothing"
+            # The step's wait for CRIU ends first (and with it unstop's
+            # watch, which would continue a CRIU held stopped).
+            inner.cancel()
+            await asyncio.wait([inner])
+            for q in pids:
+                os.kill(q, signal.SIGSTOP)
+            cancelled.extend(pids)
+            task.cancel()  # the agent's stop reaches the step mid-CRIU
+            await asyncio.sleep(0)
+        return await inner
+
+    monkeypatch.setattr(pod_module, "wait_exit", waited)
+    # From files: a streamed CRIU reads pipes the cancelled step's streamer
+    # fed, which an agent that stops closes as it exits (this one lives on).
+    monkeypatch.setattr(pod_module, "streamable", lambda manifest: False)
+    monkeypatch.setattr(Criu, "restore", lambda self, *a, **kw: cancelled_mid_criu(
+        real_criu(self, *a, **kw)))
+    try:
+        cluster.kube.put("pods", workload("cx-2", b, env=env, owner="cx", restart="Never"))
+        for _ in range(900):  # the redelivery's recovery (after stale_after)
+            if at_wait_end or restores > 1:
+                break
+            await asyncio.sleep(0.1)
+        assert cancelled, "the restore was never cancelled mid-CRIU: the test proves nothing"
+        assert at_wait_end, (
+            f"no recovery waited for the cancelled step's CRIU; CRIU restores begun: {restores}")
+        assert not at_wait_end[0], (
+            f"the recovery stopped waiting while the cancelled step's CRIU {at_wait_end[0]} "
+            "was still restoring")
+        assert restores == 1, f"the pod was restored {restores} times"
+    finally:
+        go_on()
 
 
 def run_in_pid_ns(pid: int, program: Path) -> subprocess.Popen[bytes]:
