@@ -148,13 +148,15 @@ async def dump_tree(c: PodContainer, shim: Shim, criu: Any, pid: int, inner: int
     finally:
         # A final dump cut short stays as it is, links and all, for
         # recover() to capture again from the tree still stopped.
-        if not (cancelled and not leave_running):
-            _drop_link_remaps(shim.pid, remaps)
-        if leave_running and not (failed or cancelled) and held and held():
-            pass  # a final request took this dump over: its tree stays stopped
-        elif (leave_running or failed) and not gpu:
-            # A heartbeat runs on; so does a final dump's tree when its
-            # captures failed (nothing is stored; a GPU tree is resumed
-            # by the caller, its GPU state first).
-            signal_tree(pid, signal.SIGCONT)
+        try:
+            if not (cancelled and not leave_running):
+                _drop_link_remaps(shim.pid, remaps)
+        finally:  # whatever the container's files did, a tree that runs on is continued
+            if leave_running and not (failed or cancelled) and held and held():
+                pass  # a final request took this dump over: its tree stays stopped
+            elif (leave_running or failed) and not gpu:
+                # A heartbeat runs on; so does a final dump's tree when its
+                # captures failed (nothing is stored; a GPU tree is resumed
+                # by the caller, its GPU state first).
+                signal_tree(pid, signal.SIGCONT)
     return {"dump": run.seconds, "rootfs": time.monotonic() - t}

@@ -5,7 +5,6 @@ _drop_link_remaps): the heartbeat's tree must still be continued."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import shutil
@@ -73,7 +72,7 @@ async def test_a_link_remap_swapped_for_a_directory_after_its_check_still_contin
             await pod_dump.dump_tree(_C(), _Shim(), _Criu(), 4242, 7, tmp_path, tmp_path,  # type: ignore[arg-type]
                                      True, "keep", None)  # type: ignore[arg-type]
             error = None
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             error = e
         finally:
             monkeypatch.setattr(os, "stat", real_stat)
