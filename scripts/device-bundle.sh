@@ -33,6 +33,7 @@ cp -L "$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')" "$C/lib/"
 mkdir -p "$C/smrlib" && cp .tools/lib/criu-root.so .tools/lib/criu-limits.so "$C/smrlib/"
 tar -C "$C" -cJf .device/containerd.tar.xz bin lib smrlib
 rm -rf "$C"
-# moto's S3 server and aioboto3 for bench/warmstart.py: .device/s3.tar.xz.
+# moto's S3 server, rclone and aioboto3 for bench/warmstart.py: .device/s3.tar.xz
+# (too big to travel beside the rest: scripts/device-s3-stage.sh sends it first).
 PIP="$PIP" scripts/device-s3-bundle.sh
 du -sh .whl .device/*.tar.xz
