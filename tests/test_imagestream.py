@@ -3,9 +3,24 @@ protocol itself runs against real CRIU in every restore test."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 import pytest
 
-from smr.process.imagestream import StreamerError, decode_request, encode_reply
+from smr.process.imagestream import (
+    SOCKET,
+    ImageStreamer,
+    StreamerError,
+    decode_request,
+    encode_reply,
+)
 
 
 def test_a_name_longer_than_one_varint_byte_decodes() -> None:
@@ -22,3 +37,50 @@ def test_replies_are_length_prefixed_booleans() -> None:
 def test_anything_else_is_refused_by_name(body: bytes) -> None:
     with pytest.raises(StreamerError):
         decode_request(body)
+
+
+class _CancelledOnArrival(list):  # type: ignore[type-arg]
+    """The streamer's writers, each cancelled as it is added: before it ever
+    runs, as a step's cancel can land between a writer's creation and its
+    first step."""
+
+    def append(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        super().append(task)
+
+
+def _criu_asks_for(images: Path, name: str) -> int:
+    """CRIU's side (criu/img-streamer.c): ask for ``name``, send the write end
+    of a pipe, keep the read end (returned)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(images / SOCKET))
+        body = b"\x0a" + bytes([len(name)]) + name.encode()
+        s.sendall(struct.pack("<I", len(body)) + body)
+        assert s.recv(6) == encode_reply(True)
+        r, w = os.pipe()
+        socket.send_fds(s, [b"\0"], [w])
+        os.close(w)
+        time.sleep(0.5)  # the streamer's turn, before this end hangs up
+    return r
+
+
+async def test_a_writer_cancelled_before_it_ran_still_hangs_up_crius_pipe(
+        tmp_path: Path) -> None:
+    """Otherwise CRIU waits on that image for ever, beside the recovery that
+    finds it still running."""
+
+    async def forever() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""
+
+    streamer = ImageStreamer(tmp_path, lambda name: forever())
+    streamer._writers = _CancelledOnArrival()
+    async with streamer:
+        r = await asyncio.to_thread(_criu_asks_for, tmp_path, "pages-1.img")
+        await asyncio.sleep(0.2)
+        try:
+            ready, _, _ = await asyncio.to_thread(select.select, [r], [], [], 5)
+            assert ready and os.read(r, 1) == b"", (
+                "CRIU's pipe for pages-1.img stays open after its writer was cancelled")
+        finally:
+            os.close(r)

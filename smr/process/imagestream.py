@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -187,15 +188,34 @@ class ImageStreamer:
                 await self._run(conn.sendall, encode_reply(chunks is not None))
                 if chunks is None:
                     continue
-                _, fds, _, _ = await self._run(socket.recv_fds, conn, 1, 1)  # type: ignore[misc]
-                if not fds:
-                    raise StreamerError(f"CRIU sent no pipe for {name}")
+                fd = await self._recv_pipe(conn, name)
                 self.served.append(name)
-                self._writers.append(asyncio.create_task(self._write(name, fds[0], chunks)))
+                pipe = _Pipe(fd)
+                writer = asyncio.create_task(self._write(name, pipe, chunks))
+                # A writer cancelled before it ever ran closes nothing itself:
+                # CRIU would wait on that pipe for ever.
+                writer.add_done_callback(lambda _, p=pipe: p.close())  # type: ignore[misc]
+                self._writers.append(writer)
         except (OSError, StreamerError) as e:
             self._errors.append(e)
 
-    async def _write(self, name: str, fd: int, chunks: AsyncIterator[Chunk]) -> None:
+    async def _recv_pipe(self, conn: socket.socket, name: str) -> int:
+        """The write end of the pipe CRIU sends for image ``name``. One that
+        arrives after this was cancelled is closed as it arrives."""
+        receiving = self._pool.submit(socket.recv_fds, conn, 1, 1)
+        try:
+            _, fds, _, _ = await asyncio.wrap_future(receiving)
+        except asyncio.CancelledError:
+            receiving.add_done_callback(_close_received)
+            raise
+        if not fds:
+            raise StreamerError(f"CRIU sent no pipe for {name}")
+        for extra in fds[1:]:
+            os.close(extra)
+        return fds[0]
+
+    async def _write(self, name: str, pipe: _Pipe, chunks: AsyncIterator[Chunk]) -> None:
+        fd = pipe.fd
         for size in PIPE_SIZES:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
@@ -214,16 +234,41 @@ class ImageStreamer:
             self._errors.append(e)
         finally:
             if writing is not None and not writing.done():
-                # Cancelled while a thread still writes to it: that thread
-                # closes it, so the number is never reused under its feet.
-                writing.add_done_callback(lambda _: os.close(fd))
-            else:
-                os.close(fd)
+                # Cancelled while a thread still writes to it: closed once
+                # that thread is done, so the number is never reused under its feet.
+                pipe.busy = writing
+                writing.add_done_callback(lambda _: pipe.close())
+            pipe.close()
             self.done_at = time.monotonic()
             aclose = getattr(chunks, "aclose", None)
             if aclose:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+
+class _Pipe:
+    """The write end of one image's pipe, closed exactly once: by its writer,
+    by the writer's task ending (cancelled before it ran), or, while a thread
+    still writes to it, when that thread is done."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.busy: Future[None] | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed or (self.busy is not None and not self.busy.done()):
+                return
+            self._closed = True
+        os.close(self.fd)
+
+
+def _close_received(received: Future[tuple[bytes, list[int], int, object]]) -> None:
+    if not received.cancelled() and received.exception() is None:
+        for fd in received.result()[1]:
+            os.close(fd)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
