@@ -27,7 +27,7 @@ setup: $(STAMP) .tools/.installed-v3 .tools/bin/smr-init .tools/bin/smr-runtime 
 # only after the agent's own loader and libraries are in (native/criu-root.c).
 .tools/lib/criu-root.so: native/criu-root.c .tools/.installed-v3
 	mkdir -p .tools/lib
-	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $<
+	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ $< -ldl
 
 # The OCI runtime wrapper that puts smr-init in front of opted-in containers;
 # static, it runs on the host. cJSON's source comes with the tools.

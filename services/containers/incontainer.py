@@ -49,7 +49,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from services.containers import host
+from services.containers import host, kdat
 from services.containers.host import Shim
 from smr.contract.errors import PermanentError
 from smr.process.criu import Criu
@@ -120,6 +120,9 @@ class CriuBundle:
         self.loader = self.libdir / "ld-linux-x86-64.so.2"
         self._fds: tuple[int, ...] | None = None
         self._preloads: tuple[int, ...] = ()
+        # CRIU's kernel-feature cache (services.containers.kdat), once made.
+        self._kdat: int | None = None
+        self._kdat_tried = False
 
     def fds(self) -> tuple[int, ...]:
         """Descriptors of the loader, the library directory, CRIU, an empty
@@ -145,8 +148,20 @@ class CriuBundle:
                          plugins, *self._preloads)
         return self._fds
 
-    def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
-               charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
+    async def kdat(self) -> int | None:
+        """A descriptor of CRIU's kernel-feature cache, made outside every
+        container (services.containers.kdat), or None where it cannot be."""
+        if not self._kdat_tried:
+            assert self.plugins is not None
+            data = await asyncio.to_thread(kdat.cache, self.loader, self.libdir, self.binary,
+                                           self.plugins)
+            if not self._kdat_tried and data is not None:
+                self._kdat = kdat.descriptor(data)
+            self._kdat_tried = True
+        return self._kdat
+
+    async def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
+                     charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
         """A CRIU that runs in ``shim``'s container and keeps its images in
         ``work``, a directory of the agent's (``work_fd``: held open by the
         caller). CRIU reaches it through that descriptor (/proc/self/fd/N),
@@ -159,6 +174,10 @@ class CriuBundle:
         with the agent (cgroup v1 never moves it, v2 by default neither)."""
         fds = self.fds()
         loader, libdir, criu, plugins = fds[:4]
+        env = dict(ENTER_ROOT)
+        if (cache := await self.kdat()) is not None:
+            fds = (*fds, cache)
+            env["SMR_CRIU_KDAT_FD"] = str(cache)
 
         def view(p: Path) -> str:
             rel = os.path.relpath(p, work)
@@ -179,7 +198,7 @@ class CriuBundle:
         caps = CRIU_CAPABILITIES | container_capabilities(shim.pid)
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view,
                     options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
-                    fds=(*fds, work_fd), env=ENTER_ROOT, kept_logs=self.kept_logs,
+                    fds=(*fds, work_fd), env=env, kept_logs=self.kept_logs,
                     programs=[sh, setpriv, nsenter, str(self.loader)], prefix=[
                         *join, *bounded(setpriv, caps),
                         nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",

@@ -160,18 +160,23 @@ ENTRIES: tuple[Entry, ...] = (
           "opened",
           ("services.containers.gpus:_check_node",), plant=True),
     Entry("criu-in-container", "/ of the container, as CRIU's root (the tree's files, "
-          "/etc/criu/default.conf, /usr/lib/criu/*.so, /etc/ld.so.preload, NSS modules)",
+          "/etc/criu/default.conf, /usr/lib/criu/*.so, /etc/ld.so.preload, NSS modules, the "
+          "programs CRIU runs by name: sh, iptables, ip, tar; its cache /run/criu.kdat)",
           "tenant",
           "CRIU starts in the container's namespaces with the agent's root (nsenter --root=/): "
           "the loader, libraries and CRIU are the agent's, through its descriptors; only "
-          "then criu-root.so takes the container's root as /",
+          "then criu-root.so takes the container's root as /, and from then on refuses every "
+          "exec entry of libc (EACCES) and answers reads of /run/criu.kdat from the agent's "
+          "own cache (a sealed memfd), refusing its writes and removal",
           "dump and restore of the tree; no configuration read (--no-default-config), plugins "
           "only from an empty directory of the agent's (-L), an environment built from "
-          "nothing; NSS: CRIU makes no lookup",
+          "nothing, no program run, no kernel probe (the cache is made outside every "
+          "container: services.containers.kdat); NSS: CRIU makes no lookup",
           ("services.containers.incontainer:CriuBundle.inside",
            "services.checkpointer.pod:PodCheckpointStep._run",
            "services.restorer.pod:PodRestoreStep._restore_verified",
-           "criu-root.c:enter_container_root"), plant=True, runs=True),
+           "criu-root.c:enter_container_root", "criu-root.c:kdat_open", "criu-root.c:refuse"),
+          plant=True, runs=True),
     Entry("workload", "the container's command (process.args)", "tenant",
           "execvp by smr-init, in the container, as the container's user",
           "the workload: smr-init's child, started fresh or replaced by a restored tree",

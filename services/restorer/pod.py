@@ -206,7 +206,7 @@ class PodRestoreStep(PodStep):
                                 durations: dict[str, float], streamed: bool,
                                 progress: Progress, pages_ok: asyncio.Task[None] | None,
                                 pairs: gpupairs.Pairs | None = None) -> int:
-        criu = self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
+        criu = await self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
         # The dumped stdout/stderr pipes become the new container's.

@@ -28,6 +28,7 @@ import pytest
 from services.containers import host
 from services.containers.host import Shim
 from smr.contract.messages import CkptDone, CkptRequested, Target
+from smr.process.criu import Criu
 from tests import oci_image
 from tests.agent.cluster import COUNTER, Cluster, steps, workload
 from tests.agent.opens import Opens
@@ -437,6 +438,11 @@ def criu_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
                        .replace("MARKER", f'"{marker}"'))
         subprocess.run(["gcc", "-shared", "-fPIC", "-o", d / "evil.so", src], check=True)
         libs[vector] = (d / "evil.so").read_bytes()
+    # CRIU's kernel probes run `sh -c "iptables -n -w -L"` (criu/kerndat.c):
+    # the image's sh and iptables, were CRIU to probe with its root as `/`.
+    src.write_text(CRIU_EVIL.replace("VECTOR", '"iptables"').replace("MARKER", f'"{marker}"')
+                   + "int main(void) { return 0; }\n")
+    subprocess.run(["gcc", "-static", "-o", d / "iptables", src], check=True)
     files = {"/bin/counter": COUNTER,
              "/etc/criu/default.conf": b"action-script /bin/criu-action\n",
              "/bin/criu-action": CRIU_ACTION,
@@ -446,6 +452,8 @@ def criu_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
              "/etc/nsswitch.conf": b"".join(b"%s: evil\n" % db for db in NSS_DATABASES)}
     for lib in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib"):
         files[f"{lib}/libnss_evil.so.2"] = libs["nss"]
+    for bindir in ("/sbin", "/usr/sbin", "/bin", "/usr/bin"):
+        files[f"{bindir}/iptables"] = (d / "iptables").read_bytes()
     yield oci_image.build(d / "img.tar", CRIU_IMAGE, files=files), marker
     marker.unlink(missing_ok=True)
 
@@ -460,34 +468,57 @@ async def criu_hostile(cluster: Cluster, criu_image: tuple[Path, Path]
 
 
 async def test_image_criu_config_plugin_and_preload_never_run_in_criu(
-        criu_hostile: tuple[Cluster, Path]) -> None:
+        criu_hostile: tuple[Cluster, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent's CRIU never starts with the container's root as `/`: the
     image's /etc/criu/default.conf (an action script), its /usr/lib/criu/
-    plugin, its /etc/ld.so.preload and its NSS modules run nothing, at a dump
-    or a restore."""
+    plugin, its /etc/ld.so.preload, its NSS modules and the programs CRIU's
+    kernel probes run (iptables, through sh) run nothing, at a dump or a
+    restore. The container's /run/criu.kdat (CRIU's cache of kernel features;
+    there, the tenant's file) is neither read, removed nor written: each run
+    loads the agent's own cache."""
     cluster, marker = criu_hostile
     a, b = list(cluster.kubelets)
+    logs: list[str] = []
+    run = Criu._run
+
+    async def logged(self: Criu, args: list[str], *rest: Any, **kw: Any) -> Any:
+        done = await run(self, args, *rest, **kw)
+        logs.append(done.log.read_text(errors="replace"))
+        return done
+
+    monkeypatch.setattr(Criu, "_run", logged)
     p = workload("criuconf", a, image=CRIU_IMAGE, labels={"smr.dev/node-restore": "true"})
-    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "/bin/counter"]
+    p["spec"]["containers"][0]["command"] = [
+        "/smr/smr-init", "--", "/bin/sh", "-c", "echo mine > /run/criu.kdat; exec /bin/counter"]
     cluster.kube.put("pods", p)
     await cluster.until_steps("criuconf", a, 5)
 
     def ran(where: str, evidence: str) -> None:
-        what = [v for v in ("action-script", "plugin", "ld.so.preload", "nss") if v in evidence]
+        what = [v for v in ("action-script", "plugin", "ld.so.preload", "nss", "iptables")
+                if v in evidence]
         if marker.exists():
             what.append(f"a host file written through CRIU's descriptors "
                         f"({marker.read_text().split()})")
         assert not what, f"{where}: the image's code ran in the agent's CRIU: {what}"
+        assert logs and all("Loaded kdat cache" in log for log in logs), (
+            f"{where}: a CRIU run probed the kernel in the container instead of loading the "
+            f"agent's cache: {[log.splitlines()[3:5] for log in logs]}")
 
     done = await checkpoint(cluster, "criuconf", a, "criuconf.main")
     ran("checkpoint", await _smr_file(cluster, "criuconf", "criu-evidence"))
     assert done.status == "succeeded", done.error
+    assert await _run_file(cluster, "criuconf", "criu.kdat") == "mine\n", (
+        "CRIU read the container's /run/criu.kdat and removed or rewrote it")
 
     before = steps(cluster.log("criuconf", a))
+    logs.clear()
     await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
     await cluster.latest("criuconf.main", after=1)
     await cluster.drained_to("criuconf", a, b, before)  # restored on b
     ran("restore", await _smr_file(cluster, "criuconf", "criu-evidence"))
+    # A new container's /run: nothing of CRIU's is left in it.
+    assert await _run_file(cluster, "criuconf", "criu.kdat") is None, (
+        "the restoring CRIU wrote its cache into the container's /run")
 
 
 # A tenant's own PID 1 named smr-init (a hand-written manifest runs whatever
@@ -603,6 +634,15 @@ async def test_a_shims_own_mounts_never_name_a_host_directory_to_capture(
 
 async def _smr_file(cluster: Cluster, pod: str, name: str) -> str:
     """A file of the pod's running container's /smr, or "" (the host's view)."""
+    return await _container_file(cluster, pod, f"smr/{name}") or ""
+
+
+async def _run_file(cluster: Cluster, pod: str, name: str) -> str | None:
+    """A file of the pod's running container's /run, or None."""
+    return await _container_file(cluster, pod, f"run/{name}")
+
+
+async def _container_file(cluster: Cluster, pod: str, path: str) -> str | None:
     from services.containers import host
     from services.containers.pods import runtime_id
 
@@ -611,8 +651,8 @@ async def _smr_file(cluster: Cluster, pod: str, name: str) -> str:
         if st and (cs := st["status"].get("containerStatuses")) and cs[0].get("containerID"):
             shim = host.find_shim(runtime_id(cs[0]["containerID"]))
             if shim:
-                f = Path(f"/proc/{shim.pid}/root/smr") / name
-                return f.read_text() if f.exists() else ""
+                f = Path(f"/proc/{shim.pid}/root") / path
+                return f.read_text() if f.exists() else None
         await asyncio.sleep(0.2)
     raise AssertionError(f"no running container of pod {pod}")
 

@@ -74,9 +74,9 @@ def criu_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     default), long past the test's request."""
     inside = incontainer.CriuBundle.inside
 
-    def short(self: incontainer.CriuBundle, shim: host.Shim, timeout: float,
-              *args: Any, **kwargs: Any) -> Criu:
-        return inside(self, shim, min(timeout, CRIU_TIMEOUT), *args, **kwargs)
+    async def short(self: incontainer.CriuBundle, shim: host.Shim, timeout: float,
+                    *args: Any, **kwargs: Any) -> Criu:
+        return await inside(self, shim, min(timeout, CRIU_TIMEOUT), *args, **kwargs)
 
     monkeypatch.setattr(incontainer.CriuBundle, "inside", short)
 

@@ -10,6 +10,7 @@ import gc
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -406,13 +407,24 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
     cancelled: list[int] = []  # the agent's CRIU, held stopped
     restores = 0
     at_wait_end: list[list[int]] = []  # the agent's CRIU still there as a wait returned
+    held: list[tuple[Path, bytes]] = []  # the image CRIU waits on, and its bytes
     real_criu = Criu.restore
     real_wait = pod_module.wait_exit
+
+    def feed() -> None:
+        [(fifo, data)] = held
+        with open(fifo, "wb") as f:  # CRIU's open of it returns
+            f.write(data)
+        kept = fifo.with_name("held-" + fifo.name)
+        kept.write_bytes(data)
+        os.replace(kept, fifo)  # a second open finds the file itself
 
     def go_on() -> None:
         for q in cancelled:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(q, signal.SIGCONT)
+        if held:
+            threading.Thread(target=feed, daemon=True).start()
 
     async def waited(launcher: int, ticks: int, timeout: float) -> bool:
         asyncio.get_running_loop().call_later(5, go_on)  # CRIU runs on 5 s on
@@ -424,19 +436,26 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
         at_wait_end.append([q for q in cancelled if q in running])
         return gone
 
-    async def cancelled_mid_criu(run: Any) -> Any:
+    async def cancelled_mid_criu(images: Path, run: Any) -> Any:
         nonlocal restores
         restores += 1
+        if not cancelled:
+            # CRIU's first image a FIFO: CRIU is held in its open, mid-run,
+            # however fast it would restore.
+            image = images / "inventory.img"
+            held.append((image, image.read_bytes()))
+            image.unlink()
+            os.mkfifo(image)
         inner = asyncio.ensure_future(run)
         task = asyncio.current_task()
         assert task is not None
         if not cancelled:
             shim = await restoring_shim(b)
-            for _ in range(500):
+            for _ in range(3000):
                 if (pids := agents_criu_restoring(shim.pid)) or inner.done():
                     break
                 await asyncio.sleep(0.01)
-            assert pids, "no CRIU was seen restoring: the test proves nothing"
+            assert pids, f"no CRIU was seen restoring: the test proves nothing ({inner})"
             # The step's wait for CRIU ends first (and with it unstop's
             # watch, which would continue a CRIU held stopped).
             inner.cancel()
@@ -452,8 +471,8 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
     # From files: a streamed CRIU reads pipes the cancelled step's streamer
     # fed, which an agent that stops closes as it exits (this one lives on).
     monkeypatch.setattr(pod_module, "streamable", lambda manifest: False)
-    monkeypatch.setattr(Criu, "restore", lambda self, *a, **kw: cancelled_mid_criu(
-        real_criu(self, *a, **kw)))
+    monkeypatch.setattr(Criu, "restore", lambda self, images, *a, **kw: cancelled_mid_criu(
+        images, real_criu(self, images, *a, **kw)))
     try:
         cluster.kube.put("pods", workload("cx-2", b, env=env, owner="cx", restart="Never"))
         for _ in range(900):  # the redelivery's recovery (after stale_after)
