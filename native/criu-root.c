@@ -244,51 +244,47 @@ int execveat(int dirfd, const char *path, char *const argv[], char *const envp[]
 
 /* The variadic forms, as glibc's: the list into an argv (and envp after it). */
 #define ARGV_MAX 256
-#define COLLECT(first, argv, ap)                                                    \
-    do {                                                                            \
-        size_t i = 0;                                                               \
-        (argv)[i++] = (char *)(first);                                              \
-        while (i < ARGV_MAX && ((argv)[i] = va_arg(ap, char *)) != NULL)            \
-            i++;                                                                    \
-        if (i == ARGV_MAX) {                                                        \
-            va_end(ap);                                                             \
-            errno = E2BIG;                                                          \
-            return -1;                                                              \
-        }                                                                           \
-    } while (0)
+enum how { BY_PATH, BY_NAME, WITH_ENV };
 
-int execl(const char *path, const char *arg, ...) {
+static int exec_list(enum how how, const char *path, const char *arg, va_list ap) {
     if (active)
         return refuse(path);
     char *argv[ARGV_MAX];
+    size_t i = 0;
+    argv[i++] = (char *)arg;
+    while (i < ARGV_MAX && (argv[i] = va_arg(ap, char *)) != NULL)
+        i++;
+    if (i == ARGV_MAX) {
+        errno = E2BIG;
+        return -1;
+    }
+    if (how == WITH_ENV)
+        return NEXT(execve)(path, argv, va_arg(ap, char *const *));
+    return how == BY_NAME ? NEXT(execvp)(path, argv) : NEXT(execv)(path, argv);
+}
+
+int execl(const char *path, const char *arg, ...) {
     va_list ap;
     va_start(ap, arg);
-    COLLECT(arg, argv, ap);
+    int rc = exec_list(BY_PATH, path, arg, ap);
     va_end(ap);
-    return NEXT(execv)(path, argv);
+    return rc;
 }
 
 int execlp(const char *file, const char *arg, ...) {
-    if (active)
-        return refuse(file);
-    char *argv[ARGV_MAX];
     va_list ap;
     va_start(ap, arg);
-    COLLECT(arg, argv, ap);
+    int rc = exec_list(BY_NAME, file, arg, ap);
     va_end(ap);
-    return NEXT(execvp)(file, argv);
+    return rc;
 }
 
 int execle(const char *path, const char *arg, ...) {
-    if (active)
-        return refuse(path);
-    char *argv[ARGV_MAX];
     va_list ap;
     va_start(ap, arg);
-    COLLECT(arg, argv, ap);
-    char *const *envp = va_arg(ap, char *const *);
+    int rc = exec_list(WITH_ENV, path, arg, ap);
     va_end(ap);
-    return NEXT(execve)(path, argv, envp);
+    return rc;
 }
 
 int posix_spawn(pid_t *pid, const char *path, const posix_spawn_file_actions_t *actions,
