@@ -123,6 +123,7 @@ class CriuBundle:
         # CRIU's kernel-feature cache (services.containers.kdat), once made.
         self._kdat: int | None = None
         self._kdat_tried = False
+        self._version: str | None = None
 
     def fds(self) -> tuple[int, ...]:
         """Descriptors of the loader, the library directory, CRIU, an empty
@@ -160,6 +161,18 @@ class CriuBundle:
             self._kdat_tried = True
         return self._kdat
 
+    async def version(self) -> str:
+        """This CRIU's version, asked once outside every container (the agent's
+        loader and libraries, no configuration read): a `criu --version` in a
+        container's namespaces would read the image's /etc/criu/default.conf
+        (--version takes no --no-default-config from the options of a run),
+        where a FIFO holds it for ever and any text makes it fail or say
+        another version; and the workload could stop it."""
+        if self._version is None:
+            self._version = await asyncio.to_thread(
+                kdat.version, self.loader, self.libdir, self.binary)
+        return self._version
+
     async def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
                      charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
         """A CRIU that runs in ``shim``'s container and keeps its images in
@@ -196,7 +209,7 @@ class CriuBundle:
         # agent's `/`) and forks into the PID namespace, so /proc/self there
         # is the child, which holds these descriptors.
         caps = CRIU_CAPABILITIES | container_capabilities(shim.pid)
-        return Criu(f"/proc/self/fd/{criu}", timeout, view=view,
+        return Criu(f"/proc/self/fd/{criu}", timeout, view=view, version=await self.version(),
                     options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
                     fds=(*fds, work_fd), env=env, kept_logs=self.kept_logs,
                     programs=[sh, setpriv, nsenter, str(self.loader)], prefix=[

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -89,6 +90,21 @@ def _make(loader: Path, libdir: Path, binary: Path, plugins: Path) -> bytes | No
                     len(out.stdout), out.stderr.decode(errors="replace").strip()[-300:])
         return None
     return out.stdout
+
+
+def version(loader: Path, libdir: Path, binary: Path) -> str:
+    """The version of the CRIU ``binary`` (run through ``loader`` with
+    ``libdir``, in the agent's own namespaces, reading no configuration file),
+    or "unknown"."""
+    cmd = [str(loader), "--inhibit-cache", "--library-path", str(libdir), str(binary),
+           "--version", "--no-default-config"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, env={}, timeout=TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("cannot ask CRIU %s its version: %s", binary, e)
+        return "unknown"
+    m = re.search(rb"Version:\s*(\S+)", out.stdout)
+    return m.group(1).decode(errors="replace") if m else "unknown"
 
 
 def descriptor(data: bytes) -> int:

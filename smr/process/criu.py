@@ -36,6 +36,9 @@ SOCKETS_CRIU = (4, 2)
 
 logger = logging.getLogger("smr.process.criu")
 
+# `criu --version` answers at once; a run stuck longer is given up ("unknown").
+VERSION_TIMEOUT_S = 30.0
+
 
 class CriuError(PermanentError):
     code = "criu-failed"
@@ -70,7 +73,8 @@ class Criu:
                  view: Callable[[Path], str] = str, options: Sequence[str] = (),
                  fds: Sequence[int] = (), network_lock: str = "nftables",
                  preload: str = "", env: Mapping[str, str] | None = None,
-                 programs: Sequence[str] = (), kept_logs: Path | None = None) -> None:
+                 programs: Sequence[str] = (), kept_logs: Path | None = None,
+                 version: str | None = None) -> None:
         self.binary = binary
         self.programs = unstop.programs(programs or ([] if prefix else [binary]))
         # A failed run's log is copied here: the step removes its work
@@ -87,7 +91,11 @@ class Criu:
         self.preload = preload
         self.env = dict(env) if env is not None else None
         self._tracks_memory: bool | None = None
-        self._version: str | None = None
+        # Known beforehand where asking through the prefix is not safe: a
+        # CRIU in a container's namespaces would read the image's
+        # /etc/criu/default.conf (a FIFO there holds it for ever) and can be
+        # stopped by the workload (services.containers.incontainer).
+        self._version: str | None = version
         # Told the host PID of each run's first process as it starts (it
         # lives until its CRIU ends: nsenter waits for the CRIU it forks).
         self.on_start: Callable[[int], None] | None = None
@@ -101,10 +109,16 @@ class Criu:
                 proc = await asyncio.create_subprocess_exec(
                     *self.prefix, self.binary, "--version", stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT, pass_fds=self.fds, env=self._env(),
+                    start_new_session=True,
                 )
             except OSError:
                 return "unknown"  # asked while explaining a failure: must not hide it
-            out, _ = await proc.communicate()
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), VERSION_TIMEOUT_S)
+            except TimeoutError:
+                kill_tree(proc.pid)
+                await proc.wait()
+                return "unknown"
             m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
             self._version = m.group(1) if m else "unknown"
         return self._version

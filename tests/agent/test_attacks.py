@@ -680,3 +680,48 @@ async def _caps(cluster: Cluster, pod: str, node: str) -> str:
                 return next(ln for ln in text.splitlines() if ln.startswith("CapEff"))
         await asyncio.sleep(0.2)
     raise AssertionError(f"no workload of pod {pod} on {node}")
+
+
+NESTED_IMAGE = "smr.test/nested-ns:1"
+
+
+@pytest.fixture(scope="module")
+def nested_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("nested-ns")
+    links = {f"bin/{a}": "busybox" for a in ("unshare", "mkfifo")}
+    return oci_image.build(d / "img.tar", NESTED_IMAGE, links=links,
+                           files={"/bin/counter": COUNTER, "/etc/criu/default.conf": b"\n"})
+
+
+async def test_a_failed_dump_reads_no_criu_config_of_the_image_and_answers(
+        cluster: Cluster, nested_image: Path) -> None:
+    """A tree CRIU cannot dump (a process in a user and network namespace of
+    its own, which any tenant can make) fails its checkpoint with CRIU's own
+    reason, at once, and runs on. Explaining the failure never runs CRIU in
+    the container without --no-default-config: the image's
+    /etc/criu/default.conf, here a FIFO no one writes, would be read as
+    CRIU's configuration (and its open would hold the step for ever), and
+    the CRIU version a hint quotes is the agent's, not what a tenant's
+    configuration makes `criu --version` say."""
+    for node, kubelet in cluster.kubelets.items():
+        await kubelet.ctd.import_image(node, nested_image)
+    a, _ = list(cluster.kubelets)
+    p = workload("nested", a, image=NESTED_IMAGE, labels={"smr.dev/node-restore": "true"})
+    p["spec"]["containers"][0]["command"] = [
+        "/smr/smr-init", "--", "/bin/sh", "-c",
+        "rm /etc/criu/default.conf && mkfifo /etc/criu/default.conf || exit 1; "
+        "unshare -U -r -n sleep 100000 & exec /bin/counter"]
+    cluster.kube.put("pods", p)
+    await cluster.until_steps("nested", a, 3)
+    try:
+        done = await asyncio.wait_for(checkpoint(cluster, "nested", a, "nested.main"), 45)
+    except TimeoutError:
+        raise AssertionError("the checkpoint of a tree CRIU cannot dump never answered: the "
+                             "agent's CRIU opened the image's /etc/criu/default.conf") from None
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "criu-dump-failed", done.error
+    assert "nested user namespace" in done.error["message"], done.error
+    assert "cannot checkpoint a process holding" not in (done.error.get("hint") or ""), (
+        f"the hint blames a CRIU version the image's configuration made up: {done.error}")
+    n = len(steps(cluster.log("nested", a)))
+    await cluster.until_steps("nested", a, n + 2)  # and the workload runs on
