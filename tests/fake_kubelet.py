@@ -716,6 +716,13 @@ class FakeKubelet:
                     args += ["--device", str(dev)]
             # The device plugin's env goes ahead of the pod's own.
             env = [f"NVIDIA_VISIBLE_DEVICES={','.join(g.uuid for g in given)}", *env]
+        # securityContext.capabilities and privileged, as the kubelet hands them to CRI.
+        csc = c.get("securityContext") or {}
+        caps = csc.get("capabilities") or {}
+        args += [f"--cap-add=CAP_{n.upper()}" for n in caps.get("add") or []]
+        args += [f"--cap-drop=CAP_{n.upper()}" for n in caps.get("drop") or []]
+        if csc.get("privileged"):
+            args.append("--privileged")
         runtime = "runc"
         if rc := pod["spec"].get("runtimeClassName"):
             if rc not in self.runtime_classes:

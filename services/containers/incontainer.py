@@ -208,6 +208,7 @@ class CriuBundle:
         # nsenter opens --root and --wd before it joins the namespaces (the
         # agent's `/`) and forks into the PID namespace, so /proc/self there
         # is the child, which holds these descriptors.
+        await asyncio.to_thread(refuse_ptracers, shim.pid)
         caps = CRIU_CAPABILITIES | container_capabilities(shim.pid)
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, version=await self.version(),
                     options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
@@ -230,6 +231,42 @@ def container_capabilities(pid: int) -> frozenset[str]:
                              hint="the container stopped; the step is not retried") from None
     mask = int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("CapBnd:")), 16)
     return frozenset(n for i, n in enumerate(CAPABILITIES) if mask >> i & 1)
+
+
+def refuse_ptracers(pid: int) -> None:
+    """Refuse to run CRIU in the PID namespace of ``pid`` (a container's first
+    process) while a process there, of the node's user namespace, holds or
+    may gain CAP_SYS_PTRACE (bounding or permitted set): with it the process
+    could read CRIU's descriptors (the agent's own directories, whose `..`
+    is the host's tree) or take CRIU over, which runs there as root with
+    more capabilities than the container. Without it the kernel denies both
+    (CRIU holds sys_ptrace, which such a process lacks). Checked before
+    anything is frozen or restored; a pod sharing its PID namespace
+    (shareProcessNamespace, an ephemeral debug container) counts too."""
+    try:
+        ns = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        raise PermanentError(f"the container of pid {pid} is gone", code="container-gone",
+                             hint="the container stopped; the step is not retried") from None
+    ours = os.readlink("/proc/self/ns/user")
+    bit = 1 << CAPABILITIES.index("sys_ptrace")
+    for p in host.all_pids():
+        try:
+            if os.readlink(f"/proc/{p}/ns/pid") != ns or \
+                    os.readlink(f"/proc/{p}/ns/user") != ours:
+                continue
+            fields = dict(ln.split(":\t", 1) for ln in
+                          Path(f"/proc/{p}/status").read_text().splitlines() if ":\t" in ln)
+        except OSError:
+            continue  # gone meanwhile
+        if (int(fields.get("CapBnd", "0"), 16) | int(fields.get("CapPrm", "0"), 16)) & bit:
+            raise PermanentError(
+                f"process {p} ({fields.get('Name', '?').strip()}) shares the container's PID "
+                "namespace and may hold CAP_SYS_PTRACE: with it, it could take over the node "
+                "agent's CRIU, which runs in that namespace as root; nothing was frozen",
+                code="container-can-ptrace",
+                hint="remove SYS_PTRACE (and privileged: true) from the securityContext of "
+                     "every container of the pod to checkpoint it (docs/compatibility.md)")
 
 
 def bounded(setpriv: str, caps: frozenset[str]) -> list[str]:

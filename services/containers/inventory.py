@@ -190,17 +190,19 @@ ENTRIES: tuple[Entry, ...] = (
           "the container's root held open: every path above is opened from it",
           ("services.containers.confined:Root.of_pid", "services.containers.host:Shim.confined",
            "services.containers.host:Shim.root")),
-    Entry("proc-identity", "/proc/<pid>/{cgroup,cmdline,environ,stat,status,ns/pid,"
+    Entry("proc-identity", "/proc/<pid>/{cgroup,cmdline,environ,stat,status,ns/pid,ns/user,"
           "task/*/children}", "kernel",
           "read whole (Path.read_text, readlink); their content partly the tenant's",
           "which container a process is in (cgroup path), a shim (argv[0] is smr-init and "
-          "its namespace PID 1), SMR_CONTAINER (one name, else refused), the tree",
+          "its namespace PID 1), SMR_CONTAINER (one name, else refused), the tree, who "
+          "there may hold CAP_SYS_PTRACE (refused)",
           ("services.containers.host:container_id_of", "services.containers.host:all_pids",
            "services.containers.host:children", "services.containers.host:environ",
            "services.containers.host:is_shim", "services.containers.gpus:_parent",
            "services.containers.gpus:_uid", "services.containers.gpus:_pidns",
            "services.restorer.pod:_find_ns_pid", "services.containers.host:_nspids",
-           "services.containers.incontainer:container_capabilities")),
+           "services.containers.incontainer:container_capabilities",
+           "services.containers.incontainer:refuse_ptracers")),
     Entry("proc-ns-mnt", "/proc/<smr-init>/ns/mnt", "kernel",
           "opened O_RDONLY, NS_GET_USERNS, fstat of the owner",
           "a shim whose mount namespace is not owned by the agent's user namespace (made by "

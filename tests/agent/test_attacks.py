@@ -725,3 +725,40 @@ async def test_a_failed_dump_reads_no_criu_config_of_the_image_and_answers(
         f"the hint blames a CRIU version the image's configuration made up: {done.error}")
     n = len(steps(cluster.log("nested", a)))
     await cluster.until_steps("nested", a, n + 2)  # and the workload runs on
+
+
+@pytest.mark.parametrize("security", [{"capabilities": {"add": ["SYS_PTRACE"]}},
+                                      {"privileged": True}], ids=["sys-ptrace", "privileged"])
+async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch, security: dict[str, Any]) -> None:
+    """CRIU runs in the container's PID namespace as root, holding the
+    agent's own directories open. A process there with CAP_SYS_PTRACE could
+    read those descriptors (`..` from one walks the host's tree) or take
+    CRIU over; without it the kernel denies both. So such a container is
+    refused, before anything is frozen, with a reason; CRIU never starts
+    there, and the workload runs on."""
+    ran: list[list[str]] = []
+    run = Criu._run
+
+    async def logged(self: Criu, args: list[str], *rest: Any, **kw: Any) -> Any:
+        ran.append(args)
+        return await run(self, args, *rest, **kw)
+
+    monkeypatch.setattr(Criu, "_run", logged)
+    a, _ = list(cluster.kubelets)
+    p = workload("tracer", a, labels={"smr.dev/node-restore": "true"})
+    p["spec"]["containers"][0]["securityContext"] = security
+    cluster.kube.put("pods", p)
+    await cluster.until_steps("tracer", a, 3)
+    status = await _container_file(cluster, "tracer", "proc/1/status") or ""
+    bnd = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapBnd:")), 16)
+    assert bnd >> 19 & 1, "the container was not given CAP_SYS_PTRACE: the test proves nothing"
+    done = await checkpoint(cluster, "tracer", a, "tracer.main")
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "container-can-ptrace", done.error
+    assert "SYS_PTRACE" in done.error["hint"], done.error
+    assert not ran, f"CRIU ran in a container that can ptrace it: {ran}"
+    event = await cluster.event("CheckpointFailed", "tracer")
+    assert "CAP_SYS_PTRACE" in event["message"], event["message"]
+    n = len(steps(cluster.log("tracer", a)))
+    await cluster.until_steps("tracer", a, n + 3)  # nothing was frozen: it runs on
