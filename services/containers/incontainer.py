@@ -173,6 +173,11 @@ class CriuBundle:
                 kdat.version, self.loader, self.libdir, self.binary)
         return self._version
 
+    def programs(self) -> list[str]:
+        """The programs a run of ``inside`` consists of (smr.process.unstop):
+        the agent's sh, setpriv and nsenter, and CRIU's loader."""
+        return [_which("sh"), _which("setpriv"), _which("nsenter"), str(self.loader)]
+
     async def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
                      charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
         """A CRIU that runs in ``shim``'s container and keeps its images in
@@ -200,7 +205,7 @@ class CriuBundle:
 
         # The agent's own sh, setpriv and nsenter, by full path: the
         # environment is built from nothing (no PATH).
-        sh, setpriv, nsenter = _which("sh"), _which("setpriv"), _which("nsenter")
+        sh, setpriv, nsenter, _ = self.programs()
         join = [] if not charged else [
             sh, "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
             'shift; exec "$@"', "smr-join-cgroups", *map(str, host.cgroup_procs(shim.pid)), "--"]
@@ -213,7 +218,7 @@ class CriuBundle:
         return Criu(f"/proc/self/fd/{criu}", timeout, view=view, version=await self.version(),
                     options=[*OPTIONS, "-L", f"/proc/self/fd/{plugins}"],
                     fds=(*fds, work_fd), env=env, kept_logs=self.kept_logs,
-                    programs=[sh, setpriv, nsenter, str(self.loader)], prefix=[
+                    programs=self.programs(), prefix=[
                         *join, *bounded(setpriv, caps),
                         nsenter, "-t", str(shim.pid), *namespaces, "--root=/", "--wd=/",
                         "--", f"/proc/self/fd/{loader}", "--inhibit-cache",

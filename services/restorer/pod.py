@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import stat
@@ -39,13 +40,15 @@ from services.restorer.stream import restore_streamed
 from services.storage import layout
 from services.storage.generation import Generation, streamable
 from smr.bus import Progress
-from smr.contract.errors import PermanentError
+from smr.contract.errors import PermanentError, TemporaryError
 from smr.contract.messages import RestoreDone, RestoreRequested, now
 from smr.gpu import gpuinfo, gpupairs
 from smr.identity import ProcessIdentity
 from smr.jobs import proc_start_ticks, wait_exit
-from smr.process import linkremap, sockets
+from smr.process import linkremap, sockets, unstop
 from smr.process.criu import kill_tree
+
+log = logging.getLogger("smr.restorer")
 
 # Beside CRIU's restored.pid: the restored tree's root, by its host PID,
 # start tick and boot (smr.identity); what a recovery adopts, and only that.
@@ -299,7 +302,7 @@ class PodRestoreStep(PodStep):
             # A CRIU the dead or stopped step began may still be restoring:
             # its pidfile comes at its end. Known by the process the agent
             # started it through, never by a name the workload can take too.
-            await wait_exit(*launcher, timeout=self.criu_timeout)
+            await self._criu_ended(req, *launcher)
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
@@ -324,6 +327,35 @@ class PodRestoreStep(PodStep):
             return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)
         return None
+
+    async def _criu_ended(self, req: RestoreRequested, pid: int, ticks: int) -> None:
+        """Until the CRIU a cancelled step ran through ``pid`` (its nsenter,
+        started at ``ticks``) has ended. Kept going as the step's own watch
+        kept it (smr.process.unstop): a tenant that stopped CRIU in its PID
+        namespace stopped nsenter too, which nothing else would continue, and
+        the recovery would wait for it to the timeout, then restore beside
+        it. Past ``criu_timeout`` it is ended, as a step's CRIU would be;
+        never is a second restore begun while it is there."""
+        stops = unstop.Stops()
+        watch = asyncio.create_task(_keep_running(
+            pid, ticks, unstop.programs(self.bundle.programs()), stops))
+        try:
+            gone = await wait_exit(pid, ticks, timeout=self.criu_timeout)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        if stops.count:
+            log.warning("restore %s: its CRIU (launched as pid %d) was stopped by someone "
+                        "else and continued %d times after its step ended", req.request_id,
+                        pid, stops.count)
+        if gone:
+            return
+        if proc_start_ticks(pid) == ticks:
+            kill_tree(pid)
+        if not await wait_exit(pid, ticks, timeout=30):
+            raise TemporaryError(
+                f"the CRIU of {req.target}'s cancelled restore (pid {pid}) did not end",
+                code="criu-restore-timeout")
 
     async def _gpu_back(self, req: RestoreRequested, c: PodContainer, shim: Shim,
                         root: int) -> None:
@@ -431,6 +463,15 @@ def _point_link_names(pid: int, records_file: Path) -> None:
                         linkremap.point_name(d, fd, other, r["uid"])
             finally:
                 os.close(fd)
+
+
+async def _keep_running(pid: int, ticks: int, own: frozenset[tuple[int, int]],
+                        stops: unstop.Stops) -> None:
+    """unstop.keep_running for a run this process did not start: only while
+    ``pid`` is still the process started at ``ticks``."""
+    while proc_start_ticks(pid) == ticks:
+        unstop.continue_stopped(pid, own, stops)
+        await asyncio.sleep(unstop.INTERVAL)
 
 
 def _note_launcher(work: Path, pid: int) -> None:
