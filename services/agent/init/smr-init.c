@@ -450,8 +450,13 @@ int main(int argc, char **argv) {
     for (;;) {
         int st = 0;
         pid_t pid = -1;
-        for (int i = 0; i < early_n && i < 64; i++)
-            if (early_pid[i] == workload) { pid = workload; st = early_status[i]; }
+        /* An exit reaped while waiting is the workload's only if no process
+         * of that PID lives now: a restore attempt that failed after CRIU had
+         * made the tree's root (and killed it) leaves an exit under the PID
+         * the next attempt's restored root takes again. */
+        if (kill(workload, 0) < 0 && errno == ESRCH)
+            for (int i = 0; i < early_n && i < 64; i++)
+                if (early_pid[i] == workload) { pid = workload; st = early_status[i]; }
         if (pid < 0) {
             forward_pending();
             pid = waitpid(-1, &st, WNOHANG);
