@@ -84,3 +84,22 @@ async def test_a_writer_cancelled_before_it_ran_still_hangs_up_crius_pipe(
                 "CRIU's pipe for pages-1.img stays open after its writer was cancelled")
         finally:
             os.close(r)
+
+
+async def test_an_image_criu_stopped_reading_fails_nothing_after_criu_succeeded(
+        tmp_path: Path) -> None:
+    """CRIU may close an image's pipe once it has what it needs: the write's
+    broken pipe is no reason to fail a restore CRIU reported good (its tree
+    runs by then); a source's own error still is."""
+
+    async def plenty() -> AsyncIterator[bytes]:
+        for _ in range(24):  # more than the pipe holds (16 MiB): a write meets the close
+            yield b"x" * (1 << 20)
+
+    async with ImageStreamer(tmp_path, lambda name: plenty()) as streamer:
+        r = await asyncio.to_thread(_criu_asks_for, tmp_path, "core-1.img")
+        os.close(r)  # read nothing of it, as CRIU done with an image
+        await asyncio.sleep(0.2)
+        await streamer.finish()
+    assert streamer.served == ["core-1.img"]
+    assert isinstance(streamer._errors[0], BrokenPipeError), streamer._errors

@@ -140,16 +140,21 @@ class ImageStreamer:
                         tb: TracebackType | None) -> None:
         if self._serving and not self._serving.done():
             self._serving.cancel()
+        # Shut down (a thread blocked in recv returns), closed only once no
+        # task uses them: a number closed under a thread about to recv could
+        # be another file's by then.
         for sock in (self._conn, self._listener):
             if sock:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
         tasks = [t for t in (self._serving, *self._writers) if t]
         if et is not None:
             for t in tasks:
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in (self._conn, self._listener):
+            if sock:
+                sock.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         (self.images / SOCKET).unlink(missing_ok=True)
 
@@ -162,8 +167,9 @@ class ImageStreamer:
         if self._serving:
             await asyncio.gather(self._serving, return_exceptions=True)
         await asyncio.gather(*self._writers, return_exceptions=True)
-        if self._errors:
-            raise self._errors[0]
+        # Not a pipe CRIU closed: it read what it needed, and succeeded.
+        if (cause := self.cause()) is not None:
+            raise cause
 
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
