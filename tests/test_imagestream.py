@@ -103,3 +103,27 @@ async def test_an_image_criu_stopped_reading_fails_nothing_after_criu_succeeded(
         await streamer.finish()
     assert streamer.served == ["core-1.img"]
     assert isinstance(streamer._errors[0], BrokenPipeError), streamer._errors
+
+
+async def test_bytes_criu_took_before_it_closed_an_image_are_still_verified(
+        tmp_path: Path) -> None:
+    """A source hands a file's bytes on before the file's sha256 is known
+    (services/storage/download holds back only the last range). CRIU that
+    read some of them and closed the pipe has used bytes no one verified:
+    the rest of the source is still read, so that a mismatch (a corrupt
+    object) fails the restore rather than passing for "CRIU had enough"."""
+
+    class Mismatch(Exception):
+        pass
+
+    async def corrupt() -> AsyncIterator[bytes]:
+        for _ in range(24):  # more than the pipe holds (16 MiB): a write meets the close
+            yield b"x" * (1 << 20)
+        raise Mismatch("sha256 differs")  # the held-back last range never comes
+
+    async with ImageStreamer(tmp_path, lambda name: corrupt()) as streamer:
+        r = await asyncio.to_thread(_criu_asks_for, tmp_path, "pages-1.img")
+        os.read(r, 1 << 20)  # CRIU used the first bytes, then was done with the image
+        os.close(r)
+        with pytest.raises(Mismatch):
+            await streamer.finish()

@@ -238,10 +238,17 @@ class PodRestoreStep(PodStep):
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
                 # reaches it there under a short path.
-                run = await restore_streamed(
-                    criu, self.store, gen, work / "images", durations, pidfile=pidfile,
-                    inherit=inherit, tcp=tcp, sockets_dir=work / "stream",
-                    leave_stopped=gpu, on_bytes=lambda n: progress.update(done_bytes=n))
+                try:
+                    run = await restore_streamed(
+                        criu, self.store, gen, work / "images", durations, pidfile=pidfile,
+                        inherit=inherit, tcp=tcp, sockets_dir=work / "stream",
+                        leave_stopped=gpu, on_bytes=lambda n: progress.update(done_bytes=n))
+                except Exception:
+                    # CRIU may have succeeded on an image that then failed its
+                    # sha256 (it closed the pipe before the end): the tree it
+                    # made must not run on. Not on a cancel: recover() adopts.
+                    await asyncio.to_thread(_end_restored, shim, pidfile)
+                    raise
             else:
                 run = await criu.restore(work / "images", pidfile=pidfile, inherit=inherit,
                                          tcp=tcp, leave_stopped=gpu)
@@ -424,6 +431,15 @@ def _decide_restored(shim: Shim, inner: int) -> None:
                 "restored processes were ended", code="restore-undecided",
                 hint="the workload must leave smr's files under /smr alone") from None
         raise
+
+
+def _end_restored(shim: Shim, pidfile: Path) -> None:
+    """Kill the tree CRIU restored (its pidfile, written at its end, names
+    the root in the container's PID namespace), if there is one."""
+    with contextlib.suppress(OSError, ValueError):
+        inner = int(pidfile.read_text())
+        if inner > 1 and (root := _find_ns_pid(shim, inner)) is not None:
+            kill_tree(root)
 
 
 def _find_ns_pid(shim: Shim, inner: int) -> int | None:

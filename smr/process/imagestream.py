@@ -227,10 +227,23 @@ class ImageStreamer:
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
                 break
         writing: Future[None] | None = None
+        hung_up = False
         try:
             async for chunk in chunks:
+                if hung_up:
+                    # CRIU closed the pipe, perhaps on bytes it took before
+                    # the file's sha256 was known (the source holds back only
+                    # the last range): the rest is read to be verified, so
+                    # that a mismatch fails the restore (cause()).
+                    continue
                 writing = self._pool.submit(_write_all, fd, chunk)
-                await asyncio.wrap_future(writing)
+                try:
+                    await asyncio.wrap_future(writing)
+                except BrokenPipeError as e:
+                    log.debug("CRIU closed image %s early; reading the rest to verify it", name)
+                    self._errors.append(e)
+                    hung_up = True
+                    continue
                 self.bytes += len(chunk)
                 if self.on_bytes:
                     self.on_bytes(self.bytes)
