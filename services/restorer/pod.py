@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import stat
@@ -35,29 +34,23 @@ from services.containers.confined import Root
 from services.containers.host import Shim
 from services.containers.incontainer import set_last_pid
 from services.containers.pods import PodContainer, PodStep
-from services.restorer import imageref
+from services.restorer import imageref, launcher
 from services.restorer.stream import restore_streamed
 from services.storage import layout
 from services.storage.generation import Generation, streamable
 from smr.bus import Progress
-from smr.contract.errors import PermanentError, TemporaryError
+from smr.contract.errors import PermanentError
 from smr.contract.messages import RestoreDone, RestoreRequested, now
 from smr.gpu import gpuinfo, gpupairs
 from smr.identity import ProcessIdentity
-from smr.jobs import proc_start_ticks, wait_exit
-from smr.process import linkremap, sockets, unstop
+from smr.process import linkremap, sockets
 from smr.process.criu import kill_tree
-
-log = logging.getLogger("smr.restorer")
 
 # Beside CRIU's restored.pid: the restored tree's root, by its host PID,
 # start tick and boot (smr.identity); what a recovery adopts, and only that.
 IDENTITY = "restored.id"
 # Touched as CRIU starts: the restored tree's root started after it.
 BEGUN = "restore.begun"
-# Beside it: the host PID and start tick of the process the agent ran CRIU
-# through, which lives as long as that CRIU (recover waits for it).
-LAUNCHER = "criu.launcher"
 
 # Restore a template's images from the node's cached files where it holds them
 # all (False: stream them, as any checkpoint; bench/warmstart.py measures both).
@@ -233,7 +226,7 @@ class PodRestoreStep(PodStep):
             await pages_ok
             durations["verify"] = time.monotonic() - t
         (work / BEGUN).touch()  # dates the restored tree, if the agent dies (recover)
-        criu.on_start = lambda pid: _note_launcher(work, pid)
+        criu.on_start = lambda pid: launcher.note(work, pid)
         try:
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
@@ -305,11 +298,11 @@ class PodRestoreStep(PodStep):
             st = []
         pidfile = self.work(req.request_id) / "restored.pid"
         inner, root = 0, None
-        if st and st[0] == "waiting" and (launcher := _launcher(pidfile.parent)):
+        if st and st[0] == "waiting" and (ran := launcher.noted(pidfile.parent)):
             # A CRIU the dead or stopped step began may still be restoring:
-            # its pidfile comes at its end. Known by the process the agent
-            # started it through, never by a name the workload can take too.
-            await self._criu_ended(req, *launcher)
+            # its pidfile comes at its end.
+            await launcher.ended(f"restore {req.request_id} of {req.target}", *ran,
+                                 self.bundle.programs(), self.criu_timeout)
         if st and st[0] == "waiting" and pidfile.is_file():
             with contextlib.suppress(OSError, ValueError):
                 inner = int(pidfile.read_text())
@@ -334,35 +327,6 @@ class PodRestoreStep(PodStep):
             return RestoreDone.for_request(req, status="succeeded", pid=inner)
         await self.lock.release(c.lock_key(), req.request_id)
         return None
-
-    async def _criu_ended(self, req: RestoreRequested, pid: int, ticks: int) -> None:
-        """Until the CRIU a cancelled step ran through ``pid`` (its nsenter,
-        started at ``ticks``) has ended. Kept going as the step's own watch
-        kept it (smr.process.unstop): a tenant that stopped CRIU in its PID
-        namespace stopped nsenter too, which nothing else would continue, and
-        the recovery would wait for it to the timeout, then restore beside
-        it. Past ``criu_timeout`` it is ended, as a step's CRIU would be;
-        never is a second restore begun while it is there."""
-        stops = unstop.Stops()
-        watch = asyncio.create_task(_keep_running(
-            pid, ticks, unstop.programs(self.bundle.programs()), stops))
-        try:
-            gone = await wait_exit(pid, ticks, timeout=self.criu_timeout)
-        finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
-        if stops.count:
-            log.warning("restore %s: its CRIU (launched as pid %d) was stopped by someone "
-                        "else and continued %d times after its step ended", req.request_id,
-                        pid, stops.count)
-        if gone:
-            return
-        if proc_start_ticks(pid) == ticks:
-            kill_tree(pid)
-        if not await wait_exit(pid, ticks, timeout=30):
-            raise TemporaryError(
-                f"the CRIU of {req.target}'s cancelled restore (pid {pid}) did not end",
-                code="criu-restore-timeout")
 
     async def _gpu_back(self, req: RestoreRequested, c: PodContainer, shim: Shim,
                         root: int) -> None:
@@ -479,25 +443,3 @@ def _point_link_names(pid: int, records_file: Path) -> None:
                         linkremap.point_name(d, fd, other, r["uid"])
             finally:
                 os.close(fd)
-
-
-async def _keep_running(pid: int, ticks: int, own: frozenset[tuple[int, int]],
-                        stops: unstop.Stops) -> None:
-    """unstop.keep_running for a run this process did not start: only while
-    ``pid`` is still the process started at ``ticks``."""
-    while proc_start_ticks(pid) == ticks:
-        unstop.continue_stopped(pid, own, stops)
-        await asyncio.sleep(unstop.INTERVAL)
-
-
-def _note_launcher(work: Path, pid: int) -> None:
-    (work / LAUNCHER).write_text(f"{pid} {proc_start_ticks(pid)}")
-
-
-def _launcher(work: Path) -> tuple[int, int] | None:
-    """The process a step of this agent ran its CRIU through, if it noted one."""
-    try:
-        pid, ticks = (work / LAUNCHER).read_text().split()
-        return int(pid), int(ticks)
-    except (OSError, ValueError):
-        return None  # none noted (CRIU never started), or it had ended already

@@ -21,6 +21,7 @@ import pytest
 
 from services.checkpointer import takeover
 from services.checkpointer.pod import PodCheckpointStep
+from services.restorer import launcher
 from services.restorer import pod as pod_module
 from services.restorer.pod import PodRestoreStep
 from smr.bus import KV_STEPS
@@ -409,7 +410,7 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
     at_wait_end: list[list[int]] = []  # the agent's CRIU still there as a wait returned
     held: list[tuple[Path, bytes]] = []  # the image CRIU waits on, and its bytes
     real_criu = Criu.restore
-    real_wait = pod_module.wait_exit
+    real_wait = launcher.wait_exit
 
     def feed() -> None:
         [(fifo, data)] = held
@@ -467,7 +468,7 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
             await asyncio.sleep(0)
         return await inner
 
-    monkeypatch.setattr(pod_module, "wait_exit", waited)
+    monkeypatch.setattr(launcher, "wait_exit", waited)
     # From files: a streamed CRIU reads pipes the cancelled step's streamer
     # fed, which an agent that stops closes as it exits (this one lives on).
     monkeypatch.setattr(pod_module, "streamable", lambda manifest: False)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services.restorer import pod as pod_module
+from services.restorer import launcher
 from services.restorer import stream as stream_module
 from smr.process import imagestream, unstop
 from smr.process.criu import Criu
@@ -56,7 +56,7 @@ async def test_a_streamed_pod_restore_cancelled_mid_criu_ends_criu_and_restores_
     waits: list[tuple[bool, float, list[int]]] = []  # gone, seconds, CRIU left
     real_images = stream_module.StreamedImages
     real_criu = Criu.restore
-    real_wait = pod_module.wait_exit
+    real_wait = launcher.wait_exit
     real_recv = imagestream._recv_exact
 
     class Held:
@@ -165,7 +165,7 @@ async def test_a_streamed_pod_restore_cancelled_mid_criu_ends_criu_and_restores_
 
     monkeypatch.setattr(stream_module, "StreamedImages", Held)
     monkeypatch.setattr(imagestream, "_recv_exact", hung_up)
-    monkeypatch.setattr(pod_module, "wait_exit", waited)
+    monkeypatch.setattr(launcher, "wait_exit", waited)
     # Not continued by the step's own watch in the moment before its cancel.
     monkeypatch.setattr(unstop, "keep_running", never)
     monkeypatch.setattr(Criu, "restore", lambda self, *a, **kw: cancelled_at_point(
