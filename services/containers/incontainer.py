@@ -47,6 +47,7 @@ import asyncio
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 
 from services.containers import host, kdat
@@ -94,6 +95,10 @@ CRIU_CAPABILITIES = frozenset({
 # nsenter into a PID namespace (opening /proc/PID/ns/pid of a process that may
 # hold more capabilities: sys_ptrace) and smr-init writing its ns_last_pid.
 SET_LAST_PID_CAPABILITIES = frozenset({"sys_admin", "sys_ptrace", "checkpoint_restore"})
+
+# How long an exec's runtime init may hold the runtime's capabilities in a
+# container's PID namespace (refuse_ptracers); runc's takes milliseconds.
+PTRACE_SETTLE_S = 3.0
 
 # criu-root.so acts only where this is set: the agent's CRIU runs, and only in
 # CRIU (the loader preloads it; sh and nsenter in front never load it).
@@ -238,7 +243,7 @@ def container_capabilities(pid: int) -> frozenset[str]:
     return frozenset(n for i, n in enumerate(CAPABILITIES) if mask >> i & 1)
 
 
-def refuse_ptracers(pid: int) -> None:
+def refuse_ptracers(pid: int, settle: float = PTRACE_SETTLE_S) -> None:
     """Refuse to run CRIU in the PID namespace of ``pid`` (a container's first
     process) while a process there, of the node's user namespace, holds or
     may gain CAP_SYS_PTRACE (bounding or permitted set): with it the process
@@ -247,7 +252,30 @@ def refuse_ptracers(pid: int) -> None:
     more capabilities than the container. Without it the kernel denies both
     (CRIU holds sys_ptrace, which such a process lacks). Checked before
     anything is frozen or restored; a pod sharing its PID namespace
-    (shareProcessNamespace, an ephemeral debug container) counts too."""
+    (shareProcessNamespace, an ephemeral debug container) counts too.
+
+    The runtime's own init of an exec (runc:[2:INIT], a probe's or a
+    `kubectl exec`'s) is in the namespace with the runtime's capabilities for
+    a moment, before it takes the container's and runs the command: the
+    namespace is looked at again for up to ``settle`` seconds, and refused
+    only if no look finds it clean. A tenant's process holds the capability
+    only where its container grants it, for as long as it runs."""
+    deadline = time.monotonic() + settle
+    while (found := _ptracer(pid)) is not None:
+        if time.monotonic() > deadline:
+            p, name = found
+            raise PermanentError(
+                f"process {p} ({name}) shares the container's PID namespace and may hold "
+                "CAP_SYS_PTRACE: with it, it could take over the node agent's CRIU, which runs "
+                "in that namespace as root; nothing was frozen", code="container-can-ptrace",
+                hint="remove SYS_PTRACE (and privileged: true) from the securityContext of "
+                     "every container of the pod to checkpoint it (docs/compatibility.md)")
+        time.sleep(0.1)
+
+
+def _ptracer(pid: int) -> tuple[int, str] | None:
+    """A process of ``pid``'s PID namespace, in the node's user namespace, that
+    holds or may gain CAP_SYS_PTRACE, and its name; or None."""
     try:
         ns = os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
@@ -265,13 +293,8 @@ def refuse_ptracers(pid: int) -> None:
         except OSError:
             continue  # gone meanwhile
         if (int(fields.get("CapBnd", "0"), 16) | int(fields.get("CapPrm", "0"), 16)) & bit:
-            raise PermanentError(
-                f"process {p} ({fields.get('Name', '?').strip()}) shares the container's PID "
-                "namespace and may hold CAP_SYS_PTRACE: with it, it could take over the node "
-                "agent's CRIU, which runs in that namespace as root; nothing was frozen",
-                code="container-can-ptrace",
-                hint="remove SYS_PTRACE (and privileged: true) from the securityContext of "
-                     "every container of the pod to checkpoint it (docs/compatibility.md)")
+            return p, fields.get("Name", "?").strip()
+    return None
 
 
 def bounded(setpriv: str, caps: frozenset[str]) -> list[str]:

@@ -202,7 +202,8 @@ ENTRIES: tuple[Entry, ...] = (
            "services.containers.gpus:_uid", "services.containers.gpus:_pidns",
            "services.restorer.pod:_find_ns_pid", "services.containers.host:_nspids",
            "services.containers.incontainer:container_capabilities",
-           "services.containers.incontainer:refuse_ptracers")),
+           "services.containers.incontainer:refuse_ptracers",
+           "services.containers.incontainer:_ptracer")),
     Entry("proc-ns-mnt", "/proc/<smr-init>/ns/mnt", "kernel",
           "opened O_RDONLY, NS_GET_USERNS, fstat of the owner",
           "a shim whose mount namespace is not owned by the agent's user namespace (made by "

@@ -50,10 +50,12 @@ async def another_agent(old: NodeAgent, cluster: Cluster) -> AsyncIterator[NodeA
 
 async def stopped(agent: NodeAgent) -> None:
     """Stop ``agent`` and wait until it no longer answers container starts
-    (its hold on the node's starts lock is gone)."""
+    (its hold on the node's starts lock is gone). Past the 30 s an agent that
+    stops gives each of its workers to end a step in flight
+    (services/agent/service.py), not at it."""
     agent.stop()
     turn = StartsTurn(agent.s.step_lock_path)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 45
     while not turn._try():
         assert time.monotonic() < deadline, "the old agent still answers container starts"
         await asyncio.sleep(0.1)
