@@ -53,6 +53,10 @@ demo: setup
 # process): three workers halve the time, but two pod tests missed their
 # deadlines in one of two fresh-clone runs (tests/README.md, "In parallel").
 TEST_WORKERS ?= 0
+# With workers, the pod tests run in this many lanes, each lane's tests one
+# after another on one worker (tests/helpers/ordering.py).
+TEST_POD_LANES ?= 1
+export TEST_POD_LANES
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports

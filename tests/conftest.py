@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -28,8 +29,26 @@ from tests.otlp import serve as serve_otlp
 from tests.test_local_smr import Harness, running
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        # The controller: where its workers write down the pod tests' lanes.
+        os.environ[ordering.LANES_FILE_ENV] = os.path.join(
+            tempfile.gettempdir(), f"smr-test-lanes-{os.getpid()}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        if path := os.environ.pop(ordering.LANES_FILE_ENV, None):
+            Path(path).unlink(missing_ok=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ordering.longest_first(items)
+    ordering.write_lanes(config, items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ordering.Lanes:
+    return ordering.Lanes(config, log)
 
 
 @pytest.fixture(scope="session")
