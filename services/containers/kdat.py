@@ -21,11 +21,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import re
 import shutil
 import subprocess
 import threading
 from pathlib import Path
+
+from smr.process.criu import parse_version
 
 log = logging.getLogger("smr.containers.kdat")
 
@@ -74,8 +75,7 @@ def _make(loader: Path, libdir: Path, binary: Path, plugins: Path) -> bytes | No
     loader, libdir, binary, plugins = (p.absolute() for p in (loader, libdir, binary, plugins))
     cmd = [str(tools["unshare"]), "--mount", "--propagation", "private", "--",
            str(tools["sh"]), "-c", _SCRIPT, "smr-kdat", str(tools["mount"]), str(tools["cat"]),
-           str(loader), "--inhibit-cache", "--library-path", str(libdir), str(binary),
-           "check", "--no-default-config", "-L", str(plugins),
+           *_criu(loader, libdir, binary), "check", "--no-default-config", "-L", str(plugins),
            "--feature", "mem_dirty_track"]
     try:
         out = subprocess.run(cmd, capture_output=True, env={}, timeout=TIMEOUT_S, check=False)
@@ -96,15 +96,19 @@ def version(loader: Path, libdir: Path, binary: Path) -> str:
     """The version of the CRIU ``binary`` (run through ``loader`` with
     ``libdir``, in the agent's own namespaces, reading no configuration file),
     or "unknown"."""
-    cmd = [str(loader), "--inhibit-cache", "--library-path", str(libdir), str(binary),
-           "--version", "--no-default-config"]
+    cmd = [*_criu(loader, libdir, binary), "--version", "--no-default-config"]
     try:
         out = subprocess.run(cmd, capture_output=True, env={}, timeout=TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("cannot ask CRIU %s its version: %s", binary, e)
         return "unknown"
-    m = re.search(rb"Version:\s*(\S+)", out.stdout)
-    return m.group(1).decode(errors="replace") if m else "unknown"
+    return parse_version(out.stdout)
+
+
+def _criu(loader: Path, libdir: Path, binary: Path) -> list[str]:
+    """The command line that runs ``binary`` with the agent's own loader and
+    libraries, not those of wherever it runs."""
+    return [str(loader), "--inhibit-cache", "--library-path", str(libdir), str(binary)]
 
 
 def descriptor(data: bytes) -> int:

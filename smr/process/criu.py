@@ -40,6 +40,12 @@ logger = logging.getLogger("smr.process.criu")
 VERSION_TIMEOUT_S = 30.0
 
 
+
+def parse_version(out: bytes) -> str:
+    """The version in the output of `criu --version`, or "unknown"."""
+    m = re.search(rb"Version:\s*(\S+)", out)
+    return m.group(1).decode(errors="replace") if m else "unknown"
+
 class CriuError(PermanentError):
     code = "criu-failed"
 
@@ -119,8 +125,7 @@ class Criu:
                 kill_tree(proc.pid)
                 await proc.wait()
                 return "unknown"
-            m = re.search(r"Version:\s*(\S+)", out.decode(errors="replace"))
-            self._version = m.group(1) if m else "unknown"
+            self._version = parse_version(out)
         return self._version
 
     async def problem(self) -> str | None:
