@@ -334,7 +334,9 @@ def test_the_webhook_is_called_for_opted_in_pods_by_their_labels_and_briefly(
     creation; one entry, for the env-var opt-in no selector can see, takes the
     pods with none of them. Each call is short, and never refuses a pod. The
     watcher's reachability probe has an entry of its own, for its label in
-    smr's own namespace only; every entry allows a dry run (no side effects)."""
+    smr's own namespace only; every entry allows a dry run (no side effects).
+    One entry refuses: debug containers that could ptrace the agent's CRIU,
+    added to smr's pods only, refused too while the webhook is unreachable."""
     from services.policy import HEARTBEAT, NODE_RESTORE, SNAPSHOT_WHEN_READY, START_FROM
 
     labels = {f"smr.dev/{name}" for name in (NODE_RESTORE, HEARTBEAT, SNAPSHOT_WHEN_READY,
@@ -342,7 +344,17 @@ def test_the_webhook_is_called_for_opted_in_pods_by_their_labels_and_briefly(
     for overlay in OVERLAYS:
         [cfg] = [d for d in render(kustomize, overlay)
                  if d["kind"] == "MutatingWebhookConfiguration"]
-        hooks = cfg["webhooks"]
+        [ephemeral] = [h for h in cfg["webhooks"]
+                       if h["name"] == "ephemeral-ptrace.pods.smr.dev"]
+        assert ephemeral["failurePolicy"] == "Fail" and ephemeral["timeoutSeconds"] <= 3
+        assert ephemeral["rules"] == [{"operations": ["UPDATE"], "apiGroups": [""],
+                                       "apiVersions": ["v1"],
+                                       "resources": ["pods/ephemeralcontainers"]}]
+        assert "smr.dev/injected" in ephemeral["matchConditions"][0]["expression"]
+        hooks = [h for h in cfg["webhooks"] if h is not ephemeral]
+        for h in [*hooks, ephemeral]:
+            assert h["reinvocationPolicy"] == "IfNeeded", h["name"]
+            assert h["sideEffects"] == "None", h["name"]
         for h in hooks:
             assert h["timeoutSeconds"] <= 3 and h["failurePolicy"] == "Ignore", h["name"]
             assert h["reinvocationPolicy"] == "IfNeeded", h["name"]

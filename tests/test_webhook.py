@@ -153,6 +153,67 @@ def test_other_kinds_and_operations_are_allowed_unchanged() -> None:
         assert r["allowed"] is True and "patch" not in r
 
 
+def ephemeral_update(p: dict[str, Any], debug: dict[str, Any]) -> bytes:
+    """What kube-apiserver sends for the pods/ephemeralcontainers subresource
+    (kubectl debug): kind Pod, operation UPDATE, the whole pod before and after."""
+    after = {**p, "spec": {**p["spec"], "ephemeralContainers": [
+        *(p["spec"].get("ephemeralContainers") or []), debug]}}
+    return orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                         "request": {
+        "uid": "u-e", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "subResource": "ephemeralcontainers", "operation": "UPDATE", "namespace": "default",
+        "object": after, "oldObject": p}})
+
+
+def debugger(target: str | None = "app", **sc: Any) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "debugger-x1", "image": "busybox", "securityContext": sc}
+    if target:
+        c["targetContainerName"] = target
+    return c
+
+
+@pytest.mark.parametrize("sc", [{"privileged": True},
+                                {"capabilities": {"add": ["SYS_PTRACE"]}},
+                                {"capabilities": {"add": ["ALL"]}}],
+                         ids=["sysadmin-profile", "SYS_PTRACE", "ALL"])
+def test_a_debug_container_that_could_ptrace_smrs_criu_is_refused(sc: dict[str, Any]) -> None:
+    """kubectl debug --target=app --profile=sysadmin on an opted-in pod: the
+    debug container would share the PID namespace where the agent's CRIU
+    runs, with CAP_SYS_PTRACE; it could come while CRIU runs, after the
+    agent's own check. Refused, saying why and what to do instead."""
+    p = patched(opted(containers=("app",)), review(admission(opted(containers=("app",))), S))
+    r = review(ephemeral_update(p, debugger(**sc)), S)["response"]
+    assert r["uid"] == "u-e" and r["allowed"] is False, r
+    assert "debugger-x1" in r["status"]["message"] and "--profile=general" in r["status"]["message"]
+    assert r["status"]["code"] == 403
+
+
+def test_debug_containers_that_cannot_reach_smrs_criu_are_allowed() -> None:
+    p = patched(opted(containers=("app",)), review(admission(opted(containers=("app",))), S))
+    for debug in (debugger(), debugger(capabilities={"add": ["NET_ADMIN"]}),
+                  debugger(None, privileged=True)):  # its own PID namespace
+        r = review(ephemeral_update(p, debug), S)["response"]
+        assert r["allowed"] is True and "patch" not in r, (debug, r)
+    # Not smr's pod: smr has no say.
+    plain = pod("q", None)
+    r = review(ephemeral_update(plain, debugger("main", privileged=True)), S)["response"]
+    assert r["allowed"] is True, r
+    # One already there (added before smr's webhook was): the agent refuses
+    # that pod; another, harmless, is still allowed.
+    there = {**p, "spec": {**p["spec"], "ephemeralContainers": [
+        {**debugger(privileged=True), "name": "old"}]}}
+    r = review(ephemeral_update(there, {**debugger(), "name": "new"}), S)["response"]
+    assert r["allowed"] is True, r
+
+
+def test_a_hand_written_smr_init_pod_is_guarded_too() -> None:
+    p = pod("h", None)
+    p["spec"]["containers"][0]["command"] = ["/smr/smr-init", "--", "sleep", "1"]
+    r = review(ephemeral_update(p, debugger("main", privileged=True)), S)["response"]
+    assert r["allowed"] is False, r
+
+
 @pytest.fixture
 async def kube() -> AsyncIterator[FakeApiServer]:
     k = await FakeApiServer().start()

@@ -157,7 +157,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
             await asyncio.to_thread(shutil.rmtree, work, True)
             work_fd = self.open_work(work)
             ipc = await asyncio.to_thread(host.maps_sysv_memory, pid)
-            criu = await self.bundle.inside(shim, self.criu_timeout, work, work_fd,
+            criu = await self.criu_in(c, shim, work, work_fd,
                                       namespaces=NAMESPACES_SAVING_IPC if ipc else NAMESPACES)
             # The shim's mounts, not the workload's: a workload can make mount
             # namespaces of its own and name any directory as its upperdir.

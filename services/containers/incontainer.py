@@ -49,8 +49,9 @@ import shutil
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
-from services.containers import host, kdat
+from services.containers import host, kdat, ptracers
 from services.containers.host import Shim
 from smr.contract.errors import PermanentError
 from smr.process.criu import Criu
@@ -184,7 +185,8 @@ class CriuBundle:
         return [_which("sh"), _which("setpriv"), _which("nsenter"), str(self.loader)]
 
     async def inside(self, shim: Shim, timeout: float, work: Path, work_fd: int, *,
-                     charged: bool = False, namespaces: list[str] = NAMESPACES) -> Criu:
+                     pod: dict[str, Any], container: str, charged: bool = False,
+                     namespaces: list[str] = NAMESPACES) -> Criu:
         """A CRIU that runs in ``shim``'s container and keeps its images in
         ``work``, a directory of the agent's (``work_fd``: held open by the
         caller). CRIU reaches it through that descriptor (/proc/self/fd/N),
@@ -194,7 +196,13 @@ class CriuBundle:
         ``charged`` (restores): CRIU starts in the container's cgroups, so the
         tree it restores (its children) is charged to the pod's memory limit
         from its first page; moving the tasks afterwards leaves the charge
-        with the agent (cgroup v1 never moves it, v2 by default neither)."""
+        with the agent (cgroup v1 never moves it, v2 by default neither).
+
+        ``pod`` (the pod as the API server has it, read just before) and
+        ``container`` decide first: CRIU never starts where the pod's spec
+        lets a process of the namespace ptrace (services/containers/ptracers);
+        the live processes are looked at after, for a runtime's defaults."""
+        ptracers.refuse(pod, container)
         fds = self.fds()
         loader, libdir, criu, plugins = fds[:4]
         env = dict(ENTER_ROOT)

@@ -173,6 +173,7 @@ ENTRIES: tuple[Entry, ...] = (
           "nothing, no program run, no kernel probe (the cache is made outside every "
           "container: services.containers.kdat); NSS: CRIU makes no lookup",
           ("services.containers.incontainer:CriuBundle.inside",
+           "services.containers.pods:PodStep.criu_in",
            "services.checkpointer.pod:PodCheckpointStep._run",
            "services.restorer.pod:PodRestoreStep._restore_verified",
            "criu-root.c:enter_container_root", "criu-root.c:kdat_open", "criu-root.c:refuse"),

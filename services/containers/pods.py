@@ -188,6 +188,20 @@ class PodStep:
         host.check_mount_namespace(shim.pid)
         return shim
 
+    async def criu_in(self, c: PodContainer, shim: Shim, work: Path, work_fd: int,
+                      **kw: Any) -> Criu:
+        """The agent's CRIU in ``c``'s container (CriuBundle.inside), judged on
+        the pod as the API server has it now, not as the step first read it:
+        an ephemeral container added while the step waited for its lock or
+        downloaded is in the spec before the kubelet starts it."""
+        meta = c.pod["metadata"]
+        pod = await self.pods.read(c.namespace, meta["name"])
+        if pod is None or (pod.get("metadata") or {}).get("uid") != meta.get("uid"):
+            raise PermanentError(f"{c.target()}: the pod is gone; CRIU was not started",
+                                 code="pod-not-found")
+        return await self.bundle.inside(shim, self.criu_timeout, work, work_fd, pod=pod,
+                                        container=c.name, **kw)
+
     def work(self, request_id: str) -> Path:
         """A request's directory (the agent's, on the host side)."""
         return self.work_dir / request_id

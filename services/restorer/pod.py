@@ -119,7 +119,7 @@ class PodRestoreStep(PodStep):
             # at once (it re-seeds what a clone must not share).
             await asyncio.to_thread(shim.restored, restored_note(req, gen, self.node))
             try:
-                pid = await self._restore(gen, shim, work, work_fd, durations, streamed,
+                pid = await self._restore(c, gen, shim, work, work_fd, durations, streamed,
                                           progress, pages_ok, pairs)
                 await asyncio.to_thread(_decide_restored, shim, pid)
             except asyncio.CancelledError:
@@ -185,24 +185,26 @@ class PodRestoreStep(PodStep):
         return gpupairs.for_restore(record, what, has_api=self.cuda is not None,
                                     targets=targets)
 
-    async def _restore(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
-                       durations: dict[str, float], streamed: bool, progress: Progress,
+    async def _restore(self, c: PodContainer, gen: Generation, shim: Shim, work: Path,
+                       work_fd: int, durations: dict[str, float], streamed: bool,
+                       progress: Progress,
                        pages_ok: asyncio.Task[None] | None = None,
                        pairs: gpupairs.Pairs | None = None) -> int:
         try:
-            return await self._restore_verified(gen, shim, work, work_fd, durations, streamed,
-                                                progress, pages_ok, pairs)
+            return await self._restore_verified(c, gen, shim, work, work_fd, durations,
+                                                streamed, progress, pages_ok, pairs)
         finally:
             if pages_ok is not None and not pages_ok.done():
                 pages_ok.cancel()
             if pages_ok is not None:
                 await asyncio.gather(pages_ok, return_exceptions=True)
 
-    async def _restore_verified(self, gen: Generation, shim: Shim, work: Path, work_fd: int,
-                                durations: dict[str, float], streamed: bool,
+    async def _restore_verified(self, c: PodContainer, gen: Generation, shim: Shim,
+                                work: Path, work_fd: int, durations: dict[str, float],
+                                streamed: bool,
                                 progress: Progress, pages_ok: asyncio.Task[None] | None,
                                 pairs: gpupairs.Pairs | None = None) -> int:
-        criu = await self.bundle.inside(shim, self.criu_timeout, work, work_fd, charged=True)
+        criu = await self.criu_in(c, shim, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
         # The dumped stdout/stderr pipes become the new container's.

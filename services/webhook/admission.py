@@ -34,6 +34,14 @@ env var; the warm-start labels too, docs/warm-start.md) gets:
   once the workload runs, so a long restore is not killed by them (and
   restarted into another restore). It allows SMR_RESTORE_SECONDS.
 
+One thing is refused: an ephemeral container added (the pods/ephemeralcontainers
+subresource, ``kubectl debug``) to a pod smr may run CRIU in, which may hold
+CAP_SYS_PTRACE in the PID namespace of one of its containers
+(services/containers/ptracers): added while the agent's CRIU runs there, it
+could take CRIU over, and the agent's look before CRIU cannot see what comes
+after it. That entry's failurePolicy is Fail, so an unreachable webhook
+refuses it too.
+
 A pod whose manifest already starts smr-init (written by hand,
 docs/node-agent.md) is left alone. Admission is idempotent: a pod this
 webhook mutated before (the API server calls it again under
@@ -41,9 +49,9 @@ webhook mutated before (the API server calls it again under
 that selects the pod; the watcher recreates a bare pod from its mutated
 spec) is mutated from what it was before: the grace it had without the
 added seconds, its hook's wait set afresh, nothing added twice. Admitted
-twice, a pod is the same as admitted once. Nothing here ever refuses a pod:
-bad input, another kind or any error gives an allowed response without a
-patch and a log line.
+twice, a pod is the same as admitted once. Nothing else here ever refuses a
+pod: bad input, another kind or any error gives an allowed response without
+a patch and a log line.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from typing import Any
 
 import orjson
 
+from services.containers import ptracers
 from services.policy import policy_for
 from smr.config import Settings
 from smr.gpu.gpugate import GPU_JOB_DEFAULTS
@@ -79,6 +88,47 @@ def response(uid: str, patch: list[dict[str, Any]] | None = None,
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
 
 
+def denied(uid: str, message: str) -> dict[str, Any]:
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {
+        "uid": uid, "allowed": False,
+        "status": {"code": 403, "reason": "Forbidden", "message": message}}}
+
+
+def ephemeral_ptracers(req: dict[str, Any], s: Settings) -> str | None:
+    """Why an update of a pod's ephemeral containers is refused, or None: one
+    it adds may hold CAP_SYS_PTRACE in the PID namespace of a container of a
+    pod smr may run CRIU in (the module's docstring)."""
+    pod, old = req.get("object"), req.get("oldObject")
+    if not isinstance(pod, dict) or not _smr_pod(pod, s):
+        return None
+    old = old if isinstance(old, dict) else {}
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    added = sorted({who for c in spec.get("containers") or [] if isinstance(c, dict)
+                    for who in ptracers.ptracers(pod, str(c.get("name")))
+                    if who.startswith("ephemeral container ")
+                    and who not in ptracers.ptracers(old, str(c.get("name")))})
+    if not added:
+        return None
+    meta = pod.get("metadata") or {}
+    return (f"smr: {', '.join(added)} would hold CAP_SYS_PTRACE (privileged: true, or "
+            f"capabilities.add SYS_PTRACE or ALL) in the PID namespace of a container of pod "
+            f"{meta.get('namespace') or req.get('namespace')}/{meta.get('name')}, where smr's "
+            "node agent runs CRIU as root; with it, it could take CRIU over. Add it without "
+            "that capability (kubectl debug --profile=general), or without "
+            "--target/shareProcessNamespace")
+
+
+def _smr_pod(pod: dict[str, Any], s: Settings) -> bool:
+    """May smr's agent run CRIU in this pod: opted in, admitted by this
+    webhook, or starting smr-init by hand?"""
+    policy = policy_for(pod, s)
+    annotations = (pod.get("metadata") or {}).get("annotations")
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    return policy.opted_in or policy.warm or \
+        (isinstance(annotations, dict) and f"{s.label_prefix}/{INJECTED}" in annotations) or \
+        any(_starts_smr_init(c) for c in spec.get("containers") or [] if isinstance(c, dict))
+
+
 def uid_of(body: bytes) -> str:
     """The request's uid from a body too large or broken to parse whole: the
     API server accepts only a response that names it."""
@@ -96,6 +146,16 @@ def review(body: bytes, s: Settings, measured_s: float | None = None) -> dict[st
     except (orjson.JSONDecodeError, KeyError, TypeError) as e:
         log.warning("not an AdmissionReview (%s: %s); allowed unchanged", type(e).__name__, e)
         return response(uid_of(body))
+    if req.get("subResource") == "ephemeralcontainers":
+        try:
+            why = ephemeral_ptracers(req, s)
+        except Exception:
+            log.exception("review %s: ephemeral containers not judged; refused", uid)
+            why = "smr could not judge the ephemeral containers added; nothing was added"
+        if why:
+            log.info("review %s refused: %s", uid, why)
+            return denied(uid, why)
+        return response(uid)
     try:
         patch, warnings = mutate(req, s, measured_s)
     except Exception:

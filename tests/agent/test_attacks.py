@@ -762,3 +762,44 @@ async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
     assert "CAP_SYS_PTRACE" in event["message"], event["message"]
     n = len(steps(cluster.log("tracer", a)))
     await cluster.until_steps("tracer", a, n + 3)  # nothing was frozen: it runs on
+
+
+@pytest.mark.parametrize("security", [{"privileged": True},
+                                      {"capabilities": {"add": ["CAP_SYS_PTRACE"]}}],
+                         ids=["sysadmin-profile", "cap-sys-ptrace"])
+async def test_a_ptracer_in_the_pods_spec_not_started_yet_is_refused_before_criu_runs(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch, security: dict[str, Any]) -> None:
+    """An ephemeral debug container targeting the container (`kubectl debug
+    --target=main --profile=sysadmin` adds one through the pod's
+    ephemeralcontainers subresource) is in the pod's spec before the kubelet
+    starts it, for as long as its image pulls: no process of it is there to
+    look at, and it may start while CRIU runs, in CRIU's PID namespace with
+    CAP_SYS_PTRACE. The fake kubelet never starts ephemeral containers, so
+    here it stays at that point. The spec decides: refused before anything is
+    frozen, CRIU never starts, and the workload runs on."""
+    ran: list[list[str]] = []
+    run = Criu._run
+
+    async def logged(self: Criu, args: list[str], *rest: Any, **kw: Any) -> Any:
+        ran.append(args)
+        return await run(self, args, *rest, **kw)
+
+    monkeypatch.setattr(Criu, "_run", logged)
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("debugged", a, labels={"smr.dev/node-restore": "true"}))
+    await cluster.until_steps("debugged", a, 3)
+    # What the ephemeralcontainers subresource writes: the pod, one more entry.
+    pod = cluster.kube.get("pods", "debugged", "default")
+    assert pod is not None
+    pod["spec"]["ephemeralContainers"] = [{
+        "name": "debugger", "image": "busybox", "targetContainerName": "main",
+        "command": ["sh"], "stdin": True, "tty": True, "securityContext": security}]
+    cluster.kube.put("pods", pod)
+    done = await checkpoint(cluster, "debugged", a, "debugged.main")
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "container-can-ptrace", done.error
+    assert "ephemeral container debugger" in done.error["message"], done.error
+    assert "SYS_PTRACE" in done.error["hint"], done.error
+    assert not ran, f"CRIU ran in a container a debug container may ptrace: {ran}"
+    n = len(steps(cluster.log("debugged", a)))
+    await cluster.until_steps("debugged", a, n + 3)  # nothing was frozen: it runs on

@@ -1,0 +1,92 @@
+"""What the pod's spec lets ptrace in a container's PID namespace
+(services/containers/ptracers): the agent's judgment before CRIU runs, a
+pure function of the pod as the API server returns it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.containers import ptracers
+from smr.contract.errors import PermanentError
+
+
+def spec_pod(**spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"containers": [{"name": "main", "image": "app"}]}
+    return {"metadata": {"namespace": "default", "name": "p"}, "spec": {**base, **spec}}
+
+
+def ctr(name: str, **sc: Any) -> dict[str, Any]:
+    return {"name": name, "image": "x", "securityContext": sc}
+
+
+@pytest.mark.parametrize("sc", [
+    {"privileged": True},
+    {"capabilities": {"add": ["SYS_PTRACE"]}},
+    {"capabilities": {"add": ["CAP_SYS_PTRACE"]}},
+    {"capabilities": {"add": ["sys_ptrace"]}},
+    {"capabilities": {"add": ["ALL"]}},
+    {"capabilities": {"add": ["all"]}},
+    # A drop is not counted: runtimes differ on which wins.
+    {"capabilities": {"add": ["SYS_PTRACE"], "drop": ["SYS_PTRACE"]}},
+], ids=["privileged", "SYS_PTRACE", "CAP_SYS_PTRACE", "lower", "ALL", "all", "add-and-drop"])
+def test_each_spelling_that_grants_ptrace_is_one(sc: dict[str, Any]) -> None:
+    assert ptracers.grants_ptrace(ctr("c", **sc))
+
+
+@pytest.mark.parametrize("sc", [
+    {}, {"privileged": False}, {"capabilities": {"add": ["NET_ADMIN", "SYS_ADMIN"]}},
+    {"capabilities": {"drop": ["ALL"]}}, {"capabilities": None}, {"privileged": "true"},
+], ids=["none", "unprivileged", "others", "drop-all", "null", "string-true"])
+def test_a_container_without_it_is_none(sc: dict[str, Any]) -> None:
+    assert not ptracers.grants_ptrace(ctr("c", **sc))
+
+
+def test_the_container_itself_always_counts() -> None:
+    p = spec_pod(containers=[ctr("main", privileged=True)])
+    assert ptracers.ptracers(p, "main") == ["container main"]
+
+
+def test_a_sidecar_counts_only_where_the_pod_shares_its_pid_namespace() -> None:
+    containers = [ctr("main"), ctr("tracer", capabilities={"add": ["SYS_PTRACE"]})]
+    assert ptracers.ptracers(spec_pod(containers=containers), "main") == []
+    shared = spec_pod(containers=containers, shareProcessNamespace=True)
+    assert ptracers.ptracers(shared, "main") == ["container tracer"]
+
+
+def test_only_a_sidecar_init_container_runs_beside_the_container() -> None:
+    inits = [ctr("setup", privileged=True),
+             {**ctr("proxy", privileged=True), "restartPolicy": "Always"}]
+    p = spec_pod(initContainers=inits, shareProcessNamespace=True)
+    assert ptracers.ptracers(p, "main") == ["sidecar init container proxy"]
+    assert ptracers.ptracers(spec_pod(initContainers=inits), "main") == []
+
+
+def test_an_ephemeral_container_counts_where_it_targets_the_container_or_all_share() -> None:
+    debug = [{**ctr("dbg", privileged=True), "targetContainerName": "main"},
+             {**ctr("other", privileged=True), "targetContainerName": "side"},
+             ctr("loose", capabilities={"add": ["SYS_PTRACE"]})]
+    p = spec_pod(containers=[ctr("main"), ctr("side")], ephemeralContainers=debug)
+    assert ptracers.ptracers(p, "main") == ["ephemeral container dbg"]
+    assert ptracers.ptracers(p, "side") == ["ephemeral container other"]
+    p["spec"]["shareProcessNamespace"] = True
+    assert ptracers.ptracers(p, "main") == ["ephemeral container dbg", "ephemeral container other",
+                                            "ephemeral container loose"]
+
+
+def test_a_host_pid_pod_shares_the_nodes_namespace() -> None:
+    assert ptracers.ptracers(spec_pod(hostPID=True), "main") == [
+        "the node's own processes (hostPID: true)"]
+
+
+def test_a_plain_pod_passes_and_a_ptracing_one_is_refused_with_what_to_do() -> None:
+    ptracers.refuse(spec_pod(), "main")
+    ptracers.refuse({"metadata": {}, "spec": None}, "main")  # nothing in it grants anything
+    p = spec_pod(ephemeralContainers=[{**ctr("dbg", privileged=True),
+                                       "targetContainerName": "main"}])
+    with pytest.raises(PermanentError) as e:
+        ptracers.refuse(p, "main")
+    assert e.value.code == "container-can-ptrace"
+    assert "ephemeral container dbg" in e.value.message and "default/p" in e.value.message
+    assert "CAP_SYS_PTRACE" in e.value.message and "SYS_PTRACE" in (e.value.hint or "")
