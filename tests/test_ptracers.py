@@ -90,3 +90,63 @@ def test_a_plain_pod_passes_and_a_ptracing_one_is_refused_with_what_to_do() -> N
     assert e.value.code == "container-can-ptrace"
     assert "ephemeral container dbg" in e.value.message and "default/p" in e.value.message
     assert "CAP_SYS_PTRACE" in e.value.message and "SYS_PTRACE" in (e.value.hint or "")
+
+
+class _Pods:
+    """A stand-in for the agent's pod reader: answers what it is given."""
+
+    def __init__(self, answer: dict[str, Any] | Exception | None) -> None:
+        self.answer = answer
+
+    async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+class _Bundle:
+    """A stand-in for CriuBundle: records the pod CRIU would be judged on."""
+
+    judged: dict[str, Any] | None = None
+
+    async def inside(self, *a: Any, pod: dict[str, Any], container: str, **kw: Any) -> str:
+        self.judged = pod
+        return "criu"
+
+
+def _step(answer: dict[str, Any] | Exception | None) -> tuple[Any, _Bundle]:
+    from services.containers.pods import PodStep
+
+    step = PodStep.__new__(PodStep)  # only what criu_in reads
+    step.pods, step.bundle, step.criu_timeout = _Pods(answer), _Bundle(), 1.0
+    return step, step.bundle
+
+
+async def test_criu_is_judged_on_the_pod_read_again_and_on_the_first_read_if_the_api_is_away(
+        ) -> None:
+    """A debug container added while the step waited is in the spec read just
+    before CRIU; an API server out of reach does not hold a final checkpoint
+    up (the spec the step read judges; additions go through the webhook); a
+    pod replaced under the same name is refused."""
+    from services.containers.pods import PodContainer
+    from smr.contract.errors import TemporaryError
+
+    first = spec_pod()
+    first["metadata"]["uid"] = "u1"
+    now = spec_pod(ephemeralContainers=[{**ctr("debug", privileged=True),
+                                         "targetContainerName": "main"}])
+    now["metadata"]["uid"] = "u1"
+    c = PodContainer(first, "main", {})
+    step, bundle = _step(now)
+    await step.criu_in(c, None, None, -1)
+    assert bundle.judged is now
+    step, bundle = _step(TemporaryError("cannot read pod", code="kube-api"))
+    await step.criu_in(c, None, None, -1)
+    assert bundle.judged is first
+    other = spec_pod()
+    other["metadata"]["uid"] = "u2"
+    for answer in (other, None):
+        step, bundle = _step(answer)
+        with pytest.raises(PermanentError, match="the pod is gone"):
+            await step.criu_in(c, None, None, -1)
+        assert bundle.judged is None

@@ -3,6 +3,7 @@ and what the node agent's checkpoint and restore steps share."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -12,6 +13,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -26,6 +28,8 @@ from smr.contract.messages import Target, epoch
 from smr.gpu.cuda_checkpoint import CudaCheckpoint
 from smr.jobs import JobLock
 from smr.process.criu import Criu
+
+log = logging.getLogger("smr.containers.pods")
 
 
 def runtime_id(container_id: str) -> str:
@@ -195,7 +199,15 @@ class PodStep:
         an ephemeral container added while the step waited for its lock or
         downloaded is in the spec before the kubelet starts it."""
         meta = c.pod["metadata"]
-        pod = await self.pods.read(c.namespace, meta["name"])
+        try:
+            pod = await self.pods.read(c.namespace, meta["name"])
+        except (TemporaryError, OSError, TimeoutError, aiohttp.ClientError) as e:
+            # A final checkpoint must not hang on the API server: the spec as
+            # the step read it judges, and a container added since went
+            # through the webhook, which refuses one that could ptrace.
+            log.warning("%s: cannot read the pod again before CRIU (%s); judged on the spec "
+                        "read at the step's start", c.target(), e)
+            pod = c.pod
         if pod is None or (pod.get("metadata") or {}).get("uid") != meta.get("uid"):
             raise PermanentError(f"{c.target()}: the pod is gone; CRIU was not started",
                                  code="pod-not-found")
