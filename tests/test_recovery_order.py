@@ -230,6 +230,80 @@ async def test_a_dump_torn_by_a_host_crash_is_refused_and_latest_kept(h: Harness
     assert restored.status == "succeeded" and restored.generation == 1, restored.error
 
 
+def cut_page_image(step: CheckpointStep, req: CkptRequested, cut: int) -> Path:
+    """``req``'s largest page image lost its last ``cut`` bytes (a crash
+    before writeback; its stamp says this boot, and the facts say synced:
+    neither vouches for the bytes)."""
+    images = step.work_dir / req.request_id / "images"
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with pages.open("r+b") as f:
+        f.truncate(pages.stat().st_size - cut)
+    return pages
+
+
+async def test_a_page_image_cut_short_is_refused_in_the_same_boot(h: Harness) -> None:
+    """A final dump finished (its log says so), its worker died and the
+    job is gone, and its page image lost its last MiB, with no reboot
+    between and the dump marked synced: its recovery still refuses it
+    (dump-unverified, naming the page image), drops it, and ``latest``
+    stays on the good generation, which restores."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    good = await h.checkpoint(job.id, leave_running=True)
+    assert good.status == "succeeded" and good.generation == 1, good.error
+    a = request(h, job)  # final
+    await dump_then_die(step, a)
+    h.cleanup()
+    await asyncio.sleep(0.5)
+    pages = cut_page_image(step, a, 1 << 20)
+
+    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
+        f"recovered: {recovered and recovered.status} generation " \
+        f"{recovered and recovered.generation}; latest -> {latest.number}"
+    assert recovered.error and recovered.error["code"] == "dump-unverified", recovered.error
+    assert pages.name in recovered.error["message"] and "not whole" in \
+        recovered.error["message"], recovered.error
+    assert "latest stored generation is kept" in recovered.error["hint"], recovered.error
+    assert not (step.work_dir / a.request_id).exists()
+    assert not (step.work_dir / f"{a.request_id}.facts.json").exists()
+    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded" and restored.generation == 1, restored.error
+
+
+async def test_a_cut_dump_of_a_running_job_is_dropped_and_dumped_again(h: Harness) -> None:
+    """A heartbeat's dump finished and its worker died; the job runs on.
+    Its page image cut short, the recovery stores nothing and hands the
+    request back to be dumped again (None); run again, it dumps the running
+    job afresh, and that whole dump becomes ``latest``."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    good = await h.checkpoint(job.id, leave_running=True)
+    assert good.status == "succeeded" and good.generation == 1, good.error
+    a = request(h, job, leave_running=True)
+    await dump_then_die(step, a)
+    cut_page_image(step, a, 4096)
+
+    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert recovered is None and latest.number == 1, \
+        f"recovered: {recovered and recovered.status} generation " \
+        f"{recovered and recovered.generation}; latest -> {latest.number}"
+    assert not (step.work_dir / a.request_id).exists()
+    assert job.alive()
+    at = int(h.lines(job)[-1]["step"])
+    await h.wait_step(job, at + 2)  # running, not left stopped
+
+    again = await step.run(a, Progress())
+    assert again.status == "succeeded" and again.generation == 2, again.error
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None and latest.number == 2
+
+
 async def test_a_synced_dump_from_an_earlier_boot_is_stored(h: Harness) -> None:
     """A dump whose images were fsynced before the host went down is on
     disk whole: its recovery after the restart stores it."""

@@ -9,7 +9,10 @@ them whole in the page cache; a host that crashed may leave any of them torn
 (writeback is not ordered across files, and dump.log, written last, may reach
 the disk while a page image does not). So recovery trusts a finished dump
 from this very boot, or one whose images were fsynced before its step said
-so (``synced``), and refuses any other (``dump-unverified``).
+so (``synced``), and refuses any other (``dump-unverified``). Either way it
+first checks the images are whole (smr.process.wholedump: every page image
+as long as its pagemaps say, the tree's images all there): a page image cut
+short is refused even in the same boot, whatever cut it.
 
 The fsync only lets a dump outlive a crash: refusing an unsynced one is safe
 without it. So it waits SYNC_AFTER_S from the dump's end: a commit done by
@@ -30,6 +33,7 @@ from smr.contract.errors import PermanentError
 from smr.contract.messages import now
 from smr.identity import boot_id, booted_at
 from smr.jobs import JobLock
+from smr.process.wholedump import torn
 
 SYNC_AFTER_S = 30.0
 
@@ -66,9 +70,14 @@ def sync_tree(root: Path) -> None:
 def check_trusted(stamp: dict[str, Any] | None, synced: bool, images: Path, what: str,
                   latest_hint: str) -> None:
     """Refuse (``dump-unverified``) a finished dump in ``images`` that a host
-    crash may have torn: taken in an earlier boot and not fsynced. A dump
-    with no stamp (an older smr's, upgraded in place) is judged by when
-    CRIU wrote its log."""
+    crash may have torn: one whose images are not whole, or one taken in an
+    earlier boot and not fsynced. A dump with no stamp (an older smr's,
+    upgraded in place) is judged by when CRIU wrote its log. The caller
+    drops a refused dump: ``latest`` never moves to it."""
+    if why := torn(images):
+        raise PermanentError(
+            f"the dump of {what} on disk is not whole ({why}): a crash cut it short before it "
+            "reached the disk; it was not stored", code="dump-unverified", hint=latest_hint)
     if synced:
         return
     dumped_in = (stamp or {}).get("boot_id")

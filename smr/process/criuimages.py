@@ -46,6 +46,46 @@ def fields(msg: bytes) -> Iterator[tuple[int, int | bytes]]:
             raise ValueError(f"protobuf wire type {kind}")
 
 
+def uints(value: int | bytes) -> list[int]:
+    """A repeated varint field's value as ``fields`` gives it: one number,
+    or a packed run of them."""
+    if isinstance(value, int):
+        return [value]
+    out: list[int] = []
+    i = 0
+    while i < len(value):
+        n, i = _varint(value, i)
+        out.append(n)
+    return out
+
+
+class Torn(ValueError):
+    """An image file whose last record runs past its end (or with no magic)."""
+
+
+def whole_records(path: Path) -> list[bytes]:
+    """Each record of one image file, read strictly: an empty file, or a
+    record running past the file's end (a tail lost in a crash), raises
+    Torn; a missing file, FileNotFoundError."""
+    data = path.read_bytes()
+    if len(data) < 4:
+        raise Torn(f"{path.name} holds {len(data)} bytes, not even its magic")
+    i = 8 if struct.unpack_from("<I", data)[0] in _COMMON_MAGICS else 4
+    if i > len(data):
+        raise Torn(f"{path.name} holds {len(data)} bytes, not even its magics")
+    out: list[bytes] = []
+    while i < len(data):
+        if i + 4 > len(data):
+            raise Torn(f"{path.name} ends inside a record's size, at byte {len(data)}")
+        (n,) = struct.unpack_from("<I", data, i)
+        if i + 4 + n > len(data):
+            raise Torn(f"{path.name} ends at byte {len(data)}, inside a record of {n} bytes "
+                       f"from byte {i + 4}")
+        out.append(data[i + 4:i + 4 + n])
+        i += 4 + n
+    return out
+
+
 def records(path: Path) -> Iterator[bytes]:
     """Each record of one image file; none if the dump made no such file."""
     try:

@@ -1,0 +1,123 @@
+"""A dump on disk is judged whole from its headers alone: each page image
+as long as its pagemaps say, the process tree's images all there and read
+through. Real CRIU dumps a process with a thread and a shared anonymous
+mapping (a page image of its own, pagemap-shmem); each case then damages a
+copy as a crash would."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from smr.process.criu import Criu
+from smr.process.wholedump import torn
+
+pytestmark = pytest.mark.criu
+
+WORKLOAD = """
+import mmap, sys, threading, time
+heap = bytearray(8 << 20)
+shared = mmap.mmap(-1, 4 << 20)
+shared.write(b"x" * (4 << 20))
+threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+@pytest.fixture(scope="module")
+def dumped(criu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    images = tmp_path_factory.mktemp("wholedump") / "images"
+
+    async def dump() -> None:
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", WORKLOAD, stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        try:
+            assert p.stdout and (await p.stdout.readline()).strip() == b"ready"
+            await Criu(criu_binary).dump(p.pid, images, leave_running=True)
+        finally:
+            p.kill()
+            await p.wait()
+
+    asyncio.run(dump())
+    return images
+
+
+def _largest(images: Path, pattern: str) -> Path:
+    return max(images.glob(pattern), key=lambda p: p.stat().st_size)
+
+
+def _cut(path: Path, by: int) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - by)
+
+
+def _shmem_pages(images: Path) -> Path:
+    # The shared mapping's page image is the one the shmem pagemap names:
+    # the smaller of the two here (4 MiB against the heap's 8 and more).
+    return min(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "page image cut by a page": (
+        lambda d: _cut(_largest(d, "pages-*.img"), 4096), "where its pagemaps describe"),
+    "page image cut by a MiB": (
+        lambda d: _cut(_largest(d, "pages-*.img"), 1 << 20), "where its pagemaps describe"),
+    "page image empty": (
+        lambda d: _largest(d, "pages-*.img").open("r+b").truncate(0), "holds 0 bytes"),
+    "shared memory's page image cut": (
+        lambda d: _cut(_shmem_pages(d), 4096), "where its pagemaps describe"),
+    "page image missing": (
+        lambda d: _shmem_pages(d).unlink(), "holds no file"),
+    "page image longer": (
+        lambda d: _largest(d, "pages-*.img").open("ab").write(b"\0" * 4096),
+        "where its pagemaps describe"),
+    "pagemap cut inside a record": (
+        lambda d: _cut(_largest(d, "pagemap-[0-9]*.img"), 3), "inside a record"),
+    "a thread's core missing": (
+        lambda d: min(d.glob("core-*.img"), key=lambda p: p.stat().st_size).unlink(),
+        "is missing (pstree.img names thread"),
+    "pstree empty": (lambda d: (d / "pstree.img").open("r+b").truncate(0), "pstree.img"),
+    "inventory missing": (lambda d: (d / "inventory.img").unlink(), "inventory.img is missing"),
+}
+
+
+def test_a_whole_dump_is_whole(dumped: Path) -> None:
+    assert len(list(dumped.glob("pages-*.img"))) == 2, "expected the heap's and the shmem's"
+    assert len(list(dumped.glob("core-*.img"))) == 2, "expected two threads"
+    assert torn(dumped) is None
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_dump_is_named_torn(dumped: Path, tmp_path: Path, case: str) -> None:
+    damage, says = DAMAGE[case]
+    copy = tmp_path / "images"
+    shutil.copytree(dumped, copy)
+    damage(copy)
+    why = torn(copy)
+    assert why is not None and says in why, f"{case}: {why!r}"
+
+
+def test_a_pre_dump_parent_is_checked_too(dumped: Path, tmp_path: Path) -> None:
+    """The pages a dump references in its pre-dump are part of its restore:
+    a pre-dump (its ``parent`` link, inside the work directory) cut short
+    makes the dump torn; one outside the work directory is not followed."""
+    work = tmp_path / "work"
+    shutil.copytree(dumped, work / "pre")
+    shutil.copytree(dumped, work / "images")
+    (work / "images" / "parent").symlink_to("../pre")
+    assert torn(work / "images") is None
+    _cut(_largest(work / "pre", "pages-*.img"), 4096)
+    why = torn(work / "images")
+    assert why is not None and "in its pre-dump" in why, why
+    outside = tmp_path / "elsewhere"
+    (work / "pre").rename(outside)
+    (work / "images" / "parent").unlink()
+    (work / "images" / "parent").symlink_to(outside)
+    assert torn(work / "images") is None
