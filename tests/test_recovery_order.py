@@ -16,6 +16,7 @@ page image cut short and a dump stamped with another boot id.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ from services.checkpointer.step import CheckpointStep
 from services.storage.layout import LOCAL_NAMESPACE
 from smr.bus import KV_LOCKS, KV_STEPS, Progress
 from smr.contract.messages import CkptRequested, Target
+from smr.identity import booted_at
 from smr.jobs import Job
 from tests import nats_auth
 from tests.test_local_smr import Harness, assert_continues, running
@@ -302,6 +304,46 @@ async def test_a_cut_dump_of_a_running_job_is_dropped_and_dumped_again(h: Harnes
     assert again.status == "succeeded" and again.generation == 2, again.error
     latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
     assert latest is not None and latest.number == 2
+
+
+@pytest.mark.parametrize("stamped", [True, False], ids=["stamped", "older-smr-unstamped"])
+async def test_a_whole_unsynced_dump_from_an_earlier_boot_is_refused(
+        h: Harness, stamped: bool) -> None:
+    """Sizes prove nothing across a reboot (the page cache may have held
+    pages the disk never got, or the file system shows zeros): a dump
+    whose images are whole but that was taken in another boot and never
+    fsynced is refused and dropped, ``latest`` unchanged. A stamp with the
+    boot id says so; facts written by an older smr, with no stamp, are
+    judged by when CRIU wrote dump.log against the boot's start."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    good = await h.checkpoint(job.id, leave_running=True)
+    assert good.status == "succeeded" and good.generation == 1, good.error
+    a = request(h, job)  # final
+    await dump_then_die(step, a)
+    h.cleanup()
+    facts_file = step.work_dir / f"{a.request_id}.facts.json"
+    facts = orjson.loads(facts_file.read_bytes())
+    facts.pop("synced", None)
+    if stamped:
+        facts["dump"]["boot_id"] = "an-earlier-boot"
+    else:
+        del facts["dump"]
+        log = step.work_dir / a.request_id / "images" / "dump.log"
+        before = booted_at() - 3600
+        os.utime(log, (before, before))
+    facts_file.write_bytes(orjson.dumps(facts))
+
+    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
+        f"recovered: {recovered and recovered.status} generation " \
+        f"{recovered and recovered.generation}; latest -> {latest.number}"
+    assert recovered.error and recovered.error["code"] == "dump-unverified", recovered.error
+    assert "before the host restarted" in recovered.error["message"], recovered.error
+    assert not (step.work_dir / a.request_id).exists()
+    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
 
 
 async def test_a_synced_dump_from_an_earlier_boot_is_stored(h: Harness) -> None:
