@@ -161,3 +161,24 @@ def test_without_the_agents_setting_nothing_changes(program: Path, tmp_path: Pat
         e: "ran" for e in ("posix_spawn", "posix_spawnp", "system", "popen")}
     assert len(marker.read_text().splitlines()) == len(ENTRIES)
     assert said["kdat read"] == "the tenant's", said
+
+
+async def test_an_agents_criu_descriptors_are_closed_when_it_is_done_with_them(
+        tmp_path: Path) -> None:
+    """A stopped agent leaves none of its CRIU's descriptors open (many
+    agents start and stop in one process in the suite), and its bundle
+    opens them again if it is used after."""
+    from services.containers.incontainer import CriuBundle
+
+    s = load({})
+    bundle = CriuBundle(s.criu_root(), s.criu_preload(), s.criu_root_switch(),
+                        plugins=tmp_path / "plugins")
+    if not bundle.binary.is_file():
+        pytest.skip("no CRIU under the tools' prefix: run `make setup`")
+    before = set(os.listdir("/proc/self/fd"))
+    fds = (*bundle.fds(), await bundle.kdat())
+    assert all(str(fd) in os.listdir("/proc/self/fd") for fd in fds if fd is not None)
+    bundle.close()
+    assert set(os.listdir("/proc/self/fd")) <= before
+    assert len(bundle.fds()) == len(fds) - 1
+    bundle.close()

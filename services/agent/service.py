@@ -55,10 +55,11 @@ class NodeAgent:
         self.prepull = Prepull(store, s.template_prepull if self.cache is not None else ())
         self.criu = Criu(s.criu_binary(), s.criu_timeout, preload=s.criu_preload(),
                          kept_logs=s.work_path / "criu-logs")
+        self.bundle = CriuBundle(s.criu_root(), s.criu_preload(), s.criu_root_switch(),
+                                 plugins=s.work_path / ".criu-plugins",
+                                 kept_logs=s.work_path / "criu-logs")
         common = dict(
-            bundle=CriuBundle(s.criu_root(), s.criu_preload(), s.criu_root_switch(),
-                              plugins=s.work_path / ".criu-plugins",
-                              kept_logs=s.work_path / "criu-logs"),
+            bundle=self.bundle,
             criu=self.criu,
             store=store, pods=self.pods,
             # A pod's steps all run on its node: a holder its node's step
@@ -129,3 +130,4 @@ class NodeAgent:
             for t in tasks:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(t, 30)
+            self.bundle.close()

@@ -44,6 +44,7 @@ it: a stopped CRIU (or nsenter) is continued by the agent (smr.process.unstop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
@@ -154,6 +155,14 @@ class CriuBundle:
                          os.open(self.binary, os.O_RDONLY | os.O_CLOEXEC),
                          plugins, *self._preloads)
         return self._fds
+
+    def close(self) -> None:
+        """Closes what ``fds`` and ``kdat`` opened (an agent that stops; the
+        suite starts many in one process). Opened again if used after."""
+        for fd in (*(self._fds or ()), *((self._kdat,) if self._kdat is not None else ())):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds, self._preloads, self._kdat, self._kdat_tried = None, (), None, False
 
     async def kdat(self) -> int | None:
         """A descriptor of CRIU's kernel-feature cache, made outside every
