@@ -29,7 +29,7 @@ import pytest
 from services.checkpointer.step import CheckpointStep
 from services.storage.layout import LOCAL_NAMESPACE
 from smr.bus import KV_LOCKS, KV_STEPS, Progress
-from smr.contract.messages import CkptRequested, Target
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from smr.identity import booted_at
 from smr.jobs import Job
 from tests import nats_auth
@@ -205,29 +205,43 @@ def crash_before_sync(step: CheckpointStep, req: CkptRequested, cut: int) -> Pat
     return pages
 
 
+async def with_a_good_generation(h: Harness) -> tuple[CheckpointStep, Job]:
+    """A local checkpoint step and a job whose generation 1 is stored."""
+    step = ckpt_step(h)
+    job = await h.start(16)
+    good = await h.checkpoint(job.id, leave_running=True)
+    assert good.status == "succeeded" and good.generation == 1, good.error
+    return step, job
+
+
+async def refused_and_latest_kept(step: CheckpointStep, job: Job,
+                                  req: CkptRequested) -> CkptDone:
+    """Recovers ``req``'s dump found on disk; asserts it was refused
+    (dump-unverified), dropped, and ``latest`` left on generation 1."""
+    recovered = await step.recover(req, {"state": "running", "heartbeat": 0})
+    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+    assert latest is not None
+    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
+        f"recovered: {recovered and recovered.status} generation " \
+        f"{recovered and recovered.generation}; latest -> {latest.number}"
+    assert recovered.error and recovered.error["code"] == "dump-unverified", recovered.error
+    assert not (step.work_dir / req.request_id).exists()
+    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
+    return recovered
+
+
 async def test_a_dump_torn_by_a_host_crash_is_refused_and_latest_kept(h: Harness) -> None:
     """A final dump finished, the host crashed before it was stored or on
     disk, its page image cut short: its recovery refuses it (dump-unverified)
     and ``latest`` stays on the good generation, which restores."""
-    step = ckpt_step(h)
-    job = await h.start(16)
-    good = await h.checkpoint(job.id, leave_running=True)
-    assert good.status == "succeeded" and good.generation == 1
+    step, job = await with_a_good_generation(h)
     a = request(h, job)  # final
     await dump_then_die(step, a)
     h.cleanup()  # the host went down with the job
     await asyncio.sleep(0.5)
     crash_before_sync(step, a, 1 << 20)
 
-    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
-    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
-    assert latest is not None
-    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
-        f"recovered: {recovered and recovered.status} generation " \
-        f"{recovered and recovered.generation}; latest -> {latest.number}"
-    assert recovered.error and recovered.error["code"] == "dump-unverified"
-    assert not (step.work_dir / a.request_id).exists()
-    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
+    await refused_and_latest_kept(step, job, a)
     restored = await h.restore(job.id)
     assert restored.status == "succeeded" and restored.generation == 1, restored.error
 
@@ -249,29 +263,18 @@ async def test_a_page_image_cut_short_is_refused_in_the_same_boot(h: Harness) ->
     between and the dump marked synced: its recovery still refuses it
     (dump-unverified, naming the page image), drops it, and ``latest``
     stays on the good generation, which restores."""
-    step = ckpt_step(h)
-    job = await h.start(16)
-    good = await h.checkpoint(job.id, leave_running=True)
-    assert good.status == "succeeded" and good.generation == 1, good.error
+    step, job = await with_a_good_generation(h)
     a = request(h, job)  # final
     await dump_then_die(step, a)
     h.cleanup()
     await asyncio.sleep(0.5)
     pages = cut_page_image(step, a, 1 << 20)
 
-    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
-    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
-    assert latest is not None
-    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
-        f"recovered: {recovered and recovered.status} generation " \
-        f"{recovered and recovered.generation}; latest -> {latest.number}"
-    assert recovered.error and recovered.error["code"] == "dump-unverified", recovered.error
+    recovered = await refused_and_latest_kept(step, job, a)
     assert pages.name in recovered.error["message"] and "not whole" in \
         recovered.error["message"], recovered.error
     assert "latest stored generation is kept" in recovered.error["hint"], recovered.error
-    assert not (step.work_dir / a.request_id).exists()
     assert not (step.work_dir / f"{a.request_id}.facts.json").exists()
-    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
     restored = await h.restore(job.id)
     assert restored.status == "succeeded" and restored.generation == 1, restored.error
 
@@ -281,10 +284,7 @@ async def test_a_cut_dump_of_a_running_job_is_dropped_and_dumped_again(h: Harnes
     Its page image cut short, the recovery stores nothing and hands the
     request back to be dumped again (None); run again, it dumps the running
     job afresh, and that whole dump becomes ``latest``."""
-    step = ckpt_step(h)
-    job = await h.start(16)
-    good = await h.checkpoint(job.id, leave_running=True)
-    assert good.status == "succeeded" and good.generation == 1, good.error
+    step, job = await with_a_good_generation(h)
     a = request(h, job, leave_running=True)
     await dump_then_die(step, a)
     cut_page_image(step, a, 4096)
@@ -315,10 +315,7 @@ async def test_a_whole_unsynced_dump_from_an_earlier_boot_is_refused(
     fsynced is refused and dropped, ``latest`` unchanged. A stamp with the
     boot id says so; facts written by an older smr, with no stamp, are
     judged by when CRIU wrote dump.log against the boot's start."""
-    step = ckpt_step(h)
-    job = await h.start(16)
-    good = await h.checkpoint(job.id, leave_running=True)
-    assert good.status == "succeeded" and good.generation == 1, good.error
+    step, job = await with_a_good_generation(h)
     a = request(h, job)  # final
     await dump_then_die(step, a)
     h.cleanup()
@@ -334,16 +331,8 @@ async def test_a_whole_unsynced_dump_from_an_earlier_boot_is_refused(
         os.utime(log, (before, before))
     facts_file.write_bytes(orjson.dumps(facts))
 
-    recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
-    latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
-    assert latest is not None
-    assert recovered is not None and (recovered.status, latest.number) == ("failed", 1), \
-        f"recovered: {recovered and recovered.status} generation " \
-        f"{recovered and recovered.generation}; latest -> {latest.number}"
-    assert recovered.error and recovered.error["code"] == "dump-unverified", recovered.error
+    recovered = await refused_and_latest_kept(step, job, a)
     assert "before the host restarted" in recovered.error["message"], recovered.error
-    assert not (step.work_dir / a.request_id).exists()
-    assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
 
 
 async def test_a_synced_dump_from_an_earlier_boot_is_stored(h: Harness) -> None:

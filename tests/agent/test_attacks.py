@@ -727,16 +727,9 @@ async def test_a_failed_dump_reads_no_criu_config_of_the_image_and_answers(
     await cluster.until_steps("nested", a, n + 2)  # and the workload runs on
 
 
-@pytest.mark.parametrize("security", [{"capabilities": {"add": ["SYS_PTRACE"]}},
-                                      {"privileged": True}], ids=["sys-ptrace", "privileged"])
-async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
-        cluster: Cluster, monkeypatch: pytest.MonkeyPatch, security: dict[str, Any]) -> None:
-    """CRIU runs in the container's PID namespace as root, holding the
-    agent's own directories open. A process there with CAP_SYS_PTRACE could
-    read those descriptors (`..` from one walks the host's tree) or take
-    CRIU over; without it the kernel denies both. So such a container is
-    refused, before anything is frozen, with a reason; CRIU never starts
-    there, and the workload runs on."""
+@pytest.fixture
+def criu_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The arguments of every CRIU run the in-process agents start."""
     ran: list[list[str]] = []
     run = Criu._run
 
@@ -745,6 +738,33 @@ async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
         return await run(self, args, *rest, **kw)
 
     monkeypatch.setattr(Criu, "_run", logged)
+    return ran
+
+
+async def refused_for_ptrace(cluster: Cluster, pod: str, node: str,
+                             criu_runs: list[list[str]]) -> CkptDone:
+    """Checkpoints ``pod``; asserts it was refused as a container that can be
+    ptraced, with CRIU never run and the workload running on."""
+    done = await checkpoint(cluster, pod, node, f"{pod}.main")
+    assert done.status == "failed" and done.error, done
+    assert done.error["code"] == "container-can-ptrace", done.error
+    assert "SYS_PTRACE" in done.error["hint"], done.error
+    assert not criu_runs, f"CRIU ran in a container that can be ptraced: {criu_runs}"
+    n = len(steps(cluster.log(pod, node)))
+    await cluster.until_steps(pod, node, n + 3)  # nothing was frozen: it runs on
+    return done
+
+
+@pytest.mark.parametrize("security", [{"capabilities": {"add": ["SYS_PTRACE"]}},
+                                      {"privileged": True}], ids=["sys-ptrace", "privileged"])
+async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
+        cluster: Cluster, criu_runs: list[list[str]], security: dict[str, Any]) -> None:
+    """CRIU runs in the container's PID namespace as root, holding the
+    agent's own directories open. A process there with CAP_SYS_PTRACE could
+    read those descriptors (`..` from one walks the host's tree) or take
+    CRIU over; without it the kernel denies both. So such a container is
+    refused, before anything is frozen, with a reason; CRIU never starts
+    there, and the workload runs on."""
     a, _ = list(cluster.kubelets)
     p = workload("tracer", a, labels={"smr.dev/node-restore": "true"})
     p["spec"]["containers"][0]["securityContext"] = security
@@ -753,22 +773,16 @@ async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
     status = await _container_file(cluster, "tracer", "proc/1/status") or ""
     bnd = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapBnd:")), 16)
     assert bnd >> 19 & 1, "the container was not given CAP_SYS_PTRACE: the test proves nothing"
-    done = await checkpoint(cluster, "tracer", a, "tracer.main")
-    assert done.status == "failed" and done.error, done
-    assert done.error["code"] == "container-can-ptrace", done.error
-    assert "SYS_PTRACE" in done.error["hint"], done.error
-    assert not ran, f"CRIU ran in a container that can ptrace it: {ran}"
+    await refused_for_ptrace(cluster, "tracer", a, criu_runs)
     event = await cluster.event("CheckpointFailed", "tracer")
     assert "CAP_SYS_PTRACE" in event["message"], event["message"]
-    n = len(steps(cluster.log("tracer", a)))
-    await cluster.until_steps("tracer", a, n + 3)  # nothing was frozen: it runs on
 
 
 @pytest.mark.parametrize("security", [{"privileged": True},
                                       {"capabilities": {"add": ["CAP_SYS_PTRACE"]}}],
                          ids=["sysadmin-profile", "cap-sys-ptrace"])
 async def test_a_ptracer_in_the_pods_spec_not_started_yet_is_refused_before_criu_runs(
-        cluster: Cluster, monkeypatch: pytest.MonkeyPatch, security: dict[str, Any]) -> None:
+        cluster: Cluster, criu_runs: list[list[str]], security: dict[str, Any]) -> None:
     """An ephemeral debug container targeting the container (`kubectl debug
     --target=main --profile=sysadmin` adds one through the pod's
     ephemeralcontainers subresource) is in the pod's spec before the kubelet
@@ -777,14 +791,6 @@ async def test_a_ptracer_in_the_pods_spec_not_started_yet_is_refused_before_criu
     CAP_SYS_PTRACE. The fake kubelet never starts ephemeral containers, so
     here it stays at that point. The spec decides: refused before anything is
     frozen, CRIU never starts, and the workload runs on."""
-    ran: list[list[str]] = []
-    run = Criu._run
-
-    async def logged(self: Criu, args: list[str], *rest: Any, **kw: Any) -> Any:
-        ran.append(args)
-        return await run(self, args, *rest, **kw)
-
-    monkeypatch.setattr(Criu, "_run", logged)
     a, _ = list(cluster.kubelets)
     cluster.kube.put("pods", workload("debugged", a, labels={"smr.dev/node-restore": "true"}))
     await cluster.until_steps("debugged", a, 3)
@@ -795,11 +801,5 @@ async def test_a_ptracer_in_the_pods_spec_not_started_yet_is_refused_before_criu
         "name": "debugger", "image": "busybox", "targetContainerName": "main",
         "command": ["sh"], "stdin": True, "tty": True, "securityContext": security}]
     cluster.kube.put("pods", pod)
-    done = await checkpoint(cluster, "debugged", a, "debugged.main")
-    assert done.status == "failed" and done.error, done
-    assert done.error["code"] == "container-can-ptrace", done.error
+    done = await refused_for_ptrace(cluster, "debugged", a, criu_runs)
     assert "ephemeral container debugger" in done.error["message"], done.error
-    assert "SYS_PTRACE" in done.error["hint"], done.error
-    assert not ran, f"CRIU ran in a container a debug container may ptrace: {ran}"
-    n = len(steps(cluster.log("debugged", a)))
-    await cluster.until_steps("debugged", a, n + 3)  # nothing was frozen: it runs on
