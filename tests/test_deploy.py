@@ -350,7 +350,11 @@ def test_the_webhook_is_called_for_opted_in_pods_by_their_labels_and_briefly(
         assert ephemeral["rules"] == [{"operations": ["UPDATE"], "apiGroups": [""],
                                        "apiVersions": ["v1"],
                                        "resources": ["pods/ephemeralcontainers"]}]
-        assert "smr.dev/injected" in ephemeral["matchConditions"][0]["expression"]
+        match = ephemeral["matchConditions"][0]["expression"]
+        # The stored pod, by what a tenant cannot take off a running one too
+        # (`object` is the pod as the client sent it: tests/test_webhook.py).
+        assert "smr.dev/injected" in match and "SMR_CONTAINER" in match, match
+        assert "oldObject." in match and "object." not in match.replace("oldObject.", ""), match
         hooks = [h for h in cfg["webhooks"] if h is not ephemeral]
         for h in [*hooks, ephemeral]:
             assert h["reinvocationPolicy"] == "IfNeeded", h["name"]

@@ -214,6 +214,52 @@ def test_a_hand_written_smr_init_pod_is_guarded_too() -> None:
     assert r["allowed"] is False, r
 
 
+def injected_sharing() -> dict[str, Any]:
+    """An opted-in pod as the webhook admitted it, sharing its PID namespace."""
+    p = patched(opted(containers=("app",)), review(admission(opted(containers=("app",))), S))
+    p["spec"]["shareProcessNamespace"] = True
+    return p
+
+
+def test_a_debug_container_is_judged_on_the_pod_as_stored_not_as_sent() -> None:
+    """The API server calls a mutating webhook for pods/ephemeralcontainers
+    with the pod as the client sent it (a PUT's body, or the stored pod with
+    the client's patch applied); only after the webhooks does its strategy
+    keep the stored pod and take the ephemeral containers alone from the
+    request. Everything else in ``object`` is the tenant's to say for that
+    one request: no smr label or annotation, no smr-init, no
+    shareProcessNamespace, other container names. The stored pod decides."""
+    stored = injected_sharing()
+    sent = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {k: stored["metadata"][k] for k in ("name", "namespace", "uid")
+                         if k in stored["metadata"]},
+            "spec": {"containers": [{"name": "other", "image": "busybox"}]}}
+    for debug in (debugger(None, privileged=True), debugger("app", privileged=True),
+                  debugger(None, capabilities={"add": ["SYS_PTRACE"]})):
+        after = {**sent, "spec": {**sent["spec"], "ephemeralContainers": [debug]}}
+        body = orjson.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                             "request": {
+            "uid": "u-s", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "ephemeralcontainers", "operation": "UPDATE",
+            "namespace": "default", "object": after, "oldObject": stored}})
+        r = review(body, S)["response"]
+        assert r["allowed"] is False, (debug, r)
+
+
+def test_an_injected_pod_stripped_of_its_labels_and_annotations_is_guarded_still() -> None:
+    """Labels and annotations are the tenant's to change on a running pod
+    (kubectl annotate pod p smr.dev/injected-): what marks a pod smr may run
+    CRIU in must be what cannot change, the SMR_CONTAINER its containers
+    were given (smr-runtime starts smr-init only there)."""
+    p = injected_sharing()
+    p["metadata"].pop("labels", None)
+    p["metadata"].pop("annotations", None)
+    for debug in (debugger(None, privileged=True), debugger("app", privileged=True)):
+        r = review(ephemeral_update(p, debug), S)["response"]
+        assert r["allowed"] is False, (debug, r)
+
+
 @pytest.fixture
 async def kube() -> AsyncIterator[FakeApiServer]:
     k = await FakeApiServer().start()

@@ -97,12 +97,26 @@ def denied(uid: str, message: str) -> dict[str, Any]:
 def ephemeral_ptracers(req: dict[str, Any], s: Settings) -> str | None:
     """Why an update of a pod's ephemeral containers is refused, or None: one
     it adds may hold CAP_SYS_PTRACE in the PID namespace of a container of a
-    pod smr may run CRIU in (the module's docstring)."""
-    pod, old = req.get("object"), req.get("oldObject")
-    if not isinstance(pod, dict) or not _smr_pod(pod, s):
+    pod smr may run CRIU in (the module's docstring).
+
+    The pod judged is the stored one (``oldObject``) with the ephemeral
+    containers asked for: the API server calls a mutating webhook with the pod
+    as the client sent it (a PUT's body, or the stored pod with the client's
+    patch applied), and only after the webhooks keeps the stored pod and takes
+    the ephemeral containers alone from the request. Any other field of
+    ``object`` (labels, annotations, commands, container names,
+    shareProcessNamespace) is the client's to say for this one request."""
+    sent, old = req.get("object"), req.get("oldObject")
+    if not isinstance(sent, dict):
         return None
-    old = old if isinstance(old, dict) else {}
-    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    old = old if isinstance(old, dict) else sent
+    sent_spec = sent.get("spec") if isinstance(sent.get("spec"), dict) else {}
+    old_spec = old.get("spec") if isinstance(old.get("spec"), dict) else {}
+    pod = {**old, "spec": {**old_spec,
+                           "ephemeralContainers": sent_spec.get("ephemeralContainers") or []}}
+    if not _smr_pod(old, s):
+        return None
+    spec = pod["spec"]
     added = sorted({who for c in spec.get("containers") or [] if isinstance(c, dict)
                     for who in ptracers.ptracers(pod, str(c.get("name")))
                     if who.startswith("ephemeral container ")
@@ -120,13 +134,22 @@ def ephemeral_ptracers(req: dict[str, Any], s: Settings) -> str | None:
 
 def _smr_pod(pod: dict[str, Any], s: Settings) -> bool:
     """May smr's agent run CRIU in this pod: opted in, admitted by this
-    webhook, or starting smr-init by hand?"""
+    webhook, or starting smr-init? Labels and annotations are the tenant's to
+    remove from a running pod; a container's SMR_CONTAINER (what smr-runtime
+    starts smr-init for, given by this webhook or by hand) and its command
+    cannot change."""
     policy = policy_for(pod, s)
     annotations = (pod.get("metadata") or {}).get("annotations")
     spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
     return policy.opted_in or policy.warm or \
         (isinstance(annotations, dict) and f"{s.label_prefix}/{INJECTED}" in annotations) or \
-        any(_starts_smr_init(c) for c in spec.get("containers") or [] if isinstance(c, dict))
+        any(_starts_smr_init(c) or _names_smr_container(c)
+            for c in spec.get("containers") or [] if isinstance(c, dict))
+
+
+def _names_smr_container(container: dict[str, Any]) -> bool:
+    return any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER"
+               for e in container.get("env") or [])
 
 
 def uid_of(body: bytes) -> str:
