@@ -13,7 +13,8 @@ from smr.contract.errors import PermanentError
 
 
 def spec_pod(**spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"containers": [{"name": "main", "image": "app"}]}
+    base: dict[str, Any] = {"containers": [{"name": "main", "image": "app",
+                                            "command": ["/smr/smr-init", "--", "app"]}]}
     return {"metadata": {"namespace": "default", "name": "p"}, "spec": {**base, **spec}}
 
 
@@ -82,7 +83,6 @@ def test_a_host_pid_pod_shares_the_nodes_namespace() -> None:
 
 def test_a_plain_pod_passes_and_a_ptracing_one_is_refused_with_what_to_do() -> None:
     ptracers.refuse(spec_pod(), "main")
-    ptracers.refuse({"metadata": {}, "spec": None}, "main")  # nothing in it grants anything
     p = spec_pod(ephemeralContainers=[{**ctr("dbg", privileged=True),
                                        "targetContainerName": "main"}])
     with pytest.raises(PermanentError) as e:
@@ -90,6 +90,34 @@ def test_a_plain_pod_passes_and_a_ptracing_one_is_refused_with_what_to_do() -> N
     assert e.value.code == "container-can-ptrace"
     assert "ephemeral container dbg" in e.value.message and "default/p" in e.value.message
     assert "CAP_SYS_PTRACE" in e.value.message and "SYS_PTRACE" in (e.value.hint or "")
+
+
+@pytest.mark.parametrize("container", [
+    {"name": "main", "image": "app", "command": ["/bin/sh", "-c", "exec /smr/smr-init -- app"]},
+    {"name": "main", "image": "app-with-smr-init-as-entrypoint"},
+    {"name": "main", "image": "app", "envFrom": [{"configMapRef": {"name": "smr"}}]},
+    {"name": "main", "image": "app", "command": ["/smr/smr-init"],
+     "env": [{"name": "SMR_CONTAINER", "value": "main"}], "x": "other container's"},
+], ids=["shell", "entrypoint", "env-from", "another-container"])
+def test_a_container_starting_smr_init_unseen_in_its_spec_is_refused(
+        container: dict[str, Any]) -> None:
+    """The webhook judges debug containers only for pods whose spec shows smr
+    (a container's SMR_CONTAINER env or smr-init command, which cannot change):
+    CRIU never runs in a container that smr-init reached another way."""
+    p = spec_pod()
+    if "x" in container:  # the marks are on a sidecar, not on the target
+        p["spec"]["containers"] = [{"name": "main", "image": "app"},
+                                   {k: v for k, v in container.items() if k != "x"} | {
+                                       "name": "side"}]
+    else:
+        p["spec"]["containers"] = [container]
+    with pytest.raises(PermanentError) as e:
+        ptracers.refuse(p, "main")
+    assert e.value.code == "container-not-guarded", e.value
+    with pytest.raises(PermanentError):
+        ptracers.refuse({"metadata": {}, "spec": None}, "main")
+    p["spec"]["containers"][0]["env"] = [{"name": "SMR_CONTAINER", "value": "main"}]
+    ptracers.refuse(p, "main")  # what the webhook adds
 
 
 class _Pods:

@@ -95,11 +95,42 @@ _KIND = {"containers": "container", "initContainers": "sidecar init container",
          "ephemeralContainers": "ephemeral container"}
 
 
+def guarded(pod: dict[str, Any], container: str) -> bool:
+    """Does the webhook judge every ephemeral container added to ``pod``? Its
+    entry for them (deploy/kustomize/base/webhook.yaml, ephemeral-ptrace)
+    selects, among others, a pod with a container whose spec names
+    SMR_CONTAINER in its env or starts smr-init as its command; a pod's
+    containers cannot change, so this holds for the pod's life. A container
+    smr-init reaches otherwise (the image's entrypoint, `sh -c 'exec
+    smr-init'`, an env from envFrom) is not selected: a debug container added
+    while CRIU runs there would go unjudged."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    for c in spec.get("containers") or []:
+        if isinstance(c, dict) and c.get("name") == container:
+            command = c.get("command")
+            return (isinstance(command, list) and bool(command)
+                    and str(command[0]).endswith("smr-init")) or \
+                any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER"
+                    for e in c.get("env") or [])
+    return False
+
+
 def refuse(pod: dict[str, Any], container: str) -> None:
     """Refuse to run CRIU in ``container`` of ``pod`` where the pod's spec lets
-    a process of its PID namespace hold CAP_SYS_PTRACE (the module says why)."""
+    a process of its PID namespace hold CAP_SYS_PTRACE (the module says why),
+    or where a debug container added while CRIU runs would not be judged."""
+    meta = pod.get("metadata") or {}
+    if not guarded(pod, container):
+        raise PermanentError(
+            f"pod {meta.get('namespace')}/{meta.get('name')}: container {container} starts "
+            "smr-init by a way its spec does not show (the image's entrypoint, a shell, an "
+            "env from envFrom), so the smr webhook cannot judge a debug container added to "
+            "the pod while CRIU runs in it; CRIU was not started, nothing was frozen or "
+            "restored", code="container-not-guarded",
+            hint="label the pod for the smr webhook (it adds SMR_CONTAINER), or name smr-init "
+                 "as the container's command, or set SMR_CONTAINER in the container's env "
+                 "(docs/node-agent.md)")
     if found := ptracers(pod, container):
-        meta = pod.get("metadata") or {}
         raise PermanentError(
             f"pod {meta.get('namespace')}/{meta.get('name')}: {', '.join(found)} may hold "
             f"CAP_SYS_PTRACE in the PID namespace of container {container} (the pod's spec "

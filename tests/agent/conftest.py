@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
@@ -30,6 +31,7 @@ from smr import config
 from smr.bus import BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import free_port
+from smr.process.criu import Criu
 from tests import nats_auth, oci_image
 from tests.agent.agent_process import AgentProcess, env_of, memory_cgroup
 from tests.agent.cluster import (
@@ -311,3 +313,17 @@ async def controllers(cluster: Cluster) -> AsyncIterator[FakeControllers]:
     c = await FakeControllers(cluster.kube).start()
     yield c
     await c.stop()
+
+
+@pytest.fixture
+def criu_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The arguments of every CRIU run the in-process agents start."""
+    ran: list[list[str]] = []
+    run = Criu._run
+
+    async def logged(self: Criu, args: list[str], *rest: Any, **kw: Any) -> Any:
+        ran.append(args)
+        return await run(self, args, *rest, **kw)
+
+    monkeypatch.setattr(Criu, "_run", logged)
+    return ran

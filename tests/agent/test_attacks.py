@@ -727,28 +727,14 @@ async def test_a_failed_dump_reads_no_criu_config_of_the_image_and_answers(
     await cluster.until_steps("nested", a, n + 2)  # and the workload runs on
 
 
-@pytest.fixture
-def criu_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The arguments of every CRIU run the in-process agents start."""
-    ran: list[list[str]] = []
-    run = Criu._run
-
-    async def logged(self: Criu, args: list[str], *rest: Any, **kw: Any) -> Any:
-        ran.append(args)
-        return await run(self, args, *rest, **kw)
-
-    monkeypatch.setattr(Criu, "_run", logged)
-    return ran
-
-
-async def refused_for_ptrace(cluster: Cluster, pod: str, node: str,
-                             criu_runs: list[list[str]]) -> CkptDone:
-    """Checkpoints ``pod``; asserts it was refused as a container that can be
-    ptraced, with CRIU never run and the workload running on."""
+async def refused_before_criu(cluster: Cluster, pod: str, node: str,
+                             criu_runs: list[list[str]],
+                             code: str = "container-can-ptrace") -> CkptDone:
+    """Checkpoints ``pod``; asserts it was refused (``code``) with CRIU never
+    run and the workload running on."""
     done = await checkpoint(cluster, pod, node, f"{pod}.main")
     assert done.status == "failed" and done.error, done
-    assert done.error["code"] == "container-can-ptrace", done.error
-    assert "SYS_PTRACE" in done.error["hint"], done.error
+    assert done.error["code"] == code, done.error
     assert not criu_runs, f"CRIU ran in a container that can be ptraced: {criu_runs}"
     n = len(steps(cluster.log(pod, node)))
     await cluster.until_steps(pod, node, n + 3)  # nothing was frozen: it runs on
@@ -773,7 +759,8 @@ async def test_a_container_that_can_ptrace_is_refused_before_criu_runs_in_it(
     status = await _container_file(cluster, "tracer", "proc/1/status") or ""
     bnd = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapBnd:")), 16)
     assert bnd >> 19 & 1, "the container was not given CAP_SYS_PTRACE: the test proves nothing"
-    await refused_for_ptrace(cluster, "tracer", a, criu_runs)
+    done = await refused_before_criu(cluster, "tracer", a, criu_runs)
+    assert "SYS_PTRACE" in done.error["hint"], done.error
     event = await cluster.event("CheckpointFailed", "tracer")
     assert "CAP_SYS_PTRACE" in event["message"], event["message"]
 
@@ -801,5 +788,6 @@ async def test_a_ptracer_in_the_pods_spec_not_started_yet_is_refused_before_criu
         "name": "debugger", "image": "busybox", "targetContainerName": "main",
         "command": ["sh"], "stdin": True, "tty": True, "securityContext": security}]
     cluster.kube.put("pods", pod)
-    done = await refused_for_ptrace(cluster, "debugged", a, criu_runs)
+    done = await refused_before_criu(cluster, "debugged", a, criu_runs)
+    assert "SYS_PTRACE" in done.error["hint"], done.error
     assert "ephemeral container debugger" in done.error["message"], done.error

@@ -4,22 +4,23 @@ The agent's look before CRIU cannot see an ephemeral container added while
 CRIU runs (services/containers/ptracers.py); only the webhook's entry
 ephemeral-ptrace.pods.smr.dev can refuse one that could ptrace CRIU, and the
 API server calls it only for pods its matchConditions select. The agent takes
-any container whose PID 1 is named smr-init (host.is_shim), however it was
+a container whose PID 1 is named smr-init (host.is_shim), however it was
 started: `sh -c 'exec /smr/smr-init ...'`, the image's ENTRYPOINT, an
 SMR_CONTAINER from envFrom or the image's ENV under runtimeClassName smr.
-Those pods are not selected, and a privileged debug container targeting the
+Those pods are not selected: a privileged debug container targeting the
 container, added once CRIU is seen running (or kept running: the workload
-can stop it with SIGSTOP until criu_timeout), is admitted unjudged."""
+can stop it with SIGSTOP until criu_timeout), would be admitted unjudged. So
+the agent runs CRIU only where the container's own spec shows smr
+(services/containers/ptracers.guarded)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import yaml
 
 from tests.agent.cluster import REPO, Cluster, workload
-from tests.agent.test_attacks import checkpoint
+from tests.agent.test_attacks import refused_before_criu
 
 
 def selected(pod: dict[str, Any]) -> bool:
@@ -38,11 +39,11 @@ def selected(pod: dict[str, Any]) -> bool:
         for c in pod["spec"]["containers"])
 
 
-@pytest.mark.xfail(strict=True, reason="open: the agent runs CRIU in a pod started through "
-                   "`sh -c 'exec /smr/smr-init'`, which the webhook's matchConditions do not "
-                   "select; whether the agent refuses such pods or the webhook selects more is "
-                   "a decision still to make")
-async def test_criu_runs_only_in_pods_the_webhook_guards(cluster: Cluster) -> None:
+async def test_criu_runs_only_in_pods_the_webhook_guards(
+        cluster: Cluster, criu_runs: list[list[str]]) -> None:
+    """A pod that starts smr-init through `sh -c exec`, with no SMR_CONTAINER
+    in its spec, is not selected by the webhook's entry for debug
+    containers: the agent refuses it before CRIU runs, and it runs on."""
     a, _ = list(cluster.kubelets)
     p = workload("shstart", a, labels={"smr.dev/node-restore": "true"})
     p["spec"]["containers"][0]["command"] = ["/bin/sh", "-c",
@@ -50,8 +51,7 @@ async def test_criu_runs_only_in_pods_the_webhook_guards(cluster: Cluster) -> No
     cluster.kube.put("pods", p)
     await cluster.until_steps("shstart", a, 3)
     stored = cluster.kube.get("pods", "shstart", "default")
-    assert stored is not None
-    done = await checkpoint(cluster, "shstart", a, "shstart.main")
-    assert not (done.status == "succeeded" and not selected(stored)), (
-        "the agent ran CRIU in a pod whose ephemeral containers the webhook never judges: "
-        f"{stored['spec']['containers'][0]}")
+    assert stored is not None and not selected(stored)
+    done = await refused_before_criu(cluster, "shstart", a, criu_runs,
+                                     code="container-not-guarded")
+    assert "webhook" in done.error["message"], done.error
