@@ -121,3 +121,38 @@ def test_a_pre_dump_parent_is_checked_too(dumped: Path, tmp_path: Path) -> None:
     (work / "images" / "parent").unlink()
     (work / "images" / "parent").symlink_to(outside)
     assert torn(work / "images") is None
+
+
+ZOMBIE_WORKLOAD = """
+import os, subprocess, time
+subprocess.Popen(["true"])  # exits at once, never waited for: a zombie child
+time.sleep(0.5)
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_tree_holding_a_zombie_is_whole(criu_binary: str, tmp_path: Path) -> None:
+    """CRIU dumps a zombie with its own core (its state dead) and lists for
+    it a thread that is none (an unset number, no core of its own): a whole
+    dump of a tree holding one is whole. Its core missing is still torn."""
+    images = tmp_path / "images"
+
+    async def dump() -> None:
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ZOMBIE_WORKLOAD, stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        try:
+            assert p.stdout and (await p.stdout.readline()).strip() == b"ready"
+            await Criu(criu_binary).dump(p.pid, images, leave_running=True)
+        finally:
+            p.kill()
+            await p.wait()
+
+    asyncio.run(dump())
+    assert len(list(images.glob("core-*.img"))) == 2, "expected the process's and its zombie's"
+    assert torn(images) is None
+    zombie = min(images.glob("core-*.img"), key=lambda p: p.stat().st_size)
+    zombie.unlink()
+    why = torn(images)
+    assert why is not None and f"{zombie.name} is missing" in why, why

@@ -9,8 +9,8 @@ shows zeros, resumes on zeroed memory.
 Each ``pages-N.img`` holds exactly the pages its pagemaps mark present
 (CRIU's PE_PRESENT), nothing else: its size against theirs catches a cut
 page image without reading a page. The images of the process tree
-(inventory, pstree, each thread's core) and every pagemap are read through,
-record by record. Not seen: a protobuf image cut exactly on a record
+(inventory, pstree, each thread's core; a zombie's own core only) and
+every pagemap are read through, record by record. Not seen: a protobuf image cut exactly on a record
 boundary, or pages zeroed in place; a dump from an earlier boot is judged
 by its stamp instead (services/checkpointer/dumpstamp).
 """
@@ -26,6 +26,8 @@ from smr.process.criuimages import Torn, fields, uints, whole_records
 # criu/include/pagemap.h
 PE_PARENT = 1 << 0  # the pages are in the parent (pre-dump) images
 PE_PRESENT = 1 << 2  # the pages are in this directory's pages-N.img
+# criu/include/pstree.h (compel's task states): a zombie is dumped as dead.
+TASK_DEAD = 2
 # A chain of pre-dumps is at most this deep (smr takes one).
 MAX_PARENTS = 8
 
@@ -49,16 +51,35 @@ def _tree(images: Path) -> str | None:
                 pid = value
             elif number == 5:
                 threads += uints(value)
-        for tid in threads or [pid]:
-            core = images / f"core-{tid}.img"
-            try:
-                if not whole_records(core):
-                    return f"{core.name} holds no record"
-            except FileNotFoundError:
-                return f"{core.name} is missing (pstree.img names thread {tid})"
-            except Torn as e:
-                return str(e)
+        why, state = _core(images, pid, pid)
+        if why:
+            return why
+        if state == TASK_DEAD:
+            # A zombie: CRIU restores it from its own core alone, and the
+            # thread CRIU lists for it is no thread at all (an unset number).
+            continue
+        for tid in threads:
+            if tid != pid and (why := _core(images, tid, pid)[0]):
+                return why
     return None
+
+
+def _core(images: Path, tid: int, pid: int) -> tuple[str | None, int | None]:
+    """Is the core image of thread ``tid`` (of process ``pid``) whole, and
+    its task's state (the process's own core holds it; None in a thread's)."""
+    core = images / f"core-{tid}.img"
+    try:
+        entries = whole_records(core)
+    except FileNotFoundError:
+        named = "process" if tid == pid else "thread"
+        return f"{core.name} is missing (pstree.img names {named} {tid})", None
+    except Torn as e:
+        return str(e), None
+    if not entries:
+        return f"{core.name} holds no record", None
+    # CoreEntry.tc (3) is the task's TaskCoreEntry; its task_state (1).
+    tc = next((v for n, v in fields(entries[0]) if n == 3 and isinstance(v, bytes)), b"")
+    return None, next((v for n, v in fields(tc) if n == 1 and isinstance(v, int)), None)
 
 
 def _pages(images: Path, page_size: int) -> str | None:
