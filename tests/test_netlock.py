@@ -171,3 +171,39 @@ def test_repair_off_leaves_a_socket_not_in_repair_mode_as_it_is() -> None:
     finally:
         for x in (c, s, locked_one, peer, listener):
             x.close()
+
+
+async def test_a_final_dump_its_recovery_refuses_gives_the_job_its_connection_back(
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str) -> None:
+    """A final dump kept a client's connection, its worker died and its page
+    image is cut short, the job held stopped: the recovery refuses the dump
+    and the job runs on to be dumped again. CRIU's lock goes first (its
+    table is named in the dump's log, which the refusal must not have
+    dropped before): the client is answered on the connection it had."""
+    from tests.test_recovery_order import cut_page_image, dump_then_die, request
+
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
+                       commit_deadline=20.0) as node_h:
+        job, port = await start_redis(node_h, keys=1000)
+        r = client(port)
+        stack = contextlib.ExitStack()
+        stack.callback(drop_locks, port)
+        stack.callback(r.close)
+        with stack:
+            assert r.ping()
+            step = ckpt_step(node_h)
+            a = request(node_h, job)  # final: its connection kept
+            await dump_then_die(step, a)
+            table = netlock.table_of(step.work_dir / a.request_id / "images" / "dump.log")
+            assert table is not None
+            cut_page_image(step, a, 4096)
+            recovered = await step.recover(a, {"state": "running", "heartbeat": 0})
+            assert recovered is None and job.alive()
+            nft = (await asyncio.to_thread(
+                subprocess.run, ["nft", "list", "tables"], capture_output=True, text=True,
+                check=True)).stdout
+            assert table not in nft, f"CRIU's lock {table} stayed after the refusal"
+            try:
+                assert await asyncio.to_thread(r.ping)
+            except OSError as e:
+                raise AssertionError(f"the job ran on, its connection dead: {e}") from None

@@ -73,7 +73,12 @@ class CheckpointStep(LocalRecovery, LocalJobStep):
                                 lambda holder: progress.update("waiting", waiting_for=holder))
         try:
             job, _ = await self.jobs.get(job_id)  # read under the lock: no lost update
-            if self._dump_on_disk(req, job):
+            try:
+                on_disk = self._dump_on_disk(req, job)
+            except PermanentError:
+                await self._give_up(req, job, await self._cuda_pids(job))  # drops it
+                raise
+            if on_disk:
                 # An earlier attempt of this very request dumped the job (its
                 # worker died, or storage failed): store that dump, never dump again.
                 gen, current = await self._durable(req, job, progress)
@@ -112,15 +117,13 @@ class CheckpointStep(LocalRecovery, LocalJobStep):
         if not dump_finished(self._work(req) / "images"):
             return False
         facts = self._facts(req)
-        try:
-            dumpstamp.check_trusted(
-                facts.get("dump"), bool(facts.get("synced")), self._work(req) / "images",
-                f"job {job.id}",
-                f"its latest stored generation is kept: `smr restore {job.id}` resumes from it")
-        except PermanentError:
-            shutil.rmtree(self._work(req), ignore_errors=True)
-            self._facts_file(req).unlink(missing_ok=True)
-            raise
+        # A refusal leaves the dump to the caller's _give_up: its log names
+        # CRIU's lock on the connections of a job held stopped, undone before
+        # the job runs on.
+        dumpstamp.check_trusted(
+            facts.get("dump"), bool(facts.get("synced")), self._work(req) / "images",
+            f"job {job.id}",
+            f"its latest stored generation is kept: `smr restore {job.id}` resumes from it")
         return True
 
     def _facts(self, req: CkptRequested) -> dict[str, Any]:

@@ -110,9 +110,12 @@ class LocalRecovery:
                     current = await self.store.ensure_latest(
                         LOCAL_NAMESPACE, req.checkpoint_id, gen)
             except PermanentError as e:
-                if e.code == "dump-unverified" and job.alive():
+                if e.code == "dump-unverified":
+                    # Dropped; a live job (its connections given back first)
+                    # runs on, to be dumped again.
                     await self._give_up(req, job, await self._cuda_pids(job))
-                    return None  # dumped again
+                    if job.alive():
+                        return None
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
         else:
             gen = await self._committed(req)
