@@ -125,8 +125,9 @@ def test_a_pre_dump_parent_is_checked_too(dumped: Path, tmp_path: Path) -> None:
 
 ZOMBIE_WORKLOAD = """
 import os, subprocess, time
-subprocess.Popen(["true"])  # exits at once, never waited for: a zombie child
-time.sleep(0.5)
+child = subprocess.Popen(["true"])  # exits at once, never waited for: a zombie child
+while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.01)  # a loaded machine may not have run it to its end yet
 print("ready", flush=True)
 time.sleep(1000)
 """
