@@ -85,6 +85,11 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
         "is missing (pstree.img names thread"),
     "pstree empty": (lambda d: (d / "pstree.img").open("r+b").truncate(0), "pstree.img"),
     "inventory missing": (lambda d: (d / "inventory.img").unlink(), "inventory.img is missing"),
+    "memory layout empty": (
+        lambda d: next(d.glob("mm-*.img")).open("r+b").truncate(0), "not even its magic"),
+    "files cut inside a record": (lambda d: _cut(d / "files.img", 3), "inside a record"),
+    "descriptors cut inside a record": (
+        lambda d: _cut(next(d.glob("fdinfo-*.img")), 3), "inside a record"),
 }
 
 

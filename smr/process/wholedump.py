@@ -9,8 +9,9 @@ shows zeros, resumes on zeroed memory.
 Each ``pages-N.img`` holds exactly the pages its pagemaps mark present
 (CRIU's PE_PRESENT), nothing else: its size against theirs catches a cut
 page image without reading a page. The images of the process tree
-(inventory, pstree, each thread's core; a zombie's own core only) and
-every pagemap are read through, record by record. Not seen: a protobuf image cut exactly on a record
+(inventory, pstree, each thread's core; a zombie's own core only), every
+pagemap and the other images of records alone (``RECORDS_ONLY``) are read
+through, record by record. Not seen: a protobuf image cut exactly on a record
 boundary, or pages zeroed in place; a dump from an earlier boot is judged
 by its stamp instead (services/checkpointer/dumpstamp).
 """
@@ -30,6 +31,11 @@ PE_PRESENT = 1 << 2  # the pages are in this directory's pages-N.img
 TASK_DEAD = 2
 # A chain of pre-dumps is at most this deep (smr takes one).
 MAX_PARENTS = 8
+# Images CRIU writes as records alone, read through like the tree's: each
+# process's memory layout, ids, fs and descriptors, and the files they name.
+# Others carry raw bytes after their records (pipe and socket queues, TCP
+# streams, ghost files, tmpfs archives), which a record reader cannot judge.
+RECORDS_ONLY = ("mm-*.img", "ids-*.img", "fs-*.img", "fdinfo-*.img", "files.img")
 
 
 def _tree(images: Path) -> str | None:
@@ -43,6 +49,12 @@ def _tree(images: Path) -> str | None:
         return str(e)
     if not entries:
         return "pstree.img names no process"
+    for pattern in RECORDS_ONLY:
+        for image in sorted(images.glob(pattern)):
+            try:
+                whole_records(image)
+            except Torn as e:
+                return str(e)
     for entry in entries:
         pid = 0
         threads: list[int] = []
