@@ -195,8 +195,6 @@ def test_io_uring_setup_fails_with_enosys_in_the_workloads_tree(
         c.stop()
 
 
-@pytest.mark.xfail(reason="smr-init keeps the last 64 exits it reaped while waiting: the "
-                          "root's is overwritten by later orphans' (pre-existing)", strict=True)
 def test_a_restored_root_that_exits_before_the_decision_among_many_orphans_gives_its_code(
         smr_runtime: Path, top: Path) -> None:
     """As above, but the root's tree leaves more than 64 orphans that end

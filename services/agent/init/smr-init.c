@@ -108,9 +108,34 @@
 static char dir[4096];
 static volatile pid_t workload = -1;
 /* Children reaped while waiting for the decision: a restored root may exit
-   before the agent names it, and its status is the container's. */
-static pid_t early_pid[64];
-static int early_status[64], early_n;
+   before the agent names it, and its status is the container's. One entry
+   per PID (its last exit), however many orphans end meanwhile: a fixed ring
+   lost the root's among more than its size. */
+static pid_t *early_pid;
+static int *early_status;
+static size_t early_n, early_cap;
+
+static void note_early(pid_t pid, int st) {
+    for (size_t i = 0; i < early_n; i++)
+        if (early_pid[i] == pid) { early_status[i] = st; return; }
+    if (early_n == early_cap) {
+        size_t cap = early_cap ? 2 * early_cap : 64;
+        pid_t *p = realloc(early_pid, cap * sizeof *p);
+        if (p) early_pid = p;
+        int *s = p ? realloc(early_status, cap * sizeof *s) : NULL;
+        if (s) early_status = s;
+        if ((!p || !s) && early_n == 0) return;  /* out of memory, nothing to give way */
+        if (!p || !s) {  /* out of memory: the oldest entry gives way */
+            memmove(early_pid, early_pid + 1, (early_n - 1) * sizeof *early_pid);
+            memmove(early_status, early_status + 1, (early_n - 1) * sizeof *early_status);
+            early_n--;
+        } else {
+            early_cap = cap;
+        }
+    }
+    early_pid[early_n] = pid;
+    early_status[early_n++] = st;
+}
 
 static void die(const char *what) {
     fprintf(stderr, "smr-init: %s: %s\n", what, strerror(errno));
@@ -437,10 +462,8 @@ int main(int argc, char **argv) {
         if (!how) {
             int st;
             pid_t dead;
-            while ((dead = waitpid(-1, &st, WNOHANG)) > 0) {  /* the agent's helpers */
-                early_pid[early_n % 64] = dead;
-                early_status[early_n++ % 64] = st;
-            }
+            while ((dead = waitpid(-1, &st, WNOHANG)) > 0)  /* the agent's helpers */
+                note_early(dead, st);
             usleep(50000);
         }
     }
@@ -455,7 +478,7 @@ int main(int argc, char **argv) {
          * made the tree's root (and killed it) leaves an exit under the PID
          * the next attempt's restored root takes again. */
         if (kill(workload, 0) < 0 && errno == ESRCH)
-            for (int i = 0; i < early_n && i < 64; i++)
+            for (size_t i = 0; i < early_n; i++)
                 if (early_pid[i] == workload) { pid = workload; st = early_status[i]; }
         if (pid < 0) {
             forward_pending();
