@@ -33,10 +33,17 @@ time.sleep(1000)
 @pytest.fixture(scope="module")
 def dumped(criu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     images = tmp_path_factory.mktemp("wholedump") / "images"
+    dump(criu_binary, WORKLOAD, images)
+    return images
 
-    async def dump() -> None:
+
+def dump(criu_binary: str, workload: str, images: Path) -> None:
+    """Real CRIU dumps ``workload`` (Python source) into ``images`` once it
+    says ready, leaving it running; it is killed after."""
+
+    async def run() -> None:
         p = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WORKLOAD, stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-c", workload, stdout=asyncio.subprocess.PIPE,
             stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         try:
             assert p.stdout and (await p.stdout.readline()).strip() == b"ready"
@@ -45,8 +52,7 @@ def dumped(criu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
             p.kill()
             await p.wait()
 
-    asyncio.run(dump())
-    return images
+    asyncio.run(run())
 
 
 def _largest(images: Path, pattern: str) -> Path:
@@ -143,19 +149,7 @@ def test_a_tree_holding_a_zombie_is_whole(criu_binary: str, tmp_path: Path) -> N
     it a thread that is none (an unset number, no core of its own): a whole
     dump of a tree holding one is whole. Its core missing is still torn."""
     images = tmp_path / "images"
-
-    async def dump() -> None:
-        p = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", ZOMBIE_WORKLOAD, stdout=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
-        try:
-            assert p.stdout and (await p.stdout.readline()).strip() == b"ready"
-            await Criu(criu_binary).dump(p.pid, images, leave_running=True)
-        finally:
-            p.kill()
-            await p.wait()
-
-    asyncio.run(dump())
+    dump(criu_binary, ZOMBIE_WORKLOAD, images)
     assert len(list(images.glob("core-*.img"))) == 2, "expected the process's and its zombie's"
     assert torn(images) is None
     zombie = min(images.glob("core-*.img"), key=lambda p: p.stat().st_size)
