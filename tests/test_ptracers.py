@@ -98,7 +98,8 @@ def test_a_plain_pod_passes_and_a_ptracing_one_is_refused_with_what_to_do() -> N
     {"name": "main", "image": "app", "envFrom": [{"configMapRef": {"name": "smr"}}]},
     {"name": "main", "image": "app", "command": ["/smr/smr-init"],
      "env": [{"name": "SMR_CONTAINER", "value": "main"}], "x": "other container's"},
-], ids=["shell", "entrypoint", "env-from", "another-container"])
+    {"name": "main", "image": "app", "command": ["/bin/not-smr-init", "--", "app"]},
+], ids=["shell", "entrypoint", "env-from", "another-container", "lookalike"])
 def test_a_container_starting_smr_init_unseen_in_its_spec_is_refused(
         container: dict[str, Any]) -> None:
     """The webhook judges debug containers only for pods whose spec shows smr

@@ -105,14 +105,19 @@ def guarded(pod: dict[str, Any], container: str) -> bool:
     smr-init'`, an env from envFrom) is not selected: a debug container added
     while CRIU runs there would go unjudged."""
     spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
-    for c in spec.get("containers") or []:
-        if isinstance(c, dict) and c.get("name") == container:
-            command = c.get("command")
-            return (isinstance(command, list) and bool(command)
-                    and str(command[0]).endswith("smr-init")) or \
-                any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER"
-                    for e in c.get("env") or [])
-    return False
+    return any(isinstance(c, dict) and c.get("name") == container and shows_smr(c)
+               for c in spec.get("containers") or [])
+
+
+def shows_smr(container: dict[str, Any]) -> bool:
+    """Does this container's own spec start smr-init: as its command, or
+    through smr-runtime for an ``SMR_CONTAINER`` in its env? The one test the
+    agent and the webhook share (the webhook's matchConditions are wider)."""
+    command = container.get("command")
+    first = command[0] if isinstance(command, list) and command else ""
+    return (isinstance(first, str) and first.rsplit("/", 1)[-1] == "smr-init") or \
+        any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER"
+            for e in container.get("env") or [])
 
 
 def refuse(pod: dict[str, Any], container: str) -> None:

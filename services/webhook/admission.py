@@ -143,13 +143,7 @@ def _smr_pod(pod: dict[str, Any], s: Settings) -> bool:
     spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
     return policy.opted_in or policy.warm or \
         (isinstance(annotations, dict) and f"{s.label_prefix}/{INJECTED}" in annotations) or \
-        any(_starts_smr_init(c) or _names_smr_container(c)
-            for c in spec.get("containers") or [] if isinstance(c, dict))
-
-
-def _names_smr_container(container: dict[str, Any]) -> bool:
-    return any(isinstance(e, dict) and e.get("name") == "SMR_CONTAINER"
-               for e in container.get("env") or [])
+        any(ptracers.shows_smr(c) for c in spec.get("containers") or [] if isinstance(c, dict))
 
 
 def uid_of(body: bytes) -> str:
