@@ -483,3 +483,33 @@ async def test_slow_clients_never_keep_the_api_servers_reviews_waiting(
         hook.stop()
         await task
         await api.close()
+
+
+@pytest.mark.parametrize("main", [
+    {"command": ["/smr/smr-init", "--", "app"]},
+    {"command": ["smr-init"]},
+    {"command": ["evil/smr-init"]},
+    {"command": ["/app/not-smr-init"]},
+    {"command": ["xsmr-init"]},
+    {"command": ["/x/smr-init-not"]},
+    {"command": ["/bin/sh", "-c", "exec /smr/smr-init"]},
+    {"env": [{"name": "SMR_CONTAINER", "value": "main"}]},
+    {"env": [{"name": "SMR_CONTAINER", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]},
+    {"envFrom": [{"configMapRef": {"name": "smr"}}]},
+])
+def test_every_pod_the_agent_runs_criu_in_is_one_the_webhook_judges(
+        main: dict[str, Any]) -> None:
+    """The agent runs CRIU only where ptracers.guarded says the webhook judges
+    the pod's debug containers: for each such pod, a privileged one aimed at
+    the container is refused (and the webhook's matchConditions, CEL's
+    endsWith('smr-init') or an SMR_CONTAINER name, select it too)."""
+    from services.containers import ptracers
+    p = pod("g", None)
+    p["spec"]["containers"][0] = {"name": "main", "image": "app", **main}
+    if not ptracers.guarded(p, "main"):
+        return
+    c = p["spec"]["containers"][0]
+    assert str((c.get("command") or [""])[0]).endswith("smr-init") or \
+        any(e.get("name") == "SMR_CONTAINER" for e in c.get("env") or [])
+    r = review(ephemeral_update(p, debugger("main", privileged=True)), S)["response"]
+    assert r["allowed"] is False, (main, r)
