@@ -130,4 +130,5 @@ class NodeAgent:
             for t in tasks:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(t, 30)
-            self.bundle.close()
+            if all(t.done() for t in tasks):  # none may still hand CRIU these descriptors
+                self.bundle.close()
