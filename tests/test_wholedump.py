@@ -7,7 +7,9 @@ copy as a crash would."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +51,9 @@ def dump(criu_binary: str, workload: str, images: Path) -> None:
             assert p.stdout and (await p.stdout.readline()).strip() == b"ready"
             await Criu(criu_binary).dump(p.pid, images, leave_running=True)
         finally:
-            p.kill()
+            # The whole group: a workload's forked children would otherwise
+            # outlive it, holding this test's pipe open.
+            os.killpg(p.pid, signal.SIGKILL)
             await p.wait()
 
     asyncio.run(run())
@@ -156,3 +160,58 @@ def test_a_tree_holding_a_zombie_is_whole(criu_binary: str, tmp_path: Path) -> N
     zombie.unlink()
     why = torn(images)
     assert why is not None and f"{zombie.name} is missing" in why, why
+
+
+HEAVY_WORKLOAD = """
+import mmap, os, signal, socket, tempfile, threading, time
+r, w = os.pipe()
+os.write(w, b"queued in a pipe" * 100)
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+a.sendall(b"queued on a stream pair" * 100)
+c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+for _ in range(5):
+    c.send(b"a datagram")
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind(("127.0.0.1", 0))
+efd = os.eventfd(7)
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.setitimer(signal.ITIMER_REAL, 500, 500)
+work = tempfile.mkdtemp()
+with open(os.path.join(work, "mapped"), "wb") as f:
+    f.write(os.urandom(3 << 20))
+mapped_file = open(os.path.join(work, "mapped"), "r+b")
+mapped = mmap.mmap(mapped_file.fileno(), 2 << 20)
+ghost = open(os.path.join(work, "ghost"), "w+b")
+ghost.write(b"deleted but open" * 1000)
+ghost.flush()
+os.unlink(os.path.join(work, "ghost"))
+for _ in range(4):
+    threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+children = []
+for i in range(3):
+    cr, cw = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(cw, b"child %d" % i)
+        time.sleep(1000)
+        os._exit(0)
+    children.append((pid, cr, cw))
+time.sleep(0.2)
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_heavy_process_dumps_whole(criu_binary: str, tmp_path: Path) -> None:
+    """A process holding what real programs hold (queued pipe and socket
+    data, listening TCP and bound UDP sockets, an eventfd, a running timer,
+    a mapped file, a deleted file still open, threads, forked children)
+    dumps whole: nothing in a real dump of it is taken for a cut."""
+    images = tmp_path / "images"
+    dump(criu_binary, HEAVY_WORKLOAD, images)
+    assert len(list(images.glob("pstree.img"))) == 1
+    assert len(list(images.glob("core-*.img"))) == 4 + 1 + 3, "expected 5 threads and 3 children"
+    assert torn(images) is None
