@@ -20,6 +20,7 @@ from services.webhook.admission import review
 from services.webhook.certs import CertKeeper, issue, service_names
 from services.webhook.service import MAX_BODY, Webhook
 from smr import config
+from smr.contract.errors import PermanentError
 from tests.agent.cluster import webhook_configuration
 from tests.fake_apiserver import FakeApiServer, json_patch, pod
 
@@ -513,3 +514,23 @@ def test_every_pod_the_agent_runs_criu_in_is_one_the_webhook_judges(
         any(e.get("name") == "SMR_CONTAINER" for e in c.get("env") or [])
     r = review(ephemeral_update(p, debugger("main", privileged=True)), S)["response"]
     assert r["allowed"] is False, (main, r)
+
+
+def test_the_agent_runs_no_criu_in_a_namespace_the_webhook_leaves_out() -> None:
+    """The webhook's entry for debug containers leaves some namespaces out
+    (its namespaceSelector): a debug container added to a pod there is never
+    judged, so the agent runs no CRIU in one, however its spec shows smr."""
+    from services.containers import ptracers
+    [entry] = [h for h in webhook_configuration()["webhooks"]
+               if h["name"] == "ephemeral-ptrace.pods.smr.dev"]
+    [term] = entry["namespaceSelector"]["matchExpressions"]
+    assert (term["key"], term["operator"]) == ("kubernetes.io/metadata.name", "NotIn")
+    assert set(term["values"]) == ptracers.UNJUDGED_NAMESPACES
+    p = pod("g", None)
+    p["spec"]["containers"][0]["env"] = [{"name": "SMR_CONTAINER", "value": "main"}]
+    assert ptracers.guarded(p, "main")
+    for namespace in term["values"]:
+        p["metadata"]["namespace"] = namespace
+        assert not ptracers.guarded(p, "main"), namespace
+        with pytest.raises(PermanentError, match="namespace is one the webhook leaves out"):
+            ptracers.refuse(p, "main")

@@ -95,6 +95,13 @@ _KIND = {"containers": "container", "initContainers": "sidecar init container",
          "ephemeralContainers": "ephemeral container"}
 
 
+# The namespaces the webhook's entry for debug containers leaves out (its
+# namespaceSelector): kube-system, so that an unreachable webhook never blocks
+# debugging the cluster's own pods, and smr-system, so that it never blocks
+# debugging itself. The agent runs no CRIU there.
+UNJUDGED_NAMESPACES = frozenset({"kube-system", "smr-system"})
+
+
 def guarded(pod: dict[str, Any], container: str) -> bool:
     """Does the webhook judge every ephemeral container added to ``pod``? Its
     entry for them (deploy/kustomize/base/webhook.yaml, ephemeral-ptrace)
@@ -103,7 +110,11 @@ def guarded(pod: dict[str, Any], container: str) -> bool:
     containers cannot change, so this holds for the pod's life. A container
     smr-init reaches otherwise (the image's entrypoint, `sh -c 'exec
     smr-init'`, an env from envFrom) is not selected: a debug container added
-    while CRIU runs there would go unjudged."""
+    while CRIU runs there would go unjudged. Nor is a pod in a namespace the
+    entry's namespaceSelector leaves out (UNJUDGED_NAMESPACES)."""
+    meta = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}
+    if meta.get("namespace", "default") in UNJUDGED_NAMESPACES:
+        return False
     spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
     return any(isinstance(c, dict) and c.get("name") == container and shows_smr(c)
                for c in spec.get("containers") or [])
@@ -127,14 +138,15 @@ def refuse(pod: dict[str, Any], container: str) -> None:
     meta = pod.get("metadata") or {}
     if not guarded(pod, container):
         raise PermanentError(
-            f"pod {meta.get('namespace')}/{meta.get('name')}: container {container} starts "
-            "smr-init by a way its spec does not show (the image's entrypoint, a shell, an "
-            "env from envFrom), so the smr webhook cannot judge a debug container added to "
-            "the pod while CRIU runs in it; CRIU was not started, nothing was frozen or "
-            "restored", code="container-not-guarded",
-            hint="label the pod for the smr webhook (it adds SMR_CONTAINER), or name smr-init "
-                 "as the container's command, or set SMR_CONTAINER in the container's env "
-                 "(docs/node-agent.md)")
+            f"pod {meta.get('namespace')}/{meta.get('name')}: the smr webhook cannot judge a "
+            f"debug container added to it while CRIU runs in container {container} (the pod's "
+            "namespace is one the webhook leaves out, or the container starts smr-init by a "
+            "way its spec does not show: the image's entrypoint, a shell, an env from "
+            "envFrom); CRIU was not started, nothing was frozen or restored",
+            code="container-not-guarded",
+            hint="run the workload outside kube-system and smr-system; label the pod for the "
+                 "smr webhook (it adds SMR_CONTAINER), or name smr-init as the container's "
+                 "command, or set SMR_CONTAINER in the container's env (docs/node-agent.md)")
     if found := ptracers(pod, container):
         raise PermanentError(
             f"pod {meta.get('namespace')}/{meta.get('name')}: {', '.join(found)} may hold "
