@@ -96,4 +96,7 @@ async def _before_start(starts: StartRestores, ckpt: str, namespace: str,
         stored = epoch(gen["created_at"]) if gen is not None else None
     except (KeyError, TypeError, ValueError, AttributeError):
         return gen  # no times to compare: the latest, as before
-    return gen if stored is not None and stored < started else None
+    # The kubelet's startedAt holds whole seconds: a generation stored in the
+    # second the container started was stored before it (the container's own
+    # first checkpoint cannot come within a second of its start).
+    return gen if stored is not None and stored < started + 1 else None

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from services.agent.alive import StartsTurn
 from services.agent.service import NodeAgent
 from smr.contract.messages import CkptRequested, Target
@@ -183,3 +185,24 @@ async def test_two_agents_of_one_node_never_answer_one_start_twice(
             again = await cluster.until_steps("surge-x3", a, 3, timeout=60)
             assert_continues(before, again, before[-1][0])
             assert new.starts._done, "the new agent did not take over the node's starts"
+
+
+@pytest.mark.parametrize(("stored", "named"), [
+    ("2026-11-29T04:00:00.700Z", True),  # the second the container started in
+    ("2026-11-29T03:59:59.999Z", True),
+    ("2026-11-29T04:00:01.000Z", False),  # after it: the container's own
+])
+async def test_the_checkpoint_named_lost_is_judged_by_the_kubelets_whole_seconds(
+        stored: str, named: bool) -> None:
+    """The kubelet writes startedAt in whole seconds: a generation stored
+    earlier within that second (a pod created at once after a checkpoint) is
+    the one the container would have resumed from, and the Warning names it."""
+    from services.agent import unanswered
+
+    class Starts:
+        async def _latest(self, ckpt: str, namespace: str) -> dict[str, Any]:
+            return {"generation": 3, "created_at": stored}
+
+    status = {"state": {"running": {"startedAt": "2026-11-29T04:00:00Z"}}}
+    gen = await unanswered._before_start(Starts(), "c", "default", status)  # type: ignore[arg-type]
+    assert (gen is not None) == named, gen
