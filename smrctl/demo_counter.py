@@ -10,12 +10,12 @@ that continues with the right step and digest has its state intact.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import subprocess
 import sys
 import time
+import zlib
 
 SEED = 20261121
 
@@ -34,7 +34,10 @@ def initial(mib: int) -> bytearray:
 
 
 def digest(buf: bytearray) -> str:
-    return hashlib.blake2b(buf, digest_size=8).hexdigest()
+    # CRC-32 reads the whole memory each step at a quarter of blake2b's CPU:
+    # it catches a page lost or misplaced by a restore as surely, and the
+    # test suite runs dozens of these counters at once on two cores.
+    return f"{zlib.crc32(buf):08x}"
 
 
 def expected_digest(mib: int, step: int) -> str:
