@@ -207,29 +207,31 @@ class PodRestoreStep(PodStep):
         criu = await self.criu_in(c, shim, work, work_fd, charged=True)
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         await set_last_pid(shim, pid_max - 1000, self.init_binary)
-        # The dumped stdout/stderr pipes become the new container's.
-        inherit, fds = {}, []
-        for fd, pipe in ((gen.manifest.get("container") or {}).get("stdio") or {}).items():
-            with contextlib.suppress(OSError):
-                mode = os.O_RDONLY if fd == "0" else os.O_WRONLY
-                new = os.open(f"/proc/{shim.pid}/fd/{fd}", mode)
-                fds.append(new)
-                inherit[pipe] = new
         pidfile = work / "restored.pid"
         # A new container has a new network namespace: connections come back closed.
         tcp = sockets.restore_mode(gen.manifest, same_place=False)
         # A GPU tree stays stopped until its GPU state is back (smr.gpu.frozen):
         # a thread that ran before would touch GPU mappings not yet there.
         gpu = bool(gen.manifest.get("gpu") and self.cuda)
-        if pages_ok is not None and not gpu:
-            # CRIU lets a tree without GPU state run as it finishes: the pages
-            # it reads are verified first.
-            t = time.monotonic()
-            await pages_ok
-            durations["verify"] = time.monotonic() - t
-        (work / BEGUN).touch()  # dates the restored tree, if the agent dies (recover)
-        criu.on_start = lambda pid: launcher.note(work, pid)
+        # The dumped stdout/stderr pipes become the new container's. Ours are
+        # closed whatever happens: one kept open holds the container's log
+        # open after its processes end (the runtime then waits on its logger).
+        inherit, fds = {}, []
         try:
+            for fd, pipe in ((gen.manifest.get("container") or {}).get("stdio") or {}).items():
+                with contextlib.suppress(OSError):
+                    mode = os.O_RDONLY if fd == "0" else os.O_WRONLY
+                    new = os.open(f"/proc/{shim.pid}/fd/{fd}", mode)
+                    fds.append(new)
+                    inherit[pipe] = new
+            if pages_ok is not None and not gpu:
+                # CRIU lets a tree without GPU state run as it finishes: the
+                # pages it reads are verified first.
+                t = time.monotonic()
+                await pages_ok
+                durations["verify"] = time.monotonic() - t
+            (work / BEGUN).touch()  # dates the restored tree, if the agent dies (recover)
+            criu.on_start = lambda pid: launcher.note(work, pid)
             if streamed:
                 # The socket in the pod's volume: CRIU, inside the container,
                 # reaches it there under a short path.

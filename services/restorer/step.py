@@ -116,40 +116,42 @@ class RestoreStep(LocalJobStep):
         spec = gen.manifest.get("job") or {}
         log = spec.get("log", "")
         inherit, fds = {}, []
-        if log:
-            # The job's log has grown since the dump; hand CRIU an open descriptor
-            # instead of letting it reopen the file and refuse the new size. A
-            # copy's descriptor is its own log's, under the dumped path's name.
-            own = restored_log(spec, req)
-            Path(own).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(own, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            fds.append(fd)
-            inherit[log] = fd
-        pidfile = work / "restored.pid"
-        work.mkdir(parents=True, exist_ok=True)
-        (work / TARGET).write_text(self.job_id(req.target))
-        (work / BEGUN).touch()  # dates the restored process, if its worker dies (recover)
-        # A GPU process stays stopped until its GPU state is back (_gpu_back).
-        gpu = bool(gen.manifest.get("gpu") and self.cuda)
+        # Our descriptors are closed whatever fails below (a full disk too).
         try:
-            carry = await self._link_remaps(gen, work, streamed)
-            async with linkremap.put_back(carry):
-                if not streamed:  # fetched first: CRIU reads the files
-                    run = await self.criu.restore(work / "images", pidfile=pidfile,
-                                                  inherit=inherit, tcp=tcp, leave_stopped=gpu)
-                else:
-                    run = await restore_streamed(
-                        self.criu, self.store, gen, work / "images", durations,
-                        pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
-                        on_bytes=lambda n: progress.update(done_bytes=n))
-        except BaseException:
-            # CRIU failed part-way: the processes it had made, killed, came to
-            # this subreaper as it exited. Reaped here, their PIDs (the job's
-            # own, in the host's namespace) are free for the next restore.
-            for p in dumped_pids(spec):
-                reaper.adopt(p)
-            reaper.reap()
-            raise
+            if log:
+                # The job's log has grown since the dump; hand CRIU an open descriptor
+                # instead of letting it reopen the file and refuse the new size. A
+                # copy's descriptor is its own log's, under the dumped path's name.
+                own = restored_log(spec, req)
+                Path(own).parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(own, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                fds.append(fd)
+                inherit[log] = fd
+            pidfile = work / "restored.pid"
+            work.mkdir(parents=True, exist_ok=True)
+            (work / TARGET).write_text(self.job_id(req.target))
+            (work / BEGUN).touch()  # dates the restored process, if its worker dies (recover)
+            # A GPU process stays stopped until its GPU state is back (_gpu_back).
+            gpu = bool(gen.manifest.get("gpu") and self.cuda)
+            try:
+                carry = await self._link_remaps(gen, work, streamed)
+                async with linkremap.put_back(carry):
+                    if not streamed:  # fetched first: CRIU reads the files
+                        run = await self.criu.restore(work / "images", pidfile=pidfile,
+                                                      inherit=inherit, tcp=tcp, leave_stopped=gpu)
+                    else:
+                        run = await restore_streamed(
+                            self.criu, self.store, gen, work / "images", durations,
+                            pidfile=pidfile, inherit=inherit, tcp=tcp, leave_stopped=gpu,
+                            on_bytes=lambda n: progress.update(done_bytes=n))
+            except BaseException:
+                # CRIU failed part-way: the processes it had made, killed, came to
+                # this subreaper as it exited. Reaped here, their PIDs (the job's
+                # own, in the host's namespace) are free for the next restore.
+                for p in dumped_pids(spec):
+                    reaper.adopt(p)
+                reaper.reap()
+                raise
         finally:
             for fd in fds:
                 os.close(fd)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from typing import Any
 
+from services.containers import host
+from services.containers.pods import runtime_id
 from services.policy import policy_for
 from services.storage import layout
 from services.storage.layout import template_id
@@ -217,3 +220,21 @@ async def test_a_replica_restores_when_its_nodes_cached_copy_was_altered(
     await cluster.event("Restored", "c2")
     assert cache.stats["corrupt"] >= 1
     assert entry.read_bytes() != bytes(data), "the altered copy stayed in the cache"
+    # The failed attempt's descriptors of the container's stdout and stderr
+    # were closed: the agent keeps none (one kept holds the container's log
+    # open after it ends, and the runtime waits on its logger at its delete).
+    st = cluster.kube.get("pods", "c2", "default")
+    assert st is not None
+    shim = host.find_shim(runtime_id(st["status"]["containerStatuses"][0]["containerID"]))
+    assert shim is not None
+    pipes = {os.readlink(f"/proc/{shim.pid}/fd/{fd}") for fd in (1, 2)}
+    held = [fd for fd in os.listdir("/proc/self/fd")
+            if _link(f"/proc/self/fd/{fd}") in pipes]
+    assert not held, f"the agent holds the container's {pipes} as its descriptors {held}"
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
