@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -298,3 +299,28 @@ def webhook_configuration(failure_policy: str = "Ignore") -> dict[str, Any]:
     for hook in cfg["webhooks"]:
         hook["failurePolicy"] = failure_policy
     return cfg  # type: ignore[no-any-return]
+
+
+def stdio_pipes(kubelets: dict[str, FakeKubelet]) -> set[str]:
+    """The pipes the processes of the kubelets' containers hold as their
+    stdin, stdout and stderr (the container's log), as /proc names them."""
+    ids = {run.id for k in kubelets.values() for st in k.pods.values()
+           for run in st.containers.values()}
+    found = set()
+    for p in host.all_pids():
+        if host.container_id_of(p) in ids:
+            for fd in (0, 1, 2):
+                with contextlib.suppress(OSError):
+                    if (link := os.readlink(f"/proc/{p}/fd/{fd}")).startswith("pipe:"):
+                        found.add(link)
+    return found
+
+
+def held_by_us(links: set[str]) -> list[str]:
+    """This process's descriptors that are one of ``links``."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") in links:
+                held.append(fd)
+    return held

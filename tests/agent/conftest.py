@@ -46,6 +46,8 @@ from tests.agent.cluster import (
     TRAIN,
     USR_IMAGE,
     Cluster,
+    held_by_us,
+    stdio_pipes,
     webhook_configuration,
 )
 from tests.fake_apiserver import FakeApiServer
@@ -282,6 +284,7 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
                       proc if marker else None,
                       {a.s.node: a for a in agents})
     finally:
+        stdio = stdio_pipes(kubelets)
         stack.close()
         for k in kubelets.values():
             await k.stop()
@@ -292,6 +295,10 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
             a.stop()
         for t in tasks:
             await asyncio.wait_for(t, 30)
+        # Every step has ended: a descriptor of a container's log left open
+        # in the agents' process (this one) is a leak, which holds the log
+        # open after the container ends.
+        leaked = held_by_us(stdio)
         for a in apis:
             await a.close()
         await store.close()
@@ -302,6 +309,7 @@ async def cluster(containerd: Containerd, images: list[Path], smr_init: Path,
     refused = secured.violations()
     assert not refused, ("a service was refused a permission the shipped NATS users lack "
                          f"(deploy/kustomize/components/nats-auth): {refused[:5]}")
+    assert not leaked, f"the agents kept descriptors {leaked} of containers' stdout or stderr"
     assert not kube.denied, ("a service was refused a call the shipped RBAC does not grant "
                              f"(deploy/kustomize/base): {kube.denied[:5]}")
 
