@@ -39,17 +39,31 @@ def dumped(criu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return images
 
 
-def dump(criu_binary: str, workload: str, images: Path) -> None:
-    """Real CRIU dumps ``workload`` (Python source) into ``images`` once it
-    says ready, leaving it running; it is killed after."""
+def dump(criu_binary: str, workload: str, images: Path, *, prefix: tuple[str, ...] = (),
+         pre_dump: bool = False) -> None:
+    """Real CRIU dumps ``workload`` (Python source, run under ``prefix``) into
+    ``images`` once it says ready, leaving it running; it is killed after.
+    ``pre_dump``: a pre-dump first (beside ``images``), then a line on its
+    stdin, and the dump once it says ready again."""
 
     async def run() -> None:
         p = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", workload, stdout=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            *prefix, sys.executable, "-c", workload, stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.PIPE, start_new_session=True)
         try:
-            assert p.stdout and (await p.stdout.readline()).strip() == b"ready"
-            await Criu(criu_binary).dump(p.pid, images, leave_running=True)
+            assert p.stdout and p.stdin
+            assert (await p.stdout.readline()).strip() == b"ready"
+            criu = Criu(criu_binary)
+            parent = None
+            if pre_dump:
+                parent = images.parent / "pre"
+                parent.mkdir(parents=True)
+                await criu.pre_dump(p.pid, parent)
+                p.stdin.write(b"go\n")
+                await p.stdin.drain()
+                assert (await p.stdout.readline()).strip() == b"ready"
+            images.mkdir(parents=True, exist_ok=True)
+            await criu.dump(p.pid, images, leave_running=True, parent=parent)
         finally:
             # The whole group: a workload's forked children would otherwise
             # outlive it, holding this test's pipe open.

@@ -1,18 +1,18 @@
-"""Review: real CRIU dumps of process shapes test_wholedump.py does not make;
-torn() must call each whole."""
+"""Real CRIU dumps of more process shapes (memfds, tens of thousands of
+mappings, mappings past a file's end, huge pages, hundreds of threads, SysV
+shared memory, a pre-dump chain, a deleted file held open): torn() calls each
+whole, and a cut where CRIU keeps a length of its own torn."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from smr.process.criu import Criu
 from smr.process.wholedump import torn
+from tests.test_wholedump import dump
 
 pytestmark = pytest.mark.criu
 
@@ -41,7 +41,8 @@ for i in range(20000):  # Python's anonymous mmap is MAP_SHARED: 20000 shmem obj
     maps.append(m)
 libc = ctypes.CDLL(None)
 libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 base = libc.mmap(None, 40000 * 4096, 3, 0x22, -1, 0)  # one private region cut into 40000 VMAs
 for i in range(0, 40000, 2):
@@ -59,7 +60,8 @@ f.write(b"s" * 5000); f.flush()
 import ctypes, ctypes.util
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
 # 4 pages over a file of 5000 bytes: pages 2 and 3 lie beyond EOF (SIGBUS if touched)
 sh = libc.mmap(None, 4 * 4096, 3, 1, f.fileno(), 0)      # MAP_SHARED
 pr = libc.mmap(None, 4 * 4096, 3, 2, f.fileno(), 0)      # MAP_PRIVATE
@@ -114,33 +116,6 @@ shared[:4096] = b"z" * 4096
 print("ready", flush=True)
 time.sleep(1000)
 """
-
-
-def dump(criu_binary: str, workload: str, images: Path, *, prefix: tuple[str, ...] = (),
-         pre_dump: bool = False) -> None:
-    async def run() -> None:
-        p = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-c", workload, stdout=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.PIPE, start_new_session=True)
-        try:
-            assert p.stdout and p.stdin
-            assert (await p.stdout.readline()).strip() == b"ready"
-            criu = Criu(criu_binary)
-            parent = None
-            if pre_dump:
-                parent = images.parent / "pre"
-                parent.mkdir(parents=True)
-                await criu.pre_dump(p.pid, parent)
-                p.stdin.write(b"go\n")
-                await p.stdin.drain()
-                assert (await p.stdout.readline()).strip() == b"ready"
-            images.mkdir(parents=True, exist_ok=True)
-            await criu.dump(p.pid, images, leave_running=True, parent=parent)
-        finally:
-            os.killpg(p.pid, signal.SIGKILL)
-            await p.wait()
-
-    asyncio.run(run())
 
 
 @pytest.mark.parametrize("shape", ["MEMFD", "MANY_VMAS", "BEYOND_EOF", "THREADS"])

@@ -8,9 +8,11 @@ wire format: no generated code to keep in step with CRIU's .proto files.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 _COMMON_MAGICS = (0x54564319, 0x55105940)  # IMG_COMMON_MAGIC, IMG_SERVICE_MAGIC
 
@@ -97,3 +99,46 @@ def records(path: Path) -> Iterator[bytes]:
         (n,) = struct.unpack_from("<I", data, i)
         yield data[i + 4:i + 4 + n]
         i += 4 + n
+
+
+def _record_at(f: BinaryIO, i: int, size: int, name: str) -> tuple[bytes, int]:
+    """The record at byte ``i`` of an image file of ``size`` bytes, and where
+    the next thing starts; Torn if the file ends inside it."""
+    if i + 4 > size:
+        raise Torn(f"{name} ends inside a record's size, at byte {size}")
+    f.seek(i)
+    (n,) = struct.unpack("<I", f.read(4))
+    if i + 4 + n > size:
+        raise Torn(f"{name} ends at byte {size}, inside a record of {n} bytes from byte {i + 4}")
+    return f.read(n), i + 4 + n
+
+
+def chunked_ghost(path: Path) -> None:
+    """A ghost file's image (a deleted file the tree held open), read as CRIU
+    restores it: its GhostFileEntry, then, when ``chunks`` (9) is set, each
+    GhostChunkEntry (len 1, off 2) followed by ``len`` bytes of the file, to
+    the image's end. Raises Torn where the image ends inside any of them, or
+    a chunk lies past the file's recorded ``size`` (10); reads no file data.
+    An image without chunks holds the file's bytes raw (CRIU checks their
+    length against the file's entry itself)."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(4)
+        if len(head) < 4:
+            raise Torn(f"{path.name} holds {len(head)} bytes, not even its magic")
+        i = 8 if struct.unpack("<I", head)[0] in _COMMON_MAGICS else 4
+        entry, i = _record_at(f, i, size, path.name)
+        ghost = {n: v for n, v in fields(entry) if isinstance(v, int)}
+        if not ghost.get(9):
+            return
+        while i < size:
+            record, i = _record_at(f, i, size, path.name)
+            chunk = {n: v for n, v in fields(record) if isinstance(v, int)}
+            length, offset = chunk.get(1, 0), chunk.get(2, 0)
+            if i + length > size:
+                raise Torn(f"{path.name} ends at byte {size}, inside a chunk of {length} bytes "
+                           f"of the deleted file from byte {i}")
+            if offset + length > ghost.get(10, 0):
+                raise Torn(f"{path.name} holds a chunk at {offset}+{length}, past the deleted "
+                           f"file's {ghost.get(10, 0)} bytes")
+            i += length

@@ -11,9 +11,11 @@ Each ``pages-N.img`` holds exactly the pages its pagemaps mark present
 page image without reading a page. The images of the process tree
 (inventory, pstree, each thread's core; a zombie's own core only), every
 pagemap and the other images of records alone (``RECORDS_ONLY``) are read
-through, record by record. Not seen: a protobuf image cut exactly on a record
-boundary, or pages zeroed in place; a dump from an earlier boot is judged
-by its stamp instead (services/checkpointer/dumpstamp).
+through, record by record, and each ghost file's chunks (a deleted file
+held open) with their lengths. Not seen: a protobuf image cut exactly on a
+record boundary (a ghost file's on a chunk's), or pages zeroed in place; a
+dump from an earlier boot is judged by its stamp instead
+(services/checkpointer/dumpstamp).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from smr.process.criuimages import Torn, fields, uints, whole_records
+from smr.process.criuimages import Torn, chunked_ghost, fields, uints, whole_records
 
 # criu/include/pagemap.h
 PE_PARENT = 1 << 0  # the pages are in the parent (pre-dump) images
@@ -34,7 +36,8 @@ MAX_PARENTS = 8
 # Images CRIU writes as records alone, read through like the tree's: each
 # process's memory layout, ids, fs and descriptors, and the files they name.
 # Others carry raw bytes after their records (pipe and socket queues, TCP
-# streams, ghost files, tmpfs archives), which a record reader cannot judge.
+# streams, tmpfs archives), which a record reader cannot judge; a ghost file's
+# chunks record their own lengths (criuimages.chunked_ghost).
 RECORDS_ONLY = ("mm-*.img", "ids-*.img", "fs-*.img", "fdinfo-*.img", "files.img")
 
 
@@ -55,6 +58,11 @@ def _tree(images: Path) -> str | None:
                 whole_records(image)
             except Torn as e:
                 return str(e)
+    for image in sorted(images.glob("ghost-file-*.img")):
+        try:
+            chunked_ghost(image)
+        except Torn as e:
+            return str(e)
     for entry in entries:
         pid = 0
         threads: list[int] = []
