@@ -127,8 +127,9 @@ class NodeAgent:
         finally:
             idle.cancel()
             self.stop()
+            # wait_for cancels a task still running at 30 s and returns only
+            # once it has ended: no task can hand CRIU these descriptors after.
             for t in tasks:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(t, 30)
-            if all(t.done() for t in tasks):  # none may still hand CRIU these descriptors
-                self.bundle.close()
+            self.bundle.close()
