@@ -250,7 +250,7 @@ def test_every_cli_command_and_option_is_documented() -> None:
 def _shape(line: str) -> str:
     line = re.sub(r"demo-[0-9a-f]{6}", "demo-ID", line)
     line = re.sub(r"log [/…]\S*", "log PATH", line)
-    line = re.sub(r"\b[0-9a-f]{16}\b", "HEX", line)
+    line = re.sub(r"\b[0-9a-f]{8}\b", "HEX", line)
     return re.sub(r"\d+(\.\d+)?", "N", line).rstrip()
 
 

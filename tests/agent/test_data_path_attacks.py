@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 import subprocess
@@ -31,6 +30,7 @@ from smr.process.criu import Criu
 from tests.agent.cluster import Cluster, netns_pid, steps, workload
 from tests.agent.test_drain_takeover import in_order
 from tests.agent.test_rollout_pods import another_agent
+from tests.helpers.live import live
 
 
 def final(ckpt: str, node: str, pod: str, uid: str | None = None) -> CkptRequested:
@@ -271,7 +271,7 @@ async def restored_pod(cluster: Cluster, prefix: str) -> tuple[str, str, dict[st
 
 
 async def restoring_shim(node: str) -> Any:
-    [step] = [o for o in gc.get_objects() if isinstance(o, PodRestoreStep) and o.node == node]
+    [step] = [o for o in live(PodRestoreStep) if o.node == node]
     return step.shim_of(await step.pods.container(
         Target(kind="pod", namespace="default", pod="cx-2", container="main")))
 

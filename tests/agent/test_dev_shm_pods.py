@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import io
 import tarfile
 import tempfile
@@ -33,6 +32,7 @@ from smr.gpu import frozen
 from smr.identity import ProcessIdentity
 from tests import oci_image
 from tests.agent.cluster import CMD, Cluster, steps, workload
+from tests.helpers.live import live
 
 SHM_IMAGE = "smr.test/shm-counter:1"
 SHM_COUNTER = b"""#!/bin/sh
@@ -132,8 +132,7 @@ async def test_a_pod_heartbeat_saves_dev_shm_as_its_memory_saw_it(
 
 
 def steps_of(node: str) -> list[PodCheckpointStep]:
-    return [o for o in gc.get_objects()
-            if isinstance(o, PodCheckpointStep) and o.node == node]
+    return [o for o in live(PodCheckpointStep) if o.node == node]
 
 
 def tree_states(shim: Shim) -> list[str]:
@@ -202,8 +201,7 @@ async def restore_held_after_criu(shm: Cluster, monkeypatch: pytest.MonkeyPatch,
     shm.kube.put("pods", shm_pod(f"{name}-2", b, name))
     try:
         await asyncio.wait_for(entered.wait(), 90)
-        [step] = [o for o in gc.get_objects()
-                  if isinstance(o, PodRestoreStep) and o.node == b]
+        [step] = [o for o in live(PodRestoreStep) if o.node == b]
         [req] = reqs
         yield HeldRestore(a, b, step, req)
     finally:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import re
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +33,7 @@ from smr.contract.messages import CkptRequested
 from tests.agent.cluster import Cluster, assert_continues, steps, store_puts_through, workload
 from tests.agent.test_kubelet import evict, hook_said, seconds_between
 from tests.agent.test_restore_memory import build_ballast_image
+from tests.helpers.live import live
 
 IMAGE = "smr.test/ballast-drain:1"
 BALLAST_MIB = 384
@@ -210,9 +210,8 @@ async def test_a_taken_over_cordon_dump_that_cannot_be_stored_gets_its_own_final
     resumes from that final checkpoint."""
     a, b = list(cluster.kubelets)
     await start(cluster, drain_image, "refused", a)
-    for o in gc.get_objects():  # the agents' steps: a short deadline for the test
-        if isinstance(o, PodCheckpointStep):
-            o.commit_deadline = 3.0
+    for o in live(PodCheckpointStep):  # the agents' steps: a short deadline for the test
+        o.commit_deadline = 3.0
 
     async def failing(real: Any, key: str, data: bytes, **kw: Any) -> str:
         # The manifest of the cordon's dump (taken over: its reason is the

@@ -9,7 +9,6 @@ until the final request's step has started."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import time
 import uuid
@@ -38,6 +37,7 @@ from tests.agent.test_drain_takeover import (
     until_frozen,
 )
 from tests.agent.test_kubelet import evict, hook_said
+from tests.helpers.live import live
 
 NODE_RESTORE = {"smr.dev/node-restore": "true"}
 
@@ -89,8 +89,7 @@ async def test_an_agent_dying_after_a_takeover_stores_one_final_whichever_reques
     answered with it, the workload ended."""
     a = next(iter(cluster.kubelets))
     await start(cluster, drain_image, "crashed", a)
-    [step] = [o for o in gc.get_objects()
-              if isinstance(o, PodCheckpointStep) and o.node == a]
+    [step] = [o for o in live(PodCheckpointStep) if o.node == a]
     p = cluster.kube.get("pods", "crashed", "default")
     assert p is not None
     target = Target(kind="pod", namespace="default", pod="crashed", container="main",
@@ -184,8 +183,7 @@ async def test_a_storage_blip_before_a_final_dump_does_not_fail_the_final(
     a, b = list(cluster.kubelets)
     cluster.kube.put("pods", workload("blip", a, labels=NODE_RESTORE, final_wait=25, grace=30))
     await cluster.until_steps("blip", a, 3)
-    [step] = [o for o in gc.get_objects()
-              if isinstance(o, PodCheckpointStep) and o.node == a]
+    [step] = [o for o in live(PodCheckpointStep) if o.node == a]
     real = step.store.latest
     failed: list[str] = []
 
@@ -223,8 +221,7 @@ async def test_a_cordon_dump_stepping_aside_before_its_freeze_leaves_one_final(
     cluster.kube.put("pods", workload("aside", a, labels=NODE_RESTORE, final_wait=25,
                                       grace=30))
     await cluster.until_steps("aside", a, 3)
-    [step] = [o for o in gc.get_objects()
-              if isinstance(o, PodCheckpointStep) and o.node == a]
+    [step] = [o for o in live(PodCheckpointStep) if o.node == a]
     final_started, waited = asyncio.Event(), asyncio.Event()
     real_run, real_estimate = step.run, step.estimate
     answers: dict[str, Any] = {}
@@ -275,8 +272,7 @@ async def test_a_final_that_finds_the_dump_already_held_for_it_answers_with_that
     again, and both requests are answered with the one generation."""
     a, b = list(cluster.kubelets)
     await start(cluster, drain_image, "held", a)
-    [step] = [o for o in gc.get_objects()
-              if isinstance(o, PodCheckpointStep) and o.node == a]
+    [step] = [o for o in live(PodCheckpointStep) if o.node == a]
     final_started, held = asyncio.Event(), asyncio.Event()
     real_run, real_capture, real_hold = step.run, pod_dump.capture, step._hold_for_final
     real_container = step.pods.container
@@ -339,8 +335,7 @@ async def test_a_template_dump_does_not_step_aside_for_a_final_of_another_lineag
     cluster.kube.put("pods", workload("tmpl", a, labels=NODE_RESTORE, final_wait=25,
                                       grace=30))
     await cluster.until_steps("tmpl", a, 3)
-    [step] = [o for o in gc.get_objects()
-              if isinstance(o, PodCheckpointStep) and o.node == a]
+    [step] = [o for o in live(PodCheckpointStep) if o.node == a]
     tmpl = template_id("warm-tmpl", "main")
     req = template_request(cluster, "tmpl", a, tmpl)
     final_started, waited = asyncio.Event(), asyncio.Event()

@@ -13,7 +13,6 @@ tests/agent/test_gpu_pods.py runs the same paths on a real GPU.
 from __future__ import annotations
 
 import asyncio
-import gc
 import re
 import time
 import uuid
@@ -31,6 +30,7 @@ from tests.agent.test_dev_shm_pods import steps_of
 from tests.agent.test_injection import create, plain_pod
 from tests.agent.test_programs_pods import migrate
 from tests.chaos import gpu_standin
+from tests.helpers.live import live
 
 CKPT = "gpu-order"
 # Three threads count; the main one (the stand-in's restore thread) waits.
@@ -210,7 +210,7 @@ async def test_a_gpu_heartbeat_whose_agent_died_before_the_resume_gets_its_gpu_b
 
 
 def restore_steps_of(node: str) -> list[PodRestoreStep]:
-    return [o for o in gc.get_objects() if isinstance(o, PodRestoreStep) and o.node == node]
+    return [o for o in live(PodRestoreStep) if o.node == node]
 
 
 async def test_a_gpu_pod_restore_whose_agent_died_before_the_resume_gets_its_gpu_back(

@@ -6,7 +6,6 @@ tests/agent/cluster.py."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,11 @@ from services.checkpointer.pod import PodCheckpointStep
 from smr.bus import Progress
 from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, steps, workload
+from tests.helpers.live import live
 
 
 def steps_of(node: str) -> list[PodCheckpointStep]:
-    return [o for o in gc.get_objects()
-            if isinstance(o, PodCheckpointStep) and o.node == node]
+    return [o for o in live(PodCheckpointStep) if o.node == node]
 
 
 async def dump_then_die(step: PodCheckpointStep, req: CkptRequested) -> None:

@@ -5,7 +5,6 @@ run on; docs/reliability.md promises the same)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 import uuid
 from typing import Any
@@ -14,6 +13,7 @@ from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
 from smr.contract.messages import CkptRequested, Target
 from tests.agent.cluster import Cluster, steps, store_puts_through, workload
+from tests.helpers.live import live
 
 
 async def test_a_final_pod_checkpoint_that_cannot_be_stored_loses_no_state(
@@ -27,9 +27,8 @@ async def test_a_final_pod_checkpoint_that_cannot_be_stored_loses_no_state(
     env = {"SMR_CHECKPOINT": "held-1"}
     cluster.kube.put("pods", workload("held", a, env=env, owner="train", restart="Never"))
     await cluster.until_steps("held", a, 5)
-    for o in gc.get_objects():  # the agents' steps: a short deadline for the test
-        if isinstance(o, PodCheckpointStep):
-            o.commit_deadline = 4.0
+    for o in live(PodCheckpointStep):  # the agents' steps: a short deadline for the test
+        o.commit_deadline = 4.0
 
     async def failing(real: Any, key: str, data: bytes, **kw: Any) -> str:
         if key.endswith("manifest.json"):
