@@ -49,6 +49,7 @@ from typing import Any
 
 import aiohttp
 
+from smr.aio import wait_event
 from tests.fake_apiserver import Change, FakeApiServer
 
 INDEX = "batch.kubernetes.io/job-completion-index"
@@ -164,8 +165,7 @@ class FakeControllers:
                 self._schedule()
             except Exception as e:  # a test harness: say it, keep going
                 print(f"fake controllers: {e!r}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RESYNC_S)
+            await wait_event(self._wake, RESYNC_S)
 
     # -- what they share ------------------------------------------------------------
 

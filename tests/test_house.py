@@ -123,3 +123,30 @@ def test_no_product_module_is_over_500_lines() -> None:
     assert long == {}, (
         f"modules over {MAX_LINES} lines (split each by what its parts own, as "
         f"docs/architecture.md groups them, or name it in LONGER with the reason): {long}")
+
+
+# An event waited for with a timeout, the way that can lose a cancel: on
+# Python 3.11 a cancellation arriving as wait_for's timeout fires can come out
+# as TimeoutError, which the suppress then swallows; a loop written so never
+# ends (smr.aio.wait_event says more).
+SWALLOWS_CANCEL = re.compile(
+    r"suppress\((?:asyncio\.)?TimeoutError\):\s*\n\s*await asyncio\.wait_for\(")
+
+
+def swallowing_waits(files: dict[str, str]) -> list[str]:
+    return [name for name, text in files.items() if SWALLOWS_CANCEL.search(text)]
+
+
+def test_no_wait_can_swallow_a_cancel() -> None:
+    files = {p.relative_to(REPO).as_posix(): p.read_text()
+             for root in ROOTS for p in (REPO / root).rglob("*.py")}
+    assert swallowing_waits(files) == [], "use smr.aio.wait_event(event, timeout)"
+
+
+def test_the_wait_check_sees_the_pattern() -> None:
+    assert swallowing_waits({
+        "a.py": "with contextlib.suppress(TimeoutError):\n"
+                "    await asyncio.wait_for(ev.wait(), 1)\n",
+        "b.py": "with suppress(asyncio.TimeoutError):\n        await asyncio.wait_for(x, 2)\n",
+        "c.py": "await wait_event(ev, 1)\n",
+    }) == ["a.py", "b.py"]

@@ -47,6 +47,7 @@ from services.storage.s3 import S3Backend
 from services.storage.scatter import SCRATCH_FILES
 from services.storage.store import CheckpointStore
 from services.storage.streamed import StreamedImages
+from smr.aio import wait_event
 from smr.contract.errors import ConfigError
 from smr.contract.messages import Target
 from smr.process.imagestream import FileRange
@@ -349,8 +350,7 @@ async def test_upload_streams_while_the_writer_is_still_writing(
             # The tail only once a frame went up: an upload that waited for
             # the dump's end would never get there (the deadline only bounds
             # that hang, whatever the machine's load).
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(a_frame_up.wait(), 60)
+            await wait_event(a_frame_up, 60)
             uploaded_while_writing.append(done_bytes[0])
             f.write(chunks[-1])
         (src / "images" / "core-1.img").write_bytes(b"core")

@@ -32,6 +32,7 @@ from services.watcher.heartbeats import HeartbeatSchedule
 from services.watcher.kube import Informer
 from services.watcher.service import Watcher
 from smr import config, metrics
+from smr.aio import wait_event
 from smr.bus import (
     KV_BEATS,
     KV_JOBS,
@@ -732,8 +733,7 @@ async def test_leader_lease_moves_when_the_leader_stops(
     other = b if first is a else a
     assert first.leadership.leading.is_set() and not other.leadership.leading.is_set()
     await watchers.stop(first)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(other.leadership.leading.wait(), 6)
+    await wait_event(other.leadership.leading, 6)
     assert other.leadership.leading.is_set()
     lease = kube.get("leases", watch_settings.lease_name, "smr-system")
     assert lease and lease["spec"]["holderIdentity"] == other.identity

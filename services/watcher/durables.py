@@ -9,11 +9,10 @@ stream made again): the agent waits for them meanwhile."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
-from smr.aio import cancelling
+from smr.aio import cancelling, wait_event
 from smr.bus import STREAM_EXHAUSTED, STREAM_REQUESTS, Bus
 from smr.bus.topology import exhausted_consumer, request_consumer
 
@@ -53,8 +52,7 @@ class NodeConsumers:
                     raise
                 log.warning("watcher: making the nodes' request consumers failed (%s: %s); "
                             "retrying in %.0fs", type(e).__name__, e, self.every_s)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.every_s)
+            await wait_event(self._wake, self.every_s)
 
     async def reconcile(self) -> None:
         have = (await self.bus.consumer_names(STREAM_REQUESTS)

@@ -28,6 +28,7 @@ from services import timings
 from services.checkpointer import dumpstamp, pod_dump
 from services.checkpointer.pod import PodCheckpointStep
 from services.storage.backend import StorageError
+from smr.aio import wait_event
 from smr.bus import KV_TIMINGS
 from smr.contract.messages import CkptRequested
 from tests.agent.cluster import Cluster, assert_continues, steps, store_puts_through, workload
@@ -124,14 +125,12 @@ async def in_order(cluster: Cluster, node: str, name: str, wait_s: float = 60,
 
     async def capture(shim: Any, work: Path, *a: Any) -> None:
         if work.name in leave_running:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(final_started.wait(), wait_s)
+            await wait_event(final_started, wait_s)
         await real_capture(shim, work, *a)
 
     async def take(lock: Any, key: str, request_id: str) -> Any:
         if request_id in leave_running:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(final_started.wait(), wait_s)
+            await wait_event(final_started, wait_s)
         return await real_take(lock, key, request_id)
 
     step.run = run  # type: ignore[method-assign]

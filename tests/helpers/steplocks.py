@@ -9,7 +9,6 @@ Also a job's lock held in the bus by a long step of another worker, alive."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import orjson
 
+from smr.aio import wait_event
 from smr.bus import KV_LOCKS, KV_STEPS, Bus, StepLocks, node_token
 
 ENV = "SMR_TEST_STEP_LOCKS"
@@ -36,7 +36,6 @@ async def hold_lock(bus: Bus, job_id: str, holder: str, stop: asyncio.Event) -> 
         await bus.kv(KV_STEPS).put(holder, orjson.dumps(
             {"state": "running", "owner": "elsewhere", "heartbeat": time.time(),
              "subject": "ckpt.requested.x", "checkpoint_id": job_id}))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+        await wait_event(stop, 0.5)
     await bus.kv(KV_STEPS).put(holder, orjson.dumps({"state": "done", "result": {}}))
     await bus.kv(KV_LOCKS).delete(job_id)
