@@ -756,3 +756,15 @@ async def test_a_later_bucket_dump_is_latest_whatever_the_nodes_clocks_say(
         f"latest stayed at {latest and latest.number}: the new bucket's first dump "
         f"(generation {second.number}) lost to a fast clock")
     assert await store.prune(NS, "k", keep=1) == [first.number]
+
+
+def test_s3_backends_share_service_models_not_credentials() -> None:
+    """Each S3 backend resolves and refreshes its own credentials (a
+    refreshing one locks on the event loop that first uses it), while the
+    service models botocore reads once are shared by the process."""
+    from services.storage.s3 import S3Backend
+
+    a, b = S3Backend("one"), S3Backend("two")
+    core_a, core_b = a.session._session, b.session._session
+    assert core_a is not core_b
+    assert core_a.get_component("data_loader") is core_b.get_component("data_loader")
