@@ -170,3 +170,83 @@ def test_a_cut_ghost_file_image_is_torn(criu_binary: str, tmp_path: Path) -> Non
     with ghost.open("r+b") as f:
         f.truncate(ghost.stat().st_size - 4096)
     assert torn(images) is not None, "a ghost file image cut inside its data is called whole"
+
+
+GHOST_HEAD = """
+import os, tempfile, time, fcntl
+d = tempfile.mkdtemp(dir=os.environ.get("GHOST_DIR", "/tmp"))
+held = []
+def ghost(name, body):
+    p = os.path.join(d, name)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    body(fd)
+    os.fsync(fd)
+    os.unlink(p)
+    held.append(fd)
+"""
+GHOST_TAIL = """
+print("ready", flush=True)
+time.sleep(1000)
+"""
+GHOST_SHAPES = {
+    "sparse_two_places": """
+def b(fd):
+    os.ftruncate(fd, 10 << 20)
+    os.pwrite(fd, b"A" * 4096, 0)
+    os.pwrite(fd, b"B" * 100, (8 << 20) + 123)
+ghost("sparse", b)
+""",
+    "empty": "ghost('empty', lambda fd: None)\n",
+    "truncated_larger": """
+def b(fd):
+    os.write(fd, b"C" * 100)
+ghost("grow", b)
+os.ftruncate(held[-1], 1 << 20)   # after the unlink
+os.pwrite(held[-1], b"D" * 10, (1 << 20) - 10)
+os.ftruncate(held[-1], 3 << 20)
+""",
+    "exactly_threshold": "ghost('t', lambda fd: os.write(fd, b'E' * 12288))\n",
+    "threshold_plus_one": "ghost('t1', lambda fd: os.write(fd, b'F' * 12289))\n",
+    "prealloc_past_eof": """
+def b(fd):
+    os.write(fd, b"G" * 20000)
+    import ctypes  # fallocate(FALLOC_FL_KEEP_SIZE): blocks past the end of file
+    ctypes.CDLL(None).fallocate(fd, 1, ctypes.c_long(0), ctypes.c_long(1 << 20))
+ghost("pre", b)
+""",
+    "unwritten_extents": "ghost('u', lambda fd: os.posix_fallocate(fd, 0, 65536))\n",
+    "many_extents": """
+def b(fd):
+    os.ftruncate(fd, 700 * 65536 + 5)
+    for i in range(700):
+        os.pwrite(fd, b"H" * 4096, i * 65536)
+ghost("many", b)
+""",
+    "directory": """
+p = os.path.join(d, "sub"); os.mkdir(p); held.append(os.open(p, os.O_RDONLY)); os.rmdir(p)
+""",
+    "fifo": """
+p = os.path.join(d, "fifo"); os.mkfifo(p); held.append(os.open(p, os.O_RDWR)); os.unlink(p)
+""",
+    "mapped_only": """
+import mmap
+p = os.path.join(d, "m"); fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 1 << 20); os.pwrite(fd, b"I" * 5000, 300000)
+m = mmap.mmap(fd, 1 << 20); os.close(fd); os.unlink(p)
+""",
+}
+
+
+@pytest.mark.parametrize("where", ["/tmp", "/dev/shm"])
+@pytest.mark.parametrize("shape", sorted(GHOST_SHAPES))
+def test_a_real_ghost_file_shape_is_whole(criu_binary: str, tmp_path: Path, shape: str,
+                                          where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleted files held open, as CRIU saves them on ext4 (extents through
+    fiemap) and on tmpfs (SEEK_DATA): sparse, empty, grown after the unlink,
+    at the chunk threshold, preallocated past the end, hundreds of extents,
+    a directory, a fifo, one held only through a mapping. Each dump is whole."""
+    monkeypatch.setenv("GHOST_DIR", where)
+    images = tmp_path / "images"
+    dump(criu_binary, GHOST_HEAD + GHOST_SHAPES[shape] + GHOST_TAIL, images)
+    assert list(images.glob("ghost-file-*.img")) or shape == "fifo", "no ghost image"
+    assert torn(images) is None
