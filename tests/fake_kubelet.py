@@ -89,11 +89,13 @@ import sys
 import time
 import urllib.parse
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from services.containers import host
 from tests.fake_apiserver import PRESSURE, SHUTDOWN, FakeApiServer, kubelet_failed
 from tests.helpers.lifetime import die_with_parent
 
@@ -828,14 +830,55 @@ class FakeKubelet:
 
     async def _kill_now(self, st: PodState) -> None:
         """The node loses power: SIGKILL, no hook, no grace."""
+        pipes = log_pipes({run.id for run in st.containers.values()})
         for run in st.containers.values():
             if run.exit_code is None:
                 await self.ctd.ctr(self.ns, "tasks", "kill", "-s", "KILL", run.id, check=False)
         await asyncio.sleep(0.3)
         for run in st.containers.values():
+            started = time.monotonic()
             await self.ctd.ctr(self.ns, "tasks", "delete", "-f", run.id, check=False)
+            if (took := time.monotonic() - started) > SLOW_DELETE_S:
+                # containerd's shim waits (12 s) for the log to close: someone
+                # outside the container still holds its stdout or stderr.
+                warnings.warn(f"fake kubelet {self.node}: deleting container {run.id} of pod "
+                              f"{st.pod['metadata']['name']} took {took:.0f}s; its log pipes "
+                              f"{sorted(pipes)} held by {holders(pipes)}", stacklevel=1)
             await self.ctd.ctr(self.ns, "containers", "rm", run.id, check=False)
         self._free_gpus(st.uid)
+
+
+SLOW_DELETE_S = 5.0
+
+
+def log_pipes(container_ids: set[str]) -> set[str]:
+    """The pipes the processes of these containers hold as their stdin,
+    stdout and stderr (the container's log), as /proc names them."""
+    found = set()
+    for p in host.all_pids():
+        if host.container_id_of(p) in container_ids:
+            for fd in (0, 1, 2):
+                with contextlib.suppress(OSError):
+                    if (link := os.readlink(f"/proc/{p}/fd/{fd}")).startswith("pipe:"):
+                        found.add(link)
+    return found
+
+
+def holders(links: set[str]) -> list[str]:
+    """Each process holding one of ``links``: its PID and command."""
+    found = []
+    for p in host.all_pids():
+        with contextlib.suppress(OSError):
+            if any(_link(f"/proc/{p}/fd/{fd}") in links for fd in os.listdir(f"/proc/{p}/fd")):
+                found.append(f"{p} {Path(f'/proc/{p}/cmdline').read_bytes()[:120]!r}")
+    return found
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile (the listing's own descriptor, for one)
+        return ""
 
 
 def containerd_missing() -> str | None:

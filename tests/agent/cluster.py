@@ -38,7 +38,7 @@ from services.webhook.service import Webhook
 from smr.bus import Bus
 from tests.agent.agent_process import AgentProcess
 from tests.fake_apiserver import FakeApiServer, pod
-from tests.fake_kubelet import FakeKubelet
+from tests.fake_kubelet import FakeKubelet, log_pipes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -302,18 +302,9 @@ def webhook_configuration(failure_policy: str = "Ignore") -> dict[str, Any]:
 
 
 def stdio_pipes(kubelets: dict[str, FakeKubelet]) -> set[str]:
-    """The pipes the processes of the kubelets' containers hold as their
-    stdin, stdout and stderr (the container's log), as /proc names them."""
-    ids = {run.id for k in kubelets.values() for st in k.pods.values()
-           for run in st.containers.values()}
-    found = set()
-    for p in host.all_pids():
-        if host.container_id_of(p) in ids:
-            for fd in (0, 1, 2):
-                with contextlib.suppress(OSError):
-                    if (link := os.readlink(f"/proc/{p}/fd/{fd}")).startswith("pipe:"):
-                        found.add(link)
-    return found
+    """The log pipes of every container the kubelets run."""
+    return log_pipes({run.id for k in kubelets.values() for st in k.pods.values()
+                      for run in st.containers.values()})
 
 
 def held_by_us(links: set[str]) -> list[str]:
