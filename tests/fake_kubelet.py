@@ -869,12 +869,12 @@ def holders(links: set[str]) -> list[str]:
     found = []
     for p in host.all_pids():
         with contextlib.suppress(OSError):
-            if any(_link(f"/proc/{p}/fd/{fd}") in links for fd in os.listdir(f"/proc/{p}/fd")):
+            if any(fd_link(f"/proc/{p}/fd/{fd}") in links for fd in os.listdir(f"/proc/{p}/fd")):
                 found.append(f"{p} {Path(f'/proc/{p}/cmdline').read_bytes()[:120]!r}")
     return found
 
 
-def _link(path: str) -> str:
+def fd_link(path: str) -> str:
     try:
         return os.readlink(path)
     except OSError:  # closed meanwhile (the listing's own descriptor, for one)

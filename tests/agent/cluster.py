@@ -38,7 +38,7 @@ from services.webhook.service import Webhook
 from smr.bus import Bus
 from tests.agent.agent_process import AgentProcess
 from tests.fake_apiserver import FakeApiServer, pod
-from tests.fake_kubelet import FakeKubelet, log_pipes
+from tests.fake_kubelet import FakeKubelet, fd_link, log_pipes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -309,9 +309,4 @@ def stdio_pipes(kubelets: dict[str, FakeKubelet]) -> set[str]:
 
 def held_by_us(links: set[str]) -> list[str]:
     """This process's descriptors that are one of ``links``."""
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}") in links:
-                held.append(fd)
-    return held
+    return [fd for fd in os.listdir("/proc/self/fd") if fd_link(f"/proc/self/fd/{fd}") in links]

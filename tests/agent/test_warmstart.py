@@ -20,7 +20,7 @@ from services.watcher import templates
 from services.watcher.heartbeats import Beat
 from smr.config import Settings
 from smr.contract.messages import CkptRequested, Target
-from tests.agent.cluster import SLOW_IMAGE, Cluster, workload
+from tests.agent.cluster import SLOW_IMAGE, Cluster, held_by_us, workload
 
 ANSWER = re.compile(r"^answer (\d+) secret (\S+)$", re.M)
 READY_PROBE = {"exec": {"command": ["/bin/sh", "-c", "test -f /ready"]}, "periodSeconds": 1}
@@ -228,13 +228,6 @@ async def test_a_replica_restores_when_its_nodes_cached_copy_was_altered(
     shim = host.find_shim(runtime_id(st["status"]["containerStatuses"][0]["containerID"]))
     assert shim is not None
     pipes = {os.readlink(f"/proc/{shim.pid}/fd/{fd}") for fd in (1, 2)}
-    held = [fd for fd in os.listdir("/proc/self/fd")
-            if _link(f"/proc/self/fd/{fd}") in pipes]
+    held = held_by_us(pipes)
     assert not held, f"the agent holds the container's {pipes} as its descriptors {held}"
 
-
-def _link(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
