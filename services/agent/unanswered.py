@@ -97,6 +97,8 @@ async def _before_start(starts: StartRestores, ckpt: str, namespace: str,
     except (KeyError, TypeError, ValueError, AttributeError):
         return gen  # no times to compare: the latest, as before
     # The kubelet's startedAt holds whole seconds: a generation stored in the
-    # second the container started was stored before it (the container's own
-    # first checkpoint cannot come within a second of its start).
+    # second the container started is taken as stored before it. The
+    # container's own first checkpoint comes after smr-init's wait for an
+    # agent (SMR_INIT_TIMEOUT, 30 s by default); with that set under a second,
+    # one stored at once could be named here by mistake (this Event's text only).
     return gen if stored is not None and stored < started + 1 else None
