@@ -110,16 +110,29 @@ async def test_a_streamed_pod_restore_cancelled_mid_criu_ends_criu_and_restores_
         async def aclose(self) -> None:
             await self.inner.aclose()
 
+    crius: list[int] = []  # after-the-last-image: CRIU's, at its first request
+
     def hung_up(conn: Any, n: int) -> bytes | None:
+        if n == 4 and point == "after-the-last-image" and first[0] and not crius:
+            # CRIU's first request: it runs. Its launcher (nsenter, CRIU's
+            # parent), which only waits for it, is held stopped now, so that
+            # the step cannot see the run end however soon CRIU exits after its
+            # last image (it closes the socket once the tree runs, its last act
+            # before it exits); CRIU's own processes are stopped at that close,
+            # with no /proc scan then.
+            crius.extend(_criu_restoring())
+            top = [p for p in crius if _ppid(p) not in crius]
+            if top:
+                os.kill(_ppid(top[0]), signal.SIGSTOP)
+                stopped.append(_ppid(top[0]))
         got = real_recv(conn, n)
         if got is None and n == 4 and point == "after-the-last-image" and first[0]:
             # CRIU closed its streamer socket: it has every image. Held
-            # stopped, so that the redelivery finds it still running.
-            pids = _criu_restoring()
-            top = [p for p in pids if _ppid(p) not in pids]
-            for p in top:
-                os.kill(p, signal.SIGSTOP)
-            stopped.extend(top)
+            # stopped, so that the redelivery finds its run still there.
+            for p in crius:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGSTOP)
+            stopped.extend(crius)
             reached.set()
         return got
 
