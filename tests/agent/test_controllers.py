@@ -20,6 +20,9 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
+from services.checkpointer.pod import PodCheckpointStep
 from tests.agent.cluster import Cluster, assert_continues, steps
 from tests.agent.test_injection import plain_pod
 from tests.fake_controllers import FakeControllers, job, replicaset, statefulset
@@ -57,6 +60,28 @@ async def restored_event(cluster: Cluster, uid: str, timeout: float = 30) -> str
         assert time.monotonic() < deadline, "no Restored Event on the replacement"
         await asyncio.sleep(0.1)
     return got[0]
+
+
+def final_held_until_replacement_waits(cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """The eviction's final checkpoint is stored only once the replacement's
+    start is waiting for it (at most 60 s), as on a node whose dump takes
+    longer than the replacement takes to start. Without the hold a loaded
+    machine may store it first, and the wait goes untested; with it, an
+    agent that does not wait restores the cordon's checkpoint, and the
+    steps between the two are done twice."""
+    real = PodCheckpointStep._commit
+
+    async def held(self: PodCheckpointStep, req: Any, *a: Any, **kw: Any) -> Any:
+        deadline = time.monotonic() + 60
+        while req.reason == "drain" and time.monotonic() < deadline:
+            if any(f"pod {req.target.pod} (node" in e["message"]
+                   for e in cluster.events("WaitingForFinalCheckpoint")):
+                break
+            await asyncio.sleep(0.1)
+        return await real(self, req, *a, **kw)
+
+    monkeypatch.setattr(PodCheckpointStep, "_commit", held)
 
 
 async def drain_three_times(cluster: Cluster, ctl: FakeControllers, ckpt: str) -> None:
@@ -110,7 +135,9 @@ async def drain_three_times(cluster: Cluster, ctl: FakeControllers, ckpt: str) -
 
 
 async def test_deployment_replaced_at_eviction_resumes_from_the_final_checkpoint(
-        cluster: Cluster, controllers: FakeControllers) -> None:
+        cluster: Cluster, controllers: FakeControllers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    final_held_until_replacement_waits(cluster, monkeypatch)
     cluster.kube.put("replicasets", replicaset("web", template("web-1"), deployment="web"))
     await drain_three_times(cluster, controllers, "web-1")
     waits = cluster.events("WaitingForFinalCheckpoint")
