@@ -68,6 +68,7 @@ class StartRestores:
         self._checked: set[tuple[int, int]] = set()  # running: looked for `unanswered`
         self._tasks: set[asyncio.Task[None]] = set()
         self._listed_at = -math.inf
+        self.answering = False  # holds the node's starts lock
 
     async def run(self, stop: asyncio.Event) -> None:
         # One agent of the node answers starts (the old one of a rollout,
@@ -76,6 +77,7 @@ class StartRestores:
         try:
             if not await turn.take(stop):
                 return
+            self.answering = True
             while not stop.is_set():
                 await self.scan()
                 await wait_event(stop, SCAN_S)
@@ -83,6 +85,7 @@ class StartRestores:
             for t in self._tasks:
                 t.cancel()
             turn.release()
+            self.answering = False
 
     async def scan(self) -> None:
         waiting, alive, fresh = [], set(), []
