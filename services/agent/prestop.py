@@ -120,7 +120,7 @@ def _waiting() -> list[tuple[tuple[int, int], Shim]]:
     reported, and not held for a dump (every file is the tenant's: read
     confined; one refused counts as not waiting)."""
     out = []
-    for shim in host.shims():
+    for shim in host.shims(max_age=host.SCAN_MAX_AGE_S):
         try:
             with shim.confined() as root:
                 root.read(f"{shim.dir}/waiter")

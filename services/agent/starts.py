@@ -274,7 +274,7 @@ def _statuses(skip: set[tuple[int, int]]
     """Every shim of the host by (pid, start): its status, or why it was
     refused; None for those in ``skip`` (not read)."""
     out: list[tuple[tuple[int, int], Shim, list[str] | UnsafePath | None]] = []
-    for shim in host.shims():
+    for shim in host.shims(max_age=host.SCAN_MAX_AGE_S):
         key = (shim.pid, proc_start_ticks(shim.pid) or 0)
         if key in skip:
             out.append((key, shim, None))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import re
 import time
@@ -36,11 +37,10 @@ _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,62}")
 
 def container_id_of(pid: int) -> str | None:
     """The container ID in ``pid``'s cgroup path, e.g. ``.../cri-containerd-<id>.scope``."""
-    try:
-        text = (PROC / str(pid) / "cgroup").read_text()
-    except OSError:
+    raw = _proc_read(pid, "cgroup")
+    if raw is None:
         return None
-    for line in text.splitlines():
+    for line in raw.decode(errors="replace").splitlines():
         path = line.split(":", 2)[-1]
         last = path.rstrip("/").rsplit("/", 1)[-1]
         last = re.sub(r"^(cri-containerd|crio|docker|libpod)-|\.scope$", "", last)
@@ -50,7 +50,9 @@ def container_id_of(pid: int) -> str | None:
 
 
 def all_pids() -> list[int]:
-    return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+    # os.listdir, not Path.iterdir: the agent lists /proc several times a
+    # second (bench/shim_scan.py).
+    return [int(p) for p in os.listdir(PROC) if p.isdigit()]
 
 
 def pids_of(container_id: str) -> list[int]:
@@ -84,12 +86,30 @@ def is_shim(pid: int) -> bool:
     namespace directly below the agent's, as the runtime makes it? PID 1 of a
     namespace a workload nested inside (`unshare` needs no privilege in a
     user namespace) has a third NSpid field, and is the tenant's."""
-    try:
-        argv0 = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
-    except OSError:
-        return False
-    return os.path.basename(argv0.decode(errors="replace")) == SHIM_NAME \
+    cmdline = _proc_read(pid, "cmdline", upto=b"\0")
+    return cmdline is not None \
+        and os.path.basename(cmdline.split(b"\0", 1)[0].decode(errors="replace")) == SHIM_NAME \
         and _nspids(pid)[1:] == [1]
+
+
+def _proc_read(pid: int, name: str, *, upto: bytes = b"") -> bytes | None:
+    """/proc/<pid>/<name> read to its end, or until ``upto`` is in it; None
+    once the process is gone. Plain os calls, no Path: the agent reads this
+    for every process of the host several times a second, most of what an
+    idle agent costs (bench/shim_scan.py)."""
+    try:
+        fd = os.open(f"{PROC}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        got = b""
+        while not (upto and upto in got) and (part := os.read(fd, 4096)):
+            got += part
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return got
 
 
 def _nspids(pid: int) -> list[int]:
@@ -377,8 +397,29 @@ def _signal_in(root: Root, path: str) -> int | None:
         return None
 
 
-def shims() -> list[Shim]:
-    return [Shim.of(p) for p in all_pids() if is_shim(p)]
+# How old a scan the agent's loops take (host.shims): under the 0.25 s
+# between two looks for container starts, so an answer waits one look more
+# at most.
+SCAN_MAX_AGE_S = 0.2
+# The last scan's shims: (when, their PIDs). One tuple, replaced whole: the
+# scan runs in worker threads.
+_scanned: tuple[float, list[int]] = (-math.inf, [])
+
+
+def shims(max_age: float = 0.0) -> list[Shim]:
+    """The host's shims, found by a scan of every process at most
+    ``max_age`` seconds old: the agent's loops (container starts, preStop
+    waits) share one, rather than each reading all of /proc
+    (bench/shim_scan.py). A shim the scan found is checked again now (its PID
+    may be another process's since); one started since is found by the next."""
+    global _scanned
+    when, pids = _scanned
+    now = time.monotonic()
+    if now - when <= max_age:
+        return [Shim.of(p) for p in pids if is_shim(p)]
+    pids = [p for p in all_pids() if is_shim(p)]
+    _scanned = (now, pids)
+    return [Shim.of(p) for p in pids]
 
 
 def find_shim(container_id: str) -> Shim | None:

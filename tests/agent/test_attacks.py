@@ -296,9 +296,9 @@ async def test_device_nodes_where_smrs_files_are_are_never_opened(
         reads[self.pid] = reads.get(self.pid, 0) + 1
         return status(self)
 
-    def counted_shims() -> list[Shim]:
+    def counted_shims(max_age: float = 0.0) -> list[Shim]:
         scans[0] += 1
-        return shims()
+        return shims(max_age)
 
     monkeypatch.setattr(Shim, "status", counted_status)
     monkeypatch.setattr(host, "shims", counted_shims)

@@ -310,7 +310,7 @@ def _coded(op: Callable[[], Any]) -> bool:
 
 
 def _waiting(box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prestop.host, "shims", lambda: [box.shim])
+    monkeypatch.setattr(prestop.host, "shims", lambda max_age=0.0: [box.shim])
     _coded(prestop._waiting)
 
 

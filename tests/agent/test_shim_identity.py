@@ -71,3 +71,26 @@ def test_pid_1_of_a_namespace_nested_in_a_container_is_not_a_shim(named_smr_init
     nested = _shims_under([*once, *once, str(named_smr_init), "30"])
     assert not nested, (f"PID 1 of a PID namespace nested in a container was taken for its "
                         f"smr-init: pid {nested}")
+
+
+def test_a_shared_scan_returns_no_shim_that_ended_since(named_smr_init: Path) -> None:
+    """The agent's loops share a scan up to host.SCAN_MAX_AGE_S old: a shim
+    that scan found and that has ended since (its PID free for another
+    process) is not handed out from it."""
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child",
+                          str(named_smr_init), "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while not (mine := [s.pid for s in host.shims() if p.pid in _ancestors(s.pid)]):
+            assert time.monotonic() < deadline, "its smr-init never ran"
+            time.sleep(0.05)
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{mine[0]}/cmdline").exists() and \
+            Path(f"/proc/{mine[0]}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"smr-init {mine[0]} outlived its namespace"
+        time.sleep(0.05)
+    assert mine[0] not in [s.pid for s in host.shims(max_age=3600)], \
+        "a shim that ended was handed out from the shared scan"
