@@ -149,9 +149,9 @@ async def cmd_up(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_node_consumers(s: config.Settings, a: argparse.Namespace) -> int:
     """The operator's step for `smr up` on a shared NATS: each machine's
     request durables, which its own user may not create (docs/security.md)."""
-    from smrctl import embedded
+    from smrctl import embedded, reach
 
-    bus = await embedded.connect(s)
+    bus = await reach.connect(s)
     try:
         for node in a.nodes:
             await bus.make_node_consumers(node, embedded.windows(s))
@@ -167,9 +167,9 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
     from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS
     from smr.gpu import coopgate
     from smr.jobs import JobChanged, JobLock, JobRegistry, gpu_env, job_key, launch, signal_tree
-    from smrctl import embedded
+    from smrctl import reach
 
-    bus = await embedded.connect(s)
+    bus = await reach.connect(s)
     # Under the job's lock, as its checkpoints and restores: a restore of
     # this id in progress is waited for, then seen running.
     lock = JobLock(bus.kv(KV_LOCKS), bus.kv(KV_STEPS), wait_s=s.lock_wait)
@@ -234,9 +234,9 @@ def _runnable(program: str) -> None:
 async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
     from smr.bus import KV_JOBS
     from smr.jobs import JobRegistry, job_key
-    from smrctl import embedded
+    from smrctl import reach
 
-    bus = await embedded.connect(s)
+    bus = await reach.connect(s)
     try:
         jobs = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).all(
             await bus.kv_keys(KV_JOBS))
@@ -252,9 +252,9 @@ async def cmd_ps(s: config.Settings, a: argparse.Namespace) -> int:
 async def _request(s: config.Settings, a: argparse.Namespace,
                    req: CkptRequested | RestoreRequested, what: str) -> int:
     """Publish a request; with --wait, show its progress and result."""
-    from smrctl import embedded
+    from smrctl import reach
 
-    bus = await embedded.connect(s)
+    bus = await reach.connect(s)
     try:
         ack = await bus.publish(req)
         print(f"{what} of {a.id} requested ({req.request_id}"
@@ -307,9 +307,9 @@ async def cmd_checkpoints(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_status(s: config.Settings, a: argparse.Namespace) -> int:
     import orjson
 
-    from smrctl import embedded, status
+    from smrctl import reach, status
 
-    bus = await embedded.connect(s)
+    bus = await reach.connect(s)
     try:
         st = await status.gather(bus, namespace=a.namespace, failures=a.failures)
     finally:
@@ -321,9 +321,9 @@ async def cmd_status(s: config.Settings, a: argparse.Namespace) -> int:
 async def cmd_kill(s: config.Settings, a: argparse.Namespace) -> int:
     from smr.bus import KV_JOBS
     from smr.jobs import JobRegistry, job_key
-    from smrctl import embedded
+    from smrctl import reach
 
-    bus = await embedded.connect(s)
+    bus = await reach.connect(s)
     try:
         job, _ = await JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path)).get(a.id)
     finally:

@@ -25,7 +25,7 @@ from smr.contract.errors import SmrError
 from smr.contract.messages import CkptRequested, RestoreDone, RestoreRequested, Target
 from smr.jobs import JobRegistry, job_key, launch, proc_start_ticks
 from smrctl import demo_counter as counter
-from smrctl import embedded
+from smrctl import embedded, reach
 
 
 def say(msg: str) -> None:
@@ -52,7 +52,7 @@ async def wait_steps(log: Path, at_least: int, pid: int, timeout: float = 60) ->
 async def run_demo(s: Settings, *, mib: int = 256, keep: bool = False) -> int:
     node = None
     try:
-        bus = await embedded.connect(s)
+        bus = await reach.connect(s)
     except SmrError:
         say("smr is not running here: starting an embedded node for the demo")
         node = await embedded.EmbeddedNode(s).start()

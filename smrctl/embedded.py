@@ -22,22 +22,19 @@ from smr import tracing
 from smr.aio import ended_why, stop_task
 from smr.bus import KV_JOBS, KV_LOCKS, KV_STEPS, Bus, BusConfig, StepLocks, Worker
 from smr.config import Settings
-from smr.config_docs import without_credentials
 from smr.contract.errors import SmrError
 from smr.gpu import cuda_checkpoint, gpuinfo
 from smr.jobs import JobLock, JobRegistry, job_key
 from smr.natsserver import NatsServer
 from smr.process import reaper
 from smr.process.criu import Criu
-from smrctl.uplock import hold_data_dir, url_file, url_of_running, write_holder
+from smrctl.reach import BUCKETS
+from smrctl.uplock import hold_data_dir, url_file, write_holder
 
 log = logging.getLogger("smr.embedded")
 
 
 READY_S = 90.0  # NATS restarting as this starts is retried for up to a minute
-# The KV buckets a node uses: its NATS user on a shared NATS may read no others
-# (local-node.conf.template).
-BUCKETS = (KV_JOBS, KV_LOCKS, KV_STEPS)
 
 
 def windows(s: Settings) -> dict[str, int]:
@@ -219,30 +216,3 @@ async def _reap_forever(interval: float = 0.5) -> None:
     while True:
         reaper.reap()
         await asyncio.sleep(interval)
-
-
-async def connect(settings: Settings) -> Bus:
-    """The bus of the running `smr up` (or SMR_NATS_URL) for CLI commands."""
-    url = settings.nats_url
-    if not url:
-        url = await url_of_running(settings)
-    if not url:
-        # Name the data directory: a `smr up` run with another SMR_DATA_DIR
-        # (or HOME, or user) is invisible here, and starting one more is
-        # not what the user needs then.
-        raise SmrError(f"smr is not running on this machine (no `smr up` holds "
-                       f"{settings.data_path})", code="not-running",
-                       hint="start it with `smr up` (or set SMR_NATS_URL); if it runs with "
-                       "another SMR_DATA_DIR or HOME, run this command with the same")
-    try:
-        # The node's buckets only: on a shared NATS the CLI logs in as its
-        # node's `smr up` (SMR_NATS_USER), which may read no others.
-        return await asyncio.wait_for(Bus.connect(url, name="smr-cli",
-                                                  config=BusConfig.from_settings(settings),
-                                                  buckets=BUCKETS), 10)
-    except (TimeoutError, OSError) as e:
-        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise SmrError(f"cannot reach smr's NATS at {without_credentials(url)}: {why}",
-                       code="not-running",
-                       hint="start it with `smr up` (or fix SMR_NATS_URL)") from None
-

@@ -49,7 +49,7 @@ from smr.natsserver import NatsServer
 from smr.process import reaper
 from smr.process.criu import Criu
 from smrctl import demo_counter as counter
-from smrctl import embedded
+from smrctl import reach
 from smrctl.embedded import EmbeddedNode, windows
 from tests import nats_auth
 
@@ -823,7 +823,7 @@ async def test_smr_exec_never_overwrites_a_job_record_a_restore_wrote_meanwhile(
         mine.append(started)
 
         async def record() -> None:  # the restore, on its own connection
-            bus = await embedded.connect(h.settings)
+            bus = await reach.connect(h.settings)
             try:
                 await JobRegistry(bus.kv(KV_JOBS), job_key(h.settings.job_key_path)).put(
                     restored)
