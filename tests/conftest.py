@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -21,7 +20,7 @@ from smr import config
 from smr.bus import Bus, BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import NatsServer, free_port
-from tests import nats_auth
+from tests import moto_s3, nats_auth
 from tests.helpers import ordering, steplocks
 from tests.helpers.lifetime import die_with_parent
 from tests.otlp import Processors, Receiver
@@ -83,8 +82,8 @@ def s3_endpoint() -> Iterator[str]:
     """moto's S3 server: a separate process, real HTTP."""
     port = free_port()
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        moto_s3.command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

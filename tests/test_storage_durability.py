@@ -13,7 +13,6 @@ import asyncio
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from services.storage.streamed import StreamedImages
 from smr.contract.errors import PermanentError, SmrError
 from smr.contract.messages import Target
 from smr.natsserver import free_port
+from tests import moto_s3
 from tests.chaos.proxy import _HOP, _XML, FaultProxy
 
 NS = layout.LOCAL_NAMESPACE
@@ -52,8 +52,8 @@ def meta(rid: str) -> dict[str, Any]:
 def moto_server(env: dict[str, str]) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+        moto_s3.command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, **env})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -111,7 +111,7 @@ from smr.process.criu import Criu
 from smr.process.tree import process_tree
 from smrctl import demo_counter as counter
 from smrctl.embedded import windows
-from tests import nats_auth
+from tests import moto_s3, nats_auth
 from tests.chaos import gpu_standin
 from tests.chaos.proxy import FaultProxy
 from tests.nats_cluster import NatsCluster
@@ -197,8 +197,7 @@ class Report:
 
 def start_moto(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        moto_s3.command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class Node:

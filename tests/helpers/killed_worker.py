@@ -29,5 +29,5 @@ def _is_moto(pid: str, endpoint: str) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return any(a.endswith(b"moto_server") for a in argv) and \
+    return any(a.endswith(b"moto_s3.py") for a in argv) and \
         endpoint.rsplit(":", 1)[1].encode() in argv
