@@ -6,6 +6,7 @@ whether the step finished, failed, or runs again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from smr.contract.errors import PermanentError, SmrError
 from smr.contract.messages import CkptDone, CkptRequested
 from smr.gpu import frozen
 from smr.gpu.cuda_checkpoint import GpuStateLost, lost_after
-from smr.jobs import signal_tree
+from smr.jobs import proc_start_ticks, signal_tree, wait_exit
 from smr.metrics import GPU_STATE_LOST
 from smr.process.criu import dump_finished
 
@@ -124,10 +125,28 @@ class PodRecovery:
             elif running is not None:
                 signal_tree(running[0], signal.SIGCONT)
             return
-        if running is not None:
+        if running is None or sig != signal.SIGKILL:
+            if running is not None:
+                signal_tree(running[0], sig)
+            if outcome:
+                await asyncio.to_thread(shim.final, outcome)
+            return
+        # Held, as run() holds it: smr-init, its workload ended, outlives it
+        # until the hook has read the outcome. Unheld, it ended the container
+        # (and the hook in it, killed: a FailedPreStopHook) whenever the
+        # outcome came a moment after the kill.
+        with contextlib.suppress(OSError, SmrError):
+            await asyncio.to_thread(shim.hold, True)
+        try:
+            ticks = proc_start_ticks(running[0])
             signal_tree(running[0], sig)
-        if outcome:
-            await asyncio.to_thread(shim.final, outcome)
+            if ticks is not None:
+                await wait_exit(running[0], ticks)
+            if outcome:
+                await asyncio.to_thread(shim.final, outcome)
+        finally:
+            with contextlib.suppress(OSError, SmrError):
+                await asyncio.to_thread(shim.hold, False)
 
     async def _capture_again(self, c: PodContainer, shim: Shim, work: Path) -> bool:
         """The captures of a finished dump, cut short (the agent died), done

@@ -27,6 +27,7 @@ import pytest
 from services import timings
 from services.checkpointer import dumpstamp, pod_dump
 from services.checkpointer.pod import PodCheckpointStep
+from services.containers.host import Shim
 from services.storage.backend import StorageError
 from smr.aio import wait_event
 from smr.bus import KV_TIMINGS
@@ -252,16 +253,26 @@ async def test_a_final_request_rides_on_its_cordon_dump_when_every_slot_is_taken
 
 
 async def test_a_taken_over_dump_left_unstored_by_its_step_is_stored_as_the_final_one(
-        cluster: Cluster, drain_image: Path) -> None:
+        cluster: Cluster, drain_image: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cordon's step ends (cancelled from inside, as a library's given-up
     call ends it: the worker has it redelivered) after the takeover and the
     dump, before its manifest is stored: its work directory and the marker
     naming the final request stay. The final request, under the lock, stores
     that dump as the final checkpoint, ends the workload and answers the
-    hook; the cordon's redelivery stores nothing again. One generation."""
+    hook; the cordon's redelivery stores nothing again. One generation.
+    The outcome reaches the hook a second after the workload ends (an agent
+    on a loaded node): smr-init, held, waits for it rather than end the
+    container and the hook with it."""
     a, b = list(cluster.kubelets)
     await start(cluster, drain_image, "cut", a)
     cut: list[str] = []
+    real_final = Shim.final
+
+    def late_final(self: Shim, outcome: str) -> None:
+        time.sleep(1)
+        real_final(self, outcome)
+
+    monkeypatch.setattr(Shim, "final", late_final)
 
     async def cut_once(real: Any, key: str, data: bytes, **kw: Any) -> str:
         if key.endswith("manifest.json") and b'"final_request_id"' in data and not cut:
