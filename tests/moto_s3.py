@@ -6,9 +6,10 @@ two writes racing on one ETag, one wins and the other gets 412. moto checks
 the condition and then writes, two steps on its server's threads, so under
 load both racers can pass the check (seen in a -n 4 run of
 tests/test_storage.py::test_conditional_write_race_has_one_winner). Here every
-write that replaces or removes an object (a PUT without a part number, a
-multipart upload's completion, a DELETE) runs alone for its key; parts and
-reads run as moto runs them.
+write that replaces or removes one object (a PUT without a part number, a
+multipart upload's completion, a DELETE of one key) runs alone for its key;
+parts, reads and batch deletes (POST ?delete, by bucket) run as moto runs
+them.
 
     python tests/moto_s3.py -H 127.0.0.1 -p PORT
 """

@@ -28,6 +28,9 @@ log = logging.getLogger("smr.agent")
 
 PROC = Path("/proc")
 SHIM_NAME = "smr-init"
+# The longest argv[0] read to judge a process a shim: runc starts smr-init by
+# a short path, and a longer one is not smr-init's.
+ARGV0_MAX = 64 << 10
 # smr-init's state directory, always: smr-runtime's nodev tmpfs or the
 # manifest's volume. SMR_INIT_DIR is the pod's to set and is never read here.
 INIT_DIR = "/smr"
@@ -86,30 +89,39 @@ def is_shim(pid: int) -> bool:
     namespace directly below the agent's, as the runtime makes it? PID 1 of a
     namespace a workload nested inside (`unshare` needs no privilege in a
     user namespace) has a third NSpid field, and is the tenant's."""
-    cmdline = _proc_read(pid, "cmdline", upto=b"\0")
-    return cmdline is not None \
-        and os.path.basename(cmdline.split(b"\0", 1)[0].decode(errors="replace")) == SHIM_NAME \
+    # Up to argv[0]'s end, and no further than ARGV0_MAX: a tenant's process
+    # can have a 6 MiB argv[0], read by every scan of every agent.
+    cmdline = _proc_read(pid, "cmdline", upto=b"\0", limit=ARGV0_MAX)
+    if cmdline is None or b"\0" not in cmdline:
+        return False  # gone, or an argv[0] longer than any smr-init's
+    return os.path.basename(cmdline.split(b"\0", 1)[0].decode(errors="replace")) == SHIM_NAME \
         and _nspids(pid)[1:] == [1]
 
 
-def _proc_read(pid: int, name: str, *, upto: bytes = b"") -> bytes | None:
-    """/proc/<pid>/<name> read to its end, or until ``upto`` is in it; None
-    once the process is gone. Plain os calls, no Path: the agent reads this
-    for every process of the host several times a second, most of what an
-    idle agent costs (bench/shim_scan.py)."""
+def _proc_read(pid: int, name: str, *, upto: bytes = b"", limit: int = 0) -> bytes | None:
+    """/proc/<pid>/<name> read to its end, or until a read brings the byte
+    ``upto``, or ``limit`` bytes (0: none); None once the process is gone.
+    Plain os calls, no Path: the agent reads this for every process of the
+    host several times a second, most of what an idle agent costs
+    (bench/shim_scan.py). Linear in what it reads, whatever the tenant
+    wrote there."""
     try:
         fd = os.open(f"{PROC}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    chunks: list[bytes] = []
+    size = 0
     try:
-        got = b""
-        while not (upto and upto in got) and (part := os.read(fd, 4096)):
-            got += part
+        while part := os.read(fd, 65536):
+            chunks.append(part)
+            size += len(part)
+            if (upto and upto in part) or (limit and size >= limit):
+                break
     except OSError:
         return None
     finally:
         os.close(fd)
-    return got
+    return b"".join(chunks)
 
 
 def _nspids(pid: int) -> list[int]:

@@ -193,8 +193,8 @@ ENTRIES: tuple[Entry, ...] = (
            "services.containers.host:Shim.root")),
     Entry("proc-identity", "/proc/<pid>/{cgroup,cmdline,environ,stat,status,ns/pid,ns/user,"
           "task/*/children}", "kernel",
-          "read whole (os.read to the end, cmdline up to argv[0]'s end; readlink); their "
-          "content partly the tenant's",
+          "read whole (os.read to the end; cmdline up to argv[0]'s end, 64 KiB at most; "
+          "readlink); their content partly the tenant's",
           "which container a process is in (cgroup path), a shim (argv[0] is smr-init and "
           "its namespace PID 1), SMR_CONTAINER (one name, else refused), the tree, who "
           "there may hold CAP_SYS_PTRACE (refused)",

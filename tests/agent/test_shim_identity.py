@@ -94,3 +94,61 @@ def test_a_shared_scan_returns_no_shim_that_ended_since(named_smr_init: Path) ->
         time.sleep(0.05)
     assert mine[0] not in [s.pid for s in host.shims(max_age=3600)], \
         "a shim that ended was handed out from the shared scan"
+
+
+# A tenant's process whose argument area (up to 6 MiB: execve's cap, with a
+# large RLIMIT_STACK) has no NUL but its last byte: /proc/<pid>/cmdline is
+# then one argv[0] of that length (written through /proc/self/mem, no
+# privilege needed).
+_NUL_LESS_ARGV = r'''
+import sys, time
+f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+start, end = int(f[45]), int(f[46])  # arg_start, arg_end
+with open("/proc/self/mem", "r+b", buffering=0) as m:
+    m.seek(start)
+    raw = m.read(end - start)
+    m.seek(start)
+    m.write(raw[:-1].replace(b"\0", b"x") + raw[-1:])
+print(end - start, flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_tenants_long_argv0_costs_the_scan_no_more_than_reading_it_whole() -> None:
+    """Every process of the host is looked at in each scan (is_shim, several
+    times a second): a tenant's process with a 6 MiB argv[0] must cost the
+    scan about what reading its cmdline whole costs (the agent before
+    _proc_read: 6x a plain read here), never time quadratic in its length."""
+    import resource
+    import sys
+
+    def big_stack() -> None:
+        hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+        want = 64 << 20
+        resource.setrlimit(resource.RLIMIT_STACK, (
+            want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+
+    p = subprocess.Popen([sys.executable, "-c", _NUL_LESS_ARGV] + ["a" * 131071] * 46,
+                         stdout=subprocess.PIPE, text=True, preexec_fn=big_stack)
+    try:
+        assert p.stdout is not None
+        size = int(p.stdout.readline())
+        assert size > 1 << 20, f"only {size} bytes of arguments"
+
+        def cpu(op: object) -> float:
+            best = float("inf")
+            for _ in range(3):
+                t = time.process_time()
+                op()  # type: ignore[operator]
+                best = min(best, time.process_time() - t)
+            return best
+
+        whole = cpu(lambda: Path(f"/proc/{p.pid}/cmdline").read_bytes())
+        looked = cpu(lambda: host.is_shim(p.pid))
+        assert not host.is_shim(p.pid)
+        assert looked < max(25 * whole, 0.05), (
+            f"is_shim on one tenant process with a {size}-byte argv[0]: {looked:.3f} s of "
+            f"CPU; reading its cmdline whole: {whole:.3f} s")
+    finally:
+        p.kill()
+        p.wait()
