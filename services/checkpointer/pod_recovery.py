@@ -130,6 +130,13 @@ class PodRecovery:
                 signal_tree(running[0], sig)
             if outcome:
                 await asyncio.to_thread(shim.final, outcome)
+            if sig == signal.SIGKILL:
+                # The workload ended already: a step or recovery that died
+                # between its kill and its release may have left the hold,
+                # which smr-init would heed for another minute (under this
+                # lock no step of ours holds it now).
+                with contextlib.suppress(OSError, SmrError):
+                    await asyncio.to_thread(shim.hold, False)
             return
         # Held, as run() holds it: smr-init, its workload ended, outlives it
         # until the hook has read the outcome. Unheld, it ended the container

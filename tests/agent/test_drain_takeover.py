@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,11 +28,13 @@ import pytest
 from services import timings
 from services.checkpointer import dumpstamp, pod_dump
 from services.checkpointer.pod import PodCheckpointStep
+from services.checkpointer.pod_capture import CONTAINER_FILE
 from services.containers.host import Shim
 from services.storage.backend import StorageError
 from smr.aio import wait_event
 from smr.bus import KV_TIMINGS
-from smr.contract.messages import CkptRequested
+from smr.contract.messages import CkptRequested, Target
+from smr.jobs import proc_start_ticks, signal_tree
 from tests.agent.cluster import Cluster, assert_continues, steps, store_puts_through, workload
 from tests.agent.test_kubelet import evict, hook_said, seconds_between
 from tests.agent.test_restore_memory import build_ballast_image
@@ -317,3 +320,41 @@ async def test_a_cordon_dump_not_yet_frozen_steps_aside_for_the_final_one(
     assert "final_request_id" not in m, "the final request's own dump"
     assert "final checkpoint done" in hook_said(cluster, a, "aside")
     await resumes_intact(cluster, "aside", a, b)
+
+
+async def test_a_hold_left_by_a_step_that_died_after_its_kill_ends_at_the_recovery(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A final dump's step that died between killing the workload and
+    letting go of smr-init's hold (an agent killed there) leaves smr-init
+    waiting on the hold for its minute. The redelivery's recovery, finding
+    the workload ended, tells the hook the outcome and lets go of the hold:
+    the container ends at once, not a minute later."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("held", a, final_wait=80, grace=90))
+    await cluster.until_steps("held", a, 3, timeout=60)
+    step = next(w.step.step for w in cluster.agents[a].workers
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+    target = Target(kind="pod", namespace="default", pod="held", container="main")
+    c = await step.pods.container(target)
+    shim = step.shim_of(c)
+    ticks = proc_start_ticks(shim.pid)
+    # What the dead step did: the hold taken, the workload killed.
+    await asyncio.to_thread(shim.hold, True)
+    running = await asyncio.to_thread(shim.workload)
+    assert running is not None
+    signal_tree(running[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while await asyncio.to_thread(shim.workload) is not None:
+        assert time.monotonic() < deadline, "the workload outlived its SIGKILL"
+        await asyncio.sleep(0.1)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / CONTAINER_FILE).write_bytes(orjson.dumps({"container_id": c.container_id}))
+    req = CkptRequested(request_id="r1", checkpoint_id="held.main", node=a, target=target,
+                        reason="drain", leave_running=False)
+    await step._settle_held(req, c, shim, work, signal.SIGKILL, "done 7")
+    t0 = time.monotonic()
+    while proc_start_ticks(shim.pid) == ticks:
+        assert time.monotonic() - t0 < 20, \
+            "smr-init still waits on the hold the dead step left (for its minute)"
+        await asyncio.sleep(0.1)
