@@ -26,7 +26,7 @@ from smr.contract.errors import SmrError
 from smr.gpu import cuda_checkpoint, gpuinfo
 from smr.jobs import JobLock, JobRegistry, job_key
 from smr.natsserver import NatsServer
-from smr.process import reaper
+from smr.process import procfs, reaper
 from smr.process.criu import Criu
 from smrctl.reach import BUCKETS
 from smrctl.uplock import hold_data_dir, url_file, write_holder
@@ -52,10 +52,7 @@ def end_leftover_server(last_holder: str, store_dir: Path) -> None:
     if len(words) < 2 or not words[1].isdigit():
         return
     pid = int(words[1])
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return
+    argv = procfs.argv(pid)
     if not argv or not argv[0].endswith(b"nats-server") or str(store_dir).encode() not in argv:
         return
     log.warning("ending nats-server %d, left running by an earlier `smr up` of %s",

@@ -22,15 +22,14 @@ from pathlib import Path
 from services.containers.confined import Root, UnsafePath
 from smr.contract.errors import SmrError, TemporaryError
 from smr.gpu.gpuinfo import ns_pid
+from smr.process import procfs
 from smr.process.tree import process_tree as tree
 
 log = logging.getLogger("smr.agent")
 
 PROC = Path("/proc")
 SHIM_NAME = "smr-init"
-# The longest argv[0] read to judge a process a shim: runc starts smr-init by
-# a short path, and a longer one is not smr-init's.
-ARGV0_MAX = 64 << 10
+CGROUP_MAX = 64 << 10  # /proc/<pid>/cgroup: the kernel's text, a path per hierarchy
 # smr-init's state directory, always: smr-runtime's nodev tmpfs or the
 # manifest's volume. SMR_INIT_DIR is the pod's to set and is never read here.
 INIT_DIR = "/smr"
@@ -40,7 +39,7 @@ _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,62}")
 
 def container_id_of(pid: int) -> str | None:
     """The container ID in ``pid``'s cgroup path, e.g. ``.../cri-containerd-<id>.scope``."""
-    raw = _proc_read(pid, "cgroup")
+    raw = procfs.read(pid, "cgroup", limit=CGROUP_MAX)
     if raw is None:
         return None
     for line in raw.decode(errors="replace").splitlines():
@@ -71,57 +70,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def environ(pid: int) -> dict[str, str]:
-    try:
-        raw = (PROC / str(pid) / "environ").read_bytes()
-    except OSError:
-        return {}
-    env = {}
-    for item in raw.split(b"\0"):
-        k, sep, v = item.decode(errors="replace").partition("=")
-        if sep:
-            env[k] = v
-    return env
-
-
 def is_shim(pid: int) -> bool:
     """Is ``pid`` a container's smr-init: named so, and PID 1 of a PID
     namespace directly below the agent's, as the runtime makes it? PID 1 of a
     namespace a workload nested inside (`unshare` needs no privilege in a
     user namespace) has a third NSpid field, and is the tenant's."""
-    # Up to argv[0]'s end, and no further than ARGV0_MAX: a tenant's process
-    # can have a 6 MiB argv[0], read by every scan of every agent.
-    cmdline = _proc_read(pid, "cmdline", upto=b"\0", limit=ARGV0_MAX)
-    if cmdline is None or b"\0" not in cmdline:
-        return False  # gone, or an argv[0] longer than any smr-init's
-    return os.path.basename(cmdline.split(b"\0", 1)[0].decode(errors="replace")) == SHIM_NAME \
+    argv0 = procfs.argv0(pid)  # bounded: a tenant's may be gigabytes
+    return argv0 is not None \
+        and os.path.basename(argv0.decode(errors="replace")) == SHIM_NAME \
         and _nspids(pid)[1:] == [1]
-
-
-def _proc_read(pid: int, name: str, *, upto: bytes = b"", limit: int = 0) -> bytes | None:
-    """/proc/<pid>/<name> read to its end, or until a read brings the byte
-    ``upto``, or ``limit`` bytes (0: none); None once the process is gone.
-    Plain os calls, no Path: the agent reads this for every process of the
-    host several times a second, most of what an idle agent costs
-    (bench/shim_scan.py). Linear in what it reads, whatever the tenant
-    wrote there."""
-    try:
-        fd = os.open(f"{PROC}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        while part := os.read(fd, 65536):
-            chunks.append(part)
-            size += len(part)
-            if (upto and upto in part) or (limit and size >= limit):
-                break
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
 
 
 def _nspids(pid: int) -> list[int]:
@@ -264,7 +221,8 @@ class Shim:
 
     @classmethod
     def of(cls, pid: int) -> Shim:
-        return cls(pid, INIT_DIR, environ(pid).get("SMR_CONTAINER") or "main")
+        # The first SMR_CONTAINER, as smr-init's getenv() finds it.
+        return cls(pid, INIT_DIR, procfs.env_value(pid, "SMR_CONTAINER") or "main")
 
     @property
     def root(self) -> Path:

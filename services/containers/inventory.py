@@ -193,14 +193,13 @@ ENTRIES: tuple[Entry, ...] = (
            "services.containers.host:Shim.root")),
     Entry("proc-identity", "/proc/<pid>/{cgroup,cmdline,environ,stat,status,ns/pid,ns/user,"
           "task/*/children}", "kernel",
-          "read whole (os.read to the end; cmdline up to argv[0]'s end, 64 KiB at most; "
-          "readlink); their content partly the tenant's",
+          "read bounded (smr.process.procfs: a command line 64 KiB at most, argv[0] up to "
+          "its end; an environment 8 MiB; readlink); their content partly the tenant's",
           "which container a process is in (cgroup path), a shim (argv[0] is smr-init and "
           "its namespace PID 1), SMR_CONTAINER (one name, else refused), the tree, who "
           "there may hold CAP_SYS_PTRACE (refused)",
           ("services.containers.host:container_id_of", "services.containers.host:all_pids",
-           "services.containers.host:_proc_read",
-           "services.containers.host:children", "services.containers.host:environ",
+           "services.containers.host:children", "services.containers.host:Shim.of",
            "services.containers.host:is_shim", "services.containers.gpus:_parent",
            "services.containers.gpus:_uid", "services.containers.gpus:_pidns",
            "services.restorer.pod:_find_ns_pid", "services.containers.host:_nspids",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from smr.contract.errors import PermanentError
 from smr.gpu.gpuinfo import check_mappings
+from smr.process import procfs
 
 # How Linux names an io_uring instance's descriptor and its ring mappings.
 IO_URING = "anon_inode:[io_uring]"
@@ -82,19 +83,6 @@ def check_io_uring(tree: list[int]) -> None:
                      "(docs/compatibility.md)")
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        k, sep, v = item.partition(b"=")
-        if sep:
-            out[k.decode(errors="replace")] = v.decode(errors="replace")
-    return out
-
-
 def _maps_nccl(pid: int) -> bool:
     try:
         return "/libnccl" in Path(f"/proc/{pid}/maps").read_text()
@@ -143,7 +131,7 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
                          "(docs/gpu.md)")
     if "nccl-p2p" not in allow:
         on = {p for p in gpus if p not in released and _maps_nccl(p)
-              and _environ(p).get("NCCL_P2P_DISABLE", "0").lower() not in ("1", "true")}
+              and (procfs.env_value(p, "NCCL_P2P_DISABLE") or "0").lower() not in ("1", "true")}
         used = {u for p in on for u in gpus[p]}
         if len(on) >= 2 and len(used) >= 2:
             named = ", ".join(f"{p} ({comm(p)})" for p in sorted(on))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smr.contract.errors import PermanentError, TemporaryError
-from smr.process import linkremap, unstop
+from smr.process import linkremap, procfs, unstop
 from smr.process.criu_log import ERROR_PREFIX, TEMPORARY, explain, failing_line
 from smr.process.sockets import Tcp
 from smr.process.tree import process_tree
@@ -374,16 +374,12 @@ def still_running(images: Path) -> list[int]:
     before recovery decides anything."""
     want = os.fsencode(images)
     found = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            args = (p / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or (args := procfs.argv(int(name))) is None:
             continue
         if any(a.endswith(b"criu") for a in args[:4]) and any(
                 a == b"-D" and b == want for a, b in itertools.pairwise(args)):
-            found.append(int(p.name))
+            found.append(int(name))
     return found
 
 

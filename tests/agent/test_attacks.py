@@ -28,6 +28,7 @@ import pytest
 from services.containers import host
 from services.containers.host import Shim
 from smr.contract.messages import CkptDone, CkptRequested, Target
+from smr.process import procfs
 from smr.process.criu import Criu
 from tests import oci_image
 from tests.agent.cluster import COUNTER, Cluster, steps, workload
@@ -317,7 +318,7 @@ async def test_device_nodes_where_smrs_files_are_are_never_opened(
     hostile.kube.put("pods", attacker("lockdev", a, "lock-dev"))
     await hostile.until_steps("mover", a, 5)
     await hostile.until_steps("lockdev", a, 5)
-    pids = {host.environ(s.pid).get("ATTACK"): s.pid for s in shims()}
+    pids = {procfs.env_value(s.pid, "ATTACK"): s.pid for s in shims()}
     planted = [f"/proc/{pids['dev-nodes']}/root/smr/main/status",
                f"/proc/{pids['dev-nodes']}/root/tmp/state/main/status",
                f"/proc/{pids['lock-dev']}/root/smr/main/signal.lock"]

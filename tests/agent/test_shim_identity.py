@@ -117,8 +117,8 @@ time.sleep(600)
 def test_a_tenants_long_argv0_costs_the_scan_no_more_than_reading_it_whole() -> None:
     """Every process of the host is looked at in each scan (is_shim, several
     times a second): a tenant's process with a 6 MiB argv[0] must cost the
-    scan about what reading its cmdline whole costs (the agent before
-    _proc_read: 6x a plain read here), never time quadratic in its length."""
+    scan no more than reading its cmdline whole, never time quadratic in
+    its length."""
     import resource
     import sys
 

@@ -1,0 +1,156 @@
+"""Reading other processes' /proc files stays bounded whatever they hold.
+
+A process with no privilege can point its argument or environment area at a
+mapping of gigabytes (prctl PR_SET_MM_MAP needs no capability for these
+fields): /proc/<pid>/{cmdline,environ} then read as that many bytes. The
+agent's look for smr-init (every process, several times a second), a
+recovery's look for a CRIU still running and the GPU gate's look at a
+job's environment must cost the same for such a process as for any other.
+Real processes, dropped to nobody; smr.process.procfs reads them."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.containers import host
+from smr.process import criu, procfs
+
+# Maps SIZE MiB read-only and points the argument ("args") or environment
+# ("env") area at it, then waits.
+_BIG_AREA = r'''
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+size = int(sys.argv[2]) << 20
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+addr = libc.mmap(None, size, 1, 0x22 | 0x4000, -1, 0)  # PROT_READ, private anonymous, noreserve
+f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+g = lambda n: int(f[n - 3])
+libc.sbrk.restype = ctypes.c_void_p
+class M(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "start_code end_code start_data end_data start_brk brk start_stack "
+        "arg_start arg_end env_start env_end auxv").split()] + [
+        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+area = (addr, addr + size, addr + size, addr + size) if sys.argv[1] == "args" else \
+    (g(48), g(49), addr, addr + size)
+m = M(g(26), g(27), g(45), g(46), g(47), libc.sbrk(0), g(28), *area, 0, 0, 0xffffffff)
+if libc.prctl(35, 14, ctypes.byref(m), ctypes.sizeof(m), 0) != 0:  # PR_SET_MM, PR_SET_MM_MAP
+    print("refused", ctypes.get_errno(), flush=True)
+else:
+    print("ok", flush=True)
+time.sleep(600)
+'''
+
+
+_DROP = ("import ctypes, os, sys, time\n"
+         "os.setgroups([]); os.setgid(65534); os.setuid(65534)")
+
+
+def _nobody() -> None:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+@pytest.fixture
+def huge(request: pytest.FixtureRequest) -> Iterator[Callable[..., int]]:
+    """Start a process of nobody's whose ``area`` ("args" or "env") is
+    ``mib`` MiB, optionally under ``argv`` (a PID namespace's PID 1 named
+    smr-init); its PID."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(area: str, mib: int, argv: list[str] | None = None) -> int:
+        # Under ``argv`` it drops to nobody itself, once its program is open.
+        script = _BIG_AREA.replace("import ctypes, os, sys, time", _DROP) if argv else _BIG_AREA
+        cmd = [*(argv or ["/usr/bin/python3"]), "-c", script, area, str(mib)]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                             preexec_fn=None if argv else _nobody)
+        procs.append(p)
+        assert p.stdout is not None
+        said = p.stdout.readline().strip()
+        if said != "ok":
+            pytest.skip(f"PR_SET_MM_MAP refused here: {said}")
+        return p.pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _cost(op: Callable[[], Any]) -> tuple[float, int]:
+    """CPU seconds and peak-memory growth (MiB) of ``op``."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.process_time()
+    op()
+    return time.process_time() - t, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                     - before) >> 10
+
+
+def test_a_look_for_smr_init_reads_little_of_a_command_line_of_16_gib(
+        huge: Callable[..., int]) -> None:
+    pid = huge("args", 16 << 10)
+    cpu, mib = _cost(lambda: host.is_shim(pid))
+    assert not host.is_shim(pid)
+    assert cpu < 0.05 and mib < 8, f"is_shim: {cpu:.2f} s of CPU, +{mib} MiB"
+
+
+def test_a_look_for_a_criu_still_running_reads_little_of_a_large_command_line(
+        huge: Callable[..., int]) -> None:
+    huge("args", 64)
+    cpu, mib = _cost(lambda: criu.still_running(Path("/nonexistent/images")))
+    assert cpu < 0.3 and mib < 32, (
+        f"one walk of /proc: {cpu:.2f} s of CPU, +{mib} MiB for one process with a "
+        "64 MiB argument area")
+
+
+def test_one_variable_of_a_large_environment_costs_little(huge: Callable[..., int]) -> None:
+    pid = huge("env", 64)
+    cpu, mib = _cost(lambda: procfs.env_value(pid, "NCCL_P2P_DISABLE"))
+    assert procfs.env_value(pid, "NCCL_P2P_DISABLE") is None
+    assert cpu < 0.1 and mib < 32, f"env_value: {cpu:.2f} s of CPU, +{mib} MiB"
+
+
+def test_a_scan_finding_a_pid_1_named_smr_init_reads_little_of_its_environment(
+        huge: Callable[..., int], tmp_path: Path) -> None:
+    """Any container's PID 1 whose argv[0] ends in smr-init is taken for a
+    shim (the tenant names its own entrypoint): the scan reads its
+    SMR_CONTAINER, never its whole environment."""
+    link = tmp_path / host.SHIM_NAME
+    link.symlink_to("/usr/bin/python3")
+    unshare = ["unshare", "-p", "--fork", "--kill-child", "--", str(link)]
+    huge("env", 64, argv=unshare)
+    mine = [s for s in host.shims() if str(tmp_path).encode() in (procfs.argv0(s.pid) or b"")]
+    assert mine, "its PID 1 was not taken for a shim"
+    cpu, mib = _cost(host.shims)
+    assert cpu < 0.1 and mib < 32, f"one scan: {cpu:.2f} s of CPU, +{mib} MiB"
+
+
+def test_env_value_finds_the_first_setting_as_getenv_does(tmp_path: Path) -> None:
+    env = {"A": "1", "SMR_CONTAINER": "first", "B": "x=y"}
+    p = subprocess.Popen(["sleep", "30"], env=env)
+    try:
+        deadline = time.monotonic() + 5
+        while procfs.env_value(p.pid, "B") is None:  # exec done
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert procfs.env_value(p.pid, "A") == "1"
+        assert procfs.env_value(p.pid, "SMR_CONTAINER") == "first"
+        assert procfs.env_value(p.pid, "B") == "x=y"
+        assert procfs.env_value(p.pid, "CONTAINER") is None  # a suffix of a name is not it
+        assert procfs.argv(p.pid) == [b"sleep", b"30", b""]
+        assert procfs.argv0(p.pid) == b"sleep"
+    finally:
+        p.kill()
+        p.wait()
+    assert procfs.env_value(p.pid, "A") is None  # gone
