@@ -10,8 +10,10 @@ Real processes, dropped to nobody; smr.process.procfs reads them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ import pytest
 
 from services.containers import host
 from smr.process import criu, procfs
+from smr.process.tree import process_tree
 
 # Maps SIZE MiB read-only and points the argument ("args") or environment
 # ("env") area at it, then waits.
@@ -84,7 +87,12 @@ def huge(request: pytest.FixtureRequest) -> Iterator[Callable[..., int]]:
 
     yield start
     for p in procs:
-        p.kill()
+        # The whole tree: a namespace's PID 1 that dropped to nobody lost the
+        # parent-death signal `unshare --kill-child` gave it, and a stray one
+        # named smr-init would be every later agent's shim to look at.
+        for q in reversed(process_tree(p.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(q, signal.SIGKILL)
         p.wait()
 
 
