@@ -162,3 +162,29 @@ def test_env_value_finds_the_first_setting_as_getenv_does(tmp_path: Path) -> Non
         p.kill()
         p.wait()
     assert procfs.env_value(p.pid, "A") is None  # gone
+
+
+def test_a_streamed_local_restore_is_a_criu_still_at_work_on_its_images(
+        tmp_path: Path) -> None:
+    """criu.restore(images, stream=DIR) runs `criu restore ... --stream -W
+    IMAGES ... -D DIR`: a recovery's wait for the CRIU still at work on
+    IMAGES must see it, or it decides (restores again) while it runs."""
+    images = tmp_path / "req" / "images"
+    images.mkdir(parents=True)
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\nsleep 30\n:\n")
+    fake.chmod(0o755)
+    p = subprocess.Popen([str(fake), "restore", "-d", "--file-locks", "--pidfile",
+                          str(images.parent / "restored.pid"), "--tcp-close", "--stream",
+                          "-W", str(images), "-D", "/tmp/smr-abcdef", "-o", "restore.log",
+                          "-v4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 5
+        while str(fake).encode() not in (procfs.argv(p.pid) or []):
+            assert time.monotonic() < deadline, "it never ran"
+            time.sleep(0.01)
+        assert criu.still_running(images) == [p.pid]
+        assert criu.still_running(tmp_path / "other") == []
+    finally:
+        p.kill()
+        p.wait()

@@ -377,8 +377,10 @@ def still_running(images: Path) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit() or (args := procfs.argv(int(name))) is None:
             continue
+        # -D: a dump's images, a restore's; -W: a streamed restore's (its
+        # -D is the streamer's socket directory, its log goes to -W).
         if any(a.endswith(b"criu") for a in args[:4]) and any(
-                a == b"-D" and b == want for a, b in itertools.pairwise(args)):
+                a in (b"-D", b"-W") and b == want for a, b in itertools.pairwise(args)):
             found.append(int(name))
     return found
 
