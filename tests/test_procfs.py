@@ -188,3 +188,36 @@ def test_a_streamed_local_restore_is_a_criu_still_at_work_on_its_images(
     finally:
         p.kill()
         p.wait()
+
+
+# Gives itself 65536 groups (a container's root holds CAP_SETGID by default):
+# its /proc/<pid>/status is then half a MiB, built whole at each read.
+_GROUPS = r'''
+import os, time
+os.setgroups(list(range(1000000, 1065536)))
+os.setgid(65534); os.setuid(65534)
+print("ok", flush=True); time.sleep(60)
+'''
+
+
+def test_processes_named_smr_init_with_a_huge_status_cost_the_next_scans_little(
+        tmp_path: Path) -> None:
+    """The look for smr-init reads the PID namespaces (status's NSpid) of each
+    process named so: once a process, not at every scan."""
+    link = tmp_path / host.SHIM_NAME
+    link.symlink_to("/usr/bin/python3")
+    procs = [subprocess.Popen([str(link), "-c", _GROUPS], stdout=subprocess.PIPE, text=True)
+             for _ in range(20)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+        size = len(Path(f"/proc/{procs[0].pid}/status").read_bytes())
+        assert size > 256 << 10, f"status is only {size} bytes"
+        for p in procs:  # the first scan that meets them
+            assert not host.is_shim(p.pid)
+        cpu, _ = _cost(lambda: [host.is_shim(p.pid) for p in procs])
+        assert cpu < 0.05, f"the next scan's 20 looks: {cpu:.3f} s of CPU (status {size} bytes)"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -22,6 +22,7 @@ from pathlib import Path
 from services.containers.confined import Root, UnsafePath
 from smr.contract.errors import SmrError, TemporaryError
 from smr.gpu.gpuinfo import ns_pid
+from smr.jobs import proc_start_ticks
 from smr.process import procfs
 from smr.process.tree import process_tree as tree
 
@@ -83,11 +84,39 @@ def is_shim(pid: int) -> bool:
 
 def _nspids(pid: int) -> list[int]:
     """``pid`` in each PID namespace from the agent's down to its own."""
+    fixed = _fixed(pid)
+    return fixed[0] if fixed else []
+
+
+# What never changes for a process, by PID and start tick: its PID in each
+# namespace (status's NSpid) and, for a shim, its SMR_CONTAINER (runc gives
+# smr-init its environment once). Read once a process, not at every scan: a
+# tenant sizes both files (65536 groups make status half a MiB, which the
+# kernel builds whole at each read).
+_FIXED: dict[tuple[int, int], tuple[list[int], str]] = {}
+_FIXED_MAX = 4096
+
+
+def _fixed(pid: int) -> tuple[list[int], str] | None:
+    ticks = proc_start_ticks(pid)
+    if ticks is None:
+        return None
+    if (got := _FIXED.get((pid, ticks))) is not None:
+        return got
+    nspids: list[int] = []
     with contextlib.suppress(OSError, ValueError):
         for line in (PROC / str(pid) / "status").read_text().splitlines():
             if line.startswith("NSpid:"):
-                return [int(x) for x in line.split()[1:]]
-    return []
+                nspids = [int(x) for x in line.split()[1:]]
+                break
+    # The first SMR_CONTAINER, as smr-init's getenv() finds it.
+    got = (nspids, procfs.env_value(pid, "SMR_CONTAINER") or "main")
+    if proc_start_ticks(pid) != ticks:
+        return None  # gone (or another process) meanwhile: nothing read is known
+    if len(_FIXED) >= _FIXED_MAX:
+        _FIXED.clear()
+    _FIXED[(pid, ticks)] = got
+    return got
 
 
 # ioctl NS_GET_USERNS (linux/nsfs.h): the user namespace owning a namespace.
@@ -221,8 +250,8 @@ class Shim:
 
     @classmethod
     def of(cls, pid: int) -> Shim:
-        # The first SMR_CONTAINER, as smr-init's getenv() finds it.
-        return cls(pid, INIT_DIR, procfs.env_value(pid, "SMR_CONTAINER") or "main")
+        fixed = _fixed(pid)
+        return cls(pid, INIT_DIR, fixed[1] if fixed else "main")
 
     @property
     def root(self) -> Path:
