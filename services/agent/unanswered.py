@@ -91,6 +91,9 @@ async def _before_start(starts: StartRestores, ckpt: str, namespace: str,
     copy's: what it missed, if anything, is not known here; an agent may ask
     storage for the latest only)."""
     gen = await starts._latest(ckpt, namespace)
+    if gen is not None and gen.get("container_id") and \
+            gen["container_id"] == runtime_id(status.get("containerID") or ""):
+        return None  # taken of this very container: stored after it started
     try:
         started = epoch(status["state"]["running"]["startedAt"])
         stored = epoch(gen["created_at"]) if gen is not None else None
@@ -98,7 +101,7 @@ async def _before_start(starts: StartRestores, ckpt: str, namespace: str,
         return gen  # no times to compare: the latest, as before
     # The kubelet's startedAt holds whole seconds: a generation stored in the
     # second the container started is taken as stored before it. The
-    # container's own first checkpoint comes after smr-init's wait for an
-    # agent (SMR_INIT_TIMEOUT, 30 s by default); with that set under a second,
-    # one stored at once could be named here by mistake (this Event's text only).
+    # container's own checkpoints are known by their container ID (above),
+    # so only another copy's, stored within that second, could be named by
+    # mistake (this Event's text only).
     return gen if stored is not None and stored < started + 1 else None

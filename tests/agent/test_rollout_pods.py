@@ -214,3 +214,21 @@ async def test_the_checkpoint_named_lost_is_judged_by_the_kubelets_whole_seconds
     status = {"state": {"running": {"startedAt": "2026-11-29T04:00:00Z"}}}
     gen = await unanswered._before_start(Starts(), "c", "default", status)  # type: ignore[arg-type]
     assert (gen is not None) == named, gen
+
+
+async def test_a_containers_own_checkpoint_is_never_named_lost_however_soon_it_came() -> None:
+    """A generation taken of this very container (storage says which: its
+    container ID) was stored after it started, even within the second the
+    kubelet's startedAt rounds it to: it is never named as not restored."""
+    from services.agent import unanswered
+
+    class Starts:
+        async def _latest(self, ckpt: str, namespace: str) -> dict[str, Any]:
+            return {"generation": 1, "created_at": "2026-11-29T04:00:00.700Z",
+                    "container_id": "abc123"}
+
+    mine = {"containerID": "containerd://abc123",
+            "state": {"running": {"startedAt": "2026-11-29T04:00:00Z"}}}
+    other = {**mine, "containerID": "containerd://def456"}
+    assert await unanswered._before_start(Starts(), "c", "default", mine) is None  # type: ignore[arg-type]
+    assert await unanswered._before_start(Starts(), "c", "default", other) is not None  # type: ignore[arg-type]
