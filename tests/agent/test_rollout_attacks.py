@@ -126,8 +126,14 @@ async def test_a_container_checkpointed_after_its_start_is_never_said_to_have_lo
     assert done.status == "succeeded", done
     st = cluster.kube.get("pods", "own", "default")
     assert st is not None
-    shim = host.find_shim(runtime_id(st["status"]["containerStatuses"][0]["containerID"]))
+    cid = runtime_id(st["status"]["containerStatuses"][0]["containerID"])
+    shim = host.find_shim(cid)
     assert shim is not None
+    # How the agent knows it for the container's own, whatever the clocks say
+    # (the kubelet's startedAt is in whole seconds, and it may have been
+    # stored within the second the container started).
+    latest = await cluster.agents[a].starts._latest(ckpt, "default")
+    assert latest is not None and latest.get("container_id") == cid, latest
     (Path(f"/proc/{shim.pid}/root/smr/main") / "unanswered").write_text("no answer\n")
     await replaced_agent_looks_at(cluster, a, shim)
     lies = [e["message"] for e in cluster.events("StartedWithoutAgent")
