@@ -15,7 +15,6 @@ import argparse
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,17 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from smr.config import REPO_TOOLS
+from smr.natsserver import NatsServer
+
 HERE = Path(__file__).resolve()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def nats_server(tree: Path) -> str:
-    found = shutil.which("nats-server") or str(tree / ".tools" / "bin" / "nats-server")
+def nats_binary() -> str:
+    found = shutil.which("nats-server") or str(REPO_TOOLS / "nats-server")
     if not Path(found).exists():
         sys.exit("no nats-server: run `make setup` first")
     return found
@@ -59,28 +55,15 @@ def main() -> None:
     trees = {"this": HERE.parent.parent}
     if args.base:
         trees["base"] = args.base.resolve()
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="smr-cli-bench-") as d:
-        server = subprocess.Popen([nats_server(trees["this"]), "-js", "-sd", f"{d}/js",
-                                   "-a", "127.0.0.1", "-p", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = NatsServer(nats_binary(), Path(d) / "js").start()
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
             got: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
             for _ in range(args.n):
                 for name, tree in trees.items():
-                    got[name].append(one(tree, f"nats://127.0.0.1:{port}", Path(d)))
+                    got[name].append(one(tree, server.url, Path(d)))
         finally:
-            server.terminate()
-            server.wait()
+            server.stop()
     print(f"`smr ps` against a running NATS, {args.n} runs a tree, {os.cpu_count()} cores")
     print(f"{'tree':6} {'CPU s':>7} {'wall s':>7}")
     for name, runs in got.items():
