@@ -125,30 +125,26 @@ class PodRecovery:
             elif running is not None:
                 signal_tree(running[0], signal.SIGCONT)
             return
-        if running is None or sig != signal.SIGKILL:
+        if sig != signal.SIGKILL:
             if running is not None:
                 signal_tree(running[0], sig)
             if outcome:
                 await asyncio.to_thread(shim.final, outcome)
-            if sig == signal.SIGKILL:
-                # The workload ended already: a step or recovery that died
-                # between its kill and its release may have left the hold,
-                # which smr-init would heed for another minute (under this
-                # lock no step of ours holds it now).
-                with contextlib.suppress(OSError, SmrError):
-                    await asyncio.to_thread(shim.hold, False)
             return
-        # Held, as run() holds it: smr-init, its workload ended, outlives it
-        # until the hook has read the outcome. Unheld, it ended the container
-        # (and the hook in it, killed: a FailedPreStopHook) whenever the
-        # outcome came a moment after the kill.
-        with contextlib.suppress(OSError, SmrError):
-            await asyncio.to_thread(shim.hold, True)
+        # A final ends held, as run() ends it: smr-init, its workload ended,
+        # outlives it until the hook has read the outcome (unheld, it ended
+        # the container, and the hook in it, whenever the outcome came a
+        # moment after the kill). The release also drops a hold that a step
+        # dying between its kill and its release left, which smr-init would
+        # heed for another minute (under this lock no step of ours holds it).
         try:
-            ticks = proc_start_ticks(running[0])
-            signal_tree(running[0], sig)
-            if ticks is not None:
-                await wait_exit(running[0], ticks)
+            if running is not None:
+                with contextlib.suppress(OSError, SmrError):
+                    await asyncio.to_thread(shim.hold, True)
+                ticks = proc_start_ticks(running[0])
+                signal_tree(running[0], sig)
+                if ticks is not None:
+                    await wait_exit(running[0], ticks)
             if outcome:
                 await asyncio.to_thread(shim.final, outcome)
         finally:
