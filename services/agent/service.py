@@ -86,7 +86,7 @@ class NodeAgent:
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
         ]
-        self.starts = StartRestores(bus, self.pods, s)
+        self.starts = StartRestores(bus, self.pods, s, store)
         self.prestop = PreStopWaits(self.pods, s.node, s.preemption_taints)
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()

@@ -39,6 +39,7 @@ from services.containers.host import Shim
 from services.containers.pods import Pods, runtime_id
 from services.policy import policy_for
 from services.storage.layout import template_id
+from services.storage.store import CheckpointStore
 from smr import tracing
 from smr.aio import wait_event
 from smr.bus import QUERY_LATEST, Bus
@@ -56,9 +57,11 @@ RESTORE_WAIT_S = 3600.0
 
 
 class StartRestores:
-    def __init__(self, bus: Bus, pods: Pods, settings: Settings) -> None:
+    def __init__(self, bus: Bus, pods: Pods, settings: Settings,
+                 store: CheckpointStore | None = None) -> None:
         self.bus = bus
         self.pods = pods
+        self.store = store  # the manifests a StartedWithoutAgent Event looks at
         self.s = settings
         self.node = settings.node
         self.lineage = Lineage(pods, settings)

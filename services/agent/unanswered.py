@@ -91,8 +91,8 @@ async def _before_start(starts: StartRestores, ckpt: str, namespace: str,
     copy's: what it missed, if anything, is not known here; an agent may ask
     storage for the latest only)."""
     gen = await starts._latest(ckpt, namespace)
-    if gen is not None and gen.get("container_id") and \
-            gen["container_id"] == runtime_id(status.get("containerID") or ""):
+    if gen is not None and await _taken_of(starts, namespace, ckpt, gen) == \
+            runtime_id(status.get("containerID") or ""):
         return None  # taken of this very container: stored after it started
     try:
         started = epoch(status["state"]["running"]["startedAt"])
@@ -105,3 +105,20 @@ async def _before_start(starts: StartRestores, ckpt: str, namespace: str,
     # so only another copy's, stored within that second, could be named by
     # mistake (this Event's text only).
     return gen if stored is not None and stored < started + 1 else None
+
+
+async def _taken_of(starts: StartRestores, namespace: str, ckpt: str,
+                    gen: dict[str, Any]) -> str | None:
+    """The container a pod generation was taken of, from its manifest (the
+    agent's own record); None if it cannot be read (the times decide then)."""
+    if starts.store is None or not isinstance(gen.get("generation"), int):
+        return None
+    try:
+        got = await starts.store.get(namespace, ckpt, gen["generation"])
+    except SmrError as e:
+        log.warning("cannot read the manifest of %s generation %s: %s", ckpt,
+                    gen["generation"], e.message)
+        return None
+    container = got.manifest.get("container")
+    found = container.get("container_id") if isinstance(container, dict) else None
+    return found if isinstance(found, str) and found else None

@@ -60,9 +60,6 @@ SUMMARY_FIELDS = ("generation", "created_at", "size_bytes", "stored_bytes", "nod
 def summary(g: Generation) -> dict[str, Any]:
     out = {k: g.manifest[k] for k in SUMMARY_FIELDS if g.manifest.get(k) is not None}
     out["location"] = g.location
-    container = g.manifest.get("container")
-    if isinstance(container, dict) and isinstance(container.get("container_id"), str):
-        out["container_id"] = container["container_id"]
     return out
 
 

@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+from services.agent import unanswered
 from services.agent.starts import SCAN_S, StartRestores
 from services.containers import host
 from services.containers.pods import runtime_id
@@ -131,9 +132,10 @@ async def test_a_container_checkpointed_after_its_start_is_never_said_to_have_lo
     assert shim is not None
     # How the agent knows it for the container's own, whatever the clocks say
     # (the kubelet's startedAt is in whole seconds, and it may have been
-    # stored within the second the container started).
+    # stored within the second the container started): its manifest.
     latest = await cluster.agents[a].starts._latest(ckpt, "default")
-    assert latest is not None and latest.get("container_id") == cid, latest
+    assert latest is not None
+    assert await unanswered._taken_of(cluster.agents[a].starts, "default", ckpt, latest) == cid
     (Path(f"/proc/{shim.pid}/root/smr/main") / "unanswered").write_text("no answer\n")
     await replaced_agent_looks_at(cluster, a, shim)
     lies = [e["message"] for e in cluster.events("StartedWithoutAgent")

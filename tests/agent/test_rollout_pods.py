@@ -208,6 +208,8 @@ async def test_the_checkpoint_named_lost_is_judged_by_the_kubelets_whole_seconds
     from services.agent import unanswered
 
     class Starts:
+        store = None  # no manifest to read: the times decide
+
         async def _latest(self, ckpt: str, namespace: str) -> dict[str, Any]:
             return {"generation": 3, "created_at": stored}
 
@@ -217,15 +219,22 @@ async def test_the_checkpoint_named_lost_is_judged_by_the_kubelets_whole_seconds
 
 
 async def test_a_containers_own_checkpoint_is_never_named_lost_however_soon_it_came() -> None:
-    """A generation taken of this very container (storage says which: its
-    container ID) was stored after it started, even within the second the
+    """A generation taken of this very container (its manifest names the
+    container) was stored after it started, even within the second the
     kubelet's startedAt rounds it to: it is never named as not restored."""
+    from types import SimpleNamespace
+
     from services.agent import unanswered
 
+    class Store:
+        async def get(self, namespace: str, ckpt: str, generation: int) -> Any:
+            return SimpleNamespace(manifest={"container": {"container_id": "abc123"}})
+
     class Starts:
+        store = Store()
+
         async def _latest(self, ckpt: str, namespace: str) -> dict[str, Any]:
-            return {"generation": 1, "created_at": "2026-11-29T04:00:00.700Z",
-                    "container_id": "abc123"}
+            return {"generation": 1, "created_at": "2026-11-29T04:00:00.700Z"}
 
     mine = {"containerID": "containerd://abc123",
             "state": {"running": {"startedAt": "2026-11-29T04:00:00Z"}}}
