@@ -84,6 +84,24 @@ def test_nccl_ranks_on_two_gpus_with_p2p_on_are_refused(
     gpugate.check_peers({s0: [A], s1: [B]})  # sockets only: let through
 
 
+@pytest.mark.parametrize(("value", "disabled"), [
+    ("1", True), ("01", True), ("0x1", True), (" 1", True),
+    ("true", False), ("TRUE", False), ("yes", False), ("0", False), ("2", False),
+])
+def test_nccl_p2p_disable_is_read_as_nccl_reads_it(
+        procs: list[subprocess.Popen[str]], tmp_path: Path, value: str, disabled: bool) -> None:
+    """NCCL disables P2P only where (int) strtol(value, NULL, 0) == 1: a rank
+    started with NCCL_P2P_DISABLE=true keeps P2P, and is refused."""
+    lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
+    env = {"NCCL_P2P_DISABLE": value}
+    r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
+    if disabled:
+        gpugate.check_peers({r0: [A], r1: [B]})
+    else:
+        with pytest.raises(gpugate.GateRefused):
+            gpugate.check_peers({r0: [A], r1: [B]})
+
+
 def test_nccl_ranks_that_released_their_communicators_pass_and_others_are_refused(
         procs: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     """The cooperative path: NCCL ranks that dropped their communicators on

@@ -83,6 +83,29 @@ def check_io_uring(tree: list[int]) -> None:
                      "(docs/compatibility.md)")
 
 
+def _p2p_disabled(value: str | None) -> bool:
+    """Whether NCCL reads ``value`` of NCCL_P2P_DISABLE as disabling P2P: it
+    takes ``(int) strtol(value, NULL, 0) == 1`` (src/graph/paths.cc,
+    ncclGetLevel), so "1", "01", "0x1" and " 1x" disable it, "true" does not."""
+    if value is None:
+        return False
+    text = value.lstrip(" \t\n\v\f\r")
+    sign = -1 if text[:1] == "-" else 1
+    text = text[1:] if text[:1] in "+-" else text
+    base, digits = 10, "0123456789"
+    if text[:2].lower() == "0x" and text[2:3].lower() in "0123456789abcdef" and text[2:3]:
+        base, digits, text = 16, "0123456789abcdef", text[2:]
+    elif text[:1] == "0":
+        base, digits = 8, "01234567"
+    n = 0
+    for ch in text.lower():
+        if ch not in digits:
+            break
+        n = n * base + digits.index(ch)
+    n = max(-(1 << 63), min(sign * n, (1 << 63) - 1))  # strtol's long, clamped
+    return ((n + (1 << 31)) % (1 << 32)) - (1 << 31) == 1  # then NCCL's int
+
+
 def _maps_nccl(pid: int) -> bool:
     try:
         return "/libnccl" in Path(f"/proc/{pid}/maps").read_text()
@@ -131,7 +154,7 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
                          "(docs/gpu.md)")
     if "nccl-p2p" not in allow:
         on = {p for p in gpus if p not in released and _maps_nccl(p)
-              and (procfs.env_value(p, "NCCL_P2P_DISABLE") or "0").lower() not in ("1", "true")}
+              and not _p2p_disabled(procfs.env_value(p, "NCCL_P2P_DISABLE"))}
         used = {u for p in on for u in gpus[p]}
         if len(on) >= 2 and len(used) >= 2:
             named = ", ".join(f"{p} ({comm(p)})" for p in sorted(on))
