@@ -22,7 +22,6 @@ from pathlib import Path
 from services.containers.confined import Root, UnsafePath
 from smr.contract.errors import SmrError, TemporaryError
 from smr.gpu.gpuinfo import ns_pid
-from smr.jobs import proc_start_ticks
 from smr.process import procfs
 from smr.process.tree import process_tree as tree
 
@@ -88,20 +87,21 @@ def _nspids(pid: int) -> list[int]:
     return fixed[0] if fixed else []
 
 
-# What never changes for a process, by PID and start tick: its PID in each
-# namespace (status's NSpid) and, for a shim, its SMR_CONTAINER (runc gives
-# smr-init its environment once). Read once a process, not at every scan: a
-# tenant sizes both files (65536 groups make status half a MiB, which the
-# kernel builds whole at each read).
-_FIXED: dict[tuple[int, int], tuple[list[int], str]] = {}
+# What does not change for a process between two execs, by PID and
+# procfs.exec_identity: its PID in each namespace (status's NSpid) and, for a
+# shim, its SMR_CONTAINER. Read once, not at every scan: a tenant sizes both
+# files (65536 groups make status half a MiB, which the kernel builds whole at
+# each read), and a process that execs again (or moves its environment) is
+# read again.
+_FIXED: dict[tuple[int, tuple[int, int, int]], tuple[list[int], str]] = {}
 _FIXED_MAX = 4096
 
 
 def _fixed(pid: int) -> tuple[list[int], str] | None:
-    ticks = proc_start_ticks(pid)
-    if ticks is None:
+    ident = procfs.exec_identity(pid)
+    if ident is None:
         return None
-    if (got := _FIXED.get((pid, ticks))) is not None:
+    if (got := _FIXED.get((pid, ident))) is not None:
         return got
     nspids: list[int] = []
     with contextlib.suppress(OSError, ValueError):
@@ -111,11 +111,11 @@ def _fixed(pid: int) -> tuple[list[int], str] | None:
                 break
     # The first SMR_CONTAINER, as smr-init's getenv() finds it.
     got = (nspids, procfs.env_value(pid, "SMR_CONTAINER") or "main")
-    if proc_start_ticks(pid) != ticks:
-        return None  # gone (or another process) meanwhile: nothing read is known
+    if procfs.exec_identity(pid) != ident:
+        return None  # it execed, or is gone, meanwhile: nothing read is known
     if len(_FIXED) >= _FIXED_MAX:
         _FIXED.clear()
-    _FIXED[(pid, ticks)] = got
+    _FIXED[(pid, ident)] = got
     return got
 
 

@@ -78,3 +78,17 @@ def env_value(pid: int, key: str) -> str | None:
         start = at + 1 + len(want)
     end = raw.find(b"\0", start)
     return raw[start:end if end >= 0 else len(raw)].decode(errors="replace")
+
+
+def exec_identity(pid: int) -> tuple[int, int, int] | None:
+    """``pid``'s start tick and where its environment area lies (stat's
+    env_start and env_end): the same for one process from one exec to the
+    next, or one PR_SET_MM, so a value read of its environment holds while
+    this does. None once it is gone, or a zombie."""
+    raw = read(pid, "stat", limit=ARGV_MAX)
+    if not raw:
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()
+    if len(fields) < 49 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19]), int(fields[47]), int(fields[48])
