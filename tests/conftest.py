@@ -21,7 +21,7 @@ from smr.bus import Bus, BusConfig
 from smr.config import REPO_TOOLS
 from smr.natsserver import NatsServer, free_port
 from tests import moto_s3, nats_auth
-from tests.helpers import ordering, steplocks
+from tests.helpers import cpucost, ordering, steplocks
 from tests.helpers.lifetime import die_with_parent
 from tests.otlp import Processors, Receiver
 from tests.otlp import serve as serve_otlp
@@ -29,6 +29,7 @@ from tests.test_local_smr import Harness, running
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    cpucost.register(config)
     if not hasattr(config, "workerinput"):
         # The controller: where its workers write down the pod tests' lanes.
         os.environ[ordering.LANES_FILE_ENV] = os.path.join(
