@@ -89,19 +89,38 @@ async def webhook_probe(bus: Bus) -> dict[str, Any] | None:
 
 
 async def step_states(bus: Bus) -> dict[str, dict[str, Any]]:
-    """The latest state of every request the step-state KV remembers."""
-    watcher = await bus.kv(KV_STEPS).watchall(ignore_deletes=True)
+    """The latest state of every request the step-state KV remembers.
+
+    Read until every key the bucket held when asked has come, its last
+    message as it stood then included: a watch sends the newest message of
+    each key in stream order, and a key written meanwhile (a running step's
+    keepalive) comes again after. nats.py's own end-of-values marker is not
+    used: it can come before values the server has sent (nats.py issues 842
+    and 995), and `smr status` then showed no step at all, about once in a
+    hundred reads of a small bucket here, and left out a running step."""
+    info = await bus.js.stream_info(f"KV_{KV_STEPS}")
+    last = info.state.last_seq if info.state.messages else 0
     out: dict[str, dict[str, Any]] = {}
+    if not last:
+        return out
+    missing = set(await bus.kv_keys(KV_STEPS))
+    # Deletes too: a key's last message may be its tombstone.
+    watcher = await bus.kv(KV_STEPS).watchall()
     try:
         while True:
             try:
                 entry = await watcher.updates(timeout=10)
             except nats.errors.TimeoutError:
-                break
-            if entry is None:  # the initial values are all in
-                break
+                break  # what was missing expired meanwhile: all that is left came
+            if entry is None:
+                continue
             if entry.value:
                 out[entry.key] = orjson.loads(entry.value)
+            else:
+                out.pop(entry.key, None)
+            missing.discard(entry.key)
+            if not missing and (entry.revision or 0) >= last:
+                break
     finally:
         await watcher.stop()
     return out
