@@ -18,12 +18,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from kubernetes_asyncio import client
 
 from services.storage import layout
-from smr.bus import KV_STEPS
 from smr.contract.messages import CkptDone, CkptRequested, Target
+from smrctl.status import step_states
 from tests.agent.cluster import Cluster, assert_continues, steps
 from tests.agent.test_kubelet import hook_said
 from tests.agent.test_suspension_pods import JOB, gone, index_pods, indexed_job, workload
@@ -78,13 +77,10 @@ async def finals_waiting(cluster: Cluster, beats: dict[str, str],
                          timeout: float = 90) -> dict[str, dict[str, Any]]:
     """checkpoint id → the step state of its final checkpoint, once each waits
     on its container's lock for that id's heartbeat (request id in ``beats``)."""
-    kv = cluster.bus.kv(KV_STEPS)
     deadline = time.monotonic() + timeout
     while True:
         found: dict[str, dict[str, Any]] = {}
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            state = orjson.loads(entry.value) if entry and entry.value else {}
+        for key, state in (await step_states(cluster.bus)).items():
             ckpt = state.get("checkpoint_id")
             if ckpt in beats and key != beats[ckpt] and state.get("phase") == "waiting":
                 assert state.get("waiting_for") == beats[ckpt], state
