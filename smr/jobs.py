@@ -43,6 +43,7 @@ from nats.js.kv import KeyValue
 from smr import config
 from smr.contract.errors import PermanentError, SmrError, TemporaryError
 from smr.gpu.gpugate import GPU_JOB_DEFAULTS
+from smr.process import procfs
 from smr.process.tree import process_tree
 
 log = logging.getLogger("smr.jobs")
@@ -91,14 +92,8 @@ class Job:
 
 def proc_start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks, or None if there is no such live process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):  # zombie or dead: not running
-        return None
-    return int(fields[19])
+    fields = procfs.stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def own_pid_namespace(pid: int) -> bool:
