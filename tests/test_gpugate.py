@@ -87,6 +87,7 @@ def test_nccl_ranks_on_two_gpus_with_p2p_on_are_refused(
 @pytest.mark.parametrize(("value", "disabled"), [
     ("1", True), ("01", True), ("0x1", True), (" 1", True),
     ("true", False), ("TRUE", False), ("yes", False), ("0", False), ("2", False),
+    ("4294967297", True), ("-1", False),  # cut to a 32-bit int, as NCCL cuts it
 ])
 def test_nccl_p2p_disable_is_read_as_nccl_reads_it(
         procs: list[subprocess.Popen[str]], tmp_path: Path, value: str, disabled: bool) -> None:

@@ -14,6 +14,7 @@ only compared, never followed or trusted; a forged entry refuses its own job.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -83,27 +84,19 @@ def check_io_uring(tree: list[int]) -> None:
                      "(docs/compatibility.md)")
 
 
+_LIBC = ctypes.CDLL(None)
+_LIBC.strtol.restype = ctypes.c_long
+_LIBC.strtol.argtypes = (ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int)
+
+
 def _p2p_disabled(value: str | None) -> bool:
     """Whether NCCL reads ``value`` of NCCL_P2P_DISABLE as disabling P2P: it
     takes ``(int) strtol(value, NULL, 0) == 1`` (src/graph/paths.cc,
-    ncclGetLevel), so "1", "01", "0x1" and " 1x" disable it, "true" does not."""
+    ncclGetLevel), so "1", "01", "0x1" and " 1x" disable it, "true" does not.
+    Asked of the C library's own strtol, and cut to an int as C cuts it."""
     if value is None:
         return False
-    text = value.lstrip(" \t\n\v\f\r")
-    sign = -1 if text[:1] == "-" else 1
-    text = text[1:] if text[:1] in "+-" else text
-    base, digits = 10, "0123456789"
-    if text[:2].lower() == "0x" and text[2:3].lower() in "0123456789abcdef" and text[2:3]:
-        base, digits, text = 16, "0123456789abcdef", text[2:]
-    elif text[:1] == "0":
-        base, digits = 8, "01234567"
-    n = 0
-    for ch in text.lower():
-        if ch not in digits:
-            break
-        n = n * base + digits.index(ch)
-    n = max(-(1 << 63), min(sign * n, (1 << 63) - 1))  # strtol's long, clamped
-    return ((n + (1 << 31)) % (1 << 32)) - (1 << 31) == 1  # then NCCL's int
+    return ctypes.c_int(_LIBC.strtol(value.encode(), None, 0)).value == 1
 
 
 def _maps_nccl(pid: int) -> bool:
