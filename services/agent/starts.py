@@ -58,7 +58,7 @@ RESTORE_WAIT_S = 3600.0
 
 class StartRestores:
     def __init__(self, bus: Bus, pods: Pods, settings: Settings,
-                 store: CheckpointStore | None = None) -> None:
+                 store: CheckpointStore) -> None:
         self.bus = bus
         self.pods = pods
         self.store = store  # the manifests a StartedWithoutAgent Event looks at

@@ -111,7 +111,7 @@ async def _taken_of(starts: StartRestores, namespace: str, ckpt: str,
                     gen: dict[str, Any]) -> str | None:
     """The container a pod generation was taken of, from its manifest (the
     agent's own record); None if it cannot be read (the times decide then)."""
-    if starts.store is None or not isinstance(gen.get("generation"), int):
+    if not isinstance(gen.get("generation"), int):
         return None
     try:
         got = await starts.store.get(namespace, ckpt, gen["generation"])

@@ -206,9 +206,14 @@ async def test_the_checkpoint_named_lost_is_judged_by_the_kubelets_whole_seconds
     earlier within that second (a pod created at once after a checkpoint) is
     the one the container would have resumed from, and the Warning names it."""
     from services.agent import unanswered
+    from smr.contract.errors import SmrError
+
+    class Unreadable:
+        async def get(self, namespace: str, ckpt: str, generation: int) -> Any:
+            raise SmrError("storage unreachable", code="storage-error")
 
     class Starts:
-        store = None  # no manifest to read: the times decide
+        store = Unreadable()  # no manifest to read: the times decide
 
         async def _latest(self, ckpt: str, namespace: str) -> dict[str, Any]:
             return {"generation": 3, "created_at": stored}
