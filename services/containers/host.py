@@ -22,6 +22,7 @@ from pathlib import Path
 from services.containers.confined import Root, UnsafePath
 from smr.contract.errors import SmrError, TemporaryError
 from smr.gpu.gpuinfo import ns_pid
+from smr.jobs import proc_start_ticks
 from smr.process import procfs
 from smr.process.tree import process_tree as tree
 
@@ -87,22 +88,26 @@ def _nspids(pid: int) -> list[int]:
     return fixed[0] if fixed else []
 
 
-# What does not change for a process between two execs, by PID and
-# procfs.exec_identity: its PID in each namespace (status's NSpid) and, for a
-# shim, its SMR_CONTAINER. Read once, not at every scan: a tenant sizes both
-# files (65536 groups make status half a MiB, which the kernel builds whole at
-# each read), and a process that execs again (or moves its environment) is
-# read again.
-_FIXED: dict[tuple[int, tuple[int, int, int]], tuple[list[int], str]] = {}
+# What the agent keeps of a process, by PID and start tick: its PID in each
+# namespace (status's NSpid) and, for a shim, its SMR_CONTAINER. Read again
+# at most every FIXED_REREAD_S, not at every scan: a tenant sizes both files
+# (65536 groups make status half a MiB, which the kernel builds whole at each
+# read; an environment of 8 MiB), and nothing it can change in its own
+# process (an exec, its environment moved or rewritten) makes the agent read
+# them sooner. A shim that execs again with another SMR_CONTAINER is seen
+# with it within that time.
+FIXED_REREAD_S = 30.0
+_FIXED: dict[tuple[int, int], tuple[float, list[int], str]] = {}
 _FIXED_MAX = 4096
 
 
 def _fixed(pid: int) -> tuple[list[int], str] | None:
-    ident = procfs.exec_identity(pid)
-    if ident is None:
+    ticks = proc_start_ticks(pid)
+    if ticks is None:
         return None
-    if (got := _FIXED.get((pid, ident))) is not None:
-        return got
+    now = time.monotonic()
+    if (got := _FIXED.get((pid, ticks))) is not None and now - got[0] < FIXED_REREAD_S:
+        return got[1], got[2]
     nspids: list[int] = []
     with contextlib.suppress(OSError, ValueError):
         for line in (PROC / str(pid) / "status").read_text().splitlines():
@@ -110,13 +115,13 @@ def _fixed(pid: int) -> tuple[list[int], str] | None:
                 nspids = [int(x) for x in line.split()[1:]]
                 break
     # The first SMR_CONTAINER, as smr-init's getenv() finds it.
-    got = (nspids, procfs.env_value(pid, "SMR_CONTAINER") or "main")
-    if procfs.exec_identity(pid) != ident:
-        return None  # it execed, or is gone, meanwhile: nothing read is known
+    container = procfs.env_value(pid, "SMR_CONTAINER") or "main"
+    if proc_start_ticks(pid) != ticks:
+        return None  # gone (or another process) meanwhile: nothing read is known
     if len(_FIXED) >= _FIXED_MAX:
         _FIXED.clear()
-    _FIXED[(pid, ident)] = got
-    return got
+    _FIXED[(pid, ticks)] = (now, nspids, container)
+    return nspids, container
 
 
 # ioctl NS_GET_USERNS (linux/nsfs.h): the user namespace owning a namespace.

@@ -88,14 +88,3 @@ def stat_fields(pid: int) -> list[bytes] | None:
         return None
     fields = raw[raw.rindex(b")") + 2:].split()
     return None if not fields or fields[0] in (b"Z", b"X") else fields
-
-
-def exec_identity(pid: int) -> tuple[int, int, int] | None:
-    """``pid``'s start tick and where its environment area lies (stat's
-    env_start and env_end): the same for one process from one exec to the
-    next, or one PR_SET_MM, so a value read of its environment holds while
-    this does. None once it is gone, or a zombie."""
-    fields = stat_fields(pid)
-    if fields is None or len(fields) < 49:
-        return None
-    return int(fields[19]), int(fields[47]), int(fields[48])

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from services.containers import host
-from tests.test_procfs import read_by
+from tests.test_procfs import MiB, read_by
 
 
 @pytest.fixture
@@ -146,11 +147,12 @@ def test_a_tenants_long_argv0_costs_the_scan_a_bounded_read() -> None:
         p.wait()
 
 
-def test_a_shim_that_execs_again_is_read_again(tmp_path: Path) -> None:
+def test_a_shim_that_execs_again_is_read_again(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """What the agent keeps of a shim between scans (its SMR_CONTAINER) is
-    kept for one exec only: a PID 1 named smr-init that execs smr-init again
-    with another SMR_CONTAINER is looked at with the new one, as its own
-    getenv() sees it."""
+    read again in time: a PID 1 named smr-init that execs smr-init again with
+    another SMR_CONTAINER is looked at with the new one, as its own getenv()
+    sees it, once the agent reads again (FIXED_REREAD_S, shortened here)."""
     import os
     import signal
     import sys
@@ -176,10 +178,69 @@ def test_a_shim_that_execs_again_is_read_again(tmp_path: Path) -> None:
         while b"SMR_CONTAINER=b" not in Path(f"/proc/{pid}/environ").read_bytes():
             assert time.monotonic() < deadline, "it never execed"
             time.sleep(0.05)
+        monkeypatch.setattr(host, "FIXED_REREAD_S", 0.5)
+        deadline = time.monotonic() + 10
+        while host.Shim.of(pid).container != "b":
+            assert time.monotonic() < deadline, "what it was before its exec was kept"
+            time.sleep(0.1)
         assert host.is_shim(pid)
-        assert host.Shim.of(pid).container == "b", "what it was before its exec was kept"
     finally:
         for q in reversed(process_tree(p.pid)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(q, signal.SIGKILL)
+        p.wait()
+
+
+MOVING_ENV = r"""
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+size = 16 << 20
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+addr = libc.mmap(None, size, 1, 0x22 | 0x4000, -1, 0)  # PROT_READ, private anonymous, noreserve
+f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+field = lambda n: int(f[n - 3])
+libc.sbrk.restype = ctypes.c_void_p
+class Map(ctypes.Structure):  # struct prctl_mm_map
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "start_code end_code start_data end_data start_brk brk start_stack "
+        "arg_start arg_end env_start env_end auxv").split()] + [
+        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+m = Map(field(26), field(27), field(45), field(46), field(47), libc.sbrk(0), field(28),
+        field(48), field(49), addr, addr + size, 0, 0, 0xffffffff)
+i, said = 0, False
+while True:
+    i = (i + 1) % 4096
+    m.env_end = addr + size - i
+    if libc.prctl(35, 14, ctypes.byref(m), ctypes.sizeof(m), 0) != 0:  # PR_SET_MM, _MAP
+        print("refused", ctypes.get_errno(), flush=True)
+        break
+    if not said:
+        print("ok", flush=True)
+        said = True
+    time.sleep(0.001)
+"""
+
+
+def test_a_process_moving_its_environment_is_not_read_at_every_scan(tmp_path: Path) -> None:
+    """A process named smr-init that points its environment at 16 MiB and
+    moves its end every millisecond (prctl PR_SET_MM_MAP, no privilege
+    needed) costs the agent one read of it, not one at every scan."""
+    link = tmp_path / host.SHIM_NAME
+    link.symlink_to(sys.executable)
+    p = subprocess.Popen([str(link), "-c", MOVING_ENV], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+        host.is_shim(p.pid)  # the first scan that meets it reads it
+
+        def scans() -> None:
+            for _ in range(10):
+                host.is_shim(p.pid)
+                time.sleep(0.01)
+
+        read = read_by(scans)
+        assert read < 2 * MiB, f"10 scans of one process read {read} bytes"
+    finally:
+        p.kill()
         p.wait()
