@@ -14,6 +14,8 @@ Works against `smr up` and a cluster alike: everything comes over the bus.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -27,7 +29,13 @@ from smr.contract.errors import SmrError
 from smr.contract.messages import StorageQuery, Target, epoch
 from smr.metrics import kind_label
 
+log = logging.getLogger(__name__)
+
 FAILURES_SHOWN = 5
+# The step-state read: what it still awaits is listed again this often, and it
+# shows what came after this long (a bucket of a cluster's week is read in seconds).
+RELIST_S = 1.0
+STEP_READ_S = 60.0
 HEALTH_READ_S = 5.0  # a user that may not read smr-health gets no answer, only a timeout
 
 
@@ -91,36 +99,40 @@ async def webhook_probe(bus: Bus) -> dict[str, Any] | None:
 async def step_states(bus: Bus) -> dict[str, dict[str, Any]]:
     """The latest state of every request the step-state KV remembers.
 
-    Read until every key the bucket held when asked has come, its last
-    message as it stood then included: a watch sends the newest message of
-    each key in stream order, and a key written meanwhile (a running step's
-    keepalive) comes again after. nats.py's own end-of-values marker is not
-    used: it can come before values the server has sent (nats.py issues 842
-    and 995), and `smr status` then showed no step at all, about once in a
-    hundred reads of a small bucket here, and left out a running step."""
-    info = await bus.js.stream_info(f"KV_{KV_STEPS}")
-    last = info.state.last_seq if info.state.messages else 0
-    out: dict[str, dict[str, Any]] = {}
-    if not last:
-        return out
+    Read until every key the bucket held when asked has come: a watch sends
+    the newest message of each key, and a key written meanwhile (a running
+    step's keepalive) comes again after. A listed key that expires (the
+    bucket's TTL) before it comes sends nothing, so what is still awaited is
+    listed again every second and what is gone is awaited no more; keepalives
+    never leave the watch quiet long enough for a timeout to end it. nats.py's
+    own end-of-values marker is not used: it can come before values the server
+    has sent (nats.py issues 842 and 995), and `smr status` then showed no
+    step at all, about once in a hundred reads of a small bucket here, and
+    left out a running step."""
     missing = set(await bus.kv_keys(KV_STEPS))
+    out: dict[str, dict[str, Any]] = {}
+    if not missing:
+        return out
     # Deletes too: a key's last message may be its tombstone.
     watcher = await bus.kv(KV_STEPS).watchall()
+    deadline = time.monotonic() + STEP_READ_S
+    listed = time.monotonic()
     try:
-        while True:
-            try:
-                entry = await watcher.updates(timeout=10)
-            except nats.errors.TimeoutError:
-                break  # what was missing expired meanwhile: all that is left came
-            if entry is None:
-                continue
-            if entry.value:
-                out[entry.key] = orjson.loads(entry.value)
-            else:
-                out.pop(entry.key, None)
-            missing.discard(entry.key)
-            if not missing and (entry.revision or 0) >= last:
-                break
+        while missing:
+            with contextlib.suppress(nats.errors.TimeoutError):
+                if entry := await watcher.updates(timeout=RELIST_S):
+                    if entry.value:
+                        out[entry.key] = orjson.loads(entry.value)
+                    else:
+                        out.pop(entry.key, None)
+                    missing.discard(entry.key)
+            if missing and time.monotonic() - listed >= RELIST_S:
+                missing &= set(await bus.kv_keys(KV_STEPS))
+                listed = time.monotonic()
+                if time.monotonic() > deadline:
+                    log.warning("the step states of %d requests did not come in %.0f s; "
+                                "showing the others", len(missing), STEP_READ_S)
+                    break
     finally:
         await watcher.stop()
     return out
