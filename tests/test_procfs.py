@@ -27,7 +27,7 @@ from smr.process.tree import process_tree
 
 # Maps SIZE MiB read-only and points the argument ("args") or environment
 # ("env") area at it, then waits.
-_BIG_AREA = r'''
+BIG_AREA = r'''
 import ctypes, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 size = int(sys.argv[2]) << 20
@@ -50,6 +50,12 @@ if libc.prctl(35, 14, ctypes.byref(m), ctypes.sizeof(m), 0) != 0:  # PR_SET_MM, 
     print("refused", ctypes.get_errno(), flush=True)
 else:
     print("ok", flush=True)
+i = 0
+while sys.argv[1] == "env-moving":  # its end moved every millisecond
+    i = (i + 1) % 4096
+    m.env_end = addr + size - i
+    libc.prctl(35, 14, ctypes.byref(m), ctypes.sizeof(m), 0)
+    time.sleep(0.001)
 time.sleep(600)
 '''
 
@@ -73,7 +79,7 @@ def huge(request: pytest.FixtureRequest) -> Iterator[Callable[..., int]]:
 
     def start(area: str, mib: int, argv: list[str] | None = None) -> int:
         # Under ``argv`` it drops to nobody itself, once its program is open.
-        script = _BIG_AREA.replace("import ctypes, os, sys, time", _DROP) if argv else _BIG_AREA
+        script = BIG_AREA.replace("import ctypes, os, sys, time", _DROP) if argv else BIG_AREA
         cmd = [*(argv or ["/usr/bin/python3"]), "-c", script, area, str(mib)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                              preexec_fn=None if argv else _nobody)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.containers import host
-from tests.test_procfs import MiB, read_by
+from tests.test_procfs import BIG_AREA, MiB, read_by
 
 
 @pytest.fixture
@@ -191,37 +191,6 @@ def test_a_shim_that_execs_again_is_read_again(tmp_path: Path,
         p.wait()
 
 
-MOVING_ENV = r"""
-import ctypes, sys, time
-libc = ctypes.CDLL(None, use_errno=True)
-size = 16 << 20
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-addr = libc.mmap(None, size, 1, 0x22 | 0x4000, -1, 0)  # PROT_READ, private anonymous, noreserve
-f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-field = lambda n: int(f[n - 3])
-libc.sbrk.restype = ctypes.c_void_p
-class Map(ctypes.Structure):  # struct prctl_mm_map
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "start_code end_code start_data end_data start_brk brk start_stack "
-        "arg_start arg_end env_start env_end auxv").split()] + [
-        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
-m = Map(field(26), field(27), field(45), field(46), field(47), libc.sbrk(0), field(28),
-        field(48), field(49), addr, addr + size, 0, 0, 0xffffffff)
-i, said = 0, False
-while True:
-    i = (i + 1) % 4096
-    m.env_end = addr + size - i
-    if libc.prctl(35, 14, ctypes.byref(m), ctypes.sizeof(m), 0) != 0:  # PR_SET_MM, _MAP
-        print("refused", ctypes.get_errno(), flush=True)
-        break
-    if not said:
-        print("ok", flush=True)
-        said = True
-    time.sleep(0.001)
-"""
-
 
 def test_a_process_moving_its_environment_is_not_read_at_every_scan(tmp_path: Path) -> None:
     """A process named smr-init that points its environment at 16 MiB and
@@ -229,7 +198,8 @@ def test_a_process_moving_its_environment_is_not_read_at_every_scan(tmp_path: Pa
     needed) costs the agent one read of it, not one at every scan."""
     link = tmp_path / host.SHIM_NAME
     link.symlink_to(sys.executable)
-    p = subprocess.Popen([str(link), "-c", MOVING_ENV], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([str(link), "-c", BIG_AREA, "env-moving", "16"],
+                         stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ok"
         host.is_shim(p.pid)  # the first scan that meets it reads it
