@@ -412,8 +412,7 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
     real_criu = Criu.restore
     real_wait = launcher.wait_exit
 
-    def feed() -> None:
-        [(fifo, data)] = held
+    def feed(fifo: Path, data: bytes) -> None:
         with open(fifo, "wb") as f:  # CRIU's open of it returns
             f.write(data)
         kept = fifo.with_name("held-" + fifo.name)
@@ -424,8 +423,8 @@ async def test_a_pod_restore_cancelled_while_criu_runs_is_waited_for_not_restore
         for q in cancelled:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(q, signal.SIGCONT)
-        if held:
-            threading.Thread(target=feed, daemon=True).start()
+        if held:  # once: a second feed would find the images gone with the restore
+            threading.Thread(target=feed, args=held.pop(), daemon=True).start()
 
     async def waited(launcher: int, ticks: int, timeout: float) -> bool:
         asyncio.get_running_loop().call_later(5, go_on)  # CRIU runs on 5 s on
