@@ -502,3 +502,41 @@ async def test_a_local_nodes_retention_durable_cannot_reach_a_tenants_results(
         await until_heard(got, 5.0)
         await sub.unsubscribe()
     assert got == [b"real"]
+
+
+async def test_a_node_started_before_its_request_durables_waits_for_them_then_serves(
+        secured: nats_auth.SecuredNats, admin: Bus, caplog: pytest.LogCaptureFixture) -> None:
+    """The node's user may not make its request durables (the watcher or the
+    operator does): a worker started before they exist waits for them, says
+    so once however long it waits, and serves its node's requests once they
+    are made."""
+    mine = f"ckpt-requested-{NODE}"
+    for stream, name in ((STREAM_REQUESTS, mine), ("SMR_EXHAUSTED", f"exhausted-{mine}")):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await admin.js.delete_consumer(stream, name)
+    bus = await Bus.connect(secured.url, config=secured.config(f"smr-agent-{NODE}"),
+                            buckets=(KV_LOCKS, KV_STEPS, KV_TIMINGS))
+    step = CountingStep()
+    w = Worker(bus, step, NODE, service="agent", locks=node_locks(NODE))
+    task = asyncio.create_task(w.run())
+    try:
+        # Long enough for several looks, however they are spaced.
+        await asyncio.sleep(2.5)
+        assert not w.idle.is_set(), "the worker served without its durable"
+        await admin.make_node_consumers(NODE, {step.kind: 1})
+        await asyncio.wait_for(w.idle.wait(), 30)
+        rid = f"late-{uuid.uuid4().hex[:6]}"
+        await admin.publish(CkptRequested(request_id=rid, checkpoint_id="c",
+                                          target=pod("team-a"), node=NODE))
+        for _ in range(300):
+            if rid in step.seen:
+                break
+            await asyncio.sleep(0.1)
+        assert step.seen == [rid]
+    finally:
+        w.stop()
+        await asyncio.wait_for(task, 30)
+        await bus.close()
+    waits = [r for r in caplog.records if f"consumer {mine} " in r.getMessage()
+             and "does not exist yet" in r.getMessage()]
+    assert len(waits) == 1, [r.getMessage() for r in waits]

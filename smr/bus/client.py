@@ -52,7 +52,11 @@ from smr.retry import retry_nats
 
 log = logging.getLogger("smr.bus")
 
-SETUP_WAIT_S = 1.0  # between looks for a stream another service creates
+# Between looks for a stream or consumer another service creates: doubling
+# from the first, which is short (the watcher makes a new node's consumers
+# within its first pass, a fraction of a second), up to the longest.
+SETUP_FIRST_WAIT_S = 0.05
+SETUP_WAIT_S = 1.0
 ALL_BUCKETS = tuple(b for b, _, _ in topology.BUCKETS)
 
 
@@ -140,20 +144,18 @@ class Bus:
         names = [*(cfg.name or "" for cfg in topology.streams(self.config)),
                  *(f"KV_{b}" for b in self.buckets)]
         for stream in names:
-            waited = 0.0
-            while True:
+            for wait in _setup_waits():
                 try:
                     async for attempt in retry_nats():
                         with attempt:
                             await self.js.stream_info(stream)
                     break
                 except NotFoundError:
-                    if waited == 0.0:
+                    if wait == SETUP_FIRST_WAIT_S:
                         log.warning("stream %s does not exist yet: waiting for the service "
                                     "that creates them (SMR_NATS_SETUP=true; in the cluster "
                                     "the storage service)", stream)
-                    waited += SETUP_WAIT_S
-                    await asyncio.sleep(SETUP_WAIT_S)
+                    await asyncio.sleep(wait)
         for bucket in self.buckets:
             self._kv[bucket] = await self.js.key_value(bucket)
 
@@ -280,21 +282,19 @@ class Bus:
     async def _wait_consumer(self, stream: str, cfg: js_api.ConsumerConfig) -> None:
         """Until durable ``cfg`` exists on ``stream`` (made by another party)."""
         name = cfg.durable_name or ""
-        waited = False
-        while True:
+        for wait in _setup_waits():
             try:
                 info = await self.js.consumer_info(stream, name)
                 break
             except NotFoundError:
-                if not waited:
+                if wait == SETUP_FIRST_WAIT_S:
                     log.warning(
                         "consumer %s on %s does not exist yet, and this user (%s) may not "
                         "create it: waiting for it. In the cluster the watcher makes each "
                         "Node's; for `smr up` on a shared NATS the operator does, with "
                         "`smr node-consumers <node>` as smr-admin", name, stream,
                         self.config.user or "a token's")
-                    waited = True
-                await asyncio.sleep(SETUP_WAIT_S)
+                await asyncio.sleep(wait)
         want = cfg.max_ack_pending
         if want and info.config.max_ack_pending not in (None, want):
             log.warning("consumer %s holds up to %s requests unacknowledged, its worker "
@@ -418,3 +418,11 @@ async def _disconnected() -> None:
 
 async def _reconnected() -> None:
     log.warning("NATS: reconnected")
+
+
+def _setup_waits() -> Iterator[float]:
+    """The waits between looks for what another service creates."""
+    wait = SETUP_FIRST_WAIT_S
+    while True:
+        yield wait
+        wait = min(wait * 2, SETUP_WAIT_S)
