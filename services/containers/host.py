@@ -114,12 +114,22 @@ def _fixed(pid: int) -> tuple[list[int], str] | None:
             if line.startswith("NSpid:"):
                 nspids = [int(x) for x in line.split()[1:]]
                 break
-    # The first SMR_CONTAINER, as smr-init's getenv() finds it.
-    container = procfs.env_value(pid, "SMR_CONTAINER") or "main"
+    # The first SMR_CONTAINER, as smr-init's getenv() finds it: of a shim
+    # only (PID 1 of a namespace below the agent's), not of every process
+    # that a tenant names smr-init and forks by the thousand.
+    container = (procfs.env_value(pid, "SMR_CONTAINER") or "main") \
+        if nspids[1:] == [1] else ""
     if proc_start_ticks(pid) != ticks:
         return None  # gone (or another process) meanwhile: nothing read is known
     if len(_FIXED) >= _FIXED_MAX:
-        _FIXED.clear()
+        # What is due to be read again goes first; all of it only where more
+        # processes than that were read within FIXED_REREAD_S.
+        # (Scans run in threads: a copy is iterated, made in one step.)
+        for key, (when, _, _) in list(_FIXED.items()):
+            if now - when >= FIXED_REREAD_S:
+                _FIXED.pop(key, None)
+        if len(_FIXED) >= _FIXED_MAX:
+            _FIXED.clear()
     _FIXED[(pid, ticks)] = (now, nspids, container)
     return nspids, container
 

@@ -214,3 +214,54 @@ def test_a_process_moving_its_environment_is_not_read_at_every_scan(tmp_path: Pa
     finally:
         p.kill()
         p.wait()
+
+
+def _big_environment_named_smr_init(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
+    """``n`` processes named smr-init, each with its environment moved onto
+    8 MiB (prctl PR_SET_MM_MAP), none a shim: no PID namespace of its own."""
+    link = tmp_path / host.SHIM_NAME
+    link.symlink_to(sys.executable)
+    ps = [subprocess.Popen([str(link), "-c", BIG_AREA, "env", "8"], stdout=subprocess.PIPE,
+                           text=True) for _ in range(n)]
+    for p in ps:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+    return ps
+
+
+def test_a_process_that_is_not_a_shim_has_no_environment_read(tmp_path: Path) -> None:
+    """SMR_CONTAINER is a shim's (PID 1 of a namespace below the agent's):
+    a process a tenant names smr-init, and forks by the thousand, costs the
+    agent its status, never its environment."""
+    [p] = _big_environment_named_smr_init(tmp_path, 1)
+    try:
+        read = read_by(lambda: host.is_shim(p.pid))
+        assert not host.is_shim(p.pid)
+        assert read < 1 * MiB, f"one look at a process that is no shim read {read} bytes"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_more_processes_named_smr_init_than_are_kept_are_not_read_whole_at_every_scan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process more than the agent keeps (here 4 kept, 5 processes):
+    every scan meets what the last one dropped, and reads only its status."""
+    monkeypatch.setattr(host, "_FIXED_MAX", 4)
+    ps = _big_environment_named_smr_init(tmp_path, 5)
+    try:
+        def scan() -> None:
+            for p in ps:
+                host.is_shim(p.pid)
+
+        scan()
+
+        def scans() -> None:
+            for _ in range(10):
+                scan()
+
+        read = read_by(scans)
+        assert read < 2 * MiB, f"10 scans of 5 processes read {read} bytes"
+    finally:
+        for p in ps:
+            p.kill()
+            p.wait()
