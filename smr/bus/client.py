@@ -144,14 +144,14 @@ class Bus:
         names = [*(cfg.name or "" for cfg in topology.streams(self.config)),
                  *(f"KV_{b}" for b in self.buckets)]
         for stream in names:
-            for wait in _setup_waits():
+            for looks, wait in enumerate(_setup_waits()):
                 try:
                     async for attempt in retry_nats():
                         with attempt:
                             await self.js.stream_info(stream)
                     break
                 except NotFoundError:
-                    if wait == SETUP_FIRST_WAIT_S:
+                    if not looks:
                         log.warning("stream %s does not exist yet: waiting for the service "
                                     "that creates them (SMR_NATS_SETUP=true; in the cluster "
                                     "the storage service)", stream)
@@ -282,12 +282,12 @@ class Bus:
     async def _wait_consumer(self, stream: str, cfg: js_api.ConsumerConfig) -> None:
         """Until durable ``cfg`` exists on ``stream`` (made by another party)."""
         name = cfg.durable_name or ""
-        for wait in _setup_waits():
+        for looks, wait in enumerate(_setup_waits()):
             try:
                 info = await self.js.consumer_info(stream, name)
                 break
             except NotFoundError:
-                if wait == SETUP_FIRST_WAIT_S:
+                if not looks:
                     log.warning(
                         "consumer %s on %s does not exist yet, and this user (%s) may not "
                         "create it: waiting for it. In the cluster the watcher makes each "
