@@ -1,11 +1,12 @@
 """What the CUDA driver's checkpoint API does with an NCCL job (issue #26), at
 the driver's level only (no CRIU), on a machine with two GPUs:
 
-    python3 bench/nccl_probe.py --variant p2p|net [--interval 0.05] [--steps 300]
+    python3 bench/nccl_probe.py --variant p2p|net|shm [--interval 0.05] [--steps 300]
 
 It starts tests/workloads/ddp_train.py under torchrun (two ranks, NCCL
 all-reduce every step; ``net``: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, so the
-ranks share no GPU memory), prints what each rank holds (descriptors,
+ranks share no GPU memory; ``shm``: NCCL_P2P_DISABLE=1 alone, so the ranks
+share host memory through NCCL's SHM transport), prints what each rank holds (descriptors,
 mappings of the GPU's and shared-memory files, NVML's view), then suspends
 every rank as smr does (smr.gpu.cuda_checkpoint: all locked, in rounds, then all
 checkpointed), restores and unlocks them, and lets the job finish. ``--ref``
@@ -89,7 +90,7 @@ def suspend_and_restore(drv: Driver, pids: list[int], say: Callable[..., None], 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=["p2p", "net"], required=True)
+    ap.add_argument("--variant", choices=["p2p", "net", "shm"], required=True)
     ap.add_argument("--interval", default="0.05")
     ap.add_argument("--steps", default="300")
     ap.add_argument("--ref", action="store_true")
@@ -98,6 +99,8 @@ def main() -> int:
     env = dict(os.environ, NCCL_DEBUG="INFO")
     if a.variant == "net":
         env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+    elif a.variant == "shm":  # P2P off, NCCL's shared-memory transport on
+        env.update(NCCL_P2P_DISABLE="1")
     tag = f"{a.variant}-{a.interval}{'-ref' if a.ref else ''}"
     job_log = a.out / f"nccl-{tag}-job.log"
     job = subprocess.Popen(

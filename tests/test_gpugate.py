@@ -7,22 +7,31 @@ GPU here)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from smr.gpu import gpugate
+from smr.process import procfs
 
 A = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 B = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
 
 MAPS = """
-import mmap, sys, time
+import mmap, os, sys, time
 f = open(sys.argv[1], "r+b")
 m = mmap.mmap(f.fileno(), 4096)
+for change in os.environ.pop("CHANGE_ENV", "").split():  # as a job script does
+    name, _, value = change.partition("=")
+    if value == "-":
+        del os.environ[name]
+    else:
+        os.environ[name] = value
 if len(sys.argv) > 2:
     import ctypes
     ctypes.CDLL(None, use_errno=True).syscall(425, 8, ctypes.create_string_buffer(120))
@@ -94,13 +103,88 @@ def test_nccl_p2p_disable_is_read_as_nccl_reads_it(
     """NCCL disables P2P only where (int) strtol(value, NULL, 0) == 1: a rank
     started with NCCL_P2P_DISABLE=true keeps P2P, and is refused."""
     lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
-    env = {"NCCL_P2P_DISABLE": value}
+    env = {"NCCL_P2P_DISABLE": value, "NCCL_SHM_DISABLE": "1"}
     r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
     if disabled:
         gpugate.check_peers({r0: [A], r1: [B]})
     else:
         with pytest.raises(gpugate.GateRefused):
             gpugate.check_peers({r0: [A], r1: [B]})
+
+
+@pytest.mark.parametrize(("value", "disabled"), [
+    ("1", True), ("01", True), ("0x1", True), (" 1", True),
+    ("4294967297", False),  # kept whole: NCCL reads it as an int64_t
+    ("99999999999999999999", False),  # out of range: NCCL keeps its default, on
+    ("true", False), ("", False), ("0", False),
+])
+def test_nccl_shm_disable_is_read_as_nccl_reads_it(
+        procs: list[subprocess.Popen[str]], tmp_path: Path, value: str, disabled: bool) -> None:
+    """With P2P off, NCCL's ranks on one host share host memory (its SHM
+    transport), which driver 580 does not restore either: NCCL turns it off
+    only where strtoll(value, NULL, 0) == 1."""
+    lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
+    env = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": value}
+    r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
+    if disabled:
+        gpugate.check_peers({r0: [A], r1: [B]})
+    else:
+        with pytest.raises(gpugate.GateRefused) as refused:
+            gpugate.check_peers({r0: [A], r1: [B]})
+        assert f"NCCL_SHM_DISABLE={value!r} when it started" in refused.value.message
+
+
+OFF = "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+
+
+@pytest.mark.parametrize(("started", "change", "said"), [
+    (OFF, "NCCL_P2P_DISABLE=0", "NCCL_P2P_DISABLE='0' now"),
+    (OFF, "NCCL_P2P_DISABLE=-", "NCCL_P2P_DISABLE unset now"),
+    (OFF, "NCCL_SHM_DISABLE=0", "NCCL_SHM_DISABLE='0' now"),
+    # Variables added first move the C library's environment to the heap.
+    (OFF, " ".join(f"ADDED{i}={'x' * i}" for i in range(40)) + " NCCL_P2P_DISABLE=true",
+     "NCCL_P2P_DISABLE='true' now"),
+    ("", OFF, "NCCL_P2P_DISABLE unset when it started"),
+])
+def test_nccl_ranks_that_change_the_variables_from_inside_are_refused(
+        procs: list[subprocess.Popen[str]], tmp_path: Path, started: str, change: str,
+        said: str) -> None:
+    """NCCL reads its variables with getenv() when it starts, after the job
+    script may have changed os.environ: a rank started with P2P and SHM off
+    that turns one back on is refused (its /proc/PID/environ still says 1),
+    and so is one that turns them off only from inside, since which of the
+    two NCCL saw cannot be told from outside."""
+    lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
+    env = {"CHANGE_ENV": change} | dict(v.split("=") for v in started.split())
+    r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
+    with pytest.raises(gpugate.GateRefused) as refused:
+        gpugate.check_peers({r0: [A], r1: [B]})
+    assert refused.value.code == "nccl-p2p"
+    assert f"{r0} ({gpugate.comm(r0)}: {said})" in refused.value.message
+    # Left as it started, or added to beside it, the same ranks pass.
+    keep = dict(v.split("=") for v in OFF.split()) | {"CHANGE_ENV": "ADDED=1 OTHER=2"}
+    k0, k1 = mapping(procs, lib, keep), mapping(procs, lib, keep)
+    gpugate.check_peers({k0: [A], k1: [B]})
+
+
+def test_a_rank_whose_live_environment_cannot_be_read_is_refused(
+        procs: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A statically linked rank leaves no list of its loaded objects to find
+    its C library's environment by: what NCCL read is unknown, so it is
+    refused, however it started."""
+    off = dict(v.split("=") for v in OFF.split())
+    static = shutil.which("busybox")
+    assert static, "busybox (make setup) is the statically linked program here"
+    ranks = [subprocess.Popen([static, "sleep", "60"], env=off, text=True) for _ in range(2)]
+    procs.extend(ranks)
+    while any(procfs.env_value(p.pid, "NCCL_P2P_DISABLE") is None for p in ranks):
+        time.sleep(0.01)  # exec done
+    # busybox maps no libnccl: here it stands for a rank NCCL is linked into.
+    monkeypatch.setattr(gpugate, "_maps_nccl", lambda pid: True)
+    with pytest.raises(gpugate.GateRefused) as refused:
+        gpugate.check_peers({ranks[0].pid: [A], ranks[1].pid: [B]})
+    assert "cannot be read" in refused.value.message
+    assert "statically linked" in refused.value.message
 
 
 def test_nccl_ranks_that_released_their_communicators_pass_and_others_are_refused(

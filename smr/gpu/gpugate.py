@@ -8,7 +8,7 @@ job runs on. What can appear between this check and CRIU's (a forked worker
 mapping the GPU's device files, a new io_uring) is checked again with the
 tree stopped, after the lock (``after_lock``).
 
-Everything read here is the tenant's (/proc/PID/fd, maps, environ): it is
+Everything read here is the tenant's (/proc/PID/fd, maps, its memory): it is
 only compared, never followed or trusted; a forged entry refuses its own job.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from smr.contract.errors import PermanentError
 from smr.gpu.gpuinfo import check_mappings
-from smr.process import procfs
+from smr.process import liveenv, procfs
 
 # How Linux names an io_uring instance's descriptor and its ring mappings.
 IO_URING = "anon_inode:[io_uring]"
@@ -99,11 +99,54 @@ def _p2p_disabled(value: str | None) -> bool:
     return ctypes.c_int(_LIBC.strtol(value.encode(), None, 0)).value == 1
 
 
+def _shm_disabled(value: str | None) -> bool:
+    """Whether NCCL reads ``value`` of NCCL_SHM_DISABLE as disabling SHM: an
+    NCCL_PARAM, ``strtoll(value, NULL, 0)`` kept whole, the default (on)
+    where it overflows, and SHM off only where it is 1 (src/transport/shm.cc)."""
+    if value is None or not value:
+        return False
+    return _LIBC.strtol(value.encode(), None, 0) == 1  # long is int64_t here
+
+
+# NCCL's transports between ranks of one host that map another rank's
+# memory through the driver, each with the variable that turns it off and how
+# NCCL reads it: P2P (the peer's GPU memory) and SHM (host memory). Driver
+# 580 restored neither (bench/nccl_probe.py on two H200s: P2P 801 then 304;
+# SHM 801 and 999); the same job over sockets alone, it did.
+SHARING = (("NCCL_P2P_DISABLE", _p2p_disabled), ("NCCL_SHM_DISABLE", _shm_disabled))
+
+
 def _maps_nccl(pid: int) -> bool:
     try:
         return "/libnccl" in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return False
+
+
+def _sharing(pid: int) -> str | None:
+    """Why rank ``pid``'s NCCL may map its peers' memory, or None where both
+    variables of SHARING turn that off both in the environment the rank
+    started with (/proc/PID/environ) and in the one its C library holds now,
+    which NCCL's getenv() reads when it starts: a job script may change
+    os.environ before that, and which of the two NCCL saw cannot be told
+    from outside."""
+    for name, off in SHARING:
+        if not off(started := procfs.env_value(pid, name)):
+            return _named(name, started, "when it started")
+    try:
+        now = liveenv.getenv(pid, *(name for name, _ in SHARING))
+    except liveenv.EnvironUnreadable as e:
+        return f"its environment as it is now cannot be read: {e}"
+    for name, off in SHARING:
+        if not off(now[name]):
+            return _named(name, now[name], "now")
+    return None
+
+
+def _named(name: str, value: str | None, when: str) -> str:
+    if value is None:
+        return f"{name} unset {when}"
+    return f"{name}={value[:40]!r} {when}"
 
 
 def _maps_xla(pid: int) -> bool:
@@ -123,10 +166,11 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
       between them (XLA turns it on between every pair of visible GPUs, and
       nothing switches it off) its restore fails (CUDA_ERROR_INVALID_VALUE),
       and from outside, peer access cannot be told apart (``peer-access``);
-    - NCCL ranks of one tree on different GPUs with NCCL's P2P transport on
-      (NCCL_P2P_DISABLE not 1 in the rank's environment): each imports its
-      peer's GPU memory, and driver 580 answers that restore 801, then 304
-      for good (``nccl-p2p``).
+    - NCCL ranks of one tree on different GPUs with NCCL's P2P or SHM
+      transport on (SHARING): each maps its peer's memory, and driver 580
+      answers that restore 801, then 304 for good (``nccl-p2p``). Both
+      variables must turn them off as the rank started and as it holds its
+      environment now (smr.process.liveenv).
 
     ``allow``: refusals the node's settings lift (SMR_GPU_ALLOW); ``released``:
     ranks that dropped their NCCL communicators on smr's request (the
@@ -146,19 +190,20 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
                          "driver restores it, set SMR_GPU_ALLOW=peer-access on the node "
                          "(docs/gpu.md)")
     if "nccl-p2p" not in allow:
-        on = {p for p in gpus if p not in released and _maps_nccl(p)
-              and not _p2p_disabled(procfs.env_value(p, "NCCL_P2P_DISABLE"))}
+        on = {p: why for p in gpus if p not in released and _maps_nccl(p)
+              and (why := _sharing(p)) is not None}
         used = {u for p in on for u in gpus[p]}
         if len(on) >= 2 and len(used) >= 2:
-            named = ", ".join(f"{p} ({comm(p)})" for p in sorted(on))
+            named = ", ".join(f"{p} ({comm(p)}: {why})" for p, why in sorted(on.items()))
             raise GateRefused(
-                f"NCCL ranks {named} run on {len(used)} GPUs with NCCL's P2P transport on "
-                "(NCCL_P2P_DISABLE is not 1 in their environment): each maps its peer's GPU "
-                "memory, which driver 580 checkpoints and never restores; nothing was frozen, "
-                "the job runs on", code="nccl-p2p",
+                f"NCCL ranks {named} run on {len(used)} GPUs with NCCL's P2P or shared-memory "
+                "transport on (NCCL_P2P_DISABLE and NCCL_SHM_DISABLE are not both 1 in their "
+                "environment): each maps its peer's memory, which driver 580 checkpoints and "
+                "never restores; nothing was frozen, the job runs on", code="nccl-p2p",
                 hint="start the job with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL over "
-                     "sockets, slower); where the driver restores it, set "
-                     "SMR_GPU_ALLOW=nccl-p2p on the node (docs/gpu.md)")
+                     "sockets, slower), and leave them set, or add the cooperative path's "
+                     "one line (docs/gpu.md); where the driver restores it, set "
+                     "SMR_GPU_ALLOW=nccl-p2p on the node")
 
 
 def before_lock(tree: list[int], cuda_pids: list[int], gpus: Mapping[int, Collection[str]],
