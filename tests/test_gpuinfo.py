@@ -91,6 +91,51 @@ def test_a_child_mapping_a_device_without_a_context_is_named(tmp_path: Path) -> 
         child.wait()
 
 
+def test_a_process_mapping_a_device_criu_cannot_save_is_refused_before_the_lock() -> None:
+    """A GPU job's process that maps a device CRIU cannot save (NCCL over
+    RDMA maps /dev/infiniband/uverbs*) is refused before the lock, CUDA
+    process or not; what CRIU saves under /dev (/dev/zero, /dev/shm files)
+    passes. The process runs in a mount namespace of its own with a tmpfs on
+    /dev, where a file stands for the device: what is read is /proc/PID/maps,
+    as the process's own mounts name it."""
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    assert unshare, "util-linux (make setup) has unshare"
+    code = ("import mmap, os, subprocess, time\n"
+            "subprocess.run(['mount', '-t', 'tmpfs', 'dev', '/dev'], check=True)\n"
+            "os.makedirs('/dev/infiniband'); os.makedirs('/dev/shm')\n"
+            "held = []\n"
+            "for path in ('/dev/shm/ok', '/dev/infiniband/uverbs0'):\n"
+            "    f = os.open(path, os.O_RDWR | os.O_CREAT); os.ftruncate(f, 4096)\n"
+            "    held.append(mmap.mmap(f, 4096, mmap.MAP_SHARED))\n"
+            "    if os.environ.get('ONLY_SHM'): break\n"
+            "print('mapped', flush=True)\ntime.sleep(60)")
+    procs = [subprocess.Popen([unshare, "--mount", "--propagation", "private", sys.executable,
+                               "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **extra})
+             for extra in ({}, {"ONLY_SHM": "1"})]
+    try:
+        for p in procs:
+            assert p.stdout and p.stdout.readline().strip() == "mapped"
+        rdma, shm = (p.pid for p in procs)  # unshare execs the program itself
+        for cuda in ([rdma], []):
+            with pytest.raises(PermanentError) as e:
+                gpuinfo.check_mappings([rdma], cuda)
+            assert e.value.code == "device-mapping"
+            assert f"process {rdma} (python" in e.value.message
+            assert "/dev/infiniband/uverbs0" in e.value.message
+            assert "NCCL_NET=Socket" in (e.value.hint or "")
+        gpuinfo.check_mappings([shm], [shm])
+        gpuinfo.check_mappings([shm], [])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_a_cuda_process_mapping_another_ones_ipc_file_is_refused() -> None:
     """A CUDA process that maps the driver's IPC file of another process (as
     one that opened another's GPU memory through CUDA IPC does: measured on

@@ -122,13 +122,25 @@ def host_bytes(pids: list[int]) -> int:
     return total
 
 
+# What CRIU saves of mappings under /dev: /dev/zero (shared anonymous memory)
+# and the regular files of the tmpfs and hugetlbfs mounted there. Any other
+# mapping there is a device's, which CRIU refuses without a plugin of its own
+# ("Can't handle non-regular mapping", criu/proc_parse.c): the GPU's, in a
+# CUDA process, the driver's checkpoint releases first; the others (RDMA's
+# /dev/infiniband/uverbs*, another accelerator's, VFIO's) would fail CRIU
+# after the GPU lock.
+_SAVED_UNDER_DEV = ("/dev/zero", "/dev/shm/", "/dev/hugepages/")
+
+
 def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nvidia") -> None:
     """Refuse, before anything is frozen, a process of the tree that maps the
     GPU's device files without a CUDA context of its own: the driver's
     checkpoint releases the mappings of CUDA processes only, and CRIU cannot
     save a device mapping ('handle_device_vma plugin failed', H100, driver
     580). A child forked from a CUDA process after CUDA started is one (a
-    PyTorch DataLoader worker under the default 'fork' start method)."""
+    PyTorch DataLoader worker under the default 'fork' start method). Any
+    process mapping another device (_SAVED_UNDER_DEV) is refused too. The
+    paths are the tenant's, only compared: a forged one refuses its own job."""
     for pid in tree:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
@@ -138,15 +150,24 @@ def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nv
         paths = {" ".join(ln.split()[5:]).removesuffix(" (deleted)") for ln in maps.splitlines()}
         if pid in cuda_pids:
             _check_ipc(pid, comm, paths)
-            continue
-        held = sorted(p for p in paths if p.startswith(device))
-        if held:
+        elif held := sorted(p for p in paths if p.startswith(device)):
             raise PermanentError(
                 f"process {pid} ({comm}) maps {', '.join(held)} without a CUDA context of its "
                 "own (a child forked from a CUDA process); the driver's checkpoint does not "
                 "release those mappings and CRIU cannot save them", code="gpu-forked-mapping",
                 hint="start such children with the 'spawn' or 'forkserver' start method (PyTorch: "
                      "DataLoader(..., multiprocessing_context='spawn')), or before CUDA starts")
+        if other := sorted(p for p in paths if p.startswith("/dev/")
+                           and not p.startswith((device, *_SAVED_UNDER_DEV))):
+            raise PermanentError(
+                f"process {pid} ({comm}) maps {', '.join(other[:4])}: a device's memory, which "
+                "CRIU cannot save (it saves mappings of regular files and /dev/zero), and which "
+                "the GPU's checkpoint does not release; found after the GPU lock it would fail "
+                "the checkpoint with the GPU's state at stake, so nothing was frozen, the job "
+                "runs on", code="device-mapping",
+                hint="run the job without that device: NCCL over RDMA (InfiniBand, RoCE, EFA) "
+                     "maps /dev/infiniband/uverbs*, and runs over sockets with NCCL_NET=Socket "
+                     "(docs/gpu.md)")
 
 
 # The driver's file for a process's CUDA IPC, named after its creator's PID (in
