@@ -21,10 +21,18 @@ PROGRAM = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <stdint.h>
 #ifdef COPY
-/* A copy relocation: the executable holds the live environ, not the C library. */
+/* Read in the executable's own code: the linker copies it there
+   (R_X86_64_COPY), and the executable holds the live one, not the C library. */
 extern char **environ;
-char ***held = &environ;
+#endif
+#ifdef HOSTILE
+static uint32_t gnu_hash(const char *s) {
+  uint32_t h = 5381;
+  while (*s) h = h * 33 + (unsigned char)*s++;
+  return h;
+}
 #endif
 int main(int argc, char **argv) {
   const char *mode = argv[1];
@@ -39,7 +47,11 @@ int main(int argc, char **argv) {
     }
     setenv("LAST", "=and more=", 1);
   }
+#ifdef COPY
+  snprintf(line, sizeof line, "%s %p\n", getenv("KEPT") ? getenv("KEPT") : "-", (void *)environ);
+#else
   snprintf(line, sizeof line, "%s\n", getenv("KEPT") ? getenv("KEPT") : "-");
+#endif
   /* What follows breaks the process's own getenv and symbol lookups: it is
      built with every symbol bound at its start (-z now), and only writes
      and sleeps after. */
@@ -53,6 +65,44 @@ int main(int argc, char **argv) {
     __environ = many;
   } else if (!strcmp(mode, "wild")) {
     __environ = (char **)16;
+  } else if (!strcmp(mode, "chains")) {
+    /* The list of loaded objects made 16 objects whose symbol tables hold,
+       for each name looked up, a chain of 65535 symbols hashed alike and
+       named otherwise: each bound alone, together they multiply. */
+    enum { OBJECTS = 16, CHAIN = 65535 };
+    const char *names[] = {"__environ", "environ", "_environ"};
+    uint32_t h[3], nb = 2;
+    for (int i = 0; i < 3; i++) h[i] = gnu_hash(names[i]);
+    while (h[0] % nb == h[1] % nb || h[0] % nb == h[2] % nb || h[1] % nb == h[2] % nb) nb++;
+    uint32_t *table = calloc(4 + nb + 3 * CHAIN, 4);
+    table[0] = nb;  /* symoffset 0, no bloom filter */
+    uint32_t *chain = table + 4 + nb;
+    uint64_t *syms = calloc(3 * CHAIN, 24);
+    for (int n = 0; n < 3; n++) {
+      table[4 + h[n] % nb] = n * CHAIN;
+      for (int i = 0; i < CHAIN; i++) {
+        chain[n * CHAIN + i] = (h[n] & ~1u) | (i == CHAIN - 1);
+        char *sym = (char *)syms + 24 * (n * CHAIN + i);
+        *(uint32_t *)sym = 1;            /* st_name: "other" */
+        *(uint16_t *)(sym + 6) = 1;      /* st_shndx: defined */
+        *(uint64_t *)(sym + 8) = 1;      /* st_value */
+      }
+    }
+    static char strtab[] = "\0other";
+    static int64_t dyn[8];
+    int64_t tags[] = {DT_GNU_HASH, (int64_t)table, DT_SYMTAB, (int64_t)syms,
+                      DT_STRTAB, (int64_t)strtab, DT_NULL, 0};
+    memcpy(dyn, tags, sizeof tags);
+    static uint64_t nodes[OBJECTS][5];
+    for (int i = 0; i < OBJECTS; i++) {
+      nodes[i][2] = (uint64_t)dyn;
+      nodes[i][3] = i + 1 < OBJECTS ? (uint64_t)nodes[i + 1] : 0;
+    }
+    /* The r_debug the linker keeps (the executable's DT_DEBUG names it): a
+       copy of _r_debug in the executable is not it. */
+    extern ElfW(Dyn) _DYNAMIC[];
+    for (ElfW(Dyn) *d = _DYNAMIC; d->d_tag != DT_NULL; d++)
+      if (d->d_tag == DT_DEBUG) ((struct r_debug *)d->d_un.d_ptr)->r_map = (void *)nodes;
   }
 #endif
   write(1, line, strlen(line));
@@ -100,6 +150,10 @@ def start(started: list[subprocess.Popen[str]], program: Path, mode: str) -> int
 @pytest.mark.parametrize("program", ["pie", "copy-pie", "copy-nopie"])
 def test_what_the_process_changed_is_read_as_getenv_finds_it(
         programs: dict[str, Path], started: list[subprocess.Popen[str]], program: str) -> None:
+    relocations = subprocess.run(["readelf", "-rW", str(programs[program])], check=True,
+                                 capture_output=True, text=True).stdout
+    copied = any("R_X86_64_COPY" in r and "environ" in r for r in relocations.splitlines())
+    assert copied == program.startswith("copy"), relocations
     pid = start(started, programs[program], "change")
     assert liveenv.getenv(pid, "KEPT", "GONE", "OTHER", "LAST", "ADDED63", "NONE") == {
         "KEPT": "changed", "GONE": None, "OTHER": "o", "LAST": "=and more=",
@@ -114,6 +168,7 @@ def test_what_the_process_changed_is_read_as_getenv_finds_it(
     ("pie", "circle", "runs in a circle"),  # found past the executable: the list is walked
     ("hostile", "endless", "more than 65536 variables"),
     ("hostile", "wild", "at 0x10"),
+    ("hostile", "chains", "more than 131072 reads"),
 ])
 def test_a_process_that_points_its_own_structures_anywhere_is_unreadable(
         programs: dict[str, Path], started: list[subprocess.Popen[str]], program: str,
@@ -121,6 +176,24 @@ def test_a_process_that_points_its_own_structures_anywhere_is_unreadable(
     pid = start(started, programs[program], mode)
     with pytest.raises(liveenv.EnvironUnreadable, match=said):
         liveenv.getenv(pid, "KEPT")
+
+
+def test_an_environ_of_another_object_is_not_the_c_librarys(
+        programs: dict[str, Path], started: list[subprocess.Popen[str]],
+        tmp_path: Path) -> None:
+    """glibc's getenv reads __environ: a library loaded before it that
+    exports a variable of its own named environ does not change that."""
+    (tmp_path / "o.c").write_text('static char *fake[] = {"KEPT=fake", 0};\n'
+                                  "char **environ = fake;\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libo.so"),
+                    str(tmp_path / "o.c")], check=True)
+    p = subprocess.Popen([str(programs["pie"]), "change"], stdout=subprocess.PIPE, text=True,
+                         env={"KEPT": "as started", "LD_PRELOAD": str(tmp_path / "libo.so")})
+    started.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == "changed"
+    assert liveenv.getenv(p.pid, "KEPT") == {"KEPT": "changed"}
 
 
 def test_a_statically_linked_program_and_a_process_gone_are_unreadable(

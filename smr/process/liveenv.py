@@ -7,12 +7,15 @@ The way there is the one the dynamic linker leaves for debuggers: the
 executable's DT_DEBUG entry points to ``r_debug``, whose list of loaded
 objects (glibc's ``link_map``, musl's ``dso``: the same first fields) is
 searched in the order the linker binds symbols, for the first that defines
-``environ`` (an executable's copy-relocated one before the C library's own).
-Its value is the live ``char **``.
+``__environ`` (an executable's copy-relocated one before the C library's
+own). Its value is the live ``char **``.
 
 Everything read is the process's own memory (/proc/PID/mem): only compared,
-every count and length bounded, any inconsistency an EnvironUnreadable, never
-a guess. A statically linked program has no DT_DEBUG, so it is unreadable.
+every count and length bounded, and all the reads of one lookup together
+(MAX_READS); any inconsistency is an EnvironUnreadable, never a guess. A
+statically linked program has no DT_DEBUG, so it is unreadable. A read
+waits as long as the process's own memory takes to read (a mapping of a
+FUSE file of its own), as a read of /proc/PID/environ does.
 """
 
 from __future__ import annotations
@@ -27,12 +30,19 @@ MAX_VARIABLES = 1 << 16
 MAX_CHAIN = 1 << 16
 MAX_DYNAMIC = 1024
 MAX_VALUE = 64 << 10
+# All the reads of one lookup together: the bounds above multiply (objects x
+# names x chain), and a real process needs some thousands (400 objects and
+# 5000 variables: under 6000).
+MAX_READS = 1 << 17
 
 _AT_PHDR, _AT_PHNUM = 3, 5
 _PT_DYNAMIC, _PT_PHDR = 2, 6
 _DT_NULL, _DT_HASH, _DT_STRTAB, _DT_SYMTAB, _DT_DEBUG = 0, 4, 5, 6, 21
 _DT_GNU_HASH = 0x6FFFFEF5
-_NAMES = (b"environ", b"__environ", b"_environ")
+# __environ first, in every object: it is what glibc's and musl's getenv read
+# (an executable that copies it defines both names at one address); another
+# object may export a variable of its own named environ.
+_NAMES = (b"__environ", b"environ", b"_environ")
 
 
 class EnvironUnreadable(Exception):
@@ -42,12 +52,17 @@ class EnvironUnreadable(Exception):
 class _Memory:
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.reads = 0
         try:
             self.fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
             raise EnvironUnreadable(f"cannot open process {pid}'s memory: {e}") from e
 
     def read(self, addr: int, size: int) -> bytes:
+        self.reads += 1
+        if self.reads > MAX_READS:
+            raise EnvironUnreadable(f"more than {MAX_READS} reads of process {self.pid}'s "
+                                    "memory without finding its environment")
         if not 0 < addr < 1 << 63:
             raise EnvironUnreadable(f"address {addr:#x} is not in process {self.pid}")
         try:
@@ -177,9 +192,10 @@ def _defined(mem: _Memory, symtab: int, strtab: int, idx: int, name: bytes) -> i
 
 def _environ_address(mem: _Memory, pid: int) -> int:
     """Where the live ``char **environ`` is: the first loaded object, in the
-    linker's order, that defines it."""
+    linker's order, that defines it, by the names in _NAMES' order."""
     node = mem.u64(_r_debug(mem, pid) + 8)  # r_debug.r_map
     seen: set[int] = set()
+    objects: list[tuple[int, dict[int, int]]] = []
     for _ in range(MAX_OBJECTS):
         if not node:
             break
@@ -188,21 +204,20 @@ def _environ_address(mem: _Memory, pid: int) -> int:
         seen.add(node)
         base, _name, ld, nxt = struct.unpack("<QQQQ", mem.read(node, 32))
         if ld:
-            tags = _dynamic(mem, ld, base)
-            symtab, strtab = tags.get(_DT_SYMTAB), tags.get(_DT_STRTAB)
-            if symtab and strtab:
-                for name in _NAMES:
-                    if _DT_GNU_HASH in tags:
-                        value = _gnu_lookup(mem, tags[_DT_GNU_HASH], symtab, strtab, name)
-                    elif _DT_HASH in tags:
-                        value = _sysv_lookup(mem, tags[_DT_HASH], symtab, strtab, name)
-                    else:
-                        value = None
-                    if value:
-                        return base + value
+            objects.append((base, _dynamic(mem, ld, base)))
         node = nxt
     else:
         raise EnvironUnreadable("the list of loaded objects has no end")
+    for name in _NAMES:
+        for base, tags in objects:
+            symtab, strtab = tags.get(_DT_SYMTAB), tags.get(_DT_STRTAB)
+            value = None
+            if symtab and strtab and _DT_GNU_HASH in tags:
+                value = _gnu_lookup(mem, tags[_DT_GNU_HASH], symtab, strtab, name)
+            elif symtab and strtab and _DT_HASH in tags:
+                value = _sysv_lookup(mem, tags[_DT_HASH], symtab, strtab, name)
+            if value:
+                return base + value
     raise EnvironUnreadable("no loaded object defines environ")
 
 
