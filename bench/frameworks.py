@@ -78,7 +78,7 @@ WORKLOADS: dict[str, tuple[list[str], dict[str, str]]] = {
     "ddp-nccl-net": ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                       "2", "-m", "tests.workloads.ddp_train", "--steps", "300"],
                      {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_P2P_DISABLE": "1",
-                      "NCCL_SHM_DISABLE": "1"}),
+                      "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}),
 }
 
 
@@ -412,7 +412,8 @@ def throughput(out: Path, steps: int = 400, width: int = 4096) -> dict[str, Any]
     NCCL's own P2P); started as `smr exec --gpu` starts it (smr.process.reaper, its
     seccomp filter) with the cooperative library and its directory; the same
     without the library over sockets only (NCCL_P2P_DISABLE=1
-    NCCL_SHM_DISABLE=1), what a job without the library needs to migrate."""
+    NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0), what a job without the library needs to
+    migrate."""
     ddp = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "tests.workloads.ddp_train", "--steps", str(steps), "--interval", "0",
            "--width", str(width)]
@@ -422,7 +423,8 @@ def throughput(out: Path, steps: int = 400, width: int = 4096) -> dict[str, Any]
         "no smr, P2P": (ddp, {}),
         "smr, cooperative library, P2P": (reaper + ddp + ["--coop"],
                                           {"SMR_COOP_DIR": str(coop_dir)}),
-        "smr, sockets only": (reaper + ddp, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+        "smr, sockets only": (reaper + ddp, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                                               "NCCL_NVLS_ENABLE": "0"}),
     }
     res: dict[str, Any] = {"workload": "ddp-throughput", "steps": steps, "width": width}
     for rnd in range(2):  # interleaved, twice: each way's two rates

@@ -98,7 +98,7 @@ def main() -> int:
     a = ap.parse_args()
     env = dict(os.environ, NCCL_DEBUG="INFO")
     if a.variant == "net":
-        env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+        env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NVLS_ENABLE="0")
     elif a.variant == "shm":  # P2P off, NCCL's shared-memory transport on
         env.update(NCCL_P2P_DISABLE="1")
     tag = f"{a.variant}-{a.interval}{'-ref' if a.ref else ''}"

@@ -116,8 +116,8 @@ SETTINGS: tuple[Setting, ...] = (
             "driver; auto: where the driver has the checkpoint API"),
     Setting("GPU_ALLOW", (), names, "refusals of smr's GPU gate lifted on this node "
             "(comma-separated): peer-access (a process on two GPUs or more), nccl-p2p (NCCL "
-            "ranks with the P2P or SHM transport on); driver 580 cannot restore either "
-            "(docs/gpu.md)"),
+            "ranks with a transport on that maps a peer's memory: P2P, SHM or NVLS); driver 580 "
+            "cannot restore either (docs/gpu.md)"),
     Setting("CUDA_LOCK_TIMEOUT", 10.0, pos_float, "seconds to wait for a job's GPU work to "
             "reach a lockable point"),
     Setting("KUBE_API", "", str, "Kubernetes API URL; empty: in-cluster, else "

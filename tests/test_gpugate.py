@@ -21,6 +21,9 @@ from smr.process import procfs
 
 A = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 B = "GPU-ffeeddcc-bbaa-9988-7766-554433221100"
+# NCCL over sockets: the one setting of NCCL's known to come back.
+OFF = gpugate.OFF
+OFF_ENV = dict(v.split("=") for v in OFF.split())
 
 MAPS = """
 import mmap, os, sys, time
@@ -88,7 +91,7 @@ def test_nccl_ranks_on_two_gpus_with_p2p_on_are_refused(
     assert "NCCL_P2P_DISABLE=1" in refused.value.hint
     gpugate.check_peers({r0: [A], r1: [A]})  # one GPU: no P2P between them
     gpugate.check_peers({r0: [A], r1: [B]}, allow=("nccl-p2p",))
-    off = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+    off = OFF_ENV
     s0, s1 = mapping(procs, lib, off), mapping(procs, lib, off)
     gpugate.check_peers({s0: [A], s1: [B]})  # sockets only: let through
 
@@ -103,7 +106,7 @@ def test_nccl_p2p_disable_is_read_as_nccl_reads_it(
     """NCCL disables P2P only where (int) strtol(value, NULL, 0) == 1: a rank
     started with NCCL_P2P_DISABLE=true keeps P2P, and is refused."""
     lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
-    env = {"NCCL_P2P_DISABLE": value, "NCCL_SHM_DISABLE": "1"}
+    env = {"NCCL_P2P_DISABLE": value, "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
     r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
     if disabled:
         gpugate.check_peers({r0: [A], r1: [B]})
@@ -124,7 +127,7 @@ def test_nccl_shm_disable_is_read_as_nccl_reads_it(
     transport), which driver 580 does not restore either: NCCL turns it off
     only where strtoll(value, NULL, 0) == 1."""
     lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
-    env = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": value}
+    env = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": value, "NCCL_NVLS_ENABLE": "0"}
     r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
     if disabled:
         gpugate.check_peers({r0: [A], r1: [B]})
@@ -134,7 +137,34 @@ def test_nccl_shm_disable_is_read_as_nccl_reads_it(
         assert f"NCCL_SHM_DISABLE={value!r} when it started" in refused.value.message
 
 
-OFF = "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+def test_only_nccl_over_sockets_is_let_through() -> None:
+    """The one setting measured to come back (bench/nccl_probe.py, net)."""
+    assert OFF_ENV == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+
+
+@pytest.mark.parametrize(("value", "off"), [
+    ("0", True), ("00", True), ("0x0", True), ("no", True),  # strtoll reads no digit: 0
+    ("", False),  # empty: NCCL keeps its default, 2 (on where the GPUs multicast)
+    ("1", False), ("2", False), ("99999999999999999999", False),
+])
+def test_nccl_nvls_enable_is_read_as_nccl_reads_it(
+        procs: list[subprocess.Popen[str]], tmp_path: Path, value: str, off: bool) -> None:
+    """NVLink SHARP binds multicast objects to every rank's GPU memory, and
+    is not known to come back: NCCL turns it off only where strtoll reads 0,
+    and unset it is on wherever an NVSwitch lets the GPUs multicast."""
+    lib = tmp_path / "nvidia/nccl/lib/libnccl.so.2"
+    env = OFF_ENV | {"NCCL_NVLS_ENABLE": value}
+    r0, r1 = mapping(procs, lib, env), mapping(procs, lib, env)
+    if off:
+        gpugate.check_peers({r0: [A], r1: [B]})
+    else:
+        with pytest.raises(gpugate.GateRefused) as refused:
+            gpugate.check_peers({r0: [A], r1: [B]})
+        assert f"NCCL_NVLS_ENABLE={value!r} when it started" in refused.value.message
+    unset = {k: v for k, v in OFF_ENV.items() if k != "NCCL_NVLS_ENABLE"}
+    u0, u1 = mapping(procs, lib, unset), mapping(procs, lib, unset)
+    with pytest.raises(gpugate.GateRefused, match="NCCL_NVLS_ENABLE unset when it started"):
+        gpugate.check_peers({u0: [A], u1: [B]})
 
 
 @pytest.mark.parametrize(("started", "change", "said"), [
@@ -162,7 +192,7 @@ def test_nccl_ranks_that_change_the_variables_from_inside_are_refused(
     assert refused.value.code == "nccl-p2p"
     assert f"{r0} ({gpugate.comm(r0)}: {said})" in refused.value.message
     # Left as it started, or added to beside it, the same ranks pass.
-    keep = dict(v.split("=") for v in OFF.split()) | {"CHANGE_ENV": "ADDED=1 OTHER=2"}
+    keep = OFF_ENV | {"CHANGE_ENV": "ADDED=1 OTHER=2"}
     k0, k1 = mapping(procs, lib, keep), mapping(procs, lib, keep)
     gpugate.check_peers({k0: [A], k1: [B]})
 
@@ -172,7 +202,7 @@ def test_a_rank_whose_live_environment_cannot_be_read_is_refused(
     """A statically linked rank leaves no list of its loaded objects to find
     its C library's environment by: what NCCL read is unknown, so it is
     refused, however it started."""
-    off = dict(v.split("=") for v in OFF.split())
+    off = OFF_ENV
     static = shutil.which("busybox")
     assert static, "busybox (make setup) is the statically linked program here"
     ranks = [subprocess.Popen([static, "sleep", "60"], env=off, text=True) for _ in range(2)]

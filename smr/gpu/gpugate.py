@@ -108,12 +108,26 @@ def _shm_disabled(value: str | None) -> bool:
     return _LIBC.strtol(value.encode(), None, 0) == 1  # long is int64_t here
 
 
+def _nvls_off(value: str | None) -> bool:
+    """Whether NCCL reads ``value`` of NCCL_NVLS_ENABLE as turning NVLink
+    SHARP off: an NCCL_PARAM whose default, 2, turns it on where the GPUs
+    can multicast (an NVSwitch), and off only where strtoll reads 0."""
+    if value is None or not value:
+        return False
+    return _LIBC.strtol(value.encode(), None, 0) == 0
+
+
 # NCCL's transports between ranks of one host that map another rank's
-# memory through the driver, each with the variable that turns it off and how
-# NCCL reads it: P2P (the peer's GPU memory) and SHM (host memory). Driver
-# 580 restored neither (bench/nccl_probe.py on two H200s: P2P 801 then 304;
-# SHM 801 and 999); the same job over sockets alone, it did.
-SHARING = (("NCCL_P2P_DISABLE", _p2p_disabled), ("NCCL_SHM_DISABLE", _shm_disabled))
+# memory through the driver, each with the variable that turns it off and
+# how NCCL reads it: P2P (the peer's GPU memory), SHM (host memory), NVLS
+# (multicast objects bound to every rank's GPU memory). Driver 580 restored
+# neither P2P nor SHM ranks (bench/nccl_probe.py on two H200s: P2P 801 then
+# 304; SHM 801 and 999); the same job over sockets alone, with NVLS off as
+# that machine keeps it, it did. NVLS is not tried there (it can put a shared
+# host's GPUs out of service), so it is not known to come back.
+SHARING = (("NCCL_P2P_DISABLE", _p2p_disabled, "1"), ("NCCL_SHM_DISABLE", _shm_disabled, "1"),
+           ("NCCL_NVLS_ENABLE", _nvls_off, "0"))
+OFF = " ".join(f"{name}={value}" for name, _, value in SHARING)
 
 
 def _maps_nccl(pid: int) -> bool:
@@ -124,20 +138,20 @@ def _maps_nccl(pid: int) -> bool:
 
 
 def _sharing(pid: int) -> str | None:
-    """Why rank ``pid``'s NCCL may map its peers' memory, or None where both
-    variables of SHARING turn that off both in the environment the rank
+    """Why rank ``pid``'s NCCL may map its peers' memory, or None where every
+    variable of SHARING turns that off both in the environment the rank
     started with (/proc/PID/environ) and in the one its C library holds now,
     which NCCL's getenv() reads when it starts: a job script may change
     os.environ before that, and which of the two NCCL saw cannot be told
     from outside."""
-    for name, off in SHARING:
+    for name, off, _ in SHARING:
         if not off(started := procfs.env_value(pid, name)):
             return _named(name, started, "when it started")
     try:
-        now = liveenv.getenv(pid, *(name for name, _ in SHARING))
+        now = liveenv.getenv(pid, *(name for name, _, _ in SHARING))
     except liveenv.EnvironUnreadable as e:
         return f"its environment as it is now cannot be read: {e}"
-    for name, off in SHARING:
+    for name, off, _ in SHARING:
         if not off(now[name]):
             return _named(name, now[name], "now")
     return None
@@ -166,11 +180,11 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
       between them (XLA turns it on between every pair of visible GPUs, and
       nothing switches it off) its restore fails (CUDA_ERROR_INVALID_VALUE),
       and from outside, peer access cannot be told apart (``peer-access``);
-    - NCCL ranks of one tree on different GPUs with NCCL's P2P or SHM
-      transport on (SHARING): each maps its peer's memory, and driver 580
-      answers that restore 801, then 304 for good (``nccl-p2p``). Both
-      variables must turn them off as the rank started and as it holds its
-      environment now (smr.process.liveenv).
+    - NCCL ranks of one tree on different GPUs with a transport on that maps
+      a peer's memory (SHARING: P2P, SHM, NVLS): driver 580 answers such a
+      rank's restore 801, then 304 for good (``nccl-p2p``). Every variable
+      must turn them off as the rank started and as it holds its environment
+      now (smr.process.liveenv).
 
     ``allow``: refusals the node's settings lift (SMR_GPU_ALLOW); ``released``:
     ranks that dropped their NCCL communicators on smr's request (the
@@ -196,14 +210,13 @@ def check_peers(gpus: Mapping[int, Collection[str]], allow: Collection[str] = ()
         if len(on) >= 2 and len(used) >= 2:
             named = ", ".join(f"{p} ({comm(p)}: {why})" for p, why in sorted(on.items()))
             raise GateRefused(
-                f"NCCL ranks {named} run on {len(used)} GPUs with NCCL's P2P or shared-memory "
-                "transport on (NCCL_P2P_DISABLE and NCCL_SHM_DISABLE are not both 1 in their "
-                "environment): each maps its peer's memory, which driver 580 checkpoints and "
-                "never restores; nothing was frozen, the job runs on", code="nccl-p2p",
-                hint="start the job with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL over "
-                     "sockets, slower), and leave them set, or add the cooperative path's "
-                     "one line (docs/gpu.md); where the driver restores it, set "
-                     "SMR_GPU_ALLOW=nccl-p2p on the node")
+                f"NCCL ranks {named} run on {len(used)} GPUs with a transport of NCCL's on that "
+                f"maps a peer's memory (P2P, shared memory or NVLS; only {OFF}, NCCL over "
+                "sockets, is known to come back): driver 580 checkpoints such ranks and never "
+                "restores them; nothing was frozen, the job runs on", code="nccl-p2p",
+                hint=f"start the job with {OFF} (slower), and leave them set, or add the "
+                     "cooperative path's one line (docs/gpu.md); where the driver restores "
+                     "it, set SMR_GPU_ALLOW=nccl-p2p on the node")
 
 
 def before_lock(tree: list[int], cuda_pids: list[int], gpus: Mapping[int, Collection[str]],

@@ -202,7 +202,7 @@ def _check_ipc(pid: int, comm: str, paths: set[str]) -> None:
             "process but cannot restore it (driver 580), so it is not frozen",
             code="cuda-ipc-mapping",
             hint="share GPU tensors between processes through host memory, or for NCCL set "
-                 "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1; docs/compatibility.md")
+                 "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0; docs/gpu.md")
 
 
 def check_room_for_checkpoint(gpu: dict[str, Any], work_dir: Path, host: int = 0) -> None:
