@@ -19,7 +19,8 @@ CRIU_MIN=4.2
 # From the system's own (bookworm) sources: containerd and runc for the node
 # agent's container tests, iptables-restore for CRIU's network lock, nft to undo
 # that lock when a final checkpoint cannot be stored (smr/process/netlock.py), busybox
-# for test images, gcc to build smr-init, git and make for the fresh-clone test
+# for test images, gcc to build smr-init (and, with binutils' readelf, the
+# test programs of tests/test_liveenv.py), git and make for the fresh-clone test
 # (tests/test_fresh_clone.py), and redis-server, PostgreSQL 15,
 # Node.js and a JDK, programs nobody here wrote, that the socket and program
 # tests checkpoint (tests/programs; setpriv, util-linux's, drops them to a user).
@@ -28,7 +29,7 @@ CRIU_MIN=4.2
 # tests/test_setup_covers_tests.py holds the tests to this list.
 NEED=""
 for pair in containerd:containerd runc:runc iptables-restore:iptables busybox:busybox-static \
-            gcc:gcc nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev nft:nftables \
+            gcc:gcc readelf:binutils nsenter:util-linux redis-server:redis-server dpkg-source:dpkg-dev nft:nftables \
             node:nodejs java:default-jre-headless javac:default-jdk-headless \
             git:git make:make; do
   command -v "${pair%%:*}" >/dev/null || NEED="$NEED ${pair#*:}"

@@ -114,8 +114,8 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc, "a C compiler (make setup installs one) builds the test programs"
+    cc = shutil.which("gcc")
+    assert cc, "gcc (make setup) builds the test programs"
     d = tmp_path_factory.mktemp("liveenv")
     (d / "p.c").write_text(PROGRAM)
     built = {}
@@ -150,7 +150,9 @@ def start(started: list[subprocess.Popen[str]], program: Path, mode: str) -> int
 @pytest.mark.parametrize("program", ["pie", "copy-pie", "copy-nopie"])
 def test_what_the_process_changed_is_read_as_getenv_finds_it(
         programs: dict[str, Path], started: list[subprocess.Popen[str]], program: str) -> None:
-    relocations = subprocess.run(["readelf", "-rW", str(programs[program])], check=True,
+    readelf = shutil.which("readelf")
+    assert readelf, "binutils' readelf (make setup) reads the test programs' relocations"
+    relocations = subprocess.run([readelf, "-rW", str(programs[program])], check=True,
                                  capture_output=True, text=True).stdout
     copied = any("R_X86_64_COPY" in r and "environ" in r for r in relocations.splitlines())
     assert copied == program.startswith("copy"), relocations
@@ -185,8 +187,8 @@ def test_an_environ_of_another_object_is_not_the_c_librarys(
     exports a variable of its own named environ does not change that."""
     (tmp_path / "o.c").write_text('static char *fake[] = {"KEPT=fake", 0};\n'
                                   "char **environ = fake;\n")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc
+    cc = shutil.which("gcc")
+    assert cc, "gcc (make setup) builds the test programs"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libo.so"),
                     str(tmp_path / "o.c")], check=True)
     p = subprocess.Popen([str(programs["pie"]), "change"], stdout=subprocess.PIPE, text=True,
