@@ -184,12 +184,15 @@ def test_a_streamed_local_restore_is_a_criu_still_at_work_on_its_images(
     images = tmp_path / "req" / "images"
     images.mkdir(parents=True)
     fake = tmp_path / "criu"
-    fake.write_text("#!/bin/sh\nsleep 30\n:\n")
+    # It waits on a shell builtin: a child forked to run `sleep` would show
+    # its parent's command line until its exec, a second "CRIU" for a moment.
+    fake.write_text("#!/bin/sh\nread line\n")
     fake.chmod(0o755)
     p = subprocess.Popen([str(fake), "restore", "-d", "--file-locks", "--pidfile",
                           str(images.parent / "restored.pid"), "--tcp-close", "--stream",
                           "-W", str(images), "-D", "/tmp/smr-abcdef", "-o", "restore.log",
-                          "-v4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          "-v4"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 5
         while str(fake).encode() not in (procfs.argv(p.pid) or []):
