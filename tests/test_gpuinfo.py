@@ -108,7 +108,7 @@ def test_a_process_mapping_a_device_criu_cannot_save_is_refused_before_the_lock(
             "subprocess.run(['mount', '-t', 'tmpfs', 'dev', '/dev'], check=True)\n"
             "os.makedirs('/dev/infiniband'); os.makedirs('/dev/shm')\n"
             "held = []\n"
-            "for path in ('/dev/shm/ok', '/dev/infiniband/uverbs0'):\n"
+            "for path in ('/dev/shm/ok', os.environ.get('DEVICE', '/dev/infiniband/uverbs0')):\n"
             "    f = os.open(path, os.O_RDWR | os.O_CREAT); os.ftruncate(f, 4096)\n"
             "    held.append(mmap.mmap(f, 4096, mmap.MAP_SHARED))\n"
             "    if os.environ.get('ONLY_SHM'): break\n"
@@ -116,11 +116,16 @@ def test_a_process_mapping_a_device_criu_cannot_save_is_refused_before_the_lock(
     procs = [subprocess.Popen([unshare, "--mount", "--propagation", "private", sys.executable,
                                "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, **extra})
-             for extra in ({}, {"ONLY_SHM": "1"})]
+             for extra in ({}, {"ONLY_SHM": "1"}, {"DEVICE": "/dev/zero_uverbs0"},
+                           {"DEVICE": "/dev/nvidia-uverbs0"})]
     try:
         for p in procs:
             assert p.stdout and p.stdout.readline().strip() == "mapped"
-        rdma, shm = (p.pid for p in procs)  # unshare execs the program itself
+        rdma, shm, *renamed = (p.pid for p in procs)  # unshare execs the program itself
+        for pid in renamed:  # a device under a name that only begins as a saved one does
+            with pytest.raises(PermanentError, match="a device's memory") as renamed_e:
+                gpuinfo.check_mappings([pid], [pid])
+            assert renamed_e.value.code == "device-mapping"
         for cuda in ([rdma], []):
             with pytest.raises(PermanentError) as e:
                 gpuinfo.check_mappings([rdma], cuda)

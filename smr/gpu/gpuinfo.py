@@ -129,7 +129,17 @@ def host_bytes(pids: list[int]) -> int:
 # CUDA process, the driver's checkpoint releases first; the others (RDMA's
 # /dev/infiniband/uverbs*, another accelerator's, VFIO's) would fail CRIU
 # after the GPU lock.
-_SAVED_UNDER_DEV = ("/dev/zero", "/dev/shm/", "/dev/hugepages/")
+_SAVED_UNDER_DEV = ("/dev/shm/", "/dev/hugepages/")
+# The GPU's own device files by their exact names (a name that only begins
+# so, /dev/nvidia-anything, is a tenant's other device).
+_GPU_FILES = re.compile(r"/dev/nvidia(\d+|ctl|-uvm|-uvm-tools)")
+
+
+def _saved_or_own(path: str, device: str) -> bool:
+    if path == "/dev/zero" or path.startswith(_SAVED_UNDER_DEV):
+        return True
+    return bool(_GPU_FILES.fullmatch(path)) if device == "/dev/nvidia" \
+        else path.startswith(device)
 
 
 def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nvidia") -> None:
@@ -143,8 +153,9 @@ def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nv
     paths are the tenant's, only compared: a forged one refuses its own job."""
     for pid in tree:
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            # Names are the tenant's bytes: any of them, decoded without failing.
+            maps = Path(f"/proc/{pid}/maps").read_bytes().decode(errors="replace")
+            comm = Path(f"/proc/{pid}/comm").read_bytes().decode(errors="replace").strip()
         except OSError:
             continue  # gone meanwhile
         paths = {" ".join(ln.split()[5:]).removesuffix(" (deleted)") for ln in maps.splitlines()}
@@ -158,7 +169,7 @@ def check_mappings(tree: list[int], cuda_pids: list[int], device: str = "/dev/nv
                 hint="start such children with the 'spawn' or 'forkserver' start method (PyTorch: "
                      "DataLoader(..., multiprocessing_context='spawn')), or before CUDA starts")
         if other := sorted(p for p in paths if p.startswith("/dev/")
-                           and not p.startswith((device, *_SAVED_UNDER_DEV))):
+                           and not _saved_or_own(p, device)):
             raise PermanentError(
                 f"process {pid} ({comm}) maps {', '.join(other[:4])}: a device's memory, which "
                 "CRIU cannot save (it saves mappings of regular files and /dev/zero), and which "
