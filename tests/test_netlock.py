@@ -13,11 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from smr.natsserver import free_port
 from smr.process import netlock
+from smr.process.criu import CriuRun
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
 from tests.test_nothing_lost import ckpt_step
@@ -207,3 +209,73 @@ async def test_a_final_dump_its_recovery_refuses_gives_the_job_its_connection_ba
                 assert await asyncio.to_thread(r.ping)
             except OSError as e:
                 raise AssertionError(f"the job ran on, its connection dead: {e}") from None
+
+
+def dumps_tables(node_h: Harness) -> list[str | None]:
+    """The lock table each dump of the node's checkpoint step made, named
+    from its log as the dump ends (the step drops the log with its work)."""
+    step = ckpt_step(node_h)
+    real, tables = step.criu.dump, []
+
+    async def dump(*args: Any, **kwargs: Any) -> CriuRun:
+        run = await real(*args, **kwargs)
+        tables.append(netlock.table_of(run.log))
+        return run
+
+    step.criu.dump = dump  # type: ignore[method-assign]
+    return tables
+
+
+def table_shown(table: str) -> str | None:
+    r = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
+
+
+async def test_a_final_checkpoint_that_kept_no_connection_leaves_no_lock_table(
+        h: Harness) -> None:  # noqa: F811
+    """A server with no client: CRIU kept its (no) connections and made its
+    lock table in the node's network namespace all the same. Stored and
+    ended, the job leaves no table behind (each one stays for good
+    otherwise: two chains every packet of the node walks), and a restore
+    on this node, which would have deleted it, still brings the job back."""
+    tables = dumps_tables(h)
+    port = free_port()
+    job = await start(h, [sys.executable, "-m", "http.server", str(port), "--bind",
+                          "127.0.0.1", "--directory", str(h.tmp)], port=port)
+    done = await h.checkpoint(job.id)
+    assert done.status == "succeeded", done.error
+    assert done.sockets and done.sockets["tcp"] == "keep"
+    assert len(tables) == 1 and tables[0] is not None, f"the dump made no lock table: {tables}"
+    assert table_shown(tables[0]) is None, f"CRIU's lock stayed: {table_shown(tables[0])}"
+    restored = await h.restore(job.id)
+    assert restored.status == "succeeded", restored.error
+    socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
+
+async def test_a_final_checkpoint_keeps_the_lock_of_a_connection_until_its_restore(
+        h: Harness) -> None:  # noqa: F811
+    """A client's connection kept by a final checkpoint: its table stays with
+    the connection in it, so a request the client sends while the job is
+    stored and gone is held (its packets dropped, then sent again), not
+    answered with a reset, and the restored server answers it."""
+    tables = dumps_tables(h)
+    job, port = await start_redis(h, keys=1000)
+    r = client(port)
+    try:
+        assert r.incr("n") == 1
+        mine = r.connection._sock.getsockname()[1]  # type: ignore[union-attr]
+        done = await h.checkpoint(job.id)
+        assert done.status == "succeeded", done.error
+        assert len(tables) == 1 and tables[0] is not None
+        assert (shown := table_shown(tables[0])) and f". {mine} ." in shown, \
+            f"the connection from port {mine} is not in CRIU's lock: {shown}"
+        asked = asyncio.create_task(asyncio.to_thread(r.incr, "n"))
+        await asyncio.sleep(1)  # the request's packets meet the lock
+        assert not asked.done(), f"the stored job's connection answered: {asked}"
+        restored = await h.restore(job.id)
+        assert restored.status == "succeeded", restored.error
+        assert await asyncio.wait_for(asked, 60) == 2
+        assert table_shown(tables[0]) is None, "the restore left CRIU's lock"
+    finally:
+        r.close()
+        drop_locks(port)

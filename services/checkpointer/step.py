@@ -25,7 +25,7 @@ from smr.contract.messages import CkptDone, CkptRequested, now
 from smr.gpu import coopgate, frozen, gpugate, gpuinfo
 from smr.identity import write_durably
 from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
-from smr.process import linkremap, reaper, sockets
+from smr.process import linkremap, netlock, reaper, sockets
 from smr.process.criu import CriuError, dump_finished
 from smr.process.tree import process_tree
 from smr.retry import retry_nats
@@ -306,10 +306,14 @@ class CheckpointStep(LocalRecovery, LocalJobStep):
         if req.leave_running:
             if self.cuda and job.alive():
                 await self.cuda.resume_tree(job.pid, quiet=True)
-        elif job.alive():
-            signal_tree(job.pid, signal.SIGKILL)
-            await wait_exit(job.pid, job.start_ticks)
-            reaper.reap()  # a restored job is ours to reap: its PIDs free at once
+        else:
+            if job.alive():
+                signal_tree(job.pid, signal.SIGKILL)
+                await wait_exit(job.pid, job.start_ticks)
+                reaper.reap()  # a restored job is ours to reap: its PIDs free at once
+            # CRIU's lock table of a dump that kept no connection: nothing a
+            # restore needs, and only a restore on this node would delete it.
+            await netlock.drop_unused(self._work(req) / "images" / "dump.log")
         # CRIU's links in /dev/shm, if smr died before the dump's own cleanup:
         # the checkpoint has them.
         await asyncio.to_thread(linkremap.discard_left, self._work(req) / linkremap.CARRY)
