@@ -279,3 +279,33 @@ async def test_a_final_checkpoint_keeps_the_lock_of_a_connection_until_its_resto
     finally:
         r.close()
         drop_locks(port)
+
+
+async def test_a_stored_final_checkpoint_is_answered_stored_when_nft_cannot_run(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The lock table's cleanup comes after the job was stored and ended: nft
+    failing to start then (a pids limit, the package being upgraded) leaves
+    the table, and never turns the stored checkpoint into a failure or the
+    job's record into a running job that is gone."""
+    real = netlock.asyncio.create_subprocess_exec
+
+    async def no_nft(program: str, *args: Any, **kwargs: Any) -> Any:
+        if os.path.basename(program) == "nft":
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return await real(program, *args, **kwargs)
+
+    monkeypatch.setattr(netlock.asyncio, "create_subprocess_exec", no_nft)
+    tables = dumps_tables(h)
+    port = free_port()
+    job = await start(h, [sys.executable, "-m", "http.server", str(port), "--bind",
+                          "127.0.0.1", "--directory", str(h.tmp)], port=port)
+    try:
+        done = await h.checkpoint(job.id)
+        assert done.status == "succeeded", done.error
+        record, _ = await h.jobs.get(job.id)
+        assert (record.state, record.generation) == ("checkpointed", 1)
+    finally:
+        monkeypatch.undo()
+        for t in filter(None, tables):  # this test's own table, which the cleanup left
+            await asyncio.to_thread(subprocess.run, ["nft", "delete", "table", "inet", t],
+                                    capture_output=True)

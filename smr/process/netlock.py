@@ -185,34 +185,59 @@ def nft_binary() -> str | None:
 
 
 async def _table_exists(table: str) -> bool:
-    return await _nft("list", "table", "inet", table, quiet=True)
+    ran = await _run_nft("list", "table", "inet", table)
+    if ran is None:
+        # Not known: the caller must not go on as if CRIU had unlocked.
+        raise OSError(f"cannot tell whether CRIU's lock table inet {table} is there: "
+                      "nft did not run (see the log)")
+    return ran[0] == 0
 
 
-async def _nft_json(*args: str) -> dict[str, Any] | None:
+# An nft command that takes longer is given up (it is killed): 300 tables
+# made one listing take 6 s on a two-core machine.
+NFT_TIMEOUT_S = 30.0
+
+
+async def _run_nft(*args: str) -> tuple[int, bytes, bytes] | None:
+    """nft's exit status, output and errors; None where it could not be run
+    or did not end in NFT_TIMEOUT_S (said in the log): what calls it is
+    cleanup, which must never fail the step it follows."""
     nft = nft_binary()
     if nft is None:
         return None
-    proc = await asyncio.create_subprocess_exec(
-        nft, "-j", *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL)
-    out, _ = await proc.communicate()
-    if proc.returncode != 0:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            nft, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+    except OSError as e:
+        log.warning("cannot run nft %s: %s", " ".join(args), e)
         return None
     try:
-        shown = json.loads(out)
+        out, err = await asyncio.wait_for(proc.communicate(), NFT_TIMEOUT_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        log.warning("nft %s did not end in %.0f s; killed", " ".join(args), NFT_TIMEOUT_S)
+        return None
+    return proc.returncode or 0, out, err
+
+
+async def _nft_json(*args: str) -> dict[str, Any] | None:
+    ran = await _run_nft("-j", *args)
+    if ran is None or ran[0] != 0:
+        return None
+    try:
+        shown = json.loads(ran[1])
     except ValueError:
         return None
     return shown if isinstance(shown, dict) else None
 
 
 async def _nft(*args: str, quiet: bool = False) -> bool:
-    nft = nft_binary()
-    if nft is None:
+    ran = await _run_nft(*args)
+    if ran is None:
         return False
-    proc = await asyncio.create_subprocess_exec(
-        nft, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE)
-    _, err = await proc.communicate()
-    if proc.returncode != 0 and not quiet:
-        log.warning("nft %s failed: %s", " ".join(args), err.decode(errors="replace").strip())
-    return proc.returncode == 0
+    if ran[0] != 0 and not quiet:
+        log.warning("nft %s failed: %s", " ".join(args), ran[2].decode(errors="replace").strip())
+    return ran[0] == 0
