@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from services.containers import host
 from services.containers.pods import PodContainer
@@ -29,16 +30,38 @@ from smr.contract.messages import CkptRequested
 log = logging.getLogger("smr.checkpointer")
 
 
+# How long a look waits for smr-init to settle into a state it can be read
+# in: it looks for its workload's end every 0.1 s, and writes "exited" (or
+# exits) only then.
+ENDING_LOOKS, ENDING_LOOK_S = 10, 0.1
+
+
 def _workload_gone(container_id: str) -> bool:
     """No smr-init left for the container, or one whose workload has ended
-    (not one still waiting for its start: a restore may put one there)."""
+    (not one still waiting for its start: a restore may put one there).
+
+    smr-init whose workload is no longer its child while its status still
+    says "running" (it has not written "exited" yet), or whose status cannot
+    be read (it is exiting), is looked at again for a second: it is taken
+    for ended only once it says so or is gone. A workload seen running is
+    never taken for ended."""
     shim = host.find_shim(container_id)
-    if shim is None:
-        return True
-    try:
-        return shim.workload() is None and shim.status()[:1] not in (["waiting"], ["running"])
-    except SmrError:
-        return False  # unreadable: not taken for an ending
+    for _ in range(ENDING_LOOKS):
+        if shim is None:
+            return True
+        try:
+            if shim.workload() is not None:
+                return False
+            st = shim.status()[:1]
+            if st not in (["waiting"], ["running"]):
+                return True
+            if st == ["waiting"]:
+                return False
+        except SmrError:
+            pass  # unreadable: smr-init exiting, or a tenant's doing
+        time.sleep(ENDING_LOOK_S)
+        shim = host.find_shim(container_id)
+    return False  # not taken for an ending
 
 
 async def _final_latest(store: CheckpointStore, namespace: str,

@@ -145,16 +145,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         try:
             if not req.leave_running and (gen := await finals.stored(self.store, req, c)):
                 return self._result(req, gen, True)  # another request's final ended it
-            try:
-                shim = self.shim_of(c)  # under the lock: a final before it may have ended it
-            except PermanentError as e:
-                # Its smr-init ended since the look above: the final before
-                # this one ended the workload, and its status still said
-                # "running" then (smr-init writes "exited" once it reaps it).
-                if req.leave_running or e.code != "no-smr-init" or \
-                        not (gen := await finals.stored(self.store, req, c)):
-                    raise
-                return self._result(req, gen, True)
+            shim = self.shim_of(c)  # under the lock: a final before it may have ended it
             if not req.leave_running and (done := await self._taken_over(req, c, shim)):
                 return done  # answered from the dump it took over (a redelivery)
             pid, inner = await asyncio.to_thread(self._workload, req, shim)

@@ -1,0 +1,75 @@
+"""When a final checkpoint request takes a container's workload for ended
+(services/checkpointer/finals.py): the looks at its smr-init that a
+final before it leaves in every state smr-init passes through as it ends.
+smr-init here is a FAKE (``Ending``): its states are scripted look by look;
+the pod tests drive the real one (tests/agent/test_data_path_attacks.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from services.checkpointer import finals
+from services.containers import host
+from smr.contract.errors import SmrError
+
+
+class Ending:
+    """A FAKE smr-init, one state per look: ("running", True) a live workload,
+    ("running", False) its status still "running" with the workload reaped,
+    ("exited", False), "unreadable" (its status read fails as it exits),
+    or None (no smr-init any more)."""
+
+    def __init__(self, states: list[object]) -> None:
+        self.states: Iterator[object] = iter(states)
+        self.now: object = next(self.states)
+        self.looks = 0
+
+    def find(self, container_id: str) -> Ending | None:
+        if self.looks:
+            self.now = next(self.states, self.now)
+        self.looks += 1
+        return None if self.now is None else self
+
+    def workload(self) -> tuple[int, int] | None:
+        if self.now == "unreadable":
+            raise SmrError("status unreadable", code="unsafe-path")
+        assert isinstance(self.now, tuple)
+        return (100, 1) if self.now[1] else None
+
+    def status(self) -> list[str]:
+        assert isinstance(self.now, tuple)
+        return [self.now[0]]
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(finals, "ENDING_LOOK_S", 0.001)
+
+
+@pytest.mark.parametrize(("states", "gone"), [
+    # The final before ended it and smr-init is gone: ended.
+    ([None], True),
+    # smr-init says so.
+    ([("exited", False)], True),
+    # Reaped, "exited" not written yet, then written: ended.
+    ([("running", False), ("running", False), ("exited", False)], True),
+    # Its status unreadable as it exits, then gone: ended.
+    (["unreadable", None], True),
+    # A workload running: never taken for ended, whatever comes next
+    # (smr-init killed by the kubelet's grace right after this look).
+    ([("running", True), None], False),
+    # Waiting for its start (a restore may put a workload there).
+    ([("waiting", False)], False),
+    # Status "running" and no workload child for good (a restored root not
+    # yet its child, say): not taken for ended.
+    ([("running", False)], False),
+    (["unreadable"], False),
+])
+def test_a_workload_is_taken_for_ended_only_once_smr_init_says_so_or_is_gone(
+        monkeypatch: pytest.MonkeyPatch, quick: None, states: list[object], gone: bool
+        ) -> None:
+    fake = Ending(states)
+    monkeypatch.setattr(host, "find_shim", fake.find)
+    assert finals._workload_gone("c1") is gone
