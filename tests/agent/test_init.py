@@ -121,7 +121,7 @@ def test_an_images_stop_signal_reaches_the_workload(
 def test_prestop_wait_ends_with_the_final_checkpoint(
         smr_init: Path, tmp_path: Path, state: dict[str, str],
         procs: list[subprocess.Popen[bytes]]) -> None:
-    init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", "sleep 600"], env=state)
+    init = subprocess.Popen([str(smr_init), "--", "/bin/sh", "-c", "exec sleep 600"], env=state)
     procs.append(init)
     shim = Shim(init.pid, str(tmp_path), "main")
     until(lambda: shim.status()[:1] == ["waiting"], why="smr-init did not start")
