@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from smr.process import netlock
 from smr.process.criu import CriuRun
 from tests import nats_auth
 from tests.test_local_smr import Harness, running
-from tests.test_nothing_lost import ckpt_step
+from tests.test_nothing_lost import FailingPuts, ckpt_step
 from tests.test_sockets import (  # noqa: F401
     assert_counts_on,
     client,
@@ -309,3 +310,45 @@ async def test_a_stored_final_checkpoint_is_answered_stored_when_nft_cannot_run(
         for t in filter(None, tables):  # this test's own table, which the cleanup left
             await asyncio.to_thread(subprocess.run, ["nft", "delete", "table", "inet", t],
                                     capture_output=True)
+
+
+async def test_a_final_checkpoint_that_cannot_be_stored_never_leaves_the_job_stopped_when_nft_cannot_run(  # noqa: E501
+        criu_binary: str, nats_users: nats_auth.SecuredNats, tmp_path: Path, node: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A final checkpoint whose manifest cannot be stored gives up: the job,
+    held stopped since its dump, runs on. nft failing to start then (a pids
+    limit) must not keep it stopped: its sockets get repair mode off all the
+    same, and the step says the storage failed, not an internal error."""
+    real = netlock.asyncio.create_subprocess_exec
+
+    async def no_nft(program: str, *args: Any, **kwargs: Any) -> Any:
+        if os.path.basename(program) == "nft":
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return await real(program, *args, **kwargs)
+
+    async with running(Harness, criu_binary, nats_users, tmp_path, node, 5.0,
+                       storage_path=str(tmp_path / "store"), commit_deadline=4.0) as node_h:
+        tables = dumps_tables(node_h)
+        port = free_port()
+        job = await start(node_h, [sys.executable, "-m", "http.server", str(port), "--bind",
+                                   "127.0.0.1", "--directory", str(tmp_path)], port=port)
+        c = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            monkeypatch.setattr(netlock.asyncio, "create_subprocess_exec", no_nft)
+            fault = FailingPuts(ckpt_step(node_h).store.backend, "manifest.json", times=None)
+            try:
+                done = await node_h.checkpoint(job.id)
+            finally:
+                fault.restore()
+                monkeypatch.undo()
+            state = Path(f"/proc/{job.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            assert state != "T", f"job {job.id} left stopped; answered {done.status} {done.error}"
+            assert done.status == "failed" and done.error and \
+                done.error["code"] == "storage-unavailable", done
+        finally:
+            c.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job.pid, signal.SIGCONT)
+            for t in filter(None, tables):  # this test's own table
+                await asyncio.to_thread(subprocess.run, ["nft", "delete", "table", "inet", t],
+                                        capture_output=True)
