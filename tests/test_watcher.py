@@ -45,7 +45,7 @@ from smr.bus import (
     Worker,
     node_token,
 )
-from smr.contract.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone
+from smr.contract.messages import CkptDone, CkptRequested, NodeDraining, RestoreDone, Target
 from tests import nats_auth
 from tests.fake_apiserver import FakeApiServer, disruption_condition, pod, with_condition
 from tests.fake_apiserver import node as a_node
@@ -289,6 +289,23 @@ async def test_cut_watch_streams_miss_nothing_and_repeat_nothing(
     assert w.nodes.stats["broken"] >= 1 and w.pods.stats["broken"] >= 1
     assert w.stats["duplicates"] == 0, "a resumed watch must not replay events"
     assert w.nodes.stats["lists"] == 1, "a broken stream resumes; it does not re-list"
+
+
+async def test_a_request_two_handlers_derive_at_once_is_sent_once(
+        kube: FakeApiServer, bus: Bus, watchers: Watchers, node: str) -> None:
+    """A node's cordon and a pod of it arriving in one resumed watch derive the
+    same drain request in two handlers at once: it is published once, and both
+    handlers return only once it is in JetStream."""
+    a_cluster(kube, node, f"{node}-b")
+    w = await watchers.start()
+    req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id="both", node=node,
+                        reason="cordon", leave_running=True,
+                        target=Target(kind="pod", namespace="default", pod="both",
+                                      container="main"))
+    async with ckpts(bus, node) as c:
+        await asyncio.gather(w._publish_all([req]), w._publish_all([req]))
+        assert [r.request_id for r in await c.wait(1, settle=0.5)] == [req.request_id]
+    assert (w.stats["published"], w.stats["duplicates"]) == (1, 0)
 
 
 async def test_410_gone_relists_and_publishes_only_what_changed(

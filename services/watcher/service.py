@@ -99,6 +99,7 @@ class Watcher(Drains, Recreation):
         self._clean: set[str] = set()  # nodes known to have no open episode
         self._gone: set[str] = set()  # nodes deleted while this process watched
         self._published: OrderedDict[str, None] = OrderedDict()  # request ids sent
+        self._sending: dict[str, asyncio.Task[None]] = {}  # request id → its publish in flight
         self._pod_requests: dict[str, list[str]] = {}  # pod uid → its drain checkpoints
         self._reported: set[str] = set()  # policy problems already posted
         self._replacing: set[str] = set()  # Failed pods (uids) being deleted to recreate them
@@ -166,19 +167,36 @@ class Watcher(Drains, Recreation):
 
     async def _publish_all(self, msgs: list[Message]) -> None:
         """Publish what this process has not yet sent, up to
-        SMR_PUBLISH_CONCURRENCY at once."""
-        async def one(m: Message) -> None:
-            rid = m.request_id  # type: ignore[attr-defined]
+        SMR_PUBLISH_CONCURRENCY at once. Two handlers may derive the same
+        request at once (a node's cordon and a pod of it arriving in one
+        resumed watch): the second waits for the first's publish instead of
+        sending it again, and sees its error if it fails."""
+        async def send(m: Message) -> None:
             async with self._sem:
                 ack = await self.bus.publish(m)
             self.stats["duplicates" if ack.duplicate else "published"] += 1
-            self._published[rid] = None
+            self._published[m.request_id] = None  # type: ignore[attr-defined]
             while len(self._published) > MEMO_SIZE:
                 self._published.popitem(last=False)
 
+        def sending(m: Message) -> asyncio.Task[None]:
+            rid = m.request_id  # type: ignore[attr-defined]
+            if (task := self._sending.get(rid)) is None:
+                task = self._sending[rid] = asyncio.create_task(send(m))
+                self._tasks.add(task)  # a stop cancels it
+                task.add_done_callback(lambda t: self._sent(rid, t))
+            return task
+
         todo = [m for m in msgs if m.request_id not in self._published]  # type: ignore[attr-defined]
         if todo:
-            await asyncio.gather(*(one(m) for m in todo))
+            # Shielded: one waiter cancelled must not cancel the others' publish.
+            await asyncio.gather(*(asyncio.shield(sending(m)) for m in todo))
+
+    def _sent(self, rid: str, task: asyncio.Task[None]) -> None:
+        self._sending.pop(rid, None)
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # its waiters report it; none may be left to
 
     def _policy(self, pod: dict[str, Any]) -> PodPolicy:
         policy = policy_for(pod, self.s)
