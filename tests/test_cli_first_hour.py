@@ -110,7 +110,7 @@ def smr(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.Com
 def start_job(env: dict[str, str], mib: int = 8) -> str:
     job = f"j-{uuid.uuid4().hex[:6]}"
     r = smr(env, "exec", "-i", job, "--", sys.executable, "-m", "smrctl.demo_counter",
-            "--mib", str(mib), "--interval", "0.05")
+            "--mib", str(mib), "--interval", "0.05", "--digest-every", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     return job
 

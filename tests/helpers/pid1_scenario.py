@@ -53,7 +53,8 @@ def main() -> None:
             time.sleep(0.1)
         log = data / "job.log"
         r = smr("exec", "--gpu", "-i", "j", "--log", str(log), "--", sys.executable, "-m",
-                "smrctl.demo_counter", "--mib", "8", "--interval", "0.05", *sys.argv[2:3])
+                "smrctl.demo_counter", "--mib", "8", "--interval", "0.05", "--digest-every", "1",
+                *sys.argv[2:3])
         out["exec"] = r.returncode
         wait_steps(log, 3)
         results = []
