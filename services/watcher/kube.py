@@ -69,8 +69,25 @@ def uid_of(obj: dict[str, Any]) -> str:
 
 
 class _RawWatch(watch.Watch):
+    """A watch that keeps the objects as the JSON dicts the server sent. It
+    deserializes nothing, so it needs no API client of its own: the base class
+    makes one per watch (an HTTP session, and an SSL context that loads the
+    system's CA store, 30 ms of CPU), which only a typed watch uses."""
+
+    def __init__(self) -> None:
+        # The base class's state, less its client.
+        self._raw_return_type = None
+        self._stop = False
+        self.resource_version = None
+        self.resp = None
+
     def get_return_type(self, func: object) -> str:
-        return ""  # keep the objects as the JSON dicts the server sent
+        return ""
+
+    async def close(self) -> None:
+        if self.resp is not None:
+            self.resp.release()
+            self.resp = None
 
 
 def _still_running() -> None:
