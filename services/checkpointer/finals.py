@@ -6,7 +6,10 @@ and a preStop hook may be retried. The first to hold the container's lock
 dumps it and ends its workload; the others find no workload left to save.
 Their answer is that final checkpoint, not a failure: ``latest`` of the
 lineage is a final dump (``leave_running: false``, also a taken-over one)
-of this very container (its ID in the manifest), and the workload is gone.
+of this very container (its ID in the manifest), the workload is gone, and
+this node recorded that the dump ended it (services/checkpointer/endings): a
+final whose workload ran on past it (its step answered failed, not knowing
+that ``latest`` had moved to it) is no answer.
 A workload still there (a final stored, its tree not yet ended: the agent
 died in between) is not answered so: its step's recovery ends it, or the
 request dumps it again, as before. A request that names its pod by uid is
@@ -19,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
+from services.checkpointer import endings
 from services.containers import host
 from services.containers.pods import PodContainer
 from services.storage.generation import Generation
@@ -66,14 +71,14 @@ def _workload_gone(container_id: str) -> bool:
 
 async def _final_latest(store: CheckpointStore, namespace: str,
                         checkpoint_id: str) -> Generation | None:
-    """``latest`` of the lineage if it is a final dump (the workload ended by it)."""
+    """``latest`` of the lineage if it is a final dump."""
     latest = await store.latest(namespace, checkpoint_id)
     return latest if latest is not None and latest.manifest.get("leave_running") is False \
         else None
 
 
-async def stored(store: CheckpointStore, req: CkptRequested,
-                 c: PodContainer) -> Generation | None:
+async def stored(store: CheckpointStore, req: CkptRequested, c: PodContainer,
+                 work_dir: Path) -> Generation | None:
     """The final checkpoint of ``c`` that ended its workload, if ``latest``
     of ``req``'s lineage is one: ``req`` (a final request) is answered with it."""
     latest = await _final_latest(store, c.namespace, req.checkpoint_id)
@@ -83,6 +88,8 @@ async def stored(store: CheckpointStore, req: CkptRequested,
         return None  # another container's (an earlier instance of the pod's)
     if not await asyncio.to_thread(_workload_gone, c.container_id):
         return None
+    if await endings.answering(work_dir, req, latest) is None:
+        return None
     log.info("final checkpoint %s of %s: its final checkpoint is stored already "
              "(generation %d, request %s), which ended its workload; answered with it",
              req.request_id, req.target, latest.number,
@@ -90,18 +97,22 @@ async def stored(store: CheckpointStore, req: CkptRequested,
     return latest
 
 
-async def of_pod(store: CheckpointStore, req: CkptRequested) -> Generation | None:
+async def of_pod(store: CheckpointStore, req: CkptRequested,
+                 work_dir: Path) -> Generation | None:
     """For ``req`` (a final request) whose pod is gone or replaced: ``latest``
     of its lineage if that is a final dump of the very pod (by uid) and
     container it names."""
     if not req.target.pod_uid:
         return None  # which pod it meant is not known
-    latest = await _final_latest(store, req.target.namespace or "", req.checkpoint_id)
+    namespace = req.target.namespace or ""
+    latest = await _final_latest(store, namespace, req.checkpoint_id)
     if latest is None:
         return None
     dumped = latest.manifest.get("target") or {}
     if (dumped.get("pod_uid"), dumped.get("container")) != (req.target.pod_uid,
                                                              req.target.container):
+        return None
+    if await endings.answering(work_dir, req, latest) is None:
         return None
     log.info("final checkpoint %s of %s: its pod is gone, and its final checkpoint is "
              "stored (generation %d); answered with it", req.request_id, req.target,

@@ -23,7 +23,7 @@ import orjson
 from nats.js.kv import KeyValue
 
 from services import timings
-from services.checkpointer import dumpstamp, finals, pod_dump, takeover
+from services.checkpointer import dumpstamp, endings, finals, pod_dump, takeover
 from services.checkpointer.admission import over_threshold, resident_bytes
 from services.checkpointer.durable import result, until_stored
 from services.checkpointer.pod_capture import CONTAINER_FILE
@@ -117,7 +117,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 # Its container gone: a generation that names this request
                 # (a taken-over dump, stored by the leave-running step's
                 # recovery, the pod ended since), or its pod's final, is its answer.
-                if gen := await self._committed(req) or await finals.of_pod(self.store, req):
+                if gen := await endings.answering(self.work_dir, req,
+                                                  await self._committed(req)) or \
+                        await finals.of_pod(self.store, req, self.work_dir):
                     current = await self.store.ensure_latest(req.target.namespace or "",
                                                              req.checkpoint_id, gen)
                     return self._result(req, gen, current, started_at=started,
@@ -143,7 +145,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
             if req.leave_running else None
         outcome: tuple[Generation, bool] | None = None
         try:
-            if not req.leave_running and (gen := await finals.stored(self.store, req, c)):
+            if not req.leave_running and \
+                    (gen := await finals.stored(self.store, req, c, self.work_dir)):
                 return self._result(req, gen, True)  # another request's final ended it
             shim = self.shim_of(c)  # under the lock: a final before it may have ended it
             if not req.leave_running and (done := await self._taken_over(req, c, shim)):
@@ -155,6 +158,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
                                     await self.estimate(req), self.eviction)
             ticks = proc_start_ticks(pid)
             await asyncio.to_thread(shutil.rmtree, work, True)
+            await asyncio.to_thread(endings.clear_ran_on, self.work_dir, req.request_id)
             work_fd = self.open_work(work)
             ipc = await asyncio.to_thread(host.maps_sysv_memory, pid)
             criu = await self.criu_in(c, shim, work, work_fd,
@@ -283,12 +287,17 @@ class PodCheckpointStep(PodRecovery, PodStep):
                     syncing.cancel()
                     if not dump.done():
                         await asyncio.wait([dump])  # the workload must not stay frozen
+                    final_dump = (not req.leave_running or (flight and flight.phase == "taken")) \
+                        and pod_dump.dumped(dump)
+                    if final_dump:
+                        # Its generation may be stored (even ``latest``)
+                        # unbeknown to us: never an answer from here on.
+                        await endings.note_ran_on(self.work_dir, req.request_id)
                     if cuda_pids and await asyncio.to_thread(pod_dump.maybe_running, shim):
                         # Never left locked: back to running whatever failed,
                         # held stopped until its GPU state is back, checked.
                         await self._bring_back(pid, str(c.target()))
-                    elif (not req.leave_running or (flight and flight.phase == "taken")) \
-                            and pod_dump.dumped(dump):
+                    elif final_dump:
                         # Not stored: the workload, held stopped, runs on (a
                         # final request that took it over dumps it itself).
                         signal_tree(pid, signal.SIGCONT)
@@ -299,6 +308,10 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 # needs of the pod's grace period (services/webhook/admission).
                 measured = time.monotonic() - frozen_at
                 if not req.leave_running or (flight and flight.phase == "taken"):
+                    # Recorded first: only a final that ended its workload
+                    # answers the container's later final requests.
+                    await endings.note_end(self.work_dir, c.namespace, req.checkpoint_id,
+                                           gen.number)
                     signal_tree(pid, signal.SIGKILL)  # durable: its stopped tree ends
                     if ticks is not None:
                         await wait_exit(pid, ticks)
@@ -391,6 +404,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
         ns = c.namespace
         latest = await self.store.latest(ns, req.checkpoint_id)
         if latest is None or latest.manifest.get("final_request_id") != req.request_id:
+            return None
+        if await endings.answering(self.work_dir, req, latest) is None:
             return None
         return self._result(req, latest, True)
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.checkpointer import takeover
+from services.checkpointer import endings, takeover
 from services.checkpointer.pod_capture import _dumped_in, capture, captured
 from services.containers import host
 from services.containers.host import Shim
@@ -71,8 +71,15 @@ class PodRecovery:
                        shim: Shim | None) -> CkptDone | None:
         ns = req.target.namespace or ""
         work = self.work(req.request_id)
+        if await asyncio.to_thread(endings.ran_on, self.work_dir, req.request_id):
+            # Its final dump was let run on (its step died before answering
+            # the failure): stored or not, no answer of it, and no workload to
+            # end by it. Run again: it finds the workload running, or gone.
+            await self._drop(work)
+            return None
         if gen := await self._committed(req):
             current = await self.store.ensure_latest(ns, req.checkpoint_id, gen)
+            await self._ends(req, work, gen.number)
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await self._drop(work)
             return self._result(req, gen, current)
@@ -92,10 +99,19 @@ class PodRecovery:
                 await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
                 await self._drop(work)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
+            await self._ends(req, work, gen.number)
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await self._drop(work)
             return self._result(req, gen, current)
         return None
+
+    async def _ends(self, req: CkptRequested, work: Path, generation: int) -> None:
+        """A final dump, stored, about to end its workload held stopped since
+        the dump (none of it ran on: see the check in _recover): recorded as
+        its end, also where the kubelet ended it first."""
+        if not req.leave_running or takeover.taken_by(work) is not None:
+            await endings.note_end(self.work_dir, req.target.namespace or "", req.checkpoint_id,
+                                   generation)
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
                            shim: Shim | None, work: Any, sig: int, outcome: str) -> None:
@@ -127,6 +143,8 @@ class PodRecovery:
             return
         if sig != signal.SIGKILL:
             if running is not None:
+                # Before it runs on past the dump.
+                await endings.note_ran_on(self.work_dir, req.request_id)
                 signal_tree(running[0], sig)
             if outcome:
                 await asyncio.to_thread(shim.final, outcome)

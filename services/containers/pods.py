@@ -183,6 +183,11 @@ class PodStep:
     @staticmethod
     def shim_of(c: PodContainer) -> Shim:
         shim = host.find_shim(c.container_id)
+        if shim is None and not host.pids_of(c.container_id):
+            # Every container runs a process until it ends (the API server
+            # may not say so yet): its smr-init is gone with its workload.
+            raise PermanentError(f"{c.target()} has ended: no process of it is left, so "
+                                 "there is nothing to save", code="job-exited")
         if shim is None:
             raise PermanentError(
                 f"{c.target()} does not run smr-init as its first process, so smr cannot "

@@ -148,12 +148,17 @@ def steps(log: str) -> list[tuple[int, int, str]]:
     return [(int(a), int(b), c) for a, b, c in STEP.findall(log)]
 
 
+def container_id(cluster: Cluster, name: str) -> str:
+    """The runtime's ID of pod ``name``'s (first) container."""
+    p = cluster.kube.get("pods", name, "default")
+    assert p is not None
+    return str(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+
+
 def netns_pid(cluster: Cluster, name: str) -> int:
     """A process in the network namespace of pod ``name``'s container (its
     shim's workload side), for a client that reaches it as a Service would."""
-    p = cluster.kube.get("pods", name, "default")
-    assert p is not None
-    shim = host.find_shim(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+    shim = host.find_shim(container_id(cluster, name))
     assert shim is not None
     return shim.pid
 

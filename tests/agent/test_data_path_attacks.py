@@ -20,14 +20,16 @@ import pytest
 
 from services.checkpointer import takeover
 from services.checkpointer.pod import PodCheckpointStep
+from services.containers import host
 from services.restorer import launcher
 from services.restorer import pod as pod_module
 from services.restorer.pod import PodRestoreStep
+from services.storage.backend import StorageError
 from smr.bus import KV_STEPS
 from smr.bus.liveness import StepLocks
 from smr.contract.messages import CkptDone, CkptRequested, Target
 from smr.process.criu import Criu
-from tests.agent.cluster import Cluster, netns_pid, steps, workload
+from tests.agent.cluster import Cluster, container_id, netns_pid, steps, workload
 from tests.agent.test_drain_takeover import in_order
 from tests.agent.test_rollout_pods import another_agent
 from tests.helpers.live import live
@@ -94,6 +96,60 @@ async def test_a_final_checkpoint_asked_for_again_after_it_ended_the_workload_is
     assert outcomes([second]) == [("succeeded", first.generation, None)], second
     assert [g.number for g in await cluster.store.generations("default", ckpt)] == \
         [first.generation]
+
+
+async def test_a_final_checkpoint_the_workload_ran_past_is_no_answer_once_the_workload_ended(
+        cluster: Cluster) -> None:
+    """A final checkpoint writes ``latest``, but that write's answer is lost
+    and storage stays down past the commit deadline: its step answers failed
+    and the workload runs on. Once the workload has ended by itself, a later
+    final request of the container finds that generation as ``latest`` and no
+    workload: it is not answered succeeded with a state the workload ran
+    past (nor are the restores it would be taken for told so)."""
+    a, ckpt = await running(cluster, "ranpast")
+    for step in live(PodCheckpointStep):
+        step.commit_deadline = 4.0
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes, backend.get_bytes, backend.list
+    down = False
+
+    def failing(call: Any) -> Any:
+        async def storage(key: str, *args: Any, **kw: Any) -> Any:
+            nonlocal down
+            if down:
+                raise StorageError(f"injected: storage down ({key})", hint="a test fault")
+            got = await call(key, *args, **kw)
+            if call is real[0] and key.rsplit("/", 1)[-1].startswith("latest"):
+                down = True  # written; its answer lost; storage down from here
+                raise StorageError(f"injected: answer lost ({key})", hint="a test fault")
+            return got
+        return storage
+
+    backend.put_bytes, backend.get_bytes, backend.list = (failing(c) for c in real)
+    try:
+        first = await cluster.bus.request(final(ckpt, a, "ranpast"), timeout=120)
+    finally:
+        backend.put_bytes, backend.get_bytes, backend.list = real
+    assert outcomes([first]) == [("failed", None, "storage-unavailable")], first
+    latest = await cluster.store.latest("default", ckpt)
+    assert latest is not None and latest.manifest.get("leave_running") is False, latest
+    at = len(steps(cluster.log("ranpast", a)))
+    await cluster.until_steps("ranpast", a, at + 5)  # it runs on past that generation
+    # It ends by itself (as at the kubelet's SIGTERM after the failed final).
+    shim = host.find_shim(container_id(cluster, "ranpast"))
+    assert shim is not None
+    w = shim.workload()
+    assert w is not None
+    os.kill(w[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while shim.workload() is not None:
+        assert time.monotonic() < deadline, "the workload did not end"
+        await asyncio.sleep(0.05)
+    second = await cluster.bus.request(final(ckpt, a, "ranpast"), timeout=120)
+    assert second.status == "failed", (
+        f"answered with generation {latest.number}, which the workload ran past: {second}")
+    assert second.error and second.error["code"] in ("job-exited", "job-not-running"), \
+        second.error
 
 
 async def test_a_final_checkpoint_asked_for_again_after_its_pod_was_replaced_is_answered_with_it(

@@ -1,0 +1,136 @@
+"""Which stored final checkpoints ended their workload, recorded by the node
+that ended it, before the kill.
+
+A final dump's generation can be stored, and even be ``latest``, while its
+workload ran on: its step could not learn whether its ``latest`` write landed
+(the answer lost, storage then down past the commit deadline), answered
+failed, and the workload ran on from where it was. A later final request of
+that container finds the generation as ``latest`` and, once the workload has
+ended by itself, no workload left: only this record tells a final that ended
+its workload from one the workload ran past. Only the first is a final
+request's answer (services/checkpointer/finals); the other would answer
+``succeeded`` for a state the workload went beyond.
+
+The records live in the agent's own work directory (never a container's),
+one empty file per generation, fsynced before the kill: a crash after the
+write leaves the workload held stopped, which the step's recovery ends.
+
+The other way round, a final request whose dump's workload is let run on
+(the dump not stored, as far as its step knows) is marked so before the
+SIGCONT (``mark_ran_on``), until a new run of that request: an agent that dies
+before the failure is answered leaves a step its recovery must neither answer
+with a stored generation nor end the workload by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+from services.storage.generation import Generation
+from smr.contract.messages import CkptRequested
+
+log = logging.getLogger("smr.checkpointer")
+
+# Request ids (their siblings' names) never start with a dot (schemas/common.json).
+ENDED, RAN_ON = ".ended", ".ran-on"
+# A final request comes within its pod's grace period; a month is far past any.
+KEEP_S = 30 * 86400
+
+
+def _path(work_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> Path:
+    name = hashlib.sha256(f"{namespace}\0{checkpoint_id}\0{generation}".encode()).hexdigest()
+    return work_dir / ENDED / name
+
+
+def record(work_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> None:
+    """Generation ``generation`` of the lineage ends its workload: called
+    before the kill, on disk when it returns."""
+    _write(_path(work_dir, namespace, checkpoint_id, generation))
+
+
+def ended(work_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> bool:
+    """Did this node end the workload of that generation's dump with it?"""
+    return _path(work_dir, namespace, checkpoint_id, generation).is_file()
+
+
+def mark_ran_on(work_dir: Path, request_id: str) -> None:
+    """The workload that request's final dump held runs on from here: called
+    before the SIGCONT, on disk when it returns."""
+    _write(work_dir / RAN_ON / request_id)
+
+
+def ran_on(work_dir: Path, request_id: str) -> bool:
+    return (work_dir / RAN_ON / request_id).is_file()
+
+
+def clear_ran_on(work_dir: Path, request_id: str) -> None:
+    """A new run of the request: a new dump, whose workload has not run on."""
+    (work_dir / RAN_ON / request_id).unlink(missing_ok=True)
+
+
+async def note_end(work_dir: Path, namespace: str, checkpoint_id: str,
+                   generation: int) -> None:
+    """``record``, off the event loop. Not recorded (the disk failing), the
+    workload still ends: its later final requests are then answered failed,
+    never wrongly."""
+    try:
+        await asyncio.to_thread(record, work_dir, namespace, checkpoint_id, generation)
+    except OSError as e:
+        log.warning("cannot record that generation %d of %s ends its workload (%s): a later "
+                    "final request of it is answered failed", generation, checkpoint_id, e)
+
+
+async def note_ran_on(work_dir: Path, request_id: str) -> None:
+    """``mark_ran_on``, off the event loop. Not marked (the disk failing),
+    the workload still runs on: only an agent dying before the failure is
+    answered could then misread the dump."""
+    try:
+        await asyncio.to_thread(mark_ran_on, work_dir, request_id)
+    except OSError as e:
+        log.warning("cannot mark the final dump of %s as run past (%s)", request_id, e)
+
+
+async def answering(work_dir: Path, req: CkptRequested,
+                    gen: Generation | None) -> Generation | None:
+    """``gen``, a final dump stored for ``req``'s container, if it ended its
+    workload on this node; else None (its workload ran on past it)."""
+    if gen is None or await asyncio.to_thread(ended, work_dir, req.target.namespace or "",
+                                              req.checkpoint_id, gen.number):
+        return gen
+    log.warning("final checkpoint %s of %s: generation %d is stored, but its workload ran "
+                "on past it; not answered with it", req.request_id, req.target, gen.number)
+    return None
+
+
+def _write(path: Path) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _sync_dir(path.parent)
+    _prune(path.parent)
+
+
+def _sync_dir(where: Path) -> None:
+    dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _prune(where: Path) -> None:
+    old = time.time() - KEEP_S
+    with os.scandir(where) as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                if e.stat(follow_symlinks=False).st_mtime < old:
+                    os.unlink(e.path)
