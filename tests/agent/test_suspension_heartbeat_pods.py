@@ -120,6 +120,13 @@ async def test_a_job_suspended_while_its_heartbeats_are_stored_is_checkpointed_a
                    for ckpt, r in beats.items()}
         await uploads.until_reached(answers)
         at_beat = {i: steps(cluster.log(name, node))[-1][0] for i, (name, node) in pods.items()}
+        # The upload begins as the dump does: each heartbeat's dump over and
+        # its workload running on first, so that the finals wait for the
+        # heartbeats rather than take their dumps over while still frozen
+        # (that path: test_drain_takeover.py).
+        for name, node in pods.values():
+            await cluster.until_steps(name, node, len(steps(cluster.log(name, node))) + 1,
+                                      timeout=60)
 
         # Kueue preempts while both heartbeats are in flight.
         cluster.kube.put("workloads", workload(uid, evicted=True))
