@@ -73,6 +73,7 @@ class NodeAgent:
             cuda=cuda_checkpoint.for_settings(s.gpu, s.cuda_lock_timeout,
                                               hold_dir=s.hold_path, allow=s.gpu_allow))
         checkpoints = PodCheckpointStep(**common, timings=bus.kv(KV_TIMINGS),
+                                        node_dir=s.step_lock_path,
                                         capture_bytes=s.capture_bytes,
                                         eviction=s.kubelet_eviction_hard)
         self.workers = [

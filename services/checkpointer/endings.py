@@ -11,15 +11,20 @@ its workload from one the workload ran past. Only the first is a final
 request's answer (services/checkpointer/finals); the other would answer
 ``succeeded`` for a state the workload went beyond.
 
-The records live in the agent's own work directory (never a container's),
-one empty file per generation, fsynced before the kill: a crash after the
-write leaves the workload held stopped, which the step's recovery ends.
+The records live in the node's own directory that every agent of the node
+shares and that outlives an agent's pod (SMR_STEP_LOCK_DIR, a hostPath: a
+rollout's new agent answers the old one's finals; never a container's), one
+empty file per generation, fsynced before the kill: a crash after the write
+leaves the workload held stopped, which the step's recovery ends. That
+directory is a tmpfs: a reboot, which ends every container, forgets them, and
+a final request after it is answered failed, never wrongly.
 
 The other way round, a final request whose dump's workload is let run on
 (the dump not stored, as far as its step knows) is marked so before the
-SIGCONT (``mark_ran_on``), until a new run of that request: an agent that dies
-before the failure is answered leaves a step its recovery must neither answer
-with a stored generation nor end the workload by.
+SIGCONT (``mark_ran_on``), until a new run of that request, in the agent's
+work directory beside the dump itself: an agent that dies before the failure
+is answered leaves a dump its recovery must neither store as the workload's
+end, end the workload by, nor answer with.
 """
 
 from __future__ import annotations
@@ -37,26 +42,27 @@ from smr.contract.messages import CkptRequested
 
 log = logging.getLogger("smr.checkpointer")
 
-# Request ids (their siblings' names) never start with a dot (schemas/common.json).
+# Never a request id (none starts with a dot: schemas/common.json), nor a
+# step lock (named by a hash, ".lock" at the end: smr/bus/liveness.py).
 ENDED, RAN_ON = ".ended", ".ran-on"
 # A final request comes within its pod's grace period; a month is far past any.
 KEEP_S = 30 * 86400
 
 
-def _path(work_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> Path:
+def _path(node_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> Path:
     name = hashlib.sha256(f"{namespace}\0{checkpoint_id}\0{generation}".encode()).hexdigest()
-    return work_dir / ENDED / name
+    return node_dir / ENDED / name
 
 
-def record(work_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> None:
+def record(node_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> None:
     """Generation ``generation`` of the lineage ends its workload: called
     before the kill, on disk when it returns."""
-    _write(_path(work_dir, namespace, checkpoint_id, generation))
+    _write(_path(node_dir, namespace, checkpoint_id, generation))
 
 
-def ended(work_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> bool:
+def ended(node_dir: Path, namespace: str, checkpoint_id: str, generation: int) -> bool:
     """Did this node end the workload of that generation's dump with it?"""
-    return _path(work_dir, namespace, checkpoint_id, generation).is_file()
+    return _path(node_dir, namespace, checkpoint_id, generation).is_file()
 
 
 def mark_ran_on(work_dir: Path, request_id: str) -> None:
@@ -74,13 +80,13 @@ def clear_ran_on(work_dir: Path, request_id: str) -> None:
     (work_dir / RAN_ON / request_id).unlink(missing_ok=True)
 
 
-async def note_end(work_dir: Path, namespace: str, checkpoint_id: str,
+async def note_end(node_dir: Path, namespace: str, checkpoint_id: str,
                    generation: int) -> None:
     """``record``, off the event loop. Not recorded (the disk failing), the
     workload still ends: its later final requests are then answered failed,
     never wrongly."""
     try:
-        await asyncio.to_thread(record, work_dir, namespace, checkpoint_id, generation)
+        await asyncio.to_thread(record, node_dir, namespace, checkpoint_id, generation)
     except OSError as e:
         log.warning("cannot record that generation %d of %s ends its workload (%s): a later "
                     "final request of it is answered failed", generation, checkpoint_id, e)
@@ -96,11 +102,11 @@ async def note_ran_on(work_dir: Path, request_id: str) -> None:
         log.warning("cannot mark the final dump of %s as run past (%s)", request_id, e)
 
 
-async def answering(work_dir: Path, req: CkptRequested,
+async def answering(node_dir: Path, req: CkptRequested,
                     gen: Generation | None) -> Generation | None:
     """``gen``, a final dump stored for ``req``'s container, if it ended its
     workload on this node; else None (its workload ran on past it)."""
-    if gen is None or await asyncio.to_thread(ended, work_dir, req.target.namespace or "",
+    if gen is None or await asyncio.to_thread(ended, node_dir, req.target.namespace or "",
                                               req.checkpoint_id, gen.number):
         return gen
     log.warning("final checkpoint %s of %s: generation %d is stored, but its workload ran "

@@ -63,8 +63,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
     kind = "ckpt.requested"
 
     def __init__(self, *, timings: KeyValue | None = None, capture_bytes: int = 16 << 30,
-                 eviction: str = "", **kw: Any) -> None:
+                 eviction: str = "", node_dir: Path | None = None, **kw: Any) -> None:
         super().__init__(**kw)
+        self.node_dir = node_dir or self.work_dir  # the node's, every agent's (endings.py)
         self.eviction = eviction  # the kubelet's hard eviction thresholds (admission.py)
         self.timings = timings  # where each checkpoint's measured time goes (timings.py)
         self.capture_bytes = capture_bytes  # the captures' cap without a pod's own
@@ -117,9 +118,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 # Its container gone: a generation that names this request
                 # (a taken-over dump, stored by the leave-running step's
                 # recovery, the pod ended since), or its pod's final, is its answer.
-                if gen := await endings.answering(self.work_dir, req,
+                if gen := await endings.answering(self.node_dir, req,
                                                   await self._committed(req)) or \
-                        await finals.of_pod(self.store, req, self.work_dir):
+                        await finals.of_pod(self.store, req, self.node_dir):
                     current = await self.store.ensure_latest(req.target.namespace or "",
                                                              req.checkpoint_id, gen)
                     return self._result(req, gen, current, started_at=started,
@@ -146,7 +147,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         outcome: tuple[Generation, bool] | None = None
         try:
             if not req.leave_running and \
-                    (gen := await finals.stored(self.store, req, c, self.work_dir)):
+                    (gen := await finals.stored(self.store, req, c, self.node_dir)):
                 return self._result(req, gen, True)  # another request's final ended it
             shim = self.shim_of(c)  # under the lock: a final before it may have ended it
             if not req.leave_running and (done := await self._taken_over(req, c, shim)):
@@ -310,7 +311,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 if not req.leave_running or (flight and flight.phase == "taken"):
                     # Recorded first: only a final that ended its workload
                     # answers the container's later final requests.
-                    await endings.note_end(self.work_dir, c.namespace, req.checkpoint_id,
+                    await endings.note_end(self.node_dir, c.namespace, req.checkpoint_id,
                                            gen.number)
                     signal_tree(pid, signal.SIGKILL)  # durable: its stopped tree ends
                     if ticks is not None:
@@ -405,7 +406,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         latest = await self.store.latest(ns, req.checkpoint_id)
         if latest is None or latest.manifest.get("final_request_id") != req.request_id:
             return None
-        if await endings.answering(self.work_dir, req, latest) is None:
+        if await endings.answering(self.node_dir, req, latest) is None:
             return None
         return self._result(req, latest, True)
 
@@ -479,8 +480,10 @@ class PodCheckpointStep(PodRecovery, PodStep):
         to it unless a later dump holds it (then False: superseded), retried
         until the deadline (see services/checkpointer/durable)."""
         async def attempt() -> tuple[Generation, bool]:
-            gen = await self._committed(req) or \
-                (await self._commit(req, c, shim, progress, None))[0]
+            # Its own commit: one it took over (final_request_id) may be run past.
+            gen = await self._committed(req)
+            if gen is None or gen.manifest.get("request_id") != req.request_id:
+                gen = (await self._commit(req, c, shim, progress, None))[0]
             return gen, await self.store.ensure_latest(c.namespace, req.checkpoint_id, gen)
 
         return await until_stored(attempt, what=f"the checkpoint of {c.target()}",

@@ -17,6 +17,7 @@ from services.checkpointer.pod_capture import _dumped_in, capture, captured
 from services.containers import host
 from services.containers.host import Shim
 from services.containers.pods import PodContainer
+from services.storage.generation import Generation
 from smr.bus import Progress
 from smr.contract.errors import PermanentError, SmrError
 from smr.contract.messages import CkptDone, CkptRequested
@@ -72,12 +73,35 @@ class PodRecovery:
         ns = req.target.namespace or ""
         work = self.work(req.request_id)
         if await asyncio.to_thread(endings.ran_on, self.work_dir, req.request_id):
-            # Its final dump was let run on (its step died before answering
-            # the failure): stored or not, no answer of it, and no workload to
-            # end by it. Run again: it finds the workload running, or gone.
+            # Its step let the workload run on past its final dump after a
+            # failure, and died before answering it (or before the SIGCONT):
+            # that dump, stored or not, is neither the workload's end nor an
+            # answer. Never run again under this id: a commit of it is
+            # idempotent, and would come back with that dump.
+            await self._settle_held(req, c, shim, work, signal.SIGCONT, "failed ran-on")
             await self._drop(work)
-            return None
-        if gen := await self._committed(req):
+            return CkptDone.for_request(req, status="failed", error=PermanentError(
+                f"the final checkpoint of {req.target} failed after its dump, and its workload "
+                "runs on from where it was (the agent stopped before it answered)",
+                code="ran-on", hint="a final request under a new id dumps it again").as_dict())
+        final = not req.leave_running or takeover.taken_by(work) is not None
+        if (gen := await self._committed(req)) and final and not await self._ends_here(
+                req, work, gen):
+            if gen.manifest.get("request_id") == req.request_id:
+                # Stored, but nothing here says the workload was held since
+                # (the work directory of its dump is gone: a new agent's
+                # pod): its step may have let it run on past it.
+                await self._settle_held(req, c, shim, work, signal.SIGCONT, "failed unconfirmed")
+                await self._drop(work)
+                return CkptDone.for_request(req, status="failed", error=PermanentError(
+                    f"the final checkpoint of {req.target} is stored as generation "
+                    f"{gen.number}, but this node cannot tell whether that dump ended its "
+                    "workload or the workload ran on past it (its agent stopped midway)",
+                    code="final-unconfirmed",
+                    hint="latest is kept; a final request under a new id dumps the workload "
+                         "again if it runs").as_dict())
+            gen = None  # a dump this request took over: its own step's recovery settles it
+        if gen:
             current = await self.store.ensure_latest(ns, req.checkpoint_id, gen)
             await self._ends(req, work, gen.number)
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
@@ -105,12 +129,23 @@ class PodRecovery:
             return self._result(req, gen, current)
         return None
 
+    async def _ends_here(self, req: CkptRequested, work: Path, gen: Generation) -> bool:
+        """Did ``gen`` (committed for final request ``req``) end its workload,
+        or may it: recorded so on this node, or its own finished dump still
+        in the work directory, the workload held stopped since (a step marks
+        it ran-on before it lets it run on: checked first in _recover)."""
+        if await asyncio.to_thread(endings.ended, self.node_dir, req.target.namespace or "",
+                                   req.checkpoint_id, gen.number):
+            return True
+        return gen.manifest.get("request_id") == req.request_id and \
+            dump_finished(work / "images")
+
     async def _ends(self, req: CkptRequested, work: Path, generation: int) -> None:
         """A final dump, stored, about to end its workload held stopped since
         the dump (none of it ran on: see the check in _recover): recorded as
         its end, also where the kubelet ended it first."""
         if not req.leave_running or takeover.taken_by(work) is not None:
-            await endings.note_end(self.work_dir, req.target.namespace or "", req.checkpoint_id,
+            await endings.note_end(self.node_dir, req.target.namespace or "", req.checkpoint_id,
                                    generation)
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,

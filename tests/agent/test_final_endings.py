@@ -1,0 +1,232 @@
+"""A pod's final checkpoint whose ``latest`` write landed unbeknown to its
+step (the answer lost, storage then away past the commit deadline), so that
+its workload ran on past it: no recovery, re-run, takeover or second agent
+of the node answers ``succeeded`` with that generation, or ends the workload
+by it; a final that did end its workload is still the answer of the node's
+other agent (services/checkpointer/endings.py). Real containerd, runc, CRIU,
+nats-server and moto; the kubelet and API server are the repo's fakes. The
+agent dying is a step's ``run`` left unanswered, then its ``recover``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from services.agent.service import NodeAgent
+from services.checkpointer.pod import PodCheckpointStep
+from services.containers import host
+from services.storage.backend import StorageError
+from smr.bus import Progress
+from smr.contract.errors import SmrError
+from smr.contract.messages import CkptDone
+from tests.agent.cluster import Cluster, container_id, steps
+from tests.agent.test_data_path_attacks import final, running
+from tests.helpers.live import live
+
+
+def step_of(agent: NodeAgent) -> PodCheckpointStep:
+    return next(w.step.step for w in agent.workers
+                if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
+
+
+@contextlib.contextmanager
+def latest_lands_then_storage_down(cluster: Cluster) -> Iterator[None]:
+    """The ``latest`` write lands, its answer is lost, storage is away from
+    there (as in test_data_path_attacks.py)."""
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes, backend.get_bytes, backend.list
+    down = False
+
+    def failing(call: Any) -> Any:
+        async def storage(key: str, *args: Any, **kw: Any) -> Any:
+            nonlocal down
+            if down:
+                raise StorageError(f"injected: storage down ({key})", hint="a test fault")
+            got = await call(key, *args, **kw)
+            if call is real[0] and key.rsplit("/", 1)[-1].startswith("latest"):
+                down = True
+                raise StorageError(f"injected: answer lost ({key})", hint="a test fault")
+            return got
+        return storage
+
+    backend.put_bytes, backend.get_bytes, backend.list = (failing(c) for c in real)
+    try:
+        yield
+    finally:
+        backend.put_bytes, backend.get_bytes, backend.list = real
+
+
+async def outcome(coro: Any) -> Any:
+    try:
+        r = await coro
+    except SmrError as e:
+        return ("raised", e.code)
+    assert isinstance(r, CkptDone) or r is None
+    return r if r is None else (r.status, r.generation, (r.error or {}).get("code"))
+
+
+async def storage_unavailable_final(cluster: Cluster, step: PodCheckpointStep, name: str,
+                                    a: str, ckpt: str) -> tuple[Any, int, int]:
+    """Final R fails storage-unavailable with latest on its generation; the
+    workload runs on. Its agent dies before the failure is answered (the
+    step's exception is never recorded). Returns R, gen1, steps at SIGCONT."""
+    for s in live(PodCheckpointStep):
+        s.commit_deadline = 4.0
+    r = final(ckpt, a, name)
+    with latest_lands_then_storage_down(cluster):
+        got = await outcome(step.run(r, Progress()))
+    assert got == ("raised", "storage-unavailable"), got
+    latest = await cluster.store.latest("default", ckpt)
+    assert latest is not None and latest.manifest.get("leave_running") is False
+    at = len(steps(cluster.log(name, a)))
+    await cluster.until_steps(name, a, at + 8)  # it runs on past gen1
+    return r, latest.number, at
+
+
+async def test_a_final_whose_agent_died_after_letting_it_run_on_is_recovered_failed(
+        cluster: Cluster) -> None:
+    """Final R fails after ``latest`` moved to its dump unbeknown to it; its
+    workload runs on, and its agent dies before answering. R's recovery
+    answers failed (ran-on), leaves the workload running and makes no new
+    generation: run again under R's id, its idempotent commit would come back
+    with the generation the workload ran past, and end the workload by it."""
+    a, ckpt = await running(cluster, "rerun")
+    step = step_of(cluster.agents[a])
+    r, gen1, _ = await storage_unavailable_final(cluster, step, "rerun", a, ckpt)
+    rec = await outcome(step.recover(r, {"state": "running", "heartbeat": 0}))
+    assert rec == ("failed", None, "ran-on"), rec
+    n = len(steps(cluster.log("rerun", a)))
+    await cluster.until_steps("rerun", a, n + 5)  # still running
+    assert [g.number for g in await cluster.store.generations("default", ckpt)] == [gen1]
+
+
+async def test_a_final_run_past_is_recovered_failed_by_a_new_agent_pod(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """As above, but a rollout's new agent recovers R: its work directory is
+    its pod's own (an emptyDir, deploy/kustomize), without the old one's
+    dump or mark. Nothing there says the workload was held since the dump:
+    answered failed, not succeeded with it, the workload left running."""
+    a, ckpt = await running(cluster, "newpod")
+    old = cluster.agents[a]
+    new = NodeAgent(old.starts.bus, old.pods.core.api_client, cluster.store,
+                    old.s.replace(work_dir=str(tmp_path / "work-new-agent-pod")))
+    r, gen1, _ = await storage_unavailable_final(cluster, step_of(old), "newpod", a, ckpt)
+    rec = await outcome(step_of(new).recover(r, {"state": "running", "heartbeat": 0}))
+    n1 = len(steps(cluster.log("newpod", a)))
+    await asyncio.sleep(1.5)
+    n2 = len(steps(cluster.log("newpod", a)))
+    assert rec == ("failed", None, "final-unconfirmed"), (
+        f"the new agent's recovery answered R {rec} (generation {gen1} was run past; "
+        f"steps {n1}->{n2})")
+    assert n2 > n1, "the workload stopped"
+
+
+async def test_a_final_that_ended_the_workload_is_the_other_agent_pods_answer_too(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A rollout's surge: two agent pods on the node, each with a work
+    directory of its own, sharing the node's directory. The old agent's final
+    ends the workload; a second final request of the container (the watcher's
+    other reason, the hook retried) taken by the new agent is answered with
+    that generation too, as by the old one."""
+    a, ckpt = await running(cluster, "surge")
+    old = cluster.agents[a]
+    new = NodeAgent(old.starts.bus, old.pods.core.api_client, cluster.store,
+                    old.s.replace(work_dir=str(tmp_path / "work-new-agent-pod")))
+    uid = cluster.kube.get("pods", "surge", "default")["metadata"]["uid"]  # type: ignore[index]
+    first = await outcome(step_of(old).run(final(ckpt, a, "surge", uid), Progress()))
+    assert first[0] == "succeeded", first
+    shim = host.find_shim(container_id(cluster, "surge"))
+    deadline = time.monotonic() + 10
+    while shim is not None and shim.workload() is not None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    by_old = await outcome(step_of(old).run(final(ckpt, a, "surge", uid), Progress()))
+    by_new = await outcome(step_of(new).run(final(ckpt, a, "surge", uid), Progress()))
+    assert by_old == first, by_old
+    assert by_new == first, (
+        f"the other agent pod answered {by_new}; the first final {first} did end the "
+        "workload")
+
+
+async def test_a_final_whose_taken_over_dump_was_run_past_is_recovered_from_its_own_dump(
+        cluster: Cluster, monkeypatch: Any) -> None:
+    """Heartbeat H is frozen when final F comes: F takes H's dump over. H's
+    ``latest`` write lands, its answer is lost, storage stays away past the
+    deadline: H fails and its workload runs on. F dumps the running workload
+    itself (storage back), and its agent dies after that dump, before storing
+    it. F's recovery stores F's own dump and ends the workload by it; H's
+    generation (which names F its final request) is run past, never the answer."""
+    import uuid
+
+    from services.checkpointer import dumpstamp, endings
+    from smr.contract.messages import CkptRequested, Target
+    from tests.agent.test_data_path_attacks import frozen as frozen_dump
+    from tests.agent.test_drain_takeover import in_order
+
+    a, ckpt = await running(cluster, "tko")
+    for s in live(PodCheckpointStep):
+        s.commit_deadline = 4.0
+    step = step_of(cluster.agents[a])
+    target = Target(kind="pod", namespace="default", pod="tko", container="main")
+    h = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=a,
+                      reason="drain", leave_running=True, target=target)
+    f = final(ckpt, a, "tko")
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes, backend.get_bytes, backend.list
+    marks: dict[str, int] = {}
+
+    real_note = endings.note_ran_on
+
+    async def note(work_dir: Path, rid: str) -> None:
+        backend.put_bytes, backend.get_bytes, backend.list = real  # storage back
+        marks["sigcont"] = len(steps(cluster.log("tko", a)))
+        await real_note(work_dir, rid)
+
+    monkeypatch.setattr(endings, "note_ran_on", note)
+    real_take = dumpstamp.take
+
+    async def take(lock: Any, key: str, request_id: str) -> Any:
+        if request_id == f.request_id:  # F's own dump: let the workload run on a bit
+            n = len(steps(cluster.log("tko", a)))
+            await cluster.until_steps("tko", a, n + 5)
+            marks["f_dump"] = len(steps(cluster.log("tko", a)))
+        return await real_take(lock, key, request_id)
+
+    monkeypatch.setattr(dumpstamp, "take", take)
+    real_commit = step.store.commit
+
+    async def die_after_dump(ns: str, ck: str, src: Path, meta: dict[str, Any], *,
+                             writer: Any = None, on_bytes: Any = None) -> Any:
+        if meta["request_id"] == f.request_id:
+            await writer
+            raise asyncio.CancelledError
+        return await real_commit(ns, ck, src, meta, writer=writer, on_bytes=on_bytes)
+
+    monkeypatch.setattr(step.store, "commit", die_after_dump)
+    with latest_lands_then_storage_down(cluster):
+        async with in_order(cluster, a, "tko"):
+            h_task = asyncio.create_task(step.run(h, Progress()))
+            await frozen_dump(cluster, a, target)
+            f_task = asyncio.create_task(step.run(f, Progress()))
+            h_out = await outcome(h_task)
+            try:
+                f_out: Any = await f_task
+            except asyncio.CancelledError:
+                f_out = "agent died after F's dump"
+    monkeypatch.setattr(step.store, "commit", real_commit)
+    latest = await cluster.store.latest("default", ckpt)
+    assert h_out == ("raised", "storage-unavailable"), h_out
+    assert f_out == "agent died after F's dump", f_out
+    assert latest is not None and latest.manifest.get("final_request_id") == f.request_id
+    rec = await outcome(step.recover(f, {"state": "running", "heartbeat": 0}))
+    gens = [(g.number, g.manifest["request_id"]) for g in
+            await cluster.store.generations("default", ckpt)]
+    h_gen = next(n for n, rid in gens if rid == h.request_id)
+    f_gen = next((n for n, rid in gens if rid == f.request_id), None)
+    assert f_gen is not None and rec == ("succeeded", f_gen, None), (
+        f"F's recovery answered {rec}, not with its own dump; H's generation {h_gen} "
+        f"was run past ({marks}); stored: {gens}")
