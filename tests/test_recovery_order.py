@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,7 @@ from smr.bus import KV_LOCKS, KV_STEPS, Progress
 from smr.contract.messages import CkptDone, CkptRequested, Target
 from smr.identity import booted_at
 from smr.jobs import Job
+from smr.process import netlock
 from tests import nats_auth
 from tests.test_local_smr import Harness, assert_continues, running
 
@@ -217,7 +219,9 @@ async def with_a_good_generation(h: Harness) -> tuple[CheckpointStep, Job]:
 async def refused_and_latest_kept(step: CheckpointStep, job: Job,
                                   req: CkptRequested) -> CkptDone:
     """Recovers ``req``'s dump found on disk; asserts it was refused
-    (dump-unverified), dropped, and ``latest`` left on generation 1."""
+    (dump-unverified), dropped with CRIU's lock table of it (the job is gone:
+    nothing takes its connections back), and ``latest`` left on generation 1."""
+    table = netlock.table_of(step.work_dir / req.request_id / "images" / "dump.log")
     recovered = await step.recover(req, {"state": "running", "heartbeat": 0})
     latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
     assert latest is not None
@@ -227,6 +231,10 @@ async def refused_and_latest_kept(step: CheckpointStep, job: Job,
     assert recovered.error and recovered.error["code"] == "dump-unverified", recovered.error
     assert not (step.work_dir / req.request_id).exists()
     assert [g.number for g in await step.store.generations(LOCAL_NAMESPACE, job.id)] == [1]
+    if table is not None:  # the dump locked connections (the job kept any)
+        listed = await asyncio.to_thread(subprocess.run, ["nft", "list", "table", "inet", table],
+                                         capture_output=True)
+        assert listed.returncode != 0, f"the refused dump's lock table {table} stays"
     return recovered
 
 

@@ -39,12 +39,17 @@ class LocalRecovery:
         becomes GpuStateLost (the error that was handled named in it)."""
         failure = sys.exc_info()[1]
         lost: GpuStateLost | None = None
+        dump_log = self._work(req) / "images" / "dump.log"
         if job.alive():
             # A final dump that kept connections left them in repair mode
             # behind CRIU's lock, for a restore that now never comes; so did
             # any dump whose CRIU was killed (a heartbeat's too, its tree
             # running again already): undone before the tree runs again.
-            await asyncio.shield(netlock.release(job.pid, self._work(req) / "images" / "dump.log"))
+            await asyncio.shield(netlock.release(job.pid, dump_log))
+        else:
+            # Gone with its host or killed: nothing takes those connections
+            # back, and the lock would drop their packets on the node for good.
+            await asyncio.shield(netlock.drop(dump_log))
         if cuda_pids and job.alive():
             # Held stopped while every process's GPU state comes back, each
             # checked RUNNING; only then continued.
