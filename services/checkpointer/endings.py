@@ -39,6 +39,7 @@ from pathlib import Path
 
 from services.storage.generation import Generation
 from smr.contract.messages import CkptRequested
+from smr.process.criu import dump_finished
 
 log = logging.getLogger("smr.checkpointer")
 
@@ -94,23 +95,47 @@ async def note_end(node_dir: Path, namespace: str, checkpoint_id: str,
 
 async def note_ran_on(work_dir: Path, request_id: str) -> None:
     """``mark_ran_on``, off the event loop. Not marked (the disk failing),
-    the workload still runs on: only an agent dying before the failure is
-    answered could then misread the dump."""
+    the dump's log goes instead (an unlink needs no free space): the dump
+    no longer reads as finished, so no recovery takes it for the workload's
+    end. The workload runs on either way."""
     try:
         await asyncio.to_thread(mark_ran_on, work_dir, request_id)
     except OSError as e:
-        log.warning("cannot mark the final dump of %s as run past (%s)", request_id, e)
+        log.warning("cannot mark the final dump of %s as run past (%s); its log is "
+                    "removed instead", request_id, e)
+        with contextlib.suppress(OSError):
+            (work_dir / request_id / "images" / "dump.log").unlink()
 
 
-async def answering(node_dir: Path, req: CkptRequested,
+def held_since(work_dir: Path, request_id: str) -> bool:
+    """Is that request's finished dump still in its work directory, unmarked:
+    its workload held stopped since (a step marks it before it lets the
+    workload run on, and ends the workload before it drops the dump)?"""
+    return dump_finished(work_dir / request_id / "images") and not ran_on(work_dir, request_id)
+
+
+def ends(node_dir: Path, work_dir: Path, namespace: str, checkpoint_id: str,
+         gen: Generation) -> bool:
+    """Did ``gen``, a final dump, end its workload here, or is it ending it:
+    recorded so, or its dump still held (``held_since``; an agent died after
+    storing it, before the kill)?"""
+    # The manifest's request id is a plain name: the store checks manifests
+    # against schemas/manifest.json as it reads them.
+    return ended(node_dir, namespace, checkpoint_id, gen.number) or \
+        held_since(work_dir, str(gen.manifest.get("request_id") or ""))
+
+
+async def answering(node_dir: Path, work_dir: Path, req: CkptRequested,
                     gen: Generation | None) -> Generation | None:
     """``gen``, a final dump stored for ``req``'s container, if it ended its
-    workload on this node; else None (its workload ran on past it)."""
-    if gen is None or await asyncio.to_thread(ended, node_dir, req.target.namespace or "",
-                                              req.checkpoint_id, gen.number):
+    workload on this node (``ends``); else None (its workload ran on past it)."""
+    if gen is None or await asyncio.to_thread(ends, node_dir, work_dir,
+                                              req.target.namespace or "", req.checkpoint_id,
+                                              gen):
         return gen
-    log.warning("final checkpoint %s of %s: generation %d is stored, but its workload ran "
-                "on past it; not answered with it", req.request_id, req.target, gen.number)
+    log.warning("final checkpoint %s of %s: generation %d is stored, but this node cannot "
+                "tell that it ended its workload (it may have run on past it); not answered "
+                "with it", req.request_id, req.target, gen.number)
     return None
 
 

@@ -78,7 +78,7 @@ async def _final_latest(store: CheckpointStore, namespace: str,
 
 
 async def stored(store: CheckpointStore, req: CkptRequested, c: PodContainer,
-                 node_dir: Path) -> Generation | None:
+                 node_dir: Path, work_dir: Path) -> Generation | None:
     """The final checkpoint of ``c`` that ended its workload, if ``latest``
     of ``req``'s lineage is one: ``req`` (a final request) is answered with it."""
     latest = await _final_latest(store, c.namespace, req.checkpoint_id)
@@ -88,7 +88,7 @@ async def stored(store: CheckpointStore, req: CkptRequested, c: PodContainer,
         return None  # another container's (an earlier instance of the pod's)
     if not await asyncio.to_thread(_workload_gone, c.container_id):
         return None
-    if await endings.answering(node_dir, req, latest) is None:
+    if await endings.answering(node_dir, work_dir, req, latest) is None:
         return None
     log.info("final checkpoint %s of %s: its final checkpoint is stored already "
              "(generation %d, request %s), which ended its workload; answered with it",
@@ -97,8 +97,8 @@ async def stored(store: CheckpointStore, req: CkptRequested, c: PodContainer,
     return latest
 
 
-async def of_pod(store: CheckpointStore, req: CkptRequested,
-                 node_dir: Path) -> Generation | None:
+async def of_pod(store: CheckpointStore, req: CkptRequested, node_dir: Path,
+                 work_dir: Path) -> Generation | None:
     """For ``req`` (a final request) whose pod is gone or replaced: ``latest``
     of its lineage if that is a final dump of the very pod (by uid) and
     container it names."""
@@ -112,7 +112,7 @@ async def of_pod(store: CheckpointStore, req: CkptRequested,
     if (dumped.get("pod_uid"), dumped.get("container")) != (req.target.pod_uid,
                                                              req.target.container):
         return None
-    if await endings.answering(node_dir, req, latest) is None:
+    if await endings.answering(node_dir, work_dir, req, latest) is None:
         return None
     log.info("final checkpoint %s of %s: its pod is gone, and its final checkpoint is "
              "stored (generation %d); answered with it", req.request_id, req.target,

@@ -118,9 +118,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 # Its container gone: a generation that names this request
                 # (a taken-over dump, stored by the leave-running step's
                 # recovery, the pod ended since), or its pod's final, is its answer.
-                if gen := await endings.answering(self.node_dir, req,
+                if gen := await endings.answering(self.node_dir, self.work_dir, req,
                                                   await self._committed(req)) or \
-                        await finals.of_pod(self.store, req, self.node_dir):
+                        await finals.of_pod(self.store, req, self.node_dir, self.work_dir):
                     current = await self.store.ensure_latest(req.target.namespace or "",
                                                              req.checkpoint_id, gen)
                     return self._result(req, gen, current, started_at=started,
@@ -147,7 +147,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         outcome: tuple[Generation, bool] | None = None
         try:
             if not req.leave_running and \
-                    (gen := await finals.stored(self.store, req, c, self.node_dir)):
+                    (gen := await finals.stored(self.store, req, c, self.node_dir, self.work_dir)):
                 return self._result(req, gen, True)  # another request's final ended it
             shim = self.shim_of(c)  # under the lock: a final before it may have ended it
             if not req.leave_running and (done := await self._taken_over(req, c, shim)):
@@ -406,7 +406,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
         latest = await self.store.latest(ns, req.checkpoint_id)
         if latest is None or latest.manifest.get("final_request_id") != req.request_id:
             return None
-        if await endings.answering(self.node_dir, req, latest) is None:
+        if await endings.answering(self.node_dir, self.work_dir, req, latest) is None:
             return None
         return self._result(req, latest, True)
 

@@ -85,13 +85,13 @@ class PodRecovery:
                 "runs on from where it was (the agent stopped before it answered)",
                 code="ran-on", hint="a final request under a new id dumps it again").as_dict())
         final = not req.leave_running or takeover.taken_by(work) is not None
-        if (gen := await self._committed(req)) and final and not await self._ends_here(
-                req, work, gen):
+        if (gen := await self._committed(req)) and final and not await self._ends_here(req, gen):
             if gen.manifest.get("request_id") == req.request_id:
                 # Stored, but nothing here says the workload was held since
                 # (the work directory of its dump is gone: a new agent's
                 # pod): its step may have let it run on past it.
-                await self._settle_held(req, c, shim, work, signal.SIGCONT, "failed unconfirmed")
+                await self._settle_held(req, c, shim, work, signal.SIGCONT,
+                                        "failed final-unconfirmed")
                 await self._drop(work)
                 return CkptDone.for_request(req, status="failed", error=PermanentError(
                     f"the final checkpoint of {req.target} is stored as generation "
@@ -129,16 +129,11 @@ class PodRecovery:
             return self._result(req, gen, current)
         return None
 
-    async def _ends_here(self, req: CkptRequested, work: Path, gen: Generation) -> bool:
-        """Did ``gen`` (committed for final request ``req``) end its workload,
-        or may it: recorded so on this node, or its own finished dump still
-        in the work directory, the workload held stopped since (a step marks
-        it ran-on before it lets it run on: checked first in _recover)."""
-        if await asyncio.to_thread(endings.ended, self.node_dir, req.target.namespace or "",
-                                   req.checkpoint_id, gen.number):
-            return True
-        return gen.manifest.get("request_id") == req.request_id and \
-            dump_finished(work / "images")
+    async def _ends_here(self, req: CkptRequested, gen: Generation) -> bool:
+        """Did ``gen`` (committed for final request ``req``, its own dump or
+        one it took over) end its workload, or is it ending it (endings.ends)?"""
+        return await asyncio.to_thread(endings.ends, self.node_dir, self.work_dir,
+                                       req.target.namespace or "", req.checkpoint_id, gen)
 
     async def _ends(self, req: CkptRequested, work: Path, generation: int) -> None:
         """A final dump, stored, about to end its workload held stopped since

@@ -5,24 +5,31 @@ of the node answers ``succeeded`` with that generation, or ends the workload
 by it; a final that did end its workload is still the answer of the node's
 other agent (services/checkpointer/endings.py). Real containerd, runc, CRIU,
 nats-server and moto; the kubelet and API server are the repo's fakes. The
-agent dying is a step's ``run`` left unanswered, then its ``recover``."""
+agent dying is a step's ``run`` left unanswered, then its ``recover``. And
+the other way round: a final stored before its agent died, its workload held
+until the kubelet ended it, is every request's answer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from services.agent.service import NodeAgent
+from services.checkpointer import endings
+from services.checkpointer import pod as pod_module
 from services.checkpointer.pod import PodCheckpointStep
 from services.containers import host
 from services.storage.backend import StorageError
 from smr.bus import Progress
 from smr.contract.errors import SmrError
-from smr.contract.messages import CkptDone
+from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import Cluster, container_id, steps
 from tests.agent.test_data_path_attacks import final, running
 from tests.helpers.live import live
@@ -230,3 +237,141 @@ async def test_a_final_whose_taken_over_dump_was_run_past_is_recovered_from_its_
     assert f_gen is not None and rec == ("succeeded", f_gen, None), (
         f"F's recovery answered {rec}, not with its own dump; H's generation {h_gen} "
         f"was run past ({marks}); stored: {gens}")
+
+
+class Died(BaseException):
+    """The agent killed (SIGKILL): nothing after this point runs."""
+
+
+async def kubelet_kills(cluster: Cluster, name: str) -> None:
+    """The grace period over: the container ends, its held workload with it."""
+    cid = container_id(cluster, name)
+    shim = host.find_shim(cid)
+    if shim is not None:  # else ended already
+        os.kill(shim.pid, signal.SIGKILL)  # pid 1 of the container: the whole container ends
+    deadline = time.monotonic() + 20
+    while host.find_shim(cid) is not None or host.pids_of(cid):
+        assert time.monotonic() < deadline, "the container did not end"
+        await asyncio.sleep(0.1)
+
+
+def die_before_record(monkeypatch: Any, step: PodCheckpointStep,
+                      rid_of_dump: str) -> dict[str, Any]:
+    """The agent SIGKILLed once the final dump of ``rid_of_dump`` is stored
+    and ``latest`` moved, before it records the ending and kills: nothing
+    after runs, its work directory stays."""
+    seen: dict[str, Any] = {}
+    real_drop = step._drop
+    real_sig = pod_module.signal_tree
+
+    def sig(pid: int, signum: int) -> None:
+        # The agent dies after the commit, before its record and the kill.
+        if signum == signal.SIGKILL and not seen.get("dying"):
+            seen["dying"] = True
+            raise Died
+        real_sig(pid, signum)
+
+    async def drop(work: Path) -> None:
+        if seen.get("dying") and work.name == rid_of_dump:
+            return  # a SIGKILLed agent leaves its work directory
+        await real_drop(work)
+
+    real_note = endings.note_end
+
+    async def note_end(node_dir: Path, ns: str, ckpt: str, gen: int) -> None:
+        return None  # died before it
+    monkeypatch.setattr(endings, "note_end", note_end)
+    monkeypatch.setattr(pod_module, "signal_tree", sig)
+    monkeypatch.setattr(step, "_drop", drop)
+
+    def undo() -> None:
+        monkeypatch.setattr(endings, "note_end", real_note)
+        monkeypatch.setattr(pod_module, "signal_tree", real_sig)
+        monkeypatch.setattr(step, "_drop", real_drop)
+    seen["undo"] = undo
+    return seen
+
+
+async def test_a_final_stored_before_its_agent_died_answers_a_second_final_before_its_recovery(
+        cluster: Cluster, monkeypatch: Any) -> None:
+    """F1 is stored and ``latest`` moved; its agent dies before it records
+    the ending and kills; the kubelet ends the held container. F2, a second
+    final request, comes before F1's recovery (F1's lock is free at once, its
+    redelivery waits): the workload was held from F1's dump to its end, so F2
+    is answered with F1's generation, as are F1's recovery and a later F3."""
+    a, ckpt = await running(cluster, "dbr")
+    step = step_of(cluster.agents[a])
+    uid = cluster.kube.get("pods", "dbr", "default")["metadata"]["uid"]  # type: ignore[index]
+    f1 = final(ckpt, a, "dbr", uid)
+    seen = die_before_record(monkeypatch, step, f1.request_id)
+    try:
+        await step.run(f1, Progress())
+        raise AssertionError("F1 did not die")
+    except Died:
+        pass
+    seen["undo"]()
+    latest = await cluster.store.latest("default", ckpt)
+    assert latest is not None
+    seen["gen"] = latest.number
+    assert (step.work(f1.request_id) / "images").is_dir(), "work dir kept"
+    await kubelet_kills(cluster, "dbr")  # the grace period ran out meanwhile
+    f2 = final(ckpt, a, "dbr", uid)
+    by_f2 = await outcome(step.run(f2, Progress()))
+    rec_f1 = await outcome(step.recover(f1, {"state": "running", "heartbeat": 0}))
+    f3 = final(ckpt, a, "dbr", uid)
+    by_f3 = await outcome(step.run(f3, Progress()))
+    gens = [g.number for g in await cluster.store.generations("default", ckpt)]
+    assert by_f2 == ("succeeded", seen["gen"], None), (
+        f"F2 answered {by_f2}; generation {seen['gen']} ended the workload "
+        f"(F1's recovery then answered {rec_f1}, F3 {by_f3})")
+    assert rec_f1 == by_f3 == by_f2, (rec_f1, by_f3)
+    assert gens == [seen["gen"]], gens
+
+
+async def test_a_final_whose_taken_over_dump_ended_the_workload_is_recovered_with_it(
+        cluster: Cluster, monkeypatch: Any) -> None:
+    """Heartbeat H is frozen when final F takes its dump over; H's step
+    stores it (``final_request_id`` F), and the agent dies before it records
+    the ending and kills; the kubelet ends the held container. F's recovery,
+    before H's, answers with that generation: the workload was held from
+    the dump to its end."""
+    from tests.agent.test_data_path_attacks import frozen as frozen_dump
+    from tests.agent.test_drain_takeover import in_order
+
+    a, ckpt = await running(cluster, "tkd")
+    step = step_of(cluster.agents[a])
+    uid = cluster.kube.get("pods", "tkd", "default")["metadata"]["uid"]  # type: ignore[index]
+    target = Target(kind="pod", namespace="default", pod="tkd", container="main",
+                    pod_uid=uid)
+    h = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=ckpt, node=a,
+                      reason="drain", leave_running=True, target=target)
+    f = final(ckpt, a, "tkd", uid)
+    seen = die_before_record(monkeypatch, step, h.request_id)
+    async with in_order(cluster, a, "tkd"):
+        h_task = asyncio.create_task(step.run(h, Progress()))
+        await frozen_dump(cluster, a, target)
+        f_task = asyncio.create_task(step.run(f, Progress()))
+        while not seen.get("dying"):
+            await asyncio.sleep(0.01)
+            if h_task.done():
+                break
+        f_task.cancel()  # the agent died: F's step with it
+        try:
+            await h_task
+        except Died:
+            pass
+        with contextlib.suppress(BaseException):
+            await f_task
+    seen["undo"]()
+    latest = await cluster.store.latest("default", ckpt)
+    assert latest is not None and latest.manifest.get("final_request_id") == f.request_id, \
+        latest and latest.manifest
+    seen["gen"] = latest.number
+    await kubelet_kills(cluster, "tkd")
+    rec_f = await outcome(step.recover(f, {"state": "running", "heartbeat": 0}))
+    run_f = await outcome(step.run(f, Progress())) if rec_f is None else None
+    rec_h = await outcome(step.recover(h, {"state": "running", "heartbeat": 0}))
+    assert rec_f == ("succeeded", seen["gen"], None) or \
+        run_f == ("succeeded", seen["gen"], None), (
+        f"F (whose takeover dump, generation {seen['gen']}, ended the workload) answered "
+        f"recover={rec_f} run={run_f}; H's recovery then {rec_h}")
