@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,33 @@ def final(ckpt: str, node: str, pod: str, uid: str | None = None) -> CkptRequest
 
 def outcomes(results: list[CkptDone]) -> list[tuple[str, int | None, str | None]]:
     return [(r.status, r.generation, (r.error or {}).get("code")) for r in results]
+
+
+@contextlib.contextmanager
+def latest_lands_then_storage_down(cluster: Cluster) -> Iterator[None]:
+    """The ``latest`` write of the store's backend lands, its answer is lost,
+    and storage is away from there on."""
+    backend: Any = cluster.store.backend
+    real = backend.put_bytes, backend.get_bytes, backend.list
+    down = False
+
+    def failing(call: Any) -> Any:
+        async def storage(key: str, *args: Any, **kw: Any) -> Any:
+            nonlocal down
+            if down:
+                raise StorageError(f"injected: storage down ({key})", hint="a test fault")
+            got = await call(key, *args, **kw)
+            if call is real[0] and key.rsplit("/", 1)[-1].startswith("latest"):
+                down = True
+                raise StorageError(f"injected: answer lost ({key})", hint="a test fault")
+            return got
+        return storage
+
+    backend.put_bytes, backend.get_bytes, backend.list = (failing(c) for c in real)
+    try:
+        yield
+    finally:
+        backend.put_bytes, backend.get_bytes, backend.list = real
 
 
 async def frozen(cluster: Cluster, node: str, target: Target) -> None:
@@ -109,27 +137,8 @@ async def test_a_final_checkpoint_the_workload_ran_past_is_no_answer_once_the_wo
     a, ckpt = await running(cluster, "ranpast")
     for step in live(PodCheckpointStep):
         step.commit_deadline = 4.0
-    backend: Any = cluster.store.backend
-    real = backend.put_bytes, backend.get_bytes, backend.list
-    down = False
-
-    def failing(call: Any) -> Any:
-        async def storage(key: str, *args: Any, **kw: Any) -> Any:
-            nonlocal down
-            if down:
-                raise StorageError(f"injected: storage down ({key})", hint="a test fault")
-            got = await call(key, *args, **kw)
-            if call is real[0] and key.rsplit("/", 1)[-1].startswith("latest"):
-                down = True  # written; its answer lost; storage down from here
-                raise StorageError(f"injected: answer lost ({key})", hint="a test fault")
-            return got
-        return storage
-
-    backend.put_bytes, backend.get_bytes, backend.list = (failing(c) for c in real)
-    try:
+    with latest_lands_then_storage_down(cluster):
         first = await cluster.bus.request(final(ckpt, a, "ranpast"), timeout=120)
-    finally:
-        backend.put_bytes, backend.get_bytes, backend.list = real
     assert outcomes([first]) == [("failed", None, "storage-unavailable")], first
     latest = await cluster.store.latest("default", ckpt)
     assert latest is not None and latest.manifest.get("leave_running") is False, latest

@@ -17,7 +17,6 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,45 +25,18 @@ from services.checkpointer import endings
 from services.checkpointer import pod as pod_module
 from services.checkpointer.pod import PodCheckpointStep
 from services.containers import host
-from services.storage.backend import StorageError
 from smr.bus import Progress
 from smr.contract.errors import SmrError
 from smr.contract.messages import CkptDone, CkptRequested, Target
 from tests.agent.cluster import Cluster, container_id, steps
-from tests.agent.test_data_path_attacks import final, running
+from tests.agent.test_data_path_attacks import final, latest_lands_then_storage_down, running
+from tests.agent.test_pod_recovery_order import dying_after_dump
 from tests.helpers.live import live
 
 
 def step_of(agent: NodeAgent) -> PodCheckpointStep:
     return next(w.step.step for w in agent.workers
                 if isinstance(getattr(w.step, "step", None), PodCheckpointStep))
-
-
-@contextlib.contextmanager
-def latest_lands_then_storage_down(cluster: Cluster) -> Iterator[None]:
-    """The ``latest`` write lands, its answer is lost, storage is away from
-    there (as in test_data_path_attacks.py)."""
-    backend: Any = cluster.store.backend
-    real = backend.put_bytes, backend.get_bytes, backend.list
-    down = False
-
-    def failing(call: Any) -> Any:
-        async def storage(key: str, *args: Any, **kw: Any) -> Any:
-            nonlocal down
-            if down:
-                raise StorageError(f"injected: storage down ({key})", hint="a test fault")
-            got = await call(key, *args, **kw)
-            if call is real[0] and key.rsplit("/", 1)[-1].startswith("latest"):
-                down = True
-                raise StorageError(f"injected: answer lost ({key})", hint="a test fault")
-            return got
-        return storage
-
-    backend.put_bytes, backend.get_bytes, backend.list = (failing(c) for c in real)
-    try:
-        yield
-    finally:
-        backend.put_bytes, backend.get_bytes, backend.list = real
 
 
 async def outcome(coro: Any) -> Any:
@@ -205,15 +177,7 @@ async def test_a_final_whose_taken_over_dump_was_run_past_is_recovered_from_its_
 
     monkeypatch.setattr(dumpstamp, "take", take)
     real_commit = step.store.commit
-
-    async def die_after_dump(ns: str, ck: str, src: Path, meta: dict[str, Any], *,
-                             writer: Any = None, on_bytes: Any = None) -> Any:
-        if meta["request_id"] == f.request_id:
-            await writer
-            raise asyncio.CancelledError
-        return await real_commit(ns, ck, src, meta, writer=writer, on_bytes=on_bytes)
-
-    monkeypatch.setattr(step.store, "commit", die_after_dump)
+    monkeypatch.setattr(step.store, "commit", dying_after_dump(step, f.request_id))
     with latest_lands_then_storage_down(cluster):
         async with in_order(cluster, a, "tko"):
             h_task = asyncio.create_task(step.run(h, Progress()))

@@ -23,19 +23,27 @@ def steps_of(node: str) -> list[PodCheckpointStep]:
     return [o for o in live(PodCheckpointStep) if o.node == node]
 
 
-async def dump_then_die(step: PodCheckpointStep, req: CkptRequested) -> None:
-    """``req`` runs until its dump has finished, then its agent dies (OOM, a
-    rollout) before anything of it is stored: its dump stays on disk."""
+def dying_after_dump(step: PodCheckpointStep, request_id: str) -> Any:
+    """The step's store, whose commit of ``request_id``'s dump waits for the
+    dump to finish and then dies with its agent (a cancel): the dump stays
+    on disk, nothing of it stored. Put in place as ``step.store.commit``."""
     real = step.store.commit
 
     async def die_after_dump(ns: str, ckpt: str, src: Path, meta: dict[str, Any], *,
                              writer: Any = None, on_bytes: Any = None) -> Any:
-        if meta["request_id"] == req.request_id:
+        if meta["request_id"] == request_id:
             await writer
             raise asyncio.CancelledError
         return await real(ns, ckpt, src, meta, writer=writer, on_bytes=on_bytes)
 
-    step.store.commit = die_after_dump  # type: ignore[method-assign]
+    return die_after_dump
+
+
+async def dump_then_die(step: PodCheckpointStep, req: CkptRequested) -> None:
+    """``req`` runs until its dump has finished, then its agent dies (OOM, a
+    rollout) before anything of it is stored: its dump stays on disk."""
+    real = step.store.commit
+    step.store.commit = dying_after_dump(step, req.request_id)  # type: ignore[method-assign]
     try:
         with pytest.raises(asyncio.CancelledError):
             await step.run(req, Progress())
