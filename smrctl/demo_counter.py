@@ -56,7 +56,8 @@ def expected_digest(mib: int, step: int) -> str:
 def started() -> int:
     """When this process started (clock ticks since boot, /proc/self/stat):
     a restored process is a new one to the kernel, so this changes at each
-    restore, which nothing restored in memory can tell."""
+    restore, which nothing restored in memory can tell. /proc/self, not its
+    PID: in a PID namespace of its own the host's /proc numbers it otherwise."""
     with open("/proc/self/stat", "rb") as f:
         stat = f.read()
     return int(stat.rsplit(b")", 1)[1].split()[19])

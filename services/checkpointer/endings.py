@@ -39,6 +39,7 @@ from pathlib import Path
 
 from services.storage.generation import Generation
 from smr.contract.messages import CkptRequested
+from smr.identity import write_durably
 from smr.process.criu import dump_finished
 
 log = logging.getLogger("smr.checkpointer")
@@ -141,21 +142,8 @@ async def answering(node_dir: Path, work_dir: Path, req: CkptRequested,
 
 def _write(path: Path) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _sync_dir(path.parent)
+    write_durably(path, b"")
     _prune(path.parent)
-
-
-def _sync_dir(where: Path) -> None:
-    dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _prune(where: Path) -> None:

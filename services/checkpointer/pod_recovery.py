@@ -17,7 +17,6 @@ from services.checkpointer.pod_capture import _dumped_in, capture, captured
 from services.containers import host
 from services.containers.host import Shim
 from services.containers.pods import PodContainer
-from services.storage.generation import Generation
 from smr.bus import Progress
 from smr.contract.errors import PermanentError, SmrError
 from smr.contract.messages import CkptDone, CkptRequested
@@ -85,7 +84,8 @@ class PodRecovery:
                 "runs on from where it was (the agent stopped before it answered)",
                 code="ran-on", hint="a final request under a new id dumps it again").as_dict())
         final = not req.leave_running or takeover.taken_by(work) is not None
-        if (gen := await self._committed(req)) and final and not await self._ends_here(req, gen):
+        if (gen := await self._committed(req)) and final and not await asyncio.to_thread(
+                endings.ends, self.node_dir, self.work_dir, ns, req.checkpoint_id, gen):
             if gen.manifest.get("request_id") == req.request_id:
                 # Stored, but nothing here says the workload was held since
                 # (the work directory of its dump is gone: a new agent's
@@ -103,7 +103,8 @@ class PodRecovery:
             gen = None  # a dump this request took over: its own step's recovery settles it
         if gen:
             current = await self.store.ensure_latest(ns, req.checkpoint_id, gen)
-            await self._ends(req, work, gen.number)
+            if final:  # held stopped since its dump: this ends it
+                await endings.note_end(self.node_dir, ns, req.checkpoint_id, gen.number)
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await self._drop(work)
             return self._result(req, gen, current)
@@ -123,25 +124,12 @@ class PodRecovery:
                 await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
                 await self._drop(work)
                 return CkptDone.for_request(req, status="failed", error=e.as_dict())
-            await self._ends(req, work, gen.number)
+            if final:
+                await endings.note_end(self.node_dir, ns, req.checkpoint_id, gen.number)
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await self._drop(work)
             return self._result(req, gen, current)
         return None
-
-    async def _ends_here(self, req: CkptRequested, gen: Generation) -> bool:
-        """Did ``gen`` (committed for final request ``req``, its own dump or
-        one it took over) end its workload, or is it ending it (endings.ends)?"""
-        return await asyncio.to_thread(endings.ends, self.node_dir, self.work_dir,
-                                       req.target.namespace or "", req.checkpoint_id, gen)
-
-    async def _ends(self, req: CkptRequested, work: Path, generation: int) -> None:
-        """A final dump, stored, about to end its workload held stopped since
-        the dump (none of it ran on: see the check in _recover): recorded as
-        its end, also where the kubelet ended it first."""
-        if not req.leave_running or takeover.taken_by(work) is not None:
-            await endings.note_end(self.node_dir, req.target.namespace or "", req.checkpoint_id,
-                                   generation)
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
                            shim: Shim | None, work: Any, sig: int, outcome: str) -> None:
