@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,67 @@ async def test_a_final_checkpoint_keeps_the_lock_of_a_connection_until_its_resto
         assert restored.status == "succeeded", restored.error
         assert await asyncio.wait_for(asked, 60) == 2
         assert table_shown(tables[0]) is None, "the restore left CRIU's lock"
+    finally:
+        r.close()
+        drop_locks(port)
+
+
+async def test_a_final_whose_latest_landed_unbeknown_keeps_its_lock_when_the_job_is_killed(
+        h: Harness) -> None:  # noqa: F811
+    """A final checkpoint of a server with a client: its ``latest`` write
+    lands, the answer is lost, storage stays away past the commit deadline;
+    meanwhile the job, held stopped, is killed. The step gives up, but that
+    dump is ``latest``: the lock of its connection stays for a restore on
+    this node, which answers the client's request sent meanwhile."""
+    from services.storage.backend import StorageError
+    from services.storage.layout import LOCAL_NAMESPACE
+    from smr.bus import Progress
+    from smr.contract.errors import SmrError
+    from smr.contract.messages import CkptRequested, Target
+
+    tables = dumps_tables(h)
+    step = ckpt_step(h)
+    step.commit_deadline = 3.0
+    job, port = await start_redis(h, keys=1000)
+    r = client(port)
+    backend: Any = step.store.backend
+    real = backend.put_bytes, backend.get_bytes, backend.list
+    down = asyncio.Event()
+
+    def failing(call: Any) -> Any:
+        async def storage(key: str, *args: Any, **kw: Any) -> Any:
+            if down.is_set():
+                raise StorageError(f"injected: storage down ({key})", hint="a test fault")
+            got = await call(key, *args, **kw)
+            if call is real[0] and key.rsplit("/", 1)[-1].startswith("latest"):
+                down.set()  # written; its answer lost; storage away from here
+                raise StorageError(f"injected: answer lost ({key})", hint="a test fault")
+            return got
+        return storage
+
+    try:
+        assert r.incr("n") == 1
+        req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                            target=Target.job(job.id), node=h.settings.node)
+        backend.put_bytes, backend.get_bytes, backend.list = (failing(c) for c in real)
+        try:
+            run = asyncio.create_task(step.run(req, Progress()))
+            await asyncio.wait_for(down.wait(), 60)
+            os.kill(job.pid, signal.SIGKILL)  # killed while held stopped
+            with pytest.raises(SmrError) as failed:
+                await run
+            assert failed.value.code == "storage-unavailable", failed.value
+        finally:
+            backend.put_bytes, backend.get_bytes, backend.list = real
+        latest = await step.store.latest(LOCAL_NAMESPACE, job.id)
+        assert latest is not None and latest.manifest["request_id"] == req.request_id
+        assert len(tables) == 1 and tables[0] is not None
+        assert table_shown(tables[0]) is not None, (
+            f"the lock {tables[0]} of the connection in the stored latest was dropped")
+        asked = asyncio.create_task(asyncio.to_thread(r.incr, "n"))
+        restored = await h.restore(job.id)
+        assert restored.status == "succeeded", restored.error
+        assert await asyncio.wait_for(asked, 60) == 2
     finally:
         r.close()
         drop_locks(port)

@@ -47,9 +47,11 @@ class LocalRecovery:
             # running again already): undone before the tree runs again.
             await asyncio.shield(netlock.release(job.pid, dump_log))
         else:
-            # Gone with its host or killed: nothing takes those connections
-            # back, and the lock would drop their packets on the node for good.
-            await asyncio.shield(netlock.drop(dump_log))
+            # Gone with its host or killed: a lock that holds no connection
+            # only costs every packet of the node. One that holds some stays:
+            # this dump may be stored as latest all the same (a write whose
+            # answer was lost), and its restore on this node needs it.
+            await asyncio.shield(netlock.drop_unused(dump_log))
         if cuda_pids and job.alive():
             # Held stopped while every process's GPU state comes back, each
             # checked RUNNING; only then continued.
