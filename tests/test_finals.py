@@ -7,11 +7,13 @@ the pod tests drive the real one (tests/agent/test_data_path_attacks.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from services.checkpointer import finals
+from services.checkpointer import endings, finals
 from services.containers import host
+from smr.bus.liveness import StepLocks
 from smr.contract.errors import SmrError
 
 
@@ -73,3 +75,20 @@ def test_a_workload_is_taken_for_ended_only_once_smr_init_says_so_or_is_gone(
     fake = Ending(states)
     monkeypatch.setattr(host, "find_shim", fake.find)
     assert finals._workload_gone("c1") is gone
+
+
+def test_a_dump_counts_as_held_only_once_no_live_worker_is_on_it(tmp_path: Path) -> None:
+    """A final dump left finished and unmarked in its work directory counts
+    as its workload's end only while no live worker holds that request (its
+    agent died): a live step still storing it may yet let the workload run
+    on. The caller's own request, whose lock its own worker holds, counts."""
+    work, node = tmp_path / "pods", tmp_path / "steps"
+    (work / "f1" / "images").mkdir(parents=True)
+    (work / "f1" / "images" / "dump.log").write_text("(00.5) Dumping finished successfully\n")
+    with StepLocks(node).hold("f1") as mine:
+        assert mine
+        assert not endings.held_since(work, node, "f1", asking="f2")
+        assert endings.held_since(work, node, "f1", asking="f1")
+    assert endings.held_since(work, node, "f1", asking="f2")
+    endings.mark_ran_on(work, "f1")
+    assert not endings.held_since(work, node, "f1", asking="f2")

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from services.storage.generation import Generation
+from smr.bus.liveness import StepLocks
 from smr.contract.messages import CkptRequested
 from smr.identity import write_durably
 from smr.process.criu import dump_finished
@@ -108,31 +109,34 @@ async def note_ran_on(work_dir: Path, request_id: str) -> None:
             (work_dir / request_id / "images" / "dump.log").unlink()
 
 
-def held_since(work_dir: Path, request_id: str) -> bool:
-    """Is that request's finished dump still in its work directory, unmarked:
-    its workload held stopped since (a step marks it before it lets the
-    workload run on, and ends the workload before it drops the dump)?"""
-    return dump_finished(work_dir / request_id / "images") and not ran_on(work_dir, request_id)
+def held_since(work_dir: Path, node_dir: Path, request_id: str, asking: str) -> bool:
+    """Is that request's finished dump still in its work directory, unmarked,
+    and no live worker on it (its agent died): its workload held stopped
+    since (a step marks it before it lets the workload run on, and ends the
+    workload before it drops the dump)? A live step, still storing it, may
+    yet let the workload run on. ``asking``: the request of the caller, whose
+    own worker holds its step lock."""
+    return dump_finished(work_dir / request_id / "images") \
+        and not ran_on(work_dir, request_id) \
+        and (request_id == asking or not StepLocks(node_dir).live(request_id))
 
 
-def ends(node_dir: Path, work_dir: Path, namespace: str, checkpoint_id: str,
-         gen: Generation) -> bool:
-    """Did ``gen``, a final dump, end its workload here, or is it ending it:
-    recorded so, or its dump still held (``held_since``; an agent died after
-    storing it, before the kill)?"""
+def ends(node_dir: Path, work_dir: Path, req: CkptRequested, gen: Generation) -> bool:
+    """Did ``gen``, a final dump of ``req``'s container, end its workload
+    here, or is it ending it: recorded so, or its dump still held
+    (``held_since``: an agent died after storing it, before the kill)?"""
     # The manifest's request id is a plain name: the store checks manifests
     # against schemas/manifest.json as it reads them.
-    return ended(node_dir, namespace, checkpoint_id, gen.number) or \
-        held_since(work_dir, str(gen.manifest.get("request_id") or ""))
+    return ended(node_dir, req.target.namespace or "", req.checkpoint_id, gen.number) or \
+        held_since(work_dir, node_dir, str(gen.manifest.get("request_id") or ""),
+                   req.request_id)
 
 
 async def answering(node_dir: Path, work_dir: Path, req: CkptRequested,
                     gen: Generation | None) -> Generation | None:
     """``gen``, a final dump stored for ``req``'s container, if it ended its
     workload on this node (``ends``); else None (its workload ran on past it)."""
-    if gen is None or await asyncio.to_thread(ends, node_dir, work_dir,
-                                              req.target.namespace or "", req.checkpoint_id,
-                                              gen):
+    if gen is None or await asyncio.to_thread(ends, node_dir, work_dir, req, gen):
         return gen
     log.warning("final checkpoint %s of %s: generation %d is stored, but this node cannot "
                 "tell that it ended its workload (it may have run on past it); not answered "

@@ -85,7 +85,7 @@ class PodRecovery:
                 code="ran-on", hint="a final request under a new id dumps it again").as_dict())
         final = not req.leave_running or takeover.taken_by(work) is not None
         if (gen := await self._committed(req)) and final and not await asyncio.to_thread(
-                endings.ends, self.node_dir, self.work_dir, ns, req.checkpoint_id, gen):
+                endings.ends, self.node_dir, self.work_dir, req, gen):
             if gen.manifest.get("request_id") == req.request_id:
                 # Stored, but nothing here says the workload was held since
                 # (the work directory of its dump is gone: a new agent's
