@@ -202,8 +202,11 @@ def test_a_statically_linked_program_and_a_process_gone_are_unreadable(
         started: list[subprocess.Popen[str]]) -> None:
     busybox = shutil.which("busybox")
     assert busybox, "busybox (make setup) is the statically linked program here"
-    p = subprocess.Popen([busybox, "sh", "-c", "echo ready; exec sleep 60"],
-                         stdout=subprocess.PIPE, text=True)
+    # The shell itself is read, waiting on its input after it wrote: an
+    # exec in its place would race the read (an exec's new auxiliary vector
+    # is empty for a moment).
+    p = subprocess.Popen([busybox, "sh", "-c", "echo ready; read -r line"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     started.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     with pytest.raises(liveenv.EnvironUnreadable, match="statically linked"):
