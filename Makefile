@@ -47,15 +47,14 @@ demo: setup
 	$(VENV)/bin/smr demo
 
 # The suite, then the `serial` tests alone (they watch or load the whole
-# machine); both print their 20 slowest tests. TEST_WORKERS > 0 spreads the
-# first run over that many pytest-xdist workers, the longest tests handed out
-# first (tests/helpers/ordering.py). On a 2-core machine it stays 0 (in
-# process): three workers halve the time, but two pod tests missed their
-# deadlines in one of two fresh-clone runs (tests/README.md, "In parallel").
-TEST_WORKERS ?= 0
-# With workers, the pod tests run in this many lanes, each lane's tests one
-# after another on one worker (tests/helpers/ordering.py).
-TEST_POD_LANES ?= 1
+# machine); both print their 20 slowest tests. The first run is spread over
+# TEST_WORKERS pytest-xdist workers, the longest tests handed out first, and
+# the pod tests in TEST_POD_LANES lanes, each lane's tests one after another
+# on one worker (tests/helpers/ordering.py). Four workers and three lanes
+# suit a 2-core machine: most of a test is waiting on real servers, CRIU and
+# containerd (tests/README.md, "In parallel"). TEST_WORKERS=0 runs in process.
+TEST_WORKERS ?= 4
+TEST_POD_LANES ?= 3
 export TEST_POD_LANES
 test: setup
 	$(VENV)/bin/ruff check .
