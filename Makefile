@@ -50,10 +50,10 @@ demo: setup
 # machine); both print their 20 slowest tests. The first run is spread over
 # TEST_WORKERS pytest-xdist workers, the longest tests handed out first, and
 # the pod tests in TEST_POD_LANES lanes, each lane's tests one after another
-# on one worker (tests/helpers/ordering.py). Four workers and three lanes
+# on one worker (tests/helpers/ordering.py). Five workers and three lanes
 # suit a 2-core machine: most of a test is waiting on real servers, CRIU and
 # containerd (tests/README.md, "In parallel"). TEST_WORKERS=0 runs in process.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 5
 TEST_POD_LANES ?= 3
 export TEST_POD_LANES
 test: setup
