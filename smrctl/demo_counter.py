@@ -63,6 +63,13 @@ def started() -> int:
     return int(stat.rsplit(b")", 1)[1].split()[19])
 
 
+def resumed_digest(after: list[dict[str, str]]) -> dict[str, str] | None:
+    """The line that shows a restored counter's memory: its first line after
+    the restore, or the second where the freeze fell between the first's
+    restore check and its print (that line was decided before the dump)."""
+    return next((ln for ln in after[:2] if "digest" in ln), None)
+
+
 def parse_line(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
 

@@ -537,21 +537,24 @@ class Campaign:
         if result and result["status"] == "succeeded":
             w.node = node
             for _ in range(200):
-                if after := w.lines(before):
+                after = w.lines(before)
+                if len(after) >= 2 or (after and "digest" in after[0]):
                     break
                 await asyncio.sleep(0.1)
             if not after:
                 self.problem(f"{w.id} restored (pid {result.get('pid')}) but never printed")
                 self.report.corrupt += 1
                 return result
-            first = after[0]
-            step = int(first["step"])
-            # A restored counter digests its memory at its first step.
-            if first.get("digest") != counter.expected_digest(MIB, step) or step > reached + 1:
+            step = int(after[0]["step"])
+            # A restored counter digests its memory at its first step
+            # (counter.resumed_digest says when it is the second).
+            shown = counter.resumed_digest(after) or after[0]
+            at = int(shown["step"])
+            if shown.get("digest") != counter.expected_digest(MIB, at) or step > reached + 1:
                 self.report.corrupt += 1
-                self.problem(f"{w.id} resumed at step {step} with digest {first.get('digest')} "
-                             f"(expected {counter.expected_digest(MIB, step)}; it had reached "
-                             f"{reached})")
+                self.problem(f"{w.id} resumed at step {step} with digest {shown.get('digest')} "
+                             f"at step {at} (expected {counter.expected_digest(MIB, at)}; "
+                             f"it had reached {reached})")
             self.report.restores_checked += 1
         return result
 
