@@ -51,9 +51,10 @@ demo: setup
 # TEST_WORKERS pytest-xdist workers, the longest tests handed out first, and
 # the pod tests in TEST_POD_LANES lanes, each lane's tests one after another
 # on one worker (tests/helpers/ordering.py). Five workers and three lanes
-# suit a 2-core machine: most of a test is waiting on real servers, CRIU and
-# containerd (tests/README.md, "In parallel"). TEST_WORKERS=0 runs in process.
-TEST_WORKERS ?= 5
+# take 12-14 minutes on a 2-core machine, but two tests still read host-wide
+# state that other workers change (tests/README.md, "In parallel"), so the
+# default stays in process until they are fixed: make test TEST_WORKERS=5.
+TEST_WORKERS ?= 0
 TEST_POD_LANES ?= 3
 export TEST_POD_LANES
 test: setup
