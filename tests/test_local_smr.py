@@ -216,10 +216,11 @@ async def test_leave_running_then_restore_beside_original(h: Harness) -> None:
     # goes on in its: each with the right memory.
     ckpt_step = max(int(ln["step"]) for ln in h.lines(job)[:frozen_gen_lines])
     await h.wait_step(clone, 1, count=2)
-    first = h.lines(clone)[0]
-    assert 3 < int(first["step"]) <= ckpt_step + 1, f"the copy did not resume: {first}"
-    shown = counter.resumed_digest(h.lines(clone)) or first
-    assert shown.get("digest") == counter.expected_digest(64, int(shown["step"])), shown
+    copied = h.lines(clone)
+    assert 3 < int(copied[0]["step"]) <= ckpt_step + 1, f"the copy did not resume: {copied[0]}"
+    shown = counter.resumed_digest(copied)
+    assert shown, f"no digest in the copy's first two steps: {copied[:2]}"
+    assert shown["digest"] == counter.expected_digest(64, int(shown["step"])), shown
     await h.wait_step(job, ckpt_step + 30)
     later = [ln for ln in h.lines(job)[frozen_gen_lines:] if "digest" in ln]
     assert later, "the original printed no digest since the checkpoint"
