@@ -92,3 +92,30 @@ def test_a_dump_counts_as_held_only_once_no_live_worker_is_on_it(tmp_path: Path)
     assert endings.held_since(work, node, "f1", asking="f2")
     endings.mark_ran_on(work, "f1")
     assert not endings.held_since(work, node, "f1", asking="f2")
+
+
+def test_a_worker_that_lets_its_workload_run_on_between_two_reads_is_never_missed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live worker gives up on its final dump (marks it run past, lets the
+    workload go, lets go of its lock) just after another caller read the
+    mark as absent: the caller must not then find the lock free and take the
+    dump for the workload's end. Its reads are made under the request's lock,
+    which the worker held until its mark was written."""
+    work, node = tmp_path / "pods", tmp_path / "steps"
+    (work / "f1" / "images").mkdir(parents=True)
+    (work / "f1" / "images" / "dump.log").write_text("(00.5) Dumping finished successfully\n")
+    worker = StepLocks(node).hold("f1")
+    assert worker.__enter__()
+    real = endings.ran_on
+
+    def read_then_worker_ends(work_dir: Path, request_id: str) -> bool:
+        seen = real(work_dir, request_id)
+        endings.mark_ran_on(work, "f1")  # the worker's tail, between two reads
+        worker.__exit__(None, None, None)
+        return seen
+
+    monkeypatch.setattr(endings, "ran_on", read_then_worker_ends)
+    try:
+        assert not endings.held_since(work, node, "f1", asking="f2")
+    finally:
+        worker.__exit__(None, None, None)

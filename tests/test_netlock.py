@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from smr.natsserver import free_port
 from smr.process import netlock
@@ -339,6 +340,46 @@ async def test_a_final_whose_latest_landed_unbeknown_keeps_its_lock_when_the_job
         restored = await h.restore(job.id)
         assert restored.status == "succeeded", restored.error
         assert await asyncio.wait_for(asked, 60) == 2
+    finally:
+        r.close()
+        drop_locks(port)
+
+
+async def test_a_final_whose_criu_was_killed_with_its_job_gone_leaves_no_lock(
+        h: Harness) -> None:  # noqa: F811
+    """A final dump kept a client's connection, then hung (a post-dump script)
+    and was killed at CRIU's timeout; the job was killed meanwhile. No
+    restore can ever use that dump: CRIU's lock table goes, and the client
+    is told at once that its server is gone (a reset), not left waiting on
+    packets the node drops for good."""
+    from smr.bus import Progress
+    from smr.contract.errors import SmrError
+    from smr.contract.messages import CkptRequested, Target
+
+    step = ckpt_step(h)
+    script = h.tmp / "hang"
+    script.write_text(HANG_ONCE.format(marker=h.tmp / "hung"))
+    script.chmod(0o755)
+    step.criu.options = ["--action-script", str(script)]
+    step.criu.timeout = 3.0
+    job, port = await start_redis(h, keys=1000)
+    r = client(port)
+    try:
+        assert r.incr("n") == 1
+        req = CkptRequested(request_id=uuid.uuid4().hex, checkpoint_id=job.id,
+                            target=Target.job(job.id), node=h.settings.node)
+        run = asyncio.create_task(step.run(req, Progress()))
+        await wait_file(h.tmp / "hung")  # dumped and locked; CRIU hangs
+        table = netlock.table_of(step.work_dir / req.request_id / "images" / "dump.log")
+        assert table is not None and table_shown(table) is not None
+        os.kill(job.pid, signal.SIGKILL)
+        with pytest.raises(SmrError):
+            await run
+        assert table_shown(table) is None, f"CRIU's lock stayed: {table_shown(table)}"
+        t = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            r.incr("n")
+        assert time.monotonic() - t < 5, "the client waited on dropped packets"
     finally:
         r.close()
         drop_locks(port)

@@ -281,9 +281,8 @@ class CheckpointStep(LocalRecovery, LocalJobStep):
             gen = await until_stored(attempt, what=f"the checkpoint of job {job.id}",
                                      deadline_s=self.commit_deadline, progress=progress,
                                      error=error)
-        except StorageUnavailable as e:
-            await self._give_up(req, job, await self._cuda_pids(job))
-            e.message += f"; job {job.id} keeps running where it was"
+        except StorageUnavailable:
+            await self._give_up(req, job, await self._cuda_pids(job))  # says if it runs on
             raise
         return gen
 

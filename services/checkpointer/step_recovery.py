@@ -12,9 +12,10 @@ import signal
 import sys
 from typing import Any
 
+from services.checkpointer.durable import StorageUnavailable
 from services.storage.layout import LOCAL_NAMESPACE
 from smr.bus import Progress
-from smr.contract.errors import PermanentError, SmrError
+from smr.contract.errors import PermanentError, SmrError, TemporaryError
 from smr.contract.messages import CkptDone, CkptRequested
 from smr.gpu.cuda_checkpoint import GpuStateLost, lost_after
 from smr.jobs import Job, signal_tree, wait_exit
@@ -46,12 +47,18 @@ class LocalRecovery:
             # any dump whose CRIU was killed (a heartbeat's too, its tree
             # running again already): undone before the tree runs again.
             await asyncio.shield(netlock.release(job.pid, dump_log))
-        else:
-            # Gone with its host or killed: a lock that holds no connection
-            # only costs every packet of the node. One that holds some stays:
-            # this dump may be stored as latest all the same (a write whose
-            # answer was lost), and its restore on this node needs it.
+        elif self._maybe_stored(req, failure):
+            # Gone with its host or killed, its dump complete and the failure
+            # storage's: a lock that holds no connection only costs every
+            # packet of the node. One that holds some stays: the dump may be
+            # latest all the same (a write whose answer was lost), and its
+            # restore on this node needs it.
             await asyncio.shield(netlock.drop_unused(dump_log))
+        else:
+            # Gone, and no restore can ever use this dump (unfinished,
+            # refused, never stored): nothing takes its connections back, and
+            # the lock would drop their packets on the node for good.
+            await asyncio.shield(netlock.drop(dump_log))
         if cuda_pids and job.alive():
             # Held stopped while every process's GPU state comes back, each
             # checked RUNNING; only then continued.
@@ -69,6 +76,14 @@ class LocalRecovery:
         if isinstance(failure, SmrError) and job.alive() and "keeps running" not in \
                 failure.message:
             failure.message = f"{failure.message}; job {job.id} keeps running"
+
+    def _maybe_stored(self, req: CkptRequested, failure: BaseException | None) -> bool:
+        """Could the dump of ``req`` be a stored checkpoint all the same? Only
+        a complete one whose storing failed: a write may land with its answer
+        lost. A refusal, a CRIU that did not finish, or a job gone mid-dump
+        leaves none."""
+        return dump_finished(self._work(req) / "images") and isinstance(
+            failure, StorageUnavailable | TemporaryError)
 
     async def _lost(self, job: Job, lost: GpuStateLost, failure: BaseException | None) -> None:
         """The job's GPU state is gone: its tree (held stopped) is ended and

@@ -101,6 +101,15 @@ async def release(root: int, dump_log: Path) -> bool:
     return True
 
 
+async def drop(dump_log: Path) -> bool:
+    """Delete the lock table of the dump logged in ``dump_log``, whatever it
+    holds: for a dump no restore can ever use (unfinished, refused, never
+    stored) of a tree that is gone, whose kept connections nothing will
+    take back. True if deleted."""
+    table = table_of(dump_log)
+    return table is not None and await _nft("delete", "table", "inet", table, quiet=True)
+
+
 async def drop_unused(dump_log: Path) -> bool:
     """Delete the lock table of the finished dump logged in ``dump_log`` if
     it locks no connection (both of CRIU's sets empty): it holds nothing a
