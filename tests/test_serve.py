@@ -4,8 +4,11 @@ answer, its /metrics is served, and SIGTERM stops it cleanly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +31,21 @@ def as_deployed(nats: nats_auth.SecuredNats, **kw: object) -> config.Settings:
                                    nats_password=nats.passwords["smr-storage"], **kw)
 
 
+async def until(check: Callable[[], Awaitable[bool]], task: asyncio.Task[None], what: str,
+                timeout: float = 60) -> None:
+    """Wait until ``check`` holds, while the service ``task`` runs: a service
+    that ended (a port it could not bind) fails the test with its error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if task.done():
+            raise AssertionError(f"the service ended before {what}: {task.exception()!r}")
+        with contextlib.suppress(aiohttp.ClientConnectionError):
+            if await check():
+                return
+        assert time.monotonic() < deadline, f"never {what} in {timeout:.0f} s"
+        await asyncio.sleep(0.1)
+
+
 async def test_storage_service_answers_probes_and_stops_on_sigterm(
         nats_users: nats_auth.SecuredNats, tmp_path: Path) -> None:
     port = free_port()
@@ -36,16 +54,10 @@ async def test_storage_service_answers_probes_and_stops_on_sigterm(
     task = asyncio.create_task(serve.serve("storage", s, make, buckets=BUCKETS))
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:
-        for _ in range(100):
-            try:
-                async with http.get(f"{url}/readyz") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("/readyz never answered 200")
+        async def ready() -> bool:
+            async with http.get(f"{url}/readyz") as r:
+                return r.status == 200
+        await until(ready, task, "/readyz answered 200")
         async with http.get(f"{url}/livez") as r:
             assert r.status == 200
     os.kill(os.getpid(), signal.SIGTERM)
@@ -70,18 +82,15 @@ async def test_a_service_serves_its_metrics_on_the_metrics_port(
     task = asyncio.create_task(serve.serve("storage", s, make, buckets=BUCKETS))
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     async with aiohttp.ClientSession() as http:
-        for _ in range(100):
-            try:
-                async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
-                    text = await r.text()
-                samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
-                           for f in text_string_to_metric_families(text) for x in f.samples}
-                if samples.get(("smr_latest_checkpoint_timestamp_seconds", (
-                        ("checkpoint_id", "served"), ("checkpoint_namespace", "local")))):
-                    break
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.1)
+        async def served() -> bool:
+            nonlocal samples
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                       for f in text_string_to_metric_families(text) for x in f.samples}
+            return bool(samples.get(("smr_latest_checkpoint_timestamp_seconds", (
+                ("checkpoint_id", "served"), ("checkpoint_namespace", "local")))))
+        await until(served, task, "/metrics showed the stored checkpoint")
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.wait_for(task, 15)
     assert samples[("smr_storage_generations", ())] == 1

@@ -189,11 +189,16 @@ class Cluster:
             await asyncio.sleep(0.1)
         return got
 
-    async def latest(self, ckpt: str, after: int = 0, timeout: float = 30) -> dict[str, Any]:
+    async def latest(self, ckpt: str, after: int = 0, timeout: float = 30,
+                     reason: str | None = None) -> dict[str, Any]:
+        """The manifest of ``ckpt``'s latest generation once it is past
+        ``after`` (and, with ``reason``, once one taken for it is latest: a
+        pod's heartbeat may come before, its first one jittered over an
+        interval)."""
         deadline = time.monotonic() + timeout
         while True:
             gen = await self.store.latest("default", ckpt)
-            if gen and gen.number > after:
+            if gen and gen.number > after and reason in (None, gen.manifest.get("reason")):
                 return gen.manifest
             if time.monotonic() > deadline:
                 raise AssertionError(f"no new checkpoint of {ckpt}")
