@@ -74,13 +74,17 @@ def explain(log: Path, *, stderr: str = "") -> tuple[str, str, str] | None:
     if "Can't create a directory (-17)" in text:
         # The parasite mounts a /proc of the tree's PID namespace at
         # proc.crtools in the tree root's working directory and removes it
-        # at once; EEXIST means another dump of a tree working in that
-        # directory held it (seen once in CI), or one was cut short there.
+        # at once. A local job's root is smr-init --local, which works in /:
+        # every local job's dump makes /proc.crtools for a moment, and two at
+        # that moment collide (EEXIST; seen under parallel tests). Or a dump
+        # was cut short there.
         return ("CRIU could not make its /proc mount point, proc.crtools, in the working "
-                "directory of the tree's first process: it exists",
+                "directory of the tree's first process (/ for a local job): it exists; "
+                "another dump of a local job on this machine was making it at that moment",
                 "criu-proc-mountpoint-taken",
-                "the step is retried; if it fails again and no other checkpoint of a process "
-                "working in that directory is running, remove the empty proc.crtools there")
+                "the step is retried; if it fails again while no other checkpoint runs on this "
+                "machine, remove the empty /proc.crtools (or proc.crtools in the working "
+                "directory of the tree's first process)")
     if "can't dump unprivileged task whose /proc" in text:
         return ("the root of the process tree dropped root in a PID namespace whose /proc "
                 "is not its own, and cannot mount one for CRIU (criu/pie/parasite.c)",
