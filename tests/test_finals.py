@@ -6,6 +6,12 @@ the pod tests drive the real one (tests/agent/test_data_path_attacks.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +21,8 @@ from services.checkpointer import endings, finals
 from services.containers import host
 from smr.bus.liveness import StepLocks
 from smr.contract.errors import SmrError
+from smr.jobs import proc_start_ticks
+from smr.process.tree import process_tree
 
 
 class Ending:
@@ -119,3 +127,36 @@ def test_a_worker_that_lets_its_workload_run_on_between_two_reads_is_never_misse
         assert not endings.held_since(work, node, "f1", asking="f2")
     finally:
         worker.__exit__(None, None, None)
+
+
+def test_a_workload_that_is_a_zombie_is_no_longer_running(tmp_path: Path) -> None:
+    """A final dump kills the workload and waits until it is gone from
+    /proc's view (a zombie); smr-init reaps it and writes "exited" a moment
+    later. Meanwhile the container's next final request must not take the
+    zombie for a running workload (to dump, or to say it ran on): real
+    processes, a parent that has not reaped its ended child yet."""
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "kids = [os.fork() for _ in range(2)]\n"
+        "if 0 in kids:\n"
+        "    time.sleep(0 if kids[0] == 0 else 60); os._exit(0)\n"
+        "print(*kids, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        ended, live = (int(x) for x in parent.stdout.readline().split())
+        (tmp_path / "main").mkdir()
+        shim = host.Shim(parent.pid, str(tmp_path), "main")
+        deadline = time.monotonic() + 10
+        while proc_start_ticks(ended) is not None:  # a zombie: /proc says nothing of it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert Path(f"/proc/{ended}").exists(), "reaped: no zombie to look at"
+        (tmp_path / "main" / "status").write_text(f"running {ended}\n")
+        assert shim.workload() is None
+        (tmp_path / "main" / "status").write_text(f"running {live}\n")
+        assert shim.workload() == (live, live)
+    finally:
+        for p in process_tree(parent.pid)[::-1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        parent.wait()

@@ -37,8 +37,8 @@ log = logging.getLogger("smr.checkpointer")
 
 # How long a look waits for smr-init to settle into a state it can be read
 # in: it looks for its workload's end every 0.1 s, and writes "exited" (or
-# exits) only then.
-ENDING_LOOKS, ENDING_LOOK_S = 10, 0.1
+# exits) only then; on a loaded node it may wait for a core meanwhile.
+ENDING_LOOKS, ENDING_LOOK_S = 30, 0.1
 
 
 def _workload_gone(container_id: str) -> bool:

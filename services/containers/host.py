@@ -324,7 +324,9 @@ class Shim:
                 root.replace(f"{self.dir}/restored", note)
 
     def workload(self) -> tuple[int, int] | None:
-        """The workload's (host pid, namespace pid) once the shim runs it."""
+        """The workload's (host pid, namespace pid) once the shim runs it; None
+        once it has ended, also while it is a zombie smr-init has yet to reap
+        (a final dump's kill: its status says "running" a moment longer)."""
         st = self.status()
         if len(st) < 2 or st[0] != "running":
             return None
@@ -334,7 +336,7 @@ class Shim:
             return None
         for kid in children(self.pid):
             if ns_pid(kid) == inner:
-                return kid, inner
+                return (kid, inner) if proc_start_ticks(kid) is not None else None
         return None
 
     def hold(self, on: bool) -> int | None:
