@@ -51,10 +51,9 @@ demo: setup
 # TEST_WORKERS pytest-xdist workers, the longest tests handed out first, and
 # the pod tests in TEST_POD_LANES lanes, each lane's tests one after another
 # on one worker (tests/helpers/ordering.py). Five workers and three lanes
-# take 12-14 minutes on a 2-core machine, but two tests still read host-wide
-# state that other workers change (tests/README.md, "In parallel"), so the
-# default stays in process until they are fixed: make test TEST_WORKERS=5.
-TEST_WORKERS ?= 0
+# take 12-14 minutes on a 2-core machine, where in process takes 42
+# (tests/README.md, "In parallel"); TEST_WORKERS=0 runs it in process.
+TEST_WORKERS ?= 5
 TEST_POD_LANES ?= 3
 export TEST_POD_LANES
 test: setup
