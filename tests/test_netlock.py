@@ -131,15 +131,23 @@ exec sleep 1000
 """
 
 
-async def test_a_heartbeat_whose_criu_was_killed_leaves_the_connections_working(
-        h: Harness) -> None:  # noqa: F811
-    step = ckpt_step(h)
-    script = h.tmp / "hang-once"
-    script.write_text(HANG_ONCE.format(marker=h.tmp / "hung"))
+async def redis_whose_first_dump_hangs(node_h: Harness) -> tuple[Any, Any, int]:
+    """The node's checkpoint step, whose first dump hangs in its post-dump
+    script until CRIU's timeout (3 s) kills it, and a redis job: (step, job,
+    port). The marker file ``hung`` appears as the dump hangs."""
+    step = ckpt_step(node_h)
+    script = node_h.tmp / "hang-once"
+    script.write_text(HANG_ONCE.format(marker=node_h.tmp / "hung"))
     script.chmod(0o755)
     step.criu.options = ["--action-script", str(script)]
     step.criu.timeout = 3.0
-    job, port = await start_redis(h, keys=1000)
+    job, port = await start_redis(node_h, keys=1000)
+    return step, job, port
+
+
+async def test_a_heartbeat_whose_criu_was_killed_leaves_the_connections_working(
+        h: Harness) -> None:  # noqa: F811
+    _, job, port = await redis_whose_first_dump_hangs(h)
     r = client(port)
     try:
         assert r.incr("n") == 1
@@ -356,13 +364,7 @@ async def test_a_final_whose_criu_was_killed_with_its_job_gone_leaves_no_lock(
     from smr.contract.errors import SmrError
     from smr.contract.messages import CkptRequested, Target
 
-    step = ckpt_step(h)
-    script = h.tmp / "hang"
-    script.write_text(HANG_ONCE.format(marker=h.tmp / "hung"))
-    script.chmod(0o755)
-    step.criu.options = ["--action-script", str(script)]
-    step.criu.timeout = 3.0
-    job, port = await start_redis(h, keys=1000)
+    step, job, port = await redis_whose_first_dump_hangs(h)
     r = client(port)
     try:
         assert r.incr("n") == 1
