@@ -129,21 +129,36 @@ def test_a_worker_that_lets_its_workload_run_on_between_two_reads_is_never_misse
         worker.__exit__(None, None, None)
 
 
+# Three children, never reaped: one ended, one running, one whose first
+# thread ended while another runs (a zombie to /proc's stat, and running).
+CHILDREN = """
+import ctypes, os, threading, time
+def child(body):
+    pid = os.fork()
+    if pid == 0:
+        body()
+        os._exit(0)
+    return pid
+def first_thread_ends():
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    ctypes.CDLL(None).pthread_exit(None)
+kids = child(lambda: None), child(lambda: time.sleep(60)), child(first_thread_ends)
+print(*kids, flush=True)
+time.sleep(60)
+"""
+
+
 def test_a_workload_that_is_a_zombie_is_no_longer_running(tmp_path: Path) -> None:
     """A final dump kills the workload and waits until it is gone from
     /proc's view (a zombie); smr-init reaps it and writes "exited" a moment
     later. Meanwhile the container's next final request must not take the
     zombie for a running workload (to dump, or to say it ran on): real
     processes, a parent that has not reaped its ended child yet."""
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\n"
-        "kids = [os.fork() for _ in range(2)]\n"
-        "if 0 in kids:\n"
-        "    time.sleep(0 if kids[0] == 0 else 60); os._exit(0)\n"
-        "print(*kids, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", CHILDREN], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert parent.stdout is not None
-        ended, live = (int(x) for x in parent.stdout.readline().split())
+        ended, live, threaded = (int(x) for x in parent.stdout.readline().split())
         (tmp_path / "main").mkdir()
         shim = host.Shim(parent.pid, str(tmp_path), "main")
         deadline = time.monotonic() + 10
@@ -155,8 +170,34 @@ def test_a_workload_that_is_a_zombie_is_no_longer_running(tmp_path: Path) -> Non
         assert shim.workload() is None
         (tmp_path / "main" / "status").write_text(f"running {live}\n")
         assert shim.workload() == (live, live)
+        while proc_start_ticks(threaded) is not None:  # a zombie first thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (tmp_path / "main" / "status").write_text(f"running {threaded}\n")
+        assert shim.workload() == (threaded, threaded), "a process whose other thread runs"
     finally:
         for p in process_tree(parent.pid)[::-1]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
         parent.wait()
+
+
+def test_two_looks_at_one_held_dump_never_refuse_each_other(tmp_path: Path) -> None:
+    """Two final requests of one pod (an eviction and the node's shutdown)
+    look at the same dump left by a dead agent at once: both find it held;
+    a worker that would take that request meanwhile is refused; the last
+    look leaves no lock file behind."""
+    work, node = tmp_path / "pods", tmp_path / "steps"
+    (work / "f1" / "images").mkdir(parents=True)
+    (work / "f1" / "images" / "dump.log").write_text("(00.5) Dumping finished successfully\n")
+    locks = StepLocks(node)
+    with locks.reading("f1") as first:
+        assert first
+        assert endings.held_since(work, node, "f1", asking="f2")
+        with locks.hold("f1") as worker:
+            assert not worker
+    assert endings.held_since(work, node, "f1", asking="f3")
+    assert list(node.iterdir()) == []
+    with locks.hold("f1") as worker:
+        assert worker
+        assert not endings.held_since(work, node, "f1", asking="f2")

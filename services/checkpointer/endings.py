@@ -115,17 +115,18 @@ def held_since(work_dir: Path, node_dir: Path, request_id: str, asking: str) -> 
     since (a step marks it before it lets the workload run on, and ends the
     workload before it drops the dump)? A live step, still storing it, may
     yet let the workload run on. ``asking``: the request of the caller, whose
-    own worker holds its step lock. Read under that request's lock: a worker
-    that gave up on it marks the dump run past, lets the workload go and
-    lets go of the lock, all between two reads of ours otherwise."""
+    own worker holds its step lock. Read under that request's lock, shared
+    with other such reads: a worker that gave up on it marks the dump run
+    past, lets the workload go and lets go of the lock, all between two reads
+    of ours otherwise."""
     def unmarked() -> bool:
         return dump_finished(work_dir / request_id / "images") \
             and not ran_on(work_dir, request_id)
 
     if request_id == asking:
         return unmarked()
-    with StepLocks(node_dir).hold(request_id) as ours:
-        return ours and unmarked()
+    with StepLocks(node_dir).reading(request_id) as free:
+        return free and unmarked()
 
 
 def ends(node_dir: Path, work_dir: Path, req: CkptRequested, gen: Generation) -> bool:

@@ -82,6 +82,16 @@ def is_shim(pid: int) -> bool:
         and _nspids(pid)[1:] == [1]
 
 
+def _ended(pid: int) -> bool:
+    """Has ``pid`` ended: gone, or a zombie with no thread left running?"""
+    if proc_start_ticks(pid) is not None:
+        return False
+    try:
+        return len(os.listdir(PROC / str(pid) / "task")) <= 1
+    except OSError:
+        return True
+
+
 def _nspids(pid: int) -> list[int]:
     """``pid`` in each PID namespace from the agent's down to its own."""
     fixed = _fixed(pid)
@@ -326,7 +336,9 @@ class Shim:
     def workload(self) -> tuple[int, int] | None:
         """The workload's (host pid, namespace pid) once the shim runs it; None
         once it has ended, also while it is a zombie smr-init has yet to reap
-        (a final dump's kill: its status says "running" a moment longer)."""
+        (a final dump's kill: its status says "running" a moment longer). A
+        process whose first thread exited while others run shows as a zombie
+        too, and runs."""
         st = self.status()
         if len(st) < 2 or st[0] != "running":
             return None
@@ -336,7 +348,7 @@ class Shim:
             return None
         for kid in children(self.pid):
             if ns_pid(kid) == inner:
-                return (kid, inner) if proc_start_ticks(kid) is not None else None
+                return None if _ended(kid) else (kid, inner)
         return None
 
     def hold(self, on: bool) -> int | None:

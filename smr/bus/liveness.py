@@ -35,36 +35,65 @@ class StepLocks:
         # Hashed: a request id is the requester's text, never a path of ours.
         return self.root / (hashlib.sha256(request_id.encode()).hexdigest()[:40] + ".lock")
 
-    @contextlib.contextmanager
-    def hold(self, request_id: str) -> Iterator[bool]:
-        """Hold ``request_id``'s lock while the block runs: True; False (holding
-        nothing) when a live worker, in this process or another, holds it."""
+    def _open_locked(self, request_id: str, how: int) -> int | None:
+        """``request_id``'s lock file, open and locked ``how`` (LOCK_EX or
+        LOCK_SH, never waiting); None when a live worker holds it (or, for
+        LOCK_EX, anyone)."""
         self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
         path = self._path(request_id)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, how | fcntl.LOCK_NB)
                 mine = _same_file(fd, path)
             except BlockingIOError:
                 os.close(fd)
-                yield False
-                return
+                return None
             except BaseException:
                 os.close(fd)
                 raise
             if mine:
-                break
+                return fd
             # Its last holder removed it between our open and our lock: that
             # file is no one's now; the lock is the one at the path.
             os.close(fd)
+
+    @contextlib.contextmanager
+    def hold(self, request_id: str) -> Iterator[bool]:
+        """Hold ``request_id``'s lock while the block runs: True; False (holding
+        nothing) when a live worker, in this process or another, holds it."""
+        fd = self._open_locked(request_id, fcntl.LOCK_EX)
+        if fd is None:
+            yield False
+            return
         try:
             yield True
         finally:
             # Removed while still held, so that a worker that opened it
             # meanwhile sees, once it gets the lock, that it is not the path's.
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(self._path(request_id))
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def reading(self, request_id: str) -> Iterator[bool]:
+        """While the block runs, no worker takes ``request_id`` (one that tries
+        is refused and looks again later): True; False when a live worker
+        holds it. Readers share it: two looks at one request never refuse
+        each other."""
+        fd = self._open_locked(request_id, fcntl.LOCK_SH)
+        if fd is None:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            # Removed by the last one on it only: none other reads, no worker.
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _same_file(fd, self._path(request_id)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path(request_id))
             os.close(fd)
 
     def live(self, request_id: str) -> bool:
