@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,11 +15,51 @@ from pathlib import Path
 
 from smr.contract.errors import SmrError
 
+# Ports handed out by this process lately, not handed out again while their
+# server may still be starting.
+_GIVEN: dict[int, float] = {}
+_GIVEN_FOR_S = 120.0
+_LOWEST = 10000
+
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server about to bind it.
+    Below the kernel's ephemeral range (ip_local_port_range), from which
+    every outgoing connection and bind(0) takes its port: one of those took
+    a port picked there before its server bound it (nats-server's route
+    port, several test processes at once). Where that range leaves none
+    below it, a port the kernel picks."""
+    low = _ephemeral_low()
+    now = time.monotonic()
+    for port, when in list(_GIVEN.items()):
+        if now - when > _GIVEN_FOR_S:
+            del _GIVEN[port]
+    rng = random.SystemRandom()
+    for _ in range(200 if low - _LOWEST > 1000 else 0):
+        port = rng.randrange(_LOWEST, low)
+        if port not in _GIVEN and _bindable(port):
+            _GIVEN[port] = now
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    # Without SO_REUSEADDR: a port any socket holds, even in TIME_WAIT, is not.
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class NatsServer:

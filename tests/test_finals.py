@@ -7,10 +7,12 @@ the pod tests drive the real one (tests/agent/test_data_path_attacks.py)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,3 +203,55 @@ def test_two_looks_at_one_held_dump_never_refuse_each_other(tmp_path: Path) -> N
     with locks.hold("f1") as worker:
         assert worker
         assert not endings.held_since(work, node, "f1", asking="f2")
+
+
+# A process whose memory takes a while to free, with a second thread.
+BIG_THREADED = """
+import threading, time
+ballast = bytearray(768 << 20)
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+threading.Thread(target=time.sleep, args=(60,)).start()
+print("ok", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_workload_whose_threads_are_still_exiting_has_ended(tmp_path: Path) -> None:
+    """SIGKILL makes a process's first thread a zombie at once (a final's
+    kill waits for that), while its other threads exit as its memory is
+    freed: from then on the workload has ended. Real processes; tried until
+    that moment is seen."""
+    (tmp_path / "main").mkdir()
+    seen = 0
+    for _ in range(5):
+        p = subprocess.Popen([sys.executable, "-c", BIG_THREADED], stdout=subprocess.PIPE,
+                             text=True)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+            (tmp_path / "main" / "status").write_text(f"running {p.pid}\n")
+            shim = host.Shim(os.getpid(), str(tmp_path), "main")
+            os.kill(p.pid, signal.SIGKILL)
+            while p.poll() is None:  # reaped only once every thread is gone
+                if proc_start_ticks(p.pid) is None and len(os.listdir(
+                        f"/proc/{p.pid}/task")) > 1:
+                    seen += 1
+                    assert shim.workload() is None, "a killed workload taken for running"
+        finally:
+            p.kill()
+            p.wait()
+        if seen:
+            return
+    pytest.fail("no killed process was seen with threads still exiting in 5 tries")
+
+
+def test_a_look_waits_out_another_look_leaving(tmp_path: Path) -> None:
+    """A look on its way out holds the request's file exclusively for a moment
+    while it removes it: a second look then must not take it for a worker."""
+    locks = StepLocks(tmp_path / "steps")
+    locks.root.mkdir(parents=True)
+    fd = os.open(locks._path("f1"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the leaving look holds it
+    threading.Timer(0.05, os.close, (fd,)).start()
+    with locks.reading("f1") as free:
+        assert free

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,13 +84,33 @@ def is_shim(pid: int) -> bool:
 
 
 def _ended(pid: int) -> bool:
-    """Has ``pid`` ended: gone, or a zombie with no thread left running?"""
+    """Has ``pid`` ended: gone, or a zombie with no thread left running? A
+    killed process's first thread is a zombie at once, while its others
+    exit for as long as its memory takes to free (a second for 3 GB)."""
     if proc_start_ticks(pid) is not None:
         return False
     try:
-        return len(os.listdir(PROC / str(pid) / "task")) <= 1
+        tids = [t for t in os.listdir(PROC / str(pid) / "task") if t != str(pid)]
     except OSError:
         return True
+    return not any(_thread_runs(pid, t) for t in tids)
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: the task is on its way out
+_KILL_PENDING = 1 << (signal.SIGKILL - 1)
+
+
+def _thread_runs(pid: int, tid: str) -> bool:
+    """A thread neither ended, on its way out, nor with SIGKILL pending (a
+    process killed: each thread gets it, and starts its exit when next run)."""
+    raw = procfs.read(pid, f"task/{tid}/stat", limit=procfs.ARGV_MAX)
+    if not raw or b")" not in raw:
+        return False
+    fields = raw[raw.rindex(b")") + 2:].split()
+    # Fields 3 (state), 9 (flags) and 31 (the thread's own pending signals).
+    if len(fields) <= 28 or fields[0] in (b"Z", b"X"):
+        return False
+    return not (int(fields[6]) & PF_EXITING or int(fields[28]) & _KILL_PENDING)
 
 
 def _nspids(pid: int) -> list[int]:

@@ -192,19 +192,21 @@ ENTRIES: tuple[Entry, ...] = (
           ("services.containers.confined:Root.of_pid", "services.containers.host:Shim.confined",
            "services.containers.host:Shim.root")),
     Entry("proc-identity", "/proc/<pid>/{cgroup,cmdline,environ,stat,status,ns/pid,ns/user,"
-          "task/*/children}", "kernel",
+          "task/*/children,task/*/stat}", "kernel",
           "read bounded (smr.process.procfs: a command line 64 KiB at most, argv[0] up to "
           "its end; an environment 8 MiB; readlink), status and SMR_CONTAINER once a "
           "process; their content partly the tenant's",
           "which container a process is in (cgroup path), a shim (argv[0] is smr-init and "
           "its namespace PID 1), SMR_CONTAINER (one name, else refused), the tree, who "
-          "there may hold CAP_SYS_PTRACE (refused)",
+          "there may hold CAP_SYS_PTRACE (refused), whether a workload that is a zombie "
+          "still has a thread running (one neither exiting nor killed)",
           ("services.containers.host:container_id_of", "services.containers.host:all_pids",
            "services.containers.host:children", "services.containers.host:Shim.of",
            "services.containers.host:is_shim", "services.containers.gpus:_parent",
            "services.containers.gpus:_uid", "services.containers.gpus:_pidns",
            "services.restorer.pod:_find_ns_pid", "services.containers.host:_nspids",
-           "services.containers.host:_fixed",
+           "services.containers.host:_fixed", "services.containers.host:_ended",
+           "services.containers.host:_thread_runs",
            "services.containers.incontainer:container_capabilities",
            "services.containers.incontainer:refuse_ptracers",
            "services.containers.incontainer:_ptracer")),

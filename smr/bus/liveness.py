@@ -21,8 +21,11 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+READER_PATIENCE_S, READER_RETRY_S = 0.2, 0.005
 
 
 class StepLocks:
@@ -35,12 +38,13 @@ class StepLocks:
         # Hashed: a request id is the requester's text, never a path of ours.
         return self.root / (hashlib.sha256(request_id.encode()).hexdigest()[:40] + ".lock")
 
-    def _open_locked(self, request_id: str, how: int) -> int | None:
+    def _open_locked(self, request_id: str, how: int, patience: float = 0.0) -> int | None:
         """``request_id``'s lock file, open and locked ``how`` (LOCK_EX or
-        LOCK_SH, never waiting); None when a live worker holds it (or, for
-        LOCK_EX, anyone)."""
+        LOCK_SH), tried again for ``patience`` seconds; None when a live
+        worker holds it (or, for LOCK_EX, anyone)."""
         self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
         path = self._path(request_id)
+        deadline = time.monotonic() + patience
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
@@ -48,6 +52,9 @@ class StepLocks:
                 mine = _same_file(fd, path)
             except BlockingIOError:
                 os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(READER_RETRY_S)
+                    continue
                 return None
             except BaseException:
                 os.close(fd)
@@ -81,7 +88,10 @@ class StepLocks:
         is refused and looks again later): True; False when a live worker
         holds it. Readers share it: two looks at one request never refuse
         each other."""
-        fd = self._open_locked(request_id, fcntl.LOCK_SH)
+        # Tried again for a moment: a reader on its way out holds the file
+        # exclusively while it removes it (microseconds); a worker holds it
+        # for a whole request.
+        fd = self._open_locked(request_id, fcntl.LOCK_SH, READER_PATIENCE_S)
         if fd is None:
             yield False
             return
