@@ -66,21 +66,29 @@ class StepLocks:
             os.close(fd)
 
     @contextlib.contextmanager
+    def _locked(self, request_id: str, how: int, patience: float = 0.0
+                ) -> Iterator[int | None]:
+        """``_open_locked``'s descriptor while the block runs, closed after."""
+        fd = self._open_locked(request_id, how, patience)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @contextlib.contextmanager
     def hold(self, request_id: str) -> Iterator[bool]:
         """Hold ``request_id``'s lock while the block runs: True; False (holding
         nothing) when a live worker, in this process or another, holds it."""
-        fd = self._open_locked(request_id, fcntl.LOCK_EX)
-        if fd is None:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            # Removed while still held, so that a worker that opened it
-            # meanwhile sees, once it gets the lock, that it is not the path's.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(request_id))
-            os.close(fd)
+        with self._locked(request_id, fcntl.LOCK_EX) as fd:
+            try:
+                yield fd is not None
+            finally:
+                if fd is not None:
+                    # Removed while still held, so that a worker that opened it
+                    # meanwhile sees, once it gets the lock, that it is not the path's.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path(request_id))
 
     @contextlib.contextmanager
     def reading(self, request_id: str) -> Iterator[bool]:
@@ -91,20 +99,17 @@ class StepLocks:
         # Tried again for a moment: a reader on its way out holds the file
         # exclusively while it removes it (microseconds); a worker holds it
         # for a whole request.
-        fd = self._open_locked(request_id, fcntl.LOCK_SH, READER_PATIENCE_S)
-        if fd is None:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            # Removed by the last one on it only: none other reads, no worker.
-            with contextlib.suppress(BlockingIOError):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _same_file(fd, self._path(request_id)):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path(request_id))
-            os.close(fd)
+        with self._locked(request_id, fcntl.LOCK_SH, READER_PATIENCE_S) as fd:
+            try:
+                yield fd is not None
+            finally:
+                if fd is not None:
+                    # Removed by the last one on it only: none other reads, no worker.
+                    with contextlib.suppress(BlockingIOError):
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        if _same_file(fd, self._path(request_id)):
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(self._path(request_id))
 
     def live(self, request_id: str) -> bool:
         """Whether a live worker holds ``request_id``'s lock now."""
