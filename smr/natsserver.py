@@ -33,16 +33,21 @@ def free_port() -> int:
     now = time.monotonic()
     for port, when in list(_GIVEN.items()):
         if now - when > _GIVEN_FOR_S:
-            del _GIVEN[port]
+            _GIVEN.pop(port, None)
     rng = random.SystemRandom()
     for _ in range(200 if low - _LOWEST > 1000 else 0):
         port = rng.randrange(_LOWEST, low)
         if port not in _GIVEN and _bindable(port):
             _GIVEN[port] = now
             return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            break
+    _GIVEN[port] = now
+    return port
 
 
 def _ephemeral_low() -> int:

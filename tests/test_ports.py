@@ -42,3 +42,13 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> N
         assert port != taken
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_where_no_port_lies_below_that_range_none_is_handed_out_twice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ip_local_port_range from 1024: the kernel picks, and a port handed
+    out a moment ago (its server not bound yet) is not handed out again."""
+    monkeypatch.setattr(natsserver, "_ephemeral_low", lambda: 1024)
+    monkeypatch.setattr(natsserver, "_GIVEN", {})
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
