@@ -53,14 +53,22 @@ def expected_digest(mib: int, step: int) -> str:
     return digest(buf)
 
 
-def started() -> int:
-    """When this process started (clock ticks since boot, /proc/self/stat):
-    a restored process is a new one to the kernel, so this changes at each
-    restore, which nothing restored in memory can tell. /proc/self, not its
-    PID: in a PID namespace of its own the host's /proc numbers it otherwise."""
+def started() -> tuple[str, int]:
+    """Which process this is to the kernel, new at each restore, which
+    nothing restored in memory can tell: its PID in the /proc it sees, and
+    when it started (clock ticks since boot, /proc/self/stat).
+
+    Where that /proc is not its PID namespace's (a local job's own namespace
+    under the host's /proc) the PID alone tells (a restore brings a new one
+    there), and stat is not opened: a file of /proc/<host PID> open at the
+    freeze names a PID the restored process does not have, and CRIU cannot
+    restore it."""
+    pid = os.readlink("/proc/self")
+    if pid != str(os.getpid()):
+        return pid, 0
     with open("/proc/self/stat", "rb") as f:
         stat = f.read()
-    return int(stat.rsplit(b")", 1)[1].split()[19])
+    return pid, int(stat.rsplit(b")", 1)[1].split()[19])
 
 
 def resumed_digest(after: list[dict[str, str]]) -> dict[str, str] | None:

@@ -249,6 +249,32 @@ async def test_job_with_open_file_and_child_process(h: Harness) -> None:
     assert len(kids) == 1, "the child process was restored with its parent"
 
 
+# The counter's look at which process it is, with every file it opens named.
+OPENS = """
+import sys
+from smrctl import demo_counter
+opened = []
+sys.addaudithook(lambda ev, args: opened.append(str(args[0])) if ev == "open" else None)
+print(demo_counter.started(), opened)
+"""
+
+
+def test_a_counter_in_a_pid_namespace_of_its_own_opens_no_file_of_its_host_pid(
+        tmp_path: Path) -> None:
+    """A local job's counter sees the host's /proc: a file of /proc/<host
+    PID> open at the freeze names a PID its restored copy lacks, and CRIU
+    failed to restore it ("Can't open file proc/3361/stat on restore"). Its
+    look at which process it is opens no file there; in the host's namespace
+    (where its PID comes back) it reads its start time."""
+    init = config.load().init_binary()
+    own = subprocess.run([init, "--local-ns", "--", sys.executable, "-c", OPENS],
+                         capture_output=True, text=True, check=True, cwd=Path.cwd()).stdout
+    assert "/proc" not in own.split(")", 1)[1], own
+    host = subprocess.run([sys.executable, "-c", OPENS], capture_output=True, text=True,
+                          check=True).stdout
+    assert "/proc/self/stat" in host, host
+
+
 async def test_pre_dump_then_dump_writes_less_and_restores(h: Harness, criu_binary: str) -> None:
     crit = Criu(criu_binary)
     if not await crit.tracks_memory():

@@ -26,7 +26,10 @@ from tests import nats_auth
 
 def as_deployed(nats: nats_auth.SecuredNats, **kw: object) -> config.Settings:
     """The storage service's settings as its Deployment gives them: NATS with
-    the shipped users, logged in as smr-storage (SMR_NATS_USER, SMR_NATS_PASSWORD)."""
+    the shipped users, logged in as smr-storage (SMR_NATS_USER, SMR_NATS_PASSWORD).
+    /metrics only where a test asks for it, on a port of its own: the default
+    (9464) is every service's, and other tests' services run beside it."""
+    kw.setdefault("metrics_port", 0)
     return config.load({}).replace(nats_url=nats.url, nats_user="smr-storage",
                                    nats_password=nats.passwords["smr-storage"], **kw)
 
