@@ -103,12 +103,9 @@ _KILL_PENDING = 1 << (signal.SIGKILL - 1)
 def _thread_runs(pid: int, tid: str) -> bool:
     """A thread neither ended, on its way out, nor with SIGKILL pending (a
     process killed: each thread gets it, and starts its exit when next run)."""
-    raw = procfs.read(pid, f"task/{tid}/stat", limit=procfs.ARGV_MAX)
-    if not raw or b")" not in raw:
-        return False
-    fields = raw[raw.rindex(b")") + 2:].split()
-    # Fields 3 (state), 9 (flags) and 31 (the thread's own pending signals).
-    if len(fields) <= 28 or fields[0] in (b"Z", b"X"):
+    fields = procfs.stat_fields(pid, f"task/{tid}/stat")
+    # Fields 9 (flags) and 31 (the thread's own pending signals) of stat.
+    if fields is None or len(fields) <= 28:
         return False
     return not (int(fields[6]) & PF_EXITING or int(fields[28]) & _KILL_PENDING)
 

@@ -80,10 +80,11 @@ def env_value(pid: int, key: str) -> str | None:
     return raw[start:end if end >= 0 else len(raw)].decode(errors="replace")
 
 
-def stat_fields(pid: int) -> list[bytes] | None:
+def stat_fields(pid: int, name: str = "stat") -> list[bytes] | None:
     """``pid``'s stat fields after its command name (the first is its state,
-    the twentieth its start tick); None once it is gone, or a zombie."""
-    raw = read(pid, "stat", limit=ARGV_MAX)
+    the twentieth its start tick); None once it is gone, or a zombie.
+    ``name``: another stat file of it (a thread's: ``task/<tid>/stat``)."""
+    raw = read(pid, name, limit=ARGV_MAX)
     if not raw or b")" not in raw:
         return None
     fields = raw[raw.rindex(b")") + 2:].split()
