@@ -354,12 +354,18 @@ class JobLock:
         self.live = live
 
     async def acquire(self, job_id: str, request_id: str,
-                      waiting: Callable[[str], None] | None = None) -> None:
+                      waiting: Callable[[str], None] | None = None,
+                      check: Callable[[], None] | None = None) -> None:
         """Take the lock, waiting up to ``wait_s`` while another live step
-        holds it (``waiting`` is told the holder, once)."""
+        holds it (``waiting`` is told the holder, once). ``check`` is called
+        before each try, and raises to stop waiting: the lock serves its
+        waiters in no order, so a step that must give way to another waiter
+        asks so itself."""
         deadline = time.monotonic() + self.wait_s
         told = None
         while True:
+            if check is not None:
+                check()
             holder = await self._try(job_id, request_id)
             if holder is None:
                 return

@@ -106,6 +106,7 @@ class PodCheckpointStep(PodRecovery, PodStep):
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         started, t0 = now(), time.monotonic()
         if req.leave_running:
+            takeover.make_way(self.flights, req)
             return await self._run(req, progress, await self.pods.container(req.target),
                                    started, t0)
         # A leave-running dump of this container in flight is taken over,
@@ -138,7 +139,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
         # Under the container's lock: a restore into it (which holds the lock)
         # is over, and smr-init told so, before its workload is looked for.
         await self.lock.acquire(c.lock_key(), req.request_id,
-                                lambda holder: progress.update("waiting", waiting_for=holder))
+                                lambda holder: progress.update("waiting", waiting_for=holder),
+                                check=lambda: takeover.make_way(self.flights, req))
         work = self.work(req.request_id)
         work_fd = -1
         keep_work = False  # a finished dump that could not be stored yet: recover() stores it
@@ -208,14 +210,8 @@ class PodCheckpointStep(PodRecovery, PodStep):
                         "its checkpoint began; nothing was saved", code="terminating",
                         hint="a final checkpoint must come before the kubelet's SIGTERM: "
                              "the preStop hook smr's webhook adds waits for it")
-                if flight and (final := self.flights.final_for(takeover.key(req.target),
-                                                               flight)):
-                    # Nothing frozen yet: the final request dumps, once.
-                    raise PermanentError(
-                        f"the final checkpoint of {req.target} ({final.request_id}), asked "
-                        "for meanwhile, takes this one's place; nothing was dumped for it",
-                        code="taken-over", hint="the final checkpoint is the workload's "
-                        "state; nothing to do")
+                # Nothing frozen yet: a final request asked for meanwhile dumps, once.
+                takeover.make_way(self.flights, req)
                 if flight:
                     # From here a final request takes the dump over, as it
                     # ends; a GPU tree's (resumed by resume_after, or its

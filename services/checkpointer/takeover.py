@@ -44,6 +44,7 @@ import orjson
 
 from services.storage.generation import Generation
 from smr.bus import Progress
+from smr.contract.errors import PermanentError
 from smr.contract.messages import CkptRequested, Target
 from smr.identity import write_durably
 
@@ -108,9 +109,13 @@ class Flights:
     def final_for(self, key: Key, flight: Flight) -> CkptRequested | None:
         """The final request of this pod container in progress here that
         takes ``flight`` over (or makes it step aside): one of its lineage."""
+        return self.final_of(key, flight.checkpoint_id)
+
+    def final_of(self, key: Key, checkpoint_id: str) -> CkptRequested | None:
+        """The final request of this pod container and lineage in progress
+        here, if one is (it may still wait for the container's lock)."""
         final = self._finals.get(key)
-        return final if final is not None and final.checkpoint_id == flight.checkpoint_id \
-            else None
+        return final if final is not None and final.checkpoint_id == checkpoint_id else None
 
     @contextlib.contextmanager
     def final(self, key: Key, req: CkptRequested) -> Iterator[None]:
@@ -124,6 +129,23 @@ class Flights:
         finally:
             if mine and self._finals.get(key) is req:
                 del self._finals[key]
+
+
+def make_way(flights: Flights, req: CkptRequested) -> None:
+    """A leave-running request of a pod container whose final request (its
+    lineage's) is in progress here steps aside, nothing frozen: raises
+    ``taken-over``. Asked as the step starts, at each look at the container's
+    lock while it waits, and once more before the freeze, so that no waiting
+    leave-running step takes the lock ahead of the final one (the lock
+    serves its waiters in no order)."""
+    if not req.leave_running:
+        return
+    if (final := flights.final_of(key(req.target), req.checkpoint_id)) is not None:
+        raise PermanentError(
+            f"the final checkpoint of {req.target} ({final.request_id}), asked for "
+            "meanwhile, takes this one's place; nothing was dumped for it",
+            code="taken-over", hint="the final checkpoint is the workload's state; nothing "
+            "to do")
 
 
 async def wait(flight: Flight, req: CkptRequested,

@@ -18,6 +18,7 @@ import contextlib
 import re
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from services.checkpointer.pod_capture import CONTAINER_FILE
 from services.containers.host import Shim
 from services.storage.backend import StorageError
 from smr.aio import wait_event
-from smr.bus import KV_TIMINGS
+from smr.bus import KV_LOCKS, KV_STEPS, KV_TIMINGS
 from smr.contract.messages import CkptRequested, Target
 from smr.jobs import proc_start_ticks, signal_tree
 from tests.agent.cluster import Cluster, assert_continues, steps, store_puts_through, workload
@@ -320,6 +321,63 @@ async def test_a_cordon_dump_not_yet_frozen_steps_aside_for_the_final_one(
     assert "final_request_id" not in m, "the final request's own dump"
     assert "final checkpoint done" in hook_said(cluster, a, "aside")
     await resumes_intact(cluster, "aside", a, b)
+
+
+async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_final_one(
+        cluster: Cluster) -> None:
+    """A heartbeat's request waits for its container's lock (a live step of
+    another agent holds it), and the pod is evicted: its final request waits
+    for the same lock. The lock serves its waiters in no order, so the
+    heartbeat must not wait on to take it first and make the final one wait
+    again, as on a busy node in a drain: it is answered ``taken-over`` while
+    the lock is still held, having frozen nothing, and once the lock is free
+    the final request dumps the pod, once."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("waits", a, labels=NODE_RESTORE, final_wait=80,
+                                      grace=90))
+    await cluster.until_steps("waits", a, 3)
+    pod = cluster.kube.get("pods", "waits", "default")
+    assert pod is not None
+    uid = pod["metadata"]["uid"]
+    # The holder: a step alive elsewhere (its state running, its heartbeat fresh).
+    holder = uuid.uuid4().hex
+    locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
+    await locks.put(f"pod.{uid}.main", orjson.dumps({"request_id": holder, "at": time.time()}))
+
+    async def beat() -> None:
+        while True:
+            await states.put(holder, orjson.dumps({"state": "running",
+                                                   "heartbeat": time.time()}))
+            await asyncio.sleep(1)
+
+    beating = asyncio.create_task(beat())
+    try:
+        hb = CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id="waits.main", node=a,
+            reason="heartbeat", leave_running=True,
+            target=Target(kind="pod", namespace="default", pod="waits", container="main",
+                          pod_uid=uid))
+        await cluster.bus.publish(hb)
+        deadline = time.monotonic() + 60
+        while ((await cluster.bus.step_state(hb.request_id))[0] or {}).get("phase") \
+                != "waiting":
+            assert time.monotonic() < deadline, "the heartbeat never waited for the lock"
+            await asyncio.sleep(0.2)
+
+        await evict(cluster, "waits")
+        done = await cluster.bus.wait_result(hb.request_id, "ckpt.requested", timeout=60)
+        assert done.status == "failed" and (done.error or {}).get("code") == "taken-over", \
+            done.error
+        held = orjson.loads((await locks.get(f"pod.{uid}.main")).value)["request_id"]
+        assert held == holder, "the lock changed hands before the heartbeat gave way"
+    finally:
+        beating.cancel()
+    await states.put(holder, orjson.dumps({"state": "done", "finished": time.time()}))
+    await locks.delete(f"pod.{uid}.main")
+    await cluster.recreated("waits", timeout=120)
+    assert "final checkpoint done" in hook_said(cluster, a, "waits")
+    gens = await cluster.store.generations("default", "waits.main")
+    assert records(gens) == [(1, "drain", False)], records(gens)
 
 
 async def test_a_hold_left_by_a_step_that_died_after_its_kill_ends_at_the_recovery(

@@ -286,7 +286,7 @@ async def test_final_checkpoints_go_ahead_of_queued_leave_running_ones(
                 target=Target(kind="pod", namespace="default", pod=n, container="main",
                               pod_uid=p["metadata"]["uid"]))
             await cluster.bus.publish(req)
-            queued.append(req.request_id)
+            queued.append(req)
 
     await cluster.core.patch_node(a, {"spec": {"unschedulable": True}})
     await asyncio.gather(*(evict(cluster, n) for n in names))
@@ -297,26 +297,36 @@ async def test_final_checkpoints_go_ahead_of_queued_leave_running_ones(
     for n in names:  # a timing to read, not to assert
         print(f"\nbusy drain: {n}: preStop hook (eviction to final checkpoint stored) "
               f"{seconds_between(cluster, a, n, 'prestop', 'prestop-done'):.2f}s")
-    stored = []
+    final_started = {}
     for n in names:
         said = hook_said(cluster, a, n)
         assert "final checkpoint done" in said, f"{n}: the hook said {said}"
         assert not kubelet.did(n, "KILL"), f"{n} outlived its grace period"
         gen = await cluster.store.latest("default", f"{n}.main")
         assert gen is not None
-        assert gen.manifest["reason"] == "drain" and gen.manifest["leave_running"] is False
-        stored.append(epoch(gen.manifest["created_at"]))
-    # The order: leave-running requests queued before the drain were answered
-    # after every final checkpoint was stored (they waited, not the finals).
+        m = gen.manifest
+        assert m["reason"] == "drain" and m["leave_running"] is False
+        # The final request's own step (a taken-over dump names it).
+        final, _ = await cluster.bus.step_state(m.get("final_request_id") or m["request_id"])
+        assert final is not None and final["result"]["started_at"], final
+        final_started[n] = epoch(final["result"]["started_at"])
+    # The order: the finals started while leave-running requests queued before
+    # them still waited (in the order published, every one of those would
+    # be answered first), and none of those dumped its pod once its final
+    # had started (it gave way, or found the pod gone).
     later = 0
-    for rid in queued:
-        done = await cluster.bus.wait_result(rid, "ckpt.requested", timeout=120)
-        state, _ = await cluster.bus.step_state(rid)
+    for req in queued:
+        done = await cluster.bus.wait_result(req.request_id, "ckpt.requested", timeout=120)
+        state, _ = await cluster.bus.step_state(req.request_id)
         assert state is not None
-        later += state["finished"] > max(stored)
         assert done.status in ("succeeded", "failed")
+        began = final_started[req.target.pod or ""]
+        later += state["finished"] > began
+        if done.status == "succeeded":
+            assert done.started_at and epoch(done.started_at) < began, \
+                f"a leave-running dump of {req.target.pod} began after its final checkpoint did"
     print(f"busy drain: {later} of {len(queued)} leave-running requests queued before the "
-          "drain were answered after the last final checkpoint was stored")
+          "drain were answered after their pod's final checkpoint had started")
     assert later > 0, "every queued leave-running request went ahead of the finals"
     for n in names:
         before = steps(cluster.log(n, a))
