@@ -601,6 +601,22 @@ async def test_a_final_request_starts_before_leave_running_ones_queued_earlier(
     assert step.started == ["lr-1", "final-1", "lr-2", "lr-3"]
 
 
+async def test_a_final_request_does_not_wait_for_the_estimate_of_one_queued_before_it(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """The size estimate of the next leave-running request takes seconds (a
+    large writable layer to walk on a loaded node): a final request fetched
+    meanwhile takes the free slot as soon as its own estimate is made."""
+    async def estimate(req: CkptRequested) -> int:
+        if req.request_id == "slow-2":
+            await asyncio.sleep(4)
+        return 0
+
+    step = Gated()
+    await _served(bus, step, node, ["lr-est", "slow-2", "final-est"], concurrency=2, ahead=8,
+                  admission=CheckpointAdmission(tmp_path, estimate))
+    assert step.started == ["lr-est", "final-est", "slow-2"]
+
+
 async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
         bus: Bus, node: str, tmp_path: Path) -> None:
     async def estimate(req: CkptRequested) -> int:

@@ -64,6 +64,7 @@ class Waiting:
     key: tuple[int, int, int]  # (urgency, stream sequence, arrival)
     estimate: int | None = None  # asked for once, when it is next to start
     req: Any = None  # the request, parsed (None: a bad one)
+    estimating: asyncio.Task[int] | None = None  # that estimate, while it is made
 
 
 class Ahead:
@@ -106,28 +107,43 @@ class Ahead:
         taken out to start now."""
         if self.admission is None:
             return []
-        out = [n for n, w in self._waiting.items() if rides(self.admission, w.req)]
-        return [self._waiting.pop(n).msg for n in out]
+        out = [self._waiting.pop(n) for n, w in list(self._waiting.items())
+               if rides(self.admission, w.req)]
+        for w in out:
+            if w.estimating is not None:
+                w.estimating.cancel()  # a rider takes no slot, and so no room
+        return [w.msg for w in out]
 
     def messages(self) -> list[Msg]:
         return [w.msg for w in self._waiting.values()]
 
-    async def next(self, in_flight: int) -> tuple[Msg, int] | None:
-        """The request to start now and its estimate, or None: none waits, or
-        the most urgent one does not fit the room beside ``in_flight`` steps
-        (then none starts: a smaller, less urgent one must not take the room
-        the urgent one waits for). One always starts when none is in flight,
-        whatever its size: it could never start otherwise."""
+    def next(self, in_flight: int) -> tuple[Msg, int] | None:
+        """The request to start now and its estimate, or None: none waits,
+        the most urgent one's estimate is still being made (``estimating``:
+        made apart, so that a more urgent request fetched meanwhile need not
+        wait for it), or the most urgent one does not fit the room beside
+        ``in_flight`` steps (then none starts: a smaller, less urgent one must
+        not take the room the urgent one waits for). One always starts when
+        none is in flight, whatever its size: it could never start otherwise."""
         if not self._waiting:
             return None
         head = min(self._waiting.values(), key=lambda w: w.key)
         if self.admission is not None and head.request_id is not None:
             if head.estimate is None:
-                head.estimate = await self._estimate(head)
+                if head.estimating is None:
+                    head.estimating = asyncio.create_task(self._estimate(head))
+                if not head.estimating.done():
+                    return None
+                head.estimate = head.estimating.result()
             if in_flight and self.reserved + head.estimate > self.admission.room():
                 return None
         del self._waiting[head.key[2]]
         return head.msg, head.estimate or 0
+
+    def estimating(self) -> set[asyncio.Task[int]]:
+        """The estimates being made: the worker looks again as each ends."""
+        return {t for w in self._waiting.values()
+                if (t := w.estimating) is not None and not t.done()}
 
     async def _estimate(self, w: Waiting) -> int:
         assert self.admission is not None
@@ -142,6 +158,8 @@ class Ahead:
 
     def drop_all(self) -> list[Msg]:
         msgs = self.messages()
+        for t in self.estimating():
+            t.cancel()
         self._waiting.clear()
         return msgs
 

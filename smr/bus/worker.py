@@ -113,7 +113,7 @@ class Worker:
                     serving.add(t)
                     t.add_done_callback(serving.discard)
                 while len(serving) < self.concurrency and \
-                        (nxt := await waiting.next(len(serving))):
+                        (nxt := waiting.next(len(serving))):
                     t = self._start(waiting, *nxt)
                     serving.add(t)
                     t.add_done_callback(serving.discard)
@@ -122,8 +122,9 @@ class Worker:
                 if fetching is None and \
                         (room := self.concurrency + self.ahead - len(serving) - len(waiting)) > 0:
                     fetching = asyncio.create_task(self._fetch(psub, room))
-                # Whichever comes first: new requests, or a slot set free.
-                await asyncio.wait({*serving, *([fetching] if fetching else [])}, timeout=0.5,
+                # Whichever comes first: new requests, a slot set free, an estimate made.
+                await asyncio.wait({*serving, *waiting.estimating(),
+                                    *([fetching] if fetching else [])}, timeout=0.5,
                                    return_when=asyncio.FIRST_COMPLETED)
                 if fetching is not None and fetching.done():
                     msgs, fetching = fetching.result(), None
