@@ -108,28 +108,31 @@ class PodRecovery:
             await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
             await self._drop(work)
             return self._result(req, gen, current)
+        if not dump_finished(work / "images"):
+            # Never resumed: the step runs again afresh, gives way to a final
+            # one before its lock, or finds its pod gone. None may find it left.
+            await self._drop(work)
+            return None
         if c is None or shim is None:
             return None  # run() reports it
-        if dump_finished(work / "images"):
-            if not captured(work) and not await self._capture_again(c, shim, work):
-                # Its layer and /dev/shm can no longer be read as the dump
-                # left them: never stored without them; run again.
-                await self._settle_held(req, c, shim, work, signal.SIGCONT, "")
-                await self._drop(work)
-                return None
-            try:
-                self._check_trusted(req, work)
-                gen, current = await self._durable(req, c, shim, Progress())
-            except PermanentError as e:
-                await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
-                await self._drop(work)
-                return CkptDone.for_request(req, status="failed", error=e.as_dict())
-            if final:
-                await endings.note_end(self.node_dir, ns, req.checkpoint_id, gen.number)
-            await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
+        if not captured(work) and not await self._capture_again(c, shim, work):
+            # Its layer and /dev/shm can no longer be read as the dump
+            # left them: never stored without them; run again.
+            await self._settle_held(req, c, shim, work, signal.SIGCONT, "")
             await self._drop(work)
-            return self._result(req, gen, current)
-        return None
+            return None
+        try:
+            self._check_trusted(req, work)
+            gen, current = await self._durable(req, c, shim, Progress())
+        except PermanentError as e:
+            await self._settle_held(req, c, shim, work, signal.SIGCONT, f"failed {e.code}")
+            await self._drop(work)
+            return CkptDone.for_request(req, status="failed", error=e.as_dict())
+        if final:
+            await endings.note_end(self.node_dir, ns, req.checkpoint_id, gen.number)
+        await self._settle_held(req, c, shim, work, signal.SIGKILL, f"done {gen.number}")
+        await self._drop(work)
+        return self._result(req, gen, current)
 
     async def _settle_held(self, req: CkptRequested, c: PodContainer | None,
                            shim: Shim | None, work: Any, sig: int, outcome: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from nats.aio.msg import Msg
 
+from smr.aio import cancelling
 from smr.contract.errors import ContractError
 
 # How long a worker waits for a request's size estimate before starting it
@@ -134,7 +135,8 @@ class Ahead:
                     head.estimating = asyncio.create_task(self._estimate(head))
                 if not head.estimating.done():
                     return None
-                head.estimate = head.estimating.result()
+                head.estimate = 0 if head.estimating.cancelled() else \
+                    head.estimating.result()
             if in_flight and self.reserved + head.estimate > self.admission.room():
                 return None
         del self._waiting[head.key[2]]
@@ -152,7 +154,9 @@ class Ahead:
             return max(0, await asyncio.wait_for(self.admission.estimate(req),
                                                  ESTIMATE_TIMEOUT_S))
         except asyncio.CancelledError:
-            raise
+            if cancelling():  # ours (drop_all, riders): this estimate is not wanted
+                raise
+            return 0  # a cancel a library handed back (smr.aio): no estimate
         except Exception:  # no estimate: the step itself finds and reports what is wrong
             return 0
 

@@ -380,6 +380,70 @@ async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_fin
     assert records(gens) == [(1, "drain", False)], records(gens)
 
 
+async def test_a_redelivered_heartbeat_giving_way_leaves_no_unfinished_dump_behind(
+        cluster: Cluster) -> None:
+    """A heartbeat's first delivery died mid-dump (an agent killed there): its
+    work directory holds an unfinished dump. It is delivered again while the
+    pod's final request waits for the container's lock, and gives way to it:
+    nothing of that dump may stay in the agent's work directory, whose free
+    space bounds the dumps that may run."""
+    a, _ = list(cluster.kubelets)
+    cluster.kube.put("pods", workload("rv", a, labels=NODE_RESTORE, final_wait=80,
+                                      grace=90))
+    await cluster.until_steps("rv", a, 3)
+    pod = cluster.kube.get("pods", "rv", "default")
+    assert pod is not None
+    uid = pod["metadata"]["uid"]
+    step = cluster.agents[a].workers[0].step.step
+    holder = uuid.uuid4().hex
+    locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
+    await locks.put(f"pod.{uid}.main", orjson.dumps({"request_id": holder, "at": time.time()}))
+
+    async def beat() -> None:
+        while True:
+            await states.put(holder, orjson.dumps({"state": "running",
+                                                   "heartbeat": time.time()}))
+            await asyncio.sleep(1)
+
+    beating = asyncio.create_task(beat())
+    try:
+        await evict(cluster, "rv")
+        deadline = time.monotonic() + 60
+        while step.flights.final_of(("default", "rv", "main"), "rv.main") is None:
+            assert time.monotonic() < deadline, "the final request never started"
+            await asyncio.sleep(0.1)
+        hb = CkptRequested(
+            request_id=uuid.uuid4().hex, checkpoint_id="rv.main", node=a,
+            reason="heartbeat", leave_running=True,
+            target=Target(kind="pod", namespace="default", pod="rv", container="main",
+                          pod_uid=uid))
+        work = step.work(hb.request_id)
+        (work / "images").mkdir(parents=True)
+        (work / "images" / "pages-1.img").write_bytes(b"\0" * (1 << 20))
+        await states.put(hb.request_id, orjson.dumps({
+            "state": "running", "owner": "dead@x/1/0", "claim": "c", "heartbeat": 0.0,
+            "attempt": 1, "subject": "", "phase": "dump", "checkpoint_id": "rv.main"}))
+        await cluster.bus.publish(hb)
+        # Its recovery settles, under the lock, what the dead delivery left.
+        deadline = time.monotonic() + 60
+        while ((await states.get(hb.request_id)).value or b"").find(b"dead@x") >= 0:
+            assert time.monotonic() < deadline, "the heartbeat was never delivered again"
+            await asyncio.sleep(0.2)
+    finally:
+        beating.cancel()
+    await states.put(holder, orjson.dumps({"state": "done", "finished": time.time()}))
+    await locks.delete(f"pod.{uid}.main")
+    done = await cluster.bus.wait_result(hb.request_id, "ckpt.requested", timeout=60)
+    await cluster.recreated("rv", timeout=120)
+    # Given way (the lock's next holder the recovery), or its pod found gone.
+    assert done.status == "failed" and (done.error or {}).get("code") in \
+        ("taken-over", "pod-not-found", "stale-request"), done.error
+    assert "final checkpoint done" in hook_said(cluster, a, "rv")
+    assert records(await cluster.store.generations("default", "rv.main")) == \
+        [(1, "drain", False)]
+    assert not work.exists(), "the unfinished dump was left in the agent's work directory"
+
+
 async def test_a_hold_left_by_a_step_that_died_after_its_kill_ends_at_the_recovery(
         cluster: Cluster, tmp_path: Path) -> None:
     """A final dump's step that died between killing the workload and
