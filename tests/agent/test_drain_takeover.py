@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from services import timings
 from services.checkpointer import dumpstamp, pod_dump
@@ -40,6 +41,7 @@ from tests.agent.cluster import Cluster, assert_continues, steps, store_puts_thr
 from tests.agent.test_kubelet import evict, hook_said, seconds_between
 from tests.agent.test_restore_memory import build_ballast_image
 from tests.helpers.live import live
+from tests.helpers.steplocks import hold_lock
 
 IMAGE = "smr.test/ballast-drain:1"
 BALLAST_MIB = 384
@@ -323,6 +325,17 @@ async def test_a_cordon_dump_not_yet_frozen_steps_aside_for_the_final_one(
     await resumes_intact(cluster, "aside", a, b)
 
 
+async def until_locked(cluster: Cluster, key: str, holder: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(KeyNotFoundError):
+            if orjson.loads((await cluster.bus.kv(KV_LOCKS).get(key)).value or b"{}").get(
+                    "request_id") == holder:
+                return
+        assert time.monotonic() < deadline, f"{holder} never held {key}"
+        await asyncio.sleep(0.05)
+
+
 async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_final_one(
         cluster: Cluster) -> None:
     """A heartbeat's request waits for its container's lock (a live step of
@@ -340,17 +353,10 @@ async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_fin
     assert pod is not None
     uid = pod["metadata"]["uid"]
     # The holder: a step alive elsewhere (its state running, its heartbeat fresh).
-    holder = uuid.uuid4().hex
+    holder, released = uuid.uuid4().hex, asyncio.Event()
     locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
-    await locks.put(f"pod.{uid}.main", orjson.dumps({"request_id": holder, "at": time.time()}))
-
-    async def beat() -> None:
-        while True:
-            await states.put(holder, orjson.dumps({"state": "running",
-                                                   "heartbeat": time.time()}))
-            await asyncio.sleep(1)
-
-    beating = asyncio.create_task(beat())
+    beating = asyncio.create_task(hold_lock(cluster.bus, f"pod.{uid}.main", holder, released))
+    await until_locked(cluster, f"pod.{uid}.main", holder)
     try:
         hb = CkptRequested(
             request_id=uuid.uuid4().hex, checkpoint_id="waits.main", node=a,
@@ -371,7 +377,8 @@ async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_fin
         held = orjson.loads((await locks.get(f"pod.{uid}.main")).value)["request_id"]
         assert held == holder, "the lock changed hands before the heartbeat gave way"
     finally:
-        beating.cancel()
+        released.set()
+        await beating
     await states.put(holder, orjson.dumps({"state": "done", "finished": time.time()}))
     await locks.delete(f"pod.{uid}.main")
     await cluster.recreated("waits", timeout=120)
@@ -395,17 +402,10 @@ async def test_a_redelivered_heartbeat_giving_way_leaves_no_unfinished_dump_behi
     assert pod is not None
     uid = pod["metadata"]["uid"]
     step = cluster.agents[a].workers[0].step.step
-    holder = uuid.uuid4().hex
+    holder, released = uuid.uuid4().hex, asyncio.Event()
     locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
-    await locks.put(f"pod.{uid}.main", orjson.dumps({"request_id": holder, "at": time.time()}))
-
-    async def beat() -> None:
-        while True:
-            await states.put(holder, orjson.dumps({"state": "running",
-                                                   "heartbeat": time.time()}))
-            await asyncio.sleep(1)
-
-    beating = asyncio.create_task(beat())
+    beating = asyncio.create_task(hold_lock(cluster.bus, f"pod.{uid}.main", holder, released))
+    await until_locked(cluster, f"pod.{uid}.main", holder)
     try:
         await evict(cluster, "rv")
         deadline = time.monotonic() + 60
@@ -430,14 +430,15 @@ async def test_a_redelivered_heartbeat_giving_way_leaves_no_unfinished_dump_behi
             assert time.monotonic() < deadline, "the heartbeat was never delivered again"
             await asyncio.sleep(0.2)
     finally:
-        beating.cancel()
+        released.set()
+        await beating
     await states.put(holder, orjson.dumps({"state": "done", "finished": time.time()}))
     await locks.delete(f"pod.{uid}.main")
     done = await cluster.bus.wait_result(hb.request_id, "ckpt.requested", timeout=60)
     await cluster.recreated("rv", timeout=120)
-    # Given way (the lock's next holder the recovery), or its pod found gone.
+    # Given way (the lock's next holder the recovery), or its pod found ended.
     assert done.status == "failed" and (done.error or {}).get("code") in \
-        ("taken-over", "pod-not-found", "stale-request"), done.error
+        ("taken-over", "job-exited", "pod-not-found", "stale-request"), done.error
     assert "final checkpoint done" in hook_said(cluster, a, "rv")
     assert records(await cluster.store.generations("default", "rv.main")) == \
         [(1, "drain", False)]
