@@ -102,10 +102,14 @@ async def measure(n: int, finals_every: int) -> dict[str, Any]:
 
 
 def round_in(tree: Path, a: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # One nats-server binary for both (a worktree has no .tools of its own).
+    nats = config.load({k: v for k, v in os.environ.items() if k == "SMR_NATS_SERVER"})
+    env = {**os.environ, "PYTHONPATH": str(tree), "SMR_NATS_SERVER": nats.nats_server_binary()}
     out = subprocess.run([sys.executable, __file__, "--child", "--requests", str(a.requests),
                           "--finals-every", str(a.finals_every)],
-                         cwd=tree, env=env, capture_output=True, text=True, check=True)
+                         cwd=tree, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the round in {tree} failed:\n{out.stderr[-3000:]}")
     got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     assert Path(got["smr"]).resolve() == tree.resolve(), f"measured {got['smr']}, not {tree}"
     return got

@@ -77,6 +77,7 @@ class Ahead:
         self._waiting: dict[int, Waiting] = {}  # by arrival
         self._arrivals = itertools.count()
         self.reserved = 0  # estimates of the requests in flight
+        self._estimating: set[asyncio.Task[int]] = set()  # being made
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -128,31 +129,43 @@ class Ahead:
         none is in flight, whatever its size: it could never start otherwise."""
         if not self._waiting:
             return None
-        head = min(self._waiting.values(), key=lambda w: w.key)
+        head = self._head()
         if self.admission is not None and head.request_id is not None:
             if head.estimate is None:
-                if head.estimating is None:
-                    head.estimating = asyncio.create_task(self._estimate(head))
-                if not head.estimating.done():
+                if not self._estimate_of(head).done():
                     return None
+                assert head.estimating is not None
                 head.estimate = 0 if head.estimating.cancelled() else \
                     head.estimating.result()
             if in_flight and self.reserved + head.estimate > self.admission.room():
                 return None
         del self._waiting[head.key[2]]
+        if self.admission is not None and self._waiting:
+            # The next in line's, made while this one runs: ready when a slot frees.
+            self._estimate_of(self._head())
         return head.msg, head.estimate or 0
+
+    def _head(self) -> Waiting:
+        return min(self._waiting.values(), key=lambda w: w.key)
+
+    def _estimate_of(self, w: Waiting) -> asyncio.Task[int]:
+        """``w``'s estimate, begun if it was not."""
+        if w.estimating is None:
+            w.estimating = t = asyncio.create_task(self._estimate(w))
+            self._estimating.add(t)
+            t.add_done_callback(self._estimating.discard)
+        return w.estimating
 
     def estimating(self) -> set[asyncio.Task[int]]:
         """The estimates being made: the worker looks again as each ends."""
-        return {t for w in self._waiting.values()
-                if (t := w.estimating) is not None and not t.done()}
+        return self._estimating
 
     async def _estimate(self, w: Waiting) -> int:
         assert self.admission is not None
         try:
             req = self.req_type.from_payload(w.msg.data)
-            return max(0, await asyncio.wait_for(self.admission.estimate(req),
-                                                 ESTIMATE_TIMEOUT_S))
+            async with asyncio.timeout(ESTIMATE_TIMEOUT_S):  # no task of its own, as wait_for's
+                return max(0, await self.admission.estimate(req))
         except asyncio.CancelledError:
             if cancelling():  # ours (drop_all, riders): this estimate is not wanted
                 raise
@@ -162,7 +175,7 @@ class Ahead:
 
     def drop_all(self) -> list[Msg]:
         msgs = self.messages()
-        for t in self.estimating():
+        for t in list(self._estimating):
             t.cancel()
         self._waiting.clear()
         return msgs
