@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import signal
 import time
@@ -325,15 +326,52 @@ async def test_a_cordon_dump_not_yet_frozen_steps_aside_for_the_final_one(
     await resumes_intact(cluster, "aside", a, b)
 
 
-async def until_locked(cluster: Cluster, key: str, holder: str) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(KeyNotFoundError):
-            if orjson.loads((await cluster.bus.kv(KV_LOCKS).get(key)).value or b"{}").get(
-                    "request_id") == holder:
-                return
-        assert time.monotonic() < deadline, f"{holder} never held {key}"
-        await asyncio.sleep(0.05)
+@dataclasses.dataclass
+class Held:
+    uid: str  # the pod's
+    holder: str  # the request that holds its container's lock
+
+
+@contextlib.asynccontextmanager
+async def held_elsewhere(cluster: Cluster, name: str, node: str) -> AsyncIterator[Held]:
+    """Pod ``name`` running on ``node``, its container's lock held by a step
+    alive elsewhere (its state running, its heartbeat fresh) until the
+    context ends; then that step is over and the lock free."""
+    cluster.kube.put("pods", workload(name, node, labels=NODE_RESTORE, final_wait=80,
+                                      grace=90))
+    await cluster.until_steps(name, node, 3)
+    pod = cluster.kube.get("pods", name, "default")
+    assert pod is not None
+    held = Held(pod["metadata"]["uid"], uuid.uuid4().hex)
+    key, released = f"pod.{held.uid}.main", asyncio.Event()
+    locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
+    beating = asyncio.create_task(hold_lock(cluster.bus, key, held.holder, released))
+    try:
+        deadline = time.monotonic() + 10
+        while await holder_of(cluster, key) != held.holder:
+            assert time.monotonic() < deadline, f"{held.holder} never held {key}"
+            await asyncio.sleep(0.05)
+        yield held
+    finally:
+        released.set()
+        await beating
+    await states.put(held.holder, orjson.dumps({"state": "done", "finished": time.time()}))
+    await locks.delete(key)
+
+
+async def holder_of(cluster: Cluster, key: str) -> str | None:
+    with contextlib.suppress(KeyNotFoundError):
+        value = (await cluster.bus.kv(KV_LOCKS).get(key)).value
+        return orjson.loads(value).get("request_id") if value else None
+    return None
+
+
+def heartbeat_of(name: str, node: str, uid: str) -> CkptRequested:
+    return CkptRequested(
+        request_id=uuid.uuid4().hex, checkpoint_id=f"{name}.main", node=node,
+        reason="heartbeat", leave_running=True,
+        target=Target(kind="pod", namespace="default", pod=name, container="main",
+                      pod_uid=uid))
 
 
 async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_final_one(
@@ -346,41 +384,20 @@ async def test_a_leave_running_request_waiting_for_the_lock_gives_way_to_the_fin
     the lock is still held, having frozen nothing, and once the lock is free
     the final request dumps the pod, once."""
     a, _ = list(cluster.kubelets)
-    cluster.kube.put("pods", workload("waits", a, labels=NODE_RESTORE, final_wait=80,
-                                      grace=90))
-    await cluster.until_steps("waits", a, 3)
-    pod = cluster.kube.get("pods", "waits", "default")
-    assert pod is not None
-    uid = pod["metadata"]["uid"]
-    # The holder: a step alive elsewhere (its state running, its heartbeat fresh).
-    holder, released = uuid.uuid4().hex, asyncio.Event()
-    locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
-    beating = asyncio.create_task(hold_lock(cluster.bus, f"pod.{uid}.main", holder, released))
-    await until_locked(cluster, f"pod.{uid}.main", holder)
-    try:
-        hb = CkptRequested(
-            request_id=uuid.uuid4().hex, checkpoint_id="waits.main", node=a,
-            reason="heartbeat", leave_running=True,
-            target=Target(kind="pod", namespace="default", pod="waits", container="main",
-                          pod_uid=uid))
+    async with held_elsewhere(cluster, "waits", a) as held:
+        hb = heartbeat_of("waits", a, held.uid)
         await cluster.bus.publish(hb)
         deadline = time.monotonic() + 60
         while ((await cluster.bus.step_state(hb.request_id))[0] or {}).get("phase") \
                 != "waiting":
             assert time.monotonic() < deadline, "the heartbeat never waited for the lock"
             await asyncio.sleep(0.2)
-
         await evict(cluster, "waits")
         done = await cluster.bus.wait_result(hb.request_id, "ckpt.requested", timeout=60)
         assert done.status == "failed" and (done.error or {}).get("code") == "taken-over", \
             done.error
-        held = orjson.loads((await locks.get(f"pod.{uid}.main")).value)["request_id"]
-        assert held == holder, "the lock changed hands before the heartbeat gave way"
-    finally:
-        released.set()
-        await beating
-    await states.put(holder, orjson.dumps({"state": "done", "finished": time.time()}))
-    await locks.delete(f"pod.{uid}.main")
+        assert await holder_of(cluster, f"pod.{held.uid}.main") == held.holder, \
+            "the lock changed hands before the heartbeat gave way"
     await cluster.recreated("waits", timeout=120)
     assert "final checkpoint done" in hook_said(cluster, a, "waits")
     gens = await cluster.store.generations("default", "waits.main")
@@ -395,28 +412,15 @@ async def test_a_redelivered_heartbeat_giving_way_leaves_no_unfinished_dump_behi
     nothing of that dump may stay in the agent's work directory, whose free
     space bounds the dumps that may run."""
     a, _ = list(cluster.kubelets)
-    cluster.kube.put("pods", workload("rv", a, labels=NODE_RESTORE, final_wait=80,
-                                      grace=90))
-    await cluster.until_steps("rv", a, 3)
-    pod = cluster.kube.get("pods", "rv", "default")
-    assert pod is not None
-    uid = pod["metadata"]["uid"]
     step = cluster.agents[a].workers[0].step.step
-    holder, released = uuid.uuid4().hex, asyncio.Event()
-    locks, states = cluster.bus.kv(KV_LOCKS), cluster.bus.kv(KV_STEPS)
-    beating = asyncio.create_task(hold_lock(cluster.bus, f"pod.{uid}.main", holder, released))
-    await until_locked(cluster, f"pod.{uid}.main", holder)
-    try:
+    states = cluster.bus.kv(KV_STEPS)
+    async with held_elsewhere(cluster, "rv", a) as held:
         await evict(cluster, "rv")
         deadline = time.monotonic() + 60
         while step.flights.final_of(("default", "rv", "main"), "rv.main") is None:
             assert time.monotonic() < deadline, "the final request never started"
             await asyncio.sleep(0.1)
-        hb = CkptRequested(
-            request_id=uuid.uuid4().hex, checkpoint_id="rv.main", node=a,
-            reason="heartbeat", leave_running=True,
-            target=Target(kind="pod", namespace="default", pod="rv", container="main",
-                          pod_uid=uid))
+        hb = heartbeat_of("rv", a, held.uid)
         work = step.work(hb.request_id)
         (work / "images").mkdir(parents=True)
         (work / "images" / "pages-1.img").write_bytes(b"\0" * (1 << 20))
@@ -429,11 +433,6 @@ async def test_a_redelivered_heartbeat_giving_way_leaves_no_unfinished_dump_behi
         while ((await states.get(hb.request_id)).value or b"").find(b"dead@x") >= 0:
             assert time.monotonic() < deadline, "the heartbeat was never delivered again"
             await asyncio.sleep(0.2)
-    finally:
-        released.set()
-        await beating
-    await states.put(holder, orjson.dumps({"state": "done", "finished": time.time()}))
-    await locks.delete(f"pod.{uid}.main")
     done = await cluster.bus.wait_result(hb.request_id, "ckpt.requested", timeout=60)
     await cluster.recreated("rv", timeout=120)
     # Given way (the lock's next holder the recovery), or its pod found ended.
