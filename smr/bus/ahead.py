@@ -140,9 +140,12 @@ class Ahead:
             if in_flight and self.reserved + head.estimate > self.admission.room():
                 return None
         del self._waiting[head.key[2]]
-        if self.admission is not None and self._waiting:
-            # The next in line's, made while this one runs: ready when a slot frees.
-            self._estimate_of(self._head())
+        if self.admission is not None and self._waiting and \
+                (nxt := self._head()).request_id is not None:
+            # The next in line's, made while this one runs: ready when a slot
+            # frees. It may then be a dump old (its job's last size not yet
+            # updated): the step checks the disk again with its own, fresh.
+            self._estimate_of(nxt)
         return head.msg, head.estimate or 0
 
     def _head(self) -> Waiting:
@@ -156,9 +159,9 @@ class Ahead:
             t.add_done_callback(self._estimating.discard)
         return w.estimating
 
-    def estimating(self) -> set[asyncio.Task[int]]:
+    def estimating(self) -> frozenset[asyncio.Task[int]]:
         """The estimates being made: the worker looks again as each ends."""
-        return self._estimating
+        return frozenset(self._estimating)
 
     async def _estimate(self, w: Waiting) -> int:
         assert self.admission is not None
