@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -87,8 +89,7 @@ class NatsCluster:
                 # leader" for good, while its peers had elected one) is
                 # restarted, as a liveness probe on its health would.
                 for i in (i for i, leader in leaders.items() if not leader):
-                    self.servers[i].stop()
-                    self.servers[i].start()
+                    self._bounce(self.servers[i])
                 nudge = time.monotonic() + NUDGE_AFTER_S
             time.sleep(0.1)
         # In a thread of its own: callers may be sync code inside an event loop.
@@ -96,12 +97,14 @@ class NatsCluster:
             error = ex.submit(asyncio.run, self._probe(deadline)).result()
         if error:
             raise SmrError(f"the NATS cluster was not ready for streams in {timeout}s: {error}",
-                           code="nats-start-failed", hint=f"see the logs under {self.dir}")
+                           code="nats-start-failed", detail=self.describe(),
+                           hint=f"see the logs under {self.dir}")
 
     async def _probe(self, deadline: float) -> str:
         running = [s for s in self.servers if self.running(s)]
         name = f"probe-{uuid.uuid4().hex[:8]}"
         error = "no meta leader"
+        nudge = time.monotonic() + NUDGE_AFTER_S
         nc = await nats.connect([s.url for s in running], connect_timeout=2, **self.login)
         try:
             js = nc.jetstream(timeout=5)
@@ -112,10 +115,48 @@ class NatsCluster:
                     return ""
                 except Exception as e:
                     error = str(e)
+                    if time.monotonic() > nudge:
+                        # Placement refused for long: a server the meta leader
+                        # does not see current is restarted, as a liveness
+                        # probe on its health would.
+                        for i in self.lagging():
+                            await asyncio.to_thread(self._bounce, self.servers[i])
+                        nudge = time.monotonic() + NUDGE_AFTER_S
                     await asyncio.sleep(0.2)
             return error
         finally:
             await nc.close()
+
+    @staticmethod
+    def _bounce(s: NatsServer) -> None:
+        s.stop()
+        s.start()
+
+    def lagging(self) -> list[int]:
+        """The running servers the meta leader does not see as current."""
+        leader = self.meta_leader()
+        if not leader:
+            return []
+        meta = self._jsz(int(leader.removeprefix("n"))).get("meta_cluster", {})
+        current = {r.get("name") for r in meta.get("replicas") or []
+                   if r.get("current") and not r.get("offline")}
+        return [i for i, s in enumerate(self.servers)
+                if self.running(s) and f"n{i}" != leader and f"n{i}" not in current]
+
+    def describe(self) -> str:
+        """Each server: running or its exit code, the meta leader it sees,
+        and its log's last errors (a failed start says why)."""
+        lines = []
+        for i, s in enumerate(self.servers):
+            state = "running" if self.running(s) else \
+                f"exited {s.proc.returncode if s.proc else '(never started)'}"
+            errors = []
+            with contextlib.suppress(OSError):
+                errors = [x for x in s.log_file.read_text(errors="replace").splitlines()
+                          if "[ERR]" in x or "[FTL]" in x or "[WRN]" in x][-3:]
+            lines.append(f"n{i}: {state}, meta leader {self._meta_leader(i) or 'none'}; "
+                         + ("; ".join(errors) or "no error logged"))
+        return "\n".join(lines)
 
     def meta_leader(self) -> str:
         """The JetStream meta leader's name, as a running server sees it."""
@@ -125,12 +166,16 @@ class NatsCluster:
         return ""
 
     def _meta_leader(self, i: int) -> str:
+        return str(self._jsz(i).get("meta_cluster", {}).get("leader", ""))
+
+    def _jsz(self, i: int) -> dict[str, Any]:
         try:
             with urllib.request.urlopen(
                     f"http://127.0.0.1:{self.monitor_ports[i]}/jsz", timeout=1) as r:
-                return json.load(r).get("meta_cluster", {}).get("leader", "")
+                got = json.load(r)
+                return got if isinstance(got, dict) else {}
         except (OSError, ValueError):
-            return ""
+            return {}
 
     @staticmethod
     def running(s: NatsServer) -> bool:
