@@ -353,7 +353,12 @@ async def test_a_server_restored_on_its_host_waits_out_the_time_wait_of_its_own_
 
     def ask() -> int:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-            return int(c.makefile().readline())
+            f = c.makefile("rb")
+            served = int(f.readline())
+            # Closed only after the server's own close (its EOF): the server
+            # closes first, so its end waits in TIME_WAIT, whoever runs first.
+            assert f.read() == b""
+            return served
 
     first = ask()  # start() connected once too
     assert first >= 1
