@@ -517,6 +517,12 @@ async def test_outcome_events_on_pods_once(
                       node=node, reason="cordon", status="failed",
                       error={"code": "checkpoint-corrupt", "message": "pages-1.img is corrupt",
                              "hint": "restore another generation"})
+    # A heartbeat that gave way to the pod's final checkpoint failed nothing:
+    # the final's own Event tells (no Warning on every drained pod).
+    await bus.publish(CkptDone(
+        request_id="r-aside-" + node, checkpoint_id="trainer-0.main", target=t, node=node,
+        reason="heartbeat", status="failed",
+        error={"code": "taken-over", "message": "the final checkpoint takes this one's place"}))
     await bus.publish(ok)
     await bus.publish_raw(f"ckpt.done.{node_token(node)}.ml", ok.to_payload(),
                           msg_id="another-copy")  # the same result, delivered twice

@@ -63,6 +63,8 @@ class EventRecorder:
             return
         ckpt = isinstance(done, CkptDone)
         ok = done.status == "succeeded"
+        if ckpt and not ok and (done.error or {}).get("code") == "taken-over":
+            return  # gave way to the pod's final checkpoint, whose own Event says what was saved
         reason = ("Checkpointed" if ok else "CheckpointFailed") if ckpt else \
             ("Restored" if ok else "RestoreFailed")
         took = done.durations.get("total")
