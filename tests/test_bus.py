@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import nats
 import orjson
+import pytest
 from nats.js.kv import KeyValue
 
 from services.checkpointer.admission import CheckpointAdmission
@@ -30,7 +32,7 @@ from smr.bus import (
     node_filter,
     subject,
 )
-from smr.bus.topology import request_consumer
+from smr.bus.topology import message_subject, request_consumer
 from smr.contract.messages import CkptDone, CkptRequested, DeadLetter, Target
 from smr.natsserver import NatsServer
 from tests.helpers.steplocks import node_locks
@@ -1007,3 +1009,65 @@ async def test_a_cut_off_worker_that_dies_after_its_deliveries_are_spent_is_reco
             await stop(w, t)
     assert (got.status, got.error) == ("succeeded", None)
     assert step.seen == [], "the step ran again"
+
+
+class RecordingStep(CountingStep):
+    """Records the target of each request it runs or recovers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: list[tuple[str, str | None]] = []
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.targets.append(("run", req.target.namespace))
+        return await super().run(req, progress)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        self.targets.append(("recover", req.target.namespace))
+        return None
+
+
+@pytest.mark.parametrize("claimed", ["target", "subject only"])
+async def test_a_request_of_another_namespace_reusing_an_interrupted_requests_id_is_refused(
+        bus: Bus, node: str, claimed: str) -> None:
+    """A request id is one key for every namespace, and a tenant may publish
+    any id on its own namespace's subject. A step whose worker died midway
+    (its dump kept for the recovery) must be recovered only by its own
+    request: another namespace's request reusing its id and checkpoint id is
+    refused, never recovers that step (its dump would be stored in the
+    tenant's namespace, or a final one lost). ``subject only``: a claim
+    written before claims named their target."""
+    rid = f"reused-{node}-{claimed[0]}"
+    victim = CkptRequested(request_id=rid, checkpoint_id="ck", node=node,
+                           target=Target(kind="pod", namespace="default", pod="vic",
+                                         container="main"))
+    tenant = CkptRequested(request_id=rid, checkpoint_id="ck", node=node,
+                           target=Target(kind="pod", namespace="evil", pod="att",
+                                         container="main"))
+    # The claim of a worker that died in its step a minute ago, as it left it.
+    claim = {"state": "running", "owner": "dead-worker", "claim": uuid.uuid4().hex,
+             "heartbeat": time.time() - 60, "attempt": 1, "phase": "dump",
+             "subject": message_subject(victim), "checkpoint_id": "ck"}
+    if claimed == "target":
+        claim["target"] = victim.target.to_dict()
+    await bus.kv(KV_STEPS).put(rid, orjson.dumps(claim))
+    step = RecordingStep()
+    w, t = await run_worker(bus, step, node)
+    try:
+        # As a tenant publishes: no Nats-Msg-Id, so no dedupe drops it.
+        await bus.publish_raw(message_subject(tenant), tenant.to_payload())
+        letters: list[DeadLetter] = []
+        deadline = time.monotonic() + 15
+        while not letters and time.monotonic() < deadline:
+            letters = await dlq_messages(bus, message_subject(tenant))
+        assert [x.error["code"] for x in letters] == ["request-id-reused"], letters
+        assert step.targets == [], "the tenant's request recovered or ran the step"
+        state, _ = await bus.step_state(rid)
+        assert state and state["claim"] == claim["claim"], "the step state was taken"
+        # The step's own request (its redelivery) still recovers it.
+        await bus.publish_raw(message_subject(victim), victim.to_payload())
+        got = await bus.wait_result(rid, "ckpt.requested", timeout=15)
+    finally:
+        await stop(w, t)
+    assert got.target == victim.target and got.status == "succeeded", got
+    assert step.targets == [("recover", "default"), ("run", "default")]

@@ -330,7 +330,7 @@ class Worker:
         claim = {"state": "running", "owner": self.owner, "claim": uuid.uuid4().hex,
                  "heartbeat": time.time(),
                  "attempt": deliveries, "subject": m.subject, "phase": "starting",
-                 "checkpoint_id": req.checkpoint_id}
+                 "checkpoint_id": req.checkpoint_id, "target": req.target.to_dict()}
         try:
             if state is None:
                 rev = await kv.create(rid, orjson.dumps(claim))
@@ -397,10 +397,15 @@ class Worker:
         await self._finish(m, result)
 
     def _other_request(self, state: dict[str, Any], req: Any) -> str | None:
-        """What the step state's request was, when it is not ``req``."""
+        """What the step state's request was, when it is not ``req`` (an id is
+        one key for every namespace: never recover a tenant's reuse of it)."""
         if state.get("state") == "running":
             kind, ckpt = kind_of(state.get("subject", "")), state.get("checkpoint_id")
-            target = None
+            target = state.get("target")
+            # A claim from before claims named targets: its subject's namespace.
+            theirs = namespace_of_subject(state.get("subject", ""))
+            if target is None and theirs and theirs != node_token(req.target.namespace_name):
+                return f"a request of namespace {theirs}"
         else:
             result = state.get("result") or {}
             kind, ckpt, target = state.get("kind"), result.get("checkpoint_id"), \
