@@ -1027,6 +1027,44 @@ class RecordingStep(CountingStep):
         return None
 
 
+def a_reuse(node: str, rid: str, *, claimed: bool = True
+            ) -> tuple[CkptRequested, CkptRequested, dict[str, Any]]:
+    """A step's own request (default/vic), a tenant's reusing its id and
+    checkpoint id (evil/att), and the claim of a worker that has been silent
+    in that step for a minute (with its target, unless not ``claimed``)."""
+    def of(namespace: str, pod: str) -> CkptRequested:
+        return CkptRequested(request_id=rid, checkpoint_id="ck", node=node,
+                             target=Target(kind="pod", namespace=namespace, pod=pod,
+                                           container="main"))
+
+    victim, tenant = of("default", "vic"), of("evil", "att")
+    claim = {"state": "running", "owner": "dead-worker", "claim": uuid.uuid4().hex,
+             "heartbeat": time.time() - 60, "attempt": 1, "phase": "dump",
+             "subject": message_subject(victim), "checkpoint_id": "ck"}
+    if claimed:
+        claim["target"] = victim.target.to_dict()
+    return victim, tenant, claim
+
+
+async def refused_then_recovered(bus: Bus, step: RecordingStep, victim: CkptRequested,
+                                 tenant: CkptRequested, claim: dict[str, Any]) -> CkptDone:
+    """The tenant's request (published) is refused and leaves the step as
+    it was; then the step's own request recovers it: its answer."""
+    letters: list[DeadLetter] = []
+    deadline = time.monotonic() + 15
+    while not letters and time.monotonic() < deadline:
+        letters = await dlq_messages(bus, message_subject(tenant))
+    assert [x.error["code"] for x in letters] == ["request-id-reused"], letters
+    assert step.targets == [], "the tenant's request recovered or ran the step"
+    state, _ = await bus.step_state(victim.request_id)
+    assert state and state["claim"] == claim["claim"], "the step state was taken"
+    await bus.publish_raw(message_subject(victim), victim.to_payload())
+    got = await bus.wait_result(victim.request_id, "ckpt.requested", timeout=15)
+    assert got.target == victim.target and got.status == "succeeded", got
+    assert step.targets == [("recover", "default"), ("run", "default")]
+    return got
+
+
 @pytest.mark.parametrize("claimed", ["target", "subject only"])
 async def test_a_request_of_another_namespace_reusing_an_interrupted_requests_id_is_refused(
         bus: Bus, node: str, claimed: str) -> None:
@@ -1038,36 +1076,47 @@ async def test_a_request_of_another_namespace_reusing_an_interrupted_requests_id
     tenant's namespace, or a final one lost). ``subject only``: a claim
     written before claims named their target."""
     rid = f"reused-{node}-{claimed[0]}"
-    victim = CkptRequested(request_id=rid, checkpoint_id="ck", node=node,
-                           target=Target(kind="pod", namespace="default", pod="vic",
-                                         container="main"))
-    tenant = CkptRequested(request_id=rid, checkpoint_id="ck", node=node,
-                           target=Target(kind="pod", namespace="evil", pod="att",
-                                         container="main"))
     # The claim of a worker that died in its step a minute ago, as it left it.
-    claim = {"state": "running", "owner": "dead-worker", "claim": uuid.uuid4().hex,
-             "heartbeat": time.time() - 60, "attempt": 1, "phase": "dump",
-             "subject": message_subject(victim), "checkpoint_id": "ck"}
-    if claimed == "target":
-        claim["target"] = victim.target.to_dict()
+    victim, tenant, claim = a_reuse(node, rid, claimed=claimed == "target")
     await bus.kv(KV_STEPS).put(rid, orjson.dumps(claim))
     step = RecordingStep()
     w, t = await run_worker(bus, step, node)
     try:
         # As a tenant publishes: no Nats-Msg-Id, so no dedupe drops it.
         await bus.publish_raw(message_subject(tenant), tenant.to_payload())
-        letters: list[DeadLetter] = []
-        deadline = time.monotonic() + 15
-        while not letters and time.monotonic() < deadline:
-            letters = await dlq_messages(bus, message_subject(tenant))
-        assert [x.error["code"] for x in letters] == ["request-id-reused"], letters
-        assert step.targets == [], "the tenant's request recovered or ran the step"
-        state, _ = await bus.step_state(rid)
-        assert state and state["claim"] == claim["claim"], "the step state was taken"
-        # The step's own request (its redelivery) still recovers it.
-        await bus.publish_raw(message_subject(victim), victim.to_payload())
-        got = await bus.wait_result(rid, "ckpt.requested", timeout=15)
+        await refused_then_recovered(bus, step, victim, tenant, claim)
     finally:
         await stop(w, t)
-    assert got.target == victim.target and got.status == "succeeded", got
-    assert step.targets == [("recover", "default"), ("run", "default")]
+
+
+async def test_a_reused_id_whose_deliveries_ran_out_is_refused_not_recovered(
+        bus: Bus, node: str) -> None:
+    """The same reuse, while the step's own worker lives on (it holds the
+    request's lock): each delivery of the tenant's request is left to that
+    worker until JetStream gives up on it. The worker then dies. The handler
+    of the requests JetStream gave up on must refuse it too, never recover
+    the step for it (found or not, the step's own request would then be
+    refused as the reuse)."""
+    rid = f"reused-exhausted-{node}"
+    victim, tenant, claim = a_reuse(node, rid)
+    await bus.kv(KV_STEPS).put(rid, orjson.dumps(claim))
+    bus.config.max_deliver, bus.config.ack_wait = 2, 1.0
+    step = RecordingStep()
+    w = t = None
+    try:
+        with node_locks(node).hold(rid) as ours:  # the step's own worker, alive
+            assert ours
+            w, t = await run_worker(bus, step, node)
+            await bus.publish_raw(message_subject(tenant), tenant.to_payload())
+            handler = "exhausted-" + (request_consumer("ckpt.requested", node, bus.config)
+                                      .durable_name or "")
+            deadline = time.monotonic() + 30
+            while (await bus.js.consumer_info(STREAM_EXHAUSTED, handler)
+                   ).delivered.consumer_seq < 1:  # JetStream gave up on it
+                assert time.monotonic() < deadline, "the tenant's deliveries never ran out"
+                await asyncio.sleep(0.1)
+        # That worker is gone (its lock with it).
+        await refused_then_recovered(bus, step, victim, tenant, claim)
+    finally:
+        if w is not None and t is not None:
+            await stop(w, t)

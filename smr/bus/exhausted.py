@@ -107,6 +107,14 @@ class Exhausted:
         # not answered yet, and one that answers later is seen in the state.
         live = self.locks.live(rid)
         state, rev = await self.bus.step_state(rid)
+        if state and (other := keepalive.other_request(state, req, self.kind)):
+            # Another target's request reusing its id (a tenant's, on its own
+            # subject): refused as a delivery is, never recovered for it.
+            await self.bus.dead_letter(raw.subject or "", raw.data or b"",
+                                       keepalive.reused(rid, other), service=self.service,
+                                       deliveries=info.get("deliveries"), request_id=rid)
+            await adv.ack()
+            return
         if live or (state and state["state"] == "running" and time.time() - float(
                 state.get("heartbeat", 0)) < self.bus.config.stale_after):
             # A worker of this node is alive on it (its beats may not get

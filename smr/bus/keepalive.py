@@ -25,6 +25,8 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from smr.aio import cancelling, quietly
+from smr.bus.topology import kind_of, namespace_of_subject, node_token
+from smr.contract.errors import ContractError
 
 log = logging.getLogger("smr.bus")
 
@@ -83,3 +85,34 @@ def recovery_claim(state: dict[str, Any], owner: str) -> dict[str, Any]:
     the request: running, by us, beating."""
     return {**state, "state": "running", "owner": owner, "claim": uuid.uuid4().hex,
             "heartbeat": time.time(), "phase": "recovering"}
+
+
+def other_request(state: dict[str, Any], req: Any, kind: str) -> str | None:
+    """What the step state's request was, when it is not ``req``, a request of
+    ``kind``. An id is one key for every namespace, and a tenant may publish
+    any id on its own subject: a request that reuses the id of another
+    target's step must never recover it, run on it, or get its answer."""
+    if state.get("state") == "running":
+        theirs, ckpt = state.get("subject", ""), state.get("checkpoint_id")
+        target, was = state.get("target"), kind_of(theirs)
+        # A claim from before claims named targets: its subject's namespace.
+        ns = namespace_of_subject(theirs)
+        if target is None and ns and ns != node_token(req.target.namespace_name):
+            return f"a request of namespace {ns}"
+    else:
+        result = state.get("result") or {}
+        was, ckpt, target = state.get("kind"), result.get("checkpoint_id"), result.get("target")
+    if was and was != kind:
+        return f"a {was} request"
+    if ckpt and ckpt != req.checkpoint_id:
+        return f"checkpoint {ckpt}"
+    if target and target != req.target.to_dict():
+        return f"another target ({target})"
+    return None
+
+
+def reused(rid: str, other: str) -> ContractError:
+    """The dead letter's reason for a request refused by other_request."""
+    return ContractError(f"request_id {rid} was already used for {other}",
+                         code="request-id-reused",
+                         hint="give every distinct request its own request_id")

@@ -30,7 +30,7 @@ from smr.bus.ahead import Admission, Ahead
 from smr.bus.client import Bus
 from smr.bus.deadletters import peek_request_id
 from smr.bus.exhausted import Exhausted
-from smr.bus.keepalive import beat, held, recovery_claim
+from smr.bus.keepalive import beat, held, other_request, recovery_claim, reused
 from smr.bus.liveness import StepLocks
 from smr.bus.progress import Progress, Step
 from smr.bus.topology import (
@@ -274,12 +274,11 @@ class Worker:
         kv = self.bus.kv(KV_STEPS)
         state, rev = await self.bus.step_state(rid)
 
-        if state and (other := self._other_request(state, req)):
+        if state and (other := other_request(state, req, self.step.kind)):
             # An idempotency key names one request: never answer another with its result.
-            await self.bus.dead_letter(m.subject, m.data, ContractError(
-                f"request_id {rid} was already used for {other}", code="request-id-reused",
-                hint="give every distinct request its own request_id"),
-                service=self.service, deliveries=deliveries, request_id=rid)
+            await self.bus.dead_letter(m.subject, m.data, reused(rid, other),
+                                       service=self.service, deliveries=deliveries,
+                                       request_id=rid)
             span.set_status(Status(StatusCode.ERROR, "request-id-reused"))
             await m.term()
             return
@@ -395,28 +394,6 @@ class Worker:
         finally:
             await stop_task(keepalive, again_every=KEEP_CANCELLING_S)
         await self._finish(m, result)
-
-    def _other_request(self, state: dict[str, Any], req: Any) -> str | None:
-        """What the step state's request was, when it is not ``req`` (an id is
-        one key for every namespace: never recover a tenant's reuse of it)."""
-        if state.get("state") == "running":
-            kind, ckpt = kind_of(state.get("subject", "")), state.get("checkpoint_id")
-            target = state.get("target")
-            # A claim from before claims named targets: its subject's namespace.
-            theirs = namespace_of_subject(state.get("subject", ""))
-            if target is None and theirs and theirs != node_token(req.target.namespace_name):
-                return f"a request of namespace {theirs}"
-        else:
-            result = state.get("result") or {}
-            kind, ckpt, target = state.get("kind"), result.get("checkpoint_id"), \
-                result.get("target")
-        if kind and kind != self.step.kind:
-            return f"a {kind} request"
-        if ckpt and ckpt != req.checkpoint_id:
-            return f"checkpoint {ckpt}"
-        if target and target != req.target.to_dict():
-            return f"another target ({target})"
-        return None
 
     def _failed(self, req: Any, e: SmrError) -> Any:
         return RESULT_OF[self.step.kind].for_request(req, status="failed", error=e.as_dict())
