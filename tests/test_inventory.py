@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 SECURITY = REPO / "docs" / "security.md"
 PY = [*sorted(p for d in ("services/containers", "services/agent", "services/checkpointer",
                          "services/restorer") for p in (REPO / d).glob("*.py")),
-      REPO / "smr" / "process" / "linkremap.py"]
+      REPO / "smr" / "process" / "linkremap.py", REPO / "smr" / "process" / "procfs.py"]
 C = [*sorted((REPO / "services/agent/init").glob("*.c")), *sorted((REPO / "native").glob("*.c"))]
 # Calls that reach a container's files, or run something near one.
 OPENERS = {"of_pid", "confined", "open_regular_at", "reopen", "inside", "fwalk",

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -241,3 +242,39 @@ def test_processes_named_smr_init_with_a_huge_status_cost_the_next_scans_little(
         for p in procs:
             p.kill()
             p.wait()
+
+
+# One thread, whose memory takes a while to free (about 0.1 s).
+BIG = """
+ballast = bytearray(768 << 20)
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+print("ok", flush=True)
+import time; time.sleep(60)
+"""
+
+
+def test_a_killed_process_still_freeing_its_memory_has_ended() -> None:
+    """A process killed during its dump (CRIU then fails: a thread it was
+    saving is gone) exits for as long as its memory takes to free, its only
+    thread shown running meanwhile, not yet a zombie. From the kill on it
+    has ended: the failure is its exit (job-exited), not CRIU's. Real
+    processes, every look from the kill to the reaping."""
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-c", BIG], stdout=subprocess.PIPE, text=True)
+        looks = exiting = 0
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+            assert not procfs.ended(p.pid), "a running process taken for ended"
+            os.kill(p.pid, signal.SIGKILL)
+            while p.poll() is None:  # reaped only once it is gone
+                exiting += procfs.stat_fields(p.pid) is not None  # not a zombie yet
+                looks += 1
+                assert procfs.ended(p.pid), "a killed process taken for running"
+        finally:
+            p.kill()
+            p.wait()
+        assert procfs.ended(p.pid)
+        if exiting:
+            return
+    pytest.fail(f"no look in 3 tries saw a killed process before it was a zombie ({looks})")

@@ -25,7 +25,7 @@ from smr.contract.messages import CkptDone, CkptRequested, now
 from smr.gpu import coopgate, frozen, gpugate, gpuinfo
 from smr.identity import write_durably
 from smr.jobs import Job, own_pid_namespace, signal_tree, wait_exit
-from smr.process import linkremap, netlock, reaper, sockets
+from smr.process import linkremap, netlock, procfs, reaper, sockets
 from smr.process.criu import CriuError, dump_finished
 from smr.process.tree import process_tree
 from smr.retry import retry_nats
@@ -409,7 +409,8 @@ class CheckpointStep(LocalRecovery, LocalJobStep):
         try:
             return await call
         except CriuError as e:
-            if not job.alive():
+            # Killed meanwhile, it may still be freeing its memory: ending.
+            if not job.alive() or procfs.ended(job.pid):
                 raise PermanentError(
                     f"job {job.id} exited during its checkpoint; nothing was stored",
                     code="job-exited", detail=e.detail, hint=f"see its log {job.log}",

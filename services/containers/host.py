@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import re
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,33 +80,6 @@ def is_shim(pid: int) -> bool:
     return argv0 is not None \
         and os.path.basename(argv0.decode(errors="replace")) == SHIM_NAME \
         and _nspids(pid)[1:] == [1]
-
-
-def _ended(pid: int) -> bool:
-    """Has ``pid`` ended: gone, or a zombie with no thread left running? A
-    killed process's first thread is a zombie at once, while its others
-    exit for as long as its memory takes to free (a second for 3 GB)."""
-    if proc_start_ticks(pid) is not None:
-        return False
-    try:
-        tids = [t for t in os.listdir(PROC / str(pid) / "task") if t != str(pid)]
-    except OSError:
-        return True
-    return not any(_thread_runs(pid, t) for t in tids)
-
-
-PF_EXITING = 0x4  # include/linux/sched.h: the task is on its way out
-_KILL_PENDING = 1 << (signal.SIGKILL - 1)
-
-
-def _thread_runs(pid: int, tid: str) -> bool:
-    """A thread neither ended, on its way out, nor with SIGKILL pending (a
-    process killed: each thread gets it, and starts its exit when next run)."""
-    fields = procfs.stat_fields(pid, f"task/{tid}/stat")
-    # Fields 9 (flags) and 31 (the thread's own pending signals) of stat.
-    if fields is None or len(fields) <= 28:
-        return False
-    return not (int(fields[6]) & PF_EXITING or int(fields[28]) & _KILL_PENDING)
 
 
 def _nspids(pid: int) -> list[int]:
@@ -366,7 +338,7 @@ class Shim:
             return None
         for kid in children(self.pid):
             if ns_pid(kid) == inner:
-                return None if _ended(kid) else (kid, inner)
+                return None if procfs.ended(kid) else (kid, inner)
         return None
 
     def hold(self, on: bool) -> int | None:

@@ -13,6 +13,7 @@ calls, no pathlib: these reads are most of what an idle node agent costs
 from __future__ import annotations
 
 import os
+import signal
 
 # A command line read to tell what a process is (smr-init, CRIU, nats-server):
 # the commands smr looks for are far shorter.
@@ -89,3 +90,32 @@ def stat_fields(pid: int, name: str = "stat") -> list[bytes] | None:
         return None
     fields = raw[raw.rindex(b")") + 2:].split()
     return None if not fields or fields[0] in (b"Z", b"X") else fields
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: the task is on its way out
+_KILL_PENDING = 1 << (signal.SIGKILL - 1)
+
+
+def thread_runs(pid: int, tid: str) -> bool:
+    """A thread neither ended, on its way out, nor with SIGKILL pending (a
+    process killed: each thread gets it, and starts its exit when next run)."""
+    fields = stat_fields(pid, f"task/{tid}/stat")
+    # Fields 9 (flags) and 31 (the thread's own pending signals) of stat.
+    if fields is None or len(fields) <= 28:
+        return False
+    return not (int(fields[6]) & PF_EXITING or int(fields[28]) & _KILL_PENDING)
+
+
+def ended(pid: int) -> bool:
+    """Has ``pid`` ended, or is it ending: no thread of it left running? A
+    killed process's threads each exit when next run, the last one freeing
+    its memory (a second for 3 GB), and until then /proc shows its first
+    thread as a zombie or as running on. A process whose first thread exited
+    (a zombie) while another runs has not ended."""
+    if thread_runs(pid, str(pid)):  # one read, for a process running as most are
+        return False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return not any(thread_runs(pid, t) for t in tids if t != str(pid))
