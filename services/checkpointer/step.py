@@ -410,7 +410,7 @@ class CheckpointStep(LocalRecovery, LocalJobStep):
             return await call
         except CriuError as e:
             # Killed meanwhile, it may still be freeing its memory: ending.
-            if not job.alive() or procfs.ended(job.pid):
+            if not job.alive() or await asyncio.to_thread(procfs.ended, job.pid):
                 raise PermanentError(
                     f"job {job.id} exited during its checkpoint; nothing was stored",
                     code="job-exited", detail=e.detail, hint=f"see its log {job.log}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 # A command line read to tell what a process is (smr-init, CRIU, nats-server):
 # the commands smr looks for are far shorter.
@@ -106,16 +107,33 @@ def thread_runs(pid: int, tid: str) -> bool:
     return not (int(fields[6]) & PF_EXITING or int(fields[28]) & _KILL_PENDING)
 
 
+LOOKS = 5  # three missed a process that execs in a loop once in 100,000 calls
+
+
 def ended(pid: int) -> bool:
     """Has ``pid`` ended, or is it ending: no thread of it left running? A
     killed process's threads each exit when next run, the last one freeing
     its memory (a second for 3 GB), and until then /proc shows its first
     thread as a zombie or as running on. A process whose first thread exited
-    (a zombie) while another runs has not ended."""
-    if thread_runs(pid, str(pid)):  # one read, for a process running as most are
-        return False
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    return not any(thread_runs(pid, t) for t in tids if t != str(pid))
+    (a zombie) while another runs has not ended.
+
+    One listing can miss the thread that runs: one thread starts the next
+    and ends while its threads are read, or the thread that execs takes the
+    first one's PID. So LOOKS looks, a millisecond apart, must agree, and a
+    thread that appeared between two looks means a live process (an ending
+    one starts none)."""
+    before: set[str] | None = None
+    for look in range(LOOKS):
+        if look:
+            time.sleep(0.001)
+        if thread_runs(pid, str(pid)):  # one read, for a process running as most are
+            return False
+        try:
+            tids = set(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            return True  # gone
+        if (before is not None and tids - before) or \
+                any(thread_runs(pid, t) for t in tids if t != str(pid)):
+            return False
+        before = tids
+    return True
