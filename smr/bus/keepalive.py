@@ -7,6 +7,9 @@ worker acting on a request beats for it: one running the step, and one
 recovering what a dead worker left (a recovery may store a dump for as
 long as SMR_COMMIT_DEADLINE; a later checkpoint of the same job must wait
 for it, not take its lock over).
+
+Whose a step's state is (``other_request``) is decided here too, for the
+worker's deliveries and for the requests JetStream gave up on alike.
 """
 
 from __future__ import annotations
