@@ -51,11 +51,9 @@ demo: setup
 # TEST_WORKERS pytest-xdist workers, the longest tests handed out first, and
 # the pod tests in TEST_POD_LANES lanes, each lane's tests one after another
 # on one worker (tests/helpers/ordering.py). Five workers and three lanes
-# take 12-13 minutes on a 2-core machine, where in process takes 42, but
-# three of the last nine such runs each still met a rare race under that load
-# (tests/README.md, "In parallel"): the default stays in process until they
-# pass every time. make test TEST_WORKERS=5 runs it on five workers.
-TEST_WORKERS ?= 0
+# take 12-13 minutes on a 2-core machine, where in process takes 42
+# (tests/README.md, "In parallel"). make test TEST_WORKERS=0 runs it in process.
+TEST_WORKERS ?= 5
 TEST_POD_LANES ?= 3
 export TEST_POD_LANES
 test: setup
