@@ -157,8 +157,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("LOCK_WAIT", 3600.0, pos_float, "seconds a checkpoint or restore waits for "
             "another live step on the same job before it is retried"),
     Setting("CHECKPOINTS_PER_NODE", 4, pos_int, "node agent: checkpoints of different "
-            "containers a node runs at once; final ones (drain, preemption, shutdown) start "
-            "before the leave-running ones waiting"),
+            "containers a node runs at once, and as many final ones (drain, preemption, "
+            "shutdown) beside them; final ones start before the leave-running ones waiting"),
     Setting("CHECKPOINT_SCRATCH", 0, count, "node agent: bytes of its work directory the "
             "dumps in flight may fill together (estimated from each workload's memory and "
             "its writable layer's and /dev/shm's data, or its last dump); 0: the free "

@@ -56,9 +56,9 @@ class CountingStep:
         return None
 
 
-def request(node: str, rid: str = "r-1", **kw: Any) -> CkptRequested:
+def request(node: str, rid: str = "r-1", job: str = "j", **kw: Any) -> CkptRequested:
     return CkptRequested(
-        request_id=rid, checkpoint_id="ck", target=Target.job("j"), node=node, **kw
+        request_id=rid, checkpoint_id="ck", target=Target.job(job), node=node, **kw
     )
 
 
@@ -574,13 +574,16 @@ class Gated:
         return None
 
 
-async def _served(bus: Bus, step: Gated, node: str, rids: list[str], **kw: Any) -> None:
+async def _served(bus: Bus, step: Gated, node: str, rids: list[str],
+                  jobs: dict[str, str] | None = None, **kw: Any) -> None:
+    """Each request for a job of its own, or its job in ``jobs``."""
     w = Worker(bus, step, node, service="test", locks=node_locks(node), **kw)
     task = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
         for rid in rids:
-            await bus.publish(request(node, rid, leave_running=not rid.startswith("final")))
+            await bus.publish(request(node, rid, job=(jobs or {}).get(rid, rid),
+                                      leave_running=not rid.startswith("final")))
             await asyncio.sleep(0.1)  # the first has started before the others come
         await asyncio.sleep(1)  # all fetched, waiting
         step.gate.set()
@@ -647,6 +650,36 @@ async def test_dumps_start_together_only_while_their_estimates_fit_the_scratch(
                   admission=CheckpointAdmission(tmp_path, estimate, limit=1000))
     assert tight.most == 1
     assert tight.started == ["b-1", "final-b", "b-2"]
+
+
+async def test_requests_for_one_job_wait_outside_the_slots(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """Leave-running requests queued for one container (a tenant's own, say)
+    would each hold a slot only to wait for its lock: they wait outside the
+    slots, one at a time, and another container's request takes the free
+    slot before the second of them."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    step = Gated()
+    ones = ["one-1", "one-2", "one-3"]
+    await _served(bus, step, node, [*ones, "other-1"], jobs=dict.fromkeys(ones, "one"),
+                  concurrency=2, ahead=8, admission=CheckpointAdmission(tmp_path, estimate))
+    assert step.started == ["one-1", "other-1", "one-2", "one-3"], step.started
+    assert step.most == 2
+
+
+async def test_a_final_request_starts_while_leave_running_dumps_fill_every_slot(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """Every slot is taken by leave-running dumps of other containers (long
+    ones, a tenant's): a final request (a drain's) starts beside them."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    step = Gated()
+    await _served(bus, step, node, ["lr-a", "lr-b", "final-beside"], concurrency=2, ahead=8,
+                  admission=CheckpointAdmission(tmp_path, estimate))
+    assert step.most == 3, step.started
 
 
 class FinalsBlock:

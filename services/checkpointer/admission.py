@@ -7,7 +7,12 @@ its worker uses it).
   leave-running one waiting (a cordon's, a heartbeat's), whatever came first.
 - **Bounded by bandwidth**: at most ``SMR_CHECKPOINTS_PER_NODE`` dumps at
   once (each one's images go up while CRIU writes them; more at once only
-  share the link).
+  share the link), and as many final ones beside them: leave-running dumps,
+  whoever asked for them, never keep a final one from starting.
+- **One per container**: a request for a container whose own request is in
+  flight here waits outside the slots (a final one only for a final one,
+  as it takes a leave-running dump over); a leave-running one whose final
+  one is in progress gives way at once (smr/bus/ahead.py).
 - **Bounded by scratch**: a dump's images are written to the agent's work
   directory before they are stored (with the container's writable layer and
   /dev/shm, their data only: services/containers/rootfs). One starts only
@@ -28,7 +33,7 @@ its worker uses it).
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from pathlib import Path
 
 from smr.config import Settings
@@ -76,6 +81,11 @@ class CheckpointAdmission:
 
     def rides(self, req: CkptRequested) -> bool:
         return self._rides is not None and self._rides(req)
+
+    def job(self, req: CkptRequested) -> Hashable:
+        """The container ``req`` is for, as it names it (whichever pod uid)."""
+        t = req.target
+        return t.kind, t.namespace, t.pod, t.container, t.job_id
 
     def room(self) -> int:
         free, size = space(self.scratch)

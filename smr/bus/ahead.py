@@ -9,6 +9,19 @@ keep each alive (``in_progress``) while it waits, and start the most urgent
 first, then the oldest. An ``Admission`` (the step's) says how urgent a
 request is and whether it fits the room left beside the steps in flight.
 
+The slots are shared by every namespace on the node, so none may be held by
+requests that only wait, and none taken from an urgent request by less
+urgent ones:
+
+- **By urgency**: a request starts while fewer than ``concurrency`` requests
+  as urgent as it or more are in flight. Leave-running dumps fill at most
+  ``concurrency`` slots, and a final one still starts beside them.
+- **One job at a time**: a request whose job (``Admission.job``: its pod's
+  container) has a request as urgent or more in flight here waits outside
+  the slots, in the look-ahead, until that one ends. It would only wait for
+  the job's lock in a slot: a tenant's requests queued for one container
+  held every slot of the node so.
+
 Nothing here touches a step's state: a waiting request is only a message
 not yet acknowledged. If the worker dies, JetStream delivers it again.
 """
@@ -18,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,11 +63,20 @@ class Admission(Protocol):
 
 def rides(admission: Admission | None, req: Any) -> bool:
     """Does ``req`` only wait on a step in flight (a final checkpoint on its
-    container's leave-running dump, which it takes over)? Such a request
-    starts at once, outside the slots: waiting for one, it would find that
-    dump over and dump again. An admission without ``rides`` says no."""
+    container's leave-running dump, which it takes over; a leave-running one
+    that gives way to its container's final one)? Such a request starts at
+    once, outside the slots: waiting for one, it would find that dump over
+    and dump again. An admission without ``rides`` says no."""
     ask = getattr(admission, "rides", None)
     return bool(ask and req is not None and ask(req))
+
+
+def job_of(admission: Admission | None, req: Any) -> Hashable | None:
+    """The job ``req`` acts on (``Admission.job``), of which one request at a
+    time runs here; None: none known (an admission without ``job``, a bad
+    request)."""
+    ask = getattr(admission, "job", None)
+    return ask(req) if ask and req is not None else None
 
 
 @dataclass
@@ -66,6 +89,12 @@ class Waiting:
     estimate: int | None = None  # asked for once, when it is next to start
     req: Any = None  # the request, parsed (None: a bad one)
     estimating: asyncio.Task[int] | None = None  # that estimate, while it is made
+    job: Hashable | None = None  # what it acts on (job_of)
+    rider: bool = False  # started outside the slots (rides)
+
+    @property
+    def urgency(self) -> int:
+        return self.key[0]
 
 
 class Ahead:
@@ -76,7 +105,7 @@ class Ahead:
         self.admission = admission
         self._waiting: dict[int, Waiting] = {}  # by arrival
         self._arrivals = itertools.count()
-        self.reserved = 0  # estimates of the requests in flight
+        self._flying: dict[int, Waiting] = {}  # started, not yet ended (by arrival)
         self._estimating: set[asyncio.Task[int]] = set()  # being made
 
     def __len__(self) -> int:
@@ -102,11 +131,12 @@ class Ahead:
         urgency = -1 if req is None else \
             (self.admission.urgency(req) if self.admission else 0)
         n = next(self._arrivals)
-        self._waiting[n] = Waiting(m, rid, (urgency, seq, n), req=req)
+        self._waiting[n] = Waiting(m, rid, (urgency, seq, n), req=req,
+                                   job=job_of(self.admission, req))
 
-    def riders(self) -> list[Msg]:
+    def riders(self) -> list[Waiting]:
         """The waiting requests that ride on a step in flight (``rides``),
-        taken out to start now."""
+        taken out to start now (in flight once returned: ``landed`` each)."""
         if self.admission is None:
             return []
         out = [self._waiting.pop(n) for n, w in list(self._waiting.items())
@@ -114,22 +144,48 @@ class Ahead:
         for w in out:
             if w.estimating is not None:
                 w.estimating.cancel()  # a rider takes no slot, and so no room
-        return [w.msg for w in out]
+            w.rider, w.estimate = True, 0
+            self._flying[w.key[2]] = w
+        return out
+
+    def landed(self, w: Waiting) -> None:
+        """``w``, started, has ended: its slot, room and job are free."""
+        self._flying.pop(w.key[2], None)
+
+    @property
+    def reserved(self) -> int:
+        """The estimates of the requests in flight."""
+        return sum(w.estimate or 0 for w in self._flying.values())
+
+    def in_flight(self, urgency: int | None = None) -> int:
+        """The requests in a slot (riders take none), those as urgent as
+        ``urgency`` or more if given."""
+        return sum(1 for w in self._flying.values() if not w.rider and
+                   (urgency is None or w.urgency <= urgency))
+
+    def _held(self, w: Waiting) -> bool:
+        """Does ``w`` wait for its job's request in flight here (one as
+        urgent or more)? It would only wait for that job's lock in a slot."""
+        return w.job is not None and any(
+            f.job == w.job and f.urgency <= w.urgency for f in self._flying.values())
 
     def messages(self) -> list[Msg]:
         return [w.msg for w in self._waiting.values()]
 
-    def next(self, in_flight: int) -> tuple[Msg, int] | None:
-        """The request to start now and its estimate, or None: none waits,
-        the most urgent one's estimate is still being made (``estimating``:
-        made apart, so that a more urgent request fetched meanwhile need not
-        wait for it), or the most urgent one does not fit the room beside
-        ``in_flight`` steps (then none starts: a smaller, less urgent one must
-        not take the room the urgent one waits for). One always starts when
+    def next(self, concurrency: int) -> Waiting | None:
+        """The request to start now (in flight once returned: ``landed`` it),
+        or None. It is the most urgent, then oldest, waiting request whose
+        job is not held (``_held``) and of whose urgency fewer than
+        ``concurrency`` are in flight. None starts while its estimate is
+        still being made (``estimating``: made apart, so that a more urgent
+        request fetched meanwhile need not wait for it), or while it does not
+        fit the room beside the requests in flight (a smaller, less urgent
+        one must not take the room it waits for). One always starts when
         none is in flight, whatever its size: it could never start otherwise."""
-        if not self._waiting:
+        head = next((w for w in self._in_line()
+                     if self.in_flight(w.urgency) < concurrency), None)
+        if head is None:
             return None
-        head = self._head()
         if self.admission is not None and head.request_id is not None:
             if head.estimate is None:
                 if not self._estimate_of(head).done():
@@ -137,19 +193,23 @@ class Ahead:
                 assert head.estimating is not None
                 head.estimate = 0 if head.estimating.cancelled() else \
                     head.estimating.result()
-            if in_flight and self.reserved + head.estimate > self.admission.room():
+            if self.in_flight() and self.reserved + head.estimate > self.admission.room():
                 return None
         del self._waiting[head.key[2]]
-        if self.admission is not None and self._waiting and \
-                (nxt := self._head()).request_id is not None:
+        head.estimate = head.estimate or 0
+        self._flying[head.key[2]] = head
+        if self.admission is not None and \
+                (nxt := next(self._in_line(), None)) is not None and nxt.request_id is not None:
             # The next in line's, made while this one runs: ready when a slot
             # frees. It may then be a dump old (its job's last size not yet
             # updated): the step checks the disk again with its own, fresh.
             self._estimate_of(nxt)
-        return head.msg, head.estimate or 0
+        return head
 
-    def _head(self) -> Waiting:
-        return min(self._waiting.values(), key=lambda w: w.key)
+    def _in_line(self) -> Iterator[Waiting]:
+        """The waiting requests not held by their job, most urgent then oldest first."""
+        return (w for w in sorted(self._waiting.values(), key=lambda w: w.key)
+                if not self._held(w))
 
     def _estimate_of(self, w: Waiting) -> asyncio.Task[int]:
         """``w``'s estimate, begun if it was not."""

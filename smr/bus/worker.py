@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from smr import metrics, tracing
 from smr.aio import cancelling, quietly, stop_task
-from smr.bus.ahead import Admission, Ahead
+from smr.bus.ahead import Admission, Ahead, Waiting
 from smr.bus.client import Bus
 from smr.bus.deadletters import peek_request_id
 from smr.bus.exhausted import Exhausted
@@ -108,13 +108,11 @@ class Worker:
         serving: set[asyncio.Task[None]] = set()
         try:
             while not self._stop.is_set():
-                for m in waiting.riders():  # outside the slots (smr/bus/ahead.rides)
-                    t = self._start(waiting, m, 0)
-                    serving.add(t)
-                    t.add_done_callback(serving.discard)
-                while len(serving) < self.concurrency and \
-                        (nxt := waiting.next(len(serving))):
-                    t = self._start(waiting, *nxt)
+                starting = waiting.riders()  # outside the slots (smr/bus/ahead.rides)
+                while (w := waiting.next(self.concurrency)) is not None:
+                    starting.append(w)
+                for w in starting:
+                    t = self._start(waiting, w)
                     serving.add(t)
                     t.add_done_callback(serving.discard)
                 if not serving and not waiting:
@@ -148,15 +146,12 @@ class Worker:
             await quietly(psub.unsubscribe())
             await quietly(exhausted.unsubscribe())
 
-    def _start(self, waiting: Ahead, m: Msg, estimate: int) -> asyncio.Task[None]:
-        """Serve ``m`` in a task of its own; its estimate is reserved meanwhile."""
+    def _start(self, waiting: Ahead, w: Waiting) -> asyncio.Task[None]:
+        """Serve ``w`` in a task of its own; its slot, estimate and job are
+        held in ``waiting`` until it ends."""
         self.idle.clear()
-        waiting.reserved += estimate
-
-        def release(_: asyncio.Task[None]) -> None:
-            waiting.reserved -= estimate
-        t = asyncio.create_task(self._serve(m))
-        t.add_done_callback(release)
+        t = asyncio.create_task(self._serve(w.msg))
+        t.add_done_callback(lambda _: waiting.landed(w))
         return t
 
     async def _fetch(self, psub: Any, n: int) -> list[Msg]:
