@@ -18,6 +18,7 @@ import orjson
 import pytest
 from nats.js.kv import KeyValue
 
+from services.checkpointer import takeover
 from services.checkpointer.admission import CheckpointAdmission
 from smr.bus import (
     KV_JOBS,
@@ -33,6 +34,7 @@ from smr.bus import (
     subject,
 )
 from smr.bus.topology import message_subject, request_consumer
+from smr.contract.errors import PermanentError
 from smr.contract.messages import CkptDone, CkptRequested, DeadLetter, Target
 from smr.natsserver import NatsServer
 from tests.helpers.steplocks import node_locks
@@ -56,9 +58,10 @@ class CountingStep:
         return None
 
 
-def request(node: str, rid: str = "r-1", job: str = "j", **kw: Any) -> CkptRequested:
+def request(node: str, rid: str = "r-1", job: str = "j", target: Target | None = None,
+            **kw: Any) -> CkptRequested:
     return CkptRequested(
-        request_id=rid, checkpoint_id="ck", target=Target.job(job), node=node, **kw
+        request_id=rid, checkpoint_id="ck", target=target or Target.job(job), node=node, **kw
     )
 
 
@@ -575,14 +578,14 @@ class Gated:
 
 
 async def _served(bus: Bus, step: Gated, node: str, rids: list[str],
-                  jobs: dict[str, str] | None = None, **kw: Any) -> None:
-    """Each request for a job of its own, or its job in ``jobs``."""
+                  targets: dict[str, Target] | None = None, **kw: Any) -> None:
+    """Each request for a job of its own, or its target in ``targets``."""
     w = Worker(bus, step, node, service="test", locks=node_locks(node), **kw)
     task = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
         for rid in rids:
-            await bus.publish(request(node, rid, job=(jobs or {}).get(rid, rid),
+            await bus.publish(request(node, rid, job=rid, target=(targets or {}).get(rid),
                                       leave_running=not rid.startswith("final")))
             await asyncio.sleep(0.1)  # the first has started before the others come
         await asyncio.sleep(1)  # all fetched, waiting
@@ -663,10 +666,31 @@ async def test_requests_for_one_job_wait_outside_the_slots(
 
     step = Gated()
     ones = ["one-1", "one-2", "one-3"]
-    await _served(bus, step, node, [*ones, "other-1"], jobs=dict.fromkeys(ones, "one"),
+    await _served(bus, step, node, [*ones, "other-1"],
+                  targets=dict.fromkeys(ones, Target.job("one")),
                   concurrency=2, ahead=8, admission=CheckpointAdmission(tmp_path, estimate))
     assert step.started == ["one-1", "other-1", "one-2", "one-3"], step.started
     assert step.most == 2
+
+
+async def test_a_tenants_queue_for_many_containers_holds_another_namespace_back_one_dump(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A tenant queues requests for four of its containers, more than the
+    slots; another namespace's request, queued after them, starts as soon as
+    one of the tenant's dumps in flight ends, not after the tenant's queue."""
+    async def estimate(req: CkptRequested) -> int:
+        return 0
+
+    def pod(ns: str, name: str) -> Target:
+        return Target(kind="pod", namespace=ns, pod=name, container="main")
+
+    queued = {f"evil-{c}-{i}": pod("evil", f"p{c}") for i in range(3) for c in range(4)}
+    step = Gated()
+    await _served(bus, step, node, [*queued, "good-1"],
+                  targets={**queued, "good-1": pod("good", "p")},
+                  concurrency=2, ahead=16, admission=CheckpointAdmission(tmp_path, estimate))
+    # The two first in flight end together: their slots go one to each namespace.
+    assert step.started.index("good-1") in (2, 3), step.started
 
 
 async def test_a_final_request_starts_while_leave_running_dumps_fill_every_slot(
@@ -680,6 +704,135 @@ async def test_a_final_request_starts_while_leave_running_dumps_fill_every_slot(
     await _served(bus, step, node, ["lr-a", "lr-b", "final-beside"], concurrency=2, ahead=8,
                   admission=CheckpointAdmission(tmp_path, estimate))
     assert step.most == 3, step.started
+
+
+class RiderDumps(Gated):
+    """A rider that dumps by itself (a final whose cordon dump stepped aside)
+    runs until the gate opens; the others a moment."""
+
+    def __init__(self, rider: str) -> None:
+        super().__init__()
+        self.rider = rider
+        self.gate.set()
+        self.rider_ends = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        if req.request_id == self.rider:
+            self.started.append(req.request_id)
+            await self.rider_ends.wait()
+            return CkptDone.for_request(req, status="succeeded", generation=1)
+        return await super().run(req, progress)
+
+
+async def test_a_request_over_the_room_waits_for_a_rider_dumping_by_itself(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A rider starts outside the slots, but once it dumps it is a dump in
+    flight like any other: a request whose estimate does not fit the room
+    beside it waits for it to end, and never starts beside it (its own step
+    would refuse it at the kubelet's eviction threshold)."""
+    rider, big = f"final-rider-{node}", f"final-big-{node}"
+
+    async def estimate(req: CkptRequested) -> int:
+        return 1000 if req.request_id == big else 0
+
+    step = RiderDumps(rider)
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=4,
+               ahead=8, admission=CheckpointAdmission(
+                   tmp_path, estimate, limit=500, rides=lambda r: r.request_id == rider))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(request(node, rider, job=rider, leave_running=False))
+        await bus.publish(request(node, big, job=big, leave_running=False))
+        await asyncio.sleep(2)
+        assert step.started == [rider], "a request over the room started beside a rider"
+        step.rider_ends.set()
+        for rid in (rider, big):
+            assert (await bus.wait_result(rid, "ckpt.requested", timeout=30)).status == \
+                "succeeded"
+    finally:
+        await stop(w, t)
+    assert step.started == [rider, big]
+
+
+class GivesWay:
+    """The pod step's takeover with a stand-in dump: a final request is in
+    progress until the first leave-running request of its container rides
+    (then it fails, the workload running on: so each leave-running request,
+    asked after, dumps); dumps of one container share its lock."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.flights = takeover.Flights()
+        self.final_ends = asyncio.Event()
+        self.locks: dict[Any, asyncio.Lock] = {}  # by container
+        self.dumping = 0
+        self.most = 0
+
+    def rides(self, req: CkptRequested) -> bool:
+        got = req.leave_running and \
+            self.flights.final_of(takeover.key(req.target), req.checkpoint_id) is not None
+        if got:  # the final ends before the rider's step looks (the window)
+            asyncio.get_running_loop().call_soon(self.final_ends.set)
+        return got
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        if not req.leave_running:
+            with self.flights.final(takeover.key(req.target), req):
+                await self.final_ends.wait()
+            raise PermanentError("the final checkpoint failed", code="test-failed")
+        takeover.make_way(self.flights, req)
+        async with self.locks.setdefault(takeover.key(req.target), asyncio.Lock()):
+            self.dumping += 1
+            self.most = max(self.most, self.dumping)
+            try:
+                await asyncio.sleep(0.3)
+            finally:
+                self.dumping -= 1
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_leave_running_requests_riding_on_a_final_that_ends_meanwhile_start_one_at_a_time(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """Leave-running requests of a container whose final request is in
+    progress ride (to give way at once), but the final may end before they
+    look: each then dumps as any request of its container would, so they
+    ride one at a time, and with the other requests in flight they never
+    exceed the slot."""
+    def pod_request(rid: str, pod: str, leave_running: bool) -> CkptRequested:
+        return CkptRequested(request_id=f"{rid}-{node}", checkpoint_id=f"{pod}.main",
+                             node=node, leave_running=leave_running,
+                             target=Target(kind="pod", namespace="default", pod=pod,
+                                           container="main"))
+
+    async def estimate(r: CkptRequested) -> int:
+        return 0
+
+    step = GivesWay()
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
+               ahead=16, admission=CheckpointAdmission(tmp_path, estimate, rides=step.rides))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(pod_request("gives-way-final", "p", False))
+        for _ in range(100):
+            if step.flights.final_of(("default", "p", "main"), "p.main"):
+                break
+            await asyncio.sleep(0.05)
+        lrs = [pod_request("gives-way-other", "q", True),
+               *(pod_request(f"gives-way-{i}", "p", True) for i in range(4))]
+        for r in lrs:
+            await bus.publish(r)
+        results = [await bus.wait_result(r.request_id, "ckpt.requested", timeout=60)
+                   for r in lrs]
+    finally:
+        await stop(w, t)
+    assert [r.status for r in results] == ["succeeded"] * 5, [r.error for r in results]
+    assert step.most == 1, f"{step.most} leave-running dumps at once with one slot"
 
 
 class FinalsBlock:

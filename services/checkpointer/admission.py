@@ -13,6 +13,9 @@ its worker uses it).
   flight here waits outside the slots (a final one only for a final one,
   as it takes a leave-running dump over); a leave-running one whose final
   one is in progress gives way at once (smr/bus/ahead.py).
+- **Shared by namespace**: of the requests as urgent, those of the namespace
+  with the fewest in flight start first: one tenant's queue does not hold
+  another's requests back for longer than a dump in flight takes.
 - **Bounded by scratch**: a dump's images are written to the agent's work
   directory before they are stored (with the container's writable layer and
   /dev/shm, their data only: services/containers/rootfs). One starts only
@@ -86,6 +89,10 @@ class CheckpointAdmission:
         """The container ``req`` is for, as it names it (whichever pod uid)."""
         t = req.target
         return t.kind, t.namespace, t.pod, t.container, t.job_id
+
+    def share(self, req: CkptRequested) -> Hashable:
+        """Whose share of the node's slots it takes: its namespace's."""
+        return req.target.namespace_name
 
     def room(self) -> int:
         free, size = space(self.scratch)

@@ -21,6 +21,11 @@ urgent ones:
   the slots, in the look-ahead, until that one ends. It would only wait for
   the job's lock in a slot: a tenant's requests queued for one container
   held every slot of the node so.
+- **Shared fairly**: of the requests as urgent, those of the share
+  (``Admission.share``: its namespace) with the fewest in flight start first,
+  then the oldest. A tenant's queue for many containers delays another
+  namespace's request until one of the dumps in flight ends, not until the
+  queue is served.
 
 Nothing here touches a step's state: a waiting request is only a message
 not yet acknowledged. If the worker dies, JetStream delivers it again.
@@ -29,9 +34,10 @@ not yet acknowledged. If the worker dies, JetStream delivers it again.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,6 +77,13 @@ def rides(admission: Admission | None, req: Any) -> bool:
     return bool(ask and req is not None and ask(req))
 
 
+def share_of(admission: Admission | None, req: Any) -> Hashable | None:
+    """Whose share of the slots ``req`` takes (``Admission.share``); None: one
+    for all (an admission without ``share``, a bad request)."""
+    ask = getattr(admission, "share", None)
+    return ask(req) if ask and req is not None else None
+
+
 def job_of(admission: Admission | None, req: Any) -> Hashable | None:
     """The job ``req`` acts on (``Admission.job``), of which one request at a
     time runs here; None: none known (an admission without ``job``, a bad
@@ -90,7 +103,7 @@ class Waiting:
     req: Any = None  # the request, parsed (None: a bad one)
     estimating: asyncio.Task[int] | None = None  # that estimate, while it is made
     job: Hashable | None = None  # what it acts on (job_of)
-    rider: bool = False  # started outside the slots (rides)
+    share: Hashable | None = None  # whose share of the slots it takes (share_of)
 
     @property
     def urgency(self) -> int:
@@ -104,6 +117,8 @@ class Ahead:
         self.req_type = req_type
         self.admission = admission
         self._waiting: dict[int, Waiting] = {}  # by arrival
+        # Each urgency and share's waiting requests, oldest first: (seq, arrival).
+        self._lines: dict[tuple[int, Hashable], list[tuple[int, int]]] = {}
         self._arrivals = itertools.count()
         self._flying: dict[int, Waiting] = {}  # started, not yet ended (by arrival)
         self._estimating: set[asyncio.Task[int]] = set()  # being made
@@ -131,21 +146,38 @@ class Ahead:
         urgency = -1 if req is None else \
             (self.admission.urgency(req) if self.admission else 0)
         n = next(self._arrivals)
-        self._waiting[n] = Waiting(m, rid, (urgency, seq, n), req=req,
-                                   job=job_of(self.admission, req))
+        w = self._waiting[n] = Waiting(m, rid, (urgency, seq, n), req=req,
+                                       job=job_of(self.admission, req),
+                                       share=share_of(self.admission, req))
+        bisect.insort(self._lines.setdefault((urgency, w.share), []), (seq, n))
+
+    def _take(self, w: Waiting) -> None:
+        """``w`` out of the waiting ones: started, or dropped."""
+        del self._waiting[w.key[2]]
+        line = self._lines[w.urgency, w.share]
+        line.remove(w.key[1:])
+        if not line:
+            del self._lines[w.urgency, w.share]
 
     def riders(self) -> list[Waiting]:
         """The waiting requests that ride on a step in flight (``rides``),
-        taken out to start now (in flight once returned: ``landed`` each)."""
+        taken out to start now (in flight once returned: ``landed`` each).
+        One of a job and urgency at a time: the step it rides on may end
+        before it looks, and it then runs as any request of its job would."""
         if self.admission is None:
             return []
-        out = [self._waiting.pop(n) for n, w in list(self._waiting.items())
-               if rides(self.admission, w.req)]
-        for w in out:
+        out = []
+        for w in sorted((w for w in self._waiting.values() if rides(self.admission, w.req)),
+                        key=lambda w: w.key):
+            if w.job is not None and any(f.job == w.job and f.urgency == w.urgency
+                                         for f in self._flying.values()):
+                continue
+            self._take(w)
             if w.estimating is not None:
-                w.estimating.cancel()  # a rider takes no slot, and so no room
-            w.rider, w.estimate = True, 0
+                w.estimating.cancel()  # it waits for no slot, and so for no room
+            w.estimate = 0
             self._flying[w.key[2]] = w
+            out.append(w)
         return out
 
     def landed(self, w: Waiting) -> None:
@@ -157,33 +189,20 @@ class Ahead:
         """The estimates of the requests in flight."""
         return sum(w.estimate or 0 for w in self._flying.values())
 
-    def in_flight(self, urgency: int | None = None) -> int:
-        """The requests in a slot (riders take none), those as urgent as
-        ``urgency`` or more if given."""
-        return sum(1 for w in self._flying.values() if not w.rider and
-                   (urgency is None or w.urgency <= urgency))
-
-    def _held(self, w: Waiting) -> bool:
-        """Does ``w`` wait for its job's request in flight here (one as
-        urgent or more)? It would only wait for that job's lock in a slot."""
-        return w.job is not None and any(
-            f.job == w.job and f.urgency <= w.urgency for f in self._flying.values())
-
     def messages(self) -> list[Msg]:
         return [w.msg for w in self._waiting.values()]
 
     def next(self, concurrency: int) -> Waiting | None:
         """The request to start now (in flight once returned: ``landed`` it),
         or None. It is the most urgent, then oldest, waiting request whose
-        job is not held (``_held``) and of whose urgency fewer than
-        ``concurrency`` are in flight. None starts while its estimate is
+        job is not held and of whose urgency fewer than ``concurrency`` are in
+        flight (``_first``). None starts while its estimate is
         still being made (``estimating``: made apart, so that a more urgent
         request fetched meanwhile need not wait for it), or while it does not
         fit the room beside the requests in flight (a smaller, less urgent
         one must not take the room it waits for). One always starts when
         none is in flight, whatever its size: it could never start otherwise."""
-        head = next((w for w in self._in_line()
-                     if self.in_flight(w.urgency) < concurrency), None)
+        head = self._first(concurrency)
         if head is None:
             return None
         if self.admission is not None and head.request_id is not None:
@@ -193,23 +212,51 @@ class Ahead:
                 assert head.estimating is not None
                 head.estimate = 0 if head.estimating.cancelled() else \
                     head.estimating.result()
-            if self.in_flight() and self.reserved + head.estimate > self.admission.room():
+            if self._flying and self.reserved + head.estimate > self.admission.room():
                 return None
-        del self._waiting[head.key[2]]
+        self._take(head)
         head.estimate = head.estimate or 0
         self._flying[head.key[2]] = head
         if self.admission is not None and \
-                (nxt := next(self._in_line(), None)) is not None and nxt.request_id is not None:
+                (nxt := self._first()) is not None and nxt.request_id is not None:
             # The next in line's, made while this one runs: ready when a slot
             # frees. It may then be a dump old (its job's last size not yet
             # updated): the step checks the disk again with its own, fresh.
             self._estimate_of(nxt)
         return head
 
-    def _in_line(self) -> Iterator[Waiting]:
-        """The waiting requests not held by their job, most urgent then oldest first."""
-        return (w for w in sorted(self._waiting.values(), key=lambda w: w.key)
-                if not self._held(w))
+    def _first(self, concurrency: int = 0) -> Waiting | None:
+        """The first waiting request not held by its job: the most urgent,
+        then the one whose share has the fewest as urgent in flight, then the
+        oldest; with ``concurrency``, only of an urgency with a slot free. A
+        request is held while a request of its job as urgent or more is in
+        flight here: it would only wait for that job's lock in a slot. (One
+        look at each urgency and share's oldest not held: it is asked at each
+        start, with up to 256 waiting.)"""
+        holding: dict[Hashable, int] = {}  # job: the most urgent of it in flight
+        shares: dict[Hashable, list[int]] = {}  # share: the urgencies of it in flight
+        for f in self._flying.values():
+            if f.job is not None:
+                holding[f.job] = min(f.urgency, holding.get(f.job, f.urgency))
+            shares.setdefault(f.share, []).append(f.urgency)
+        # Every slot of an urgency is taken once ``concurrency`` requests as
+        # urgent or more are in flight (riders too, once started: they only
+        # started without one): from the concurrency-th most urgent on.
+        slotted = sorted(f.urgency for f in self._flying.values())
+        full = slotted[concurrency - 1] if concurrency and len(slotted) >= concurrency \
+            else None
+        best, best_key = None, (0, 0, 0, 0)
+        for (u, share), line in self._lines.items():
+            if (full is not None and u >= full) or (best is not None and u > best_key[0]):
+                continue
+            for seq, n in line:  # its first not held
+                w = self._waiting[n]
+                if w.job is None or holding.get(w.job, u + 1) > u:
+                    t = sum(1 for x in shares.get(share, ()) if x <= u)
+                    if best is None or (u, t, seq, n) < best_key:
+                        best, best_key = w, (u, t, seq, n)
+                    break
+        return best
 
     def _estimate_of(self, w: Waiting) -> asyncio.Task[int]:
         """``w``'s estimate, begun if it was not."""
@@ -241,6 +288,7 @@ class Ahead:
         for t in list(self._estimating):
             t.cancel()
         self._waiting.clear()
+        self._lines.clear()
         return msgs
 
     async def keep_alive(self, every: float) -> None:
