@@ -34,7 +34,6 @@ from smr.bus import (
     subject,
 )
 from smr.bus.topology import message_subject, request_consumer
-from smr.contract.errors import PermanentError
 from smr.contract.messages import CkptDone, CkptRequested, DeadLetter, Target
 from smr.natsserver import NatsServer
 from tests.helpers.steplocks import node_locks
@@ -756,10 +755,10 @@ async def test_a_request_over_the_room_waits_for_a_rider_dumping_by_itself(
 
 
 class GivesWay:
-    """The pod step's takeover with a stand-in dump: a final request is in
-    progress until the first leave-running request of its container rides
-    (then it fails, the workload running on: so each leave-running request,
-    asked after, dumps); dumps of one container share its lock."""
+    """The pod step's takeover with a stand-in dump: a final request runs
+    until the test ends it; a leave-running request of its container asked
+    meanwhile gives way (``taken-over``), the others dump, each container's
+    under its own lock."""
 
     kind = "ckpt.requested"
 
@@ -767,21 +766,16 @@ class GivesWay:
         self.flights = takeover.Flights()
         self.final_ends = asyncio.Event()
         self.locks: dict[Any, asyncio.Lock] = {}  # by container
+        self.started: list[str] = []
         self.dumping = 0
         self.most = 0
-
-    def rides(self, req: CkptRequested) -> bool:
-        got = req.leave_running and \
-            self.flights.final_of(takeover.key(req.target), req.checkpoint_id) is not None
-        if got:  # the final ends before the rider's step looks (the window)
-            asyncio.get_running_loop().call_soon(self.final_ends.set)
-        return got
 
     async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
         if not req.leave_running:
             with self.flights.final(takeover.key(req.target), req):
                 await self.final_ends.wait()
-            raise PermanentError("the final checkpoint failed", code="test-failed")
+            return CkptDone.for_request(req, status="succeeded", generation=1)
+        self.started.append(req.request_id)
         takeover.make_way(self.flights, req)
         async with self.locks.setdefault(takeover.key(req.target), asyncio.Lock()):
             self.dumping += 1
@@ -796,43 +790,49 @@ class GivesWay:
         return None
 
 
-async def test_leave_running_requests_riding_on_a_final_that_ends_meanwhile_start_one_at_a_time(
+async def test_a_tenants_requests_giving_way_to_its_final_one_do_not_hold_another_back(
         bus: Bus, node: str, tmp_path: Path) -> None:
-    """Leave-running requests of a container whose final request is in
-    progress ride (to give way at once), but the final may end before they
-    look: each then dumps as any request of its container would, so they
-    ride one at a time, and with the other requests in flight they never
-    exceed the slot."""
-    def pod_request(rid: str, pod: str, leave_running: bool) -> CkptRequested:
+    """A tenant's final request runs on its container, and it keeps asking
+    for leave-running ones of that container: each gives way at once, but
+    each takes its turn in a slot. Another namespace's leave-running request,
+    queued behind them, starts next (it has none in flight), and no more
+    leave-running dumps run at once than there are slots."""
+    def pod_request(rid: str, ns: str, pod: str, leave_running: bool) -> CkptRequested:
         return CkptRequested(request_id=f"{rid}-{node}", checkpoint_id=f"{pod}.main",
                              node=node, leave_running=leave_running,
-                             target=Target(kind="pod", namespace="default", pod=pod,
+                             target=Target(kind="pod", namespace=ns, pod=pod,
                                            container="main"))
 
     async def estimate(r: CkptRequested) -> int:
         return 0
 
     step = GivesWay()
-    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
-               ahead=16, admission=CheckpointAdmission(tmp_path, estimate, rides=step.rides))
+    # Two slots, the final one's and one other.
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
+               ahead=32, admission=CheckpointAdmission(tmp_path, estimate))
     t = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
-        await bus.publish(pod_request("gives-way-final", "p", False))
+        final = pod_request("gives-way-final", "evil", "p", False)
+        await bus.publish(final)
         for _ in range(100):
-            if step.flights.final_of(("default", "p", "main"), "p.main"):
+            if step.flights.final_of(("evil", "p", "main"), "p.main"):
                 break
             await asyncio.sleep(0.05)
-        lrs = [pod_request("gives-way-other", "q", True),
-               *(pod_request(f"gives-way-{i}", "p", True) for i in range(4))]
-        for r in lrs:
+        tenant = [pod_request(f"gives-way-{i}", "evil", "p", True) for i in range(12)]
+        other = pod_request("gives-way-other", "good", "q", True)
+        for r in [*tenant[:6], other, *tenant[6:]]:
             await bus.publish(r)
+        done = await bus.wait_result(other.request_id, "ckpt.requested", timeout=30)
         results = [await bus.wait_result(r.request_id, "ckpt.requested", timeout=60)
-                   for r in lrs]
+                   for r in tenant]
+        step.final_ends.set()
     finally:
         await stop(w, t)
-    assert [r.status for r in results] == ["succeeded"] * 5, [r.error for r in results]
-    assert step.most == 1, f"{step.most} leave-running dumps at once with one slot"
+    assert done.status == "succeeded", done.error
+    assert {(r.error or {}).get("code") for r in results} == {"taken-over"}, results
+    assert step.started.index(other.request_id) <= 2, step.started
+    assert step.most == 1, f"{step.most} leave-running dumps at once beside the final"
 
 
 class FinalsBlock:

@@ -9,13 +9,15 @@ its worker uses it).
   once (each one's images go up while CRIU writes them; more at once only
   share the link), and as many final ones beside them: leave-running dumps,
   whoever asked for them, never keep a final one from starting.
-- **One per container**: a request for a container whose own request is in
-  flight here waits outside the slots (a final one only for a final one,
-  as it takes a leave-running dump over); a leave-running one whose final
-  one is in progress gives way at once (smr/bus/ahead.py).
+- **One per container and kind**: a leave-running request for a container
+  whose leave-running one is in flight here waits outside the slots, and a
+  final one for a container whose final one is (smr/bus/ahead.py). A final
+  one does start beside its container's leave-running one: it takes that
+  dump over, makes it step aside, or waits for its lock.
 - **Shared by namespace**: of the requests as urgent, those of the namespace
-  with the fewest in flight start first: one tenant's queue does not hold
-  another's requests back for longer than a dump in flight takes.
+  with the fewest as urgent in flight start first: one tenant's queue holds
+  another namespace's requests as urgent back only until one of the dumps of
+  that kind in flight ends (final ones still go before every leave-running one).
 - **Bounded by scratch**: a dump's images are written to the agent's work
   directory before they are stored (with the container's writable layer and
   /dev/shm, their data only: services/containers/rootfs). One starts only

@@ -85,13 +85,9 @@ class PodCheckpointStep(PodRecovery, PodStep):
 
     def rides(self, req: CkptRequested) -> bool:
         """A final request whose container's leave-running dump is in flight
-        here, not yet run on: it takes that dump over, and starts at once. A
-        leave-running request whose container's final one (its lineage's) is
-        in progress here: it gives way (``taken-over``), at once."""
-        key = takeover.key(req.target)
-        if req.leave_running:
-            return self.flights.final_of(key, req.checkpoint_id) is not None
-        flight = self.flights.flight_for(key, req)
+        here, not yet run on: it takes that dump over, and starts at once."""
+        flight = None if req.leave_running else \
+            self.flights.flight_for(takeover.key(req.target), req)
         return flight is not None and flight.phase in ("before", "frozen")
 
     async def estimate(self, req: CkptRequested) -> int:

@@ -17,15 +17,16 @@ urgent ones:
   as urgent as it or more are in flight. Leave-running dumps fill at most
   ``concurrency`` slots, and a final one still starts beside them.
 - **One job at a time**: a request whose job (``Admission.job``: its pod's
-  container) has a request as urgent or more in flight here waits outside
-  the slots, in the look-ahead, until that one ends. It would only wait for
-  the job's lock in a slot: a tenant's requests queued for one container
-  held every slot of the node so.
+  container) has a request as urgent in flight here waits outside the slots,
+  in the look-ahead, until that one ends. It would only wait for the job's
+  lock in a slot: a tenant's requests queued for one container held every
+  slot of the node so. (A more urgent one does not wait: a final one takes
+  its container's leave-running dump over, or makes it step aside.)
 - **Shared fairly**: of the requests as urgent, those of the share
-  (``Admission.share``: its namespace) with the fewest in flight start first,
-  then the oldest. A tenant's queue for many containers delays another
-  namespace's request until one of the dumps in flight ends, not until the
-  queue is served.
+  (``Admission.share``: its namespace) with the fewest as urgent in flight
+  start first, the shares in turns, then the oldest. A tenant's queue for many containers delays
+  another namespace's request as urgent until one of the dumps of that
+  urgency in flight ends, not until the queue is served.
 
 Nothing here touches a step's state: a waiting request is only a message
 not yet acknowledged. If the worker dies, JetStream delivers it again.
@@ -69,10 +70,9 @@ class Admission(Protocol):
 
 def rides(admission: Admission | None, req: Any) -> bool:
     """Does ``req`` only wait on a step in flight (a final checkpoint on its
-    container's leave-running dump, which it takes over; a leave-running one
-    that gives way to its container's final one)? Such a request starts at
-    once, outside the slots: waiting for one, it would find that dump over
-    and dump again. An admission without ``rides`` says no."""
+    container's leave-running dump, which it takes over)? Such a request
+    starts at once, outside the slots: waiting for one, it would find that
+    dump over and dump again. An admission without ``rides`` says no."""
     ask = getattr(admission, "rides", None)
     return bool(ask and req is not None and ask(req))
 
@@ -119,6 +119,8 @@ class Ahead:
         self._waiting: dict[int, Waiting] = {}  # by arrival
         # Each urgency and share's waiting requests, oldest first: (seq, arrival).
         self._lines: dict[tuple[int, Hashable], list[tuple[int, int]]] = {}
+        self._starts = itertools.count()
+        self._last: dict[Hashable, int] = {}  # share: when it last started one (of _starts)
         self._arrivals = itertools.count()
         self._flying: dict[int, Waiting] = {}  # started, not yet ended (by arrival)
         self._estimating: set[asyncio.Task[int]] = set()  # being made
@@ -158,6 +160,8 @@ class Ahead:
         line.remove(w.key[1:])
         if not line:
             del self._lines[w.urgency, w.share]
+            if not any(share == w.share for _, share in self._lines):
+                self._last.pop(w.share, None)  # nothing of it waits: its turn is forgotten
 
     def riders(self) -> list[Waiting]:
         """The waiting requests that ride on a step in flight (``rides``),
@@ -177,6 +181,7 @@ class Ahead:
                 w.estimating.cancel()  # it waits for no slot, and so for no room
             w.estimate = 0
             self._flying[w.key[2]] = w
+            self._last[w.share] = next(self._starts)
             out.append(w)
         return out
 
@@ -194,9 +199,11 @@ class Ahead:
 
     def next(self, concurrency: int) -> Waiting | None:
         """The request to start now (in flight once returned: ``landed`` it),
-        or None. It is the most urgent, then oldest, waiting request whose
-        job is not held and of whose urgency fewer than ``concurrency`` are in
-        flight (``_first``). None starts while its estimate is
+        or None. It is the most urgent waiting request whose job is not held
+        and of whose urgency (or a more urgent one) fewer than ``concurrency``
+        are in flight, then the one of the share with the fewest as urgent in
+        flight, then of the share whose turn came longest ago, then the oldest
+        (``_first``). None starts while its estimate is
         still being made (``estimating``: made apart, so that a more urgent
         request fetched meanwhile need not wait for it), or while it does not
         fit the room beside the requests in flight (a smaller, less urgent
@@ -217,6 +224,7 @@ class Ahead:
         self._take(head)
         head.estimate = head.estimate or 0
         self._flying[head.key[2]] = head
+        self._last[head.share] = next(self._starts)
         if self.admission is not None and \
                 (nxt := self._first()) is not None and nxt.request_id is not None:
             # The next in line's, made while this one runs: ready when a slot
@@ -228,16 +236,15 @@ class Ahead:
     def _first(self, concurrency: int = 0) -> Waiting | None:
         """The first waiting request not held by its job: the most urgent,
         then the one whose share has the fewest as urgent in flight, then the
-        oldest; with ``concurrency``, only of an urgency with a slot free. A
-        request is held while a request of its job as urgent or more is in
-        flight here: it would only wait for that job's lock in a slot. (One
-        look at each urgency and share's oldest not held: it is asked at each
-        start, with up to 256 waiting.)"""
-        holding: dict[Hashable, int] = {}  # job: the most urgent of it in flight
+        one whose share started one longest ago (in turns), then the oldest;
+        with ``concurrency``, only of an urgency with a slot free. A request
+        is held while a request of its job as urgent is in flight here: it
+        would only wait for that job's lock in a slot. (One look at each
+        urgency and share's oldest not held: it is asked at each start, with
+        up to 256 waiting.)"""
+        holding = {(f.job, f.urgency) for f in self._flying.values() if f.job is not None}
         shares: dict[Hashable, list[int]] = {}  # share: the urgencies of it in flight
         for f in self._flying.values():
-            if f.job is not None:
-                holding[f.job] = min(f.urgency, holding.get(f.job, f.urgency))
             shares.setdefault(f.share, []).append(f.urgency)
         # Every slot of an urgency is taken once ``concurrency`` requests as
         # urgent or more are in flight (riders too, once started: they only
@@ -245,16 +252,17 @@ class Ahead:
         slotted = sorted(f.urgency for f in self._flying.values())
         full = slotted[concurrency - 1] if concurrency and len(slotted) >= concurrency \
             else None
-        best, best_key = None, (0, 0, 0, 0)
+        best, best_key = None, (0, 0, 0, 0, 0)
         for (u, share), line in self._lines.items():
             if (full is not None and u >= full) or (best is not None and u > best_key[0]):
                 continue
             for seq, n in line:  # its first not held
                 w = self._waiting[n]
-                if w.job is None or holding.get(w.job, u + 1) > u:
-                    t = sum(1 for x in shares.get(share, ()) if x <= u)
-                    if best is None or (u, t, seq, n) < best_key:
-                        best, best_key = w, (u, t, seq, n)
+                if (w.job, u) not in holding:
+                    k = (u, sum(1 for x in shares.get(share, ()) if x == u),
+                         self._last.get(share, -1), seq, n)
+                    if best is None or k < best_key:
+                        best, best_key = w, k
                     break
         return best
 
@@ -289,6 +297,7 @@ class Ahead:
             t.cancel()
         self._waiting.clear()
         self._lines.clear()
+        self._last.clear()
         return msgs
 
     async def keep_alive(self, every: float) -> None:
