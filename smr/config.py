@@ -156,9 +156,10 @@ SETTINGS: tuple[Setting, ...] = (
             "checkpoint fails and the job runs on"),
     Setting("LOCK_WAIT", 3600.0, pos_float, "seconds a checkpoint or restore waits for "
             "another live step on the same job before it is retried"),
-    Setting("CHECKPOINTS_PER_NODE", 4, pos_int, "node agent: checkpoints of different "
-            "containers a node runs at once, and as many final ones (drain, preemption, "
-            "shutdown) beside them; final ones start before the leave-running ones waiting"),
+    Setting("CHECKPOINTS_PER_NODE", 4, pos_int, "node agent: a leave-running checkpoint "
+            "starts while fewer than this many checkpoints run on the node, a final one "
+            "(drain, preemption, shutdown) while fewer than this many final ones do, before "
+            "the leave-running ones waiting"),
     Setting("CHECKPOINT_SCRATCH", 0, count, "node agent: bytes of its work directory the "
             "dumps in flight may fill together (estimated from each workload's memory and "
             "its writable layer's and /dev/shm's data, or its last dump); 0: the free "

@@ -5,10 +5,12 @@ its worker uses it).
 - **Final first.** A final checkpoint (drain, preemption, shutdown: the
   kubelet stops the workload within its grace period) starts before every
   leave-running one waiting (a cordon's, a heartbeat's), whatever came first.
-- **Bounded by bandwidth**: at most ``SMR_CHECKPOINTS_PER_NODE`` dumps at
-  once (each one's images go up while CRIU writes them; more at once only
-  share the link), and as many final ones beside them: leave-running dumps,
-  whoever asked for them, never keep a final one from starting.
+- **Bounded by bandwidth**: a leave-running dump starts while fewer than
+  ``SMR_CHECKPOINTS_PER_NODE`` dumps run (each one's images go up while CRIU
+  writes them; more at once only share the link), a final one while fewer
+  than that many final ones run: leave-running dumps, whoever asked for
+  them, never keep a final one from starting. (A final one that takes over
+  its container's leave-running dump counts as that dump.)
 - **One per container and kind**: a leave-running request for a container
   whose leave-running one is in flight here waits outside the slots, and a
   final one for a container whose final one is (smr/bus/ahead.py). A final

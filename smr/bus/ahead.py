@@ -103,6 +103,7 @@ class Waiting:
     req: Any = None  # the request, parsed (None: a bad one)
     estimating: asyncio.Task[int] | None = None  # that estimate, while it is made
     job: Hashable | None = None  # what it acts on (job_of)
+    rider: bool = False  # started outside the slots (rides)
     share: Hashable | None = None  # whose share of the slots it takes (share_of)
 
     @property
@@ -160,8 +161,14 @@ class Ahead:
         line.remove(w.key[1:])
         if not line:
             del self._lines[w.urgency, w.share]
-            if not any(share == w.share for _, share in self._lines):
-                self._last.pop(w.share, None)  # nothing of it waits: its turn is forgotten
+
+    def _forget(self, share: Hashable) -> None:
+        """``share``'s turn, once none of it waits or runs: its next request
+        comes first among equals, and the shares a tenant can name (any
+        namespace, until its request is served) are not kept for ever."""
+        if not any(s == share for _, s in self._lines) and \
+                not any(f.share == share for f in self._flying.values()):
+            self._last.pop(share, None)
 
     def riders(self) -> list[Waiting]:
         """The waiting requests that ride on a step in flight (``rides``),
@@ -179,7 +186,7 @@ class Ahead:
             self._take(w)
             if w.estimating is not None:
                 w.estimating.cancel()  # it waits for no slot, and so for no room
-            w.estimate = 0
+            w.rider, w.estimate = True, 0
             self._flying[w.key[2]] = w
             self._last[w.share] = next(self._starts)
             out.append(w)
@@ -188,6 +195,7 @@ class Ahead:
     def landed(self, w: Waiting) -> None:
         """``w``, started, has ended: its slot, room and job are free."""
         self._flying.pop(w.key[2], None)
+        self._forget(w.share)
 
     @property
     def reserved(self) -> int:
@@ -247,9 +255,9 @@ class Ahead:
         for f in self._flying.values():
             shares.setdefault(f.share, []).append(f.urgency)
         # Every slot of an urgency is taken once ``concurrency`` requests as
-        # urgent or more are in flight (riders too, once started: they only
-        # started without one): from the concurrency-th most urgent on.
-        slotted = sorted(f.urgency for f in self._flying.values())
+        # urgent or more are in flight: from the concurrency-th most urgent
+        # on. A rider takes none: the dump it rides on holds one already.
+        slotted = sorted(f.urgency for f in self._flying.values() if not f.rider)
         full = slotted[concurrency - 1] if concurrency and len(slotted) >= concurrency \
             else None
         best, best_key = None, (0, 0, 0, 0, 0)
@@ -297,7 +305,8 @@ class Ahead:
             t.cancel()
         self._waiting.clear()
         self._lines.clear()
-        self._last.clear()
+        self._last = {s: n for s, n in self._last.items()
+                      if any(f.share == s for f in self._flying.values())}
         return msgs
 
     async def keep_alive(self, every: float) -> None:
