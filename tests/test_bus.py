@@ -754,6 +754,12 @@ async def test_a_request_over_the_room_waits_for_a_rider_dumping_by_itself(
     assert step.started == [rider, big]
 
 
+def pod_request(node: str, rid: str, ns: str, pod: str, leave_running: bool) -> CkptRequested:
+    return CkptRequested(request_id=f"{rid}-{node}", checkpoint_id=f"{pod}.main", node=node,
+                         leave_running=leave_running,
+                         target=Target(kind="pod", namespace=ns, pod=pod, container="main"))
+
+
 class GivesWay:
     """The pod step's takeover with a stand-in dump: a final request runs
     until the test ends it; a leave-running request of its container asked
@@ -765,6 +771,7 @@ class GivesWay:
     def __init__(self) -> None:
         self.flights = takeover.Flights()
         self.final_ends = asyncio.Event()
+        self.y_ends = asyncio.Event()  # a long leave-running dump, of pod y
         self.locks: dict[Any, asyncio.Lock] = {}  # by container
         self.started: list[str] = []
         self.dumping = 0
@@ -781,7 +788,7 @@ class GivesWay:
             self.dumping += 1
             self.most = max(self.most, self.dumping)
             try:
-                await asyncio.sleep(0.3)
+                await (self.y_ends.wait() if req.target.pod == "y" else asyncio.sleep(0.3))
             finally:
                 self.dumping -= 1
         return CkptDone.for_request(req, status="succeeded", generation=1)
@@ -792,58 +799,45 @@ class GivesWay:
 
 async def test_a_tenants_requests_giving_way_to_its_final_one_do_not_hold_another_back(
         bus: Bus, node: str, tmp_path: Path) -> None:
-    """A tenant's final request runs on its container, and it keeps asking
-    for leave-running ones of that container: each gives way at once, but
-    each takes its turn in a slot. Another namespace's leave-running request,
-    queued behind them, starts next (it has none in flight), and no more
-    leave-running dumps run at once than there are slots."""
-    def pod_request(rid: str, ns: str, pod: str, leave_running: bool) -> CkptRequested:
-        return CkptRequested(request_id=f"{rid}-{node}", checkpoint_id=f"{pod}.main",
-                             node=node, leave_running=leave_running,
-                             target=Target(kind="pod", namespace=ns, pod=pod,
-                                           container="main"))
-
+    """A tenant's final request runs on its container, and it has asked for
+    leave-running ones of that container: each gives way at once, but each
+    takes its turn in a slot. Another namespace's leave-running request,
+    queued among them while the slot is taken, starts first when it frees
+    (it has none in flight), and no more leave-running dumps run at once
+    than there are slots."""
     async def estimate(r: CkptRequested) -> int:
         return 0
 
     step = GivesWay()
-    # Two slots, the final one's and one other.
+    # Two slots: the final one's, and one other, taken by the tenant's pod y.
     w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
                ahead=32, admission=CheckpointAdmission(tmp_path, estimate))
     t = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
-        final = pod_request("gives-way-final", "evil", "p", False)
-        await bus.publish(final)
-        for _ in range(100):
-            if step.flights.final_of(("evil", "p", "main"), "p.main"):
-                break
-            await asyncio.sleep(0.05)
-        tenant = [pod_request(f"gives-way-{i}", "evil", "p", True) for i in range(12)]
-        other = pod_request("gives-way-other", "good", "q", True)
-        for r in tenant[:6]:
+        await bus.publish(pod_request(node, "gives-way-final", "evil", "p", False))
+        await until(lambda: step.flights.final_of(("evil", "p", "main"), "p.main"),
+                    "the final request did not start")
+        await bus.publish(pod_request(node, "gives-way-y", "evil", "y", True))
+        await until(lambda: step.dumping == 1, "y's dump did not start")
+        tenant = [pod_request(node, f"gives-way-{i}", "evil", "p", True) for i in range(12)]
+        other = pod_request(node, "gives-way-other", "good", "q", True)
+        for r in [*tenant[:6], other, *tenant[6:]]:
             await bus.publish(r)
-        before = len(step.started)  # the tenant's started before the other was asked for
-        await bus.publish(other)
-        for r in tenant[6:]:
-            await bus.publish(r)
+        await asyncio.sleep(0.7)  # all fetched, waiting for the slot
+        step.y_ends.set()
         done = await bus.wait_result(other.request_id, "ckpt.requested", timeout=30)
         results = [await bus.wait_result(r.request_id, "ckpt.requested", timeout=60)
                    for r in tenant]
         step.final_ends.set()
     finally:
+        step.y_ends.set()
         await stop(w, t)
     assert done.status == "succeeded", done.error
     assert {(r.error or {}).get("code") for r in results} == {"taken-over"}, results
-    # At most the tenant's one in flight (and one fetched with it) before it.
-    assert step.started.index(other.request_id) <= before + 2, (before, step.started)
+    after_y = step.started[step.started.index(f"gives-way-y-{node}") + 1:]
+    assert after_y[0] == other.request_id, after_y
     assert step.most == 1, f"{step.most} leave-running dumps at once beside the final"
-
-
-def pod_request(node: str, rid: str, ns: str, pod: str, leave_running: bool) -> CkptRequested:
-    return CkptRequested(request_id=f"{rid}-{node}", checkpoint_id=f"{pod}.main", node=node,
-                         leave_running=leave_running,
-                         target=Target(kind="pod", namespace=ns, pod=pod, container="main"))
 
 
 async def until(cond: Any, what: str, t: float = 5) -> None:

@@ -24,9 +24,9 @@ urgent ones:
   its container's leave-running dump over, or makes it step aside.)
 - **Shared fairly**: of the requests as urgent, those of the share
   (``Admission.share``: its namespace) with the fewest as urgent in flight
-  start first, the shares in turns, then the oldest. A tenant's queue for many containers delays
-  another namespace's request as urgent until one of the dumps of that
-  urgency in flight ends, not until the queue is served.
+  start first, the shares in turns, then the oldest. A tenant's queue for
+  many containers delays another namespace's request as urgent until one of
+  the dumps of that urgency in flight ends, not until the queue is served.
 
 Nothing here touches a step's state: a waiting request is only a message
 not yet acknowledged. If the worker dies, JetStream delivers it again.
@@ -305,8 +305,8 @@ class Ahead:
             t.cancel()
         self._waiting.clear()
         self._lines.clear()
-        self._last = {s: n for s, n in self._last.items()
-                      if any(f.share == s for f in self._flying.values())}
+        for share in list(self._last):
+            self._forget(share)
         return msgs
 
     async def keep_alive(self, every: float) -> None:
