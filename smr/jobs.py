@@ -29,6 +29,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -80,9 +81,8 @@ class Job:
 
     def restored(self, pid: int, *, request_id: str, generation: int | None, node: str,
                  start_ticks: int | None = None) -> None:
-        """Now the process CRIU restored for ``request_id``; ``start_ticks``:
-        when that process started (smr.identity), which the PID's holder
-        must match, or it is another process."""
+        """Now the process CRIU restored for ``request_id``; ``start_ticks`` (when it
+        started, smr.identity) must be the PID holder's, or it is another process."""
         ticks = proc_start_ticks(pid)
         if ticks is None or (start_ticks is not None and ticks != start_ticks):
             raise PermanentError(f"restored process {pid} is not running", code="restore-died")
@@ -183,12 +183,17 @@ def launch(job_id: str, cmd: list[str], *, log: Path, cwd: Path, node: str,
 def job_key(path: Path, *, create: bool = False) -> bytes | None:
     """The key that signs job records: ``path``, made (0600, never through a
     link) when ``create``; None where it does not exist and is not made."""
-    if create:
+    if create and not os.path.lexists(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # Written whole, then linked in: never read part-written; one there is kept.
+        fd, part = tempfile.mkstemp(dir=path.parent, prefix=".job.key.")
+        try:
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_bytes(32))
+            with contextlib.suppress(FileExistsError):
+                os.link(part, path)
+        finally:
+            os.unlink(part)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -213,8 +218,8 @@ class JobChanged(TemporaryError):
 
 
 class JobRegistry:
-    """``key``: records are signed when written and checked when read; a
-    registry without one (a reader that acts on nothing) checks nothing."""
+    """``key``: records are signed when written and checked when read; a registry
+    without one (a reader that acts on nothing) checks nothing and writes nothing."""
 
     def __init__(self, kv: KeyValue, key: bytes | None = None) -> None:
         self.kv = kv
@@ -225,11 +230,19 @@ class JobRegistry:
         return hmac.new(self.key, orjson.dumps(record, option=orjson.OPT_SORT_KEYS),
                         hashlib.sha256).hexdigest()
 
+    def check_writable(self, job_id: str) -> None:
+        """Raise unless records can be signed (every step refuses an unsigned one)."""
+        if not self.key:
+            raise SmrError(f"cannot write the record of job {job_id!r}: no job key to sign it",
+                           code="job-key",
+                           hint="`smr up` makes it (DATA_DIR/job.key) as it starts: use its "
+                                "SMR_DATA_DIR, or set SMR_JOB_KEY to the key it uses")
+
     def _sign(self, job: Job) -> bytes:
+        self.check_writable(job.id)
         record = asdict(job)
         record.pop("sig")
-        if self.key:
-            record["sig"] = self._mac(record)
+        record["sig"] = self._mac(record)
         return orjson.dumps(record)
 
     def _verified(self, job_id: str, raw: bytes) -> Job:

@@ -178,6 +178,7 @@ async def cmd_exec(s: config.Settings, a: argparse.Namespace) -> int:
         await lock.acquire(a.id, request, lambda holder: print(
             f"job {a.id} is busy with request {holder}; waiting", file=sys.stderr))
         jobs = JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path))
+        jobs.check_writable(a.id)  # before anything is started
         old, revision = await jobs.read(a.id)
         if old and old.alive():
             raise SmrError(f"job {a.id} is already running (pid {old.pid})", code="job-exists",

@@ -70,6 +70,7 @@ async def run_demo(s: Settings, *, mib: int = 256, keep: bool = False) -> int:
 async def _demo(s: Settings, bus: Bus, mib: int, keep: bool) -> int:
     jobs = JobRegistry(bus.kv(KV_JOBS), job_key(s.job_key_path))
     job_id = f"demo-{uuid.uuid4().hex[:6]}"
+    jobs.check_writable(job_id)
     log = (s.data_path / "logs" / f"{job_id}.log").resolve()
     cmd = [sys.executable, "-m", "smrctl.demo_counter", "--mib", str(mib)]
     job = launch(job_id, cmd, log=log, cwd=Path.cwd(), node=s.node)

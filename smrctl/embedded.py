@@ -105,6 +105,9 @@ class EmbeddedNode:
         os.chmod(s.data_path, 0o700)
         self._lock_fd, last = self._held or hold_data_dir(s)
         self._held = None  # the descriptor is closed at the stop
+        # Made before the bus is reachable: a command that reaches it (`smr
+        # exec` right after `smr up`) signs its job's record with this key.
+        key = job_key(s.job_key_path, create=True)
         # The trees CRIU restores come to this process when CRIU exits, not
         # to PID 1 (which may never reap them): see smr.process.reaper.
         if not reaper.become_subreaper():
@@ -132,7 +135,7 @@ class EmbeddedNode:
         self.bus = await Bus.connect(self.server.client_url if self.server else s.nats_url,
                                      name=f"smr-node-{s.node}",
                                      config=BusConfig.from_settings(s), buckets=BUCKETS)
-        jobs = JobRegistry(self.bus.kv(KV_JOBS), job_key(s.job_key_path, create=True))
+        jobs = JobRegistry(self.bus.kv(KV_JOBS), key)
         # A holder this node's step locks call live keeps a job's lock,
         # whatever its heartbeats (a stalled event loop, NATS away for it).
         lock = JobLock(self.bus.kv(KV_LOCKS), self.bus.kv(KV_STEPS), wait_s=s.lock_wait,

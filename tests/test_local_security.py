@@ -26,6 +26,7 @@ from smr import config
 from smr.bus import KV_JOBS
 from smr.contract.messages import CkptDone, CkptRequested, RestoreRequested, Target
 from smr.jobs import Job, proc_start_ticks
+from smrctl import embedded
 from smrctl.embedded import EmbeddedNode, url_file
 
 pytestmark = pytest.mark.criu
@@ -168,3 +169,43 @@ async def test_smr_commands_still_work_with_the_token(
         assert "mine" in r.stdout and "running" in r.stdout, r.stdout
     finally:
         await asyncio.to_thread(run, "kill", "mine")
+
+
+async def test_smr_exec_without_the_job_key_starts_nothing(
+        root_node: tuple[EmbeddedNode, config.Settings], tmp_path: Path) -> None:
+    """A record `smr exec` could not sign would be refused by every checkpoint
+    of the job it started: it is refused before the command runs."""
+    n, s = root_node
+    assert n.bus
+    marker = f"{1000 + uuid.uuid4().int % 1000}.25"  # a command line to look for
+    env = {**os.environ, "SMR_DATA_DIR": str(s.data_path), "SMR_NODE_NAME": s.node,
+           "SMR_NATS_URL": "", "SMR_CRIU": s.criu, "SMR_JOB_KEY": str(tmp_path / "absent")}
+    r = await asyncio.to_thread(
+        subprocess.run, [str(Path(sys.executable).parent / "smr"), "exec", "-i", "unsigned",
+                         "--", "sleep", marker],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0 and "no job key" in r.stderr, r.stdout + r.stderr
+    found = await asyncio.to_thread(subprocess.run, ["pgrep", "-f", f"sleep {marker}"],
+                                    capture_output=True, text=True)
+    assert found.returncode == 1, f"the command was started: {found.stdout}"
+    with pytest.raises(Exception, match=r"not found|NotFound"):
+        await n.bus.kv(KV_JOBS).get("unsigned")
+
+
+async def test_the_job_key_is_made_before_a_command_can_reach_smr_up(
+        tmp_path: Path, criu_binary: str, node: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`smr exec` run the moment `smr up`'s URL file appears signs with the
+    key: the key is there before the URL file is written."""
+    s = config.load({}).replace(nats_url="", node_name=node, data_dir=str(tmp_path / "data"),
+                                criu=criu_binary, metrics_port=0)
+    seen: list[bool] = []
+    write = embedded.write_private
+
+    def spying(path: Path, text: str) -> None:
+        if path == url_file(s):
+            seen.append(s.job_key_path.exists())
+        write(path, text)
+
+    monkeypatch.setattr(embedded, "write_private", spying)
+    async with EmbeddedNode(s):
+        assert seen == [True]
