@@ -956,6 +956,38 @@ async def test_finals_riding_on_their_cordon_dumps_take_no_final_slot(
         await stop(w, t)
 
 
+async def test_a_request_naming_another_namespaces_container_is_refused_at_once(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A tenant's request on its own subject that names a container of another
+    namespace is dead-lettered as it arrives: it does not wait as that
+    container's request while the container's own dump runs (filling the
+    look-ahead for as long), nor take that namespace's turn."""
+    async def estimate(r: CkptRequested) -> int:
+        return 0
+
+    step = HeldDumps()
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
+               ahead=32, admission=CheckpointAdmission(tmp_path, estimate))
+    t = asyncio.create_task(w.run())
+    evil = message_subject(pod_request(node, "x", "evil", "x", True))
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(pod_request(node, "forge-v", "good", "v", True))
+        await until(lambda: "forge-v" in step.started, "the victim's dump did not start")
+        forged = pod_request(node, "forge-x", "good", "v", True)
+        await bus.publish_raw(evil, forged.to_payload())
+        deadline = time.monotonic() + 5
+        while not (letters := await dlq_messages(bus, evil)):
+            assert time.monotonic() < deadline, "the forged request waited behind the dump"
+            await asyncio.sleep(0.1)
+        assert [(d.request_id, d.error["code"]) for d in letters] == \
+            [(f"forge-x-{node}", "wrong-namespace")]
+        assert "v" in step.lr_flying and "forge-x" not in step.started
+    finally:
+        step.end("v").set()
+        await stop(w, t)
+
+
 class FinalsBlock:
     """Final requests run until the test releases them; the others at once."""
 

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 from nats.aio.msg import Msg
 
 from smr.aio import cancelling
+from smr.bus.topology import misdelivered
 from smr.contract.errors import ContractError
 
 # How long a worker waits for a request's size estimate before starting it
@@ -114,9 +115,10 @@ class Waiting:
 class Ahead:
     """The waiting requests of one worker, most urgent first."""
 
-    def __init__(self, req_type: Any, admission: Admission | None) -> None:
+    def __init__(self, req_type: Any, admission: Admission | None, node: str) -> None:
         self.req_type = req_type
         self.admission = admission
+        self.node = node
         self._waiting: dict[int, Waiting] = {}  # by arrival
         # Each urgency and share's waiting requests, oldest first: (seq, arrival).
         self._lines: dict[tuple[int, Hashable], list[tuple[int, int]]] = {}
@@ -130,10 +132,14 @@ class Ahead:
         return len(self._waiting)
 
     def add(self, m: Msg) -> None:
+        # A bad request is served at once (the worker dead-letters it). So is
+        # one on a subject that may not name its target (another namespace's,
+        # forged): it must not take that share's turn or wait as that job's.
         try:
             req = self.req_type.from_payload(m.data)
         except ContractError:
-            # Bad: served at once (the worker dead-letters it).
+            req = None
+        if req is not None and misdelivered(m.subject, req, self.node) is not None:
             req = None
         rid = getattr(req, "request_id", None)
         seq = getattr(getattr(m.metadata, "sequence", None), "stream", 0) or 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from nats.js import api as js_api
 
 from smr.config import Settings
+from smr.contract.errors import ContractError
 from smr.contract.messages import (
     LOCAL_NAMESPACE,
     CkptDone,
@@ -114,6 +115,25 @@ def namespace_of_subject(subj: str) -> str | None:
     """The namespace token of a request or result subject (None: it has none)."""
     parts = subj.split(".")
     return parts[3] if kind_of(subj) in PER_NAMESPACE and len(parts) == 4 else None
+
+
+def misdelivered(subj: str, req: CkptRequested | RestoreRequested,
+                 node: str) -> ContractError | None:
+    """Why ``req``, which came on ``subj``, may not be served by ``node``'s
+    worker; None: it may. The exact node name: two nodes whose names share a
+    subject token ("a.b", "a_b") must not run each other's requests. The
+    subject's namespace is what NATS permitted the publisher (a tenant's
+    user: its own only): the target must be in it."""
+    if req.node != node:
+        return ContractError(f"request for node {req.node} arrived on {subj}",
+                             code="wrong-node",
+                             hint="publish to the subject that ends in the node's name")
+    if namespace_of_subject(subj) != node_token(req.target.namespace_name):
+        return ContractError(f"request for {req.target} arrived on {subj}",
+                             code="wrong-namespace",
+                             hint="publish to the subject that ends in the target's namespace "
+                                  "(`local` for a job)")
+    return None
 
 
 def query_subject(what: str, namespace: str | None) -> str:

@@ -40,9 +40,8 @@ from smr.bus.topology import (
     STREAM_REQUESTS,
     SUBJECT_TYPES,
     kind_of,
-    namespace_of_subject,
+    misdelivered,
     node_filter,
-    node_token,
 )
 from smr.contract.errors import ContractError, SmrError, StepError, TemporaryError, disk_full
 from smr.contract.messages import CkptDone, RestoreDone
@@ -102,7 +101,7 @@ class Worker:
             self.bus, self.step.kind, self.service, self.node, self._record,
             self.locks, self.step.recover).answer(exhausted))
         lag = asyncio.create_task(self._report_lag(psub))
-        waiting = Ahead(SUBJECT_TYPES[self.step.kind], self.admission)
+        waiting = Ahead(SUBJECT_TYPES[self.step.kind], self.admission, self.node)
         beating = asyncio.create_task(waiting.keep_alive(self.bus.config.keepalive))
         fetching: asyncio.Task[list[Msg]] | None = None
         serving: set[asyncio.Task[None]] = set()
@@ -230,22 +229,8 @@ class Worker:
         req_type = SUBJECT_TYPES[self.step.kind]
         try:
             req = req_type.from_payload(m.data)
-            # The exact name: two nodes whose names share a subject token ("a.b",
-            # "a_b") must not run each other's requests.
-            if req.node != self.node:  # type: ignore[attr-defined]
-                raise ContractError(
-                    f"request for node {req.node} arrived on {m.subject}",  # type: ignore[attr-defined]
-                    code="wrong-node", hint="publish to the subject that ends in the node's name",
-                )
-            # The subject's namespace is what NATS permitted the publisher
-            # (a tenant's user: its own only): the target must be in it.
-            if namespace_of_subject(m.subject) != node_token(
-                    req.target.namespace_name):  # type: ignore[attr-defined]
-                raise ContractError(
-                    f"request for {req.target} arrived on {m.subject}",  # type: ignore[attr-defined]
-                    code="wrong-namespace",
-                    hint="publish to the subject that ends in the target's namespace "
-                         "(`local` for a job)")
+            if (wrong := misdelivered(m.subject, req, self.node)) is not None:
+                raise wrong
         except ContractError as e:
             rid = peek_request_id(m.data)
             await self.bus.dead_letter(m.subject, m.data, e, service=self.service,
