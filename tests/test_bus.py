@@ -988,6 +988,78 @@ async def test_a_request_naming_another_namespaces_container_is_refused_at_once(
         await stop(w, t)
 
 
+async def test_a_tenants_flood_past_the_look_ahead_is_refused_until_a_final_behind_it_is_fetched(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A tenant's leave-running requests for its container fill the window of
+    requests fetched ahead while its dump runs; another namespace's final
+    request published after them is fetched, and starts, because the newest
+    of the tenant's waiting ones are refused (`node-busy`), one at a time,
+    not when the tenant's dump ends. The tenant's dump in flight and its
+    oldest waiting request are left alone."""
+    async def estimate(r: CkptRequested) -> int:
+        return 0
+
+    step = HeldDumps()
+    flood = [f"flood-{i}" for i in range(9)]
+    await bus.publish(pod_request(node, flood[0], "evil", "a", True))
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
+               ahead=4, admission=CheckpointAdmission(tmp_path, estimate))
+    t = asyncio.create_task(w.run())
+    try:
+        await until(lambda: flood[0] in step.started, "the tenant's dump did not start")
+        for rid in flood[1:]:
+            await bus.publish(pod_request(node, rid, "evil", "a", True))
+        await bus.publish(pod_request(node, "flood-victim", "good", "v", False))
+        await until(lambda: "flood-victim" in step.started,
+                    "the final behind the full look-ahead was not fetched", t=15)
+        assert "a" in step.lr_flying, "the tenant's dump in flight was ended"
+        refused = []
+        for rid in flood[1:]:
+            state, _ = await bus.step_state(f"{rid}-{node}")
+            if state:
+                assert state["state"] == "failed", state
+                assert state["result"]["error"]["code"] == "node-busy", state
+                refused.append(rid)
+        # The window (1 running, 4 ahead) held flood-0 to 4; the newest waiting
+        # was refused each time, and each one fetched then, until the final.
+        assert refused == flood[4:], refused
+    finally:
+        for e in [*step.ends.values(), step.end("a"), step.end("final-v")]:
+            e.set()
+        await stop(w, t)
+
+
+async def test_final_requests_filling_the_look_ahead_are_never_refused(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """Final requests for containers of their own, more than the window
+    holds, wait for the final slots: none is refused, each runs once."""
+    async def estimate(r: CkptRequested) -> int:
+        return 0
+
+    step = HeldDumps()
+    pods = [f"fin{i}" for i in range(8)]
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
+               ahead=2, admission=CheckpointAdmission(tmp_path, estimate))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        for p in pods:
+            await bus.publish(pod_request(node, f"many-{p}", "good", p, False))
+        await until(lambda: "many-fin0" in step.started, "the first final did not start")
+        await asyncio.sleep(1.5)
+        for p in pods:
+            assert (await bus.step_state(f"many-{p}-{node}"))[0] is None or p == "fin0", p
+            step.end(f"final-{p}").set()
+        for p in pods:
+            result = await bus.wait_result(f"many-{p}-{node}", "ckpt.requested", timeout=30)
+            assert result.status == "succeeded", (p, result.error)
+        assert sorted(step.started) == sorted(f"many-{p}" for p in pods)
+    finally:
+        for e in step.ends.values():
+            e.set()
+        await stop(w, t)
+
+
 class FinalsBlock:
     """Final requests run until the test releases them; the others at once."""
 
