@@ -89,11 +89,6 @@ class CheckpointAdmission:
     def rides(self, req: CkptRequested) -> bool:
         return self._rides is not None and self._rides(req)
 
-    def sheddable(self, req: CkptRequested) -> bool:
-        """A leave-running request may be refused when the node's look-ahead is
-        full (a later one replaces it); a final one is not."""
-        return req.leave_running
-
     def job(self, req: CkptRequested) -> Hashable:
         """The container ``req`` is for, as it names it (whichever pod uid)."""
         t = req.target

@@ -28,16 +28,6 @@ urgent ones:
   many containers delays another namespace's request as urgent until one of
   the dumps of that urgency in flight ends, not until the queue is served.
 
-Requests fetched ahead fill a window (the durable's max_ack_pending); those
-published after them are fetched as they are served. So when it is full and
-more requests wait behind it, one of it is refused (``shed``: answered
-``node-busy``), one at a time, so that the next can be fetched: of the share
-with the most waiting, the newest request that may be refused
-(``Admission.sheddable``: a leave-running one) or only waits for its job's
-request as urgent in flight. A final checkpoint of its own is never refused:
-a tenant's flood of leave-running requests delays another namespace's final
-one by the time it takes to refuse them, not until they are served.
-
 Nothing here touches a step's state: a waiting request is only a message
 not yet acknowledged. If the worker dies, JetStream delivers it again.
 """
@@ -48,7 +38,6 @@ import asyncio
 import bisect
 import contextlib
 import itertools
-from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -86,14 +75,6 @@ def rides(admission: Admission | None, req: Any) -> bool:
     starts at once, outside the slots: waiting for one, it would find that
     dump over and dump again. An admission without ``rides`` says no."""
     ask = getattr(admission, "rides", None)
-    return bool(ask and req is not None and ask(req))
-
-
-def sheddable(admission: Admission | None, req: Any) -> bool:
-    """May ``req`` be refused to let others be fetched (``Admission.sheddable``:
-    a leave-running request, which a later one replaces)? An admission without
-    ``sheddable`` says no."""
-    ask = getattr(admission, "sheddable", None)
     return bool(ask and req is not None and ask(req))
 
 
@@ -216,32 +197,6 @@ class Ahead:
             self._last[w.share] = next(self._starts)
             out.append(w)
         return out
-
-    def shed(self) -> tuple[Waiting, int] | None:
-        """The request to refuse, the window being full with requests behind
-        it, taken out (it is in flight nowhere), and how many of its share
-        wait: of the share with the most waiting, the newest that may be
-        refused (``sheddable``) or is held by its job (it would only follow
-        its job's request in flight). Only a first delivery: one delivered
-        again may have a step begun, which its own delivery recovers."""
-        holding = {(f.job, f.urgency) for f in self._flying.values() if f.job is not None}
-        counts = Counter(w.share for w in self._waiting.values())
-        best: Waiting | None = None
-        for w in self._waiting.values():
-            if w.request_id is None or (w.msg.metadata.num_delivered or 1) > 1:
-                continue
-            if sheddable(self.admission, w.req) or (w.job is not None and
-                                                    (w.job, w.urgency) in holding):
-                if best is None or (counts[w.share], w.key[2]) > (counts[best.share],
-                                                                  best.key[2]):
-                    best = w
-        if best is None:
-            return None
-        self._take(best)
-        if best.estimating is not None:
-            best.estimating.cancel()
-        self._forget(best.share)
-        return best, counts[best.share]
 
     def landed(self, w: Waiting) -> None:
         """``w``, started, has ended: its slot, room and job are free."""

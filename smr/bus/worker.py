@@ -81,7 +81,6 @@ class Worker:
         self.admission = admission
         self.owner = f"{service}@{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self._failing = 0  # fetches failed in a row
-        self._behind = 0  # requests not yet fetched (the last fetch's or consumer info's count)
         self._stop = asyncio.Event()
         self.idle = asyncio.Event()
 
@@ -106,7 +105,6 @@ class Worker:
         beating = asyncio.create_task(waiting.keep_alive(self.bus.config.keepalive))
         fetching: asyncio.Task[list[Msg]] | None = None
         serving: set[asyncio.Task[None]] = set()
-        refusing: asyncio.Task[None] | None = None  # one at a time (smr/bus/ahead.py)
         try:
             while not self._stop.is_set():
                 starting = waiting.riders()  # outside the slots (smr/bus/ahead.rides)
@@ -118,15 +116,9 @@ class Worker:
                     t.add_done_callback(serving.discard)
                 if not serving and not waiting:
                     self.idle.set()
-                room = self.concurrency + self.ahead - len(serving) - len(waiting)
-                if fetching is None and room > 0:
+                if fetching is None and \
+                        (room := self.concurrency + self.ahead - len(serving) - len(waiting)) > 0:
                     fetching = asyncio.create_task(self._fetch(psub, room))
-                elif fetching is None and self._behind > 0 and \
-                        (refusing is None or refusing.done()) and (out := waiting.shed()):
-                    refusing = asyncio.create_task(self._refuse(out[0], len(waiting) + 1,
-                                                                out[1]))
-                    serving.add(refusing)
-                    refusing.add_done_callback(serving.discard)
                 # Whichever comes first: new requests, a slot set free, an estimate made.
                 await asyncio.wait({*serving, *waiting.estimating(),
                                     *([fetching] if fetching else [])}, timeout=0.5,
@@ -135,7 +127,6 @@ class Worker:
                     msgs, fetching = fetching.result(), None
                     if msgs:
                         self.idle.clear()
-                        self._behind = msgs[-1].metadata.num_pending or 0
                     for m in msgs:
                         waiting.add(m)
             if serving:  # a graceful stop lets the steps in flight end
@@ -218,40 +209,11 @@ class Worker:
         while True:
             try:
                 info = await psub.consumer_info()
-                self._behind = info.num_pending or 0
                 metrics.PENDING.labels(metrics.kind_label(self.step.kind)).set(
                     (info.num_pending or 0) + (info.num_ack_pending or 0))
             except Exception as e:  # a metric is never worth a failed step
                 log.debug("%s: consumer info: %s", self.service, e)
             await asyncio.sleep(LAG_EVERY_S)
-
-    async def _refuse(self, w: Waiting, waiting: int, of_share: int) -> None:
-        """Answer ``w`` ``node-busy``, so that a request behind the full
-        window can be fetched; a request whose step began (its id's state
-        exists) is left to that step's delivery."""
-        rid, m = w.request_id, w.msg
-        assert rid is not None
-        why = SmrError(
-            f"node {self.node} is busy: {waiting} requests wait here ({of_share} of namespace "
-            f"{w.share}) and more are queued behind them; request {rid} was refused so that "
-            "those can be fetched", code="node-busy",
-            hint="ask again later; a final checkpoint that waits for no other of its "
-                 "container is never refused so")
-        try:
-            with self.locks.hold(rid) as ours, tracing.tracer.start_as_current_span(
-                    f"refuse {kind_of(m.subject)}", context=tracing.extract(m.headers),
-                    kind=SpanKind.CONSUMER, attributes={"smr.request_id": rid}) as span:
-                span.set_status(Status(StatusCode.ERROR, why.message))
-                if ours:
-                    await self._record(self._failed(w.req, why), last=0)
-                    await m.ack()
-                    return
-        except KeyWrongLastSequenceError:
-            pass
-        except Exception as e:
-            log.warning("%s: refusing %s failed (%s: %s); it is redelivered", self.service,
-                        rid, type(e).__name__, e)
-        await quietly(m.nak(delay=self.bus.config.ack_wait))
 
     async def handle(self, m: Msg) -> None:
         ctx = tracing.extract(m.headers)
