@@ -988,6 +988,95 @@ async def test_a_request_naming_another_namespaces_container_is_refused_at_once(
         await stop(w, t)
 
 
+class RanOnDumps:
+    """Each dump holds its pod's lock until the test ends it (``end``): a final
+    request whose leave-running dump ran on (it rides on nothing) waits for it."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.ends: dict[str, asyncio.Event] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.ran_on: set[str] = set()  # pods whose leave-running dump ran on
+
+    def end(self, name: str) -> asyncio.Event:
+        return self.ends.setdefault(name, asyncio.Event())
+
+    def follows(self, req: CkptRequested) -> bool:
+        return not req.leave_running and req.target.pod in self.ran_on
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id.removesuffix("-" + req.node))
+        pod = req.target.pod or ""
+        async with self.locks.setdefault(pod, asyncio.Lock()):
+            if req.leave_running:
+                self.ran_on.add(pod)
+            try:
+                await self.end(pod if req.leave_running else f"final-{pod}").wait()
+            finally:
+                if req.leave_running:
+                    self.ran_on.discard(pod)
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_a_final_follows_only_a_dump_of_its_lineage_that_ran_on() -> None:
+    """The agent's ``follows``: a final request waits outside the slots only
+    behind its container's leave-running dump of its own lineage that ran on;
+    one it can take over (before its freeze, frozen) it rides on instead."""
+    flights = takeover.Flights()
+    lr = pod_request("n", "follow-lr", "ns", "p", True)
+    final = pod_request("n", "follow-final", "ns", "p", False)
+    other = CkptRequested(request_id="follow-other", checkpoint_id="template-x", node="n",
+                          leave_running=False, target=final.target)
+    assert not takeover.ran_on(flights, final)
+    flight = flights.begin(takeover.key(lr.target), lr, "c1")
+    for phase, follows in (("before", False), ("frozen", False), ("ran-on", True)):
+        flight.phase = phase
+        assert takeover.ran_on(flights, final) is follows, phase
+        assert not takeover.ran_on(flights, lr)  # a leave-running one follows nothing
+        assert not takeover.ran_on(flights, other)  # another lineage's dump
+    flights.end(takeover.key(lr.target), flight, None)
+    assert not takeover.ran_on(flights, final)
+
+
+async def test_a_final_behind_its_containers_dump_that_ran_on_waits_outside_the_final_slots(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """A tenant's final request for a container whose leave-running dump ran
+    on (it can take nothing over) waits for that dump outside the slots:
+    another namespace's final request takes the one final slot meanwhile,
+    and the tenant's starts once its container's dump has ended, not before."""
+    async def estimate(r: CkptRequested) -> int:
+        return 0
+
+    step = RanOnDumps()
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
+               ahead=8, admission=CheckpointAdmission(tmp_path, estimate, follows=step.follows))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(pod_request(node, "ranon-lr", "evil", "a", True))
+        await until(lambda: "ranon-lr" in step.started, "the tenant's dump did not start")
+        await bus.publish(pod_request(node, "ranon-final", "evil", "a", False))
+        await asyncio.sleep(0.7)
+        await bus.publish(pod_request(node, "ranon-good", "good", "v", False))
+        await until(lambda: "ranon-good" in step.started,
+                    "a final waiting for its container's dump held the final slot")
+        step.end("final-v").set()  # the final slot is free again
+        await asyncio.sleep(0.7)
+        assert "ranon-final" not in step.started, "it did not wait for its container's dump"
+        step.end("a").set()
+        await until(lambda: "ranon-final" in step.started,
+                    "the tenant's final did not start once its container's dump ended")
+    finally:
+        for e in [*step.ends.values(), step.end("final-a"), step.end("final-v")]:
+            e.set()
+        await stop(w, t)
+
+
 class FinalsBlock:
     """Final requests run until the test releases them; the others at once."""
 
