@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from functools import partial
 
 from kubernetes_asyncio import client
 
@@ -24,7 +23,6 @@ from services.agent import alive, nodelabel
 from services.agent.prepull import Prepull
 from services.agent.prestop import PreStopWaits
 from services.agent.starts import StartRestores
-from services.checkpointer import takeover
 from services.checkpointer.admission import LOOK_AHEAD, CheckpointAdmission
 from services.checkpointer.pod import PodCheckpointStep
 from services.containers.incontainer import CriuBundle
@@ -85,9 +83,7 @@ class NodeAgent:
                    admission=CheckpointAdmission(s.work_path / "pods", checkpoints.estimate,
                                                  s.checkpoint_scratch,
                                                  s.kubelet_eviction_hard,
-                                                 rides=checkpoints.rides,
-                                                 follows=partial(takeover.ran_on,
-                                                                 checkpoints.flights))),
+                                                 rides=checkpoints.rides)),
             Worker(bus, Fresh(PodRestoreStep(**common)), s.node, service="agent-restorer",
                    locks=StepLocks(s.step_lock_path), concurrency=s.restores_per_node),
         ]

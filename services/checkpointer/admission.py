@@ -15,8 +15,7 @@ its worker uses it).
   whose leave-running one is in flight here waits outside the slots, and a
   final one for a container whose final one is (smr/bus/ahead.py). A final
   one does start beside its container's leave-running one: it takes that
-  dump over, makes it step aside, or waits for its lock; only behind a dump
-  of its lineage that ran on (``follows``) does it wait outside the slots.
+  dump over, makes it step aside, or waits for its lock.
 - **Shared by namespace**: of the requests as urgent, those of the namespace
   with the fewest as urgent in flight start first: one tenant's queue holds
   another namespace's requests as urgent back only until one of the dumps of
@@ -74,12 +73,10 @@ def urgency(req: CkptRequested) -> int:
 class CheckpointAdmission:
     def __init__(self, scratch: Path, estimate: Callable[[CkptRequested], Awaitable[int]],
                  limit: int = 0, eviction: str = "",
-                 rides: Callable[[CkptRequested], bool] | None = None,
-                 follows: Callable[[CkptRequested], bool] | None = None) -> None:
+                 rides: Callable[[CkptRequested], bool] | None = None) -> None:
         self.scratch = scratch
         self._estimate = estimate
         self._rides = rides  # a final that takes over a dump in flight: no slot
-        self._follows = follows  # a final behind a dump that ran on: no slot while it runs
         self.limit = limit  # 0: the free space alone
         self.eviction = eviction  # the kubelet's --eviction-hard; "": no threshold
 
@@ -91,9 +88,6 @@ class CheckpointAdmission:
 
     def rides(self, req: CkptRequested) -> bool:
         return self._rides is not None and self._rides(req)
-
-    def follows(self, req: CkptRequested) -> bool:
-        return self._follows is not None and self._follows(req)
 
     def job(self, req: CkptRequested) -> Hashable:
         """The container ``req`` is for, as it names it (whichever pod uid)."""

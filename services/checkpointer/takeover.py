@@ -148,14 +148,6 @@ def make_way(flights: Flights, req: CkptRequested) -> None:
             "to do")
 
 
-def ran_on(flights: Flights, req: CkptRequested) -> bool:
-    """Is ``req`` a final request whose container's leave-running dump of its
-    lineage in flight here ran on? It can take nothing over: it only waits
-    for that dump's end (the container's lock)."""
-    flight = None if req.leave_running else flights.flight_for(key(req.target), req)
-    return flight is not None and flight.phase == "ran-on"
-
-
 async def wait(flight: Flight, req: CkptRequested,
                progress: Progress) -> tuple[Generation, bool] | None:
     """What ``req`` (a final request) gets from ``flight``: the generation of

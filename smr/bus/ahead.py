@@ -21,9 +21,7 @@ urgent ones:
   in the look-ahead, until that one ends. It would only wait for the job's
   lock in a slot: a tenant's requests queued for one container held every
   slot of the node so. (A more urgent one does not wait: a final one takes
-  its container's leave-running dump over, or makes it step aside; one
-  that can do neither, the dump having run on, ``follows`` it: it waits
-  outside the slots too, else a tenant's finals would hold every final slot.)
+  its container's leave-running dump over, or makes it step aside.)
 - **Shared fairly**: of the requests as urgent, those of the share
   (``Admission.share``: its namespace) with the fewest as urgent in flight
   start first, the shares in turns, then the oldest. A tenant's queue for
@@ -77,15 +75,6 @@ def rides(admission: Admission | None, req: Any) -> bool:
     starts at once, outside the slots: waiting for one, it would find that
     dump over and dump again. An admission without ``rides`` says no."""
     ask = getattr(admission, "rides", None)
-    return bool(ask and req is not None and ask(req))
-
-
-def follows(admission: Admission | None, req: Any) -> bool:
-    """Can ``req`` only wait for a step of its job in flight that it may not
-    take over (a final checkpoint behind its container's leave-running dump
-    that ran on)? It then waits outside the slots. An admission without
-    ``follows`` says no."""
-    ask = getattr(admission, "follows", None)
     return bool(ask and req is not None and ask(req))
 
 
@@ -263,9 +252,8 @@ class Ahead:
         then the one whose share has the fewest as urgent in flight, then the
         one whose share started one longest ago (in turns), then the oldest;
         with ``concurrency``, only of an urgency with a slot free. A request
-        is held while a request of its job as urgent is in flight here, or
-        while it ``follows`` one: it would only wait for that job's lock in a
-        slot. (One look at each
+        is held while a request of its job as urgent is in flight here: it
+        would only wait for that job's lock in a slot. (One look at each
         urgency and share's oldest not held: it is asked at each start, with
         up to 256 waiting.)"""
         holding = {(f.job, f.urgency) for f in self._flying.values() if f.job is not None}
@@ -284,7 +272,7 @@ class Ahead:
                 continue
             for seq, n in line:  # its first not held
                 w = self._waiting[n]
-                if (w.job, u) not in holding and not follows(self.admission, w.req):
+                if (w.job, u) not in holding:
                     k = (u, sum(1 for x in shares.get(share, ()) if x == u),
                          self._last.get(share, -1), seq, n)
                     if best is None or k < best_key:
