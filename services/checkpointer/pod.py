@@ -328,13 +328,13 @@ class PodCheckpointStep(PodRecovery, PodStep):
                 with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                     await asyncio.to_thread(shim.hold, False)
         finally:
+            if flight:  # first, before any await: a final riding on it waits for this
+                self.flights.end(takeover.key(req.target), flight, outcome)
             if work_fd >= 0:
                 os.close(work_fd)
             if not keep_work:
                 await self._drop(work)
             await self.lock.release(c.lock_key(), req.request_id)
-            if flight:
-                self.flights.end(takeover.key(req.target), flight, outcome)
         durations["total"] = time.monotonic() - t0
         self._last_size[(c.namespace, req.checkpoint_id)] = gen.size_bytes
         if self.timings is not None:

@@ -13,6 +13,7 @@ import inspect
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -367,3 +368,47 @@ async def test_a_template_dump_does_not_step_aside_for_a_final_of_another_lineag
     assert [(r, lr) for _, r, lr in records(own)] == [("drain", False)], records(own)
     assert (done.status, [(r, lr) for _, r, lr in records(shared)]) == \
         ("succeeded", [("template", True)]), (done.status, done.error, records(shared))
+
+
+class ReleaseCancelledFromInside:
+    """STAND-IN for a container's JobLock whose release meets a cancel that
+    nats-py hands back as NATS closes a request (JobLock.release catches
+    Exception, not CancelledError)."""
+
+    async def acquire(self, *a: Any, **kw: Any) -> None:
+        return None
+
+    async def release(self, job_id: str, request_id: str) -> None:
+        raise asyncio.CancelledError()
+
+
+async def test_a_dump_whose_cleanup_is_cut_short_still_answers_the_final_riding_on_it(
+        tmp_path: Path) -> None:
+    """A leave-running dump that failed after its freeze, whose cleanup is
+    then cut short (its lock's release cancelled from inside): the final
+    request riding on it learns at once that it must dump itself, and a
+    later one finds no dump in flight; neither waits for it for ever."""
+    step = PodCheckpointStep.__new__(PodCheckpointStep)  # only what _run's ends use
+    step.flights = takeover.Flights()
+    step.lock = ReleaseCancelledFromInside()  # type: ignore[assignment]
+    step.work_dir = tmp_path / "pods"
+    target = Target(kind="pod", namespace="ns", pod="p", container="main")
+    lr = CkptRequested(request_id="cut-lr", checkpoint_id="p.main", node="n",
+                       leave_running=True, target=target)
+    final = CkptRequested(request_id="cut-final", checkpoint_id="p.main", node="n",
+                          leave_running=False, target=target)
+    riding: list[asyncio.Task[Any]] = []
+
+    def shim_of(c: Any) -> Any:  # frozen, a final rides on it, then the dump fails
+        flight = step.flights.flight(takeover.key(target))
+        assert flight is not None
+        flight.phase = "frozen"
+        riding.append(asyncio.create_task(takeover.wait(flight, final, Progress())))
+        raise RuntimeError("the dump failed after its freeze")
+
+    step.shim_of = shim_of  # type: ignore[method-assign]
+    container = SimpleNamespace(lock_key=lambda: "pod.uid.main", container_id="c1")
+    with pytest.raises(asyncio.CancelledError):
+        await step._run(lr, Progress(), container, "now", time.monotonic())  # type: ignore[arg-type]
+    assert await asyncio.wait_for(riding[0], 5) is None  # it dumps itself
+    assert step.flights.flight_for(takeover.key(target), final) is None
