@@ -92,6 +92,11 @@ async def stored(bus: Bus, subj: str, stream: str, cls: Any, wait: float = 1) ->
     return out
 
 
+async def zero_estimate(req: CkptRequested) -> int:
+    """An admission's estimate where the room is not what a test is about."""
+    return 0
+
+
 def LOCAL_REQUESTS(node: str) -> str:
     return subject("ckpt.requested", node, "local")
 
@@ -599,10 +604,7 @@ async def _served(bus: Bus, step: Gated, node: str, rids: list[str],
 async def test_a_final_request_starts_before_leave_running_ones_queued_earlier(
         bus: Bus, node: str, tmp_path: Path) -> None:
     step = Gated()
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
-    admission = CheckpointAdmission(tmp_path, estimate)
+    admission = CheckpointAdmission(tmp_path, zero_estimate)
     await _served(bus, step, node, ["lr-1", "lr-2", "lr-3", "final-1"],
                   ahead=8, admission=admission)
     assert step.started == ["lr-1", "final-1", "lr-2", "lr-3"]
@@ -660,14 +662,11 @@ async def test_requests_for_one_job_wait_outside_the_slots(
     would each hold a slot only to wait for its lock: they wait outside the
     slots, one at a time, and another container's request takes the free
     slot before the second of them."""
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     step = Gated()
     ones = ["one-1", "one-2", "one-3"]
     await _served(bus, step, node, [*ones, "other-1"],
                   targets=dict.fromkeys(ones, Target.job("one")),
-                  concurrency=2, ahead=8, admission=CheckpointAdmission(tmp_path, estimate))
+                  concurrency=2, ahead=8, admission=CheckpointAdmission(tmp_path, zero_estimate))
     assert step.started == ["one-1", "other-1", "one-2", "one-3"], step.started
     assert step.most == 2
 
@@ -677,9 +676,6 @@ async def test_a_tenants_queue_for_many_containers_holds_another_namespace_back_
     """A tenant queues requests for four of its containers, more than the
     slots; another namespace's request, queued after them, starts as soon as
     one of the tenant's dumps in flight ends, not after the tenant's queue."""
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     def pod(ns: str, name: str) -> Target:
         return Target(kind="pod", namespace=ns, pod=name, container="main")
 
@@ -687,7 +683,7 @@ async def test_a_tenants_queue_for_many_containers_holds_another_namespace_back_
     step = Gated()
     await _served(bus, step, node, [*queued, "good-1"],
                   targets={**queued, "good-1": pod("good", "p")},
-                  concurrency=2, ahead=16, admission=CheckpointAdmission(tmp_path, estimate))
+                  concurrency=2, ahead=16, admission=CheckpointAdmission(tmp_path, zero_estimate))
     # The two first in flight end together: their slots go one to each namespace.
     assert step.started.index("good-1") in (2, 3), step.started
 
@@ -696,12 +692,9 @@ async def test_a_final_request_starts_while_leave_running_dumps_fill_every_slot(
         bus: Bus, node: str, tmp_path: Path) -> None:
     """Every slot is taken by leave-running dumps of other containers (long
     ones, a tenant's): a final request (a drain's) starts beside them."""
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     step = Gated()
     await _served(bus, step, node, ["lr-a", "lr-b", "final-beside"], concurrency=2, ahead=8,
-                  admission=CheckpointAdmission(tmp_path, estimate))
+                  admission=CheckpointAdmission(tmp_path, zero_estimate))
     assert step.most == 3, step.started
 
 
@@ -805,13 +798,10 @@ async def test_a_tenants_requests_giving_way_to_its_final_one_do_not_hold_anothe
     queued among them while the slot is taken, starts first when it frees
     (it has none in flight), and no more leave-running dumps run at once
     than there are slots."""
-    async def estimate(r: CkptRequested) -> int:
-        return 0
-
     step = GivesWay()
     # Two slots: the final one's, and one other, taken by the tenant's pod y.
     w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
-               ahead=32, admission=CheckpointAdmission(tmp_path, estimate))
+               ahead=32, admission=CheckpointAdmission(tmp_path, zero_estimate))
     t = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
@@ -887,14 +877,11 @@ async def test_a_namespace_with_nothing_waiting_or_running_takes_its_turn_first_
     """Namespaces take the slots in turns; a namespace whose requests have
     all ended has its turn forgotten. Its next request starts as soon as
     one dump of its kind in flight ends, before a tenant's next one."""
-    async def estimate(r: CkptRequested) -> int:
-        return 0
-
     step = HeldDumps()
     await bus.publish(pod_request(node, "turn-a1", "evil", "a1", True))
     await bus.publish(pod_request(node, "turn-a1x", "evil", "a1", True))  # held behind a1
     w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
-               ahead=32, admission=CheckpointAdmission(tmp_path, estimate))
+               ahead=32, admission=CheckpointAdmission(tmp_path, zero_estimate))
     t = asyncio.create_task(w.run())
     try:
         await until(lambda: "turn-a1" in step.started, "a1 did not start")
@@ -924,12 +911,9 @@ async def test_finals_riding_on_their_cordon_dumps_take_no_final_slot(
     over its pods' leave-running dumps in flight ride on those dumps' slots.
     Another namespace's final, waiting, starts once one of the tenant's
     final dumps in flight ends."""
-    async def estimate(r: CkptRequested) -> int:
-        return 0
-
     step = HeldDumps()
     w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
-               ahead=32, admission=CheckpointAdmission(tmp_path, estimate, rides=step.rides))
+               ahead=32, admission=CheckpointAdmission(tmp_path, zero_estimate, rides=step.rides))
     t = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
@@ -962,12 +946,9 @@ async def test_a_request_naming_another_namespaces_container_is_refused_at_once(
     namespace is dead-lettered as it arrives: it does not wait as that
     container's request while the container's own dump runs (filling the
     look-ahead for as long), nor take that namespace's turn."""
-    async def estimate(r: CkptRequested) -> int:
-        return 0
-
     step = HeldDumps()
     w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=2,
-               ahead=32, admission=CheckpointAdmission(tmp_path, estimate))
+               ahead=32, admission=CheckpointAdmission(tmp_path, zero_estimate))
     t = asyncio.create_task(w.run())
     evil = message_subject(pod_request(node, "x", "evil", "x", True))
     try:
@@ -1013,14 +994,11 @@ async def test_a_request_that_waited_through_agent_restarts_still_runs(
     stops, and JetStream counts each delivery, though it never ran. A busy
     node whose agent restarts max_deliver times must still run it (once),
     not answer it 'its worker died or stalled each time'."""
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     step = FinalsBlock()
 
     async def agent() -> tuple[Worker, asyncio.Task[None]]:
         w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
-                   admission=CheckpointAdmission(tmp_path, estimate))
+                   admission=CheckpointAdmission(tmp_path, zero_estimate))
         return w, asyncio.create_task(w.run())
 
     for i in range(bus.config.max_deliver):
@@ -1056,13 +1034,10 @@ async def test_a_request_published_twice_while_it_waits_runs_once_and_succeeds(
     after the dedupe window, or by hand without a message id) is a second
     message, not a redelivery: neither may be left without keepalives to spend
     its deliveries and be given up on while the other waits."""
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     bus.config.max_deliver = 2  # given up on within seconds if left without keepalives
     step = FinalsBlock()
     w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
-               admission=CheckpointAdmission(tmp_path, estimate))
+               admission=CheckpointAdmission(tmp_path, zero_estimate))
     t = asyncio.create_task(w.run())
     try:
         await asyncio.wait_for(w.idle.wait(), 10)
@@ -1087,16 +1062,13 @@ async def test_requests_waiting_across_nats_restarts_each_run_once(
     """NATS restarted (down past the ack wait, so every in_progress of the
     waiting requests and of the running step is lost) again and again while
     requests wait behind a running one: each still runs, once, and succeeds."""
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     srv = NatsServer(nats_server.binary, tmp_path / "nats").start()
     bus_config.max_deliver = 2
     bus = await Bus.connect(srv.url, name="test", config=bus_config)
     try:
         step = FinalsBlock()
         w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
-                   admission=CheckpointAdmission(tmp_path, estimate))
+                   admission=CheckpointAdmission(tmp_path, zero_estimate))
         t = asyncio.create_task(w.run())
         await asyncio.wait_for(w.idle.wait(), 10)
         await bus.publish(request(node, f"final-1-{node}", leave_running=False))
@@ -1167,9 +1139,6 @@ async def test_a_step_jetstream_gave_up_on_is_not_failed_while_its_worker_lives(
     async def no_beats(self: Worker, *a: Any) -> None:
         await asyncio.Event().wait()
 
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     async def lost(self: Any) -> None:
         pass
 
@@ -1181,7 +1150,7 @@ async def test_a_step_jetstream_gave_up_on_is_not_failed_while_its_worker_lives(
     step = FinalsBlock()
     # Fetched ahead (a busy node): its redeliveries are counted while it runs.
     w = Worker(bus, step, node, service="test", locks=node_locks(node), ahead=4,
-               admission=CheckpointAdmission(tmp_path, estimate))
+               admission=CheckpointAdmission(tmp_path, zero_estimate))
     t = asyncio.create_task(w.run())
     await asyncio.wait_for(w.idle.wait(), 10)
     rid = f"final-exhausted-{node}"

@@ -40,7 +40,7 @@ from smr.retry import NATS_TRANSIENT, retry_nats
 from tests import nats_auth
 from tests.helpers.steplocks import node_locks
 from tests.nats_cluster import NatsCluster
-from tests.test_bus import CountingStep, request, run_worker, stop, stored
+from tests.test_bus import CountingStep, request, run_worker, stop, stored, zero_estimate
 from tests.test_storage_service import NS, commit
 
 EVERY_STREAM = [s.name for s in topology.streams(BusConfig())] + [
@@ -348,13 +348,9 @@ async def test_requests_fetched_ahead_live_through_their_consumers_leader_dying(
     each runs once, each ckpt.done is recorded once."""
     bus = r3_bus
     node = f"node-{uuid.uuid4().hex[:8]}"
-
-    async def estimate(req: CkptRequested) -> int:
-        return 0
-
     step = HeldFinal()
     w = Worker(agent_bus, step, node, service="test", locks=node_locks(node), ahead=LOOK_AHEAD,
-               admission=CheckpointAdmission(tmp_path, estimate))
+               admission=CheckpointAdmission(tmp_path, zero_estimate))
     # Its consumers, as the watcher makes them (the agent's user may create none).
     await bus.make_node_consumers(node, {step.kind: w.concurrency + w.ahead})
     task = asyncio.create_task(w.run())

@@ -183,12 +183,13 @@ class Ahead:
         before it looks, and it then runs as any request of its job would."""
         if self.admission is None:
             return []
-        out = []
+        out, holding = [], self._holding()
         for w in sorted((w for w in self._waiting.values() if rides(self.admission, w.req)),
                         key=lambda w: w.key):
-            if w.job is not None and any(f.job == w.job and f.urgency == w.urgency
-                                         for f in self._flying.values()):
+            if (w.job, w.urgency) in holding:
                 continue
+            if w.job is not None:
+                holding.add((w.job, w.urgency))
             self._take(w)
             if w.estimating is not None:
                 w.estimating.cancel()  # it waits for no slot, and so for no room
@@ -197,6 +198,11 @@ class Ahead:
             self._last[w.share] = next(self._starts)
             out.append(w)
         return out
+
+    def _holding(self) -> set[tuple[Hashable, int]]:
+        """The jobs and urgencies in flight: a waiting request of one is held
+        (it would only wait for that job's lock)."""
+        return {(f.job, f.urgency) for f in self._flying.values() if f.job is not None}
 
     def landed(self, w: Waiting) -> None:
         """``w``, started, has ended: its slot, room and job are free."""
@@ -256,7 +262,7 @@ class Ahead:
         would only wait for that job's lock in a slot. (One look at each
         urgency and share's oldest not held: it is asked at each start, with
         up to 256 waiting.)"""
-        holding = {(f.job, f.urgency) for f in self._flying.values() if f.job is not None}
+        holding = self._holding()
         shares: dict[Hashable, list[int]] = {}  # share: the urgencies of it in flight
         for f in self._flying.values():
             shares.setdefault(f.share, []).append(f.urgency)
