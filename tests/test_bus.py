@@ -969,6 +969,64 @@ async def test_a_request_naming_another_namespaces_container_is_refused_at_once(
         await stop(w, t)
 
 
+class GateOnG:
+    """Pod g's dump runs until the gate opens; the others end at once."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.gate = asyncio.Event()
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        self.started.append(req.request_id)
+        if req.target.pod == "g":
+            await self.gate.wait()
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_a_final_published_after_the_stream_is_made_again_is_served_as_a_final(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """One slot. A leave-running dump (pod g) runs; another (pod h, stream
+    sequence 2) waits for the slot. The requests stream is lost and made
+    again (JetStream kept nothing). Two final requests follow: x (sequence
+    1, served at once) and y (sequence 2). Expected: y starts at once, as x
+    did (a final never waits for a leave-running slot). Found: y is taken
+    for h's redelivery (same sequence): it replaces h's message and waits
+    as h, a leave-running request, until g's dump ends; and h itself, which
+    the worker held in memory and would serve (and answer) from there, is
+    dropped: never started, never answered."""
+    step = GateOnG()
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
+               ahead=8, admission=CheckpointAdmission(tmp_path, zero_estimate))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        await bus.publish(pod_request(node, "rs-lr-g", "ns", "g", True))
+        await until(lambda: f"rs-lr-g-{node}" in step.started, "g did not start")
+        await bus.publish(pod_request(node, "rs-lr-h", "ns", "h", True))
+        await asyncio.sleep(1)  # h fetched, waiting for the slot
+        await bus.js.delete_stream(STREAM_REQUESTS)
+        await bus.ensure()
+        await bus.ensure_consumer("ckpt.requested", node, 1 + 8)
+        await bus.publish(pod_request(node, "rs-final-x", "ns", "x", False))
+        await until(lambda: f"rs-final-x-{node}" in step.started,
+                    "the worker did not come back to the new stream", t=20)
+        await bus.publish(pod_request(node, "rs-final-y", "ns", "y", False))
+        await until(lambda: f"rs-final-y-{node}" in step.started,
+                    "a final request waited behind a leave-running dump, as the request "
+                    "of its sequence in the lost stream")
+        step.gate.set()  # g ends: h (fetched before the stream was lost) is served next
+        await until(lambda: f"rs-lr-h-{node}" in step.started,
+                    "h, held by the worker, was never served")
+    finally:
+        step.gate.set()
+        await stop(w, t)
+
+
 class FinalsBlock:
     """Final requests run until the test releases them; the others at once."""
 

@@ -144,12 +144,13 @@ class Ahead:
         rid = getattr(req, "request_id", None)
         seq = getattr(getattr(m.metadata, "sequence", None), "stream", 0) or 0
         for w in self._waiting.values():
-            if seq and w.key[1] == seq:
+            if seq and w.key[1] == seq and w.msg.data == m.data:
                 # Delivered again while it waited (an in_progress lost): the
                 # newer delivery is the one to answer; its place stays. The
                 # same request_id in another message (published again) is a
                 # message of its own: dropped here, it would get no
-                # keepalives and be given up on while this one waits.
+                # keepalives and be given up on while this one waits. So is
+                # another request of that sequence (the stream made again).
                 w.msg = m
                 return
         urgency = -1 if req is None else \
@@ -183,9 +184,11 @@ class Ahead:
         before it looks, and it then runs as any request of its job would."""
         if self.admission is None:
             return []
-        out, holding = [], self._holding()
-        for w in sorted((w for w in self._waiting.values() if rides(self.admission, w.req)),
-                        key=lambda w: w.key):
+        out: list[Waiting] = []
+        riding = sorted((w for w in self._waiting.values() if rides(self.admission, w.req)),
+                        key=lambda w: w.key)
+        holding = self._holding() if riding else set()
+        for w in riding:
             if (w.job, w.urgency) in holding:
                 continue
             if w.job is not None:
