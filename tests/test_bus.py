@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 
 from services.checkpointer import takeover
 from services.checkpointer.admission import CheckpointAdmission
+from services.checkpointer.pod import PodCheckpointStep
 from smr.bus import (
     KV_JOBS,
     KV_LOCKS,
@@ -1022,6 +1023,89 @@ async def test_a_final_published_after_the_stream_is_made_again_is_served_as_a_f
         step.gate.set()  # g ends: h (fetched before the stream was lost) is served next
         await until(lambda: f"rs-lr-h-{node}" in step.started,
                     "h, held by the worker, was never served")
+    finally:
+        step.gate.set()
+        await stop(w, t)
+
+
+class StepsAside:
+    """The pod step's takeover, stand-in dumps: a leave-running dump spends
+    its pre-freeze time in phase ``before`` until the test ends it; a final request of
+    its container registered meanwhile makes it step aside (``taken-over``),
+    and dumps by itself until the test ends it. Riding is the agent's rule
+    (``PodCheckpointStep.rides``) on these flights."""
+
+    kind = "ckpt.requested"
+
+    def __init__(self) -> None:
+        self.flights = takeover.Flights()
+        self.before: set[str] = set()  # pods whose leave-running dump is pre-freeze
+        self.started: list[str] = []
+        self.finals_dumping = 0
+        self.most_finals = 0
+        self.gate = asyncio.Event()
+
+    def rides(self, req: CkptRequested) -> bool:
+        return PodCheckpointStep.rides(self, req)  # type: ignore[arg-type]
+
+    async def run(self, req: CkptRequested, progress: Progress) -> CkptDone:
+        pod, key = req.target.pod or "", takeover.key(req.target)
+        self.started.append(req.request_id.removesuffix("-" + req.node))
+        if req.leave_running:
+            flight = self.flights.begin(key, req, f"c-{pod}")
+            self.before.add(pod)
+            try:
+                while not self.gate.is_set():  # before its freeze until the test ends it
+                    takeover.make_way(self.flights, req)  # raises taken-over
+                    await asyncio.sleep(0.05)
+            finally:
+                self.before.discard(pod)
+                self.flights.end(key, flight, None)
+            return CkptDone.for_request(req, status="succeeded", generation=1)
+        with self.flights.final(key, req):
+            flight = self.flights.flight_for(key, req)
+            if flight is not None:
+                await takeover.wait(flight, req, progress)  # None: it dumps itself
+            self.finals_dumping += 1
+            self.most_finals = max(self.most_finals, self.finals_dumping)
+            try:
+                await self.gate.wait()
+            finally:
+                self.finals_dumping -= 1
+        return CkptDone.for_request(req, status="succeeded", generation=1)
+
+    async def recover(self, req: CkptRequested, state: dict[str, Any]) -> CkptDone | None:
+        return None
+
+
+async def test_a_final_whose_leave_running_dump_steps_aside_dumps_in_a_final_slot(
+        bus: Bus, node: str, tmp_path: Path) -> None:
+    """One slot (SMR_CHECKPOINTS_PER_NODE=1). A drain: pod a's final request
+    makes a's cordon dump step aside before its freeze and dumps in a slot;
+    pod b's final request, while a's final dump runs, waits for a slot: it
+    does not ride on b's cordon dump before its freeze (which would step
+    aside for it too) to dump beside a's outside every slot."""
+    step = StepsAside()
+    w = Worker(bus, step, node, service="test", locks=node_locks(node), concurrency=1,
+               ahead=32, admission=CheckpointAdmission(tmp_path, zero_estimate,
+                                                       rides=step.rides))
+    t = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(w.idle.wait(), 10)
+        for p in ("a", "b"):
+            await bus.publish(pod_request(node, f"aside-lr-{p}", "ns", p, True))
+        await until(lambda: "a" in step.before, "a's cordon dump did not start")
+        await bus.publish(pod_request(node, "aside-final-a", "ns", "a", False))
+        await until(lambda: step.finals_dumping == 1, "a's final did not dump")
+        await asyncio.sleep(0.5)  # b's cordon dump starts beside a's final one if a slot is free
+        await bus.publish(pod_request(node, "aside-final-b", "ns", "b", False))
+        await asyncio.sleep(1)
+        assert step.most_finals == 1, "two final dumps at once on a node of one final slot"
+        step.gate.set()
+        for p in ("a", "b"):
+            result = await bus.wait_result(f"aside-final-{p}-{node}", "ckpt.requested",
+                                           timeout=30)
+            assert result.status == "succeeded", (p, result.error)
     finally:
         step.gate.set()
         await stop(w, t)

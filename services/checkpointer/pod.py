@@ -85,10 +85,12 @@ class PodCheckpointStep(PodRecovery, PodStep):
 
     def rides(self, req: CkptRequested) -> bool:
         """A final request whose container's leave-running dump is in flight
-        here, not yet run on: it takes that dump over, and starts at once."""
+        here, frozen: it takes that dump over, and starts at once. (Before
+        the freeze, that dump steps aside for it and it dumps itself: in a
+        final slot, as any final dump.)"""
         flight = None if req.leave_running else \
             self.flights.flight_for(takeover.key(req.target), req)
-        return flight is not None and flight.phase in ("before", "frozen")
+        return flight is not None and flight.phase == "frozen"
 
     async def estimate(self, req: CkptRequested) -> int:
         """The bytes this request's dump will write: its workload's resident
